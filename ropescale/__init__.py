@@ -1,0 +1,15 @@
+"""ropescale — swap the rotary position embedding of a Hugging Face causal LM and measure
+how far past its training window it still models text."""
+
+from ropescale.models import load_model, save_patched
+from ropescale.patching import (
+    NoRotaryEmbeddingError, PatchHandle, current_patch, find_rotary_modules, patch, unpatch,
+)
+from ropescale.strategies import (
+    REGISTRY, RopeFrequencies, UnknownStrategyError, get_strategy, strategy_names,
+)
+
+__version__ = "0.1.0"
+__all__ = ["load_model", "save_patched", "NoRotaryEmbeddingError", "PatchHandle", "REGISTRY", "RopeFrequencies",
+           "UnknownStrategyError", "current_patch", "find_rotary_modules", "get_strategy",
+           "patch", "strategy_names", "unpatch", "__version__"]

@@ -1,0 +1,10 @@
+"""Rotary strategies and their registry. Importing this package registers them all."""
+
+from ropescale.strategies import frequency  # noqa: F401  (registers the strategies)
+from ropescale.strategies.registry import (
+    REGISTRY, Param, RopeFrequencies, Strategy, UnknownStrategyError, get_strategy, register,
+    strategy_names,
+)
+
+__all__ = ["REGISTRY", "Param", "RopeFrequencies", "Strategy", "UnknownStrategyError",
+           "get_strategy", "register", "strategy_names"]
