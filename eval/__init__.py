@@ -1,0 +1,1 @@
+"""ropescale's evaluation harness: data → windows → perplexity → sweep → reports."""

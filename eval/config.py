@@ -1,0 +1,189 @@
+"""Sweep configuration: YAML / flags → validated ``SweepConfig``.
+
+A strategy entry is a name (``yarn``), a name with parameters (``yarn:factor=4,beta_fast=16``)
+or a mapping (``{name: yarn, factor: 4, label: yarn-s4}``). Parameters the strategy fills
+automatically (``factor`` of linear/ntk/yarn) are set per length to max(1, L / L_train) when
+left out. Every error names the key: ``ConfigError: quickstart.yaml: strategies.2: ...``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ropescale.strategies import get_strategy
+from eval.data import DataSpec
+
+__all__ = ["ConfigError", "StrategySpec", "DataConfig", "SweepConfig", "build_config", "load_config",
+           "parse_strategy", "apply_overrides"]
+
+
+class ConfigError(ValueError):
+    """A sweep configuration is malformed; the message names the key."""
+
+
+class StrategySpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    params: dict[str, Any] = Field(default_factory=dict)
+    label: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "StrategySpec":
+        try:
+            strat = get_strategy(self.name)
+        except KeyError as e:  # unknown name: the message lists the known ones
+            raise ValueError(str(e)) from None
+        strat.validate(self.params, fill_auto={"scale": 1.0, "length": 1024})
+        return self
+
+    @property
+    def display(self) -> str:
+        if self.label:
+            return self.label
+        return self.name + (":" + ",".join(f"{k}={v}" for k, v in self.params.items()) if self.params else "")
+
+
+def parse_strategy(entry: Any) -> StrategySpec:
+    """``"yarn"``, ``"yarn:factor=4"`` or ``{"name": "yarn", "factor": 4}`` → ``StrategySpec``."""
+    if isinstance(entry, StrategySpec):
+        return entry
+    if isinstance(entry, str):
+        name, _, rest = entry.partition(":")
+        params = {}
+        for item in filter(None, rest.split(",")):
+            key, eq, value = item.partition("=")
+            if not eq:
+                raise ValueError(f"strategy {entry!r}: expected key=value, got {item!r}")
+            params[key.strip()] = yaml.safe_load(value)
+        return StrategySpec(name=name.strip(), params=params)
+    if isinstance(entry, dict):
+        entry = dict(entry)
+        if "name" not in entry:
+            raise ValueError(f"strategy entry {entry} has no 'name'")
+        name, label = entry.pop("name"), entry.pop("label", None)
+        params = entry.pop("params", {}) | entry
+        return StrategySpec(name=name, params=params, label=label)
+    raise ValueError(f"strategy entry must be a name or a mapping, got {entry!r}")
+
+
+class DataConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    source: str = "kjv-heldout"
+    config: str | None = None
+    split: str = "test"
+    text_column: str = "text"
+    max_documents: int | None = Field(None, ge=1)
+
+    def spec(self) -> DataSpec:
+        return DataSpec(**self.model_dump())
+
+
+class SweepConfig(BaseModel):
+    """One perplexity sweep: a model, data, lengths, strategies and how to cut windows."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str = "reference"
+    data: DataConfig = Field(default_factory=DataConfig)
+    lengths: list[int] = Field(min_length=1)
+    strategies: list[StrategySpec] = Field(min_length=1)
+    mode: Literal["chunk", "sliding"] = "chunk"
+    stride: int | None = Field(None, ge=1, description="sliding mode; default length // 2")
+    max_windows: int | None = Field(None, ge=1, description="cap on windows per length")
+    add_bos: bool = False
+    batch_size: int = Field(1, ge=1)
+    position_buckets: int = Field(16, ge=1)
+    original_max_position_embeddings: int | None = Field(None, ge=1)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "auto"
+    threads: int | None = Field(None, ge=1)
+    output: str | None = None
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _data(cls, v: Any) -> Any:
+        return {"source": v} if isinstance(v, str) else v
+
+    @field_validator("strategies", mode="before")
+    @classmethod
+    def _strategies(cls, v: Any) -> Any:
+        if not isinstance(v, list):
+            raise ValueError("must be a list of strategy names or mappings")
+        out = []
+        for i, entry in enumerate(v):
+            try:
+                out.append(parse_strategy(entry))
+            except ValidationError as e:
+                raise ValueError(f"entry {i} ({entry!r}): {e.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+            except (KeyError, ValueError) as e:
+                raise ValueError(f"entry {i} ({entry!r}): {e}") from None
+        return out
+
+    @field_validator("lengths")
+    @classmethod
+    def _lengths(cls, v: list[int]) -> list[int]:
+        if any(x < 2 for x in v):
+            raise ValueError("every length must be at least 2 tokens")
+        return sorted(set(v))
+
+    @model_validator(mode="after")
+    def _stride(self) -> "SweepConfig":
+        if self.stride and self.mode == "sliding" and self.stride > min(self.lengths):
+            raise ValueError(f"stride {self.stride} is longer than the shortest length {min(self.lengths)}")
+        return self
+
+
+def _explain(err: ValidationError, source: str) -> ConfigError:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(x) for x in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            field = str(e["loc"][-1])
+            known = SweepConfig.model_fields if len(e["loc"]) == 1 else DataConfig.model_fields
+            hint = difflib.get_close_matches(field, known, n=1)
+            msg = f"unknown key; allowed: {', '.join(known)}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+        lines.append(f"{source}: {key}: {msg}")
+    return ConfigError("\n".join(lines))
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """``["lengths=[128,256]", "data.max_documents=3"]`` applied to a raw config mapping."""
+    raw = dict(raw)
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"--set {item!r}: expected key=value")
+        node = raw
+        *parents, last = key.split(".")
+        for p in parents:
+            child = node.get(p)
+            node[p] = child = dict(child) if isinstance(child, dict) else ({"source": child} if p == "data" and isinstance(child, str) else {})
+            node = child
+        node[last] = yaml.safe_load(value)
+    return raw
+
+
+def build_config(raw: Any, source: str = "config") -> SweepConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a mapping of keys (model, data, lengths, strategies, ...)")
+    try:
+        return SweepConfig.model_validate(raw)
+    except ValidationError as e:
+        raise _explain(e, source) from None
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> SweepConfig:
+    """Read and validate a YAML sweep config. Raises ``ConfigError`` naming the bad key."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    return build_config(apply_overrides(raw or {}, list(overrides)), str(path))

@@ -1,0 +1,102 @@
+"""Where the evaluation text comes from, as a list of separate documents.
+
+Sources (``DataSpec.source``):
+    ``kjv-heldout`` / ``kjv-train`` — the bundled KJV splits (held-out books by default);
+    a local path — a ``.txt`` file (one document), a folder (one document per ``*.txt`` file,
+        sorted), a ``.jsonl``/``.json`` or ``.parquet`` file (one document per row);
+    anything else — a Hugging Face dataset id (``pg19``, ``wikitext`` with ``config``), read in
+        streaming mode so only ``max_documents`` rows are fetched.
+
+Raises ``DataError`` for a missing column, an empty source or a file type we do not read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from ropescale.reference import kjv
+
+__all__ = ["DataError", "DataSpec", "load_documents", "tokenize_documents", "KJV_SPLITS"]
+
+KJV_SPLITS = {"kjv-heldout": "heldout", "kjv-train": "train"}
+
+
+class DataError(ValueError):
+    """The evaluation data cannot be read or is unusable."""
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    source: str
+    config: str | None = None
+    split: str = "test"
+    text_column: str = "text"
+    max_documents: int | None = None
+
+    def describe(self) -> str:
+        """Short stable name for results files."""
+        if self.source in KJV_SPLITS or Path(self.source).exists():
+            base = self.source
+        else:
+            base = ":".join(x for x in (self.source, self.config, self.split) if x)
+        return base + (f"[:{self.max_documents}]" if self.max_documents else "")
+
+
+def _rows(rows: Iterable[dict], column: str, where: str) -> Iterable[str]:
+    for row in rows:
+        if column not in row:
+            raise DataError(f"{where}: no column {column!r}; columns: {', '.join(row)} "
+                            "(set data.text_column)")
+        yield row[column]
+
+
+def _documents(spec: DataSpec) -> Iterable[str]:
+    if spec.source in KJV_SPLITS:
+        return (text for _, text in kjv.split(KJV_SPLITS[spec.source]))
+    path = Path(spec.source)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*.txt") if p.is_file())
+        if not files:
+            raise DataError(f"{path}: folder has no *.txt files")
+        return (p.read_text(encoding="utf-8", errors="replace") for p in files)
+    if path.is_file():
+        suffix = path.suffix.lower()
+        if suffix in (".txt", ".md", ""):
+            return [path.read_text(encoding="utf-8", errors="replace")]
+        builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(suffix)
+        if builder is None:
+            raise DataError(f"{path}: cannot read {suffix} files; use .txt, a folder of .txt, "
+                            ".jsonl or .parquet")
+        import datasets
+        rows = datasets.load_dataset(builder, data_files=str(path), split="train")
+        return _rows(rows, spec.text_column, str(path))
+    import datasets
+    try:
+        rows = datasets.load_dataset(spec.source, spec.config, split=spec.split, streaming=True)
+    except Exception as e:  # the hub client raises many types; keep the message
+        raise DataError(f"cannot load dataset {spec.describe()!r}: it is not a bundled name "
+                        f"({', '.join(KJV_SPLITS)}), not a local path, and the hub said: {e}") from e
+    return _rows(rows, spec.text_column, spec.describe())
+
+
+def load_documents(spec: DataSpec) -> list[str]:
+    """The source's documents as strings (empty ones dropped), at most ``max_documents``."""
+    docs: list[str] = []
+    for text in _documents(spec):
+        if text and text.strip():
+            docs.append(text)
+        if spec.max_documents and len(docs) >= spec.max_documents:
+            break
+    if not docs:
+        raise DataError(f"{spec.describe()}: no non-empty documents")
+    return docs
+
+
+def tokenize_documents(tokenizer, docs: list[str]) -> list[torch.Tensor]:
+    """Each document's token ids ``[n_tokens]`` int64, without special tokens."""
+    enc = tokenizer(docs, add_special_tokens=False, verbose=False)["input_ids"]
+    return [torch.tensor(ids, dtype=torch.long) for ids in enc]

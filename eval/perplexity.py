@@ -1,0 +1,94 @@
+"""Score windows with a causal LM: summed next-token NLL, overall and by position bucket.
+
+Shapes: b = windows in a batch, n = tokens in a window, V = vocabulary.
+NLL is in nats; perplexity = exp(total NLL / scored tokens) (token-weighted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import groupby
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from eval.windows import Window
+
+__all__ = ["Score", "score_windows"]
+
+
+@dataclass
+class Score:
+    """Accumulated NLL. ``bucket_*`` index position buckets within the window."""
+
+    length: int
+    buckets: int
+    nll: float = 0.0
+    tokens: int = 0
+    bucket_nll: list[float] = field(default_factory=list)
+    bucket_tokens: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.bucket_nll = self.bucket_nll or [0.0] * self.buckets
+        self.bucket_tokens = self.bucket_tokens or [0] * self.buckets
+
+    @property
+    def mean_nll(self) -> float:
+        return self.nll / self.tokens
+
+    def by_position(self) -> list[dict]:
+        """Per bucket: window positions ``[start, end)``, mean NLL and token count."""
+        edges = [self.length * k // self.buckets for k in range(self.buckets + 1)]
+        return [{"start": edges[k], "end": edges[k + 1], "tokens": self.bucket_tokens[k],
+                 "nll": self.bucket_nll[k] / self.bucket_tokens[k] if self.bucket_tokens[k] else None}
+                for k in range(self.buckets)]
+
+
+def _batches(windows: list[Window], batch_size: int):
+    """Consecutive windows of equal size, at most ``batch_size`` at a time."""
+    for _, group in groupby(windows, key=lambda w: w.end - w.start):
+        group = list(group)
+        for i in range(0, len(group), batch_size):
+            yield group[i : i + batch_size]
+
+
+@torch.no_grad()
+def score_windows(model, docs: list[torch.Tensor], windows: list[Window], *, length: int,
+                  bos_token_id: int | None = None, batch_size: int = 1, buckets: int = 16,
+                  device: torch.device | str = "cpu", desc: str | None = None) -> Score:
+    """Sum next-token NLL over the scored tokens of ``windows``.
+
+    Args:
+        model: causal LM returning ``logits [b, n, V]``.
+        docs: token ids per document, ``[n_tokens]`` int64 each.
+        windows: from ``eval.windows``; token at window index j is predicted from indices < j.
+        length: nominal window length (sets the bucket edges: ``buckets`` equal parts of it).
+        bos_token_id: prepended to every window when given (windows must be cut with bos=True).
+        desc: progress-bar label; None disables the bar.
+    """
+    score = Score(length, buckets)
+    bucket_nll = torch.zeros(buckets, dtype=torch.float64)
+    bucket_tok = torch.zeros(buckets, dtype=torch.float64)
+    bar = tqdm(total=len(windows), desc=desc, disable=desc is None, leave=False, unit="win")
+    offset = int(bos_token_id is not None)
+    for batch in _batches(windows, batch_size):
+        ids = torch.stack([docs[w.doc][w.start : w.end] for w in batch])  # [b, n]
+        if offset:
+            ids = F.pad(ids, (1, 0), value=bos_token_id)
+        ids = ids.to(device)
+        logits = model(input_ids=ids, use_cache=False).logits  # [b, n, V]
+        nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(),
+                              reduction="none").view(len(batch), -1).cpu().double()  # [b, n-1]
+        target_pos = torch.arange(1, ids.shape[1])  # window index of each target
+        for row, w in zip(nll, batch):
+            keep = target_pos >= (w.score_from - w.start + offset)
+            bucket = (target_pos[keep] * buckets) // length
+            bucket_nll += torch.bincount(bucket, weights=row[keep], minlength=buckets)
+            bucket_tok += torch.bincount(bucket, minlength=buckets).double()
+        bar.update(len(batch))
+    bar.close()
+    score.bucket_nll = bucket_nll.tolist()
+    score.bucket_tokens = [int(t) for t in bucket_tok.tolist()]
+    score.nll, score.tokens = float(bucket_nll.sum()), int(bucket_tok.sum())
+    return score

@@ -1,0 +1,79 @@
+"""Cut documents into evaluation windows; every scored token is scored exactly once.
+
+A ``Window`` covers document tokens ``[start, end)`` and scores (predicts) the tokens
+``[score_from, end)``, each from all window tokens before it. With ``bos=True`` a BOS token is
+prepended to each window, so the window holds ``length − 1`` document tokens and even its first
+document token is scored.
+
+chunk: non-overlapping windows of exactly ``length`` tokens; a document's shorter remainder
+    is dropped.
+sliding: windows of up to ``length`` tokens advanced by ``stride``; each window scores only the
+    tokens the previous one did not (the method of the HF perplexity guide), so each token is
+    scored once with the most context the window allows.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ["Window", "WindowError", "chunk_windows", "sliding_windows", "make_windows", "cap_windows"]
+
+
+class WindowError(ValueError):
+    """The data is too short for the requested windows, or the settings are inconsistent."""
+
+
+class Window(NamedTuple):
+    doc: int
+    start: int
+    end: int
+    score_from: int
+
+
+def chunk_windows(doc_lengths: list[int], length: int, bos: bool = False) -> list[Window]:
+    n = length - int(bos)
+    first = 0 if bos else 1
+    return [Window(d, s, s + n, s + first)
+            for d, total in enumerate(doc_lengths) for s in range(0, total - n + 1, n)]
+
+
+def sliding_windows(doc_lengths: list[int], length: int, stride: int, bos: bool = False) -> list[Window]:
+    if not 0 < stride <= length - int(bos):
+        raise WindowError(f"stride must be between 1 and the window length; got stride={stride}, length={length}")
+    n = length - int(bos)
+    out = []
+    for d, total in enumerate(doc_lengths):
+        prev_end = 0 if bos else 1  # without BOS the first token has no context
+        for begin in range(0, total, stride):
+            end = min(begin + n, total)
+            if end > prev_end:
+                out.append(Window(d, begin, end, prev_end))
+            prev_end = end
+            if end == total:
+                break
+    return out
+
+
+def cap_windows(windows: list[Window], max_windows: int | None) -> list[Window]:
+    """At most ``max_windows`` windows, evenly spaced over the list (deterministic)."""
+    if not max_windows or len(windows) <= max_windows:
+        return windows
+    step = len(windows) / max_windows
+    return [windows[int(i * step)] for i in range(max_windows)]
+
+
+def make_windows(doc_lengths: list[int], length: int, mode: str = "chunk", stride: int | None = None,
+                 bos: bool = False, max_windows: int | None = None) -> list[Window]:
+    """Windows for one sweep length. Raises ``WindowError`` when no document is long enough."""
+    if mode == "chunk":
+        windows = chunk_windows(doc_lengths, length, bos)
+    elif mode == "sliding":
+        windows = sliding_windows(doc_lengths, length, stride or length // 2, bos)
+    else:
+        raise WindowError(f"unknown mode {mode!r}; choose 'chunk' or 'sliding'")
+    if not windows:
+        raise WindowError(
+            f"dataset too short for length {length}: the longest document has "
+            f"{max(doc_lengths, default=0)} tokens ({len(doc_lengths)} documents); "
+            "use shorter lengths or more/longer documents")
+    return cap_windows(windows, max_windows)
