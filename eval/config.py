@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ropescale.strategies import get_strategy
 from eval.data import DataSpec
 
-__all__ = ["ConfigError", "StrategySpec", "DataConfig", "SweepConfig", "build_config", "load_config",
+__all__ = ["ConfigError", "StrategySpec", "DataConfig", "SweepConfig", "build_config", "load_config", "read_yaml",
            "parse_strategy", "apply_overrides"]
 
 
@@ -177,8 +177,8 @@ def build_config(raw: Any, source: str = "config") -> SweepConfig:
         raise _explain(e, source) from None
 
 
-def load_config(path: str | Path, overrides: list[str] = ()) -> SweepConfig:
-    """Read and validate a YAML sweep config. Raises ``ConfigError`` naming the bad key."""
+def read_yaml(path: str | Path) -> dict:
+    """The raw mapping of a YAML config file. Raises ``ConfigError`` (missing, invalid, not a mapping)."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text())
@@ -186,4 +186,13 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> SweepConfig:
         raise ConfigError(f"{path}: no such file") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    return build_config(apply_overrides(raw or {}, list(overrides)), str(path))
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys (model, data, lengths, strategies, ...)")
+    return raw
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> SweepConfig:
+    """Read and validate a YAML sweep config. Raises ``ConfigError`` naming the bad key."""
+    return build_config(apply_overrides(read_yaml(path), list(overrides)), str(path))

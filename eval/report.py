@@ -107,6 +107,7 @@ def plot_position(records: list[dict], path: Path) -> None:
 def write_reports(records: list[dict], output: str | Path) -> dict[str, Path]:
     """Write CSV, Markdown and both plots into ``output``; returns their paths."""
     output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
     paths = {"csv": output / "results.csv", "md": output / "results.md",
              "plot": output / "ppl_vs_length.png", "position_plot": output / "nll_vs_position.png"}
     if not records:

@@ -107,12 +107,17 @@ def run_sweep(cfg: SweepConfig, output: str | Path, *, progress: bool = True) ->
         docs = tokenize_documents(tokenizer, load_documents(cfg.data.spec()))
         lengths = [len(d) for d in docs]
         env = environment()
-        windows_by_len = {}
-        with results_path.open("a") as sink:
+        # cut every length first: a too-short dataset fails before any work is done
+        windows_by_len = {length: make_windows(lengths, length, cfg.mode, cfg.stride, cfg.add_bos,
+                                               cfg.max_windows)
+                          for length in sorted({c[0] for c in todo})}
+        with results_path.open("a+") as sink:
+            sink.seek(0, 2)
+            if sink.tell():  # a run killed mid-write leaves a torn line: end it before appending
+                sink.seek(sink.tell() - 1)
+                if sink.read(1) != "\n":
+                    sink.write("\n")
             for length, spec, cid in todo:
-                if length not in windows_by_len:
-                    windows_by_len[length] = make_windows(lengths, length, cfg.mode, cfg.stride,
-                                                          cfg.add_bos, cfg.max_windows)
                 windows = windows_by_len[length]
                 strat = get_strategy(spec.name)
                 params = strat.validate(spec.params, fill_auto={"scale": max(1.0, length / train_len),

@@ -1,0 +1,139 @@
+"""ropescale command line: strategies, sweep, patch, plot.
+
+    ropescale strategies
+    ropescale sweep configs/quickstart.yaml [--set key=value ...] [--output DIR]
+    ropescale sweep --model reference --data kjv-heldout --strategy vanilla --strategy yarn \\
+        --lengths 128,256,512 --output runs/demo
+    ropescale patch --model reference --strategy yarn:factor=4 --output runs/yarn4
+    ropescale plot runs/demo/results.jsonl
+
+Works as ``python cli.py ...`` from a checkout and as ``ropescale ...`` once installed.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from ropescale.strategies import REGISTRY, UnknownStrategyError, strategy_names
+
+
+def _fail(err: Exception) -> None:
+    raise click.ClickException(str(err))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Swap the rotary position embedding of a Hugging Face causal LM and measure how far
+    past its training window it still models text."""
+
+
+@main.command()
+def strategies() -> None:
+    """List strategies, their parameters (with defaults) and sources."""
+    for name in strategy_names():
+        s = REGISTRY[name]
+        click.secho(name, bold=True, nl=False)
+        click.echo(f"  [{s.kind}{', dynamic' if s.dynamic else ''}]  {s.summary}")
+        for p in s.params:
+            default = ("required" if p.required else f"default {p.default}")
+            if p.auto:
+                default += "; sweep: " + ("L / L_train" if p.auto == "scale" else "L")
+            click.echo(f"    {p.name} ({p.kind.__name__}, {p.range_text()}; {default}) {p.help}")
+        click.echo(f"    source: {s.source}")
+
+
+def _lengths(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        return [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+
+
+@main.command()
+@click.argument("config", required=False, type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="override a config key (dots for nesting: data.max_documents=3)")
+@click.option("--output", "-o", type=click.Path(file_okay=False), help="results folder")
+@click.option("--model", help="bundled name (reference), local path or hub id")
+@click.option("--data", help="kjv-heldout, a local file/folder, or a hub dataset id")
+@click.option("--strategy", "strategy_specs", multiple=True, metavar="NAME[:k=v,...]",
+              help="repeatable; e.g. yarn:beta_fast=16")
+@click.option("--lengths", callback=_lengths, help="comma-separated window lengths, e.g. 128,256,512")
+@click.option("--mode", type=click.Choice(["chunk", "sliding"]))
+@click.option("--stride", type=int, help="sliding mode stride (default length // 2)")
+@click.option("--max-windows", type=int, help="cap on windows per length")
+@click.option("--batch-size", type=int)
+@click.option("--device", help="auto, cpu, cuda, cuda:1 ...")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]))
+@click.option("--quiet", "-q", is_flag=True, help="no progress output")
+def sweep(config, overrides, output, model, data, strategy_specs, lengths, mode, stride,
+          max_windows, batch_size, device, dtype, quiet) -> None:
+    """Perplexity of each strategy at each length; resumable; writes results.jsonl/csv/md and plots."""
+    from eval.config import ConfigError, apply_overrides, build_config, read_yaml
+    from eval.sweep import run_sweep
+
+    flags = {"model": model, "data": data, "lengths": lengths, "mode": mode, "stride": stride,
+             "max_windows": max_windows, "batch_size": batch_size, "device": device, "dtype": dtype,
+             "strategies": list(strategy_specs) or None}
+    try:
+        source = config or "flags"
+        raw = read_yaml(config) if config else {}
+        raw = {**raw, **{k: v for k, v in flags.items() if v is not None}}
+        cfg = build_config(apply_overrides(raw, list(overrides)), source)
+        out = output or cfg.output
+        if not out:
+            raise ConfigError(f"{source}: output: no results folder; give --output DIR or set output:")
+        records = run_sweep(cfg, out, progress=not quiet)
+    except (ConfigError, UnknownStrategyError, ValueError, FileNotFoundError) as e:
+        _fail(e)
+    from eval.report import markdown_table
+
+    click.echo(markdown_table(records))
+    click.echo(f"results in {out}/ (results.jsonl, results.csv, results.md, ppl_vs_length.png)")
+
+
+@main.command("patch")
+@click.option("--model", required=True, help="bundled name, local path or hub id")
+@click.option("--strategy", "strategy_spec", required=True, metavar="NAME[:k=v,...]")
+@click.option("--output", "-o", required=True, type=click.Path(file_okay=False))
+@click.option("--original-max-position-embeddings", type=int, help="training window override")
+def patch_cmd(model, strategy_spec, output, original_max_position_embeddings) -> None:
+    """Save a patched model that `ropescale` (load_model / sweep --model DIR) loads patched."""
+    import ropescale
+    from eval.config import parse_strategy
+
+    try:
+        spec = parse_strategy(strategy_spec)
+        m, tok = ropescale.load_model(model, device="cpu")
+        ropescale.unpatch(m)
+        ropescale.patch(m, spec.name, original_max_position_embeddings=original_max_position_embeddings,
+                        **spec.params)
+        path = ropescale.save_patched(m, tok, output)
+    except (UnknownStrategyError, ValueError, FileNotFoundError) as e:
+        _fail(e)
+    click.echo(f"saved {spec.display} patch of {model} to {path}")
+
+
+@main.command()
+@click.argument("results", type=click.Path(exists=True, dir_okay=False))
+@click.option("--output", "-o", type=click.Path(file_okay=False), help="default: beside RESULTS")
+def plot(results, output) -> None:
+    """Rebuild results.csv/md and the plots from a results.jsonl."""
+    from eval.report import write_reports
+    from eval.sweep import read_results
+
+    records = read_results(results)
+    if not records:
+        _fail(ValueError(f"{results}: no records"))
+    paths = write_reports(records, output or Path(results).parent)
+    for kind, p in paths.items():
+        click.echo(f"{kind}: {p}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+import copy
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+from ropescale.models import REFERENCE_MODEL  # noqa: E402
+
+
+def tiny_llama_config(**rope):
+    from transformers import LlamaConfig
+
+    rope_parameters = {"rope_type": "default", "rope_theta": 10000.0} | rope
+    return LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                       rope_parameters=rope_parameters)
+
+
+def build(config_cls_model, config, state_dict=None, seed=0):
+    """Model from a deep-copied config (models keep a reference to their config)."""
+    torch.manual_seed(seed)
+    model = config_cls_model(copy.deepcopy(config)).eval()
+    if state_dict is not None:
+        model.load_state_dict(state_dict)
+    return model
+
+
+@pytest.fixture
+def tiny_llama():
+    from transformers import LlamaForCausalLM
+
+    return build(LlamaForCausalLM, tiny_llama_config())
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A saved tiny random Llama with the bundled tokenizer (fast CLI/sweep tests)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(REFERENCE_MODEL)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, max_position_embeddings=32,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-model")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory):
+    from ropescale.reference import kjv
+
+    path = tmp_path_factory.mktemp("text") / "ruth.txt"
+    path.write_text(dict(kjv.split("heldout"))["Ruth"])
+    return path

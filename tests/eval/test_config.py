@@ -1,0 +1,65 @@
+import pytest
+
+from eval.config import ConfigError, build_config, load_config, parse_strategy
+
+
+def write(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_full_config_and_defaults(tmp_path):
+    cfg = load_config(write(tmp_path, """
+model: reference
+data: {source: kjv-heldout, max_documents: 3}
+lengths: [512, 128, 256, 128]
+strategies:
+  - vanilla
+  - yarn:beta_fast=16
+  - {name: linear, factor: 2, label: pi-2x}
+"""))
+    assert cfg.lengths == [128, 256, 512] and cfg.mode == "chunk" and cfg.data.max_documents == 3
+    assert [s.display for s in cfg.strategies] == ["vanilla", "yarn:beta_fast=16", "pi-2x"]
+    assert cfg.strategies[2].params == {"factor": 2}
+
+
+def test_overrides_with_dots(tmp_path):
+    p = write(tmp_path, "lengths: [128]\nstrategies: [vanilla]\ndata: kjv-heldout\n")
+    cfg = load_config(p, ["lengths=[64, 32]", "data.max_documents=2", "mode=sliding", "stride=16"])
+    assert cfg.lengths == [32, 64] and cfg.data.source == "kjv-heldout" and cfg.data.max_documents == 2
+    assert cfg.mode == "sliding" and cfg.stride == 16
+
+
+@pytest.mark.parametrize("text,match", [
+    ("lengths: [128\n", r"c.yaml: not valid YAML"),
+    ("- just a list\n", r"expected a mapping"),
+    ("lenghts: [128]\nstrategies: [vanilla]\n", r"lenghts: unknown key.*did you mean 'lengths'"),
+    ("lengths: [128]\nstrategies: [yarnn]\n", r"strategies: entry 0 \('yarnn'\): unknown strategy.*did you mean 'yarn'"),
+    ("lengths: [128]\nstrategies: ['yarn:factor=0.5']\n", r"strategies: entry 0.*factor=0.5 is out of range; allowed: >= 1"),
+    ("lengths: [128]\nstrategies: [{factor: 2}]\n", r"strategies: entry 0.*has no 'name'"),
+    ("lengths: []\nstrategies: [vanilla]\n", r"lengths: List should have at least 1 item"),
+    ("lengths: [1]\nstrategies: [vanilla]\n", r"lengths: .*at least 2 tokens"),
+    ("lengths: [128]\nstrategies: [vanilla]\nmode: window\n", r"mode: Input should be 'chunk' or 'sliding'"),
+    ("lengths: [128]\nstrategies: [vanilla]\ndata: {sorce: x}\n", r"data.sorce: unknown key.*did you mean 'source'"),
+    ("lengths: [64]\nstrategies: [vanilla]\nmode: sliding\nstride: 100\n", r"stride 100 is longer"),
+    ("strategies: [vanilla]\n", r"lengths: Field required"),
+])
+def test_malformed_configs_name_the_key(tmp_path, text, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(write(tmp_path, text))
+
+
+def test_missing_file_and_bad_override(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="expected key=value"):
+        load_config(write(tmp_path, "lengths: [128]\nstrategies: [vanilla]\n"), ["lengths"])
+
+
+def test_strategy_string_parsing():
+    s = parse_strategy("yarn:factor=4,beta_fast=16.5")
+    assert s.name == "yarn" and s.params == {"factor": 4, "beta_fast": 16.5}
+    with pytest.raises(ValueError, match="key=value"):
+        parse_strategy("yarn:factor")
+    assert build_config({"lengths": [8], "strategies": ["ntk"]}).strategies[0].params == {}

@@ -1,0 +1,74 @@
+import json
+import math
+
+import pytest
+
+from eval.config import build_config
+from eval.sweep import RESULTS, read_results, run_sweep
+from eval.windows import WindowError
+
+
+def config(model_dir, data, **kw):
+    return build_config({"model": str(model_dir), "data": str(data), "lengths": [32, 64],
+                         "strategies": ["vanilla", "yarn", "dynamic_ntk"], "max_windows": 6,
+                         "device": "cpu", **kw})
+
+
+def test_sweep_writes_every_cell_and_reports(tmp_path, tiny_model_dir, text_file):
+    records = run_sweep(config(tiny_model_dir, text_file), tmp_path, progress=False)
+    assert [(r["strategy"], r["length"]) for r in records] == [
+        ("vanilla", 32), ("yarn", 32), ("dynamic_ntk", 32), ("vanilla", 64), ("yarn", 64), ("dynamic_ntk", 64)]
+    for r in records:
+        for key in ("strategy", "params", "length", "ppl", "nll", "tokens", "mode", "model", "data", "env"):
+            assert key in r
+        assert math.isclose(r["ppl"], math.exp(r["nll"]))
+        assert r["env"]["torch"] and r["env"]["transformers"]
+    # the same tokens for every strategy at a length; factor filled as L / L_train
+    assert len({r["tokens"] for r in records if r["length"] == 64}) == 1
+    assert records[4]["params"]["factor"] == 2.0 and records[1]["params"]["factor"] == 1.0
+    assert records[2]["dynamic"].startswith("one scale per window")
+    # at L = L_train yarn (factor 1) and dynamic NTK are vanilla
+    assert records[2]["ppl"] == records[0]["ppl"]
+    assert math.isclose(records[1]["ppl"], records[0]["ppl"], rel_tol=1e-6)
+    assert records[3]["ppl"] != records[4]["ppl"]
+    for name in ("results.csv", "results.md", "ppl_vs_length.png", "nll_vs_position.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    md = (tmp_path / "results.md").read_text()
+    assert "| strategy | 32 (T) | 64 (2T) |" in md and "| yarn |" in md
+
+
+def test_rerun_resumes_and_skips_finished_cells(tmp_path, tiny_model_dir, text_file):
+    cfg = config(tiny_model_dir, text_file)
+    first = run_sweep(cfg, tmp_path, progress=False)
+    path = tmp_path / RESULTS
+    lines = path.read_text().splitlines()
+    assert len(lines) == 6
+    run_sweep(cfg, tmp_path, progress=False)
+    assert path.read_text().splitlines() == lines  # nothing recomputed
+    # simulate a run killed in the middle of writing the 5th cell
+    path.write_text("\n".join(lines[:4]) + "\n" + lines[4][:20])
+    again = run_sweep(cfg, tmp_path, progress=False)
+    recs = read_results(path)
+    assert len(recs) == 6  # 4 kept + 2 recomputed (torn line ignored)
+    assert [r["ppl"] for r in again] == [r["ppl"] for r in first]
+    # a different setting is a different cell
+    run_sweep(config(tiny_model_dir, text_file, max_windows=3), tmp_path, progress=False)
+    assert len(read_results(path)) == 12
+
+
+def test_sliding_mode_and_bos(tmp_path, tiny_model_dir, text_file):
+    cfg = config(tiny_model_dir, text_file, mode="sliding", stride=16, add_bos=True, lengths=[32],
+                 strategies=["vanilla"], max_windows=None)
+    (r,) = run_sweep(cfg, tmp_path, progress=False)
+    from transformers import AutoTokenizer
+
+    n = len(AutoTokenizer.from_pretrained(tiny_model_dir)(text_file.read_text(), add_special_tokens=False)["input_ids"])
+    assert r["tokens"] == n and r["stride"] == 16 and r["add_bos"]
+
+
+def test_dataset_too_short(tmp_path, tiny_model_dir):
+    short = tmp_path / "short.txt"
+    short.write_text("In the beginning God created the heaven and the earth.")
+    with pytest.raises(WindowError, match="dataset too short for length 32: the longest document has 11 tokens"):
+        run_sweep(config(tiny_model_dir, short), tmp_path / "out", progress=False)
+    assert not (tmp_path / "out" / "results.jsonl").exists()  # failed before any cell ran
