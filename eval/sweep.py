@@ -22,6 +22,7 @@ import torch
 
 import ropescale
 from ropescale.models import load_model, resolve_device
+from ropescale.patching import NoRotaryEmbeddingError, find_rotary_modules, patch, rope_context, unpatch
 from ropescale.strategies import get_strategy
 from eval.config import StrategySpec, SweepConfig
 from eval.data import load_documents, tokenize_documents
@@ -74,11 +75,61 @@ def environment() -> dict[str, Any]:
             "threads": torch.get_num_threads()}
 
 
+def _append_safely(path: Path):
+    """Open ``results.jsonl`` for appending; a torn last line (killed mid-write) is ended first."""
+    sink = path.open("a+")
+    sink.seek(0, 2)
+    if sink.tell():
+        sink.seek(sink.tell() - 1)
+        if sink.read(1) != "\n":
+            sink.write("\n")
+    return sink
+
+
+def _training_window(cfg: SweepConfig, model) -> int:
+    if cfg.original_max_position_embeddings:
+        return cfg.original_max_position_embeddings
+    rotary = find_rotary_modules(model)
+    if not rotary:
+        raise NoRotaryEmbeddingError(f"{cfg.model}: no rotary embedding (no `inv_freq` buffer) to sweep")
+    train_len = rope_context(model, rotary[0][1])["original_max_position_embeddings"]
+    if not train_len:
+        raise ValueError(f"{cfg.model}: config has no max_position_embeddings; "
+                         "set original_max_position_embeddings in the sweep config")
+    return train_len
+
+
+def _score_cell(cfg, model, docs, windows, spec: StrategySpec, length: int, train_len: int,
+                bos: int | None, device, progress: bool) -> dict:
+    """Patch, score, unpatch; the cell's record (without id and environment)."""
+    strat = get_strategy(spec.name)
+    params = strat.validate(spec.params, fill_auto={"scale": max(1.0, length / train_len),
+                                                    "length": float(length)})
+    t0 = time.perf_counter()
+    with patch(model, spec.name, original_max_position_embeddings=train_len, **params):
+        score = score_windows(model, docs, windows, length=length, bos_token_id=bos,
+                              batch_size=cfg.batch_size, buckets=cfg.position_buckets, device=device,
+                              desc=f"{spec.display} @ {length}" if progress else None)
+    seconds = time.perf_counter() - t0
+    return {
+        "strategy": spec.display, "name": spec.name, "params": params, "length": length,
+        "train_length": train_len, "ppl": math.exp(score.mean_nll), "nll": score.mean_nll,
+        "tokens": score.tokens, "windows": len(windows), "mode": cfg.mode,
+        "stride": (cfg.stride or length // 2) if cfg.mode == "sliding" else None,
+        "add_bos": cfg.add_bos, "model": cfg.model, "data": cfg.data.spec().describe(),
+        "dtype": cfg.dtype, "device": str(device),
+        "dynamic": "one scale per window (L = window length), as a single forward" if strat.dynamic else None,
+        "nll_by_position": score.by_position(), "seconds": round(seconds, 3),
+        "tokens_per_s": round(sum(w.end - w.start for w in windows) / seconds, 1),
+    }
+
+
 def run_sweep(cfg: SweepConfig, output: str | Path, *, progress: bool = True) -> list[dict]:
     """Run (or resume) the sweep; returns this sweep's records in (length, strategy) order.
 
-    Raises ``eval.data.DataError`` / ``eval.windows.WindowError`` for unusable data, and
-    ``ValueError`` for strategy parameters that fail at a given length.
+    Raises ``eval.data.DataError`` / ``eval.windows.WindowError`` for unusable data (before any
+    cell runs), ``NoRotaryEmbeddingError`` for a model without RoPE, and ``ValueError`` for
+    strategy parameters that fail at a given length.
     """
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
@@ -94,60 +145,27 @@ def run_sweep(cfg: SweepConfig, output: str | Path, *, progress: bool = True) ->
             torch.set_num_threads(cfg.threads)
         device = resolve_device(cfg.device)
         model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=str(device))
-        if ropescale.current_patch(model) is not None:
-            ropescale.unpatch(model)  # a saved patch would stack under the sweep's strategies
-        rotary = ropescale.find_rotary_modules(model)
-        if not rotary:
-            raise ropescale.NoRotaryEmbeddingError(f"{cfg.model}: no rotary embedding to sweep")
-        train_len = cfg.original_max_position_embeddings or ropescale.patching.rope_context(model, rotary[0][1])[
-            "original_max_position_embeddings"]
+        unpatch(model)  # a patch saved with the model would stack under the sweep's strategies
+        train_len = _training_window(cfg, model)
         bos = tokenizer.bos_token_id if cfg.add_bos else None
         if cfg.add_bos and bos is None:
             raise ValueError(f"add_bos is set but the tokenizer of {cfg.model} has no BOS token")
         docs = tokenize_documents(tokenizer, load_documents(cfg.data.spec()))
-        lengths = [len(d) for d in docs]
-        env = environment()
         # cut every length first: a too-short dataset fails before any work is done
-        windows_by_len = {length: make_windows(lengths, length, cfg.mode, cfg.stride, cfg.add_bos,
-                                               cfg.max_windows)
-                          for length in sorted({c[0] for c in todo})}
-        with results_path.open("a+") as sink:
-            sink.seek(0, 2)
-            if sink.tell():  # a run killed mid-write leaves a torn line: end it before appending
-                sink.seek(sink.tell() - 1)
-                if sink.read(1) != "\n":
-                    sink.write("\n")
+        windows = {length: make_windows([len(d) for d in docs], length, cfg.mode, cfg.stride,
+                                        cfg.add_bos, cfg.max_windows)
+                   for length in sorted({c[0] for c in todo})}
+        env = environment()
+        with _append_safely(results_path) as sink:
             for length, spec, cid in todo:
-                windows = windows_by_len[length]
-                strat = get_strategy(spec.name)
-                params = strat.validate(spec.params, fill_auto={"scale": max(1.0, length / train_len),
-                                                                "length": float(length)})
-                t0 = time.perf_counter()
-                with ropescale.patch(model, spec.name, original_max_position_embeddings=train_len, **params):
-                    score = score_windows(model, docs, windows, length=length, bos_token_id=bos,
-                                          batch_size=cfg.batch_size, buckets=cfg.position_buckets,
-                                          device=device,
-                                          desc=f"{spec.display} @ {length}" if progress else None)
-                seconds = time.perf_counter() - t0
-                record = {
-                    "cell": cid, "strategy": spec.display, "name": spec.name, "params": params,
-                    "length": length, "train_length": train_len, "ppl": math.exp(score.mean_nll),
-                    "nll": score.mean_nll, "tokens": score.tokens, "windows": len(windows),
-                    "mode": cfg.mode, "stride": (cfg.stride or length // 2) if cfg.mode == "sliding" else None,
-                    "add_bos": cfg.add_bos, "model": cfg.model, "data": cfg.data.spec().describe(),
-                    "dtype": cfg.dtype, "device": str(device),
-                    "dynamic": "one scale per window (L = window length), as a single forward"
-                    if strat.dynamic else None,
-                    "nll_by_position": score.by_position(), "seconds": round(seconds, 3),
-                    "tokens_per_s": round(sum(w.end - w.start for w in windows) / seconds, 1),
-                    "env": env,
-                }
+                record = {"cell": cid, **_score_cell(cfg, model, docs, windows[length], spec, length,
+                                                     train_len, bos, device, progress), "env": env}
                 sink.write(json.dumps(record) + "\n")
-                sink.flush()
+                sink.flush()  # written as it completes: a rerun resumes from here
                 done[cid] = record
                 if progress:
                     print(f"{spec.display:>24} @ {length:>6}: ppl {record['ppl']:8.3f} "
-                          f"({score.tokens} tokens, {seconds:.1f}s)", flush=True)
+                          f"({record['tokens']} tokens, {record['seconds']:.1f}s)", flush=True)
     records = [done[cid] for _, _, cid in cells]
     write_reports(records, output)
     return records

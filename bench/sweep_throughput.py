@@ -1,0 +1,66 @@
+"""Sweep throughput vs a bare ``model(input_ids)`` loop over the same windows, same run.
+
+    python bench/sweep_throughput.py [--model reference] [--lengths 128,1024,2048] [--windows 24]
+
+For each length: tokens/s of ``eval.perplexity.score_windows`` under a ``vanilla`` patch (what a
+sweep cell does: patched rotary module, NLL by position bucket) and of the baseline loop (plain
+forward, nothing else), interleaved over ``--repeats`` rounds; prints best-of ratios. Goal ≥ 0.9.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import ropescale  # noqa: E402
+from bench.common import machine  # noqa: E402
+from eval.data import DataSpec, load_documents, tokenize_documents  # noqa: E402
+from eval.perplexity import score_windows  # noqa: E402
+from eval.windows import make_windows  # noqa: E402
+
+
+@torch.no_grad()
+def bare_loop(model, docs, windows):
+    for w in windows:
+        model(input_ids=docs[w.doc][w.start : w.end][None]).logits.sum()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="reference")
+    ap.add_argument("--data", default="kjv-heldout")
+    ap.add_argument("--lengths", default="128,1024,2048")
+    ap.add_argument("--windows", type=int, default=24)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+
+    model, tok = ropescale.load_model(args.model, device="cpu")
+    docs = tokenize_documents(tok, load_documents(DataSpec(args.data)))
+    print(f"machine: {machine()}")
+    print(f"model: {args.model}; data: {args.data}; batch 1; best of {args.repeats}\n")
+    print(f"{'length':>7} {'windows':>7} {'bare tok/s':>11} {'sweep tok/s':>12} {'ratio':>6}")
+    for length in [int(x) for x in args.lengths.split(",")]:
+        windows = make_windows([len(d) for d in docs], length, max_windows=args.windows)
+        n_tok = len(windows) * length
+        best = {"bare": float("inf"), "sweep": float("inf")}
+        bare_loop(model, docs, windows[:2])  # warm-up
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            bare_loop(model, docs, windows)
+            best["bare"] = min(best["bare"], time.perf_counter() - t0)
+            with ropescale.patch(model, "vanilla"):
+                t0 = time.perf_counter()
+                score_windows(model, docs, windows, length=length)
+                best["sweep"] = min(best["sweep"], time.perf_counter() - t0)
+        bare, sweep = n_tok / best["bare"], n_tok / best["sweep"]
+        print(f"{length:>7} {len(windows):>7} {bare:>11.0f} {sweep:>12.0f} {sweep / bare:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()
