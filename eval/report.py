@@ -21,6 +21,11 @@ def _strategies(records: list[dict]) -> list[str]:
     return list(dict.fromkeys(r["strategy"] for r in records))
 
 
+def _style(i: int) -> dict:
+    """Distinct marker and dash per line, so strategies that coincide stay visible."""
+    return {"marker": "osD^vP*X"[i % 8], "ls": ["-", "--", "-.", ":"][i // 2 % 4], "ms": 5}
+
+
 def write_csv(records: list[dict], path: Path) -> None:
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
@@ -62,9 +67,9 @@ def _plt():
 def plot_ppl(records: list[dict], path: Path) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for s in _strategies(records):
+    for i, s in enumerate(_strategies(records)):
         pts = sorted((r["length"], r["ppl"]) for r in records if r["strategy"] == s)
-        ax.plot(*zip(*pts), marker="o", label=s)
+        ax.plot(*zip(*pts), label=s, **_style(i))
     train = records[0].get("train_length")
     if train:
         ax.axvline(train, color="grey", ls="--", lw=1)
@@ -85,15 +90,15 @@ def plot_position(records: list[dict], path: Path) -> None:
     plt = _plt()
     longest = max(r["length"] for r in records)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in records:
-        if r["length"] != longest:
-            continue
+    for i, r in enumerate(r for r in records if r["length"] == longest):
         pts = [((b["start"] + b["end"]) / 2, b["nll"]) for b in r["nll_by_position"] if b["nll"] is not None]
         if pts:
-            ax.plot(*zip(*pts), marker=".", label=r["strategy"])
+            ax.plot(*zip(*pts), label=r["strategy"], **_style(i))
     train = records[0].get("train_length")
     if train:
         ax.axvline(train, color="grey", ls="--", lw=1)
+        ax.annotate("training window", (train, 1), xycoords=("data", "axes fraction"),
+                    xytext=(4, -12), textcoords="offset points", fontsize=8, color="grey")
     ax.set_xlabel(f"position in window (window = {longest} tokens)")
     ax.set_ylabel("mean NLL (nats)")
     ax.set_title("loss by position", fontsize=10)
