@@ -1,4 +1,4 @@
-"""Frequency strategies: each returns new ``inv_freq`` (and an attention factor).
+"""Global frequency rules: every rotary pair rescaled or rebased the same way.
 
 Notation: d = rotary dim, b = ``rope_theta``, i = pair index 0 … d/2−1, s = ``factor``,
 L = current sequence length, L_train = ``original_max_position_embeddings``.
@@ -14,9 +14,9 @@ import torch
 
 from ropescale.strategies.registry import Param, RopeFrequencies, register
 
-__all__ = ["rope_inv_freq", "vanilla", "linear", "ntk", "dynamic_ntk", "yarn"]
+__all__ = ["FACTOR", "rope_inv_freq", "vanilla", "linear", "ntk", "dynamic_ntk", "pi_over_2n"]
 
-_FACTOR = Param("factor", kind=float, low=1.0, auto="scale",
+FACTOR = Param("factor", kind=float, low=1.0, auto="scale",
                 help="scale s (context extension ratio); a sweep uses L / L_train")
 
 
@@ -35,14 +35,14 @@ def vanilla(dim: int, rope_theta: float) -> RopeFrequencies:
     return RopeFrequencies(rope_inv_freq(dim, rope_theta), 1.0)
 
 
-@register("linear", params=(_FACTOR,),
+@register("linear", params=(FACTOR,),
           source="Chen et al. 2023, Position Interpolation, arXiv:2306.15595")
 def linear(dim: int, rope_theta: float, factor: float) -> RopeFrequencies:
     """Position interpolation: θ_i / s (positions squeezed by s into the trained range)."""
     return RopeFrequencies(rope_inv_freq(dim, rope_theta) / factor, 1.0)
 
 
-@register("ntk", params=(_FACTOR,),
+@register("ntk", params=(FACTOR,),
           source="bloc97 2023, NTK-aware scaled RoPE (reddit r/LocalLLaMA 14lz7j5)")
 def ntk(dim: int, rope_theta: float, factor: float) -> RopeFrequencies:
     """Static NTK-aware scaling: base b' = b · s^(d/(d−2)), then θ_i = b'^(−2i/d).
@@ -68,41 +68,18 @@ def dynamic_ntk(dim: int, rope_theta: float, original_max_position_embeddings: i
     return RopeFrequencies(rope_inv_freq(dim, rope_theta * alpha ** (dim / (dim - 2))), 1.0)
 
 
-def _yarn_check(p: dict) -> None:
-    if p["beta_fast"] <= p["beta_slow"]:
-        raise ValueError(f"yarn: beta_fast={p['beta_fast']} must be greater than beta_slow={p['beta_slow']}")
+@register("pi_over_2n", params=(
+    Param("n_max", kind=float, low=1.0, auto="length",
+          help="maximum sequence length the angles are budgeted for; a sweep uses L"),
+), source="He & Xu 2023, a linear-algebra derivation of RoPE (the π/(2·n_max) rule)")
+def pi_over_2n(dim: int, rope_theta: float, n_max: float) -> RopeFrequencies:
+    """θ_t = π/(2·n_max) · b^(−t/d), t = 0, 2, …, d−2: vanilla's ladder rescaled so that the
+    fastest pair turns by exactly π/2 over n_max tokens.
 
-
-@register("yarn", params=(
-    _FACTOR,
-    Param("beta_fast", 32.0, low=0.0, low_open=True,
-          help="pairs with more than beta_fast rotations in L_train are not interpolated"),
-    Param("beta_slow", 1.0, low=0.0, low_open=True,
-          help="pairs with fewer than beta_slow rotations in L_train are fully interpolated"),
-    Param("attention_factor", None, low=0.0, low_open=True,
-          help="override for the cos/sin scale; default 0.1·ln(s) + 1"),
-), check=_yarn_check, source="Peng et al. 2023, YaRN, arXiv:2309.00071 (github.com/jquesnelle/yarn)")
-def yarn(dim: int, rope_theta: float, original_max_position_embeddings: int, factor: float,
-         beta_fast: float, beta_slow: float, attention_factor: float | None) -> RopeFrequencies:
-    """YaRN: NTK-by-parts interpolation ramp plus attention temperature 0.1·ln(s) + 1.
-
-    Pair i makes r_i = L_train·θ_i / 2π rotations over the training window. With the
-    correction dim fcd(r) = d·ln(L_train / (2π·r)) / (2·ln b), low = ⌊fcd(beta_fast)⌋ and
-    high = ⌈fcd(beta_slow)⌉ clamped to [0, d−1], ramp_i = clamp((i − low)/(high − low), 0, 1)
-    and θ'_i = θ_i·(1 − ramp_i) + (θ_i/s)·ramp_i: fast pairs extrapolate, slow pairs
-    interpolate. cos and sin are multiplied by the attention factor (1 when s ≤ 1).
+    What it is for: every pair's rotation angle then grows monotonically with distance, up to
+    at most π/2 at n_max, so no two relative positions within n_max alias (no pair wraps past
+    π/2, where the cosine stops being monotone). The price is resolution: nearby positions
+    differ by tiny angles. (t runs over the even dimension indices, the ``arange(0, d, 2)``
+    convention of vanilla RoPE.)
     """
-    theta = rope_inv_freq(dim, rope_theta)
-
-    def fcd(rotations: float) -> float:
-        return dim * math.log(original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(rope_theta))
-
-    low = max(math.floor(fcd(beta_fast)), 0)
-    high = min(math.ceil(fcd(beta_slow)), dim - 1)
-    if low == high:
-        high += 0.001  # avoid a zero-width ramp (as the reference code does)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    inv_freq = (theta / factor) * ramp + theta * (1 - ramp)
-    if attention_factor is None:
-        attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
-    return RopeFrequencies(inv_freq, float(attention_factor))
+    return RopeFrequencies(rope_inv_freq(dim, rope_theta) * (math.pi / (2 * n_max)), 1.0)

@@ -91,6 +91,12 @@ class Param:
             if not isinstance(value, bool):
                 raise ValueError(f"{where} must be true or false")
             return value
+        if self.kind is list:  # a list of numbers, each within the range
+            if not isinstance(value, (list, tuple)) or not value:
+                raise ValueError(f"{where} must be a non-empty list of numbers")
+            item = Param(self.name, kind=float, low=self.low, high=self.high,
+                         low_open=self.low_open, high_open=self.high_open)
+            return [item.check(strategy, v) for v in value]
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{where} must be a number ({self.kind.__name__})")
         if self.kind is int:
@@ -127,7 +133,8 @@ class Strategy:
 
     @property
     def summary(self) -> str:
-        return (inspect.getdoc(self.fn) or "").split("\n")[0]
+        first = (inspect.getdoc(self.fn) or "").split("\n\n")[0]
+        return " ".join(first.replace("``", "").split())
 
     def param(self, name: str) -> Param:
         return next(p for p in self.params if p.name == name)

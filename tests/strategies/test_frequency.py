@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ropescale.strategies import get_strategy
-from ropescale.strategies.frequency import dynamic_ntk, linear, ntk, vanilla, yarn
+from ropescale.strategies.frequency import dynamic_ntk, linear, ntk, pi_over_2n, vanilla
 
 DIMS = [32, 64, 128]
 BASES = [10000.0, 500000.0]
@@ -67,55 +67,20 @@ def test_dynamic_ntk_factor_one_equals_static_ntk_at_ratio():
     assert torch.equal(dynamic_ntk(32, 1e4, 128, 1024, 1.0).inv_freq, ntk(32, 1e4, 8.0).inv_freq)
 
 
-def naive_yarn(d, b, T, s, beta_fast=32.0, beta_slow=1.0):
-    def fcd(r):
-        return d * math.log(T / (2 * math.pi * r)) / (2 * math.log(b))
-
-    low, high = max(math.floor(fcd(beta_fast)), 0), min(math.ceil(fcd(beta_slow)), d - 1)
-    if low == high:
-        high += 0.001
-    out = []
-    for i, t in enumerate(naive_theta(d, b)):
-        ramp = min(max((i - low) / (high - low), 0.0), 1.0)
-        out.append(t * (1 - ramp) + (t / s) * ramp)
-    return out, (0.1 * math.log(s) + 1 if s > 1 else 1.0), (low, high)
-
-
-@pytest.mark.parametrize("d,b,T", [(32, 1e4, 128), (128, 1e4, 4096), (64, 5e5, 2048)])
-@pytest.mark.parametrize("s", [1.0, 2.0, 8.0])
-@pytest.mark.parametrize("betas", [(32.0, 1.0), (16.0, 2.0)])
-def test_yarn_formula(d, b, T, s, betas):
-    inv_freq, att = yarn(d, b, T, s, *betas, None)
-    expected, expected_att, _ = naive_yarn(d, b, T, s, *betas)
-    close(inv_freq, expected, rtol=1e-5)
-    assert math.isclose(att, expected_att, rel_tol=1e-12)
-
-
-def test_yarn_llama2_correction_range_from_paper_setup():
-    # Llama-2 (d=128, b=1e4, L=4096), beta 32/1: dims below 20 extrapolate, from 46 interpolate
-    _, _, (low, high) = naive_yarn(128, 1e4, 4096, 4.0)
-    assert (low, high) == (20, 46)
-    inv_freq, _ = yarn(128, 1e4, 4096, 4.0, 32.0, 1.0, None)
-    theta = vanilla(128, 1e4).inv_freq
-    assert torch.equal(inv_freq[:21], theta[:21])  # ramp is 0 up to and including `low`
-    torch.testing.assert_close(inv_freq[46:], theta[46:] / 4.0, rtol=1e-6, atol=0)
-    assert (inv_freq[21:46] < theta[21:46]).all() and (inv_freq[21:46] > theta[21:46] / 4).all()
-
-
-def test_yarn_attention_factor_override():
-    assert yarn(32, 1e4, 128, 4.0, 32.0, 1.0, 1.5).attention_factor == 1.5
-
-
-def test_yarn_factor_one_is_vanilla():
-    f = yarn(64, 1e4, 128, 1.0, 32.0, 1.0, None)
-    # equal up to rounding of the ramp blend θ·(1 − r) + θ·r (transformers rounds the same way)
-    torch.testing.assert_close(f.inv_freq, vanilla(64, 1e4).inv_freq, rtol=1e-6, atol=0)
-    assert f.attention_factor == 1.0
-
-
 @pytest.mark.parametrize("name", ["linear", "ntk", "yarn"])
 def test_factor_is_filled_from_sweep_length(name):
     s = get_strategy(name)
     assert s.validate({}, fill_auto={"scale": 8.0})["factor"] == 8.0
     with pytest.raises(ValueError, match="factor is required"):
         s.validate({})
+
+
+@pytest.mark.parametrize("d", [32, 128])
+@pytest.mark.parametrize("n_max", [128.0, 4096.0])
+def test_pi_over_2n_formula_and_no_aliasing(d, n_max):
+    inv_freq, att = pi_over_2n(d, 1e4, n_max)
+    close(inv_freq, [math.pi / (2 * n_max) * 1e4 ** (-t / d) for t in range(0, d, 2)])
+    # every pair's angle at n_max is at most π/2 (the fastest exactly π/2): monotone in distance
+    angles = inv_freq.double() * n_max
+    assert math.isclose(angles[0].item(), math.pi / 2, rel_tol=1e-6) and (angles <= math.pi / 2 + 1e-6).all()
+    assert att == 1.0
