@@ -2,81 +2,192 @@
 
 transformers 5.x models hold one rotary module (``model.model.rotary_emb`` and kin) that the
 base model calls once per forward to build ``(cos, sin)`` for every layer. We find it
-generically — any submodule with an ``inv_freq`` buffer — and swap it for a
-``ScaledRotaryEmbedding`` driven by the strategy. The original module object is kept
-untouched and put back by ``unpatch``, so logits are restored bit for bit.
+generically — any submodule with an ``inv_freq`` buffer, or ``{layer_type}_inv_freq`` buffers
+for models with per-layer-type frequencies (Gemma 3) — and swap it for a
+``ScaledRotaryEmbedding`` driven by the strategy. The original module object is kept untouched
+and put back by ``unpatch``, so logits are restored bit for bit.
 
 Shapes: b = batch, s = sequence length, d = rotary dim (``2 · len(inv_freq)``, smaller than
-``head_dim`` for partial-rotary models, which we honour by reading d from the module).
+``head_dim`` for partial-rotary models, which we honour by reading d from the module),
+n_kv = key/value heads.
 
 Patch *after* ``from_pretrained``: loading recomputes ``inv_freq`` of rotary modules.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from ropescale.cache import rerotate_cache, watch_cache
 from ropescale.strategies import Strategy, get_strategy
 
 __all__ = ["NoRotaryEmbeddingError", "PatchHandle", "ScaledRotaryEmbedding", "patch", "unpatch",
-           "current_patch", "find_rotary_modules", "rope_context"]
+           "current_patch", "find_rotary_modules", "rope_context", "layer_types_of"]
 
 _HANDLE_ATTR = "_ropescale_patch"
+_SKIP = ("original", "long")  # `*_original_inv_freq`, `*_long_inv_freq` are bookkeeping buffers
 
 
 class NoRotaryEmbeddingError(ValueError):
     """The model has no rotary-embedding module that ropescale can patch."""
 
 
+def layer_types_of(module: nn.Module) -> list[str | None]:
+    """``[None]`` for a plain rotary module; the layer types of a per-type one (Gemma 3)."""
+    if "inv_freq" in module._buffers:
+        return [None]
+    return [name[: -len("_inv_freq")] for name in module._buffers
+            if name.endswith("_inv_freq") and not any(name.endswith(f"_{k}_inv_freq") or name == f"{k}_inv_freq"
+                                                      for k in _SKIP)]
+
+
+def find_rotary_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(qualified name, module)`` of every rotary module (``inv_freq`` or ``*_inv_freq`` buffers)."""
+    return [(n, m) for n, m in model.named_modules() if layer_types_of(m)]
+
+
+def _buffer(layer_type: str | None) -> str:
+    return "inv_freq" if layer_type is None else f"{layer_type}_inv_freq"
+
+
+def _config_of(model: nn.Module, module: nn.Module):
+    cfg = getattr(module, "config", None) or getattr(model, "config", None)
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def rope_context(model: nn.Module, module: nn.Module, layer_type: str | None = None) -> dict[str, Any]:
+    """``dim``, ``rope_theta`` and ``original_max_position_embeddings`` for a rotary module.
+
+    ``dim`` comes from the module's own ``inv_freq`` (so partial rotary is honoured);
+    ``rope_theta`` from ``config.rope_parameters`` (v5; nested per layer type for Gemma 3) or the
+    legacy ``config.rope_theta``; the training window from the rope parameters'
+    ``original_max_position_embeddings`` or ``config.max_position_embeddings``.
+    """
+    cfg = _config_of(model, module)
+    rp = getattr(cfg, "rope_parameters", None) or {}
+    if layer_type is not None and isinstance(rp.get(layer_type), dict):
+        rp = rp[layer_type]
+    theta = rp.get("rope_theta") if isinstance(rp, dict) else None
+    theta = theta if theta is not None else getattr(cfg, "rope_theta", None)
+    if theta is None:
+        raise NoRotaryEmbeddingError(
+            f"found a rotary module ({type(module).__name__}) but no rope_theta in the model's "
+            "config (looked in config.rope_parameters and config.rope_theta)")
+    orig = (rp.get("original_max_position_embeddings") if isinstance(rp, dict) else None) \
+        or getattr(cfg, "max_position_embeddings", None)
+    return {"dim": 2 * getattr(module, _buffer(layer_type)).numel(), "rope_theta": float(theta),
+            "original_max_position_embeddings": orig}
+
+
+@dataclass
+class _Entry:
+    """Frequencies of one layer type: from a strategy (maybe dynamic) or kept from the model."""
+
+    inv_freq: torch.Tensor
+    attention_scaling: float
+    strategy: Strategy | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    context: dict[str, Any] = field(default_factory=dict)
+    cached_len: int | None = None
+    block: int = 1
+
+    @property
+    def dynamic(self) -> bool:
+        return self.strategy is not None and self.strategy.dynamic
+
+    def _compute(self, seq_len: int) -> tuple[torch.Tensor, float]:
+        length = -(-seq_len // self.block) * self.block  # rounded up to whole blocks
+        inv_freq, scaling = self.strategy.compute({**self.context, "seq_len": length}, self.params)
+        return inv_freq.to(self.inv_freq.device), scaling
+
+    def would_change(self, seq_len: int) -> bool:
+        if not self.dynamic or seq_len == self.cached_len:
+            return False
+        inv_freq, scaling = self._compute(seq_len)
+        return scaling != self.attention_scaling or not torch.equal(inv_freq, self.inv_freq)
+
+    def update(self, seq_len: int) -> tuple[torch.Tensor, float] | None:
+        """Recompute for ``seq_len``; the previous ``(inv_freq, attention_scaling)`` if they changed."""
+        if seq_len == self.cached_len:
+            return None
+        old = (self.inv_freq, self.attention_scaling)
+        self.inv_freq, self.attention_scaling = self._compute(seq_len)
+        self.cached_len = seq_len
+        changed = self.attention_scaling != old[1] or not torch.equal(self.inv_freq, old[0])
+        return old if changed else None
+
+
 class ScaledRotaryEmbedding(nn.Module):
     """Drop-in rotary module: ``forward(x, position_ids, layer_type=None) -> (cos, sin)``.
 
-    Args:
-        strategy: a frequency strategy from the registry.
-        params: its validated parameters.
-        context: ``dim``, ``rope_theta``, ``original_max_position_embeddings``.
-        device: where ``inv_freq`` lives (the original module's buffer device).
-
     ``x`` only gives dtype and device; ``position_ids`` ``[b, s]`` int. Returns ``cos``, ``sin``
-    ``[b, s, d]`` in ``x.dtype`` built as ``cat(freqs, freqs)`` (the rotate-half layout of every
-    HF RoPE family) times the strategy's attention factor. Dynamic strategies recompute the
-    frequencies from ``L = max(position_ids) + 1`` on each forward: one scale for the whole
-    forward, as transformers' ``dynamic`` type does.
+    ``[b, s, d]`` built as ``cat(freqs, freqs)`` (the rotate-half layout of every HF RoPE family)
+    times the attention factor, in ``x.dtype`` (float32 where the original module kept float32,
+    as OLMo's does).
+
+    Dynamic strategies recompute the frequencies from ``L = max(position_ids) + 1`` (rounded up
+    to a multiple of ``dynamic_block``) on each forward: one scale for the whole forward, as
+    transformers' ``dynamic`` type does. Under a KV cache (``ropescale.cache``), ``dynamic_cache``
+    says what happens to cached tokens when the frequencies change: ``"recompute"`` re-runs the
+    prefix (exact: equals a full forward), ``"rerotate"`` only re-rotates cached keys (cheap;
+    exact in layer 0, deeper layers keep hidden states computed under the old scale).
     """
 
-    def __init__(self, strategy: Strategy, params: dict[str, Any], context: dict[str, Any],
-                 device: torch.device):
+    def __init__(self, entries: dict[str | None, _Entry], keep_float32: bool,
+                 layer_of_cache: list[str | None] | None, dynamic_cache: str = "recompute"):
         super().__init__()
-        self.strategy, self.params, self.context = strategy, params, dict(context)
-        start = {**self.context, "seq_len": self.context["original_max_position_embeddings"]}
-        inv_freq, self.attention_scaling = strategy.compute(start, params)
-        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
-        self._cached_len: int | None = None
+        self.entries = entries
+        self.keep_float32 = keep_float32
+        self.dynamic_cache = dynamic_cache
+        self.layer_of_cache = layer_of_cache  # layer type of each decoder layer (cache index)
+        for lt, e in entries.items():
+            self.register_buffer(_buffer(lt), e.inv_freq, persistent=False)
+        self.cache = None  # set for the duration of a forward by the base model's pre-hook
+        self._positions: torch.Tensor | None = None  # [b, s_cached] positions of cached keys
+        self.history = None  # (input_ids, position_ids) of the tokens in the cache (recompute mode)
+        self.n_new: int | None = None  # tokens of this forward when the prefix is being recomputed
 
-    def _update(self, position_ids: torch.Tensor) -> None:
-        seq_len = int(position_ids.max()) + 1
-        if seq_len != self._cached_len:
-            inv_freq, self.attention_scaling = self.strategy.compute(
-                {**self.context, "seq_len": seq_len}, self.params)
-            self.inv_freq = inv_freq.to(self.inv_freq.device)
-            self._cached_len = seq_len
+    def would_change(self, seq_len: int) -> bool:
+        return any(e.would_change(seq_len) for e in self.entries.values())
+
+    def _track(self, position_ids: torch.Tensor) -> torch.Tensor | None:
+        """Record positions of keys about to be cached; positions of those already cached."""
+        cached = self.cache.get_seq_length() if self.cache is not None else 0
+        if not cached or self._positions is None or self._positions.shape[0] != position_ids.shape[0]:
+            self._positions = position_ids.detach()
+            return None
+        before = self._positions
+        self._positions = torch.cat([before, position_ids.detach()], dim=-1)
+        return before
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None):
-        if self.strategy.dynamic:
-            self._update(position_ids)
-        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)  # [b, s, d/2]
+        entry = self.entries[layer_type]
+        if layer_type == next(iter(self.entries)):  # once per model forward
+            cached_positions = self._track(position_ids)
+            seq_len = int(position_ids.max()) + 1
+            for lt, e in self.entries.items():
+                if e.dynamic and (old := e.update(seq_len)) is not None:
+                    setattr(self, _buffer(lt), e.inv_freq)
+                    if cached_positions is not None and self.dynamic_cache == "rerotate":
+                        layers = [i for i, t in enumerate(self.layer_of_cache or []) if t == lt] \
+                            if lt is not None else None
+                        rerotate_cache(self.cache, cached_positions, old, (e.inv_freq, e.attention_scaling), layers)
+        freqs = position_ids[..., None].float() * entry.inv_freq.to(device=x.device, dtype=torch.float)  # [b, s, d/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [b, s, d]
-        cos = emb.cos() * self.attention_scaling
-        sin = emb.sin() * self.attention_scaling
+        cos = emb.cos() * entry.attention_scaling
+        sin = emb.sin() * entry.attention_scaling
+        if self.keep_float32:
+            return cos, sin
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
     def extra_repr(self) -> str:
-        return f"strategy={self.strategy.name}, params={self.params}, dim={self.context['dim']}"
+        return ", ".join(f"{lt or 'all'}: {e.strategy.name if e.strategy else 'kept'}" for lt, e in self.entries.items())
 
 
 @dataclass
@@ -87,13 +198,19 @@ class PatchHandle:
     strategy: str
     params: dict[str, Any]
     context: dict[str, Any]
+    layer_types: list[str | None] = field(default_factory=list)
+    options: dict[str, Any] = field(default_factory=dict)
     _swaps: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list, repr=False)
+    _hooks: list = field(default_factory=list, repr=False)
 
     @property
     def active(self) -> bool:
         return bool(self._swaps)
 
     def unpatch(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
         for parent, attr, original in reversed(self._swaps):
             setattr(parent, attr, original)
         self._swaps.clear()
@@ -102,8 +219,11 @@ class PatchHandle:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready record of the patch (how ``ropescale.save_patched`` stores it)."""
-        return {"strategy": self.strategy, "params": self.params,
-                "original_max_position_embeddings": self.context["original_max_position_embeddings"]}
+        out = {"strategy": self.strategy, "params": self.params,
+               "original_max_position_embeddings": self.context["original_max_position_embeddings"]}
+        if self.layer_types != [None]:
+            out["layer_types"] = self.layer_types
+        return out | self.options
 
     def __enter__(self) -> "PatchHandle":
         return self
@@ -112,62 +232,68 @@ class PatchHandle:
         self.unpatch()
 
 
-def find_rotary_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(qualified name, module)`` of every submodule holding an ``inv_freq`` buffer."""
-    return [(n, m) for n, m in model.named_modules() if "inv_freq" in m._buffers]
-
-
-def _config_of(model: nn.Module, module: nn.Module):
-    cfg = getattr(module, "config", None) or getattr(model, "config", None)
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-
-
-def rope_context(model: nn.Module, module: nn.Module) -> dict[str, Any]:
-    """``dim``, ``rope_theta`` and ``original_max_position_embeddings`` for a rotary module.
-
-    ``dim`` comes from the module's own ``inv_freq`` (so partial rotary is honoured);
-    ``rope_theta`` from ``config.rope_parameters`` (v5) or the legacy ``config.rope_theta``;
-    the training window from ``rope_parameters["original_max_position_embeddings"]`` or
-    ``config.max_position_embeddings``.
-    """
-    cfg = _config_of(model, module)
-    rp = getattr(cfg, "rope_parameters", None) or {}
-    theta = rp.get("rope_theta") if isinstance(rp, dict) else None
-    theta = theta if theta is not None else getattr(cfg, "rope_theta", None)
-    if theta is None:
-        raise NoRotaryEmbeddingError(
-            f"found a rotary module ({type(module).__name__}) but no rope_theta in the model's "
-            "config (looked in config.rope_parameters and config.rope_theta)")
-    orig = (rp.get("original_max_position_embeddings") if isinstance(rp, dict) else None) \
-        or getattr(cfg, "max_position_embeddings", None)
-    return {"dim": 2 * module.inv_freq.numel(), "rope_theta": float(theta),
-            "original_max_position_embeddings": orig}
-
-
 def current_patch(model: nn.Module) -> PatchHandle | None:
     """The active ``PatchHandle`` of ``model``, or None."""
     return getattr(model, _HANDLE_ATTR, None)
 
 
+def _keeps_float32(module: nn.Module, layer_type: str | None) -> bool:
+    """Does the original module return float32 cos/sin for a bf16 input? (probed on a copy)"""
+    probe = copy.deepcopy(module)
+    dev = getattr(probe, _buffer(layer_type)).device
+    x = torch.zeros(1, 1, 1, dtype=torch.bfloat16, device=dev)
+    pos = torch.zeros(1, 1, dtype=torch.long, device=dev)
+    with torch.no_grad():
+        cos, _ = probe(x, pos) if layer_type is None else probe(x, pos, layer_type)
+    return cos.dtype == torch.float32
+
+
+def _default_layer_types(model: nn.Module, module: nn.Module, available: list[str | None]) -> list[str | None]:
+    """All types, except sliding-window ones when the model mixes them with global attention:
+    a sliding layer never sees relative positions beyond its window, so it needs no scaling
+    (Gemma 3's own long-context configs scale only ``full_attention``)."""
+    if available == [None]:
+        return available
+    cfg = _config_of(model, module)
+    keep = [t for t in available if "sliding" not in t] if getattr(cfg, "sliding_window", None) else available
+    return keep or available
+
+
+DYNAMIC_CACHE_MODES = ("recompute", "rerotate")
+
+
 def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: int | None = None,
-          **params: Any) -> PatchHandle:
-    """Apply ``strategy`` to every rotary module of ``model`` in place.
+          layer_types: list[str] | None = None, dynamic_cache: str = "recompute",
+          dynamic_block: int = 1, **params: Any) -> PatchHandle:
+    """Apply ``strategy`` to the rotary embedding of ``model`` in place.
 
     Args:
         model: a loaded HF model with RoPE (any family whose rotary module has ``inv_freq``).
         strategy: registry name (``ropescale strategies`` lists them).
         original_max_position_embeddings: training window L_train [tokens]; default from config.
+        layer_types: for per-layer-type rotary modules (Gemma 3), which types to patch; default
+            all but sliding-window types. The others keep the model's own frequencies.
+        dynamic_cache: dynamic strategies under a KV cache: ``"recompute"`` (exact; re-runs the
+            cached prefix whenever the frequencies change) or ``"rerotate"`` (re-rotates cached
+            keys only; cheaper, approximate past layer 0). See ``ropescale.cache``.
+        dynamic_block: dynamic strategies take L rounded up to a multiple of this [tokens], so
+            the frequencies (and, with ``"recompute"``, the prefix) change once per block.
         **params: the strategy's parameters (validated).
 
     Returns a ``PatchHandle``; ``handle.unpatch()`` or ``with patch(...):`` restores the model.
 
     Raises:
         UnknownStrategyError: unknown ``strategy`` (message lists the known ones).
-        ValueError: bad parameter (names it and the allowed range); model already patched.
-        NoRotaryEmbeddingError: no module with an ``inv_freq`` buffer, or no ``rope_theta``.
+        ValueError: bad parameter (names it and the allowed range); unknown layer type; model
+            already patched.
+        NoRotaryEmbeddingError: no rotary module, or no ``rope_theta`` in the config.
     """
     strat = get_strategy(strategy)
     params = strat.validate(params)
+    if dynamic_cache not in DYNAMIC_CACHE_MODES:
+        raise ValueError(f"dynamic_cache={dynamic_cache!r}; choose one of {', '.join(DYNAMIC_CACHE_MODES)}")
+    if not isinstance(dynamic_block, int) or dynamic_block < 1:
+        raise ValueError(f"dynamic_block={dynamic_block!r} must be a whole number >= 1")
     if current_patch(model) is not None:
         raise ValueError(f"model is already patched with {current_patch(model).strategy!r}; "
                          "call unpatch() first")
@@ -175,22 +301,49 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
     if not found:
         raise NoRotaryEmbeddingError(
             f"{type(model).__name__} has no rotary embedding: no submodule holds an `inv_freq` "
-            "buffer (models with learned, ALiBi or sinusoidal positions cannot be patched)")
+            "(or `<layer_type>_inv_freq`) buffer; models with learned, ALiBi or sinusoidal "
+            "positions cannot be patched")
     modules = dict(model.named_modules())
     handle = PatchHandle(model, strategy, params, {})
-    for name, module in found:
-        context = rope_context(model, module)
-        if original_max_position_embeddings is not None:
-            context["original_max_position_embeddings"] = int(original_max_position_embeddings)
-        if context["original_max_position_embeddings"] is None and any(
-                k in strat.needs for k in ("original_max_position_embeddings", "seq_len")):
-            raise ValueError(f"{strategy} needs original_max_position_embeddings; the config has none")
-        parent_name, _, attr = name.rpartition(".")
-        parent = modules[parent_name]
-        replacement = ScaledRotaryEmbedding(strat, params, context, module.inv_freq.device)
-        setattr(parent, attr, replacement)
-        handle._swaps.append((parent, attr, module))
-        handle.context = context
+    try:
+        for name, module in found:
+            available = layer_types_of(module)
+            chosen = list(layer_types) if layer_types is not None else _default_layer_types(model, module, available)
+            unknown = [t for t in chosen if t not in available]
+            if unknown:
+                raise ValueError(f"layer_types {unknown} not in this model's rotary module; it has {available}")
+            entries = {}
+            for lt in available:
+                if lt not in chosen:  # kept as the model computes it
+                    entries[lt] = _Entry(getattr(module, _buffer(lt)).clone(),
+                                         getattr(module, f"{lt}_attention_scaling", 1.0))
+                    continue
+                context = rope_context(model, module, lt)
+                if original_max_position_embeddings is not None:
+                    context["original_max_position_embeddings"] = int(original_max_position_embeddings)
+                if context["original_max_position_embeddings"] is None and any(
+                        k in strat.needs for k in ("original_max_position_embeddings", "seq_len")):
+                    raise ValueError(f"{strategy} needs original_max_position_embeddings; the config has none")
+                start = {**context, "seq_len": context["original_max_position_embeddings"]}
+                inv_freq, scaling = strat.compute(start, params)
+                device = getattr(module, _buffer(lt)).device
+                entries[lt] = _Entry(inv_freq.to(device), scaling, strat, params, context,
+                                     start["seq_len"] if strat.dynamic else None, dynamic_block)
+                handle.context = context
+            cfg = _config_of(model, module)
+            replacement = ScaledRotaryEmbedding(entries, _keeps_float32(module, available[0]),
+                                                getattr(cfg, "layer_types", None), dynamic_cache)
+            parent_name, _, attr = name.rpartition(".")
+            parent = modules[parent_name]
+            setattr(parent, attr, replacement)
+            handle._swaps.append((parent, attr, module))
+            handle.layer_types = chosen
+            if strat.dynamic:
+                handle._hooks += watch_cache(parent, replacement)
+                handle.options = {"dynamic_cache": dynamic_cache, "dynamic_block": dynamic_block}
+    except Exception:
+        handle.unpatch()
+        raise
     setattr(model, _HANDLE_ATTR, handle)
     return handle
 

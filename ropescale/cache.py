@@ -1,0 +1,131 @@
+"""Bring keys already in a transformers KV cache to new rotary frequencies.
+
+Cached keys were stored *after* RoPE: the rotary part of key j is m_old · R(a_old) k_j with
+a = fl(p_j · θ) the float32 angle the rotary module computed, R the rotate-half rotation and m
+the attention factor. Rotations compose, so the key a full forward with the new frequencies
+would have computed is
+
+    m_new · R(a_new) k_j = (m_new / m_old) · R(a_new) R(−a_old) · cached_j,
+
+one elementwise rotation — no recomputation of keys. Its cos and sin are composed from
+cos/sin of the *same rounded angles* the forward uses (not from (θ_new − θ_old)·p, which rounds
+differently: at angles of ~100 rad that alone leaves ~1e-5 of disagreement), so re-rotated keys
+match a full forward to float32 rounding. Only the first d = 2·len(inv_freq) channels of each
+head rotate (partial rotary).
+
+That fixes where cached keys point, but not what they hold: in every layer after the first,
+keys and values come from hidden states that earlier layers computed with the *old* scale, so a
+per-step dynamic scale cannot be made exact by rotation alone (measured on a 2-layer Llama: keys
+of layer 0 within 6e-8 of a full forward, layer 1 off by 2e-5). ``watch_cache`` therefore
+offers the exact alternative: when the frequencies change, the cached prefix is recomputed.
+
+Shapes: b = batch, n_kv = key/value heads, s = cached length, h_d = head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["rotate_half", "rerotate_keys", "rerotate_cache", "watch_cache"]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rerotate_keys(keys: torch.Tensor, positions: torch.Tensor, old: tuple[torch.Tensor, float],
+                  new: tuple[torch.Tensor, float]) -> torch.Tensor:
+    """Keys ``[b, n_kv, s, h_d]`` rotated at ``positions`` ``[b, s]`` with ``old``
+    ``(inv_freq, attention_scaling)`` → as if rotated with ``new``. Returns a new tensor."""
+    old_freq, old_scale = old
+    new_freq, new_scale = new
+    d = 2 * new_freq.numel()
+    pos = positions.to(keys.device).float()[..., None]  # [b, s, 1]
+    a_new = pos * new_freq.to(keys.device).float()  # [b, s, d/2], as the rotary forward computes it
+    a_old = pos * old_freq.to(keys.device).float()
+    cos = a_new.cos() * a_old.cos() + a_new.sin() * a_old.sin()  # cos(a_new − a_old)
+    sin = a_new.sin() * a_old.cos() - a_new.cos() * a_old.sin()  # sin(a_new − a_old)
+    cos = torch.cat((cos, cos), dim=-1)[:, None]  # [b, 1, s, d]
+    sin = torch.cat((sin, sin), dim=-1)[:, None]
+    ratio = new_scale / old_scale
+    rot = keys[..., :d].float()
+    rot = (rot * cos + rotate_half(rot) * sin) * ratio
+    return torch.cat((rot.to(keys.dtype), keys[..., d:]), dim=-1)
+
+
+@torch.no_grad()
+def rerotate_cache(cache, positions: torch.Tensor, old: tuple[torch.Tensor, float],
+                   new: tuple[torch.Tensor, float], layers: list[int] | None = None) -> None:
+    """Re-rotate the keys of every (or the listed) cache layer in place.
+
+    ``positions`` ``[b, s_total]`` are the positions of all tokens cached so far; a layer that
+    keeps fewer (sliding window) holds the most recent ones.
+    """
+    for i, layer in enumerate(cache.layers):
+        if layers is not None and i not in layers:
+            continue
+        keys = getattr(layer, "keys", None)
+        if keys is None or keys.numel() == 0:
+            continue
+        n = keys.shape[-2]
+        layer.keys = rerotate_keys(keys, positions[:, -n:], old, new)
+
+
+def watch_cache(base_model, rotary) -> list:
+    """Forward hooks on ``base_model`` (the module that calls ``rotary``) for dynamic strategies.
+
+    The pre-hook hands ``rotary`` the KV cache of the forward and records the token ids and
+    positions the cache holds. In ``"recompute"`` mode, when the new tokens would change the
+    frequencies, it empties the cache in place and feeds the whole prefix plus the new tokens;
+    the post-hook then returns only the new tokens' hidden states, so the caller (``generate``)
+    sees an ordinary cached step whose logits equal a full forward.
+    Raises ``RuntimeError`` when a recompute is needed but the forward got ``inputs_embeds``.
+    """
+
+    def pre(_module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        rotary.cache = cache
+        if cache is None or rotary.dynamic_cache != "recompute":
+            return None
+        positional = kwargs.get("input_ids") is None and bool(args)
+        ids = args[0] if positional else kwargs.get("input_ids")
+        past = cache.get_seq_length()
+        if ids is None:
+            if past and rotary.history is not None:
+                raise RuntimeError("ropescale: exact dynamic decoding needs input_ids, not inputs_embeds; "
+                                   "patch with dynamic_cache='rerotate' to decode from embeddings")
+            return None
+        pos = kwargs.get("position_ids")
+        if pos is None:
+            pos = torch.arange(past, past + ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
+        if not past or rotary.history is None or rotary.history[0].shape[0] != ids.shape[0]:
+            rotary.history = (ids, pos)
+            return None
+        full_ids = torch.cat([rotary.history[0], ids], dim=1)
+        full_pos = torch.cat([rotary.history[1], pos], dim=1)
+        rotary.history = (full_ids, full_pos)
+        if not rotary.would_change(int(pos.max()) + 1):
+            return None
+        cache.reset()  # in place: the caller keeps its reference
+        rotary.n_new = ids.shape[1]
+        kwargs["position_ids"] = full_pos
+        if kwargs.get("cache_position") is not None:
+            kwargs["cache_position"] = torch.arange(full_ids.shape[1], device=ids.device)
+        if positional:
+            args = (full_ids, *args[1:])
+        else:
+            kwargs["input_ids"] = full_ids
+        return args, kwargs
+
+    def post(_module, args, kwargs, output):
+        rotary.cache = None
+        if rotary.n_new is not None:
+            n, rotary.n_new = rotary.n_new, None
+            output.last_hidden_state = output.last_hidden_state[:, -n:]
+            if getattr(output, "hidden_states", None) is not None:
+                output.hidden_states = tuple(h[:, -n:] for h in output.hidden_states)
+        return output
+
+    return [base_model.register_forward_pre_hook(pre, with_kwargs=True),
+            base_model.register_forward_hook(post, with_kwargs=True)]
