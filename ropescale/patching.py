@@ -66,7 +66,8 @@ def rope_context(model: nn.Module, module: nn.Module, layer_type: str | None = N
     ``dim`` comes from the module's own ``inv_freq`` (so partial rotary is honoured);
     ``rope_theta`` from ``config.rope_parameters`` (v5; nested per layer type for Gemma 3) or the
     legacy ``config.rope_theta``; the training window from the rope parameters'
-    ``original_max_position_embeddings`` or ``config.max_position_embeddings``.
+    ``original_max_position_embeddings``, the config's own (Phi-3 keeps it there), or
+    ``config.max_position_embeddings``.
     """
     cfg = _config_of(model, module)
     rp = getattr(cfg, "rope_parameters", None) or {}
@@ -79,6 +80,7 @@ def rope_context(model: nn.Module, module: nn.Module, layer_type: str | None = N
             f"found a rotary module ({type(module).__name__}) but no rope_theta in the model's "
             "config (looked in config.rope_parameters and config.rope_theta)")
     orig = (rp.get("original_max_position_embeddings") if isinstance(rp, dict) else None) \
+        or getattr(cfg, "original_max_position_embeddings", None) \
         or getattr(cfg, "max_position_embeddings", None)
     return {"dim": 2 * getattr(module, _buffer(layer_type)).numel(), "rope_theta": float(theta),
             "original_max_position_embeddings": orig}
@@ -126,9 +128,9 @@ class ScaledRotaryEmbedding(nn.Module):
     """Drop-in rotary module: ``forward(x, position_ids, layer_type=None) -> (cos, sin)``.
 
     ``x`` only gives dtype and device; ``position_ids`` ``[b, s]`` int. Returns ``cos``, ``sin``
-    ``[b, s, d]`` built as ``cat(freqs, freqs)`` (the rotate-half layout of every HF RoPE family)
-    times the attention factor, in ``x.dtype`` (float32 where the original module kept float32,
-    as OLMo's does).
+    ``[b, s, d]`` built as ``cat(freqs, freqs)`` (the rotate-half layout of the Llama lineage) or
+    interleaved pairs, whichever the original module produced, times the attention factor, in
+    ``x.dtype`` (float32 where the original module kept float32, as OLMo's does).
 
     Dynamic strategies recompute the frequencies from ``L = max(position_ids) + 1`` (rounded up
     to a multiple of ``dynamic_block``) on each forward: one scale for the whole forward, as
@@ -139,10 +141,12 @@ class ScaledRotaryEmbedding(nn.Module):
     """
 
     def __init__(self, entries: dict[str | None, _Entry], keep_float32: bool,
-                 layer_of_cache: list[str | None] | None, dynamic_cache: str = "recompute"):
+                 layer_of_cache: list[str | None] | None, dynamic_cache: str = "recompute",
+                 interleaved: bool = False):
         super().__init__()
         self.entries = entries
         self.keep_float32 = keep_float32
+        self.interleaved = interleaved
         self.dynamic_cache = dynamic_cache
         self.layer_of_cache = layer_of_cache  # layer type of each decoder layer (cache index)
         for lt, e in entries.items():
@@ -179,7 +183,10 @@ class ScaledRotaryEmbedding(nn.Module):
                             if lt is not None else None
                         rerotate_cache(self.cache, cached_positions, old, (e.inv_freq, e.attention_scaling), layers)
         freqs = position_ids[..., None].float() * entry.inv_freq.to(device=x.device, dtype=torch.float)  # [b, s, d/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [b, s, d]
+        if self.interleaved:
+            emb = freqs.repeat_interleave(2, dim=-1)  # [b, s, d]: θ0 θ0 θ1 θ1 …
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)  # [b, s, d]: θ0 θ1 … θ0 θ1 …
         cos = emb.cos() * entry.attention_scaling
         sin = emb.sin() * entry.attention_scaling
         if self.keep_float32:
@@ -237,15 +244,32 @@ def current_patch(model: nn.Module) -> PatchHandle | None:
     return getattr(model, _HANDLE_ATTR, None)
 
 
-def _keeps_float32(module: nn.Module, layer_type: str | None) -> bool:
-    """Does the original module return float32 cos/sin for a bf16 input? (probed on a copy)"""
+def _probe(module: nn.Module, layer_type: str | None) -> tuple[bool, bool]:
+    """How the original module lays out its output, learned by calling a copy of it.
+
+    Returns ``(keeps_float32, interleaved)``: whether cos/sin stay float32 for a bf16 input
+    (OLMo) and whether frequencies are interleaved (θ0 θ0 θ1 θ1 …, Cohere/GLM style) rather than
+    split in halves (θ0 θ1 … θ0 θ1 …, every family of the Llama lineage). Raises
+    ``NoRotaryEmbeddingError`` for any other layout.
+    """
     probe = copy.deepcopy(module)
     dev = getattr(probe, _buffer(layer_type)).device
-    x = torch.zeros(1, 1, 1, dtype=torch.bfloat16, device=dev)
-    pos = torch.zeros(1, 1, dtype=torch.long, device=dev)
-    with torch.no_grad():
-        cos, _ = probe(x, pos) if layer_type is None else probe(x, pos, layer_type)
-    return cos.dtype == torch.float32
+    pos = torch.arange(1, 9, device=dev)[None]  # [1, 8]
+
+    def call(dtype):
+        x = torch.zeros(1, 8, 1, dtype=dtype, device=dev)
+        with torch.no_grad():
+            return (probe(x, pos) if layer_type is None else probe(x, pos, layer_type))[0]
+
+    keeps_float32 = call(torch.bfloat16).dtype == torch.float32
+    cos = call(torch.float32)[0].float()  # [8, d]
+    half = cos.shape[-1] // 2
+    if half == 1 or torch.equal(cos[:, :half], cos[:, half:]):
+        return keeps_float32, False
+    if torch.equal(cos[:, 0::2], cos[:, 1::2]):
+        return keeps_float32, True
+    raise NoRotaryEmbeddingError(f"{type(module).__name__} returns cos/sin in a layout ropescale does "
+                                 "not recognise (neither halves nor interleaved pairs)")
 
 
 def _default_layer_types(model: nn.Module, module: nn.Module, available: list[str | None]) -> list[str | None]:
@@ -331,8 +355,12 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
                                      start["seq_len"] if strat.dynamic else None, dynamic_block)
                 handle.context = context
             cfg = _config_of(model, module)
-            replacement = ScaledRotaryEmbedding(entries, _keeps_float32(module, available[0]),
-                                                getattr(cfg, "layer_types", None), dynamic_cache)
+            keeps_float32, interleaved = _probe(module, available[0])
+            if interleaved and strat.dynamic and dynamic_cache == "rerotate":
+                raise ValueError("dynamic_cache='rerotate' supports the rotate-half layout only; "
+                                 f"{type(module).__name__} interleaves: use 'recompute'")
+            replacement = ScaledRotaryEmbedding(entries, keeps_float32, getattr(cfg, "layer_types", None),
+                                                dynamic_cache, interleaved)
             parent_name, _, attr = name.rpartition(".")
             parent = modules[parent_name]
             setattr(parent, attr, replacement)
