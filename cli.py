@@ -103,7 +103,8 @@ def sweep(config, overrides, output, model, data, strategy_specs, lengths, mode,
 @click.option("--output", "-o", required=True, type=click.Path(file_okay=False))
 @click.option("--original-max-position-embeddings", type=int, help="training window override")
 def patch_cmd(model, strategy_spec, output, original_max_position_embeddings) -> None:
-    """Save a patched model that `ropescale` (load_model / sweep --model DIR) loads patched."""
+    """Save a patched model. Strategies transformers implements are written into config.json
+    (plain from_pretrained reproduces them); others need ropescale.load_model."""
     import ropescale
     from eval.config import parse_strategy
 
@@ -116,7 +117,13 @@ def patch_cmd(model, strategy_spec, output, original_max_position_embeddings) ->
         path = ropescale.save_patched(m, tok, output)
     except (UnknownStrategyError, ValueError, FileNotFoundError) as e:
         _fail(e)
+    import json
+
+    native = json.loads((path / "ropescale.json").read_text())["native"]
     click.echo(f"saved {spec.display} patch of {model} to {path}")
+    click.echo("plain transformers (AutoModelForCausalLM.from_pretrained) reproduces it" if native else
+               "transformers cannot express this strategy: load it with ropescale.load_model "
+               "(plain from_pretrained refuses it rather than run vanilla RoPE)")
 
 
 @main.command()

@@ -1,9 +1,10 @@
 """Load models by short name, path or hub id; save and reload patched models.
 
 ``reference`` (alias ``kjv-llama``) is the bundled KJV Llama (``ropescale/reference/kjv-llama``).
-A directory written by ``save_patched`` holds the plain HF files plus ``ropescale.json``;
-``load_model`` re-applies that patch after loading (patching must follow ``from_pretrained``,
-which recomputes ``inv_freq``).
+A directory written by ``save_patched`` holds the HF files, with the patch expressed in
+``config.json`` where transformers can (``ropescale.export``), plus ``ropescale.json`` recording the
+patch and the model's original rope parameters; ``load_model`` rebuilds the original model and
+re-applies the patch (patching must follow ``from_pretrained``, which recomputes ``inv_freq``).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "auto
     Raises ``ValueError`` for an unknown ``dtype`` and whatever ``from_pretrained`` raises for an
     unknown id (hub access needs network; offline, only local paths and the bundled model work).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} unknown; choose one of {', '.join(_DTYPES)}")
@@ -58,30 +59,45 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "auto
     kwargs = {"dtype": _DTYPES[dtype]}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
+    saved = Path(path) / PATCH_FILE
+    record = json.loads(saved.read_text()) if saved.is_file() else None
+    if record and "base_rope_parameters" in record:  # undo the export: ropescale re-applies the patch
+        config = AutoConfig.from_pretrained(path)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text.rope_parameters = record["base_rope_parameters"]
+        kwargs["config"] = config
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(resolve_device(device)).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    saved = Path(path) / PATCH_FILE
-    if saved.is_file():
-        record = json.loads(saved.read_text())
+    if record:
         patch(model, record["strategy"],
               original_max_position_embeddings=record.get("original_max_position_embeddings"),
+              layer_types=record.get("layer_types"),
+              **{k: record[k] for k in ("dynamic_cache", "dynamic_block") if k in record},
               **record.get("params", {}))
     return model, tokenizer
 
 
 def save_patched(model, tokenizer, output: str | Path) -> Path:
-    """Write the model (HF format) plus ``ropescale.json`` recording its active patch.
+    """Write the patched model: HF files with the patch in ``config.json`` plus ``ropescale.json``.
 
-    ``ropescale.load_model(output)`` restores the patched model. Plain transformers loading
-    of the directory gives the *unpatched* model (export to native ``rope_parameters`` is not
-    done here). Raises ``ValueError`` when the model carries no patch.
+    Where transformers can express the strategy, plain ``AutoModelForCausalLM.from_pretrained``
+    of ``output`` gives the same logits; otherwise it fails with a ``KeyError`` naming
+    ``ropescale.load_model`` rather than running vanilla RoPE. ``ropescale.load_model(output)``
+    always restores the patched model. ``ropescale.json`` has ``native`` (which case applies).
+    Raises ``ValueError`` when the model carries no patch.
     """
     handle: PatchHandle | None = current_patch(model)
     if handle is None:
         raise ValueError("model is not patched; call ropescale.patch(model, ...) first")
+    from ropescale.export import exported_config
+
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(output)
     tokenizer.save_pretrained(output)
-    (output / PATCH_FILE).write_text(json.dumps(handle.to_dict(), indent=1) + "\n")
+    config, native = exported_config(model, handle)
+    config.save_pretrained(output)
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    record = handle.to_dict() | {"native": native, "base_rope_parameters": text.rope_parameters}
+    (output / PATCH_FILE).write_text(json.dumps(record, indent=1) + "\n")
     return output

@@ -214,6 +214,10 @@ class PatchHandle:
     def active(self) -> bool:
         return bool(self._swaps)
 
+    @property
+    def strategy_obj(self) -> Strategy:
+        return get_strategy(self.strategy)
+
     def unpatch(self) -> None:
         for h in self._hooks:
             h.remove()

@@ -1,0 +1,105 @@
+"""save_patched → plain transformers reproduces what it can express and refuses the rest."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+import ropescale
+from tests.conftest import build, tiny_llama_config
+from tests.families import family_model
+
+IDS = torch.randint(0, 256, (1, 100), generator=torch.Generator().manual_seed(3))
+N = 8  # rotary pairs of the tiny Llama (head_dim 16)
+
+NATIVE = [
+    ("vanilla", {}),
+    ("ntk", {"factor": 4.0}),
+    ("linear", {"factor": 3.0}),
+    ("dynamic_ntk", {"factor": 2.0}),
+    ("yarn", {"factor": 4.0, "beta_fast": 16.0}),
+    ("llama3", {"factor": 8.0}),
+    ("longrope", {"short_factor": [1.0] * N, "long_factor": [1.0 + i for i in range(N)], "factor": 4.0}),
+]
+
+
+class _Tok:  # stand-in tokenizer: save_patched only calls save_pretrained
+    def save_pretrained(self, path):
+        pass
+
+
+@torch.no_grad()
+def saved_logits(model, strategy, params, path, **kw):
+    with ropescale.patch(model, strategy, **kw, **params):
+        expected = model(IDS).logits
+        ropescale.save_patched(model, _Tok(), path)
+    return expected
+
+
+@pytest.mark.parametrize("strategy,params", NATIVE, ids=[s for s, _ in NATIVE])
+def test_plain_transformers_reproduces_native_strategies(tmp_path, tiny_llama, strategy, params):
+    kw = {"original_max_position_embeddings": 16} if strategy == "llama3" else {}
+    expected = saved_logits(tiny_llama, strategy, params, tmp_path, **kw)
+    assert json.loads((tmp_path / "ropescale.json").read_text())["native"] is True
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(IDS).logits, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family,strategy,params", [
+    ("gpt_neox", "ntk", {"factor": 4.0}),      # partial rotary: d = rotary dim in b·s^(d/(d−2))
+    ("gemma3", "yarn", {"factor": 4.0}),       # nested per-layer-type rope parameters
+])
+def test_native_export_other_families(tmp_path, family, strategy, params):
+    model = family_model(family)
+    expected = saved_logits(model, strategy, params, tmp_path)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(IDS).logits, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy,params", [
+    ("base_truncation", {"truncation_length": 32.0}), ("pi_over_2n", {"n_max": 128.0}),
+    ("ntk_by_parts", {"factor": 4.0}), ("dynamic_yarn", {}),
+])
+def test_other_strategies_refuse_plain_loading_and_reload_with_ropescale(tmp_path, tiny_llama, strategy, params):
+    expected = saved_logits(tiny_llama, strategy, params, tmp_path)
+    assert json.loads((tmp_path / "ropescale.json").read_text())["native"] is False
+    with pytest.raises(KeyError, match="ropescale.load_model"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_reload_with_ropescale_restores_patch_exactly(tmp_path, tiny_model_dir):
+    for strategy, params in [("base_truncation", {"truncation_length": 16.0}), ("ntk", {"factor": 2.0})]:
+        model, tok = ropescale.load_model(str(tiny_model_dir), device="cpu")
+        with torch.no_grad(), ropescale.patch(model, strategy, **params):
+            expected = model(IDS % 100).logits
+            ropescale.save_patched(model, tok, tmp_path / strategy)
+        loaded, _ = ropescale.load_model(str(tmp_path / strategy), device="cpu")
+        assert ropescale.current_patch(loaded).strategy == strategy
+        assert loaded.config.rope_parameters["rope_type"] == "default"  # original config rebuilt
+        with torch.no_grad():
+            assert torch.equal(loaded(IDS % 100).logits, expected)
+
+
+def test_dynamic_ntk_with_a_different_training_window_is_not_native(tmp_path, tiny_llama):
+    saved_logits(tiny_llama, "dynamic_ntk", {}, tmp_path, original_max_position_embeddings=32)
+    assert json.loads((tmp_path / "ropescale.json").read_text())["native"] is False
+
+
+def test_legacy_rope_scaling_and_rope_theta_keys_are_read(tmp_path):
+    model = build(LlamaForCausalLM, tiny_llama_config())
+    model.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.pop("rope_parameters")
+    cfg.update(rope_theta=500000.0, rope_scaling={"type": "linear", "factor": 2.0})  # a v4-era config
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    legacy = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert legacy.config.rope_parameters["rope_type"] == "linear"
+    with ropescale.patch(legacy, "linear", factor=2.0) as h:
+        assert h.context["rope_theta"] == 500000.0
+        with torch.no_grad():
+            patched = legacy(IDS).logits
+    with torch.no_grad():
+        torch.testing.assert_close(patched, legacy(IDS).logits, rtol=0, atol=1e-5)
