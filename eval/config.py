@@ -31,6 +31,7 @@ class StrategySpec(BaseModel):
     name: str
     params: dict[str, Any] = Field(default_factory=dict)
     label: str | None = None
+    logn: bool = False  # log-n query scaling on top of the strategy
 
     @model_validator(mode="after")
     def _check(self) -> "StrategySpec":
@@ -45,11 +46,15 @@ class StrategySpec(BaseModel):
     def display(self) -> str:
         if self.label:
             return self.label
-        return self.name + (":" + ",".join(f"{k}={v}" for k, v in self.params.items()) if self.params else "")
+        return (self.name + (":" + ",".join(f"{k}={v}" for k, v in self.params.items()) if self.params else "")
+                + ("+logn" if self.logn else ""))
 
 
 def parse_strategy(entry: Any) -> StrategySpec:
-    """``"yarn"``, ``"yarn:factor=4"`` or ``{"name": "yarn", "factor": 4}`` → ``StrategySpec``."""
+    """``"yarn"``, ``"yarn:factor=4,logn=true"`` or ``{"name": "yarn", "factor": 4}`` → ``StrategySpec``.
+
+    ``logn`` is not a strategy parameter but an option any strategy takes (log-n query scaling).
+    """
     if isinstance(entry, StrategySpec):
         return entry
     if isinstance(entry, str):
@@ -60,14 +65,15 @@ def parse_strategy(entry: Any) -> StrategySpec:
             if not eq:
                 raise ValueError(f"strategy {entry!r}: expected key=value, got {item!r}")
             params[key.strip()] = yaml.safe_load(value)
-        return StrategySpec(name=name.strip(), params=params)
+        logn = params.pop("logn", False)
+        return StrategySpec(name=name.strip(), params=params, logn=logn)
     if isinstance(entry, dict):
         entry = dict(entry)
         if "name" not in entry:
             raise ValueError(f"strategy entry {entry} has no 'name'")
-        name, label = entry.pop("name"), entry.pop("label", None)
+        name, label, logn = entry.pop("name"), entry.pop("label", None), entry.pop("logn", False)
         params = entry.pop("params", {}) | entry
-        return StrategySpec(name=name, params=params, label=label)
+        return StrategySpec(name=name, params=params, label=label, logn=logn)
     raise ValueError(f"strategy entry must be a name or a mapping, got {entry!r}")
 
 

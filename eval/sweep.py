@@ -38,7 +38,7 @@ RESULTS = "results.jsonl"
 def cell_id(cfg: SweepConfig, spec: StrategySpec, length: int) -> str:
     """Stable id of a cell: everything that changes its number, hashed."""
     key = {"model": cfg.model, "data": cfg.data.spec().describe(), "strategy": spec.name,
-           "params": spec.params, "length": length, "mode": cfg.mode,
+           "params": spec.params, "logn": spec.logn, "length": length, "mode": cfg.mode,
            "stride": cfg.stride if cfg.mode == "sliding" else None, "add_bos": cfg.add_bos,
            "max_windows": cfg.max_windows, "dtype": cfg.dtype,
            "original_max_position_embeddings": cfg.original_max_position_embeddings}
@@ -106,13 +106,13 @@ def _score_cell(cfg, model, docs, windows, spec: StrategySpec, length: int, trai
     params = strat.validate(spec.params, fill_auto={"scale": max(1.0, length / train_len),
                                                     "length": float(length)})
     t0 = time.perf_counter()
-    with patch(model, spec.name, original_max_position_embeddings=train_len, **params):
+    with patch(model, spec.name, original_max_position_embeddings=train_len, logn=spec.logn, **params):
         score = score_windows(model, docs, windows, length=length, bos_token_id=bos,
                               batch_size=cfg.batch_size, buckets=cfg.position_buckets, device=device,
                               desc=f"{spec.display} @ {length}" if progress else None)
     seconds = time.perf_counter() - t0
     return {
-        "strategy": spec.display, "name": spec.name, "params": params, "length": length,
+        "strategy": spec.display, "name": spec.name, "params": params, "logn": spec.logn, "length": length,
         "train_length": train_len, "ppl": math.exp(score.mean_nll), "nll": score.mean_nll,
         "tokens": score.tokens, "windows": len(windows), "mode": cfg.mode,
         "stride": (cfg.stride or length // 2) if cfg.mode == "sliding" else None,

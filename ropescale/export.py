@@ -28,7 +28,7 @@ def native_rope_parameters(handle: PatchHandle, base: dict[str, Any],
     p, ctx, name = handle.params, handle.context, handle.strategy
     keep = {k: base[k] for k in _KEEP if k in base}
     orig = ctx["original_max_position_embeddings"]
-    if handle.options.get("dynamic_block", 1) != 1:
+    if handle.options.get("dynamic_block", 1) != 1 or handle.options.get("logn"):
         return None
     if name == "vanilla":
         return {**keep, "rope_type": "default"}

@@ -72,7 +72,7 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "auto
         patch(model, record["strategy"],
               original_max_position_embeddings=record.get("original_max_position_embeddings"),
               layer_types=record.get("layer_types"),
-              **{k: record[k] for k in ("dynamic_cache", "dynamic_block") if k in record},
+              **{k: record[k] for k in ("dynamic_cache", "dynamic_block", "logn") if k in record},
               **record.get("params", {}))
     return model, tokenizer
 

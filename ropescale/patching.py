@@ -209,6 +209,7 @@ class PatchHandle:
     options: dict[str, Any] = field(default_factory=dict)
     _swaps: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list, repr=False)
     _hooks: list = field(default_factory=list, repr=False)
+    _restore: list = field(default_factory=list, repr=False)
 
     @property
     def active(self) -> bool:
@@ -222,6 +223,8 @@ class PatchHandle:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        while self._restore:
+            self._restore.pop()()
         for parent, attr, original in reversed(self._swaps):
             setattr(parent, attr, original)
         self._swaps.clear()
@@ -292,7 +295,7 @@ DYNAMIC_CACHE_MODES = ("recompute", "rerotate")
 
 def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: int | None = None,
           layer_types: list[str] | None = None, dynamic_cache: str = "recompute",
-          dynamic_block: int = 1, **params: Any) -> PatchHandle:
+          dynamic_block: int = 1, logn: bool = False, **params: Any) -> PatchHandle:
     """Apply ``strategy`` to the rotary embedding of ``model`` in place.
 
     Args:
@@ -306,6 +309,8 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
             keys only; cheaper, approximate past layer 0). See ``ropescale.cache``.
         dynamic_block: dynamic strategies take L rounded up to a multiple of this [tokens], so
             the frequencies (and, with ``"recompute"``, the prefix) change once per block.
+        logn: also scale queries by max(1, ln(p+1)/ln(L_train)) (Su 2023), through the
+            attention interface (``ropescale.attention``); works with any strategy.
         **params: the strategy's parameters (validated).
 
     Returns a ``PatchHandle``; ``handle.unpatch()`` or ``with patch(...):`` restores the model.
@@ -315,6 +320,7 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
         ValueError: bad parameter (names it and the allowed range); unknown layer type; model
             already patched.
         NoRotaryEmbeddingError: no rotary module, or no ``rope_theta`` in the config.
+        AttentionNotPluggableError: ``logn`` on a model whose attention bypasses the interface.
     """
     strat = get_strategy(strategy)
     params = strat.validate(params)
@@ -373,6 +379,11 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
             if strat.dynamic:
                 handle._hooks += watch_cache(parent, replacement)
                 handle.options = {"dynamic_cache": dynamic_cache, "dynamic_block": dynamic_block}
+        if logn:
+            from ropescale.attention import enable_logn
+
+            handle._restore.append(enable_logn(model, handle.context["original_max_position_embeddings"]))
+            handle.options["logn"] = True
     except Exception:
         handle.unpatch()
         raise

@@ -63,3 +63,10 @@ def test_strategy_string_parsing():
     with pytest.raises(ValueError, match="key=value"):
         parse_strategy("yarn:factor")
     assert build_config({"lengths": [8], "strategies": ["ntk"]}).strategies[0].params == {}
+
+
+def test_logn_is_an_option_not_a_strategy_parameter():
+    s = parse_strategy("yarn:beta_fast=16,logn=true")
+    assert s.logn and s.params == {"beta_fast": 16} and s.display == "yarn:beta_fast=16+logn"
+    m = parse_strategy({"name": "ntk", "logn": True})
+    assert m.logn and m.params == {} and m.display == "ntk+logn"

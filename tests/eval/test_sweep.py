@@ -72,3 +72,11 @@ def test_dataset_too_short(tmp_path, tiny_model_dir):
     with pytest.raises(WindowError, match="dataset too short for length 32: the longest document has 11 tokens"):
         run_sweep(config(tiny_model_dir, short), tmp_path / "out", progress=False)
     assert not (tmp_path / "out" / "results.jsonl").exists()  # failed before any cell ran
+
+
+def test_logn_cells_are_separate_and_only_act_past_the_window(tmp_path, tiny_model_dir, text_file):
+    cfg = config(tiny_model_dir, text_file, strategies=["vanilla", "vanilla:logn=true"])
+    r = {(x["strategy"], x["length"]): x for x in run_sweep(cfg, tmp_path, progress=False)}
+    assert r[("vanilla+logn", 64)]["logn"] and not r[("vanilla", 64)]["logn"]
+    assert math.isclose(r[("vanilla+logn", 32)]["ppl"], r[("vanilla", 32)]["ppl"], rel_tol=1e-6)
+    assert r[("vanilla+logn", 64)]["ppl"] != r[("vanilla", 64)]["ppl"]
