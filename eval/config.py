@@ -103,6 +103,9 @@ class SweepConfig(BaseModel):
     add_bos: bool = False
     batch_size: int = Field(1, ge=1)
     position_buckets: int = Field(16, ge=1)
+    dynamic_block: int | None = Field(None, ge=1, description=(
+        "dynamic strategies: score tokens [kB, (k+1)B) with a forward over the first (k+1)B tokens, "
+        "the scale generation would use (1 = per position); default: one scale per window"))
     original_max_position_embeddings: int | None = Field(None, ge=1)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "auto"

@@ -53,10 +53,30 @@ def _batches(windows: list[Window], batch_size: int):
             yield group[i : i + batch_size]
 
 
+def _nll(model, ids: torch.Tensor) -> torch.Tensor:
+    """Next-token NLL ``[b, n-1]`` (float64, CPU) of a batch of windows ``ids`` ``[b, n]``."""
+    logits = model(input_ids=ids, use_cache=False).logits  # [b, n, V]
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(),
+                           reduction="none").view(ids.shape[0], -1).cpu().double()  # [b, n-1]
+
+
+def _nll_blockwise(model, ids: torch.Tensor, block: int) -> torch.Tensor:
+    """Like ``_nll`` but targets in [kB, (k+1)B) come from a forward over the first (k+1)·B
+    tokens: a dynamic strategy then sees, per block, the length generation would have reached."""
+    n = ids.shape[1]
+    parts = []
+    for start in range(0, n, block):
+        end = min(start + block, n)
+        nll = _nll(model, ids[:, :end])  # [b, end-1]; column j-1 holds target j
+        parts.append(nll[:, max(start, 1) - 1:])
+    return torch.cat(parts, dim=1)
+
+
 @torch.no_grad()
 def score_windows(model, docs: list[torch.Tensor], windows: list[Window], *, length: int,
                   bos_token_id: int | None = None, batch_size: int = 1, buckets: int = 16,
-                  device: torch.device | str = "cpu", desc: str | None = None) -> Score:
+                  device: torch.device | str = "cpu", desc: str | None = None,
+                  prefix_block: int | None = None) -> Score:
     """Sum next-token NLL over the scored tokens of ``windows``.
 
     Args:
@@ -66,6 +86,7 @@ def score_windows(model, docs: list[torch.Tensor], windows: list[Window], *, len
         length: nominal window length (sets the bucket edges: ``buckets`` equal parts of it).
         bos_token_id: prepended to every window when given (windows must be cut with bos=True).
         desc: progress-bar label; None disables the bar.
+        prefix_block: score block-wise (see ``_nll_blockwise``) instead of one forward per window.
     """
     score = Score(length, buckets)
     bucket_nll = torch.zeros(buckets, dtype=torch.float64)
@@ -77,9 +98,7 @@ def score_windows(model, docs: list[torch.Tensor], windows: list[Window], *, len
         if offset:
             ids = F.pad(ids, (1, 0), value=bos_token_id)
         ids = ids.to(device)
-        logits = model(input_ids=ids, use_cache=False).logits  # [b, n, V]
-        nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(),
-                              reduction="none").view(len(batch), -1).cpu().double()  # [b, n-1]
+        nll = _nll_blockwise(model, ids, prefix_block) if prefix_block else _nll(model, ids)
         target_pos = torch.arange(1, ids.shape[1])  # window index of each target
         for row, w in zip(nll, batch):
             keep = target_pos >= (w.score_from - w.start + offset)

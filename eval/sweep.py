@@ -41,6 +41,7 @@ def cell_id(cfg: SweepConfig, spec: StrategySpec, length: int) -> str:
            "params": spec.params, "logn": spec.logn, "length": length, "mode": cfg.mode,
            "stride": cfg.stride if cfg.mode == "sliding" else None, "add_bos": cfg.add_bos,
            "max_windows": cfg.max_windows, "dtype": cfg.dtype,
+           "dynamic_block": cfg.dynamic_block if get_strategy(spec.name).dynamic else None,
            "original_max_position_embeddings": cfg.original_max_position_embeddings}
     return hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -99,17 +100,25 @@ def _training_window(cfg: SweepConfig, model) -> int:
     return train_len
 
 
+def _dynamic_semantics(block: int | None) -> str:
+    if block is None:
+        return "one scale per window (L = window length), as a single forward"
+    return (f"block-wise, block {block}: tokens [kB, (k+1)B) scored by a forward over the first (k+1)B "
+            "tokens, as exact cached generation with dynamic_block=B (B=1: per position)")
+
+
 def _score_cell(cfg, model, docs, windows, spec: StrategySpec, length: int, train_len: int,
                 bos: int | None, device, progress: bool) -> dict:
     """Patch, score, unpatch; the cell's record (without id and environment)."""
     strat = get_strategy(spec.name)
     params = strat.validate(spec.params, fill_auto={"scale": max(1.0, length / train_len),
                                                     "length": float(length)})
+    block = cfg.dynamic_block if strat.dynamic else None
     t0 = time.perf_counter()
     with patch(model, spec.name, original_max_position_embeddings=train_len, logn=spec.logn, **params):
         score = score_windows(model, docs, windows, length=length, bos_token_id=bos,
                               batch_size=cfg.batch_size, buckets=cfg.position_buckets, device=device,
-                              desc=f"{spec.display} @ {length}" if progress else None)
+                              desc=f"{spec.display} @ {length}" if progress else None, prefix_block=block)
     seconds = time.perf_counter() - t0
     return {
         "strategy": spec.display, "name": spec.name, "params": params, "logn": spec.logn, "length": length,
@@ -118,7 +127,7 @@ def _score_cell(cfg, model, docs, windows, spec: StrategySpec, length: int, trai
         "stride": (cfg.stride or length // 2) if cfg.mode == "sliding" else None,
         "add_bos": cfg.add_bos, "model": cfg.model, "data": cfg.data.spec().describe(),
         "dtype": cfg.dtype, "device": str(device),
-        "dynamic": "one scale per window (L = window length), as a single forward" if strat.dynamic else None,
+        "dynamic": _dynamic_semantics(block) if strat.dynamic else None,
         "nll_by_position": score.by_position(), "seconds": round(seconds, 3),
         "tokens_per_s": round(sum(w.end - w.start for w in windows) / seconds, 1),
     }

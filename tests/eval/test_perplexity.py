@@ -55,3 +55,24 @@ def test_position_buckets_partition_the_scored_tokens(tiny_llama):
     assert [(r["start"], r["end"]) for r in rows] == [(0, 16), (16, 32), (32, 48), (48, 64)]
     assert [r["tokens"] for r in rows] == [15 * len(windows)] + [16 * len(windows)] * 3
     assert math.isclose(sum(r["nll"] * r["tokens"] for r in rows), s.nll, rel_tol=1e-9)
+
+
+def test_blockwise_scoring_equals_prefix_forwards(tiny_llama):
+    """Oracle: each block's targets come from a forward over exactly the prefix ending there."""
+    import ropescale
+
+    docs = docs_for_test()
+    windows = make_windows([len(d) for d in docs], 100)[:1]
+    with ropescale.patch(tiny_llama, "dynamic_ntk"):
+        s = score_windows(tiny_llama, docs, windows, length=100, prefix_block=30)
+        ids = docs[0][:100]
+        total = 0.0
+        with torch.no_grad():
+            for end, start in ((30, 1), (60, 30), (90, 60), (100, 90)):
+                logp = F.log_softmax(tiny_llama(ids[None, :end]).logits[0].double(), -1)
+                total -= sum(logp[j - 1, ids[j]].item() for j in range(start, end))
+        single = score_windows(tiny_llama, docs, windows, length=100)
+    assert s.tokens == 99 and math.isclose(s.nll, total, rel_tol=1e-6)
+    assert s.nll != single.nll  # the semantics differ past L_train (slightly, on a random model)
+    assert math.isclose(score_windows(tiny_llama, docs, windows, length=100, prefix_block=30).nll,
+                        score_windows(tiny_llama, docs, windows, length=100).nll, rel_tol=1e-9)  # static
