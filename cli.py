@@ -70,16 +70,17 @@ def _lengths(ctx, param, value):
 @click.option("--batch-size", type=int)
 @click.option("--device", help="auto, cpu, cuda, cuda:1 ...")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]))
+@click.option("--dynamic-block", type=int, help="score dynamic strategies block-wise (generation semantics)")
 @click.option("--quiet", "-q", is_flag=True, help="no progress output")
 def sweep(config, overrides, output, model, data, strategy_specs, lengths, mode, stride,
-          max_windows, batch_size, device, dtype, quiet) -> None:
+          max_windows, batch_size, device, dtype, dynamic_block, quiet) -> None:
     """Perplexity of each strategy at each length; resumable; writes results.jsonl/csv/md and plots."""
     from eval.config import ConfigError, apply_overrides, build_config, read_yaml
     from eval.sweep import run_sweep
 
     flags = {"model": model, "data": data, "lengths": lengths, "mode": mode, "stride": stride,
              "max_windows": max_windows, "batch_size": batch_size, "device": device, "dtype": dtype,
-             "strategies": list(strategy_specs) or None}
+             "dynamic_block": dynamic_block, "strategies": list(strategy_specs) or None}
     try:
         source = config or "flags"
         raw = read_yaml(config) if config else {}
@@ -99,10 +100,17 @@ def sweep(config, overrides, output, model, data, strategy_specs, lengths, mode,
 
 @main.command("patch")
 @click.option("--model", required=True, help="bundled name, local path or hub id")
-@click.option("--strategy", "strategy_spec", required=True, metavar="NAME[:k=v,...]")
+@click.option("--strategy", "strategy_spec", required=True, metavar="NAME[:k=v,...]",
+              help="e.g. yarn:factor=4 or ntk:factor=2,logn=true")
 @click.option("--output", "-o", required=True, type=click.Path(file_okay=False))
 @click.option("--original-max-position-embeddings", type=int, help="training window override")
-def patch_cmd(model, strategy_spec, output, original_max_position_embeddings) -> None:
+@click.option("--layer-types", help="comma-separated layer types to patch (Gemma 3); default: non-sliding")
+@click.option("--dynamic-cache", type=click.Choice(["recompute", "rerotate"]), default="recompute",
+              show_default=True, help="dynamic strategies under the KV cache: exact or approximate")
+@click.option("--dynamic-block", type=int, default=1, show_default=True,
+              help="dynamic strategies change scale once per this many tokens")
+def patch_cmd(model, strategy_spec, output, original_max_position_embeddings, layer_types,
+              dynamic_cache, dynamic_block) -> None:
     """Save a patched model. Strategies transformers implements are written into config.json
     (plain from_pretrained reproduces them); others need ropescale.load_model."""
     import ropescale
@@ -113,6 +121,8 @@ def patch_cmd(model, strategy_spec, output, original_max_position_embeddings) ->
         m, tok = ropescale.load_model(model, device="cpu")
         ropescale.unpatch(m)
         ropescale.patch(m, spec.name, original_max_position_embeddings=original_max_position_embeddings,
+                        layer_types=layer_types.split(",") if layer_types else None,
+                        dynamic_cache=dynamic_cache, dynamic_block=dynamic_block, logn=spec.logn,
                         **spec.params)
         path = ropescale.save_patched(m, tok, output)
     except (UnknownStrategyError, ValueError, FileNotFoundError) as e:

@@ -77,3 +77,17 @@ def test_patch_saves_a_model_ropescale_loads_patched(run, tmp_path, tiny_model_d
     assert res.exit_code == 0, res.output
     res = run("patch", "--model", tiny_model_dir, "--strategy", "yarn:factor=0", "--output", out)
     assert res.exit_code == 1 and "factor=0 is out of range" in res.output
+
+
+def test_patch_options_reach_the_saved_record(run, tmp_path, tiny_model_dir):
+    out = tmp_path / "dyn"
+    res = run("patch", "--model", tiny_model_dir, "--strategy", "dynamic_yarn:logn=true",
+              "--dynamic-cache", "rerotate", "--dynamic-block", "8", "--output", out)
+    assert res.exit_code == 0, res.output
+    assert "load it with ropescale.load_model" in res.output
+    record = json.loads((out / "ropescale.json").read_text())
+    assert record["dynamic_cache"] == "rerotate" and record["dynamic_block"] == 8 and record["logn"]
+    model, _ = ropescale.load_model(str(out), device="cpu")
+    h = ropescale.current_patch(model)
+    assert h.options == {"dynamic_cache": "rerotate", "dynamic_block": 8, "logn": True}
+    assert model.config._attn_implementation == "ropescale_logn_sdpa"

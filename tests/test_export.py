@@ -19,7 +19,7 @@ NATIVE = [
     ("linear", {"factor": 3.0}),
     ("dynamic_ntk", {"factor": 2.0}),
     ("yarn", {"factor": 4.0, "beta_fast": 16.0}),
-    ("llama3", {"factor": 8.0}),
+    ("llama3", {"factor": 8.0}),  # factor is required outside sweeps
     ("longrope", {"short_factor": [1.0] * N, "long_factor": [1.0 + i for i in range(N)], "factor": 4.0}),
 ]
 

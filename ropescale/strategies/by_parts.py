@@ -98,7 +98,8 @@ def _llama3_check(p: dict) -> None:
 
 
 @register("llama3", params=(
-    Param("factor", 8.0, low=1.0, help="s applied to the low-frequency band"),
+    Param("factor", kind=float, low=1.0, auto="scale",
+          help="s applied to the low-frequency band (8 in Llama 3.1); a sweep uses L / L_train"),
     Param("low_freq_factor", 1.0, low=0.0, low_open=True, help="λ > L_train/low_freq_factor is interpolated"),
     Param("high_freq_factor", 4.0, low=0.0, low_open=True, help="λ < L_train/high_freq_factor is kept"),
 ), check=_llama3_check, source="Meta 2024, The Llama 3 Herd of Models, arXiv:2407.21783; "
