@@ -39,7 +39,7 @@ class StrategySpec(BaseModel):
             strat = get_strategy(self.name)
         except KeyError as e:  # unknown name: the message lists the known ones
             raise ValueError(str(e)) from None
-        strat.validate(self.params, fill_auto={"scale": 1.0, "length": 1024})
+        strat.validate(self.params, fill_auto={"scale": 1.0, "length": 1024, "half_train": 64})
         return self
 
     @property

@@ -112,7 +112,7 @@ def _score_cell(cfg, model, docs, windows, spec: StrategySpec, length: int, trai
     """Patch, score, unpatch; the cell's record (without id and environment)."""
     strat = get_strategy(spec.name)
     params = strat.validate(spec.params, fill_auto={"scale": max(1.0, length / train_len),
-                                                    "length": float(length)})
+                                                    "length": float(length), "half_train": train_len // 2})
     block = cfg.dynamic_block if strat.dynamic else None
     t0 = time.perf_counter()
     with patch(model, spec.name, original_max_position_embeddings=train_len, logn=spec.logn, **params):

@@ -1,4 +1,5 @@
-"""Attention-side rules, plugged in through transformers' ``AttentionInterface``.
+"""Attention-side rules, plugged in through transformers' ``AttentionInterface``: log-n query
+scaling and the truncation rules (ReRoPE, Leaky ReRoPE, SelfExtend).
 
 An attention function registered under a new name receives, per layer, ``query``
 ``[b, n_h, s_q, h_d]`` and ``key``/``value`` ``[b, n_kv, s_k, h_d]`` *after* RoPE (and after the
@@ -9,19 +10,32 @@ the same mask function under the new name — otherwise transformers hands a new
 log-n scaling (Su 2023, "Scaling attention by log n"; bojone/rerope): queries at position p
 are multiplied by max(1, ln(p + 1) / ln(L_train)), keeping attention entropy roughly constant as
 the context grows past the training window. Positions inside the window are untouched.
+
+Truncation rules need q and k *un-rotated*: ``patch`` swaps the rotary module for
+``IdentityRotary`` (cos = 1, sin = 0, so the model's own ``apply_rotary_pos_emb`` is a no-op and
+the KV cache holds un-rotated keys) and ``ropescale_truncation`` rotates them itself, per region
+(``ropescale.truncated_attention``). Query positions come from ``position_ids``; key positions
+from slot order (the last key is the last query), which also holds with left padding and a
+(sliding-window) cache.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-__all__ = ["logn_factor", "enable_logn", "LOGN_PREFIX", "AttentionNotPluggableError", "check_routed"]
+from ropescale.strategies.truncation import RelativeRule
+from ropescale.truncated_attention import blocked_attention, naive_attention
+
+__all__ = ["logn_factor", "enable_logn", "enable_truncation", "IdentityRotary", "LOGN_PREFIX",
+           "TRUNCATION", "AttentionNotPluggableError", "check_routed"]
 
 LOGN_PREFIX = "ropescale_logn_"
 _MASKS = {"sdpa": sdpa_mask, "eager": eager_mask}
@@ -101,6 +115,95 @@ def enable_logn(model, original_max_position_embeddings: int):
 
     try:
         check_routed(model, LOGN_PREFIX + current)
+    except Exception:
+        restore()
+        raise
+    return restore
+
+
+TRUNCATION = "ropescale_truncation"
+
+
+@dataclass
+class _Truncation:
+    rule: RelativeRule
+    freqs: dict  # layer type (None: all) → (inv_freq [d/2], attention_scaling)
+    interleaved: bool
+    naive: bool
+    block: int
+    logn: int | None  # L_train when log-n scaling is on
+
+
+_TRUNCATION: dict[int, _Truncation] = {}  # id(config) → state
+
+
+class IdentityRotary(nn.Module):
+    """Rotary module returning cos = 1, sin = 0 ``[b, s, d]``: RoPE becomes a no-op, so attention
+    receives (and the cache stores) un-rotated q and k. ``dims`` maps layer type → d."""
+
+    def __init__(self, dims: dict, keep_float32: bool):
+        super().__init__()
+        self.dims, self.keep_float32 = dims, keep_float32
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type=None):
+        d = self.dims[layer_type if layer_type in self.dims else next(iter(self.dims))]
+        dtype = torch.float32 if self.keep_float32 else x.dtype
+        ones = torch.ones(*position_ids.shape, d, dtype=dtype, device=x.device)  # [b, s, d]
+        return ones, torch.zeros_like(ones)
+
+
+def _keep_mask(attention_mask):
+    """transformers' mask (None, bool keep-mask, or additive float) → bool keep-mask or None."""
+    if attention_mask is None or attention_mask.dtype == torch.bool:
+        return attention_mask
+    return attention_mask > torch.finfo(attention_mask.dtype).min / 2
+
+
+def _truncation_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                          softcap=None, sliding_window=None, **kwargs):
+    _CALLS["n"] += 1
+    state = _TRUNCATION[id(module.config)]
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        raise RuntimeError(f"truncation rules need position_ids in the attention call; "
+                           f"{type(module).__name__} does not pass them")
+    b, s_q, s_k = query.shape[0], query.shape[2], key.shape[2]
+    q_pos = position_ids.expand(b, -1).float()  # [b, s_q]
+    offset = (s_k - 1) - q_pos[:, -1:]  # slot of the last key minus its position
+    k_pos = torch.arange(s_k, device=query.device).float()[None] - offset  # [b, s_k]
+    if state.logn:
+        query = query * logn_factor(q_pos, state.logn).to(query.dtype)[:, None, :, None]
+    layer_type = getattr(module, "layer_type", None)
+    inv_freq, att = state.freqs.get(layer_type, next(iter(state.freqs.values())))
+    fn = naive_attention if state.naive else blocked_attention
+    out = fn(query, key, value, q_pos, k_pos, state.rule, inv_freq.to(query.device), att,
+             keep=_keep_mask(attention_mask), scale=scaling or query.shape[-1] ** -0.5, softcap=softcap,
+             sliding_window=sliding_window, interleaved=state.interleaved, block=state.block)
+    return out.transpose(1, 2).contiguous(), None  # [b, s_q, n_h, h_d]
+
+
+AttentionInterface.register(TRUNCATION, _truncation_attention)
+AttentionMaskInterface.register(TRUNCATION, sdpa_mask)
+
+
+def enable_truncation(model, rule: RelativeRule, freqs: dict, *, interleaved: bool, naive: bool,
+                      block: int, logn: int | None):
+    """Route ``model``'s attention through the truncation rule; returns the undo function.
+
+    The caller has already made the rotary module an ``IdentityRotary``. Raises
+    ``AttentionNotPluggableError`` when the model's layers bypass the interface.
+    """
+    config = model.config
+    current = config._attn_implementation
+    _TRUNCATION[id(config)] = _Truncation(rule, freqs, interleaved, naive, block, logn)
+    model.set_attn_implementation(TRUNCATION)
+
+    def restore() -> None:
+        model.set_attn_implementation(current)
+        _TRUNCATION.pop(id(config), None)
+
+    try:
+        check_routed(model, TRUNCATION)
     except Exception:
         restore()
         raise

@@ -295,7 +295,8 @@ DYNAMIC_CACHE_MODES = ("recompute", "rerotate")
 
 def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: int | None = None,
           layer_types: list[str] | None = None, dynamic_cache: str = "recompute",
-          dynamic_block: int = 1, logn: bool = False, **params: Any) -> PatchHandle:
+          dynamic_block: int = 1, logn: bool = False, attention_path: str = "blocked",
+          block_size: int = 512, **params: Any) -> PatchHandle:
     """Apply ``strategy`` to the rotary embedding of ``model`` in place.
 
     Args:
@@ -311,6 +312,9 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
             the frequencies (and, with ``"recompute"``, the prefix) change once per block.
         logn: also scale queries by max(1, ln(p+1)/ln(L_train)) (Su 2023), through the
             attention interface (``ropescale.attention``); works with any strategy.
+        attention_path: truncation rules only: ``"blocked"`` (exact, O(n) memory) or ``"naive"``
+            (explicit n × n relative positions; the tests' oracle).
+        block_size: truncation rules only: query/key block of the blocked path [tokens].
         **params: the strategy's parameters (validated).
 
     Returns a ``PatchHandle``; ``handle.unpatch()`` or ``with patch(...):`` restores the model.
@@ -328,6 +332,10 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
         raise ValueError(f"dynamic_cache={dynamic_cache!r}; choose one of {', '.join(DYNAMIC_CACHE_MODES)}")
     if not isinstance(dynamic_block, int) or dynamic_block < 1:
         raise ValueError(f"dynamic_block={dynamic_block!r} must be a whole number >= 1")
+    if attention_path not in ("blocked", "naive"):
+        raise ValueError(f"attention_path={attention_path!r}; choose 'blocked' or 'naive'")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size={block_size!r} must be a whole number >= 1")
     if current_patch(model) is not None:
         raise ValueError(f"model is already patched with {current_patch(model).strategy!r}; "
                          "call unpatch() first")
@@ -339,6 +347,9 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
             "positions cannot be patched")
     modules = dict(model.named_modules())
     handle = PatchHandle(model, strategy, params, {})
+    if strat.kind == "attention":
+        return _patch_attention(model, handle, strat, found, modules, original_max_position_embeddings,
+                                logn, attention_path == "naive", block_size)
     try:
         for name, module in found:
             available = layer_types_of(module)
@@ -387,6 +398,42 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
     except Exception:
         handle.unpatch()
         raise
+    setattr(model, _HANDLE_ATTR, handle)
+    return handle
+
+
+def _patch_attention(model, handle: PatchHandle, strat: Strategy, found, modules, train_override,
+                     logn: bool, naive: bool, block: int) -> PatchHandle:
+    """Truncation rules: identity rotary module + the rule inside attention."""
+    from ropescale.attention import IdentityRotary, enable_truncation
+
+    if len(found) != 1:
+        raise NoRotaryEmbeddingError(f"expected one rotary module, found {len(found)}: {[n for n, _ in found]}")
+    (name, module), = found
+    available = layer_types_of(module)
+    context = rope_context(model, module, available[0])
+    if train_override is not None:
+        context["original_max_position_embeddings"] = int(train_override)
+    rule = strat.compute(context, handle.params)
+    freqs = {lt: (getattr(module, _buffer(lt)).detach().clone(), getattr(module, f"{lt}_attention_scaling", None)
+                  if lt is not None else getattr(module, "attention_scaling", 1.0)) for lt in available}
+    freqs = {lt: (f, 1.0 if a is None else float(a)) for lt, (f, a) in freqs.items()}
+    keeps_float32, interleaved = _probe(module, available[0])
+    identity = IdentityRotary({lt: 2 * f.numel() for lt, (f, _) in freqs.items()}, keeps_float32)
+    parent_name, _, attr = name.rpartition(".")
+    parent = modules[parent_name]
+    setattr(parent, attr, identity)
+    handle._swaps.append((parent, attr, module))
+    handle.context, handle.layer_types = context, [None]
+    try:
+        handle._restore.append(enable_truncation(
+            model, rule, freqs, interleaved=interleaved, naive=naive, block=block,
+            logn=context["original_max_position_embeddings"] if logn else None))
+    except Exception:
+        handle.unpatch()
+        raise
+    if logn:
+        handle.options["logn"] = True
     setattr(model, _HANDLE_ATTR, handle)
     return handle
 

@@ -58,9 +58,9 @@ class Param:
     """One parameter of a strategy.
 
     ``low``/``high`` bound the value (inclusive unless ``*_open``). ``auto`` names what a sweep
-    fills in when the user leaves the parameter out: ``"scale"`` → max(1, L / L_train) and
-    ``"length"`` → L, for the sweep's target length L. Outside a sweep such a parameter is
-    required.
+    fills in when the user leaves the parameter out: ``"scale"`` → max(1, L / L_train),
+    ``"length"`` → L for the sweep's target length L, ``"half_train"`` → L_train / 2. Outside a
+    sweep the ``default`` applies, and a parameter without one is required.
     """
 
     name: str
@@ -70,7 +70,7 @@ class Param:
     high: float | None = None
     low_open: bool = False
     high_open: bool = False
-    auto: Literal["scale", "length"] | None = None
+    auto: Literal["scale", "length", "half_train"] | None = None
     help: str = ""
 
     @property
@@ -116,7 +116,8 @@ class Param:
 
 @dataclass(frozen=True)
 class Strategy:
-    """A registered strategy. ``kind`` is ``"frequency"`` (changes ``inv_freq``)."""
+    """A registered strategy. ``kind`` is ``"frequency"`` (returns ``RopeFrequencies``) or
+    ``"attention"`` (returns a ``RelativeRule`` applied inside attention)."""
 
     name: str
     fn: Callable[..., RopeFrequencies]

@@ -1,0 +1,138 @@
+"""Exact attention under a truncation rule (``ropescale.strategies.truncation``), two ways.
+
+Both take *un-rotated* queries ``q`` ``[b, n_h, s_q, h_d]`` and keys/values ``k``, ``v``
+``[b, n_kv, s_k, h_d]`` (n_h a multiple of n_kv: grouped-query attention), float positions
+``q_pos`` ``[b, s_q]`` and ``k_pos`` ``[b, s_k]``, the rotary ``inv_freq`` ``[d/2]`` (d ≤ h_d: only the
+first d channels rotate) with its ``attention_scaling`` m, and ``keep`` — None or a bool mask
+broadcastable to ``[b, 1, s_q, s_k]`` (padding; causality is added here from slot order, the
+last query being the last key). They return ``[b, n_h, s_q, h_d]``.
+
+``blocked_attention`` is the default path: query blocks × key blocks with an online softmax
+(the flash-attention recurrence). In each block pair the scores are q_near·k_near (both rotated
+to their own positions) where i − j < w and q_far·k_far (rotated to f_q(i), f_k(j)) elsewhere, so
+the two regions merge exactly inside one softmax. Memory is O(n·block): never an n × n matrix.
+
+``naive_attention`` is the oracle the tests use: the explicit matrix p(i, j), and scores
+Σ_f A_f cos(p θ_f) + B_f sin(p θ_f) from the rotation identity, then an eager softmax. O(n²·d).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ropescale.strategies.truncation import RelativeRule
+
+__all__ = ["rotate", "blocked_attention", "naive_attention"]
+
+_NEG = -1e30  # running-max start: exp(-inf - _NEG) = 0 without NaN
+
+
+def _pairs(x: torch.Tensor, d: int, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two coordinates of each rotary pair: ``[..., d/2]`` each."""
+    if interleaved:
+        return x[..., 0:d:2], x[..., 1:d:2]
+    return x[..., : d // 2], x[..., d // 2 : d]
+
+
+def rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
+           interleaved: bool = False) -> torch.Tensor:
+    """RoPE on ``x`` ``[b, h, s, h_d]`` at float positions ``pos`` ``[b, s]``, as transformers does
+    (float32 angles, cos/sin × ``scaling`` cast to x's dtype); channels past d pass through."""
+    d = 2 * inv_freq.numel()
+    angles = pos.float()[..., None] * inv_freq.to(pos.device).float()  # [b, s, d/2]
+    cos = (angles.cos() * scaling).to(x.dtype)[:, None]  # [b, 1, s, d/2]
+    sin = (angles.sin() * scaling).to(x.dtype)[:, None]
+    x1, x2 = _pairs(x, d, interleaved)
+    r1, r2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    rot = torch.stack((r1, r2), -1).flatten(-2) if interleaved else torch.cat((r1, r2), -1)
+    return torch.cat((rot, x[..., d:]), -1)
+
+
+def _visible(q_slot, k_slot, sliding_window):
+    """Causal (and sliding-window) visibility by slot order: ``[s_q, s_k]`` bool."""
+    dist = q_slot[:, None] - k_slot[None, :]
+    vis = dist >= 0
+    if sliding_window:
+        vis &= dist < sliding_window
+    return vis
+
+
+def _softcap(s: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return torch.tanh(s / softcap) * softcap if softcap else s
+
+
+def blocked_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling: float, *,
+                      keep=None, scale: float, softcap: float | None = None,
+                      sliding_window: int | None = None, interleaved: bool = False,
+                      block: int = 512) -> torch.Tensor:
+    b, n_h, s_q, h_d = q.shape
+    n_kv, s_k = k.shape[1], k.shape[2]
+    g = n_h // n_kv
+
+    def grouped(x):  # [b, n_h, s, h_d] → [b, n_kv, g, s, h_d]
+        return x.view(b, n_kv, g, x.shape[2], h_d)
+
+    q_near = grouped(rotate(q, q_pos, inv_freq, scaling, interleaved))
+    q_far = grouped(rotate(q, rule.far_q(q_pos), inv_freq, scaling, interleaved))
+    k_near = rotate(k, k_pos, inv_freq, scaling, interleaved)[:, :, None]  # [b, n_kv, 1, s_k, h_d]
+    k_far = rotate(k, rule.far_k(k_pos), inv_freq, scaling, interleaved)[:, :, None]
+    v = v[:, :, None]
+    q_slot = torch.arange(s_k - s_q, s_k, device=q.device)
+    k_slot = torch.arange(s_k, device=q.device)
+    out = torch.empty(b, n_kv, g, s_q, h_d, dtype=q.dtype, device=q.device)
+    for qs in range(0, s_q, block):
+        qe = min(qs + block, s_q)
+        m = torch.full((b, n_kv, g, qe - qs, 1), _NEG, dtype=torch.float32, device=q.device)
+        l = torch.zeros_like(m)
+        acc = torch.zeros(b, n_kv, g, qe - qs, h_d, dtype=torch.float32, device=q.device)
+        first = max(0, int(q_slot[qs]) - sliding_window + 1) if sliding_window else 0
+        for ks in range(first // block * block, int(q_slot[qe - 1]) + 1, block):
+            ke = min(ks + block, s_k)
+            near = (q_pos[:, qs:qe, None] - k_pos[:, None, ks:ke]) < rule.window  # [b, Bq, Bk]
+            near = near[:, None, None]  # [b, 1, 1, Bq, Bk]
+            if bool(near.all()):
+                s = q_near[..., qs:qe, :] @ k_near[..., ks:ke, :].transpose(-1, -2)
+            elif not bool(near.any()):
+                s = q_far[..., qs:qe, :] @ k_far[..., ks:ke, :].transpose(-1, -2)
+            else:
+                s = torch.where(near, q_near[..., qs:qe, :] @ k_near[..., ks:ke, :].transpose(-1, -2),
+                                q_far[..., qs:qe, :] @ k_far[..., ks:ke, :].transpose(-1, -2))
+            s = _softcap(s.float() * scale, softcap)  # [b, n_kv, g, Bq, Bk]
+            vis = _visible(q_slot[qs:qe], k_slot[ks:ke], sliding_window)
+            if keep is not None:
+                vis = vis & keep[..., qs:qe, ks:ke][:, :, None]  # [b, 1, 1, Bq, Bk]
+            s = s.masked_fill(~vis, float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+            p = torch.exp(s - m_new)
+            alpha = torch.exp(m - m_new)
+            l = l * alpha + p.sum(-1, keepdim=True)
+            acc = acc * alpha + p @ v[..., ks:ke, :].float()
+            m = m_new
+        out[..., qs:qe, :] = (acc / l.clamp_min(1e-30)).to(q.dtype)  # fully masked rows → 0
+    return out.view(b, n_h, s_q, h_d)
+
+
+def naive_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling: float, *,
+                    keep=None, scale: float, softcap: float | None = None,
+                    sliding_window: int | None = None, interleaved: bool = False, **_) -> torch.Tensor:
+    b, n_h, s_q, h_d = q.shape
+    n_kv, s_k = k.shape[1], k.shape[2]
+    d = 2 * inv_freq.numel()
+    k = k.repeat_interleave(n_h // n_kv, dim=1).float()  # [b, n_h, s_k, h_d]
+    v = v.repeat_interleave(n_h // n_kv, dim=1).float()
+    q = q.float()
+    p = rule.relative_positions(q_pos.float(), k_pos.float())  # [b, s_q, s_k]
+    angle = p[..., None] * inv_freq.float()  # [b, s_q, s_k, d/2]
+    q1, q2 = _pairs(q, d, interleaved)  # [b, n_h, s_q, d/2]
+    k1, k2 = _pairs(k, d, interleaved)
+    # R(a)q · R(b)k with a − b = p: Σ_f (q1 k1 + q2 k2) cos(pθ_f) + (q1 k2 − q2 k1) sin(pθ_f)
+    A = torch.einsum("bhif,bhjf->bhijf", q1, k1) + torch.einsum("bhif,bhjf->bhijf", q2, k2)
+    B = torch.einsum("bhif,bhjf->bhijf", q1, k2) - torch.einsum("bhif,bhjf->bhijf", q2, k1)
+    rotary = (A * angle.cos()[:, None] + B * angle.sin()[:, None]).sum(-1) * scaling**2
+    s = (rotary + q[..., d:] @ k[..., d:].transpose(-1, -2)) * scale  # [b, n_h, s_q, s_k]
+    s = _softcap(s, softcap)
+    vis = _visible(torch.arange(s_k - s_q, s_k), torch.arange(s_k), sliding_window)
+    if keep is not None:
+        vis = vis & keep
+    s = s.masked_fill(~vis, float("-inf"))
+    return torch.nan_to_num(torch.softmax(s, -1)) @ v  # fully masked rows → 0
