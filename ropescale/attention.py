@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, prepare_padding_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ropescale.strategies.truncation import RelativeRule
@@ -182,8 +182,19 @@ def _truncation_attention(module, query, key, value, attention_mask, scaling=Non
     return out.transpose(1, 2).contiguous(), None  # [b, s_q, n_h, h_d]
 
 
+def _padding_only_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, **_):
+    """Mask function for the truncation rules: only which keys are real tokens, ``[b, 1, 1, s_k]``
+    bool, or None without padding. The kernel applies causality and sliding windows itself, so
+    no ``[b, 1, s_q, s_k]`` mask is ever built (transformers builds one for sliding layers)."""
+    padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    if padding is None:
+        return None
+    padding = padding[:, kv_offset : kv_offset + kv_length].bool()
+    return None if bool(padding.all()) else padding[:, None, None, :]
+
+
 AttentionInterface.register(TRUNCATION, _truncation_attention)
-AttentionMaskInterface.register(TRUNCATION, sdpa_mask)
+AttentionMaskInterface.register(TRUNCATION, _padding_only_mask)
 
 
 def enable_truncation(model, rule: RelativeRule, freqs: dict, *, interleaved: bool, naive: bool,

@@ -5,7 +5,8 @@ Both take *un-rotated* queries ``q`` ``[b, n_h, s_q, h_d]`` and keys/values ``k`
 ``q_pos`` ``[b, s_q]`` and ``k_pos`` ``[b, s_k]``, the rotary ``inv_freq`` ``[d/2]`` (d ≤ h_d: only the
 first d channels rotate) with its ``attention_scaling`` m, and ``keep`` — None or a bool mask
 broadcastable to ``[b, 1, s_q, s_k]`` (padding; causality is added here from slot order, the
-last query being the last key). They return ``[b, n_h, s_q, h_d]``.
+last query being the last key; a ``[b, 1, 1, s_k]`` key mask is O(n)). They return
+``[b, n_h, s_q, h_d]``.
 
 ``blocked_attention`` is the default path: query blocks × key blocks with an online softmax
 (the flash-attention recurrence). In each block pair the scores are q_near·k_near (both rotated
@@ -100,7 +101,8 @@ def blocked_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scali
             s = _softcap(s.float() * scale, softcap)  # [b, n_kv, g, Bq, Bk]
             vis = _visible(q_slot[qs:qe], k_slot[ks:ke], sliding_window)
             if keep is not None:
-                vis = vis & keep[..., qs:qe, ks:ke][:, :, None]  # [b, 1, 1, Bq, Bk]
+                blk = keep[..., ks:ke] if keep.shape[-2] == 1 else keep[..., qs:qe, ks:ke]
+                vis = vis & blk[:, :, None]  # [b, 1, 1, Bq, Bk]
             s = s.masked_fill(~vis, float("-inf"))
             m_new = torch.maximum(m, s.amax(-1, keepdim=True))
             p = torch.exp(s - m_new)
