@@ -21,9 +21,20 @@ def _strategies(records: list[dict]) -> list[str]:
     return list(dict.fromkeys(r["strategy"] for r in records))
 
 
-def _style(i: int) -> dict:
-    """Distinct marker and dash per line, so strategies that coincide stay visible."""
-    return {"marker": "osD^vP*X"[i % 8], "ls": ["-", "--", "-.", ":"][i // 2 % 4], "ms": 5}
+def _style(i: int, n: int) -> dict:
+    """Distinct colour, marker and dash per line, so strategies that coincide stay visible."""
+    import matplotlib
+
+    colors = matplotlib.colormaps["tab10" if n <= 10 else "tab20"].colors
+    return {"color": colors[i % len(colors)], "marker": "osD^vP*X"[i % 8],
+            "ls": ["-", "--", "-.", ":"][i // 2 % 4], "ms": 5}
+
+
+def _legend(ax, n: int) -> None:
+    if n > 6:  # many lines: keep the legend off the data
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    else:
+        ax.legend(fontsize=8)
 
 
 def write_csv(records: list[dict], path: Path) -> None:
@@ -66,10 +77,11 @@ def _plt():
 
 def plot_ppl(records: list[dict], path: Path) -> None:
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, s in enumerate(_strategies(records)):
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
+    names = _strategies(records)
+    for i, s in enumerate(names):
         pts = sorted((r["length"], r["ppl"]) for r in records if r["strategy"] == s)
-        ax.plot(*zip(*pts), label=s, **_style(i))
+        ax.plot(*zip(*pts), label=s, **_style(i, len(names)))
     train = records[0].get("train_length")
     if train:
         ax.axvline(train, color="grey", ls="--", lw=1)
@@ -80,7 +92,7 @@ def plot_ppl(records: list[dict], path: Path) -> None:
     ax.set_ylabel("perplexity")
     ax.set_title(f"{records[0]['model']} on {records[0]['data']} ({records[0]['mode']})", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _legend(ax, len(names))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -89,11 +101,12 @@ def plot_ppl(records: list[dict], path: Path) -> None:
 def plot_position(records: list[dict], path: Path) -> None:
     plt = _plt()
     longest = max(r["length"] for r in records)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, r in enumerate(r for r in records if r["length"] == longest):
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
+    rows = [r for r in records if r["length"] == longest]
+    for i, r in enumerate(rows):
         pts = [((b["start"] + b["end"]) / 2, b["nll"]) for b in r["nll_by_position"] if b["nll"] is not None]
         if pts:
-            ax.plot(*zip(*pts), label=r["strategy"], **_style(i))
+            ax.plot(*zip(*pts), label=r["strategy"], **_style(i, len(rows)))
     train = records[0].get("train_length")
     if train:
         ax.axvline(train, color="grey", ls="--", lw=1)
@@ -103,7 +116,7 @@ def plot_position(records: list[dict], path: Path) -> None:
     ax.set_ylabel("mean NLL (nats)")
     ax.set_title("loss by position", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _legend(ax, len(rows))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
