@@ -167,7 +167,7 @@ def _truncation_attention(module, query, key, value, attention_mask, scaling=Non
     if position_ids is None:
         raise RuntimeError(f"truncation rules need position_ids in the attention call; "
                            f"{type(module).__name__} does not pass them")
-    b, s_q, s_k = query.shape[0], query.shape[2], key.shape[2]
+    b, s_k = query.shape[0], key.shape[2]
     q_pos = position_ids.expand(b, -1).float()  # [b, s_q]
     offset = (s_k - 1) - q_pos[:, -1:]  # slot of the last key minus its position
     k_pos = torch.arange(s_k, device=query.device).float()[None] - offset  # [b, s_k]

@@ -165,7 +165,7 @@ class Strategy:
             elif not p.required:
                 out[p.name] = p.default
             else:
-                auto = f" (a sweep sets it from the target length)" if p.auto else ""
+                auto = " (a sweep sets it from the target length)" if p.auto else ""
                 raise ValueError(f"{self.name}: parameter {p.name} is required{auto}; allowed: {p.range_text()}")
         if self.check:
             self.check(out)
