@@ -87,28 +87,34 @@ def blocked_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scali
         l = torch.zeros_like(m)
         acc = torch.zeros(b, n_kv, g, qe - qs, h_d, dtype=torch.float32, device=q.device)
         first = max(0, int(q_slot[qs]) - sliding_window + 1) if sliding_window else 0
+        q_lo, q_hi = q_pos[:, qs:qe].amin(), q_pos[:, qs:qe].amax()
         for ks in range(first // block * block, int(q_slot[qe - 1]) + 1, block):
             ke = min(ks + block, s_k)
-            near = (q_pos[:, qs:qe, None] - k_pos[:, None, ks:ke]) < rule.window  # [b, Bq, Bk]
-            near = near[:, None, None]  # [b, 1, 1, Bq, Bk]
-            if bool(near.all()):
+            # which region(s) the block pair touches, from position bounds: O(block), not O(block²)
+            rel_lo, rel_hi = q_lo - k_pos[:, ks:ke].amax(), q_hi - k_pos[:, ks:ke].amin()
+            if rel_hi < rule.window:
                 s = q_near[..., qs:qe, :] @ k_near[..., ks:ke, :].transpose(-1, -2)
-            elif not bool(near.any()):
+            elif rel_lo >= rule.window:
                 s = q_far[..., qs:qe, :] @ k_far[..., ks:ke, :].transpose(-1, -2)
             else:
+                near = ((q_pos[:, qs:qe, None] - k_pos[:, None, ks:ke]) < rule.window)[:, None, None]  # [b, 1, 1, Bq, Bk]
                 s = torch.where(near, q_near[..., qs:qe, :] @ k_near[..., ks:ke, :].transpose(-1, -2),
                                 q_far[..., qs:qe, :] @ k_far[..., ks:ke, :].transpose(-1, -2))
-            s = _softcap(s.float() * scale, softcap)  # [b, n_kv, g, Bq, Bk]
-            vis = _visible(q_slot[qs:qe], k_slot[ks:ke], sliding_window)
-            if keep is not None:
-                blk = keep[..., ks:ke] if keep.shape[-2] == 1 else keep[..., qs:qe, ks:ke]
-                vis = vis & blk[:, :, None]  # [b, 1, 1, Bq, Bk]
-            s = s.masked_fill(~vis, float("-inf"))
+            s = s.float().mul_(scale)  # [b, n_kv, g, Bq, Bk]
+            if softcap:
+                s = _softcap(s, softcap)
+            # masks only where needed: the diagonal (causal), sliding windows, padding
+            if ke - 1 > int(q_slot[qs]) or sliding_window or keep is not None:
+                vis = _visible(q_slot[qs:qe], k_slot[ks:ke], sliding_window)
+                if keep is not None:
+                    blk = keep[..., ks:ke] if keep.shape[-2] == 1 else keep[..., qs:qe, ks:ke]
+                    vis = vis & blk[:, :, None]  # [b, 1, 1, Bq, Bk]
+                s.masked_fill_(~vis, float("-inf"))
             m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-            p = torch.exp(s - m_new)
-            alpha = torch.exp(m - m_new)
-            l = l * alpha + p.sum(-1, keepdim=True)
-            acc = acc * alpha + p @ v[..., ks:ke, :].float()
+            p = s.sub_(m_new).exp_()  # in place: the block's scores become its weights
+            alpha = (m - m_new).exp_()
+            l = l.mul_(alpha).add_(p.sum(-1, keepdim=True))
+            acc = acc.mul_(alpha).add_(p @ v[..., ks:ke, :].float())
             m = m_new
         out[..., qs:qe, :] = (acc / l.clamp_min(1e-30)).to(q.dtype)  # fully masked rows → 0
     return out.view(b, n_h, s_q, h_d)
