@@ -17,8 +17,8 @@ from torch import nn
 
 from ropescale.cache import watch_cache
 from ropescale.rotary import (
-    NoRotaryEmbeddingError, ScaledRotaryEmbedding, _buffer, _config_of, _Entry, find_rotary_modules,
-    layer_types_of, probe_layout, rope_context,
+    NoRotaryEmbeddingError, ScaledRotaryEmbedding, _buffer, _config_of, _Entry, attention_scaling_of,
+    find_rotary_modules, layer_types_of, probe_layout, rope_context,
 )
 from ropescale.strategies import Strategy, get_strategy
 
@@ -163,8 +163,7 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
             entries = {}
             for lt in available:
                 if lt not in chosen:  # kept as the model computes it
-                    entries[lt] = _Entry(getattr(module, _buffer(lt)).clone(),
-                                         getattr(module, f"{lt}_attention_scaling", 1.0))
+                    entries[lt] = _Entry(getattr(module, _buffer(lt)).clone(), attention_scaling_of(module, lt))
                     continue
                 context = rope_context(model, module, lt)
                 if original_max_position_embeddings is not None:
@@ -218,9 +217,8 @@ def _patch_attention(model, handle: PatchHandle, strat: Strategy, found, modules
     if train_override is not None:
         context["original_max_position_embeddings"] = int(train_override)
     rule = strat.compute(context, handle.params)
-    freqs = {lt: (getattr(module, _buffer(lt)).detach().clone(), getattr(module, f"{lt}_attention_scaling", None)
-                  if lt is not None else getattr(module, "attention_scaling", 1.0)) for lt in available}
-    freqs = {lt: (f, 1.0 if a is None else float(a)) for lt, (f, a) in freqs.items()}
+    freqs = {lt: (getattr(module, _buffer(lt)).detach().clone(), attention_scaling_of(module, lt))
+             for lt in available}
     keeps_float32, interleaved = probe_layout(module, available[0])
     identity = IdentityRotary({lt: 2 * f.numel() for lt, (f, _) in freqs.items()}, keeps_float32)
     parent_name, _, attr = name.rpartition(".")

@@ -22,8 +22,8 @@ from torch import nn
 from ropescale.cache import rerotate_cache
 from ropescale.strategies import Strategy
 
-__all__ = ["NoRotaryEmbeddingError", "ScaledRotaryEmbedding", "find_rotary_modules", "layer_types_of",
-           "rope_context", "probe_layout"]
+__all__ = ["NoRotaryEmbeddingError", "ScaledRotaryEmbedding", "attention_scaling_of", "find_rotary_modules",
+           "layer_types_of", "rope_context", "probe_layout"]
 
 _SKIP = ("original", "long")  # `*_original_inv_freq`, `*_long_inv_freq` are bookkeeping buffers
 
@@ -48,6 +48,13 @@ def find_rotary_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def _buffer(layer_type: str | None) -> str:
     return "inv_freq" if layer_type is None else f"{layer_type}_inv_freq"
+
+
+def attention_scaling_of(module: nn.Module, layer_type: str | None) -> float:
+    """The cos/sin scale the original module applies (``attention_scaling`` or per layer type)."""
+    name = "attention_scaling" if layer_type is None else f"{layer_type}_attention_scaling"
+    value = getattr(module, name, None)
+    return 1.0 if value is None else float(value)
 
 
 def _config_of(model: nn.Module, module: nn.Module):
