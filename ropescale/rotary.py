@@ -99,6 +99,7 @@ class _Entry:
     context: dict[str, Any] = field(default_factory=dict)
     cached_len: int | None = None
     block: int = 1
+    _memo: tuple | None = None  # (length, result): would_change and update ask for the same length
 
     @property
     def dynamic(self) -> bool:
@@ -106,8 +107,10 @@ class _Entry:
 
     def _compute(self, seq_len: int) -> tuple[torch.Tensor, float]:
         length = -(-seq_len // self.block) * self.block  # rounded up to whole blocks
-        inv_freq, scaling = self.strategy.compute({**self.context, "seq_len": length}, self.params)
-        return inv_freq.to(self.inv_freq.device), scaling
+        if self._memo is None or self._memo[0] != length:
+            self._memo = (length, self.strategy.compute({**self.context, "seq_len": length}, self.params))
+        inv_freq, scaling = self._memo[1]
+        return inv_freq.to(self.inv_freq.device), scaling  # wherever the buffer lives now
 
     def would_change(self, seq_len: int) -> bool:
         if not self.dynamic or seq_len == self.cached_len:
@@ -173,6 +176,8 @@ class ScaledRotaryEmbedding(nn.Module):
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None):
+        for lt, e in self.entries.items():  # the buffers are the truth: they follow model.to(device)
+            e.inv_freq = self._buffers[_buffer(lt)]
         entry = self.entries[layer_type]
         if layer_type == next(iter(self.entries)):  # once per model forward
             tracking = self.dynamic_cache == "rerotate" and any(e.dynamic for e in self.entries.values())
