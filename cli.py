@@ -1,6 +1,8 @@
-"""ropescale command line: strategies, sweep, patch, plot.
+"""ropescale command line: strategies, tasks, eval, sweep, patch, plot.
 
     ropescale strategies
+    ropescale tasks
+    ropescale eval configs/passkey.yaml [--set key=value ...] [--output DIR]
     ropescale sweep configs/quickstart.yaml [--set key=value ...] [--output DIR]
     ropescale sweep --model reference --data kjv-heldout --strategy vanilla --strategy yarn \\
         --lengths 128,256,512 --output runs/demo
@@ -45,6 +47,21 @@ def strategies() -> None:
         click.echo(f"    source: {s.source}")
 
 
+@main.command()
+def tasks() -> None:
+    """List evaluation tasks, their metrics and options."""
+    from eval.tasks import get_task, task_names
+
+    for name in task_names():
+        t = get_task(name)
+        click.secho(name, bold=True, nl=False)
+        click.echo(f"  {t.summary()}" + ("  [reads data]" if t.uses_data else ""))
+        click.echo("    metrics: " + ", ".join(f"{m.key} ({'higher' if m.higher_is_better else 'lower'} is better)"
+                                           for m in t.metrics))
+        for key, field in t.Options.model_fields.items():
+            click.echo(f"    {name}.{key} (default {field.default!r}) {field.description or ''}".rstrip())
+
+
 def _lengths(ctx, param, value):
     if value is None:
         return None
@@ -54,48 +71,77 @@ def _lengths(ctx, param, value):
         raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
 
 
-@main.command()
-@click.argument("config", required=False, type=click.Path(dir_okay=False))
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="override a config key (dots for nesting: data.max_documents=3)")
-@click.option("--output", "-o", type=click.Path(file_okay=False), help="results folder")
-@click.option("--model", help="bundled name (reference), local path or hub id")
-@click.option("--data", help="kjv-heldout, a local file/folder, or a hub dataset id")
-@click.option("--strategy", "strategy_specs", multiple=True, metavar="NAME[:k=v,...]",
-              help="repeatable; e.g. yarn:beta_fast=16")
-@click.option("--lengths", callback=_lengths, help="comma-separated window lengths, e.g. 128,256,512")
-@click.option("--mode", type=click.Choice(["chunk", "sliding"]))
-@click.option("--stride", type=int, help="sliding mode stride (default length // 2)")
-@click.option("--max-windows", type=int, help="cap on windows per length")
-@click.option("--batch-size", type=int)
-@click.option("--device", help="auto, cpu, cuda, cuda:1 ...")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]))
-@click.option("--dynamic-block", type=int, help="score dynamic strategies block-wise (generation semantics)")
-@click.option("--quiet", "-q", is_flag=True, help="no progress output")
-def sweep(config, overrides, output, model, data, strategy_specs, lengths, mode, stride,
-          max_windows, batch_size, device, dtype, dynamic_block, quiet) -> None:
-    """Perplexity of each strategy at each length; resumable; writes results.jsonl/csv/md and plots."""
-    from eval.config import ConfigError, apply_overrides, build_config, read_yaml
-    from eval.sweep import run_sweep
+def _common_options(fn):
+    """Options every experiment command takes (config file, overrides, model, strategies, ...)."""
+    for opt in reversed([
+        click.argument("config", required=False, type=click.Path(dir_okay=False)),
+        click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                     help="override a config key (dots for nesting: data.max_documents=3, passkey.trials=5)"),
+        click.option("--output", "-o", type=click.Path(file_okay=False), help="results folder"),
+        click.option("--model", help="bundled name (reference), local path or hub id"),
+        click.option("--data", help="kjv-heldout, a local file/folder, or a hub dataset id"),
+        click.option("--strategy", "strategy_specs", multiple=True, metavar="NAME[:k=v,...]",
+                     help="repeatable; e.g. yarn:beta_fast=16"),
+        click.option("--lengths", callback=_lengths, help="comma-separated lengths in tokens, e.g. 128,256,512"),
+        click.option("--device", help="auto, cpu, cuda, cuda:1 ..."),
+        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"])),
+        click.option("--quiet", "-q", is_flag=True, help="no progress output"),
+    ]):
+        fn = opt(fn)
+    return fn
 
-    flags = {"model": model, "data": data, "lengths": lengths, "mode": mode, "stride": stride,
-             "max_windows": max_windows, "batch_size": batch_size, "device": device, "dtype": dtype,
-             "dynamic_block": dynamic_block, "strategies": list(strategy_specs) or None}
+
+def _run(config, overrides, output, flags: dict, quiet: bool, *, only_task: str | None = None) -> None:
+    from eval.config import ConfigError, apply_overrides, build_config, read_yaml
+    from eval.data import DataError
+    from eval.report import markdown_report
+    from eval.sweep import run_sweep
+    from eval.tasks import UnknownTaskError
+
     try:
         source = config or "flags"
         raw = read_yaml(config) if config else {}
         raw = {**raw, **{k: v for k, v in flags.items() if v is not None}}
-        cfg = build_config(apply_overrides(raw, list(overrides)), source)
+        raw = apply_overrides(raw, list(overrides))
+        if only_task and raw.get("task", only_task) != only_task:
+            raise ConfigError(f"{source}: task is {raw['task']!r}; `ropescale sweep` runs perplexity only: "
+                              f"use `ropescale eval {config or ''}`".rstrip() + "")
+        cfg = build_config(raw, source)
         out = output or cfg.output
         if not out:
             raise ConfigError(f"{source}: output: no results folder; give --output DIR or set output:")
         records = run_sweep(cfg, out, progress=not quiet)
-    except (ConfigError, UnknownStrategyError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, DataError, UnknownStrategyError, UnknownTaskError, ValueError, FileNotFoundError) as e:
         _fail(e)
-    from eval.report import markdown_table
+    click.echo(markdown_report(records))
+    click.echo(f"results in {out}/ (results.jsonl, results.csv, results.md and plots)")
 
-    click.echo(markdown_table(records))
-    click.echo(f"results in {out}/ (results.jsonl, results.csv, results.md, ppl_vs_length.png)")
+
+@main.command("eval")
+@_common_options
+@click.option("--task", help="perplexity (default), passkey, needle")
+def eval_cmd(config, overrides, output, model, data, strategy_specs, lengths, device, dtype, quiet, task) -> None:
+    """Run a task (perplexity, passkey, needle) for each strategy at each length; resumable;
+    writes results.jsonl/csv/md and the task's plots."""
+    flags = {"task": task, "model": model, "data": data, "lengths": lengths, "device": device, "dtype": dtype,
+             "strategies": list(strategy_specs) or None}
+    _run(config, overrides, output, flags, quiet)
+
+
+@main.command()
+@_common_options
+@click.option("--mode", type=click.Choice(["chunk", "sliding"]))
+@click.option("--stride", type=int, help="sliding mode stride (default length // 2)")
+@click.option("--max-windows", type=int, help="cap on windows per length")
+@click.option("--batch-size", type=int)
+@click.option("--dynamic-block", type=int, help="score dynamic strategies block-wise (generation semantics)")
+def sweep(config, overrides, output, model, data, strategy_specs, lengths, device, dtype, quiet, mode, stride,
+          max_windows, batch_size, dynamic_block) -> None:
+    """Perplexity of each strategy at each length (the perplexity task); resumable."""
+    flags = {"model": model, "data": data, "lengths": lengths, "mode": mode, "stride": stride,
+             "max_windows": max_windows, "batch_size": batch_size, "device": device, "dtype": dtype,
+             "dynamic_block": dynamic_block, "strategies": list(strategy_specs) or None}
+    _run(config, overrides, output, flags, quiet, only_task="perplexity")
 
 
 @main.command("patch")
@@ -136,6 +182,19 @@ def patch_cmd(model, strategy_spec, output, original_max_position_embeddings, la
                "(plain from_pretrained refuses it rather than run vanilla RoPE)")
 
 
+@main.command("lm-eval", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                                          "help_option_names": []})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def lm_eval_cmd(args) -> None:
+    """lm-evaluation-harness with the `ropescale` model registered (needs the lm-eval extra):
+    ropescale lm-eval --model ropescale --model_args pretrained=reference,strategy=yarn,factor=8 --tasks ..."""
+    try:
+        from eval.lmeval import main as lm_eval_main
+    except ImportError as e:
+        _fail(ImportError(f"lm-eval is not installed ({e}); pip install 'ropescale[lm-eval]'"))
+    lm_eval_main(list(args))
+
+
 @main.command()
 @click.argument("results", type=click.Path(exists=True, dir_okay=False))
 @click.option("--output", "-o", type=click.Path(file_okay=False), help="default: beside RESULTS")
@@ -147,7 +206,10 @@ def plot(results, output) -> None:
     records = read_results(results)
     if not records:
         _fail(ValueError(f"{results}: no records"))
-    paths = write_reports(records, output or Path(results).parent)
+    try:
+        paths = write_reports(records, output or Path(results).parent)
+    except (KeyError, ValueError) as e:
+        _fail(e)
     for kind, p in paths.items():
         click.echo(f"{kind}: {p}")
 

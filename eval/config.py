@@ -1,4 +1,7 @@
-"""Sweep configuration: YAML / flags → validated ``SweepConfig``.
+"""Experiment configuration: YAML / flags → validated ``EvalConfig``.
+
+An experiment runs one task (``perplexity`` by default; ``passkey``, ``needle``, … — see
+``eval.tasks``) over strategies × lengths. The task's own options sit under its name.
 
 A strategy entry is a name (``yarn``), a name with parameters (``yarn:factor=4,beta_fast=16``)
 or a mapping (``{name: yarn, factor: 4, label: yarn-s4}``). Parameters the strategy fills
@@ -17,8 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ropescale.strategies import get_strategy
 from eval.data import DataSpec
+from eval.tasks.base import TaskOptions, get_task
+from eval.tasks.perplexity import LEGACY_KEYS
 
-__all__ = ["ConfigError", "StrategySpec", "DataConfig", "SweepConfig", "build_config", "load_config", "read_yaml",
+__all__ = ["ConfigError", "StrategySpec", "DataConfig", "EvalConfig", "SweepConfig", "build_config", "load_config", "read_yaml",
            "parse_strategy", "apply_overrides"]
 
 
@@ -89,28 +94,46 @@ class DataConfig(BaseModel):
         return DataSpec(**self.model_dump())
 
 
-class SweepConfig(BaseModel):
-    """One perplexity sweep: a model, data, lengths, strategies and how to cut windows."""
+class EvalConfig(BaseModel):
+    """One experiment: a task over strategies × lengths on one model (and, for tasks that read
+    text, one data source). The task's own keys sit under its name (``passkey: {trials: 20}``);
+    perplexity's may also sit at the top level, as they did before tasks existed."""
 
     model_config = ConfigDict(extra="forbid")
+    task: str = "perplexity"
     model: str = "reference"
     data: DataConfig = Field(default_factory=DataConfig)
     lengths: list[int] = Field(min_length=1)
     strategies: list[StrategySpec] = Field(min_length=1)
-    mode: Literal["chunk", "sliding"] = "chunk"
-    stride: int | None = Field(None, ge=1, description="sliding mode; default length // 2")
-    max_windows: int | None = Field(None, ge=1, description="cap on windows per length")
-    add_bos: bool = False
-    batch_size: int = Field(1, ge=1)
-    position_buckets: int = Field(16, ge=1)
-    dynamic_block: int | None = Field(None, ge=1, description=(
-        "dynamic strategies: score tokens [kB, (k+1)B) with a forward over the first (k+1)B tokens, "
-        "the scale generation would use (1 = per position); default: one scale per window"))
+    options: TaskOptions = Field(default_factory=TaskOptions, description="the task's options")
     original_max_position_embeddings: int | None = Field(None, ge=1)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "auto"
     threads: int | None = Field(None, ge=1)
     output: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _task_options(cls, raw: Any) -> Any:
+        if not isinstance(raw, dict):
+            return raw
+        raw = dict(raw)
+        name = raw.get("task", "perplexity")
+        try:
+            task = get_task(name)
+        except KeyError as e:
+            raise ValueError(str(e)) from None
+        section = raw.pop(name, None) or {}
+        if not isinstance(section, dict):
+            raise ValueError(f"{name}: expected a mapping of the task's options")
+        if name == "perplexity":  # the pre-task layout: perplexity's keys at the top level
+            section = {**{k: raw.pop(k) for k in LEGACY_KEYS if k in raw}, **section}
+        try:
+            raw["options"] = task.Options.model_validate(section)
+        except ValidationError as e:
+            raise ValueError("; ".join(f"{name}.{'.'.join(map(str, x['loc']))}: "
+                                       f"{x['msg'].removeprefix('Value error, ')}" for x in e.errors())) from None
+        return raw
 
     @field_validator("data", mode="before")
     @classmethod
@@ -140,23 +163,31 @@ class SweepConfig(BaseModel):
         return sorted(set(v))
 
     @model_validator(mode="after")
-    def _stride(self) -> "SweepConfig":
-        if self.stride and self.mode == "sliding" and self.stride > min(self.lengths):
-            raise ValueError(f"stride {self.stride} is longer than the shortest length {min(self.lengths)}")
+    def _fits(self) -> "EvalConfig":
+        self.options.check_lengths(self.lengths)
         return self
 
 
-def _explain(err: ValidationError, source: str) -> ConfigError:
+SweepConfig = EvalConfig  # the name before tasks existed
+
+
+def _top_level_keys(task: str) -> list[str]:
+    """Keys a config may have at its top level when it runs ``task``."""
+    keys = [k for k in EvalConfig.model_fields if k != "options"] + [task]
+    return keys + list(LEGACY_KEYS) if task == "perplexity" else keys
+
+
+def _explain(err: ValidationError, source: str, task: str) -> ConfigError:
     lines = []
     for e in err.errors():
         key = ".".join(str(x) for x in e["loc"]) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             field = str(e["loc"][-1])
-            known = SweepConfig.model_fields if len(e["loc"]) == 1 else DataConfig.model_fields
+            known = _top_level_keys(task) if len(e["loc"]) == 1 else list(DataConfig.model_fields)
             hint = difflib.get_close_matches(field, known, n=1)
             msg = f"unknown key; allowed: {', '.join(known)}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
-        lines.append(f"{source}: {key}: {msg}")
+        lines.append(f"{source}: {key}: {msg}" if e["loc"] else f"{source}: {msg}")
     return ConfigError("\n".join(lines))
 
 
@@ -177,13 +208,13 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
-def build_config(raw: Any, source: str = "config") -> SweepConfig:
+def build_config(raw: Any, source: str = "config") -> EvalConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a mapping of keys (model, data, lengths, strategies, ...)")
     try:
-        return SweepConfig.model_validate(raw)
+        return EvalConfig.model_validate(raw)
     except ValidationError as e:
-        raise _explain(e, source) from None
+        raise _explain(e, source, str(raw.get("task", "perplexity"))) from None
 
 
 def read_yaml(path: str | Path) -> dict:
@@ -202,6 +233,6 @@ def read_yaml(path: str | Path) -> dict:
     return raw
 
 
-def load_config(path: str | Path, overrides: list[str] = ()) -> SweepConfig:
+def load_config(path: str | Path, overrides: list[str] = ()) -> EvalConfig:
     """Read and validate a YAML sweep config. Raises ``ConfigError`` naming the bad key."""
     return build_config(apply_overrides(read_yaml(path), list(overrides)), str(path))

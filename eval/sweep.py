@@ -1,17 +1,17 @@
-"""Perplexity sweep: every (strategy, length) cell on the same windows, resumable.
+"""The harness: one task over every (strategy, length) cell, on the same examples, resumable.
 
-The model is loaded once; each strategy is patched in and removed in place per cell. Each
+The model is loaded once; the task builds its examples once per length (``eval.tasks``); each
+strategy is patched in and removed in place per cell. Each
 finished cell is appended to ``results.jsonl`` at once (flushed), so an interrupted run loses
 at most the cell in progress and a rerun with the same output folder skips finished cells.
-When the sweep ends, ``results.csv``, ``results.md`` and the plots are written from the cells
-of this sweep.
+When the run ends, ``results.csv``, ``results.md`` and the task's plots are written from the
+cells of this run.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import platform
 import subprocess
 import time
@@ -24,25 +24,21 @@ import ropescale
 from ropescale.models import load_model, resolve_device
 from ropescale.patching import NoRotaryEmbeddingError, find_rotary_modules, patch, rope_context, unpatch
 from ropescale.strategies import get_strategy
-from eval.config import StrategySpec, SweepConfig
+from eval.config import EvalConfig, StrategySpec
 from eval.data import load_documents, tokenize_documents
-from eval.perplexity import score_windows
 from eval.report import write_reports
-from eval.windows import make_windows
+from eval.tasks.base import Task, get_task
 
 __all__ = ["run_sweep", "cell_id", "read_results", "environment"]
 
 RESULTS = "results.jsonl"
 
 
-def cell_id(cfg: SweepConfig, spec: StrategySpec, length: int) -> str:
-    """Stable id of a cell: everything that changes its number, hashed."""
-    key = {"model": cfg.model, "data": cfg.data.spec().describe(), "strategy": spec.name,
-           "params": spec.params, "logn": spec.logn, "length": length, "mode": cfg.mode,
-           "stride": cfg.stride if cfg.mode == "sliding" else None, "add_bos": cfg.add_bos,
-           "max_windows": cfg.max_windows, "dtype": cfg.dtype,
-           "dynamic_block": cfg.dynamic_block if get_strategy(spec.name).dynamic else None,
-           "original_max_position_embeddings": cfg.original_max_position_embeddings}
+def cell_id(cfg: EvalConfig, spec: StrategySpec, length: int) -> str:
+    """Stable id of a cell: everything that changes its numbers, hashed."""
+    key = {"task": cfg.task, "options": cfg.options.key(), "model": cfg.model, "data": cfg.data.spec().describe()
+           if get_task(cfg.task).uses_data else None, "strategy": spec.name, "params": spec.params, "logn": spec.logn,
+           "length": length, "dtype": cfg.dtype, "original_max_position_embeddings": cfg.original_max_position_embeddings}
     return hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -87,7 +83,7 @@ def _append_safely(path: Path):
     return sink
 
 
-def _training_window(cfg: SweepConfig, model) -> int:
+def _training_window(cfg: EvalConfig, model) -> int:
     if cfg.original_max_position_embeddings:
         return cfg.original_max_position_embeddings
     rotary = find_rotary_modules(model)
@@ -100,49 +96,40 @@ def _training_window(cfg: SweepConfig, model) -> int:
     return train_len
 
 
-def _dynamic_semantics(block: int | None) -> str:
-    if block is None:
-        return "one scale per window (L = window length), as a single forward"
-    return (f"block-wise, block {block}: tokens [kB, (k+1)B) scored by a forward over the first (k+1)B "
-            "tokens, as exact cached generation with dynamic_block=B (B=1: per position)")
-
-
-def _score_cell(cfg, model, docs, windows, spec: StrategySpec, length: int, train_len: int,
-                bos: int | None, device, progress: bool) -> dict:
+def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec, length: int, train_len: int,
+                device, progress: bool) -> dict:
     """Patch, score, unpatch; the cell's record (without id and environment)."""
     strat = get_strategy(spec.name)
     params = strat.validate(spec.params, fill_auto={"scale": max(1.0, length / train_len),
                                                     "length": float(length), "half_train": train_len // 2})
-    block = cfg.dynamic_block if strat.dynamic else None
     t0 = time.perf_counter()
     with patch(model, spec.name, original_max_position_embeddings=train_len, logn=spec.logn, **params):
-        score = score_windows(model, docs, windows, length=length, bos_token_id=bos,
-                              batch_size=cfg.batch_size, buckets=cfg.position_buckets, device=device,
-                              desc=f"{spec.display} @ {length}" if progress else None, prefix_block=block)
+        result = task.score(model, examples, length=length, strategy=strat, device=device,
+                            desc=f"{spec.display} @ {length}" if progress else None)
     seconds = time.perf_counter() - t0
-    return {
-        "strategy": spec.display, "name": spec.name, "params": params, "logn": spec.logn, "length": length,
-        "train_length": train_len, "ppl": math.exp(score.mean_nll), "nll": score.mean_nll,
-        "tokens": score.tokens, "windows": len(windows), "mode": cfg.mode,
-        "stride": (cfg.stride or length // 2) if cfg.mode == "sliding" else None,
-        "add_bos": cfg.add_bos, "model": cfg.model, "data": cfg.data.spec().describe(),
-        "dtype": cfg.dtype, "device": str(device),
-        "dynamic": _dynamic_semantics(block) if strat.dynamic else None,
-        "nll_by_position": score.by_position(), "seconds": round(seconds, 3),
-        "tokens_per_s": round(sum(w.end - w.start for w in windows) / seconds, 1),
-    }
+    return {"task": cfg.task, "strategy": spec.display, "name": spec.name, "params": params, "logn": spec.logn,
+            "length": length, "train_length": train_len, "model": cfg.model,
+            "data": cfg.data.spec().describe() if task.uses_data else None, "options": cfg.options.key(),
+            "dtype": cfg.dtype, "device": str(device), **result, "seconds": round(seconds, 3)}
 
 
-def run_sweep(cfg: SweepConfig, output: str | Path, *, progress: bool = True) -> list[dict]:
-    """Run (or resume) the sweep; returns this sweep's records in (length, strategy) order.
+def _headline(task: type[Task], record: dict) -> str:
+    m = task.metrics[0]
+    return f"{m.label} {m.fmt.format(record[m.key])}"
 
-    Raises ``eval.data.DataError`` / ``eval.windows.WindowError`` for unusable data (before any
-    cell runs), ``NoRotaryEmbeddingError`` for a model without RoPE, and ``ValueError`` for
-    strategy parameters that fail at a given length.
+
+def run_sweep(cfg: EvalConfig, output: str | Path, *, progress: bool = True) -> list[dict]:
+    """Run (or resume) the experiment: ``cfg.task`` over strategies × lengths. Returns this
+    experiment's records in (length, strategy) order.
+
+    Raises ``eval.data.DataError`` / ``ValueError`` subclasses (too-short data, a length that
+    cannot hold the task's prompts) before any cell runs, ``NoRotaryEmbeddingError`` for a
+    model without RoPE, and ``ValueError`` for strategy parameters that fail at a given length.
     """
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     results_path = output / RESULTS
+    task_cls = get_task(cfg.task)
     done = {r["cell"]: r for r in read_results(results_path) if "cell" in r}
     cells = [(length, spec, cell_id(cfg, spec, length)) for length in cfg.lengths for spec in cfg.strategies]
     todo = [c for c in cells if c[2] not in done]
@@ -156,25 +143,21 @@ def run_sweep(cfg: SweepConfig, output: str | Path, *, progress: bool = True) ->
         model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=str(device))
         unpatch(model)  # a patch saved with the model would stack under the sweep's strategies
         train_len = _training_window(cfg, model)
-        bos = tokenizer.bos_token_id if cfg.add_bos else None
-        if cfg.add_bos and bos is None:
-            raise ValueError(f"add_bos is set but the tokenizer of {cfg.model} has no BOS token")
-        docs = tokenize_documents(tokenizer, load_documents(cfg.data.spec()))
-        # cut every length first: a too-short dataset fails before any work is done
-        windows = {length: make_windows([len(d) for d in docs], length, cfg.mode, cfg.stride,
-                                        cfg.add_bos, cfg.max_windows)
-                   for length in sorted({c[0] for c in todo})}
+        docs = tokenize_documents(tokenizer, load_documents(cfg.data.spec())) if task_cls.uses_data else None
+        task = task_cls(cfg.options, tokenizer=tokenizer, train_length=train_len, documents=docs)
+        # build every length's examples first: data or lengths that cannot work fail before any cell runs
+        examples = {length: task.examples(length) for length in sorted({c[0] for c in todo})}
         env = environment()
         with _append_safely(results_path) as sink:
             for length, spec, cid in todo:
-                record = {"cell": cid, **_score_cell(cfg, model, docs, windows[length], spec, length,
-                                                     train_len, bos, device, progress), "env": env}
+                record = {"cell": cid, **_score_cell(cfg, task, model, examples[length], spec, length,
+                                                     train_len, device, progress), "env": env}
                 sink.write(json.dumps(record) + "\n")
                 sink.flush()  # written as it completes: a rerun resumes from here
                 done[cid] = record
                 if progress:
-                    print(f"{spec.display:>24} @ {length:>6}: ppl {record['ppl']:8.3f} "
-                          f"({record['tokens']} tokens, {record['seconds']:.1f}s)", flush=True)
+                    print(f"{spec.display:>24} @ {length:>6}: {_headline(task_cls, record)} "
+                          f"({record['seconds']:.1f}s)", flush=True)
     records = [done[cid] for _, _, cid in cells]
     write_reports(records, output)
     return records

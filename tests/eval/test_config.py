@@ -19,7 +19,8 @@ strategies:
   - yarn:beta_fast=16
   - {name: linear, factor: 2, label: pi-2x}
 """))
-    assert cfg.lengths == [128, 256, 512] and cfg.mode == "chunk" and cfg.data.max_documents == 3
+    assert cfg.lengths == [128, 256, 512] and cfg.options.mode == "chunk" and cfg.data.max_documents == 3
+    assert cfg.task == "perplexity"
     assert [s.display for s in cfg.strategies] == ["vanilla", "yarn:beta_fast=16", "pi-2x"]
     assert cfg.strategies[2].params == {"factor": 2}
 
@@ -28,7 +29,7 @@ def test_overrides_with_dots(tmp_path):
     p = write(tmp_path, "lengths: [128]\nstrategies: [vanilla]\ndata: kjv-heldout\n")
     cfg = load_config(p, ["lengths=[64, 32]", "data.max_documents=2", "mode=sliding", "stride=16"])
     assert cfg.lengths == [32, 64] and cfg.data.source == "kjv-heldout" and cfg.data.max_documents == 2
-    assert cfg.mode == "sliding" and cfg.stride == 16
+    assert cfg.options.mode == "sliding" and cfg.options.stride == 16
 
 
 @pytest.mark.parametrize("text,match", [

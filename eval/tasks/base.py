@@ -1,0 +1,140 @@
+"""What every evaluation task is: one lifecycle, shared by all.
+
+A task is a subclass of ``Task`` in its own module under ``eval/tasks/`` (found and registered
+automatically by its ``name``). The harness (``eval.sweep``) loads the model once, builds the task
+with its options, asks it for the examples of each length *once* (so every strategy sees the
+same ones), then for every (strategy, length) cell patches the model, calls ``score`` and
+unpatches. ``score`` returns the cell's metrics as a flat dict of JSON values; the harness adds
+the cell's identity (strategy, length, model, data, …) and appends the record to
+``results.jsonl``. ``plots`` draws the task's figures from the finished records.
+
+Adding a task is one module (a ``Task`` subclass with ``name``, ``Options``, ``metrics``,
+``examples``, ``score`` and optionally ``plots``) plus its tests.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from ropescale.strategies import Strategy
+
+__all__ = ["Task", "TaskOptions", "Metric", "TASKS", "get_task", "task_names", "UnknownTaskError", "progress"]
+
+
+class TaskOptions(BaseModel):
+    """Base of a task's own configuration keys (written under ``<task name>:`` in a config)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def check_lengths(self, lengths: list[int]) -> None:
+        """Raise ``ValueError`` when these options cannot work at some of ``lengths``."""
+
+    def key(self) -> dict[str, Any]:
+        """What of these options changes the task's numbers (the cell id hashes it): all of them
+        unless a task says otherwise."""
+        return self.model_dump()
+
+
+class Metric(BaseModel):
+    """A metric a task reports: ``key`` in the record, how to print it, which way is better."""
+
+    key: str
+    label: str
+    higher_is_better: bool
+    fmt: str = "{:.2f}"
+
+
+class UnknownTaskError(KeyError):
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+TASKS: dict[str, type["Task"]] = {}
+
+
+class Task:
+    """One kind of evaluation. Subclasses set the class attributes and implement ``examples``
+    and ``score``.
+
+    name: the task's name in configs and records.
+    Options: the pydantic model of its options (``TaskOptions`` subclass).
+    metrics: what ``score`` reports; the first is the headline of tables and plots.
+    uses_data: whether the task reads the config's ``data`` source (its documents are passed in).
+    """
+
+    name: ClassVar[str]
+    Options: ClassVar[type[TaskOptions]] = TaskOptions
+    metrics: ClassVar[tuple[Metric, ...]]
+    uses_data: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        name = cls.__dict__.get("name")
+        if name:
+            if name in TASKS:
+                raise ValueError(f"task {name!r} is already registered")
+            TASKS[name] = cls
+
+    def __init__(self, options: TaskOptions, *, tokenizer, train_length: int,
+                 documents: list[torch.Tensor] | None = None):
+        self.options, self.tokenizer, self.train_length, self.documents = options, tokenizer, train_length, documents
+
+    @classmethod
+    def summary(cls) -> str:
+        return " ".join((cls.__doc__ or cls.name).split("\n\n")[0].split())
+
+    def examples(self, length: int) -> Any:
+        """The examples at ``length`` tokens; built once and scored under every strategy.
+        Raises ``ValueError`` (or a subclass) when ``length`` cannot hold them."""
+        raise NotImplementedError
+
+    def score(self, model, examples: Any, *, length: int, strategy: Strategy, device: torch.device,
+              desc: str | None) -> dict[str, Any]:
+        """Score the (already patched) ``model`` on ``examples``: a flat dict holding at least
+        every ``metrics`` key. ``desc`` labels a progress bar (None: no bar)."""
+        raise NotImplementedError
+
+    @classmethod
+    def plots(cls, records: list[dict], output: Path) -> dict[str, Path]:
+        """Figures from this task's records; returns ``{kind: path}``."""
+        return {}
+
+
+def _discover() -> None:
+    import importlib
+    import pkgutil
+
+    import eval.tasks as package
+
+    for mod in pkgutil.iter_modules(package.__path__):
+        if mod.name not in ("base", "prompts") and not mod.name.startswith("_"):
+            importlib.import_module(f"eval.tasks.{mod.name}")
+
+
+def task_names() -> list[str]:
+    _discover()
+    return sorted(TASKS)
+
+
+def get_task(name: str) -> type[Task]:
+    """The task class ``name``; ``UnknownTaskError`` lists the known ones."""
+    _discover()
+    try:
+        return TASKS[name]
+    except KeyError:
+        hint = difflib.get_close_matches(str(name), TASKS, n=1)
+        raise UnknownTaskError(f"unknown task {name!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                               + f"; known tasks: {', '.join(sorted(TASKS))}") from None
+
+
+def progress(total: int, desc: str | None, unit: str = "it"):
+    """A tqdm bar labelled ``desc``; none when ``desc`` is None, and quiet when stderr is not a
+    terminal (logs of long runs stay readable)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=True if desc is None else None, leave=False, unit=unit)

@@ -1,0 +1,55 @@
+"""Needle in a haystack on real text, RULER's ``niah_single`` (Hsieh et al. 2024, arXiv:2404.06654).
+
+The haystack is sentences of the harness's data source (held-out KJV books by default; PG-19
+and the like for real users), from a seeded starting sentence per example; the needle is a
+magic-number line for a random word; the question asks for that word's number. Scored as RULER
+does (the number appears in the greedy output) and by candidate log-likelihood
+(``eval.tasks.retrieval``).
+"""
+
+from __future__ import annotations
+
+import random
+from functools import cached_property
+
+from pydantic import Field
+
+from eval.tasks.prompts import Prompt, build_prompt, cycle_units, random_key, sentence_units
+from eval.tasks.retrieval import RetrievalOptions, RetrievalTask, contains_match
+
+__all__ = ["Needle", "NeedleOptions", "NEEDLE", "QUESTION", "WORDS", "make_prompt"]
+
+NEEDLE = "One of the special magic numbers for {word} is: {number}."
+QUESTION = ("What is the special magic number for {word} mentioned in the provided text? "
+            "The special magic number for {word} mentioned in the provided text is")
+WORDS = ("apple", "river", "candle", "mountain", "garden", "silver", "window", "harbor", "lantern", "meadow",
+         "copper", "violin", "forest", "island", "pepper", "mirror", "thunder", "feather", "saddle", "marble",
+         "anchor", "basket", "cherry", "dragon", "engine", "falcon", "glacier", "helmet", "jacket", "kettle",
+         "ladder", "magnet", "needle", "orange", "pillow", "quartz", "rocket", "spider", "tunnel", "walnut")
+
+
+def make_prompt(tokenizer, units, *, length: int, depth: float, word: str, number: str) -> Prompt:
+    """A needle prompt of ``length`` tokens (answer included) over the haystack ``units``."""
+    return build_prompt(tokenizer, units, length=length, depth=depth, needle=NEEDLE.format(word=word, number=number),
+                        question=QUESTION.format(word=word), answer=number)
+
+
+class NeedleOptions(RetrievalOptions):
+    digits: int = Field(7, ge=1, le=12, description="digits of the magic number (RULER: 7)")
+
+
+class Needle(RetrievalTask):
+    """Needle in a haystack of real text (RULER niah_single): a magic number for a word."""
+
+    name = "needle"
+    Options = NeedleOptions
+    match = staticmethod(contains_match)
+    uses_data = True
+
+    @cached_property
+    def units(self) -> list[list[int]]:
+        return sentence_units(self.tokenizer, [d.tolist() for d in self.documents])
+
+    def make_prompt(self, length: int, depth: float, rng: random.Random) -> Prompt:
+        return make_prompt(self.tokenizer, cycle_units(self.units, rng.randrange(len(self.units))), length=length,
+                           depth=depth, word=rng.choice(WORDS), number=random_key(rng, self.options.digits))

@@ -1,0 +1,89 @@
+"""Perplexity over windows of L tokens of the data source (``eval.windows`` cuts them,
+``eval.perplexity`` scores them). PPL = exp(total NLL / scored tokens), token-weighted."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+
+from eval.perplexity import score_windows
+from eval.tasks.base import Metric, Task, TaskOptions
+from eval.windows import make_windows
+
+__all__ = ["Perplexity", "PerplexityOptions", "LEGACY_KEYS"]
+
+
+class PerplexityOptions(TaskOptions):
+    mode: Literal["chunk", "sliding"] = "chunk"
+    stride: int | None = Field(None, ge=1, description="sliding mode; default length // 2")
+    max_windows: int | None = Field(None, ge=1, description="cap on windows per length")
+    add_bos: bool = False
+    batch_size: int = Field(1, ge=1)
+    position_buckets: int = Field(16, ge=1)
+    dynamic_block: int | None = Field(None, ge=1, description=(
+        "dynamic strategies: score tokens [kB, (k+1)B) with a forward over the first (k+1)B tokens, "
+        "the scale generation would use (1 = per position); default: one scale per window"))
+
+    def check_lengths(self, lengths: list[int]) -> None:
+        if self.stride and self.mode == "sliding" and self.stride > min(lengths):
+            raise ValueError(f"stride {self.stride} is longer than the shortest length {min(lengths)}")
+
+    def key(self) -> dict[str, Any]:
+        return self.model_dump() | {"stride": self.stride if self.mode == "sliding" else None}
+
+
+# written at the top level of a config before tasks existed; still read there
+LEGACY_KEYS = tuple(PerplexityOptions.model_fields)
+
+
+def _dynamic_semantics(block: int | None) -> str:
+    if block is None:
+        return "one scale per window (L = window length), as a single forward"
+    return (f"block-wise, block {block}: tokens [kB, (k+1)B) scored by a forward over the first (k+1)B "
+            "tokens, as exact cached generation with dynamic_block=B (B=1: per position)")
+
+
+class Perplexity(Task):
+    """Perplexity of the data source's documents in windows of L tokens (chunk or sliding)."""
+
+    name = "perplexity"
+    Options = PerplexityOptions
+    metrics = (Metric(key="ppl", label="perplexity", higher_is_better=False),
+               Metric(key="nll", label="mean NLL (nats)", higher_is_better=False, fmt="{:.4f}"))
+    uses_data = True
+
+    @property
+    def bos(self) -> int | None:
+        if not self.options.add_bos:
+            return None
+        if self.tokenizer.bos_token_id is None:
+            raise ValueError("add_bos is set but the model's tokenizer has no BOS token")
+        return self.tokenizer.bos_token_id
+
+    def examples(self, length: int):
+        o = self.options
+        self.bos  # noqa: B018  (fails before any cell runs)
+        return make_windows([len(d) for d in self.documents], length, o.mode, o.stride, o.add_bos, o.max_windows)
+
+    def score(self, model, windows, *, length, strategy, device, desc) -> dict[str, Any]:
+        o = self.options
+        block = o.dynamic_block if strategy.dynamic else None
+        s = score_windows(model, self.documents, windows, length=length, bos_token_id=self.bos,
+                          batch_size=o.batch_size, buckets=o.position_buckets, device=device, desc=desc,
+                          prefix_block=block)
+        return {"ppl": math.exp(s.mean_nll), "nll": s.mean_nll, "tokens": s.tokens, "windows": len(windows),
+                "mode": o.mode, "stride": (o.stride or length // 2) if o.mode == "sliding" else None,
+                "add_bos": o.add_bos, "dynamic": _dynamic_semantics(block) if strategy.dynamic else None,
+                "nll_by_position": s.by_position()}
+
+    @classmethod
+    def plots(cls, records: list[dict], output: Path) -> dict[str, Path]:
+        from eval.report import plot_metric, plot_position
+
+        paths = {"plot": output / "ppl_vs_length.png", "position_plot": output / "nll_vs_position.png"}
+        plot_metric(records, "ppl", "perplexity", paths["plot"])
+        plot_position(records, paths["position_plot"])
+        return paths

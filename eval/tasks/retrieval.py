@@ -1,0 +1,204 @@
+"""What the retrieval tasks (passkey, needle) share: examples at depths × trials, scored two
+ways, with Wilson intervals per depth.
+
+Each example is a prompt of exactly L tokens including its answer (``eval.tasks.prompts``). It
+is scored
+
+- by **greedy generation** of the answer's token count + 2 tokens after the prompt (with the KV
+  cache, as a user would decode), checked as the task says: the first integer in the output
+  equals the key (YaRN's passkey scoring) or the key appears in it (RULER's);
+- by **candidate log-likelihood**: the answer against ``candidates − 1`` seeded distractor keys
+  with as many digits, each scored as the sum of its tokens' log-probabilities after the prompt;
+  correct when the answer scores strictly highest (chance = 1 / candidates). It still separates
+  strategies when generation fails everywhere.
+
+Candidates share the prompt's KV cache (one prompt forward per example). Dynamic strategies,
+whose frequencies depend on the length of each forward, score them with full forwards instead,
+so both scores are what a full forward over prompt + candidate gives.
+
+Accuracy is reported per depth and overall, each with a 95% Wilson score interval
+(Wilson 1927; Brown, Cai & DasGupta 2001).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field, field_validator, model_validator
+
+from eval.tasks.base import Metric, Task, TaskOptions, progress
+from eval.tasks.prompts import Prompt, continuation, distractor_keys
+
+__all__ = ["RetrievalOptions", "RetrievalTask", "Example", "wilson", "first_integer_match", "contains_match"]
+
+Z95 = 1.959963984540054  # standard normal quantile at 0.975
+
+
+def wilson(successes: int, trials: int, z: float = Z95) -> tuple[float, float]:
+    """95% Wilson score interval ``(low, high)`` for ``successes`` out of ``trials``."""
+    if trials <= 0:
+        raise ValueError("wilson interval needs at least one trial")
+    p = successes / trials
+    denom = 1 + z * z / trials
+    centre = (p + z * z / (2 * trials)) / denom
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def first_integer_match(output: str, answer: str) -> bool:
+    """YaRN's passkey check: the first integer in ``output`` equals ``answer``."""
+    m = re.search(r"\d+", output)
+    return m is not None and m.group() == answer
+
+
+def contains_match(output: str, answer: str) -> bool:
+    """RULER's check: ``answer`` appears in ``output``."""
+    return answer in output
+
+
+class RetrievalOptions(TaskOptions):
+    depths: list[float] = Field(default=[0.0, 0.2, 0.4, 0.6, 0.8, 1.0], min_length=1,
+                                description="needle depths, fractions of the haystack (0 = start)")
+    trials: int = Field(10, ge=1, description="examples per (length, depth), each with its own seeded key")
+    digits: int = Field(5, ge=1, le=12, description="digits of the key")
+    candidates: int = Field(10, ge=2, description="keys compared by log-likelihood, the answer among them")
+    seed: int = 0
+
+    @field_validator("depths")
+    @classmethod
+    def _depths(cls, v: list[float]) -> list[float]:
+        bad = [d for d in v if not 0.0 <= d <= 1.0]
+        if bad:
+            raise ValueError(f"depths must lie in [0, 1]; got {bad}")
+        return sorted(set(v))
+
+    @model_validator(mode="after")
+    def _enough_keys(self) -> "RetrievalOptions":
+        if self.candidates > 9 * 10 ** (self.digits - 1):
+            raise ValueError(f"candidates={self.candidates} is more than there are {self.digits}-digit keys")
+        return self
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: Prompt
+    candidates: list[list[int]]  # answer's tokens first, then the distractors'
+    depth_index: int
+
+
+class RetrievalTask(Task):
+    """Base of the retrieval tasks; subclasses implement ``make_prompt``."""
+
+    Options = RetrievalOptions
+    match: ClassVar = staticmethod(first_integer_match)
+    metrics = (Metric(key="accuracy", label="greedy exact-match accuracy", higher_is_better=True),
+               Metric(key="candidate_accuracy", label="candidate log-likelihood accuracy", higher_is_better=True))
+
+    def make_prompt(self, length: int, depth: float, rng: random.Random) -> Prompt:
+        raise NotImplementedError
+
+    def examples(self, length: int) -> list[Example]:
+        o = self.options
+        out = []
+        for di, depth in enumerate(o.depths):
+            for trial in range(o.trials):
+                rng = random.Random(f"{self.name}:{o.seed}:{length}:{depth}:{trial}")
+                prompt = self.make_prompt(length, depth, rng)
+                keys = [prompt.answer, *distractor_keys(rng, prompt.answer, o.candidates - 1)]
+                cands = [prompt.answer_ids] + [continuation(self.tokenizer, prompt.question, k)[1] for k in keys[1:]]
+                out.append(Example(prompt, cands, di))
+        return out
+
+    @torch.no_grad()
+    def score(self, model, examples, *, length, strategy, device, desc) -> dict[str, Any]:
+        exact, cand = [], []
+        bar = progress(len(examples), desc, unit="ex")
+        for ex in examples:
+            ids = torch.tensor([ex.prompt.ids], device=device)  # [1, n]
+            out = model(input_ids=ids, use_cache=True)
+            last = out.logits[0, -1].float().log_softmax(-1)  # [V]
+            if strategy.dynamic:
+                scores = _candidate_scores_full(model, ex.prompt.ids, ex.candidates, device)
+            else:
+                scores = _candidate_scores_cached(model, last, out.past_key_values, ex.candidates, device)
+            cand.append(bool(scores[0] > scores[1:].max()))
+            generated = _greedy(model, last, out.past_key_values, len(ex.prompt.answer_ids) + 2)
+            exact.append(type(self).match(self.tokenizer.decode(generated), ex.prompt.answer))
+            bar.update(1)
+        bar.close()
+        return summarise(examples, exact, cand, self.options)
+
+    @classmethod
+    def plots(cls, records: list[dict], output: Path) -> dict[str, Path]:
+        from eval.report import plot_depth_heatmaps, plot_metric
+
+        paths = {"plot": output / "accuracy_vs_length.png", "heatmap": output / "depth_heatmap.png"}
+        plot_metric(records, "accuracy", "greedy exact-match accuracy", paths["plot"], ci="accuracy_ci",
+                    second=("candidate_accuracy", "candidate log-likelihood accuracy", "candidate_accuracy_ci"),
+                    chance="chance")
+        plot_depth_heatmaps(records, "accuracy", paths["heatmap"])
+        return paths
+
+
+def _candidate_scores_cached(model, last: torch.Tensor, cache, candidates: list[list[int]], device) -> torch.Tensor:
+    """Summed log-probabilities ``[K]`` of each candidate after the prompt, from the prompt's
+    cache (copied, repeated K times) and one forward of the right-padded candidates."""
+    k, longest = len(candidates), max(map(len, candidates))
+    first = torch.tensor([c[0] for c in candidates], device=last.device)
+    scores = last[first].double()  # [K]: the first token is predicted by the prompt's last logits
+    if longest == 1:
+        return scores.cpu()
+    cache = copy.deepcopy(cache)
+    cache.batch_repeat_interleave(k)
+    ids = torch.tensor([c + [c[-1]] * (longest - len(c)) for c in candidates], device=device)  # [K, D]
+    logp = model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True).logits.float().log_softmax(-1)
+    tok = logp.gather(-1, ids[:, 1:, None])[..., 0].double()  # [K, D-1]: log p(candidate token j | ...)
+    real = torch.tensor([[j + 1 < len(c) for j in range(longest - 1)] for c in candidates], device=device)
+    return (scores + (tok * real).sum(-1)).cpu()
+
+
+def _candidate_scores_full(model, prompt: list[int], candidates: list[list[int]], device) -> torch.Tensor:
+    """As ``_candidate_scores_cached``, with one full forward over prompt + candidate per row."""
+    n, longest = len(prompt), max(map(len, candidates))
+    ids = torch.tensor([prompt + c + [c[-1]] * (longest - len(c)) for c in candidates], device=device)  # [K, n+D]
+    logp = model(input_ids=ids, use_cache=False).logits[:, n - 1 : -1].float().log_softmax(-1)  # [K, D, V]
+    tok = logp.gather(-1, ids[:, n:, None])[..., 0].double()  # [K, D]
+    real = torch.tensor([[j < len(c) for j in range(longest)] for c in candidates], device=device)
+    return (tok * real).sum(-1).cpu()
+
+
+def _greedy(model, last: torch.Tensor, cache, n: int) -> list[int]:
+    """``n`` greedy tokens continuing the prompt whose last log-probs are ``last`` (cache updated in place)."""
+    tok = last.argmax()
+    out = [int(tok)]
+    for _ in range(n - 1):
+        logits = model(input_ids=tok.view(1, 1), past_key_values=cache, use_cache=True).logits
+        tok = logits[0, -1].argmax()
+        out.append(int(tok))
+    return out
+
+
+def summarise(examples: list[Example], exact: list[bool], cand: list[bool], options: RetrievalOptions) -> dict:
+    """The cell's metrics: overall and per-depth accuracies with Wilson intervals."""
+
+    def stats(idx: list[int]) -> dict:
+        n, e, c = len(idx), sum(exact[i] for i in idx), sum(cand[i] for i in idx)
+        return {"trials": n, "accuracy": e / n, "accuracy_ci": list(wilson(e, n)),
+                "candidate_accuracy": c / n, "candidate_accuracy_ci": list(wilson(c, n))}
+
+    by_depth = []
+    for di, depth in enumerate(options.depths):
+        idx = [i for i, ex in enumerate(examples) if ex.depth_index == di]
+        if idx:
+            pos = sum(examples[i].prompt.needle_start for i in idx) / len(idx)
+            by_depth.append({"depth": depth, "needle_token": round(pos, 1), **stats(idx)})
+    return {**stats(list(range(len(examples)))), "chance": 1 / options.candidates,
+            "prompt_tokens": sum(len(ex.prompt.ids) for ex in examples) // len(examples), "by_depth": by_depth}

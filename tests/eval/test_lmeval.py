@@ -1,0 +1,67 @@
+"""The `ropescale` model type for lm-evaluation-harness, offline on a small local task."""
+
+import json
+
+import pytest
+
+lm_eval = pytest.importorskip("lm_eval")
+
+import ropescale  # noqa: E402
+from eval import lmeval  # noqa: E402  (registers the model type)
+
+TASK = """task: tiny_rolling
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+"""
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory, text_file):
+    d = tmp_path_factory.mktemp("lm-eval-task")
+    text = text_file.read_text()
+    with (d / "docs.jsonl").open("w") as f:
+        for i in range(3):
+            f.write(json.dumps({"text": text[i * 600:(i + 1) * 600]}) + "\n")
+    (d / "tiny.yaml").write_text(TASK.format(data=d / "docs.jsonl"))
+    return d
+
+
+def evaluate(model, task_dir, **kw):
+    from lm_eval.tasks import TaskManager
+
+    out = lm_eval.simple_evaluate(model=model, tasks=["tiny_rolling"], task_manager=TaskManager(include_path=str(task_dir)),
+                                  batch_size=1, device="cpu", **kw)
+    return out["results"]["tiny_rolling"]["word_perplexity,none"]
+
+
+def test_registered_model_equals_hflm_over_a_model_patched_by_hand(task_dir, tiny_model_dir):
+    from lm_eval.models.huggingface import HFLM
+
+    ours = evaluate("ropescale", task_dir, model_args=f"pretrained={tiny_model_dir},strategy=yarn,factor=2")
+    model, tok = ropescale.load_model(str(tiny_model_dir), device="cpu")
+    ropescale.patch(model, "yarn", factor=2)
+    by_hand = evaluate(HFLM(pretrained=model, tokenizer=tok, max_length=64, batch_size=1), task_dir)
+    assert ours == pytest.approx(by_hand, rel=1e-9)
+    # max_length followed the factor (2 × 32): vanilla RoPE over the same 64-token windows differs
+    vanilla = evaluate("ropescale", task_dir, model_args=f"pretrained={tiny_model_dir},max_length=64")
+    assert vanilla != pytest.approx(ours, rel=1e-6)
+
+
+def test_bad_strategy_parameter_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="yarn: parameter factor=0.5 is out of range"):
+        lmeval.RopescaleLM(pretrained=str(tiny_model_dir), strategy="yarn", factor=0.5)
+
+
+def test_command_line_runs_offline(task_dir, tiny_model_dir, capsys):
+    lmeval.main(["--model", "ropescale", "--model_args", f"pretrained={tiny_model_dir},strategy=ntk,factor=2",
+                 "--tasks", "tiny_rolling", "--include_path", str(task_dir), "--device", "cpu", "--batch_size", "1"])
+    out = capsys.readouterr().out
+    assert "tiny_rolling" in out and "word_perplexity" in out
