@@ -182,6 +182,77 @@ def patch_cmd(model, strategy_spec, output, original_max_position_embeddings, la
                "(plain from_pretrained refuses it rather than run vanilla RoPE)")
 
 
+@main.command()
+@click.option("--model", help="bundled name, local path or hub id (its config gives d, rope_theta and T)")
+@click.option("--head-dim", type=int, help="without --model: rotary dim d")
+@click.option("--rope-theta", type=float, help="without --model: RoPE base b")
+@click.option("--training-length", type=int, help="without --model: training window T (tokens)")
+@click.option("--strategy", "strategy_specs", multiple=True, required=True, metavar="NAME[:k=v,...]",
+              help="repeatable; parameters a sweep fills (factor, n_max, window) follow --length")
+@click.option("--length", type=int, required=True, help="target length L (tokens)")
+@click.option("--pair", "pairs", type=int, multiple=True, help="rotary pair(s) for the angle plot (default 0, the fastest)")
+@click.option("--attention", is_flag=True, help="also measure attention entropy and first-token share on text of "
+                                                "L tokens (loads the model's weights; frequency strategies)")
+@click.option("--data", default="kjv-heldout", show_default=True, help="text for --attention")
+@click.option("--output", "-o", required=True, type=click.Path(file_okay=False))
+def inspect(model, head_dim, rope_theta, training_length, strategy_specs, length, pairs, attention, data, output) -> None:
+    """Draw what each strategy does to the rotary geometry: wavelengths per pair, rotation angles
+    and aliasing, long-range decay, the base bound; writes PNGs and summary.json."""
+    import torch
+
+    from eval.config import parse_strategy
+    from eval.inspect import RotaryConfig, inspect as run_inspect, rotary_config_of_model
+    from ropescale.strategies.frequency import rope_inv_freq
+
+    try:
+        specs = [parse_strategy(s) for s in strategy_specs]
+        if model:
+            cfg = rotary_config_of_model(model)
+        else:
+            missing = [f for f, v in (("--head-dim", head_dim), ("--rope-theta", rope_theta),
+                                      ("--training-length", training_length)) if v is None]
+            if missing:
+                raise ValueError(f"give --model, or a bare configuration: missing {', '.join(missing)}")
+            if head_dim < 2 or head_dim % 2 or rope_theta <= 1 or training_length < 2:
+                raise ValueError("--head-dim must be even and >= 2, --rope-theta > 1, --training-length >= 2")
+            cfg = RotaryConfig(head_dim, rope_theta, training_length, rope_inv_freq(head_dim, rope_theta).double(),
+                               f"d={head_dim}, b={rope_theta:g}, T={training_length}")
+        extra = None
+        if attention:
+            if not model:
+                raise ValueError("--attention needs --model (its weights)")
+            from ropescale.strategies import get_strategy
+
+            rules = [s.name for s in specs if get_strategy(s.name).kind != "frequency"]
+            if rules:
+                raise ValueError(f"--attention needs attention weights; {', '.join(rules)} compute attention in "
+                                 "their own kernel and return none (measure frequency strategies only)")
+            from eval.data import DataSpec, load_documents, tokenize_documents
+            from ropescale import load_model, unpatch
+
+            m, tok = load_model(model, device="cpu")
+            unpatch(m)
+            stream = torch.cat(tokenize_documents(tok, load_documents(DataSpec(data))))
+            if stream.numel() < length:
+                raise ValueError(f"--data {data} has {stream.numel()} tokens, fewer than --length {length}")
+            extra = {"model": m, "ids": stream[:length][None]}
+        summary = run_inspect(cfg, specs, length, output, pairs=list(pairs) or None, attention=extra)
+    except (UnknownStrategyError, ValueError, OSError) as e:
+        _fail(e)
+    click.echo(f"{summary['source']}: d={summary['dim']}, rope_theta={summary['rope_theta']:g}, "
+               f"T={summary['train_length']}, L={length}")
+    for r in summary["strategies"]:
+        if r["kind"] == "frequencies":
+            counts = ", ".join(f"{k} {v}" for k, v in r["class_counts"].items() if v)
+            click.echo(f"  {r['strategy']:<28} pairs: {counts}; aliasing at r = {r['alias_distance']}; "
+                       f"first B(m) < 0 at m = {r['base_bound_first_negative']}")
+        else:
+            click.echo(f"  {r['strategy']:<28} relative positions up to {r['max_relative_position']:g} (window {r['window']})")
+    click.echo(f"  smallest base keeping B(m) >= 0 for m < {length} at d = {summary['dim']}: "
+               f"{summary['smallest_base_for_length']:.4g}")
+    click.echo(f"written to {output}/: {', '.join(summary['files'])}, summary.json")
+
+
 @main.command("lm-eval", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
                                           "help_option_names": []})
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)

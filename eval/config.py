@@ -59,7 +59,15 @@ def parse_strategy(entry: Any) -> StrategySpec:
     """``"yarn"``, ``"yarn:factor=4,logn=true"`` or ``{"name": "yarn", "factor": 4}`` → ``StrategySpec``.
 
     ``logn`` is not a strategy parameter but an option any strategy takes (log-n query scaling).
+    Raises ``ValueError`` with one line (unknown name with the known ones, bad parameter and its range).
     """
+    try:
+        return _parse_strategy(entry)
+    except ValidationError as e:
+        raise ValueError(e.errors()[0]["msg"].removeprefix("Value error, ")) from None
+
+
+def _parse_strategy(entry: Any) -> StrategySpec:
     if isinstance(entry, StrategySpec):
         return entry
     if isinstance(entry, str):
@@ -149,8 +157,6 @@ class EvalConfig(BaseModel):
         for i, entry in enumerate(v):
             try:
                 out.append(parse_strategy(entry))
-            except ValidationError as e:
-                raise ValueError(f"entry {i} ({entry!r}): {e.errors()[0]['msg'].removeprefix('Value error, ')}") from None
             except (KeyError, ValueError) as e:
                 raise ValueError(f"entry {i} ({entry!r}): {e}") from None
         return out

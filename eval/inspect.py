@@ -1,0 +1,144 @@
+"""``ropescale inspect``: what each strategy does to a model's rotary geometry at a length.
+
+For a model (its config only: d, ``rope_theta``, training window T and its own frequencies) or a
+bare configuration, and each strategy at target length L, writes into the output folder:
+
+- ``wavelengths.png``: λ_i per rotary pair before and after, log axis, T and L marked, each pair
+  coloured by its class (``ropescale.geometry.classify_pairs``); truncation rules instead get
+  ``relative_positions.png``, their map p(i, j) at L;
+- ``angles.png``: rotation angle mod 2π against distance for chosen pairs (default the fastest),
+  short range and 1 … L, with the first aliasing distance (He & Xu, Figs. 1–2);
+- ``decay.png``: C(r) = (2/d)·Σ cos(r·θ_i) and the RoFormer bound (Su et al. §3.4.3), r < L;
+- ``base_bound.png``: B(m) = Σ cos(m·θ_i) over m < L (Men et al. 2024, arXiv:2405.14591);
+- ``attention.png`` (``attention=True``, needs the weights): attention entropy by query position
+  and the share of attention on the first tokens, per strategy, on real text of L tokens;
+- ``summary.json``: every number above (classes, counts, alias distances, first negative B(m),
+  the smallest base that keeps B ≥ 0 up to L for this d, …).
+
+Raises ``ValueError`` for bad input (unknown strategy or parameter, a length below 2, a model
+config without RoPE) with one line saying what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eval.config import StrategySpec
+from ropescale import geometry as geo
+from ropescale.strategies import RopeFrequencies, get_strategy
+from ropescale.strategies.frequency import rope_inv_freq
+
+__all__ = ["RotaryConfig", "rotary_config_of_model", "inspect", "SINK_TOKENS"]
+
+SINK_TOKENS = 4  # "the first tokens" whose share of attention is reported
+
+
+@dataclass(frozen=True)
+class RotaryConfig:
+    """d, b, T and the model's own ``inv_freq`` ``[d/2]`` (vanilla unless its config scales RoPE)."""
+
+    dim: int
+    rope_theta: float
+    train_length: int
+    inv_freq: torch.Tensor
+    source: str
+
+
+def rotary_config_of_model(name_or_path: str) -> RotaryConfig:
+    """Read d, b, T and the configured frequencies from a model's config (no weights loaded)."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from ropescale.models import resolve_model
+
+    config = AutoConfig.from_pretrained(resolve_model(name_or_path))
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rp = dict(getattr(text, "rope_parameters", None) or {})
+    if "full_attention" in rp and isinstance(rp["full_attention"], dict):  # per layer type (Gemma 3)
+        rp = rp["full_attention"]
+    theta = rp.get("rope_theta", getattr(text, "rope_theta", None))
+    if theta is None:
+        raise ValueError(f"{name_or_path}: its config has no rope_theta: not a RoPE model")
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    dim = int(head_dim * rp.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", 1.0) or 1.0))
+    dim -= dim % 2
+    train = rp.get("original_max_position_embeddings") or getattr(text, "max_position_embeddings", None)
+    rope_type = rp.get("rope_type", "default")
+    if rope_type in ROPE_INIT_FUNCTIONS:
+        inv_freq = ROPE_INIT_FUNCTIONS[rope_type](text, "cpu")[0].double()
+    else:
+        inv_freq = rope_inv_freq(dim, float(theta)).double()
+    return RotaryConfig(dim, float(theta), int(train), inv_freq, str(name_or_path))
+
+
+def _frequencies(spec: StrategySpec, cfg: RotaryConfig, length: int):
+    strat = get_strategy(spec.name)
+    params = strat.validate(spec.params, fill_auto={"scale": max(1.0, length / cfg.train_length),
+                                                    "length": float(length), "half_train": cfg.train_length // 2})
+    context = {"dim": cfg.dim, "rope_theta": cfg.rope_theta, "original_max_position_embeddings": cfg.train_length,
+               "seq_len": length}
+    return params, strat.compute(context, params)
+
+
+def _strategy_summary(spec: StrategySpec, cfg: RotaryConfig, length: int, pairs: list[int]) -> dict[str, Any]:
+    params, out = _frequencies(spec, cfg, length)
+    record: dict[str, Any] = {"strategy": spec.display, "name": spec.name, "params": params}
+    if not isinstance(out, RopeFrequencies):  # a truncation rule: relative positions, not frequencies
+        pos = torch.arange(length, dtype=torch.float64)[None]
+        p = out.relative_positions(pos, pos)[0].tril()  # [L, L]
+        record |= {"kind": "relative rule", "window": out.window, "max_relative_position": float(p.max()),
+                   "_p": p}
+        return record
+    theta = out.inv_freq.double()
+    classes = geo.classify_pairs(cfg.inv_freq, theta, cfg.train_length, length)
+    b = geo.base_bound_curve(theta, length)
+    return record | {
+        "kind": "frequencies", "attention_factor": out.attention_factor, "inv_freq": theta.tolist(),
+        "wavelength": [round(x, 4) if math.isfinite(x) else None for x in geo.wavelengths(theta).tolist()],
+        "classes": classes, "class_counts": {c: classes.count(c) for c in geo.PAIR_CLASSES},
+        "alias_distance": {str(i): geo.alias_distance(float(theta[i]), length) for i in pairs},
+        "base_bound_first_negative": geo.first_negative(b), "base_bound_min": float(b.min()),
+        "_theta": theta}
+
+
+def inspect(cfg: RotaryConfig, strategies: list[StrategySpec], length: int, output: str | Path, *,
+            pairs: list[int] | None = None, attention: dict | None = None) -> dict[str, Any]:
+    """Compute and draw the geometry of ``strategies`` at ``length``; returns the summary.
+
+    ``pairs``: rotary pairs for the angle plot (default ``[0]``, the fastest). ``attention``:
+    ``{"model": ..., "text": ...}`` to also measure attention statistics (see module doc).
+    """
+    if length < 2:
+        raise ValueError(f"length {length} must be at least 2 tokens")
+    pairs = pairs or [0]
+    bad = [i for i in pairs if not 0 <= i < cfg.dim // 2]
+    if bad:
+        raise ValueError(f"pairs {bad} out of range: this model has {cfg.dim // 2} rotary pairs (0 … {cfg.dim // 2 - 1})")
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    rows = [_strategy_summary(s, cfg, length, pairs) for s in strategies]
+    b_min = geo.smallest_base(cfg.dim, length)
+    summary = {"source": cfg.source, "dim": cfg.dim, "rope_theta": cfg.rope_theta, "train_length": cfg.train_length,
+               "length": length, "pairs": pairs, "smallest_base_for_length": b_min,
+               "rope_theta_keeps_B_nonnegative": cfg.rope_theta >= b_min,
+               "strategies": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]}
+    from eval.inspect_plots import plot_all
+
+    summary["files"] = plot_all(cfg, rows, length, pairs, output)
+    if attention:
+        from eval.inspect_plots import attention_stats, plot_attention
+
+        stats = {r["strategy"]: attention_stats(attention["model"], attention["ids"], s)
+                 for r, s in zip(rows, strategies)}
+        plot_attention(stats, cfg, length, output / "attention.png")
+        summary["attention"] = {k: {"mean_entropy": v["mean_entropy"], "mean_sink_share": v["mean_sink_share"]}
+                                for k, v in stats.items()}
+        summary["files"].append("attention.png")
+    (output / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary

@@ -1,0 +1,63 @@
+"""`ropescale inspect`: files, summary numbers against the geometry's closed forms, bad input."""
+
+import json
+import math
+
+import pytest
+from click.testing import CliRunner
+
+from cli import main
+
+
+def run(*args):
+    return CliRunner().invoke(main, ["inspect", *map(str, args)], catch_exceptions=False)
+
+
+def test_bundled_model_at_8t(tmp_path):
+    res = run("--model", "reference", "--strategy", "vanilla", "--strategy", "linear", "--strategy", "ntk",
+              "--strategy", "pi_over_2n:n_max=2048", "--strategy", "rerope", "--length", 1024, "-o", tmp_path)
+    assert res.exit_code == 0, res.output
+    for name in ("wavelengths.png", "angles.png", "decay.png", "base_bound.png", "relative_positions.png"):
+        assert (tmp_path / name).stat().st_size > 10_000
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert (s["dim"], s["rope_theta"], s["train_length"], s["length"]) == (32, 10000.0, 128, 1024)
+    rows = {r["strategy"]: r for r in s["strategies"]}
+    # vanilla past T: the pairs with λ_i = 2π·b^(2i/d) > T are extrapolated, the others unchanged
+    slow = sum(2 * math.pi * 10000 ** (2 * i / 32) > 128 for i in range(16))
+    assert rows["vanilla"]["class_counts"] == {"unchanged": 16 - slow, "interpolated": 0, "extrapolated": slow,
+                                               "truncated": 0}
+    assert rows["vanilla"]["alias_distance"] == {"0": 7}  # θ_0 = 1
+    assert rows["linear"]["class_counts"]["interpolated"] == 16 and rows["linear"]["params"]["factor"] == 8.0
+    assert rows["pi_over_2n:n_max=2048"]["alias_distance"] == {"0": None}
+    assert rows["rerope"]["kind"] == "relative rule" and rows["rerope"]["max_relative_position"] == 64
+    assert s["smallest_base_for_length"] > s["rope_theta"] and not s["rope_theta_keeps_B_nonnegative"]
+    assert rows["vanilla"]["base_bound_first_negative"] is not None
+
+
+def test_bare_configuration_and_attention(tmp_path):
+    res = run("--head-dim", 64, "--rope-theta", 10000, "--training-length", 256, "--strategy", "yarn",
+              "--length", 512, "--pair", 0, "--pair", 5, "-o", tmp_path / "bare")
+    assert res.exit_code == 0, res.output
+    s = json.loads((tmp_path / "bare" / "summary.json").read_text())
+    assert s["dim"] == 64 and set(s["strategies"][0]["alias_distance"]) == {"0", "5"}
+    res = run("--model", "reference", "--strategy", "vanilla", "--strategy", "yarn", "--length", 256, "--attention",
+              "-o", tmp_path / "att")
+    assert res.exit_code == 0, res.output
+    att = json.loads((tmp_path / "att" / "summary.json").read_text())["attention"]
+    for v in att.values():  # entropy of a distribution over ≤ 256 keys; a share in [0, 1]
+        assert 0 < v["mean_entropy"] < math.log(256) and 0 <= v["mean_sink_share"] <= 1
+    assert (tmp_path / "att" / "attention.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--strategy", "yarnn", "--model", "reference", "--length", 256], "unknown strategy 'yarnn'"),
+    (["--strategy", "yarn", "--length", 256], "give --model, or a bare configuration: missing --head-dim"),
+    (["--strategy", "yarn", "--model", "reference", "--length", 256, "--pair", 16], "pairs [16] out of range"),
+    (["--strategy", "yarn", "--model", "reference", "--length", 1], "length 1 must be at least 2"),
+    (["--strategy", "rerope", "--model", "reference", "--length", 256, "--attention"], "needs attention weights; rerope compute"),
+    (["--strategy", "yarn:factor=0.5", "--model", "reference", "--length", 256], "factor=0.5 is out of range"),
+])
+def test_bad_input_is_one_line(tmp_path, args, message):
+    res = run(*args, "-o", tmp_path)
+    assert res.exit_code == 1 and res.output.startswith("Error: ") and message in res.output
+    assert len(res.output.strip().splitlines()) == 1 and "Traceback" not in res.output
