@@ -142,3 +142,18 @@ def inspect(cfg: RotaryConfig, strategies: list[StrategySpec], length: int, outp
         summary["files"].append("attention.png")
     (output / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
+
+
+def base_bound_table(dims: list[int], lengths: list[int], paper_fit: bool = True) -> str:
+    """Markdown: the smallest vanilla base keeping B(m) ≥ 0 for m < L, per head dim d and L;
+    beside d = 128 the power law Men et al. fit to their own values (Fig. 1: 0.0424·L^1.628)."""
+    head = "| L | " + " | ".join(f"d = {d}" for d in dims) + (" | paper's fit, d = 128 |" if paper_fit else " |")
+    rows = [head, "|---:|" + "---:|" * (len(dims) + int(paper_fit))]
+    for n in lengths:
+        vals = [f"{geo.smallest_base(d, n):.3g}" for d in dims]
+        rows.append(f"| {n} | " + " | ".join(vals) + (f" | {0.0424 * n ** 1.628:.3g} |" if paper_fit else " |"))
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":  # python -m eval.inspect: the README's base-bound table
+    print(base_bound_table([32, 64, 128], [128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]))

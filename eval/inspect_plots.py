@@ -127,6 +127,7 @@ def plot_decay(cfg, rows: list[dict], length: int, path: Path) -> None:
                               (b, "(2/d) Σ_j |S_j(r)|", "RoFormer relative upper bound (§3.4.3)")):
         ax.axvline(cfg.train_length, color="black", ls="--", lw=0.8)
         ax.set_xscale("symlog", linthresh=16)
+        ax.set_xlim(0, length)
         ax.set_xlabel("relative distance r (tokens)", fontsize=8)
         ax.set_ylabel(ylabel, fontsize=8)
         ax.set_title(title, fontsize=9)
@@ -146,6 +147,7 @@ def plot_base_bound(cfg, rows: list[dict], length: int, path: Path) -> None:
     ax.axhline(0, color="black", lw=0.8)
     ax.axvline(cfg.train_length, color="black", ls="--", lw=0.8)
     ax.set_xscale("symlog", linthresh=16)
+    ax.set_xlim(0, length)
     ax.set_xlabel("distance m (tokens)", fontsize=8)
     ax.set_ylabel("B(m) = Σ_i cos(m θ_i)", fontsize=8)
     ax.legend(fontsize=7)
