@@ -33,3 +33,29 @@ def test_quickstart_slice_shows_the_problem_and_yarn_helps(tmp_path):
     # ... and YaRN with s = 8 recovers a clear part of it
     assert recs[("yarn", 1024)] < 0.9 * recs[("vanilla", 1024)]
     assert recs[("yarn", 128)] == pytest.approx(recs[("vanilla", 128)], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_bundled_model_retrieves_inside_its_window(tmp_path):
+    """The model card's retrieval requirements: passkey at T with vanilla RoPE ≥ 95% over depths
+    0 … 1, and a held-out passage repeated within T predicted far better the second time."""
+    import torch
+
+    from eval.config import build_config
+    from ropescale.reference import kjv
+
+    cfg = build_config({"task": "passkey", "lengths": [128], "strategies": ["vanilla"], "device": "cpu",
+                        "passkey": {"trials": 10}})
+    (r,) = run_sweep(cfg, tmp_path, progress=False)
+    assert r["trials"] == 60 and r["accuracy"] >= 0.95
+    model, tok = load_model("reference", device="cpu")
+    ruth = tok(dict(kjv.split("heldout"))["Ruth"], add_special_tokens=False)["input_ids"]
+    first, second = [], []
+    for start in range(0, 24 * 40, 40):  # 24 held-out passages of 40 tokens, each repeated once
+        passage = ruth[start:start + 40]
+        with torch.no_grad():
+            logp = model(torch.tensor([passage + passage])).logits[0].log_softmax(-1)  # [80, V]
+        nll = [-logp[j - 1, t].item() for j, t in enumerate(passage + passage) if j > 0]  # token j from 0 … j−1
+        first += nll[:39]
+        second += nll[39:]
+    assert sum(second) / len(second) <= sum(first) / len(first) - 2.0

@@ -1,17 +1,36 @@
-"""Train the bundled reference model: a small Llama on the KJV training books.
+"""Train the bundled reference model: a small Llama on the KJV training books that can copy
+and retrieve inside its window.
 
-Run from a checkout (needs Debian's ``bible-kjv``; about 20 min on 2 CPU cores)::
+Run from a checkout (needs Debian's ``bible-kjv``; about 55 min on 2 CPU cores): the bundled
+model is two stages, from scratch and then a short second stage (the exact commands are in its
+model card, ``ropescale/reference/kjv-llama/README.md``)::
 
-    python -m ropescale.reference.train --output ropescale/reference/kjv-llama
+    python -m ropescale.reference.train --output stage1 --steps 1800 --answer-end ''
+    python -m ropescale.reference.train --init stage1 --output DIR --steps 700 --lr 1e-3 --warmup 20 \
+        --mix kjv=0.7,passkey=0.12,needle=0.08,repeat=0.06,random=0.04 --probe-every 100
+    python -m ropescale.reference.card --model DIR      # measures it and writes the model card
 
-It writes the tokenizer, ``config.json``, ``model.safetensors``, ``training.json`` (loss
-curve and held-out loss) and ``README.md`` (the model card) into ``--output``.
+It writes the tokenizer, ``config.json``, ``model.safetensors`` and ``training.json`` (loss
+curve, copy-probe curve; stage 1's under ``stage1``) into ``--output``.
 
 Recipe: byte-level BPE (vocab 4096) trained on the training books only; ``LlamaForCausalLM``
 hidden 256, 4 layers, 8 heads (head_dim 32), MLP 688, untied embeddings, training window
 T = ``max_position_embeddings`` = 128, ``rope_theta`` 10000; AdamW (lr 2e-3, betas 0.9/0.95,
-weight decay 0.1), batch 32 random windows of T tokens, 100 warm-up steps then cosine decay
-to 10 % of the peak rate.
+weight decay 0.1), batch 32 windows of T tokens, 100 warm-up steps then cosine decay to 10 %.
+
+Copying needs induction heads, and they only form when the data rewards them from the start.
+So every batch mixes, from the first step (shares set by ``--mix``), windows of plain KJV text
+with synthetic documents generated on the fly from the *training* books:
+
+- ``passkey``: KJV verses as filler, the passkey task's information line at a random depth,
+  its question and the key (3–7 digits) — the passkey task's templates over KJV filler;
+- ``needle``: the same with the needle task's magic-number line and question;
+- ``repeat``: a KJV passage of 8–60 tokens repeated until the window is full;
+- ``random``: a run of 5–30 random tokens repeated until the window is full (the cleanest
+  induction signal: nothing but copying predicts it).
+
+A copy probe on *held-out* books is logged every ``--probe-every`` steps (loss on the first vs
+the second copy of a 40-token passage), so the phase change is visible in ``training.json``.
 """
 
 from __future__ import annotations
@@ -20,6 +39,7 @@ import argparse
 import json
 import math
 import platform
+import random
 import time
 from pathlib import Path
 
@@ -32,9 +52,15 @@ from transformers import (
     get_cosine_with_min_lr_schedule_with_warmup,
 )
 
+from eval.tasks import needle, passkey
+from eval.tasks.prompts import cycle_units, random_key, sentence_units
 from ropescale.reference import kjv
 
 EOT = "<|endoftext|>"
+DEFAULT_MIX = {"kjv": 0.45, "passkey": 0.15, "needle": 0.1, "repeat": 0.15, "random": 0.15}
+# until induction heads have formed (the copy probe's second copy ≥ COPY_MARGIN nats better)
+COPY_MIX = {"kjv": 0.1, "passkey": 0.15, "needle": 0.1, "repeat": 0.3, "random": 0.35}
+COPY_MARGIN = 2.0
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
@@ -61,9 +87,65 @@ def token_stream(tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> torch.
     return torch.tensor(ids, dtype=torch.long)
 
 
+class Mix:
+    """Draws training windows of exactly ``window`` tokens from the KJV stream and the synthetic
+    document kinds, in the shares of ``mix``."""
+
+    def __init__(self, tokenizer, train_ids: torch.Tensor, units: list[list[int]], window: int,
+                 mix: dict[str, float], rng: random.Random, answer_end: str = "."):
+        self.tok, self.ids, self.units, self.T, self.rng = tokenizer, train_ids, units, window, rng
+        self.end = tokenizer(answer_end, add_special_tokens=False)["input_ids"] if answer_end else []
+        self.set_mix(mix)
+
+    def set_mix(self, mix: dict[str, float]) -> None:
+        self.kinds, self.weights = list(mix), list(mix.values())
+
+    def _kjv(self) -> list[int]:
+        s = self.rng.randrange(self.ids.numel() - self.T)
+        return self.ids[s : s + self.T].tolist()
+
+    def _filler(self):
+        return cycle_units(self.units, self.rng.randrange(len(self.units)))
+
+    def _passkey(self) -> list[int]:
+        key = random_key(self.rng, self.rng.randint(3, 7))
+        p = passkey.make_prompt(self.tok, self._filler(), length=self.T - len(self.end), depth=self.rng.random(), key=key)
+        return p.ids + p.answer_ids + self.end
+
+    def _needle(self) -> list[int]:
+        number = random_key(self.rng, self.rng.randint(3, 7))
+        p = needle.make_prompt(self.tok, self._filler(), length=self.T - len(self.end), depth=self.rng.random(),
+                               word=self.rng.choice(needle.WORDS), number=number)
+        return p.ids + p.answer_ids + self.end
+
+    def _repeat(self, piece: list[int]) -> list[int]:
+        return (piece * (self.T // len(piece) + 1))[: self.T]
+
+    def window_ids(self) -> list[int]:
+        kind = self.rng.choices(self.kinds, self.weights)[0]
+        if kind == "kjv":
+            return self._kjv()
+        if kind == "passkey":
+            return self._passkey()
+        if kind == "needle":
+            return self._needle()
+        if kind == "repeat":
+            n = self.rng.randint(8, 60)
+            s = self.rng.randrange(self.ids.numel() - n)
+            return self._repeat(self.ids[s : s + n].tolist())
+        if kind == "random":
+            n = self.rng.randint(5, 30)
+            return self._repeat([self.rng.randrange(1, len(self.tok)) for _ in range(n)])
+        raise ValueError(f"unknown document kind {kind!r}")
+
+    def batch(self, size: int) -> torch.Tensor:
+        return torch.tensor([self.window_ids() for _ in range(size)], dtype=torch.long)  # [b, T]
+
+
 @torch.no_grad()
 def heldout_loss(model: LlamaForCausalLM, stream: torch.Tensor, window: int) -> float:
     """Mean next-token loss over non-overlapping windows of ``window`` tokens."""
+    was_training = model.training
     model.eval()
     n = stream.numel() // window
     windows = stream[: n * window].view(n, window)  # [n_windows, T]
@@ -72,32 +154,74 @@ def heldout_loss(model: LlamaForCausalLM, stream: torch.Tensor, window: int) -> 
         loss = model(batch, labels=batch).loss
         total += loss.item() * batch.numel()
         count += batch.numel()
-    model.train()
+    model.train(was_training)
     return total / count
+
+
+@torch.no_grad()
+def copy_probe(model: LlamaForCausalLM, stream: torch.Tensor, n: int = 40, passages: int = 32) -> dict:
+    """Mean loss [nats] on the first and on the second copy of held-out ``n``-token passages
+    repeated right after themselves (2n tokens, inside the window), and top-1 accuracy on the second."""
+    was_training = model.training
+    model.eval()
+    step = (stream.numel() - n) // passages
+    ids = torch.stack([stream[i * step : i * step + n] for i in range(passages)])  # [p, n]
+    ids = torch.cat([ids, ids], dim=1)  # [p, 2n]
+    logits = model(ids).logits[:, :-1].float()  # [p, 2n-1, V]
+    loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # [p, 2n-1]
+    first, second = loss[:, : n - 1].mean().item(), loss[:, n - 1 :].mean().item()
+    acc = (logits[:, n - 1 :].argmax(-1) == ids[:, n:]).float().mean().item()
+    model.train(was_training)
+    return {"first_copy_loss": round(first, 4), "second_copy_loss": round(second, 4), "second_copy_top1": round(acc, 4)}
+
+
+def _parse_mix(text: str) -> dict[str, float]:
+    mix = {}
+    for item in text.split(","):
+        k, _, v = item.partition("=")
+        mix[k.strip()] = float(v)
+    unknown = set(mix) - set(DEFAULT_MIX)
+    if unknown:
+        raise SystemExit(f"--mix: unknown kinds {sorted(unknown)}; known: {', '.join(DEFAULT_MIX)}")
+    total = sum(mix.values())
+    return {k: v / total for k, v in mix.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--output", type=Path, required=True)
-    ap.add_argument("--steps", type=int, default=900)
+    ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--window", type=int, default=128, help="training window T (tokens)")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--vocab-size", type=int, default=4096)
+    ap.add_argument("--mix", default=",".join(f"{k}={v}" for k, v in DEFAULT_MIX.items()),
+                    help="shares of the document kinds per batch")
+    ap.add_argument("--copy-mix", default=",".join(f"{k}={v}" for k, v in COPY_MIX.items()),
+                    help="shares used from the first step until the copy probe shows induction")
+    ap.add_argument("--copy-phase-max", type=int, default=600, help="steps at most on --copy-mix")
+    ap.add_argument("--probe-every", type=int, default=50)
+    ap.add_argument("--answer-end", default=".", help="text after a passkey/needle answer ('' = the window "
+                                                       "ends at the answer, as stage 1 of the bundled model did)")
+    ap.add_argument("--init", type=Path, help="start from this model (and its tokenizer) instead of from scratch: "
+                                              "a second stage; no copy phase")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
+    mix, copy_mix = _parse_mix(args.mix), _parse_mix(args.copy_mix)
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     train_books, held_books = kjv.split("train"), kjv.split("heldout")
     t0 = time.time()
-    tokenizer = train_tokenizer([t for _, t in train_books], args.vocab_size)
+    tokenizer = (PreTrainedTokenizerFast.from_pretrained(args.init) if args.init
+                 else train_tokenizer([t for _, t in train_books], args.vocab_size))
     train_ids = token_stream(tokenizer, [t for _, t in train_books])
     held_ids = token_stream(tokenizer, [t for _, t in held_books])
-    print(f"tokenizer {time.time() - t0:.1f}s; train {train_ids.numel()} tokens, "
-          f"held-out {held_ids.numel()} tokens")
+    units = sentence_units(tokenizer, [tokenizer(t, add_special_tokens=False)["input_ids"] for _, t in train_books])
+    print(f"tokenizer {time.time() - t0:.1f}s; train {train_ids.numel()} tokens ({len(units)} units), "
+          f"held-out {held_ids.numel()} tokens; mix {mix}")
 
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -112,19 +236,21 @@ def main(argv: list[str] | None = None) -> None:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM.from_pretrained(args.init) if args.init else LlamaForCausalLM(config)
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = get_cosine_with_min_lr_schedule_with_warmup(
         opt, num_warmup_steps=args.warmup, num_training_steps=args.steps, min_lr_rate=0.1
     )
-    gen = torch.Generator().manual_seed(args.seed)
+    data = Mix(tokenizer, train_ids, units, args.window, mix if args.init else copy_mix, random.Random(args.seed),
+               args.answer_end)
+    copy_phase_end = 0 if args.init else None
     log: list[dict] = []
+    probes: list[dict] = []
     t0 = time.time()
     model.train()
     for step in range(1, args.steps + 1):
-        starts = torch.randint(0, train_ids.numel() - args.window, (args.batch_size,), generator=gen)
-        batch = torch.stack([train_ids[s : s + args.window] for s in starts.tolist()])  # [b, T]
+        batch = data.batch(args.batch_size)  # [b, T]
         loss = model(batch, labels=batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -136,6 +262,15 @@ def main(argv: list[str] | None = None) -> None:
             log.append({"step": step, "loss": round(loss.item(), 4), "elapsed_s": round(el, 1)})
             print(f"step {step}/{args.steps} loss {loss.item():.3f} {el:.0f}s "
                   f"({step * batch.numel() / el:.0f} tok/s)", flush=True)
+        if step % args.probe_every == 0 or step == args.steps:
+            probes.append({"step": step, **copy_probe(model, held_ids)})
+            print(f"  copy probe: {probes[-1]}", flush=True)
+            p = probes[-1]
+            if copy_phase_end is None and (p["first_copy_loss"] - p["second_copy_loss"] >= COPY_MARGIN
+                                           or step >= args.copy_phase_max):
+                copy_phase_end = step
+                data.set_mix(mix)
+                print(f"  step {step}: copy phase over, switching to the main mix", flush=True)
     train_s = time.time() - t0
     held = heldout_loss(model, held_ids, args.window)
     print(f"held-out loss at T: {held:.4f} (PPL {math.exp(held):.1f})")
@@ -145,44 +280,21 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer.save_pretrained(args.output)
     summary = {
         "seed": args.seed, "steps": args.steps, "batch_size": args.batch_size,
-        "window": args.window, "lr": args.lr, "warmup": args.warmup,
+        "window": args.window, "lr": args.lr, "warmup": args.warmup, "mix": mix,
+        "copy_mix": None if args.init else copy_mix, "answer_end": args.answer_end,
+        "init": str(args.init) if args.init else None,
+        "copy_phase_end": copy_phase_end,
         "parameters": n_params, "train_tokens": train_ids.numel(),
         "heldout_tokens": held_ids.numel(), "train_seconds": round(train_s, 1),
         "threads": args.threads, "machine": platform.processor() or platform.machine(),
         "torch": torch.__version__, "final_train_loss": log[-1]["loss"],
         "heldout_loss_at_T": round(held, 4), "heldout_ppl_at_T": round(math.exp(held), 2),
-        "log": log,
+        "probe_every": args.probe_every, "copy_probe": probes[-1], "log": log, "probes": probes,
     }
+    if args.init and (args.init / "training.json").is_file():
+        summary["stage1"] = json.loads((args.init / "training.json").read_text())
     (args.output / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
-    (args.output / "README.md").write_text(model_card(summary, train_books, held_books))
     print(f"saved to {args.output}")
-
-
-def model_card(s: dict, train_books: list, held_books: list) -> str:
-    held = ", ".join(name for name, _ in held_books)
-    return f"""# kjv-llama — ropescale's reference model
-
-A tiny `LlamaForCausalLM` trained from scratch on the King James Bible so that RoPE
-length-extrapolation experiments run offline. Not a useful language model for anything else.
-
-- **Text**: Debian `bible-kjv` (public domain), verse numbers and chapter headings removed,
-  one document per book. Held out (never seen by tokenizer or model): {held}
-  ({len(held_books)} books, {s['heldout_tokens']:,} tokens). Training: the other
-  {len(train_books)} books ({s['train_tokens']:,} tokens).
-- **Tokenizer**: byte-level BPE, vocab 4096, `<|endoftext|>` as BOS/EOS.
-- **Model**: hidden 256, 4 layers, 8 heads, head_dim 32, MLP 688, untied embeddings,
-  {s['parameters']:,} parameters, `max_position_embeddings` = training window T = {s['window']},
-  `rope_theta` 10000, vanilla RoPE.
-- **Training**: seed {s['seed']}, {s['steps']} steps of {s['batch_size']} random windows of
-  {s['window']} tokens, AdamW lr {s['lr']} (betas 0.9/0.95, weight decay 0.1), {s['warmup']}
-  warm-up steps, cosine to 10 %, grad-norm clip 1.0; {s['train_seconds']:.0f} s on
-  {s['threads']} CPU threads (torch {s['torch']}).
-- **Result**: final training loss {s['final_train_loss']}; held-out loss at T
-  {s['heldout_loss_at_T']} (perplexity {s['heldout_ppl_at_T']}).
-
-Reproduce: `python -m ropescale.reference.train --output DIR --seed {s['seed']} --steps {s['steps']}`
-(bit-exact reproduction also needs the same torch build and thread count).
-"""
 
 
 if __name__ == "__main__":
