@@ -17,7 +17,8 @@ def test_bundled_model_files_and_card():
     assert cfg["max_position_embeddings"] == 128 and cfg["head_dim"] >= 32
     assert cfg["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
     card = (REFERENCE_MODEL / "README.md").read_text()
-    for fact in ("Ruth, Esther, Ezekiel, Habakkuk, Acts, 2 Thessalonians, 1 John", "seed", "held-out loss"):
+    for fact in ("Ruth, Esther, Ezekiel, Habakkuk, Acts, 2 Thessalonians, 1 John", "seed", "perplexity at T",
+                 "passkey at T", "second copy"):
         assert fact in card
     model, _ = load_model("reference", device="cpu")
     assert 5e6 <= sum(p.numel() for p in model.parameters()) <= 10e6
