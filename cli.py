@@ -111,7 +111,7 @@ def _run(config, overrides, output, flags: dict, quiet: bool, *, only_task: str 
         if not out:
             raise ConfigError(f"{source}: output: no results folder; give --output DIR or set output:")
         records = run_sweep(cfg, out, progress=not quiet)
-    except (ConfigError, DataError, UnknownStrategyError, UnknownTaskError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, DataError, UnknownStrategyError, UnknownTaskError, ValueError, OSError) as e:
         _fail(e)
     click.echo(markdown_report(records))
     click.echo(f"results in {out}/ (results.jsonl, results.csv, results.md and plots)")
@@ -171,7 +171,7 @@ def patch_cmd(model, strategy_spec, output, original_max_position_embeddings, la
                         dynamic_cache=dynamic_cache, dynamic_block=dynamic_block, logn=spec.logn,
                         **spec.params)
         path = ropescale.save_patched(m, tok, output)
-    except (UnknownStrategyError, ValueError, FileNotFoundError) as e:
+    except (UnknownStrategyError, ValueError, OSError) as e:
         _fail(e)
     import json
 
@@ -274,12 +274,14 @@ def plot(results, output) -> None:
     from eval.report import write_reports
     from eval.sweep import read_results
 
-    records = read_results(results)
-    if not records:
-        _fail(ValueError(f"{results}: no records"))
+    from eval.sweep import prepare_output
+
     try:
-        paths = write_reports(records, output or Path(results).parent)
-    except (KeyError, ValueError) as e:
+        records = read_results(results)
+        if not records:
+            raise ValueError(f"{results}: no records")
+        paths = write_reports(records, prepare_output(Path(output or Path(results).parent)))
+    except (KeyError, ValueError, OSError) as e:
         _fail(e)
     for kind, p in paths.items():
         click.echo(f"{kind}: {p}")

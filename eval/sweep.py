@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import platform
 import subprocess
 import time
@@ -29,7 +30,7 @@ from eval.data import load_documents, tokenize_documents
 from eval.report import write_reports
 from eval.tasks.base import Task, get_task
 
-__all__ = ["run_sweep", "cell_id", "read_results", "environment"]
+__all__ = ["run_sweep", "cell_id", "read_results", "environment", "prepare_output", "OutputError"]
 
 RESULTS = "results.jsonl"
 
@@ -43,17 +44,49 @@ def cell_id(cfg: EvalConfig, spec: StrategySpec, length: int) -> str:
 
 
 def read_results(path: str | Path) -> list[dict]:
-    """Records of a ``results.jsonl`` (a torn last line from a killed run is skipped)."""
+    """Records of a ``results.jsonl`` (a torn line from a killed run is skipped).
+
+    Raises ``ValueError`` (one line) for a file that is not UTF-8 text or holds JSON that is not
+    a result record."""
     path = Path(path)
     if not path.exists():
         return []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a results file (not UTF-8 text)") from None
     out = []
-    for line in path.read_text().splitlines():
+    for i, line in enumerate(lines, 1):
         try:
-            out.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if not isinstance(record, dict) or not {"strategy", "length"} <= record.keys():
+            raise ValueError(f"{path}: line {i} is not a ropescale result record "
+                             "(expected a JSON object with strategy, length and the task's metrics)")
+        out.append(record)
     return out
+
+
+class OutputError(ValueError):
+    """The results folder cannot be used."""
+
+
+def prepare_output(output: Path) -> Path:
+    """Create ``output`` (and parents) and make sure files can be written in it; ``OutputError``
+    in one line otherwise (a file in the way, no permission, a read-only file system)."""
+    if output.exists() and not output.is_dir():
+        raise OutputError(f"output {output} is a file, not a folder")
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        probe = output / ".ropescale-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except NotADirectoryError:
+        raise OutputError(f"output {output}: a part of the path is a file, not a folder") from None
+    except OSError as e:
+        raise OutputError(f"output {output}: cannot write there ({e.strerror or e})") from None
+    return output
 
 
 def _git_hash() -> str | None:
@@ -102,6 +135,11 @@ def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec
     strat = get_strategy(spec.name)
     params = strat.validate(spec.params, fill_auto={"scale": max(1.0, length / train_len),
                                                     "length": float(length), "half_train": train_len // 2})
+    note = None
+    if strat.kind == "attention" and params.get("window", 0) >= length:
+        note = (f"window {params['window']} >= length {length}: the rule never applies at this length, "
+                "so this cell equals vanilla RoPE")
+        logging.getLogger("ropescale").warning("%s @ %d: %s", spec.display, length, note)
     t0 = time.perf_counter()
     with patch(model, spec.name, original_max_position_embeddings=train_len, logn=spec.logn, **params):
         result = task.score(model, examples, length=length, strategy=strat, device=device,
@@ -110,7 +148,8 @@ def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec
     return {"task": cfg.task, "strategy": spec.display, "name": spec.name, "params": params, "logn": spec.logn,
             "length": length, "train_length": train_len, "model": cfg.model,
             "data": cfg.data.spec().describe() if task.uses_data else None, "options": cfg.options.key(),
-            "dtype": cfg.dtype, "device": str(device), **result, "seconds": round(seconds, 3)}
+            "dtype": cfg.dtype, "device": str(device), **result, **({"note": note} if note else {}),
+            "seconds": round(seconds, 3)}
 
 
 def _headline(task: type[Task], record: dict) -> str:
@@ -126,8 +165,7 @@ def run_sweep(cfg: EvalConfig, output: str | Path, *, progress: bool = True) -> 
     cannot hold the task's prompts) before any cell runs, ``NoRotaryEmbeddingError`` for a
     model without RoPE, and ``ValueError`` for strategy parameters that fail at a given length.
     """
-    output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
+    output = prepare_output(Path(output))
     results_path = output / RESULTS
     task_cls = get_task(cfg.task)
     done = {r["cell"]: r for r in read_results(results_path) if "cell" in r}

@@ -131,6 +131,13 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
     """
     strat = get_strategy(strategy)
     params = strat.validate(params)
+    if original_max_position_embeddings is not None and (
+            isinstance(original_max_position_embeddings, bool) or not isinstance(original_max_position_embeddings, int)
+            or original_max_position_embeddings < 2):
+        raise ValueError(f"original_max_position_embeddings={original_max_position_embeddings!r} must be a whole "
+                         "number of tokens >= 2 (the training window)")
+    if not isinstance(logn, bool):
+        raise ValueError(f"logn={logn!r} must be True or False")
     if dynamic_cache not in DYNAMIC_CACHE_MODES:
         raise ValueError(f"dynamic_cache={dynamic_cache!r}; choose one of {', '.join(DYNAMIC_CACHE_MODES)}")
     if not isinstance(dynamic_block, int) or dynamic_block < 1:

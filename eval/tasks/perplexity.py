@@ -22,7 +22,7 @@ class PerplexityOptions(TaskOptions):
     max_windows: int | None = Field(None, ge=1, description="cap on windows per length")
     add_bos: bool = False
     batch_size: int = Field(1, ge=1)
-    position_buckets: int = Field(16, ge=1)
+    position_buckets: int = Field(16, ge=1, le=1024, description="NLL-by-position buckets per window")
     dynamic_block: int | None = Field(None, ge=1, description=(
         "dynamic strategies: score tokens [kB, (k+1)B) with a forward over the first (k+1)B tokens, "
         "the scale generation would use (1 = per position); default: one scale per window"))
@@ -57,15 +57,12 @@ class Perplexity(Task):
 
     @property
     def bos(self) -> int | None:
-        if not self.options.add_bos:
-            return None
-        if self.tokenizer.bos_token_id is None:
-            raise ValueError("add_bos is set but the model's tokenizer has no BOS token")
-        return self.tokenizer.bos_token_id
+        return self.tokenizer.bos_token_id if self.options.add_bos else None
 
     def examples(self, length: int):
         o = self.options
-        self.bos  # noqa: B018  (fails before any cell runs)
+        if o.add_bos and self.tokenizer.bos_token_id is None:
+            raise ValueError("add_bos is set but the model's tokenizer has no BOS token")
         return make_windows([len(d) for d in self.documents], length, o.mode, o.stride, o.add_bos, o.max_windows)
 
     def score(self, model, windows, *, length, strategy, device, desc) -> dict[str, Any]:
