@@ -20,13 +20,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 import ropescale
-from ropescale.models import load_model, resolve_device
+from ropescale.models import load_model, load_tokenizer, model_fingerprint, resolve_device
 from ropescale.patching import NoRotaryEmbeddingError, find_rotary_modules, patch, rope_context, unpatch
 from ropescale.strategies import get_strategy
 from eval.config import EvalConfig, StrategySpec
 from eval.data import load_documents, tokenize_documents
+from eval.manifest import check_manifest, data_fingerprint, folder_lock, identity
+from eval.schema import SCHEMA_VERSION, Record
 from eval.report import write_reports
 from eval.tasks.base import Task, get_task
 
@@ -35,11 +38,11 @@ __all__ = ["run_sweep", "cell_id", "read_results", "environment", "prepare_outpu
 RESULTS = "results.jsonl"
 
 
-def cell_id(cfg: EvalConfig, spec: StrategySpec, length: int) -> str:
-    """Stable id of a cell: everything that changes its numbers, hashed."""
-    key = {"task": cfg.task, "options": cfg.options.key(), "model": cfg.model, "data": cfg.data.spec().describe()
-           if get_task(cfg.task).uses_data else None, "strategy": spec.name, "params": spec.params, "logn": spec.logn,
-           "length": length, "dtype": cfg.dtype, "original_max_position_embeddings": cfg.original_max_position_embeddings}
+def cell_id(experiment: str, spec: StrategySpec, length: int) -> str:
+    """Stable id of a cell: the experiment's identity hash (task, options, model weights, data
+    tokens, dtype, library versions: ``eval.manifest``) with the strategy and length, hashed."""
+    key = {"experiment": experiment, "strategy": spec.name, "params": spec.params, "logn": spec.logn,
+           "length": length}
     return hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -61,9 +64,12 @@ def read_results(path: str | Path) -> list[dict]:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if not isinstance(record, dict) or not {"strategy", "length"} <= record.keys():
-            raise ValueError(f"{path}: line {i} is not a ropescale result record "
-                             "(expected a JSON object with strategy, length and the task's metrics)")
+        try:
+            Record.model_validate(record)
+        except ValidationError as e:
+            err = e.errors()[0]
+            what = f"{'.'.join(map(str, err['loc'])) or 'record'}: {err['msg']}"
+            raise ValueError(f"{path}: line {i} is not a ropescale result record ({what}; see eval/schema.py)") from None
         out.append(record)
     return out
 
@@ -166,10 +172,22 @@ def run_sweep(cfg: EvalConfig, output: str | Path, *, progress: bool = True) -> 
     model without RoPE, and ``ValueError`` for strategy parameters that fail at a given length.
     """
     output = prepare_output(Path(output))
+    with folder_lock(output):
+        return _run_locked(cfg, output, progress)
+
+
+def _run_locked(cfg: EvalConfig, output: Path, progress: bool) -> list[dict]:
     results_path = output / RESULTS
     task_cls = get_task(cfg.task)
+    device = resolve_device(cfg.device)  # a device that is not there fails before any work
+    tokenizer = load_tokenizer(cfg.model)
+    docs = tokenize_documents(tokenizer, load_documents(cfg.data.spec())) if task_cls.uses_data else None
+    env = environment()
+    ident = identity(cfg, data=data_fingerprint(docs), weights=model_fingerprint(cfg.model),
+                     versions={k: env[k] for k in ("ropescale", "torch", "transformers")})
+    experiment = check_manifest(output, ident, cfg.model_dump(mode="json"))
     done = {r["cell"]: r for r in read_results(results_path) if "cell" in r}
-    cells = [(length, spec, cell_id(cfg, spec, length)) for length in cfg.lengths for spec in cfg.strategies]
+    cells = [(length, spec, cell_id(experiment, spec, length)) for length in cfg.lengths for spec in cfg.strategies]
     todo = [c for c in cells if c[2] not in done]
     if progress and len(todo) < len(cells):
         print(f"resuming: {len(cells) - len(todo)} of {len(cells)} cells already in {results_path}")
@@ -177,18 +195,15 @@ def run_sweep(cfg: EvalConfig, output: str | Path, *, progress: bool = True) -> 
     if todo:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        device = resolve_device(cfg.device)
         model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=str(device))
         unpatch(model)  # a patch saved with the model would stack under the sweep's strategies
         train_len = _training_window(cfg, model)
-        docs = tokenize_documents(tokenizer, load_documents(cfg.data.spec())) if task_cls.uses_data else None
         task = task_cls(cfg.options, tokenizer=tokenizer, train_length=train_len, documents=docs)
         # build every length's examples first: data or lengths that cannot work fail before any cell runs
         examples = {length: task.examples(length) for length in sorted({c[0] for c in todo})}
-        env = environment()
         with _append_safely(results_path) as sink:
             for length, spec, cid in todo:
-                record = {"cell": cid, **_score_cell(cfg, task, model, examples[length], spec, length,
+                record = {"schema": SCHEMA_VERSION, "cell": cid, "experiment": experiment, **_score_cell(cfg, task, model, examples[length], spec, length,
                                                      train_len, device, progress), "env": env}
                 sink.write(json.dumps(record) + "\n")
                 sink.flush()  # written as it completes: a rerun resumes from here

@@ -19,7 +19,7 @@ import torch
 from ropescale.patching import PatchHandle, current_patch, patch
 
 __all__ = ["REFERENCE_MODEL", "MODEL_ALIASES", "PATCH_FILE", "ModelLoadError", "resolve_model", "load_model",
-           "save_patched", "resolve_device"]
+           "load_tokenizer", "model_fingerprint", "save_patched", "resolve_device"]
 
 REFERENCE_MODEL = Path(__file__).parent / "reference" / "kjv-llama"
 MODEL_ALIASES = {"reference": REFERENCE_MODEL, "kjv-llama": REFERENCE_MODEL}
@@ -129,6 +129,30 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "auto
               **{k: record[k] for k in ("dynamic_cache", "dynamic_block", "logn") if k in record},
               **record.get("params", {}))
     return model, tokenizer
+
+
+def load_tokenizer(name_or_path: str):
+    """The tokenizer of a bundled name, local folder or hub id (``ModelLoadError`` in one line)."""
+    from transformers import AutoTokenizer
+
+    return _from_pretrained(AutoTokenizer, name_or_path, resolve_model(name_or_path))
+
+
+def model_fingerprint(name_or_path: str) -> str:
+    """What identifies the weights: a content fingerprint of a local folder (``eval.manifest``),
+    the snapshot commit of a hub model."""
+    path = resolve_model(name_or_path)
+    if Path(path).is_dir():
+        from eval.manifest import weights_fingerprint
+
+        return weights_fingerprint(path)
+    from transformers.utils import cached_file
+
+    try:
+        config = cached_file(path, "config.json")
+    except OSError as e:
+        raise ModelLoadError(f"cannot load {name_or_path!r}: {str(e).splitlines()[0]}") from None
+    return "hub:" + Path(config).parent.name  # …/snapshots/<commit>/config.json
 
 
 def save_patched(model, tokenizer, output: str | Path) -> Path:
