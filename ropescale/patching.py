@@ -37,6 +37,7 @@ class PatchHandle:
     params: dict[str, Any]
     context: dict[str, Any]
     layer_types: list[str | None] = field(default_factory=list)
+    contexts: dict[str | None, dict[str, Any]] = field(default_factory=dict)  # per patched layer type
     options: dict[str, Any] = field(default_factory=dict)
     _swaps: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list, repr=False)
     _hooks: list = field(default_factory=list, repr=False)
@@ -184,6 +185,7 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
                 entries[lt] = _Entry(inv_freq.to(device), scaling, strat, params, context,
                                      start["seq_len"] if strat.dynamic else None, dynamic_block)
                 handle.context = context
+                handle.contexts[lt] = context
             cfg = _config_of(model, module)
             keeps_float32, interleaved = probe_layout(module, available[0])
             if interleaved and strat.dynamic and dynamic_cache == "rerotate":
@@ -232,7 +234,7 @@ def _patch_attention(model, handle: PatchHandle, strat: Strategy, found, modules
     parent = modules[parent_name]
     setattr(parent, attr, identity)
     handle._swaps.append((parent, attr, module))
-    handle.context, handle.layer_types = context, [None]
+    handle.context, handle.layer_types, handle.contexts = context, [None], {None: context}
     try:
         handle._restore.append(enable_truncation(
             model, rule, freqs, interleaved=interleaved, naive=naive, block=block,
