@@ -150,6 +150,8 @@ class EvalConfig(BaseModel):
     original_max_position_embeddings: int | None = Field(None, ge=2)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "auto"
+    device_map: str | None = Field(None, description="auto / balanced / sequential: spread a model larger than "
+                                                      "one GPU over this node's devices (accelerate)")
     threads: int | None = Field(None, ge=1, description="torch threads (at most this machine's CPU count)")
     output: str | None = None
 

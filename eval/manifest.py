@@ -73,9 +73,9 @@ def identity(cfg, *, data: str | None, weights: str, versions: dict[str, str]) -
             "original_max_position_embeddings": cfg.original_max_position_embeddings, "versions": versions}
 
 
-def check_manifest(output: Path, ident: dict[str, Any], config: dict[str, Any]) -> str:
-    """Write the manifest, or check the folder's: ``ExperimentMismatchError`` naming what differs.
-    Returns the identity's hash (part of every cell id)."""
+def check_manifest(output: Path, ident: dict[str, Any], config: dict[str, Any], *, write: bool = True) -> str:
+    """Check the folder's manifest (``ExperimentMismatchError`` naming what differs) and write
+    it (``write``: the main process only). Returns the identity's hash (part of every cell id)."""
     path = output / MANIFEST
     digest = hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
     if path.exists():
@@ -91,7 +91,8 @@ def check_manifest(output: Path, ident: dict[str, Any], config: dict[str, Any]) 
     elif (output / "results.jsonl").exists() and (output / "results.jsonl").stat().st_size:
         raise ExperimentMismatchError(f"{output} holds results without a manifest (written before ropescale "
                                       "recorded one), so they cannot be matched to this run; use a new folder")
-    path.write_text(json.dumps({"identity": ident, "identity_hash": digest, "config": config,
+    if write:
+        path.write_text(json.dumps({"identity": ident, "identity_hash": digest, "config": config,
                                 "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1) + "\n")
     return digest
 

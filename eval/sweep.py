@@ -13,13 +13,16 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import platform
 import subprocess
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import gather_object
 from pydantic import ValidationError
 
 import ropescale
@@ -85,7 +88,7 @@ def prepare_output(output: Path) -> Path:
         raise OutputError(f"output {output} is a file, not a folder")
     try:
         output.mkdir(parents=True, exist_ok=True)
-        probe = output / ".ropescale-write-test"
+        probe = output / f".ropescale-write-test-{os.getpid()}"
         probe.write_text("")
         probe.unlink()
     except NotADirectoryError:
@@ -136,8 +139,9 @@ def _training_window(cfg: EvalConfig, model) -> int:
 
 
 def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec, length: int, train_len: int,
-                device, progress: bool) -> dict:
-    """Patch, score, unpatch; the cell's record (without id and environment)."""
+                device, progress: bool, state) -> dict:
+    """Patch, measure this process's share of the examples, gather the parts, combine, unpatch;
+    the cell's record (without id and environment)."""
     strat = get_strategy(spec.name)
     params = strat.validate(spec.params, fill_auto={"scale": max(1.0, length / train_len),
                                                     "length": float(length), "half_train": train_len // 2})
@@ -147,9 +151,12 @@ def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec
                 "so this cell equals vanilla RoPE")
         logging.getLogger("ropescale").warning("%s @ %d: %s", spec.display, length, note)
     t0 = time.perf_counter()
+    share = list(range(state.process_index, len(examples), state.num_processes))
     with patch(model, spec.name, original_max_position_embeddings=train_len, logn=spec.logn, **params):
-        result = task.score(model, examples, length=length, strategy=strat, device=device,
+        part = task.measure(model, examples, share, length=length, strategy=strat, device=device,
                             desc=f"{spec.display} @ {length}" if progress else None)
+    parts = gather_object([part]) if state.num_processes > 1 else [part]
+    result = task.combine(parts, examples, length=length, strategy=strat)
     seconds = time.perf_counter() - t0
     return {"task": cfg.task, "strategy": spec.display, "name": spec.name, "params": params, "logn": spec.logn,
             "length": length, "train_length": train_len, "model": cfg.model,
@@ -167,25 +174,37 @@ def run_sweep(cfg: EvalConfig, output: str | Path, *, progress: bool = True) -> 
     """Run (or resume) the experiment: ``cfg.task`` over strategies × lengths. Returns this
     experiment's records in (length, strategy) order.
 
+    Launched with ``accelerate launch`` (several GPUs or nodes, or CPU processes with gloo), every
+    process measures its share of each cell's examples, the parts are gathered, and only the main
+    process writes: the records equal a single-process run's.
+
     Raises ``eval.data.DataError`` / ``ValueError`` subclasses (too-short data, a length that
     cannot hold the task's prompts) before any cell runs, ``NoRotaryEmbeddingError`` for a
     model without RoPE, and ``ValueError`` for strategy parameters that fail at a given length.
     """
+    from accelerate import PartialState
+
+    state = PartialState()
     output = prepare_output(Path(output))
-    with folder_lock(output):
-        return _run_locked(cfg, output, progress)
+    with folder_lock(output) if state.is_main_process else nullcontext():
+        return _run_locked(cfg, output, progress and state.is_main_process, state)
 
 
-def _run_locked(cfg: EvalConfig, output: Path, progress: bool) -> list[dict]:
+def _run_locked(cfg: EvalConfig, output: Path, progress: bool, state) -> list[dict]:
     results_path = output / RESULTS
     task_cls = get_task(cfg.task)
-    device = resolve_device(cfg.device)  # a device that is not there fails before any work
+    # a device that is not there fails before any work; launched processes take their own
+    device = state.device if state.num_processes > 1 and cfg.device == "auto" else resolve_device(cfg.device)
     tokenizer = load_tokenizer(cfg.model)
     docs = tokenize_documents(tokenizer, load_documents(cfg.data.spec())) if task_cls.uses_data else None
     env = environment()
     ident = identity(cfg, data=data_fingerprint(docs), weights=model_fingerprint(cfg.model),
                      versions={k: env[k] for k in ("ropescale", "torch", "transformers")})
-    experiment = check_manifest(output, ident, cfg.model_dump(mode="json"))
+    if state.is_main_process:
+        experiment = check_manifest(output, ident, cfg.model_dump(mode="json"))
+    state.wait_for_everyone()
+    if not state.is_main_process:
+        experiment = check_manifest(output, ident, cfg.model_dump(mode="json"), write=False)
     done = {r["cell"]: r for r in read_results(results_path) if "cell" in r}
     cells = [(length, spec, cell_id(experiment, spec, length)) for length in cfg.lengths for spec in cfg.strategies]
     todo = [c for c in cells if c[2] not in done]
@@ -195,22 +214,28 @@ def _run_locked(cfg: EvalConfig, output: Path, progress: bool) -> list[dict]:
     if todo:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=str(device))
+        model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=str(device), device_map=cfg.device_map)
+        if cfg.device_map:
+            device = model.get_input_embeddings().weight.device  # inputs go where the embeddings are
         unpatch(model)  # a patch saved with the model would stack under the sweep's strategies
         train_len = _training_window(cfg, model)
         task = task_cls(cfg.options, tokenizer=tokenizer, train_length=train_len, documents=docs)
         # build every length's examples first: data or lengths that cannot work fail before any cell runs
         examples = {length: task.examples(length) for length in sorted({c[0] for c in todo})}
-        with _append_safely(results_path) as sink:
+        with _append_safely(results_path) if state.is_main_process else nullcontext() as sink:
             for length, spec, cid in todo:
-                record = {"schema": SCHEMA_VERSION, "cell": cid, "experiment": experiment, **_score_cell(cfg, task, model, examples[length], spec, length,
-                                                     train_len, device, progress), "env": env}
-                sink.write(json.dumps(record) + "\n")
-                sink.flush()  # written as it completes: a rerun resumes from here
+                record = {"schema": SCHEMA_VERSION, "cell": cid, "experiment": experiment,
+                          **_score_cell(cfg, task, model, examples[length], spec, length, train_len, device,
+                                        progress, state), "env": env}
+                if sink is not None:
+                    sink.write(json.dumps(record) + "\n")
+                    sink.flush()  # written as it completes: a rerun resumes from here
                 done[cid] = record
                 if progress:
                     print(f"{spec.display:>24} @ {length:>6}: {_headline(task_cls, record)} "
                           f"({record['seconds']:.1f}s)", flush=True)
     records = [done[cid] for _, _, cid in cells]
-    write_reports(records, output)
+    if state.is_main_process:
+        write_reports(records, output)
+    state.wait_for_everyone()
     return records

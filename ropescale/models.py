@@ -97,8 +97,11 @@ def _from_pretrained(loader, name: str, path: str, **kwargs):
 
 
 def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "auto",
-               attn_implementation: str | None = None) -> tuple[Any, Any]:
+               attn_implementation: str | None = None, device_map: str | dict | None = None) -> tuple[Any, Any]:
     """``(model, tokenizer)`` in eval mode; re-applies a saved ``ropescale.json`` patch.
+
+    ``device_map`` (``"auto"``, ``"balanced"``, a dict): spread the model over the devices of this
+    machine with accelerate (a model larger than one GPU); ``device`` is then ignored.
 
     Raises ``ValueError`` for an unknown ``dtype`` or device, and ``ModelLoadError`` (one line)
     for a missing folder, unreadable model files, or a hub id that cannot be fetched (offline,
@@ -119,8 +122,11 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "auto
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         text.rope_parameters = record["base_rope_parameters"]
         kwargs["config"] = config
-    target = resolve_device(device)  # before loading: a device that is not there fails first
-    model = _from_pretrained(AutoModelForCausalLM, name_or_path, path, **kwargs).to(target).eval()
+    if device_map is not None:  # accelerate's big-model inference: layers spread over the devices there are
+        model = _from_pretrained(AutoModelForCausalLM, name_or_path, path, device_map=device_map, **kwargs).eval()
+    else:
+        target = resolve_device(device)  # before loading: a device that is not there fails first
+        model = _from_pretrained(AutoModelForCausalLM, name_or_path, path, **kwargs).to(target).eval()
     tokenizer = _from_pretrained(AutoTokenizer, name_or_path, path)
     if record:
         patch(model, record["strategy"],

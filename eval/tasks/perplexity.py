@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from eval.perplexity import score_windows
+from eval.perplexity import combine_windows, window_nll
 from eval.tasks.base import Metric, Task, TaskOptions
 from eval.windows import make_windows
 
@@ -66,12 +66,18 @@ class Perplexity(Task):
             raise ValueError("add_bos is set but the model's tokenizer has no BOS token")
         return make_windows([len(d) for d in self.documents], length, o.mode, o.stride, o.add_bos, o.max_windows)
 
-    def score(self, model, windows, *, length, strategy, device, desc) -> dict[str, Any]:
+    def measure(self, model, windows, indices, *, length, strategy, device, desc) -> list:
+        o = self.options
+        parts = window_nll(model, self.documents, [windows[i] for i in indices], length=length, bos_token_id=self.bos,
+                           batch_size=o.batch_size, buckets=o.position_buckets, device=device, desc=desc,
+                           prefix_block=o.dynamic_block if strategy.dynamic else None)
+        return list(zip(indices, parts))
+
+    def combine(self, parts, windows, *, length, strategy) -> dict[str, Any]:
         o = self.options
         block = o.dynamic_block if strategy.dynamic else None
-        s = score_windows(model, self.documents, windows, length=length, bos_token_id=self.bos,
-                          batch_size=o.batch_size, buckets=o.position_buckets, device=device, desc=desc,
-                          prefix_block=block)
+        ordered = [p for _, p in sorted((x for part in parts for x in part), key=lambda x: x[0])]
+        s = combine_windows(ordered, length, o.position_buckets)
         return {"ppl": math.exp(s.mean_nll), "nll": s.mean_nll, "tokens": s.tokens, "windows": len(windows),
                 "mode": o.mode, "stride": (o.stride or length // 2) if o.mode == "sliding" else None,
                 "add_bos": o.add_bos, "dynamic": _dynamic_semantics(block) if strategy.dynamic else None,
