@@ -52,7 +52,20 @@ def test_device_map_auto_loads_through_accelerate_and_scores_the_same(tmp_path, 
     plain = run_sweep(build_config(raw), tmp_path / "a", progress=False)
     mapped = run_sweep(build_config({**raw, "device_map": "auto"}), tmp_path / "b", progress=False)
     assert [r["ppl"] for r in mapped] == [r["ppl"] for r in plain]
+
+
+def test_device_map_reaches_from_pretrained(tiny_model_dir, monkeypatch):
+    import transformers
+
     from ropescale.models import load_model
 
-    model, _ = load_model(str(tiny_model_dir), device_map="auto")
-    assert set(model.hf_device_map.values()) == {"cpu"}  # accelerate placed every layer (no GPU here)
+    seen = {}
+    original = transformers.AutoModelForCausalLM.from_pretrained
+
+    def spy(path, **kw):
+        seen.update(kw)
+        return original(path, **kw)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    load_model(str(tiny_model_dir), device_map="balanced")
+    assert seen["device_map"] == "balanced"  # accelerate's big-model inference places the layers
