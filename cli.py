@@ -84,6 +84,7 @@ def _common_options(fn):
                      help="repeatable; e.g. yarn:beta_fast=16"),
         click.option("--lengths", callback=_lengths, help="comma-separated lengths in tokens, e.g. 128,256,512"),
         click.option("--device", help="auto, cpu, cuda, cuda:1 ..."),
+        click.option("--device-map", help="auto: spread a model larger than one GPU over this node's devices"),
         click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"])),
         click.option("--quiet", "-q", is_flag=True, help="no progress output"),
     ]):
@@ -111,7 +112,7 @@ def _run(config, overrides, output, flags: dict, quiet: bool, *, only_task: str 
         if not out:
             raise ConfigError(f"{source}: output: no results folder; give --output DIR or set output:")
         records = run_sweep(cfg, out, progress=not quiet)
-    except (ConfigError, DataError, UnknownStrategyError, UnknownTaskError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, DataError, UnknownStrategyError, UnknownTaskError, ValueError, OSError) as e:
         _fail(e)
     click.echo(markdown_report(records))
     click.echo(f"results in {out}/ (results.jsonl, results.csv, results.md and plots)")
@@ -120,11 +121,12 @@ def _run(config, overrides, output, flags: dict, quiet: bool, *, only_task: str 
 @main.command("eval")
 @_common_options
 @click.option("--task", help="perplexity (default), passkey, needle")
-def eval_cmd(config, overrides, output, model, data, strategy_specs, lengths, device, dtype, quiet, task) -> None:
+def eval_cmd(config, overrides, output, model, data, strategy_specs, lengths, device, device_map, dtype, quiet,
+             task) -> None:
     """Run a task (perplexity, passkey, needle) for each strategy at each length; resumable;
     writes results.jsonl/csv/md and the task's plots."""
     flags = {"task": task, "model": model, "data": data, "lengths": lengths, "device": device, "dtype": dtype,
-             "strategies": list(strategy_specs) or None}
+             "device_map": device_map, "strategies": list(strategy_specs) or None}
     _run(config, overrides, output, flags, quiet)
 
 
@@ -135,12 +137,12 @@ def eval_cmd(config, overrides, output, model, data, strategy_specs, lengths, de
 @click.option("--max-windows", type=int, help="cap on windows per length")
 @click.option("--batch-size", type=int)
 @click.option("--dynamic-block", type=int, help="score dynamic strategies block-wise (generation semantics)")
-def sweep(config, overrides, output, model, data, strategy_specs, lengths, device, dtype, quiet, mode, stride,
-          max_windows, batch_size, dynamic_block) -> None:
+def sweep(config, overrides, output, model, data, strategy_specs, lengths, device, device_map, dtype, quiet, mode,
+          stride, max_windows, batch_size, dynamic_block) -> None:
     """Perplexity of each strategy at each length (the perplexity task); resumable."""
     flags = {"model": model, "data": data, "lengths": lengths, "mode": mode, "stride": stride,
              "max_windows": max_windows, "batch_size": batch_size, "device": device, "dtype": dtype,
-             "dynamic_block": dynamic_block, "strategies": list(strategy_specs) or None}
+             "device_map": device_map, "dynamic_block": dynamic_block, "strategies": list(strategy_specs) or None}
     _run(config, overrides, output, flags, quiet, only_task="perplexity")
 
 
@@ -171,7 +173,7 @@ def patch_cmd(model, strategy_spec, output, original_max_position_embeddings, la
                         dynamic_cache=dynamic_cache, dynamic_block=dynamic_block, logn=spec.logn,
                         **spec.params)
         path = ropescale.save_patched(m, tok, output)
-    except (UnknownStrategyError, ValueError, FileNotFoundError) as e:
+    except (UnknownStrategyError, ValueError, OSError) as e:
         _fail(e)
     import json
 
@@ -274,12 +276,14 @@ def plot(results, output) -> None:
     from eval.report import write_reports
     from eval.sweep import read_results
 
-    records = read_results(results)
-    if not records:
-        _fail(ValueError(f"{results}: no records"))
+    from eval.sweep import prepare_output
+
     try:
-        paths = write_reports(records, output or Path(results).parent)
-    except (KeyError, ValueError) as e:
+        records = read_results(results)
+        if not records:
+            raise ValueError(f"{results}: no records")
+        paths = write_reports(records, prepare_output(Path(output or Path(results).parent)))
+    except (KeyError, ValueError, OSError) as e:
         _fail(e)
     for kind, p in paths.items():
         click.echo(f"{kind}: {p}")

@@ -12,6 +12,7 @@ left out. Every error names the key: ``ConfigError: quickstart.yaml: strategies.
 from __future__ import annotations
 
 import difflib
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -67,17 +68,49 @@ def parse_strategy(entry: Any) -> StrategySpec:
         raise ValueError(e.errors()[0]["msg"].removeprefix("Value error, ")) from None
 
 
+def _yaml_error(e: yaml.YAMLError) -> str:
+    """A YAML parser error as one line."""
+    problem = getattr(e, "problem", None) or str(e)
+    mark = getattr(e, "problem_mark", None)
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    return " ".join(f"{problem}{where}".split())
+
+
+def _value(text: str, where: str) -> Any:
+    """A flag value read as YAML (numbers, booleans, lists); ``ValueError`` in one line."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"{where}: cannot read {text!r}: {_yaml_error(e)}") from None
+
+
+def _split_top_level(text: str) -> list[str]:
+    """``"a=1,b=[2,3]"`` → ``["a=1", "b=[2,3]"]``: commas inside brackets belong to the value."""
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        if ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        if ch == "," and depth <= 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return [p for p in parts + [cur] if p.strip()]
+
+
 def _parse_strategy(entry: Any) -> StrategySpec:
     if isinstance(entry, StrategySpec):
         return entry
     if isinstance(entry, str):
         name, _, rest = entry.partition(":")
         params = {}
-        for item in filter(None, rest.split(",")):
+        for item in _split_top_level(rest):
             key, eq, value = item.partition("=")
             if not eq:
                 raise ValueError(f"strategy {entry!r}: expected key=value, got {item!r}")
-            params[key.strip()] = yaml.safe_load(value)
+            params[key.strip()] = _value(value, f"strategy {entry!r}")
         logn = params.pop("logn", False)
         return StrategySpec(name=name.strip(), params=params, logn=logn)
     if isinstance(entry, dict):
@@ -114,10 +147,12 @@ class EvalConfig(BaseModel):
     lengths: list[int] = Field(min_length=1)
     strategies: list[StrategySpec] = Field(min_length=1)
     options: TaskOptions = Field(default_factory=TaskOptions, description="the task's options")
-    original_max_position_embeddings: int | None = Field(None, ge=1)
+    original_max_position_embeddings: int | None = Field(None, ge=2)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "auto"
-    threads: int | None = Field(None, ge=1)
+    device_map: str | None = Field(None, description="auto / balanced / sequential: spread a model larger than "
+                                                      "one GPU over this node's devices (accelerate)")
+    threads: int | None = Field(None, ge=1, description="torch threads (at most this machine's CPU count)")
     output: str | None = None
 
     @model_validator(mode="before")
@@ -159,6 +194,11 @@ class EvalConfig(BaseModel):
                 out.append(parse_strategy(entry))
             except (KeyError, ValueError) as e:
                 raise ValueError(f"entry {i} ({entry!r}): {e}") from None
+        names = [spec.display for spec in out]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise ValueError(f"entry {i} ({name!r}) repeats entry {names.index(name)}: the same cell would be "
+                                 "computed twice; drop one, or give it a label: to compare other settings")
         return out
 
     @field_validator("lengths")
@@ -167,6 +207,14 @@ class EvalConfig(BaseModel):
         if any(x < 2 for x in v):
             raise ValueError("every length must be at least 2 tokens")
         return sorted(set(v))
+
+    @field_validator("threads")
+    @classmethod
+    def _threads(cls, v: int | None) -> int | None:
+        cores = os.cpu_count() or 1
+        if v is not None and v > cores:
+            raise ValueError(f"{v} threads on a machine with {cores} CPU cores; use at most {cores}")
+        return v
 
     @model_validator(mode="after")
     def _fits(self) -> "EvalConfig":
@@ -210,7 +258,10 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             child = node.get(p)
             node[p] = child = dict(child) if isinstance(child, dict) else ({"source": child} if p == "data" and isinstance(child, str) else {})
             node = child
-        node[last] = yaml.safe_load(value)
+        try:
+            node[last] = _value(value, f"--set {item!r}")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     return raw
 
 
@@ -223,15 +274,34 @@ def build_config(raw: Any, source: str = "config") -> EvalConfig:
         raise _explain(e, source, str(raw.get("task", "perplexity"))) from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1})",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str | Path) -> dict:
     """The raw mapping of a YAML config file. Raises ``ConfigError`` (missing, invalid, not a mapping)."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a folder, not a YAML file") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        raise ConfigError(f"{path}: not valid YAML: {_yaml_error(e)}") from None
     if raw is None:
         return {}
     if not isinstance(raw, dict):

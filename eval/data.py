@@ -12,6 +12,7 @@ Raises ``DataError`` for a missing column, an empty source or a file type we do 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -83,8 +84,14 @@ def _documents(spec: DataSpec) -> Iterable[str]:
     return _rows(rows, spec.text_column, spec.describe())
 
 
+REPLACED_WARNING = 0.01  # share of characters that were not valid UTF-8 above which we warn
+
+
 def load_documents(spec: DataSpec) -> list[str]:
-    """The source's documents as strings (empty ones dropped), at most ``max_documents``."""
+    """The source's documents as strings (empty ones dropped), at most ``max_documents``.
+
+    Bytes that are not UTF-8 are read as U+FFFD; when more than 1% of the characters are, a
+    warning says so (the text is probably not text)."""
     docs: list[str] = []
     for text in _documents(spec):
         if text and text.strip():
@@ -93,6 +100,11 @@ def load_documents(spec: DataSpec) -> list[str]:
             break
     if not docs:
         raise DataError(f"{spec.describe()}: no non-empty documents")
+    replaced = sum(d.count("\ufffd") for d in docs) / sum(len(d) for d in docs)
+    if replaced > REPLACED_WARNING:
+        logging.getLogger("ropescale").warning(
+            "%s: %.0f%% of the characters are not valid UTF-8 and were replaced; is this really text?",
+            spec.describe(), 100 * replaced)
     return docs
 
 

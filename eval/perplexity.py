@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from eval.windows import Window
 
-__all__ = ["Score", "score_windows"]
+__all__ = ["Score", "score_windows", "window_nll", "combine_windows"]
 
 
 @dataclass
@@ -73,11 +73,13 @@ def _nll_blockwise(model, ids: torch.Tensor, block: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def score_windows(model, docs: list[torch.Tensor], windows: list[Window], *, length: int,
-                  bos_token_id: int | None = None, batch_size: int = 1, buckets: int = 16,
-                  device: torch.device | str = "cpu", desc: str | None = None,
-                  prefix_block: int | None = None) -> Score:
-    """Sum next-token NLL over the scored tokens of ``windows``.
+def window_nll(model, docs: list[torch.Tensor], windows: list[Window], *, length: int,
+               bos_token_id: int | None = None, batch_size: int = 1, buckets: int = 16,
+               device: torch.device | str = "cpu", desc: str | None = None,
+               prefix_block: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per window, in order: its summed next-token NLL per position bucket ``[buckets]`` float64
+    and its scored tokens per bucket ``[buckets]`` (the parts ``combine_windows`` adds up; a
+    data-parallel run computes them for its share of the windows).
 
     Args:
         model: causal LM returning ``logits [b, n, V]``.
@@ -88,10 +90,8 @@ def score_windows(model, docs: list[torch.Tensor], windows: list[Window], *, len
         desc: progress-bar label; None disables the bar.
         prefix_block: score block-wise (see ``_nll_blockwise``) instead of one forward per window.
     """
-    score = Score(length, buckets)
-    bucket_nll = torch.zeros(buckets, dtype=torch.float64)
-    bucket_tok = torch.zeros(buckets, dtype=torch.float64)
-    bar = tqdm(total=len(windows), desc=desc, disable=desc is None, leave=False, unit="win")
+    out = []
+    bar = tqdm(total=len(windows), desc=desc, disable=True if desc is None else None, leave=False, unit="win")
     offset = int(bos_token_id is not None)
     for batch in _batches(windows, batch_size):
         ids = torch.stack([docs[w.doc][w.start : w.end] for w in batch])  # [b, n]
@@ -103,11 +103,29 @@ def score_windows(model, docs: list[torch.Tensor], windows: list[Window], *, len
         for row, w in zip(nll, batch):
             keep = target_pos >= (w.score_from - w.start + offset)
             bucket = (target_pos[keep] * buckets) // length
-            bucket_nll += torch.bincount(bucket, weights=row[keep], minlength=buckets)
-            bucket_tok += torch.bincount(bucket, minlength=buckets).double()
+            out.append((torch.bincount(bucket, weights=row[keep], minlength=buckets),
+                        torch.bincount(bucket, minlength=buckets).double()))
         bar.update(len(batch))
     bar.close()
+    return out
+
+
+def combine_windows(parts: list[tuple[torch.Tensor, torch.Tensor]], length: int, buckets: int) -> Score:
+    """Add up per-window parts *in window order* (so any split across processes gives the same
+    float64 sums as one process)."""
+    bucket_nll = torch.zeros(buckets, dtype=torch.float64)
+    bucket_tok = torch.zeros(buckets, dtype=torch.float64)
+    for nll, tok in parts:
+        bucket_nll += nll
+        bucket_tok += tok
+    score = Score(length, buckets)
     score.bucket_nll = bucket_nll.tolist()
     score.bucket_tokens = [int(t) for t in bucket_tok.tolist()]
     score.nll, score.tokens = float(bucket_nll.sum()), int(bucket_tok.sum())
     return score
+
+
+def score_windows(model, docs: list[torch.Tensor], windows: list[Window], *, length: int, buckets: int = 16,
+                  **kw) -> Score:
+    """Summed next-token NLL over the scored tokens of ``windows`` (arguments of ``window_nll``)."""
+    return combine_windows(window_nll(model, docs, windows, length=length, buckets=buckets, **kw), length, buckets)

@@ -12,48 +12,90 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
 import platform
 import subprocess
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import gather_object
+from pydantic import ValidationError
 
 import ropescale
-from ropescale.models import load_model, resolve_device
+from ropescale.models import load_model, load_tokenizer, model_fingerprint, resolve_device
 from ropescale.patching import NoRotaryEmbeddingError, find_rotary_modules, patch, rope_context, unpatch
 from ropescale.strategies import get_strategy
 from eval.config import EvalConfig, StrategySpec
 from eval.data import load_documents, tokenize_documents
+from eval.manifest import check_manifest, data_fingerprint, folder_lock, identity
+from eval.schema import SCHEMA_VERSION, Record
 from eval.report import write_reports
 from eval.tasks.base import Task, get_task
 
-__all__ = ["run_sweep", "cell_id", "read_results", "environment"]
+__all__ = ["run_sweep", "cell_id", "read_results", "environment", "prepare_output", "OutputError"]
 
 RESULTS = "results.jsonl"
 
 
-def cell_id(cfg: EvalConfig, spec: StrategySpec, length: int) -> str:
-    """Stable id of a cell: everything that changes its numbers, hashed."""
-    key = {"task": cfg.task, "options": cfg.options.key(), "model": cfg.model, "data": cfg.data.spec().describe()
-           if get_task(cfg.task).uses_data else None, "strategy": spec.name, "params": spec.params, "logn": spec.logn,
-           "length": length, "dtype": cfg.dtype, "original_max_position_embeddings": cfg.original_max_position_embeddings}
+def cell_id(experiment: str, spec: StrategySpec, length: int) -> str:
+    """Stable id of a cell: the experiment's identity hash (task, options, model weights, data
+    tokens, dtype, library versions: ``eval.manifest``) with the strategy and length, hashed."""
+    key = {"experiment": experiment, "strategy": spec.name, "params": spec.params, "logn": spec.logn,
+           "length": length}
     return hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def read_results(path: str | Path) -> list[dict]:
-    """Records of a ``results.jsonl`` (a torn last line from a killed run is skipped)."""
+    """Records of a ``results.jsonl`` (a torn line from a killed run is skipped).
+
+    Raises ``ValueError`` (one line) for a file that is not UTF-8 text or holds JSON that is not
+    a result record."""
     path = Path(path)
     if not path.exists():
         return []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a results file (not UTF-8 text)") from None
     out = []
-    for line in path.read_text().splitlines():
+    for i, line in enumerate(lines, 1):
         try:
-            out.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        try:
+            Record.model_validate(record)
+        except ValidationError as e:
+            err = e.errors()[0]
+            what = f"{'.'.join(map(str, err['loc'])) or 'record'}: {err['msg']}"
+            raise ValueError(f"{path}: line {i} is not a ropescale result record ({what}; see eval/schema.py)") from None
+        out.append(record)
     return out
+
+
+class OutputError(ValueError):
+    """The results folder cannot be used."""
+
+
+def prepare_output(output: Path) -> Path:
+    """Create ``output`` (and parents) and make sure files can be written in it; ``OutputError``
+    in one line otherwise (a file in the way, no permission, a read-only file system)."""
+    if output.exists() and not output.is_dir():
+        raise OutputError(f"output {output} is a file, not a folder")
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        probe = output / f".ropescale-write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except NotADirectoryError:
+        raise OutputError(f"output {output}: a part of the path is a file, not a folder") from None
+    except OSError as e:
+        raise OutputError(f"output {output}: cannot write there ({e.strerror or e})") from None
+    return output
 
 
 def _git_hash() -> str | None:
@@ -97,20 +139,30 @@ def _training_window(cfg: EvalConfig, model) -> int:
 
 
 def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec, length: int, train_len: int,
-                device, progress: bool) -> dict:
-    """Patch, score, unpatch; the cell's record (without id and environment)."""
+                device, progress: bool, state) -> dict:
+    """Patch, measure this process's share of the examples, gather the parts, combine, unpatch;
+    the cell's record (without id and environment)."""
     strat = get_strategy(spec.name)
     params = strat.validate(spec.params, fill_auto={"scale": max(1.0, length / train_len),
                                                     "length": float(length), "half_train": train_len // 2})
+    note = None
+    if strat.kind == "attention" and params.get("window", 0) >= length:
+        note = (f"window {params['window']} >= length {length}: the rule never applies at this length, "
+                "so this cell equals vanilla RoPE")
+        logging.getLogger("ropescale").warning("%s @ %d: %s", spec.display, length, note)
     t0 = time.perf_counter()
+    share = list(range(state.process_index, len(examples), state.num_processes))
     with patch(model, spec.name, original_max_position_embeddings=train_len, logn=spec.logn, **params):
-        result = task.score(model, examples, length=length, strategy=strat, device=device,
+        part = task.measure(model, examples, share, length=length, strategy=strat, device=device,
                             desc=f"{spec.display} @ {length}" if progress else None)
+    parts = gather_object([part]) if state.num_processes > 1 else [part]
+    result = task.combine(parts, examples, length=length, strategy=strat)
     seconds = time.perf_counter() - t0
     return {"task": cfg.task, "strategy": spec.display, "name": spec.name, "params": params, "logn": spec.logn,
             "length": length, "train_length": train_len, "model": cfg.model,
             "data": cfg.data.spec().describe() if task.uses_data else None, "options": cfg.options.key(),
-            "dtype": cfg.dtype, "device": str(device), **result, "seconds": round(seconds, 3)}
+            "dtype": cfg.dtype, "device": str(device), **result, **({"note": note} if note else {}),
+            "seconds": round(seconds, 3)}
 
 
 def _headline(task: type[Task], record: dict) -> str:
@@ -122,16 +174,39 @@ def run_sweep(cfg: EvalConfig, output: str | Path, *, progress: bool = True) -> 
     """Run (or resume) the experiment: ``cfg.task`` over strategies × lengths. Returns this
     experiment's records in (length, strategy) order.
 
+    Launched with ``accelerate launch`` (several GPUs or nodes, or CPU processes with gloo), every
+    process measures its share of each cell's examples, the parts are gathered, and only the main
+    process writes: the records equal a single-process run's.
+
     Raises ``eval.data.DataError`` / ``ValueError`` subclasses (too-short data, a length that
     cannot hold the task's prompts) before any cell runs, ``NoRotaryEmbeddingError`` for a
     model without RoPE, and ``ValueError`` for strategy parameters that fail at a given length.
     """
-    output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
+    from accelerate import PartialState
+
+    state = PartialState()
+    output = prepare_output(Path(output))
+    with folder_lock(output) if state.is_main_process else nullcontext():
+        return _run_locked(cfg, output, progress and state.is_main_process, state)
+
+
+def _run_locked(cfg: EvalConfig, output: Path, progress: bool, state) -> list[dict]:
     results_path = output / RESULTS
     task_cls = get_task(cfg.task)
+    # a device that is not there fails before any work; launched processes take their own
+    device = state.device if state.num_processes > 1 and cfg.device == "auto" else resolve_device(cfg.device)
+    tokenizer = load_tokenizer(cfg.model)
+    docs = tokenize_documents(tokenizer, load_documents(cfg.data.spec())) if task_cls.uses_data else None
+    env = environment()
+    ident = identity(cfg, data=data_fingerprint(docs), weights=model_fingerprint(cfg.model),
+                     versions={k: env[k] for k in ("ropescale", "torch", "transformers")})
+    if state.is_main_process:
+        experiment = check_manifest(output, ident, cfg.model_dump(mode="json"))
+    state.wait_for_everyone()
+    if not state.is_main_process:
+        experiment = check_manifest(output, ident, cfg.model_dump(mode="json"), write=False)
     done = {r["cell"]: r for r in read_results(results_path) if "cell" in r}
-    cells = [(length, spec, cell_id(cfg, spec, length)) for length in cfg.lengths for spec in cfg.strategies]
+    cells = [(length, spec, cell_id(experiment, spec, length)) for length in cfg.lengths for spec in cfg.strategies]
     todo = [c for c in cells if c[2] not in done]
     if progress and len(todo) < len(cells):
         print(f"resuming: {len(cells) - len(todo)} of {len(cells)} cells already in {results_path}")
@@ -139,25 +214,28 @@ def run_sweep(cfg: EvalConfig, output: str | Path, *, progress: bool = True) -> 
     if todo:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        device = resolve_device(cfg.device)
-        model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=str(device))
+        model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=str(device), device_map=cfg.device_map)
+        if cfg.device_map:
+            device = model.get_input_embeddings().weight.device  # inputs go where the embeddings are
         unpatch(model)  # a patch saved with the model would stack under the sweep's strategies
         train_len = _training_window(cfg, model)
-        docs = tokenize_documents(tokenizer, load_documents(cfg.data.spec())) if task_cls.uses_data else None
         task = task_cls(cfg.options, tokenizer=tokenizer, train_length=train_len, documents=docs)
         # build every length's examples first: data or lengths that cannot work fail before any cell runs
         examples = {length: task.examples(length) for length in sorted({c[0] for c in todo})}
-        env = environment()
-        with _append_safely(results_path) as sink:
+        with _append_safely(results_path) if state.is_main_process else nullcontext() as sink:
             for length, spec, cid in todo:
-                record = {"cell": cid, **_score_cell(cfg, task, model, examples[length], spec, length,
-                                                     train_len, device, progress), "env": env}
-                sink.write(json.dumps(record) + "\n")
-                sink.flush()  # written as it completes: a rerun resumes from here
+                record = {"schema": SCHEMA_VERSION, "cell": cid, "experiment": experiment,
+                          **_score_cell(cfg, task, model, examples[length], spec, length, train_len, device,
+                                        progress, state), "env": env}
+                if sink is not None:
+                    sink.write(json.dumps(record) + "\n")
+                    sink.flush()  # written as it completes: a rerun resumes from here
                 done[cid] = record
                 if progress:
                     print(f"{spec.display:>24} @ {length:>6}: {_headline(task_cls, record)} "
                           f"({record['seconds']:.1f}s)", flush=True)
     records = [done[cid] for _, _, cid in cells]
-    write_reports(records, output)
+    if state.is_main_process:
+        write_reports(records, output)
+    state.wait_for_everyone()
     return records

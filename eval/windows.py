@@ -9,7 +9,9 @@ chunk: non-overlapping windows of exactly ``length`` tokens; a document's shorte
     is dropped.
 sliding: windows of up to ``length`` tokens advanced by ``stride``; each window scores only the
     tokens the previous one did not (the method of the HF perplexity guide), so each token is
-    scored once with the most context the window allows.
+    scored once with the most context the window allows. Without BOS a window's first token has
+    no context, so a window starts at least one token before the first token it scores (with
+    ``stride`` = ``length`` the windows then advance by ``length − 1``).
 """
 
 from __future__ import annotations
@@ -44,13 +46,14 @@ def sliding_windows(doc_lengths: list[int], length: int, stride: int, bos: bool 
     out = []
     for d, total in enumerate(doc_lengths):
         prev_end = 0 if bos else 1  # without BOS the first token has no context
-        for begin in range(0, total, stride):
+        begin = 0
+        while prev_end < total:
+            if not bos:
+                begin = min(begin, prev_end - 1)  # the first scored token needs one token of context
             end = min(begin + n, total)
-            if end > prev_end:
-                out.append(Window(d, begin, end, prev_end))
+            out.append(Window(d, begin, end, prev_end))
             prev_end = end
-            if end == total:
-                break
+            begin += stride
     return out
 
 
@@ -68,7 +71,9 @@ def make_windows(doc_lengths: list[int], length: int, mode: str = "chunk", strid
     if mode == "chunk":
         windows = chunk_windows(doc_lengths, length, bos)
     elif mode == "sliding":
-        windows = sliding_windows(doc_lengths, length, stride or length // 2, bos)
+        # refuse, as chunk mode does, rather than label shorter windows as this length
+        fits = max(doc_lengths, default=0) >= length - int(bos)
+        windows = sliding_windows(doc_lengths, length, stride or length // 2, bos) if fits else []
     else:
         raise WindowError(f"unknown mode {mode!r}; choose 'chunk' or 'sliding'")
     if not windows:

@@ -39,8 +39,23 @@ __all__ = ["logn_factor", "enable_logn", "enable_truncation", "IdentityRotary", 
 
 LOGN_PREFIX = "ropescale_logn_"
 _MASKS = {"sdpa": sdpa_mask, "eager": eager_mask}
-_TRAIN_LENGTH: dict[int, int] = {}  # id(config) → L_train of models with log-n scaling on
+_LOGN_ATTR = "_ropescale_logn"  # on each submodule while log-n is on: L_train
+_TRUNCATION_ATTR = "_ropescale_truncation"  # on each submodule while a truncation rule is on
 _CALLS = {"n": 0}
+
+
+def _set_on_modules(model, attr: str, value) -> None:
+    """State for the attention function on every submodule: the function receives the attention
+    layer, which reads it there (a model's parts may hold different config objects, as
+    Gemma 3's multimodal class does, so nothing is keyed by config)."""
+    for m in model.modules():
+        setattr(m, attr, value)
+
+
+def _clear_on_modules(model, attr: str) -> None:
+    for m in model.modules():
+        if attr in m.__dict__:
+            delattr(m, attr)
 
 
 class AttentionNotPluggableError(ValueError):
@@ -85,7 +100,7 @@ def _logn_attention(module, query, key, value, attention_mask, **kwargs):
     if position_ids is None:
         raise RuntimeError(f"log-n scaling needs position_ids in the attention call; "
                            f"{type(module).__name__} does not pass them")
-    scale = logn_factor(position_ids, _TRAIN_LENGTH[id(module.config)]).to(query.dtype)  # [b, s_q]
+    scale = logn_factor(position_ids, getattr(module, _LOGN_ATTR)).to(query.dtype)  # [b, s_q]
     query = query * scale[:, None, :, None]  # [b, n_h, s_q, h_d]
     return _base_attention(module, base)(module, query, key, value, attention_mask, **kwargs)
 
@@ -106,12 +121,12 @@ def enable_logn(model, original_max_position_embeddings: int):
     if current not in _MASKS:
         raise ValueError(f"log-n scaling wraps sdpa or eager attention; this model uses {current!r} "
                          "(load it with attn_implementation='sdpa')")
-    _TRAIN_LENGTH[id(config)] = int(original_max_position_embeddings)
+    _set_on_modules(model, _LOGN_ATTR, int(original_max_position_embeddings))
     model.set_attn_implementation(LOGN_PREFIX + current)
 
     def restore() -> None:
         model.set_attn_implementation(current)
-        _TRAIN_LENGTH.pop(id(config), None)
+        _clear_on_modules(model, _LOGN_ATTR)
 
     try:
         check_routed(model, LOGN_PREFIX + current)
@@ -133,8 +148,6 @@ class _Truncation:
     block: int
     logn: int | None  # L_train when log-n scaling is on
 
-
-_TRUNCATION: dict[int, _Truncation] = {}  # id(config) → state
 
 
 class IdentityRotary(nn.Module):
@@ -162,7 +175,7 @@ def _keep_mask(attention_mask):
 def _truncation_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                           softcap=None, sliding_window=None, **kwargs):
     _CALLS["n"] += 1
-    state = _TRUNCATION[id(module.config)]
+    state = getattr(module, _TRUNCATION_ATTR)
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
         raise RuntimeError(f"truncation rules need position_ids in the attention call; "
@@ -206,12 +219,12 @@ def enable_truncation(model, rule: RelativeRule, freqs: dict, *, interleaved: bo
     """
     config = model.config
     current = config._attn_implementation
-    _TRUNCATION[id(config)] = _Truncation(rule, freqs, interleaved, naive, block, logn)
+    _set_on_modules(model, _TRUNCATION_ATTR, _Truncation(rule, freqs, interleaved, naive, block, logn))
     model.set_attn_implementation(TRUNCATION)
 
     def restore() -> None:
         model.set_attn_implementation(current)
-        _TRUNCATION.pop(id(config), None)
+        _clear_on_modules(model, _TRUNCATION_ATTR)
 
     try:
         check_routed(model, TRUNCATION)

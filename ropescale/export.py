@@ -21,11 +21,13 @@ MARKER = "ropescale:{name} (not a transformers rope type: load with ropescale.lo
 _KEEP = ("rope_theta", "partial_rotary_factor")
 
 
-def native_rope_parameters(handle: PatchHandle, base: dict[str, Any],
-                           max_position_embeddings: int | None) -> dict[str, Any] | None:
-    """The transformers ``rope_parameters`` equivalent to ``handle`` (one layer type's ``base``
-    parameters updated), or None when transformers cannot express it."""
-    p, ctx, name = handle.params, handle.context, handle.strategy
+def native_rope_parameters(handle: PatchHandle, base: dict[str, Any], max_position_embeddings: int | None,
+                           layer_type: str | None = None) -> dict[str, Any] | None:
+    """The transformers ``rope_parameters`` equivalent to ``handle`` for one layer type (its
+    ``base`` parameters updated, from that type's own context: Gemma 3's sliding and full layers
+    have different ``rope_theta``), or None when transformers cannot express it."""
+    p, name = handle.params, handle.strategy
+    ctx = handle.contexts.get(layer_type, handle.context)
     keep = {k: base[k] for k in _KEEP if k in base}
     orig = ctx["original_max_position_embeddings"]
     if handle.options.get("dynamic_block", 1) != 1 or handle.options.get("logn"):
@@ -66,7 +68,7 @@ def exported_config(model, handle: PatchHandle):
     native = True
     for lt in handle.layer_types:
         base = rp if lt is None else rp[lt]
-        new = native_rope_parameters(handle, base, getattr(text, "max_position_embeddings", None))
+        new = native_rope_parameters(handle, base, getattr(text, "max_position_embeddings", None), lt)
         if new is None:
             native = False
             new = {**{k: base[k] for k in _KEEP if k in base}, "rope_type": MARKER.format(name=handle.strategy)}

@@ -10,6 +10,7 @@ re-applies the patch (patching must follow ``from_pretrained``, which recomputes
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,8 @@ import torch
 
 from ropescale.patching import PatchHandle, current_patch, patch
 
-__all__ = ["REFERENCE_MODEL", "MODEL_ALIASES", "PATCH_FILE", "resolve_model", "load_model",
-           "save_patched", "resolve_device"]
+__all__ = ["REFERENCE_MODEL", "MODEL_ALIASES", "PATCH_FILE", "ModelLoadError", "resolve_model", "load_model",
+           "load_tokenizer", "model_fingerprint", "save_patched", "resolve_device"]
 
 REFERENCE_MODEL = Path(__file__).parent / "reference" / "kjv-llama"
 MODEL_ALIASES = {"reference": REFERENCE_MODEL, "kjv-llama": REFERENCE_MODEL}
@@ -26,10 +27,29 @@ PATCH_FILE = "ropescale.json"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class ModelLoadError(ValueError):
+    """A model cannot be loaded: missing folder, unreadable files, unknown or unreachable hub id."""
+
+
+def _looks_like_path(name: str) -> bool:
+    """A name that can only be a local path (a hub id is ``name`` or ``org/name``)."""
+    return name.startswith(("/", "./", "../", "~", ".\\")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+
+
 def resolve_model(name_or_path: str) -> str:
-    """Short name → bundled path; anything else unchanged (a path or a hub id)."""
+    """Short name → bundled path; anything else unchanged (a path or a hub id).
+
+    Raises ``ModelLoadError`` for a path that does not exist or holds no model."""
     path = MODEL_ALIASES.get(name_or_path)
     if path is None:
+        local = Path(name_or_path).expanduser()
+        if local.is_dir() and not (local / "config.json").is_file():
+            raise ModelLoadError(f"{name_or_path}: folder has no config.json; not a Hugging Face model folder")
+        if not local.exists() and _looks_like_path(name_or_path):
+            raise ModelLoadError(f"{name_or_path}: no such model folder (bundled names: {', '.join(MODEL_ALIASES)})")
+        if local.is_file():
+            raise ModelLoadError(f"{name_or_path}: is a file; give the model's folder, a bundled name "
+                                 f"({', '.join(MODEL_ALIASES)}) or a hub id")
         return name_or_path
     if not (path / "model.safetensors").exists():
         raise FileNotFoundError(f"bundled model missing at {path}; reinstall ropescale or "
@@ -39,17 +59,53 @@ def resolve_model(name_or_path: str) -> str:
 
 
 def resolve_device(device: str = "auto") -> torch.device:
+    """``auto`` (CUDA when present, else CPU) or a torch device string that exists on this
+    machine. Raises ``ValueError`` for an unknown name or a device that is not there."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} unknown; use auto, cpu, cuda, cuda:N or mps") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device {device!r}: CUDA is not available on this machine (use cpu or auto)")
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"device {device!r}: this machine has {count} CUDA device(s), cuda:0 … cuda:{count - 1}")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {device!r}: MPS is not available on this machine (use cpu or auto)")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"device {device!r}: ropescale runs on cpu, cuda or mps")
+    return dev
+
+
+def _from_pretrained(loader, name: str, path: str, **kwargs):
+    """``loader.from_pretrained`` with its many failure types turned into one line."""
+    from safetensors import SafetensorError
+
+    try:
+        return loader.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if Path(path).exists():
+            raise ModelLoadError(f"{name}: cannot read the model files ({first})") from None
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+        why = "the hub is offline (HF_HUB_OFFLINE=1)" if offline else f"the hub said: {first}"
+        raise ModelLoadError(f"cannot load {name!r}: not a bundled name ({', '.join(MODEL_ALIASES)}), "
+                             f"not a local folder, and {why}") from None
 
 
 def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "auto",
-               attn_implementation: str | None = None) -> tuple[Any, Any]:
+               attn_implementation: str | None = None, device_map: str | dict | None = None) -> tuple[Any, Any]:
     """``(model, tokenizer)`` in eval mode; re-applies a saved ``ropescale.json`` patch.
 
-    Raises ``ValueError`` for an unknown ``dtype`` and whatever ``from_pretrained`` raises for an
-    unknown id (hub access needs network; offline, only local paths and the bundled model work).
+    ``device_map`` (``"auto"``, ``"balanced"``, a dict): spread the model over the devices of this
+    machine with accelerate (a model larger than one GPU); ``device`` is then ignored.
+
+    Raises ``ValueError`` for an unknown ``dtype`` or device, and ``ModelLoadError`` (one line)
+    for a missing folder, unreadable model files, or a hub id that cannot be fetched (offline,
+    only local paths and the bundled model work).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -62,12 +118,16 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "auto
     saved = Path(path) / PATCH_FILE
     record = json.loads(saved.read_text()) if saved.is_file() else None
     if record and "base_rope_parameters" in record:  # undo the export: ropescale re-applies the patch
-        config = AutoConfig.from_pretrained(path)
+        config = _from_pretrained(AutoConfig, name_or_path, path)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         text.rope_parameters = record["base_rope_parameters"]
         kwargs["config"] = config
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(resolve_device(device)).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    if device_map is not None:  # accelerate's big-model inference: layers spread over the devices there are
+        model = _from_pretrained(AutoModelForCausalLM, name_or_path, path, device_map=device_map, **kwargs).eval()
+    else:
+        target = resolve_device(device)  # before loading: a device that is not there fails first
+        model = _from_pretrained(AutoModelForCausalLM, name_or_path, path, **kwargs).to(target).eval()
+    tokenizer = _from_pretrained(AutoTokenizer, name_or_path, path)
     if record:
         patch(model, record["strategy"],
               original_max_position_embeddings=record.get("original_max_position_embeddings"),
@@ -75,6 +135,30 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "auto
               **{k: record[k] for k in ("dynamic_cache", "dynamic_block", "logn") if k in record},
               **record.get("params", {}))
     return model, tokenizer
+
+
+def load_tokenizer(name_or_path: str):
+    """The tokenizer of a bundled name, local folder or hub id (``ModelLoadError`` in one line)."""
+    from transformers import AutoTokenizer
+
+    return _from_pretrained(AutoTokenizer, name_or_path, resolve_model(name_or_path))
+
+
+def model_fingerprint(name_or_path: str) -> str:
+    """What identifies the weights: a content fingerprint of a local folder (``eval.manifest``),
+    the snapshot commit of a hub model."""
+    path = resolve_model(name_or_path)
+    if Path(path).is_dir():
+        from eval.manifest import weights_fingerprint
+
+        return weights_fingerprint(path)
+    from transformers.utils import cached_file
+
+    try:
+        config = cached_file(path, "config.json")
+    except OSError as e:
+        raise ModelLoadError(f"cannot load {name_or_path!r}: {str(e).splitlines()[0]}") from None
+    return "hub:" + Path(config).parent.name  # …/snapshots/<commit>/config.json
 
 
 def save_patched(model, tokenizer, output: str | Path) -> Path:

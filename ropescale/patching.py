@@ -37,6 +37,7 @@ class PatchHandle:
     params: dict[str, Any]
     context: dict[str, Any]
     layer_types: list[str | None] = field(default_factory=list)
+    contexts: dict[str | None, dict[str, Any]] = field(default_factory=dict)  # per patched layer type
     options: dict[str, Any] = field(default_factory=dict)
     _swaps: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list, repr=False)
     _hooks: list = field(default_factory=list, repr=False)
@@ -131,6 +132,13 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
     """
     strat = get_strategy(strategy)
     params = strat.validate(params)
+    if original_max_position_embeddings is not None and (
+            isinstance(original_max_position_embeddings, bool) or not isinstance(original_max_position_embeddings, int)
+            or original_max_position_embeddings < 2):
+        raise ValueError(f"original_max_position_embeddings={original_max_position_embeddings!r} must be a whole "
+                         "number of tokens >= 2 (the training window)")
+    if not isinstance(logn, bool):
+        raise ValueError(f"logn={logn!r} must be True or False")
     if dynamic_cache not in DYNAMIC_CACHE_MODES:
         raise ValueError(f"dynamic_cache={dynamic_cache!r}; choose one of {', '.join(DYNAMIC_CACHE_MODES)}")
     if not isinstance(dynamic_block, int) or dynamic_block < 1:
@@ -177,6 +185,7 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
                 entries[lt] = _Entry(inv_freq.to(device), scaling, strat, params, context,
                                      start["seq_len"] if strat.dynamic else None, dynamic_block)
                 handle.context = context
+                handle.contexts[lt] = context
             cfg = _config_of(model, module)
             keeps_float32, interleaved = probe_layout(module, available[0])
             if interleaved and strat.dynamic and dynamic_cache == "rerotate":
@@ -225,7 +234,7 @@ def _patch_attention(model, handle: PatchHandle, strat: Strategy, found, modules
     parent = modules[parent_name]
     setattr(parent, attr, identity)
     handle._swaps.append((parent, attr, module))
-    handle.context, handle.layer_types = context, [None]
+    handle.context, handle.layer_types, handle.contexts = context, [None], {None: context}
     try:
         handle._restore.append(enable_truncation(
             model, rule, freqs, interleaved=interleaved, naive=naive, block=block,

@@ -72,6 +72,8 @@ def rope_context(model: nn.Module, module: nn.Module, layer_type: str | None = N
     ``config.max_position_embeddings``.
     """
     cfg = _config_of(model, module)
+    if layer_type is None and "inv_freq" not in module._buffers:
+        layer_type = layer_types_of(module)[0]  # per-layer-type module: any type gives T
     rp = getattr(cfg, "rope_parameters", None) or {}
     if layer_type is not None and isinstance(rp.get(layer_type), dict):
         rp = rp[layer_type]

@@ -3,13 +3,15 @@
 A task is a subclass of ``Task`` in its own module under ``eval/tasks/`` (found and registered
 automatically by its ``name``). The harness (``eval.sweep``) loads the model once, builds the task
 with its options, asks it for the examples of each length *once* (so every strategy sees the
-same ones), then for every (strategy, length) cell patches the model, calls ``score`` and
-unpatches. ``score`` returns the cell's metrics as a flat dict of JSON values; the harness adds
-the cell's identity (strategy, length, model, data, …) and appends the record to
-``results.jsonl``. ``plots`` draws the task's figures from the finished records.
+same ones), then for every (strategy, length) cell patches the model, has it ``measure`` the
+examples (each process its share, when launched with ``accelerate launch``), ``combine``s the
+parts into the cell's metrics — a flat dict of JSON values — and unpatches. The harness adds the
+cell's identity (strategy, length, model, data, …) and appends the record to ``results.jsonl``.
+``plots`` draws the task's figures from the finished records.
 
 Adding a task is one module (a ``Task`` subclass with ``name``, ``Options``, ``metrics``,
-``examples``, ``score`` and optionally ``plots``) plus its tests.
+``examples``, ``measure``, ``combine`` and optionally ``plots``) plus its tests. ``combine``
+must give the same numbers however the examples were split.
 """
 
 from __future__ import annotations
@@ -93,11 +95,23 @@ class Task:
         Raises ``ValueError`` (or a subclass) when ``length`` cannot hold them."""
         raise NotImplementedError
 
+    def measure(self, model, examples: Any, indices: list[int], *, length: int, strategy: Strategy,
+                device: torch.device, desc: str | None) -> Any:
+        """Run the (already patched) ``model`` on ``examples[i]`` for ``i`` in ``indices``: a
+        picklable part for ``combine``. ``desc`` labels a progress bar (None: no bar)."""
+        raise NotImplementedError
+
+    def combine(self, parts: list, examples: Any, *, length: int, strategy: Strategy) -> dict[str, Any]:
+        """The cell's metrics from every process's part: a flat dict holding at least every
+        ``metrics`` key, identical for any split of the examples."""
+        raise NotImplementedError
+
     def score(self, model, examples: Any, *, length: int, strategy: Strategy, device: torch.device,
               desc: str | None) -> dict[str, Any]:
-        """Score the (already patched) ``model`` on ``examples``: a flat dict holding at least
-        every ``metrics`` key. ``desc`` labels a progress bar (None: no bar)."""
-        raise NotImplementedError
+        """``measure`` all examples in one process and ``combine``."""
+        part = self.measure(model, examples, list(range(len(examples))), length=length, strategy=strategy,
+                            device=device, desc=desc)
+        return self.combine([part], examples, length=length, strategy=strategy)
 
     @classmethod
     def plots(cls, records: list[dict], output: Path) -> dict[str, Path]:

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from eval.perplexity import score_windows
+from eval.perplexity import combine_windows, window_nll
 from eval.tasks.base import Metric, Task, TaskOptions
 from eval.windows import make_windows
 
@@ -22,7 +22,7 @@ class PerplexityOptions(TaskOptions):
     max_windows: int | None = Field(None, ge=1, description="cap on windows per length")
     add_bos: bool = False
     batch_size: int = Field(1, ge=1)
-    position_buckets: int = Field(16, ge=1)
+    position_buckets: int = Field(16, ge=1, le=1024, description="NLL-by-position buckets per window")
     dynamic_block: int | None = Field(None, ge=1, description=(
         "dynamic strategies: score tokens [kB, (k+1)B) with a forward over the first (k+1)B tokens, "
         "the scale generation would use (1 = per position); default: one scale per window"))
@@ -32,7 +32,8 @@ class PerplexityOptions(TaskOptions):
             raise ValueError(f"stride {self.stride} is longer than the shortest length {min(lengths)}")
 
     def key(self) -> dict[str, Any]:
-        return self.model_dump() | {"stride": self.stride if self.mode == "sliding" else None}
+        # batch_size changes numbers by float noise only: not part of the identity
+        return self.model_dump(exclude={"batch_size"}) | {"stride": self.stride if self.mode == "sliding" else None}
 
 
 # written at the top level of a config before tasks existed; still read there
@@ -57,23 +58,26 @@ class Perplexity(Task):
 
     @property
     def bos(self) -> int | None:
-        if not self.options.add_bos:
-            return None
-        if self.tokenizer.bos_token_id is None:
-            raise ValueError("add_bos is set but the model's tokenizer has no BOS token")
-        return self.tokenizer.bos_token_id
+        return self.tokenizer.bos_token_id if self.options.add_bos else None
 
     def examples(self, length: int):
         o = self.options
-        self.bos  # noqa: B018  (fails before any cell runs)
+        if o.add_bos and self.tokenizer.bos_token_id is None:
+            raise ValueError("add_bos is set but the model's tokenizer has no BOS token")
         return make_windows([len(d) for d in self.documents], length, o.mode, o.stride, o.add_bos, o.max_windows)
 
-    def score(self, model, windows, *, length, strategy, device, desc) -> dict[str, Any]:
+    def measure(self, model, windows, indices, *, length, strategy, device, desc) -> list:
+        o = self.options
+        parts = window_nll(model, self.documents, [windows[i] for i in indices], length=length, bos_token_id=self.bos,
+                           batch_size=o.batch_size, buckets=o.position_buckets, device=device, desc=desc,
+                           prefix_block=o.dynamic_block if strategy.dynamic else None)
+        return list(zip(indices, parts))
+
+    def combine(self, parts, windows, *, length, strategy) -> dict[str, Any]:
         o = self.options
         block = o.dynamic_block if strategy.dynamic else None
-        s = score_windows(model, self.documents, windows, length=length, bos_token_id=self.bos,
-                          batch_size=o.batch_size, buckets=o.position_buckets, device=device, desc=desc,
-                          prefix_block=block)
+        ordered = [p for _, p in sorted((x for part in parts for x in part), key=lambda x: x[0])]
+        s = combine_windows(ordered, length, o.position_buckets)
         return {"ppl": math.exp(s.mean_nll), "nll": s.mean_nll, "tokens": s.tokens, "windows": len(windows),
                 "mode": o.mode, "stride": (o.stride or length // 2) if o.mode == "sliding" else None,
                 "add_bos": o.add_bos, "dynamic": _dynamic_semantics(block) if strategy.dynamic else None,

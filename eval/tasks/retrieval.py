@@ -118,10 +118,11 @@ class RetrievalTask(Task):
         return out
 
     @torch.no_grad()
-    def score(self, model, examples, *, length, strategy, device, desc) -> dict[str, Any]:
-        exact, cand = [], []
-        bar = progress(len(examples), desc, unit="ex")
-        for ex in examples:
+    def measure(self, model, examples, indices, *, length, strategy, device, desc) -> list:
+        rows = []
+        bar = progress(len(indices), desc, unit="ex")
+        for i in indices:
+            ex = examples[i]
             ids = torch.tensor([ex.prompt.ids], device=device)  # [1, n]
             out = model(input_ids=ids, use_cache=True)
             last = out.logits[0, -1].float().log_softmax(-1)  # [V]
@@ -129,12 +130,18 @@ class RetrievalTask(Task):
                 scores = _candidate_scores_full(model, ex.prompt.ids, ex.candidates, device)
             else:
                 scores = _candidate_scores_cached(model, last, out.past_key_values, ex.candidates, device)
-            cand.append(bool(scores[0] > scores[1:].max()))
             generated = _greedy(model, last, out.past_key_values, len(ex.prompt.answer_ids) + 2)
-            exact.append(type(self).match(self.tokenizer.decode(generated), ex.prompt.answer))
+            exact = type(self).match(self.tokenizer.decode(generated), ex.prompt.answer)
+            rows.append((i, exact, bool(scores[0] > scores[1:].max())))
             bar.update(1)
         bar.close()
-        return summarise(examples, exact, cand, self.options)
+        return rows
+
+    def combine(self, parts, examples, *, length, strategy) -> dict[str, Any]:
+        rows = sorted(x for part in parts for x in part)
+        if [i for i, _, _ in rows] != list(range(len(examples))):
+            raise RuntimeError("retrieval: the processes' parts do not cover every example exactly once")
+        return summarise(examples, [e for _, e, _ in rows], [c for _, _, c in rows], self.options)
 
     @classmethod
     def plots(cls, records: list[dict], output: Path) -> dict[str, Path]:

@@ -3,6 +3,7 @@ import math
 import pytest
 
 from eval.config import build_config
+from eval.manifest import ExperimentMismatchError
 from eval.sweep import RESULTS, read_results, run_sweep
 from eval.windows import WindowError
 
@@ -50,9 +51,14 @@ def test_rerun_resumes_and_skips_finished_cells(tmp_path, tiny_model_dir, text_f
     recs = read_results(path)
     assert len(recs) == 6  # 4 kept + 2 recomputed (torn line ignored)
     assert [r["ppl"] for r in again] == [r["ppl"] for r in first]
-    # a different setting is a different cell
-    run_sweep(config(tiny_model_dir, text_file, max_windows=3), tmp_path, progress=False)
-    assert len(read_results(path)) == 12
+    # more strategies are more cells of the same experiment; another setting is another experiment
+    run_sweep(config(tiny_model_dir, text_file, strategies=["vanilla", "yarn", "dynamic_ntk", "ntk"]), tmp_path,
+              progress=False)
+    assert len(read_results(path)) == 8
+    with pytest.raises(ExperimentMismatchError, match="holds another experiment \\(options: .*'max_windows': 3.* now, "
+                                                      ".*'max_windows': 6.* in the folder\\); give a new output folder"):
+        run_sweep(config(tiny_model_dir, text_file, max_windows=3), tmp_path, progress=False)
+    assert len(read_results(path)) == 8
 
 
 def test_sliding_mode_and_bos(tmp_path, tiny_model_dir, text_file):

@@ -77,9 +77,12 @@ def test_retrieval_resumes_and_a_changed_option_is_a_new_cell(tmp_path, tiny_mod
     assert [r["accuracy"] for r in again] == [r["accuracy"] for r in first]
     assert [r["candidate_accuracy"] for r in again] == [r["candidate_accuracy"] for r in first]
     assert len(read_results(tmp_path / RESULTS)) == 4
-    run_sweep(passkey_config(tiny_model_dir, strategies=["vanilla"], passkey={
-        "trials": 2, "depths": [0, 1], "digits": 3, "candidates": 5}), tmp_path, progress=False)
-    assert len(read_results(tmp_path / RESULTS)) == 6
+    other = passkey_config(tiny_model_dir, strategies=["vanilla"], passkey={
+        "trials": 2, "depths": [0, 1], "digits": 3, "candidates": 5})
+    with pytest.raises(ValueError, match="holds another experiment \\(options: .*'candidates': 5"):
+        run_sweep(other, tmp_path, progress=False)
+    run_sweep(other, tmp_path / "new", progress=False)
+    assert len(read_results(tmp_path / RESULTS)) == 4 and len(read_results(tmp_path / "new" / RESULTS)) == 2
 
 
 def test_a_length_too_short_for_the_prompt_fails_before_any_cell(tmp_path, tiny_model_dir):

@@ -39,6 +39,19 @@ def test_sliding_scores_every_token_exactly_once(doc_lengths, length, data, bos)
     expected = Counter((d, t) for d, n in enumerate(doc_lengths) for t in range(0 if bos else 1, n))
     assert scored(windows) == expected
     assert all(w.end - w.start <= length - int(bos) and w.start <= w.score_from < w.end for w in windows)
+    # every scored token has context inside its window (BOS counts as context)
+    assert all(bos or w.start < w.score_from for w in windows)
+
+
+def test_sliding_with_stride_equal_to_length_scores_window_boundaries():
+    # stride = length without BOS: windows step back one token so the boundary token is scored
+    assert sliding_windows([10], 4, 4) == [Window(0, 0, 4, 1), Window(0, 3, 7, 4), Window(0, 6, 10, 7)]
+    assert sliding_windows([8], 5, 4, bos=True) == [Window(0, 0, 4, 0), Window(0, 4, 8, 4)]
+
+
+def test_sliding_refuses_a_length_no_document_fills():
+    with pytest.raises(WindowError, match="dataset too short for length 16: the longest document has 11 tokens"):
+        make_windows([11, 5], 16, "sliding", stride=8)
 
 
 @settings(max_examples=200, deadline=None)

@@ -1,0 +1,118 @@
+"""One results folder = one experiment: its manifest, its lock, and the fingerprints that say
+whether two runs are the same experiment.
+
+``manifest.json`` is written when a run starts: the resolved config and the experiment's
+*identity* — task and options, model and a fingerprint of its weights, data source and a
+fingerprint of its tokens, dtype, training-window override, library versions. A rerun into a
+folder whose identity differs is refused with one line saying what differs (adding strategies or
+lengths to the same experiment is allowed: they are new cells of it). The identity's hash is
+part of every cell id, so a resumed cell is one computed with the same model, data and code.
+
+A lock file (``filelock``) keeps two runs from writing one folder at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["MANIFEST", "LOCK", "ExperimentMismatchError", "FolderBusyError", "identity", "data_fingerprint",
+           "weights_fingerprint", "check_manifest", "folder_lock"]
+
+MANIFEST = "manifest.json"
+LOCK = ".ropescale.lock"
+_HASH_CONTENT_UP_TO = 1 << 30  # weight files up to 1 GiB are hashed; larger ones by size and mtime
+
+
+class ExperimentMismatchError(ValueError):
+    """The folder holds another experiment."""
+
+
+class FolderBusyError(ValueError):
+    """Another run is writing the folder."""
+
+
+def data_fingerprint(docs: list[torch.Tensor] | None) -> str | None:
+    """sha256 of the documents' token ids (in order, with their lengths), 16 hex digits."""
+    if docs is None:
+        return None
+    h = hashlib.sha256()
+    for d in docs:
+        h.update(len(d).to_bytes(8, "little"))
+        h.update(d.to(torch.int64).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def weights_fingerprint(folder: str | Path) -> str:
+    """Fingerprint of a model folder's config and weight files: content hashes (size and mtime
+    for files over 1 GiB), 16 hex digits."""
+    folder = Path(folder)
+    h = hashlib.sha256()
+    files = sorted(p for p in folder.iterdir() if p.name == "config.json" or p.suffix in (".safetensors", ".bin"))
+    for p in files:
+        h.update(p.name.encode())
+        size = p.stat().st_size
+        if size <= _HASH_CONTENT_UP_TO:
+            with p.open("rb") as f:
+                for chunk in iter(lambda: f.read(1 << 22), b""):
+                    h.update(chunk)
+        else:
+            h.update(f"{size}:{p.stat().st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def identity(cfg, *, data: str | None, weights: str, versions: dict[str, str]) -> dict[str, Any]:
+    """What makes two runs the same experiment (strategies and lengths are its cells)."""
+    return {"task": cfg.task, "options": cfg.options.key(), "model": cfg.model, "weights": weights,
+            "data": cfg.data.spec().describe() if data else None, "data_tokens": data, "dtype": cfg.dtype,
+            "original_max_position_embeddings": cfg.original_max_position_embeddings, "versions": versions}
+
+
+def check_manifest(output: Path, ident: dict[str, Any], config: dict[str, Any], *, write: bool = True) -> str:
+    """Check the folder's manifest (``ExperimentMismatchError`` naming what differs) and write
+    it (``write``: the main process only). Returns the identity's hash (part of every cell id)."""
+    path = output / MANIFEST
+    digest = hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
+    if path.exists():
+        try:
+            old = json.loads(path.read_text())["identity"]
+        except (ValueError, KeyError, TypeError):
+            raise ExperimentMismatchError(f"{path}: unreadable manifest; use a new output folder") from None
+        diff = [k for k in sorted(set(old) | set(ident)) if old.get(k) != ident.get(k)]
+        if diff:
+            shown = "; ".join(f"{k}: {ident.get(k)!r} now, {old.get(k)!r} in the folder" for k in diff)
+            raise ExperimentMismatchError(
+                f"{output} holds another experiment ({shown}); give a new output folder (or delete this one)")
+    elif (output / "results.jsonl").exists() and (output / "results.jsonl").stat().st_size:
+        raise ExperimentMismatchError(f"{output} holds results without a manifest (written before ropescale "
+                                      "recorded one), so they cannot be matched to this run; use a new folder")
+    if write:
+        path.write_text(json.dumps({"identity": ident, "identity_hash": digest, "config": config,
+                                "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1) + "\n")
+    return digest
+
+
+def folder_lock(output: Path):
+    """An exclusive lock on ``output`` for the run; ``FolderBusyError`` when another run holds it."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(output / LOCK), timeout=0)
+
+    class _Held:
+        def __enter__(self):
+            try:
+                lock.acquire()
+            except Timeout:
+                raise FolderBusyError(f"{output} is being written by another run (lock {LOCK}); wait for it to "
+                                      "finish or use another output folder") from None
+            return self
+
+        def __exit__(self, *exc):
+            lock.release()
+
+    return _Held()

@@ -1,0 +1,80 @@
+"""One folder = one experiment: manifest, lock, fingerprints in the resume key."""
+
+import json
+
+import pytest
+import torch
+
+from eval.config import build_config
+from eval.manifest import (MANIFEST, ExperimentMismatchError, FolderBusyError, data_fingerprint, folder_lock,
+                           weights_fingerprint)
+from eval.sweep import RESULTS, read_results, run_sweep
+
+
+def config(model_dir, data, **kw):
+    return build_config({"model": str(model_dir), "data": str(data), "lengths": [32], "strategies": ["vanilla"],
+                         "max_windows": 2, "device": "cpu", **kw})
+
+
+def test_manifest_records_the_experiment(tmp_path, tiny_model_dir, text_file):
+    (r,) = run_sweep(config(tiny_model_dir, text_file), tmp_path, progress=False)
+    m = json.loads((tmp_path / MANIFEST).read_text())
+    ident = m["identity"]
+    assert ident["task"] == "perplexity" and ident["model"] == str(tiny_model_dir) and ident["data"] == str(text_file)
+    assert ident["weights"] == weights_fingerprint(tiny_model_dir) and len(ident["data_tokens"]) == 16
+    assert set(ident["versions"]) == {"ropescale", "torch", "transformers"} and m["config"]["lengths"] == [32]
+    assert r["experiment"] == m["identity_hash"] and r["schema"] == 2
+
+
+def test_other_data_in_the_same_folder_is_refused(tmp_path, tiny_model_dir, text_file):
+    run_sweep(config(tiny_model_dir, text_file), tmp_path, progress=False)
+    other = tmp_path / "other.txt"
+    other.write_text(text_file.read_text()[::-1])
+    with pytest.raises(ExperimentMismatchError, match=f"holds another experiment \\(data: '{other}' now"):
+        run_sweep(config(tiny_model_dir, other), tmp_path, progress=False)
+    # the same source name with other content: the token fingerprint differs
+    text_file_copy = tmp_path / "copy"
+    text_file_copy.mkdir()
+    (text_file_copy / "a.txt").write_text(text_file.read_text())
+    run_sweep(config(tiny_model_dir, text_file_copy), tmp_path / "b", progress=False)
+    (text_file_copy / "a.txt").write_text(text_file.read_text()[:-500])
+    with pytest.raises(ExperimentMismatchError, match="data_tokens: "):
+        run_sweep(config(tiny_model_dir, text_file_copy), tmp_path / "b", progress=False)
+    assert len(read_results(tmp_path / RESULTS)) == 1
+
+
+def test_changed_weights_are_another_experiment(tmp_path, tiny_model_dir, text_file):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = tmp_path / "m"
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    m.save_pretrained(model_dir)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(model_dir)
+    run_sweep(config(model_dir, text_file), tmp_path / "o", progress=False)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(1.5)  # retrained: same shapes, other numbers
+    m.save_pretrained(model_dir)
+    with pytest.raises(ExperimentMismatchError, match="weights: "):
+        run_sweep(config(model_dir, text_file), tmp_path / "o", progress=False)
+
+
+def test_two_runs_cannot_write_one_folder(tmp_path, tiny_model_dir, text_file):
+    tmp_path.mkdir(exist_ok=True)
+    with folder_lock(tmp_path):
+        with pytest.raises(FolderBusyError, match="is being written by another run"):
+            run_sweep(config(tiny_model_dir, text_file), tmp_path, progress=False)
+    assert not (tmp_path / RESULTS).exists()
+    run_sweep(config(tiny_model_dir, text_file), tmp_path, progress=False)  # released
+
+
+def test_results_from_before_manifests_are_not_mixed(tmp_path, tiny_model_dir, text_file):
+    (tmp_path / RESULTS).write_text(json.dumps({"cell": "x", "strategy": "vanilla", "length": 32}) + "\n")
+    with pytest.raises(ExperimentMismatchError, match="holds results without a manifest"):
+        run_sweep(config(tiny_model_dir, text_file), tmp_path, progress=False)
+
+
+def test_data_fingerprint_is_order_and_boundary_sensitive():
+    a, b = torch.tensor([1, 2, 3]), torch.tensor([4])
+    assert data_fingerprint([a, b]) != data_fingerprint([b, a])
+    assert data_fingerprint([a, b]) != data_fingerprint([torch.tensor([1, 2]), torch.tensor([3, 4])])
+    assert data_fingerprint([a, b]) == data_fingerprint([a.clone(), b.clone()]) and data_fingerprint(None) is None

@@ -1,0 +1,160 @@
+"""Everyday mistakes end in one clear line (exit code 1, no traceback) or a warning, never a
+silently wrong number. One case per item of the trustworthy-runs issue's battery."""
+
+import json
+import logging
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import ropescale
+from cli import main
+
+
+def cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def one_line_error(res, message):
+    out = res.output.strip().splitlines()
+    assert res.exit_code == 1, res.output
+    assert "Traceback" not in res.output and out[-1].startswith("Error: ") and message in out[-1], res.output
+    return out[-1]
+
+
+@pytest.fixture
+def sweep_args(tiny_model_dir, text_file, tmp_path):
+    return ["sweep", "--model", tiny_model_dir, "--data", text_file, "--strategy", "vanilla", "--lengths", "32",
+            "--max-windows", "2", "-q"]
+
+
+@pytest.mark.parametrize("model,message", [
+    ("/tmp/ropescale-no-such-model", "/tmp/ropescale-no-such-model: no such model folder"),
+    ("some-org/some-model", "cannot load 'some-org/some-model': not a bundled name (reference, kjv-llama), "
+                            "not a local folder, and the hub is offline (HF_HUB_OFFLINE=1)"),
+])
+def test_missing_model_and_offline_hub_id(tmp_path, text_file, model, message):
+    one_line_error(cli("sweep", "--model", model, "--data", text_file, "--strategy", "vanilla", "--lengths", 32,
+                       "-o", tmp_path / "o"), message)
+    one_line_error(cli("patch", "--model", model, "--strategy", "yarn:factor=2", "-o", tmp_path / "p"), message)
+    with pytest.raises(ropescale.models.ModelLoadError, match="no such model folder|hub is offline"):
+        ropescale.load_model(model)
+
+
+def test_garbled_safetensors(tmp_path, tiny_model_dir, text_file):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in tiny_model_dir.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) // 3])
+    one_line_error(cli("sweep", "--model", bad, "--data", text_file, "--strategy", "vanilla", "--lengths", 32,
+                       "-o", tmp_path / "o"), f"{bad}: cannot read the model files")
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--strategy", "yarn:factor=[2,3]"], "yarn: parameter factor=[2, 3] must be a number"),
+    (["--set", "lengths=[128"], "--set 'lengths=[128': cannot read '[128'"),
+    (["--set", "lengths=[128,\t256]"], "--set 'lengths=[128,\\t256]': cannot read"),
+    (["--device", "cuda"], "device 'cuda': CUDA is not available on this machine"),
+    (["--device", "banana"], "device 'banana' unknown; use auto, cpu, cuda, cuda:N or mps"),
+    (["--set", "threads=100000"], "threads: 100000 threads on a machine with"),
+    (["--strategy", "vanilla"], "strategies: entry 1 ('vanilla') repeats entry 0"),
+    (["--set", "position_buckets=100000"], "position_buckets: Input should be less than or equal to 1024"),
+    (["--strategy", "yarn:logn=maybe"], "entry 1"),
+])
+def test_bad_flags(sweep_args, tmp_path, extra, message):
+    one_line_error(cli(*sweep_args, *extra, "-o", tmp_path / "o"), message)
+
+
+def test_list_parameters_in_the_flag_syntax():
+    from eval.config import parse_strategy
+
+    spec = parse_strategy("longrope:short_factor=[1,1,1,1],long_factor=[2,2,4,4],factor=4")
+    assert spec.params == {"short_factor": [1, 1, 1, 1], "long_factor": [2, 2, 4, 4], "factor": 4}
+
+
+def test_output_in_the_way(sweep_args, tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    # output: in a config (the -o flag is checked by click itself, with its own one-line usage error)
+    one_line_error(cli(*sweep_args, "--set", f"output={a_file}"), f"output {a_file} is a file, not a folder")
+    one_line_error(cli(*sweep_args, "--set", f"output={a_file / 'sub'}"), "a part of the path is a file")
+
+
+def test_output_not_writable(sweep_args, tmp_path, monkeypatch):
+    from pathlib import Path
+
+    def refuse(self, *a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "write_text", refuse)  # root ignores mode bits: simulate a read-only folder
+    one_line_error(cli(*sweep_args, "-o", tmp_path / "ro"), "cannot write there (Permission denied)")
+
+
+def test_plot_on_a_binary_file_and_on_a_foreign_record(tmp_path):
+    binary = tmp_path / "x.jsonl"
+    binary.write_bytes(bytes(range(256)) * 4)
+    one_line_error(cli("plot", binary), "not a results file (not UTF-8 text)")
+    foreign = tmp_path / "y.jsonl"
+    foreign.write_text(json.dumps({"ppl": 3}) + "\n" + json.dumps([1, 2]) + "\n")
+    one_line_error(cli("plot", foreign), "line 1 is not a ropescale result record (cell: Field required")
+
+
+def test_sliding_mode_refuses_lengths_the_data_cannot_fill(tmp_path, tiny_model_dir):
+    short = tmp_path / "short.txt"
+    short.write_text("In the beginning God created the heaven and the earth.")
+    one_line_error(cli("sweep", "--model", tiny_model_dir, "--data", short, "--strategy", "vanilla",
+                       "--lengths", 1024, "--mode", "sliding", "-o", tmp_path / "o"),
+                   "dataset too short for length 1024: the longest document has 11 tokens")
+
+
+@pytest.mark.parametrize("value", [0, -5, 1, 2.5, True])
+def test_training_window_must_be_a_positive_length(tiny_llama, value):
+    for name in ("dynamic_ntk", "llama3", "yarn"):
+        with pytest.raises(ValueError, match="original_max_position_embeddings=.* must be a whole number of tokens >= 2"):
+            ropescale.patch(tiny_llama, name, original_max_position_embeddings=value, **({} if name == "dynamic_ntk" else {"factor": 4}))
+    assert ropescale.current_patch(tiny_llama) is None
+
+
+def test_training_window_in_the_cli_and_config(tmp_path, sweep_args):
+    one_line_error(cli("patch", "--model", "reference", "--strategy", "dynamic_ntk",
+                       "--original-max-position-embeddings", -5, "-o", tmp_path / "p"),
+                   "original_max_position_embeddings=-5 must be a whole number")
+    one_line_error(cli(*sweep_args, "--set", "original_max_position_embeddings=0", "-o", tmp_path / "o"),
+                   "original_max_position_embeddings: Input should be greater than or equal to 2")
+
+
+@pytest.mark.parametrize("value", ["no", "yes", 1, None])
+def test_logn_must_be_a_boolean(tiny_llama, value):
+    with pytest.raises(ValueError, match="logn=.* must be True or False"):
+        ropescale.patch(tiny_llama, "vanilla", logn=value)
+
+
+def test_random_bytes_as_text_warn(tmp_path, caplog):
+    from eval.data import DataSpec, load_documents
+
+    noise = tmp_path / "noise.txt"
+    noise.write_bytes(torch.randint(128, 256, (4000,), generator=torch.Generator().manual_seed(0)).to(torch.uint8)
+                      .numpy().tobytes())
+    with caplog.at_level(logging.WARNING, logger="ropescale"):
+        load_documents(DataSpec(str(noise)))
+    assert "of the characters are not valid UTF-8 and were replaced" in caplog.text
+
+
+def test_duplicate_yaml_keys(tmp_path):
+    cfg = tmp_path / "dup.yaml"
+    cfg.write_text("lengths: [32]\nstrategies: [vanilla]\nlengths: [64]\n")
+    one_line_error(cli("sweep", cfg, "-o", tmp_path / "o"), "key 'lengths' is given twice (lines 1 and 3)")
+
+
+def test_truncation_window_beyond_every_length_is_noted(tmp_path, tiny_model_dir, text_file, caplog):
+    from eval.config import build_config
+    from eval.sweep import run_sweep
+
+    cfg = build_config({"model": str(tiny_model_dir), "data": str(text_file), "lengths": [32],
+                        "strategies": ["rerope:window=64"], "max_windows": 2, "device": "cpu"})
+    with caplog.at_level(logging.WARNING, logger="ropescale"):
+        (r,) = run_sweep(cfg, tmp_path, progress=False)
+    assert r["note"].startswith("window 64 >= length 32: the rule never applies") and "equals vanilla" in caplog.text
