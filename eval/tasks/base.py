@@ -61,11 +61,11 @@ TASKS: dict[str, type["Task"]] = {}
 
 class Task:
     """One kind of evaluation. Subclasses set the class attributes and implement ``examples``
-    and ``score``.
+    ``measure`` and ``combine``.
 
     name: the task's name in configs and records.
     Options: the pydantic model of its options (``TaskOptions`` subclass).
-    metrics: what ``score`` reports; the first is the headline of tables and plots.
+    metrics: what ``combine`` reports; the first is the headline of tables and plots.
     uses_data: whether the task reads the config's ``data`` source (its documents are passed in).
     """
 
@@ -105,13 +105,6 @@ class Task:
         """The cell's metrics from every process's part: a flat dict holding at least every
         ``metrics`` key, identical for any split of the examples."""
         raise NotImplementedError
-
-    def score(self, model, examples: Any, *, length: int, strategy: Strategy, device: torch.device,
-              desc: str | None) -> dict[str, Any]:
-        """``measure`` all examples in one process and ``combine``."""
-        part = self.measure(model, examples, list(range(len(examples))), length=length, strategy=strategy,
-                            device=device, desc=desc)
-        return self.combine([part], examples, length=length, strategy=strategy)
 
     @classmethod
     def plots(cls, records: list[dict], output: Path) -> dict[str, Path]:
