@@ -60,7 +60,7 @@ TASKS: dict[str, type["Task"]] = {}
 
 
 class Task:
-    """One kind of evaluation. Subclasses set the class attributes and implement ``examples``
+    """One kind of evaluation. Subclasses set the class attributes and implement ``examples``,
     ``measure`` and ``combine``.
 
     name: the task's name in configs and records.
