@@ -32,10 +32,10 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, prepa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ropescale.strategies.truncation import RelativeRule
-from ropescale.truncated_attention import blocked_attention, naive_attention
+from ropescale.truncated_attention import blocked_attention, fused_attention, naive_attention
 
 __all__ = ["logn_factor", "enable_logn", "enable_truncation", "IdentityRotary", "LOGN_PREFIX",
-           "TRUNCATION", "AttentionNotPluggableError", "check_routed"]
+           "TRUNCATION", "ATTENTION_PATHS", "AttentionNotPluggableError", "check_routed"]
 
 LOGN_PREFIX = "ropescale_logn_"
 _MASKS = {"sdpa": sdpa_mask, "eager": eager_mask}
@@ -137,6 +137,8 @@ def enable_logn(model, original_max_position_embeddings: int):
 
 
 TRUNCATION = "ropescale_truncation"
+_PATHS = {"fused": fused_attention, "blocked": blocked_attention, "naive": naive_attention}
+ATTENTION_PATHS = tuple(_PATHS)
 
 
 @dataclass
@@ -144,7 +146,7 @@ class _Truncation:
     rule: RelativeRule
     freqs: dict  # layer type (None: all) → (inv_freq [d/2], attention_scaling)
     interleaved: bool
-    naive: bool
+    path: str  # "fused", "blocked" or "naive" (ropescale.truncated_attention)
     block: int
     logn: int | None  # L_train when log-n scaling is on
 
@@ -188,10 +190,10 @@ def _truncation_attention(module, query, key, value, attention_mask, scaling=Non
         query = query * logn_factor(q_pos, state.logn).to(query.dtype)[:, None, :, None]
     layer_type = getattr(module, "layer_type", None)
     inv_freq, att = state.freqs.get(layer_type, next(iter(state.freqs.values())))
-    fn = naive_attention if state.naive else blocked_attention
+    fn = _PATHS[state.path]
     out = fn(query, key, value, q_pos, k_pos, state.rule, inv_freq.to(query.device), att,
              keep=_keep_mask(attention_mask), scale=scaling or query.shape[-1] ** -0.5, softcap=softcap,
-             sliding_window=sliding_window, interleaved=state.interleaved, block=state.block)
+             sliding_window=sliding_window, interleaved=state.interleaved, dropout=dropout, block=state.block)
     return out.transpose(1, 2).contiguous(), None  # [b, s_q, n_h, h_d]
 
 
@@ -210,7 +212,7 @@ AttentionInterface.register(TRUNCATION, _truncation_attention)
 AttentionMaskInterface.register(TRUNCATION, _padding_only_mask)
 
 
-def enable_truncation(model, rule: RelativeRule, freqs: dict, *, interleaved: bool, naive: bool,
+def enable_truncation(model, rule: RelativeRule, freqs: dict, *, interleaved: bool, path: str,
                       block: int, logn: int | None):
     """Route ``model``'s attention through the truncation rule; returns the undo function.
 
@@ -219,7 +221,7 @@ def enable_truncation(model, rule: RelativeRule, freqs: dict, *, interleaved: bo
     """
     config = model.config
     current = config._attn_implementation
-    _set_on_modules(model, _TRUNCATION_ATTR, _Truncation(rule, freqs, interleaved, naive, block, logn))
+    _set_on_modules(model, _TRUNCATION_ATTR, _Truncation(rule, freqs, interleaved, path, block, logn))
     model.set_attn_implementation(TRUNCATION)
 
     def restore() -> None:

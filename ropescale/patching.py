@@ -99,7 +99,7 @@ DYNAMIC_CACHE_MODES = ("recompute", "rerotate")
 
 def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: int | None = None,
           layer_types: list[str] | None = None, dynamic_cache: str = "recompute",
-          dynamic_block: int = 1, logn: bool = False, attention_path: str = "blocked",
+          dynamic_block: int = 1, logn: bool = False, attention_path: str = "fused",
           block_size: int = 512, **params: Any) -> PatchHandle:
     """Apply ``strategy`` to the rotary embedding of ``model`` in place.
 
@@ -116,8 +116,11 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
             the frequencies (and, with ``"recompute"``, the prefix) change once per block.
         logn: also scale queries by max(1, ln(p+1)/ln(L_train)) (Su 2023), through the
             attention interface (``ropescale.attention``); works with any strategy.
-        attention_path: truncation rules only: ``"blocked"`` (exact, O(n) memory) or ``"naive"``
-            (explicit n × n relative positions; the tests' oracle).
+        attention_path: truncation rules only: ``"fused"`` (default: the two regions in fused
+            kernels, about the cost of vanilla attention, with backward), ``"blocked"`` (a Python
+            online softmax; also what ``"fused"`` uses for soft-capping, attention dropout and
+            non-CPU devices) or ``"naive"`` (explicit n × n relative positions; the tests' oracle).
+            All three are exact and differentiable.
         block_size: truncation rules only: query/key block of the blocked path [tokens].
         **params: the strategy's parameters (validated).
 
@@ -143,8 +146,8 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
         raise ValueError(f"dynamic_cache={dynamic_cache!r}; choose one of {', '.join(DYNAMIC_CACHE_MODES)}")
     if not isinstance(dynamic_block, int) or dynamic_block < 1:
         raise ValueError(f"dynamic_block={dynamic_block!r} must be a whole number >= 1")
-    if attention_path not in ("blocked", "naive"):
-        raise ValueError(f"attention_path={attention_path!r}; choose 'blocked' or 'naive'")
+    if attention_path not in ("fused", "blocked", "naive"):
+        raise ValueError(f"attention_path={attention_path!r}; choose 'fused', 'blocked' or 'naive'")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size={block_size!r} must be a whole number >= 1")
     if current_patch(model) is not None:
@@ -160,7 +163,7 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
     handle = PatchHandle(model, strategy, params, {})
     if strat.kind == "attention":
         return _patch_attention(model, handle, strat, found, modules, original_max_position_embeddings,
-                                logn, attention_path == "naive", block_size)
+                                logn, attention_path, block_size)
     try:
         for name, module in found:
             available = layer_types_of(module)
@@ -214,7 +217,7 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
 
 
 def _patch_attention(model, handle: PatchHandle, strat: Strategy, found, modules, train_override,
-                     logn: bool, naive: bool, block: int) -> PatchHandle:
+                     logn: bool, path: str, block: int) -> PatchHandle:
     """Truncation rules: identity rotary module + the rule inside attention."""
     from ropescale.attention import IdentityRotary, enable_truncation
 
@@ -237,7 +240,7 @@ def _patch_attention(model, handle: PatchHandle, strat: Strategy, found, modules
     handle.context, handle.layer_types, handle.contexts = context, [None], {None: context}
     try:
         handle._restore.append(enable_truncation(
-            model, rule, freqs, interleaved=interleaved, naive=naive, block=block,
+            model, rule, freqs, interleaved=interleaved, path=path, block=block,
             logn=context["original_max_position_embeddings"] if logn else None))
     except Exception:
         handle.unpatch()

@@ -22,8 +22,9 @@ from __future__ import annotations
 import torch
 
 from ropescale.strategies.truncation import RelativeRule
+from ropescale.two_region import TwoRegionAttention, _Plan, band_calls, causal_calls, near_block
 
-__all__ = ["rotate", "blocked_attention", "naive_attention"]
+__all__ = ["rotate", "fused_attention", "blocked_attention", "naive_attention"]
 
 _NEG = -1e30  # running-max start: exp(-inf - _NEG) = 0 without NaN
 
@@ -62,13 +63,43 @@ def _softcap(s: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return torch.tanh(s / softcap) * softcap if softcap else s
 
 
+def _plan(s_q: int, s_k: int, window: int, sliding_window: int | None, scale: float, keep) -> _Plan:
+    near_hi = min(window, sliding_window) if sliding_window else window
+    if sliding_window is None:
+        far = causal_calls(s_q, s_k, window)
+    elif sliding_window > window:
+        far = band_calls(s_q, s_k, window, sliding_window, near_block(sliding_window - window))
+    else:
+        far = []
+    near = band_calls(s_q, s_k, 0, near_hi, near_block(near_hi))
+    return _Plan(far, near, s_k - s_q, scale, None if keep is None else keep[:, 0, 0])
+
+
+def fused_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling: float, *, keep=None,
+                    scale: float, softcap: float | None = None, sliding_window: int | None = None,
+                    interleaved: bool = False, dropout: float = 0.0, block: int = 512) -> torch.Tensor:
+    """Default path: the two regions in fused CPU flash kernels (``ropescale.two_region``), with
+    backward. Falls back to ``blocked_attention`` where that kernel cannot follow: soft-capping,
+    attention dropout, a per-query ``keep`` mask, or a device other than the CPU."""
+    if softcap or dropout or q.device.type != "cpu" or (keep is not None and keep.shape[-2] != 1):
+        return blocked_attention(q, k, v, q_pos, k_pos, rule, inv_freq, scaling, keep=keep, scale=scale,
+                                 softcap=softcap, sliding_window=sliding_window, interleaved=interleaved,
+                                 dropout=dropout, block=block)
+    plan = _plan(q.shape[2], k.shape[2], rule.window, sliding_window, scale, keep)
+
+    def rot(x, pos):
+        return rotate(x, pos, inv_freq, scaling, interleaved)
+
+    return TwoRegionAttention.apply(q, k, v, q_pos, k_pos, rule.far_q(q_pos), rule.far_k(k_pos), rot, plan)
+
+
 def blocked_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling: float, *,
                       keep=None, scale: float, softcap: float | None = None,
-                      sliding_window: int | None = None, interleaved: bool = False,
+                      sliding_window: int | None = None, interleaved: bool = False, dropout: float = 0.0,
                       block: int = 512) -> torch.Tensor:
     b, n_h, s_q, h_d = q.shape
     n_kv, s_k = k.shape[1], k.shape[2]
-    g = n_h // n_kv
+    g, c0, w = n_h // n_kv, s_k - s_q, rule.window
 
     def grouped(x):  # [b, n_h, s, h_d] → [b, n_kv, g, s, h_d]
         return x.view(b, n_kv, g, x.shape[2], h_d)
@@ -78,46 +109,44 @@ def blocked_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scali
     k_near = rotate(k, k_pos, inv_freq, scaling, interleaved)[:, :, None]  # [b, n_kv, 1, s_k, h_d]
     k_far = rotate(k, rule.far_k(k_pos), inv_freq, scaling, interleaved)[:, :, None]
     v = v[:, :, None]
-    q_slot = torch.arange(s_k - s_q, s_k, device=q.device)
+    q_slot = torch.arange(c0, s_k, device=q.device)
     k_slot = torch.arange(s_k, device=q.device)
-    out = torch.empty(b, n_kv, g, s_q, h_d, dtype=q.dtype, device=q.device)
+    rows = []
     for qs in range(0, s_q, block):
         qe = min(qs + block, s_q)
         m = torch.full((b, n_kv, g, qe - qs, 1), _NEG, dtype=torch.float32, device=q.device)
         l = torch.zeros_like(m)
         acc = torch.zeros(b, n_kv, g, qe - qs, h_d, dtype=torch.float32, device=q.device)
-        first = max(0, int(q_slot[qs]) - sliding_window + 1) if sliding_window else 0
-        q_lo, q_hi = q_pos[:, qs:qe].amin(), q_pos[:, qs:qe].amax()
-        for ks in range(first // block * block, int(q_slot[qe - 1]) + 1, block):
+        first = max(0, c0 + qs - sliding_window + 1) if sliding_window else 0
+        for ks in range(first // block * block, c0 + qe, block):
             ke = min(ks + block, s_k)
-            # which region(s) the block pair touches, from position bounds: O(block), not O(block²)
-            rel_lo, rel_hi = q_lo - k_pos[:, ks:ke].amax(), q_hi - k_pos[:, ks:ke].amin()
-            if rel_hi < rule.window:
+            # the region(s) a block pair touches, from slot distances: Python integers, no host sync
+            lo, hi = c0 + qs - (ke - 1), c0 + qe - 1 - ks
+            dist = q_slot[qs:qe, None] - k_slot[None, ks:ke]  # [Bq, Bk]
+            if hi < w:
                 s = q_near[..., qs:qe, :] @ k_near[..., ks:ke, :].transpose(-1, -2)
-            elif rel_lo >= rule.window:
+            elif lo >= w:
                 s = q_far[..., qs:qe, :] @ k_far[..., ks:ke, :].transpose(-1, -2)
             else:
-                near = ((q_pos[:, qs:qe, None] - k_pos[:, None, ks:ke]) < rule.window)[:, None, None]  # [b, 1, 1, Bq, Bk]
-                s = torch.where(near, q_near[..., qs:qe, :] @ k_near[..., ks:ke, :].transpose(-1, -2),
+                s = torch.where(dist < w, q_near[..., qs:qe, :] @ k_near[..., ks:ke, :].transpose(-1, -2),
                                 q_far[..., qs:qe, :] @ k_far[..., ks:ke, :].transpose(-1, -2))
-            s = s.float().mul_(scale)  # [b, n_kv, g, Bq, Bk]
-            if softcap:
-                s = _softcap(s, softcap)
-            # masks only where needed: the diagonal (causal), sliding windows, padding
-            if ke - 1 > int(q_slot[qs]) or sliding_window or keep is not None:
-                vis = _visible(q_slot[qs:qe], k_slot[ks:ke], sliding_window)
+            s = _softcap(s.float() * scale, softcap)  # [b, n_kv, g, Bq, Bk]
+            if lo < 0 or (sliding_window and hi >= sliding_window) or keep is not None:  # masks only where needed
+                vis = (dist >= 0) & (dist < sliding_window) if sliding_window else dist >= 0
                 if keep is not None:
                     blk = keep[..., ks:ke] if keep.shape[-2] == 1 else keep[..., qs:qe, ks:ke]
                     vis = vis & blk[:, :, None]  # [b, 1, 1, Bq, Bk]
-                s.masked_fill_(~vis, float("-inf"))
+                s = s.masked_fill(~vis, float("-inf"))
             m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-            p = s.sub_(m_new).exp_()  # in place: the block's scores become its weights
-            alpha = (m - m_new).exp_()
-            l = l.mul_(alpha).add_(p.sum(-1, keepdim=True))
-            acc = acc.mul_(alpha).add_(p @ v[..., ks:ke, :].float())
+            p = (s - m_new).exp()
+            alpha = (m - m_new).exp()
+            l = l * alpha + p.sum(-1, keepdim=True)
+            if dropout:  # on the weights, not the normaliser: softmax first, then dropout
+                p = torch.nn.functional.dropout(p, dropout)
+            acc = acc * alpha + p @ v[..., ks:ke, :].float()
             m = m_new
-        out[..., qs:qe, :] = (acc / l.clamp_min(1e-30)).to(q.dtype)  # fully masked rows → 0
-    return out.view(b, n_h, s_q, h_d)
+        rows.append((acc / l.clamp_min(1e-30)).to(q.dtype))  # fully masked rows → 0
+    return torch.cat(rows, -2).view(b, n_h, s_q, h_d)
 
 
 def naive_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling: float, *,

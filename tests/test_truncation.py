@@ -1,13 +1,17 @@
-"""Truncation rules inside attention: the blocked O(n) path against the naive n × n oracle,
-vanilla equivalence, cached decoding, padding, log-n, and refusal where attention is not pluggable."""
+"""Truncation rules inside attention: the fused and blocked O(n) paths against the naive n × n
+oracle (outputs and gradients), vanilla equivalence, cached decoding, padding, log-n, no host
+reads of tensor values, and refusal where attention is not pluggable."""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from transformers import DynamicCache
 
 import ropescale
 from ropescale.attention import AttentionNotPluggableError, logn_factor
-from ropescale.truncated_attention import blocked_attention, naive_attention
+from ropescale.truncated_attention import blocked_attention, fused_attention, naive_attention
 from ropescale.strategies.truncation import leaky_rerope, rerope, self_extend
 from tests.families import family_model
 
@@ -22,13 +26,14 @@ def logits(model, ids=IDS, **kw):
     return model(ids, **kw).logits
 
 
+@pytest.mark.parametrize("path", ["fused", "blocked"])
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("strategy,params", RULES, ids=[f"{s}-{p}" for s, p in RULES])
 @pytest.mark.parametrize("length", [30, 100])
-def test_blocked_equals_naive_oracle(family, strategy, params, length):
+def test_fast_paths_equal_naive_oracle(path, family, strategy, params, length):
     model = family_model(family)
     ids = IDS[:, :length]
-    with ropescale.patch(model, strategy, block_size=16, **params):
+    with ropescale.patch(model, strategy, block_size=16, attention_path=path, **params):
         fast = logits(model, ids)
     with ropescale.patch(model, strategy, attention_path="naive", **params):
         slow = logits(model, ids)
@@ -72,9 +77,10 @@ def test_generate_runs_and_agrees_with_full_forward():
             torch.testing.assert_close(step, logits(model, g.sequences[:, : 60 + i])[:, -1], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("path", ["blocked", "naive"])
-def test_left_padded_batch_equals_rows_alone(path):
-    model = family_model("gemma2")
+@pytest.mark.parametrize("family", ["gemma2", "llama"])  # gemma2 soft-caps: the blocked path
+@pytest.mark.parametrize("path", ["fused", "blocked", "naive"])
+def test_left_padded_batch_equals_rows_alone(path, family):
+    model = family_model(family)
     short = IDS[1:2, 12:80]
     batch = torch.cat([IDS[0:1, :80], torch.cat([torch.zeros(1, 12, dtype=torch.long), short], 1)])
     mask = torch.ones_like(batch)
@@ -108,7 +114,7 @@ def test_falcon_is_refused_not_silently_vanilla():
 
 def test_bad_attention_options():
     model = family_model("llama")
-    with pytest.raises(ValueError, match="attention_path='flash'"):
+    with pytest.raises(ValueError, match="attention_path='flash'; choose 'fused', 'blocked' or 'naive'"):
         ropescale.patch(model, "rerope", attention_path="flash")
     with pytest.raises(ValueError, match="block_size=0"):
         ropescale.patch(model, "rerope", block_size=0)
@@ -127,3 +133,92 @@ def test_kernel_block_sizes_and_gqa_against_oracle(rule, block):
         b = naive_attention(q, k, v, pos, pos, rule, inv, 1.2, scale=0.25, interleaved=interleaved,
                             softcap=5.0, sliding_window=30)
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def _inputs(b, n_h, n_kv, s_q, s_k, h_d, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, n_h, s_q, h_d, generator=g).requires_grad_()
+    k, v = (torch.randn(b, n_kv, s_k, h_d, generator=g).requires_grad_() for _ in range(2))
+    return q, k, v
+
+
+def _close_grads(got, want, rtol=1e-5):
+    """≤ rtol relative to the largest gradient entry (a gradient can be exactly 0 — one key per
+    query — where the kernels' float noise has no relative scale of its own)."""
+    scale = max(b.abs().max() for b in want)
+    for a, b in zip(got, want, strict=True):
+        assert (a - b).abs().max() <= rtol * scale, ((a - b).abs().max(), scale)
+
+
+@settings(max_examples=40, deadline=None)
+@given(s_k=st.integers(1, 90), cached=st.integers(0, 89), window=st.integers(1, 40),
+       rule=st.sampled_from(["rerope", "leaky", "self_extend"]), sliding=st.sampled_from([None, 5, 24, 70]),
+       pad=st.integers(0, 12), gqa=st.booleans(), interleaved=st.booleans(), seed=st.integers(0, 2**16))
+def test_fused_kernel_equals_oracle_with_gradients(s_k, cached, window, rule, sliding, pad, gqa, interleaved, seed):
+    """Any split of queries and cached keys, window, sliding window, left padding, GQA, partial
+    and interleaved rotary: outputs and the gradients of q, k, v equal the naive path's."""
+    s_q = max(1, s_k - cached)
+    rule = {"rerope": rerope(window), "leaky": leaky_rerope(window, 3.0, None, 64),
+            "self_extend": self_extend(3, window)}[rule]
+    q, k, v = _inputs(2, 6, 2 if gqa else 6, s_q, s_k, 16, seed)
+    k_pos = torch.arange(s_k).float()[None] - torch.tensor([[0.0], [min(pad, s_k - 1)]])  # row 1 left-padded
+    keep = None
+    if pad:
+        keep = torch.ones(2, 1, 1, s_k, dtype=torch.bool)
+        keep[1, ..., : min(pad, s_k - 1)] = False
+    inv = 1.0 / (10000 ** (torch.arange(0, 12, 2).float() / 12))  # 12 of 16 channels rotate
+    kw = dict(keep=keep, scale=0.3, sliding_window=sliding, interleaved=interleaved)
+    args = (q, k, v, k_pos[:, s_k - s_q :], k_pos, rule, inv, 1.1)
+    out, ref = fused_attention(*args, **kw), naive_attention(*args, **kw)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed))
+    _close_grads(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt_neox", "gemma2"])
+@pytest.mark.parametrize("path", ["fused", "blocked"])
+@pytest.mark.parametrize("strategy,params", RULES[1:4], ids=[s for s, _ in RULES[1:4]])
+def test_parameter_gradients_equal_naive_path(family, path, strategy, params):
+    """A training step's gradients through a patched tiny model: every parameter's gradient
+    equals the naive path's (≤ 1e-5 relative). gemma2 soft-caps, so its fused path is blocked."""
+    grads = {}
+    for p in (path, "naive"):
+        model = family_model(family)
+        with ropescale.patch(model, strategy, attention_path=p, block_size=16, **params):
+            model(IDS[:, :100], labels=IDS[:, :100]).loss.backward()
+        grads[p] = [w.grad for w in model.parameters()]
+    for got, want in zip(grads[path], grads["naive"], strict=True):  # each parameter on its own scale
+        _close_grads([got], [want])
+
+
+def test_blocked_attention_dropout_is_softmax_dropout():
+    """Dropout acts on the normalised weights, as eager attention's: the same draw applied to the
+    oracle's probabilities gives the same output."""
+    q, k, v = _inputs(1, 4, 2, 30, 30, 16, 3)
+    pos = torch.arange(30).float()[None]
+    rule, inv = rerope(8), 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    torch.manual_seed(0)
+    out = blocked_attention(q, k, v, pos, pos, rule, inv, 1.0, scale=0.25, dropout=0.3, block=64)
+    # oracle probabilities: softmax over the rule's scores, from the naive path with v = identity
+    eye = torch.eye(30)[None, None].expand(1, 2, 30, 30)
+    probs = naive_attention(q, k.detach(), eye, pos, pos, rule, inv, 1.0, scale=0.25)  # [1, 4, 30, 30]
+    torch.manual_seed(0)
+    dropped = torch.nn.functional.dropout(probs.view(1, 2, 2, 30, 30), 0.3).view(1, 4, 30, 30)
+    torch.testing.assert_close(out, dropped @ v.repeat_interleave(2, 1), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", [fused_attention, blocked_attention])
+def test_kernels_never_read_tensor_values_on_the_host(kernel):
+    """Under FakeTensorMode a tensor has no values: any int()/bool()/if on one (a device → host
+    sync on a GPU) raises. Forward and backward run through, with padding and a sliding window."""
+    with FakeTensorMode():
+        inv = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+        q, k, v = (torch.randn(1, 4, 300, 16, requires_grad=True) for _ in range(3))
+        pos = torch.arange(300).float()[None]
+        keep = torch.ones(1, 1, 1, 300, dtype=torch.bool)
+        for kw in ({}, {"keep": keep, "sliding_window": 100}):
+            out = kernel(q, k, v, pos, pos, self_extend(4, 32), inv, 1.0, scale=0.25, block=64, **kw)
+            out.sum().backward()
+            assert q.grad.shape == q.shape
+        with pytest.raises(DataDependentOutputException):  # the mode does catch host reads
+            int(q.sum())

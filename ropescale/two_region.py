@@ -1,0 +1,256 @@
+"""Truncation-rule attention as two fused kernel regions, merged by log-sum-exp; with backward.
+
+A truncation rule (``ropescale.strategies.truncation``) splits the causal triangle by slot
+distance i − j into the *near band* 0 ≤ i − j < w, where q and k are rotated to their own
+positions, and the *far region* i − j ≥ w, where q is rotated to f_q(i) and k to f_k(j). Each
+region is an ordinary attention over a structured key set, so each runs in PyTorch's fused CPU
+flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu``), which also returns the
+log-sum-exp (LSE) of its rows; partial results are merged exactly (the merge of online softmax):
+
+    lse = logaddexp(lse_1, lse_2),   out = out_1·exp(lse_1 − lse) + out_2·exp(lse_2 − lse).
+
+* far region, i − j ≥ w: a causal attention shifted by w (queries from slot w on, keys up to
+  n − w − 1), one kernel call (two under a KV cache with a long prefix);
+* near band, 0 ≤ i − j < w: queries in blocks of B, each over the B + w − 1 keys it can see,
+  read through a strided *view* of the keys (no copy) with one shared band mask ``[B, B + w − 1]``;
+  the first rows (whose window starts before slot 0) and the last partial block are separate
+  small masked calls;
+* a sliding window W (Mistral, Gemma) bounds both regions: near i − j < min(w, W), far
+  w ≤ i − j < W (then also a band).
+
+The work is the causal triangle once plus a band of about (B + w)·n scores: close to one vanilla
+attention. Every call is decided from Python integers (sequence lengths, w, W, B), so the host
+never waits for the device. Backward (``TwoRegionAttention``) calls the kernel's backward per
+call with the *merged* output and LSE — the softmax gradient of each region given the global
+normaliser — and adds the parts; rotations are recomputed in backward (R(θ)ᵀ = R(−θ)), so only
+q, k, v, the output and the LSE are kept: O(n) memory.
+
+Shapes: b batch, n_h query heads, n_kv key/value heads (n_h a multiple: grouped-query attention),
+s_q queries, s_k keys (the last query is the last key), h_d head dim, d ≤ h_d rotary channels.
+Source: the merge is flash attention's (Dao et al. 2022, arXiv:2205.14135; ring attention's
+blockwise merge, Liu et al. 2023, arXiv:2310.01889); the rules are ReRoPE / Leaky ReRoPE
+(github.com/bojone/rerope) and SelfExtend (arXiv:2401.01325).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Call", "band_calls", "causal_calls", "TwoRegionAttention", "near_block"]
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+@dataclass(frozen=True)
+class Call:
+    """One kernel call: query rows [t0, t1), key slots [j0, j1).
+
+    ``causal``: query row t0 + r sees key j0 + m for m ≤ r (top-left causal). ``band``: rows see
+    slot distances (c0 + t) − j in [lo, hi) only (a mask is built). ``blocks`` > 0: the rows are
+    ``blocks`` blocks of B = (t1 − t0) / blocks queries, block n over keys [j0 + n·B, j0 + n·B + width)
+    read as a strided view; its band mask is the same for every block.
+    """
+
+    t0: int
+    t1: int
+    j0: int
+    j1: int
+    causal: bool = False
+    band: tuple[int, int] | None = None
+    blocks: int = 0
+    width: int = 0
+
+
+def causal_calls(s_q: int, s_k: int, lo: int) -> list[Call]:
+    """Calls covering i − j ≥ ``lo`` (query slot i = s_k − s_q + t, key slot j ≥ 0)."""
+    c = s_k - s_q - lo  # row t sees keys j ≤ t + c
+    if c >= 0:  # every row sees keys [0, c]; row t ≥ 1 also [c + 1, c + t]: causal below the diagonal
+        calls = [Call(0, s_q, 0, c + 1)]
+        if s_q > 1:
+            calls.append(Call(1, s_q, c + 1, c + s_q, causal=True))
+        return calls
+    return [Call(-c, s_q, 0, s_q + c, causal=True)] if s_q + c > 0 else []
+
+
+def band_calls(s_q: int, s_k: int, lo: int, hi: int, block: int) -> list[Call]:
+    """Calls covering lo ≤ i − j < hi in blocks of ``block`` queries (see ``Call``)."""
+    c0 = s_k - s_q
+    first = max(0, lo - c0)  # rows before it see no key in the band
+    body = min(s_q, max(first, hi - 1 - c0))  # rows from here see a full window of in-range keys
+    calls = []
+    if body > first:  # head: windows reaching below slot 0
+        calls.append(Call(first, body, 0, c0 + body - lo, band=(lo, hi)))
+    n = (s_q - body) // block
+    width = block + hi - lo - 1
+    if n:
+        j0 = c0 + body - hi + 1
+        calls.append(Call(body, body + n * block, j0, j0 + (n - 1) * block + width, band=(lo, hi),
+                          blocks=n, width=width))
+    tail = body + n * block
+    if tail < s_q:
+        calls.append(Call(tail, s_q, max(0, c0 + tail - hi + 1), c0 + s_q - lo, band=(lo, hi)))
+    return calls
+
+
+def near_block(window: int) -> int:
+    """Query block B of the near band: work per query is B + w − 1 keys for w useful, and the
+    kernel wants blocks of a few dozen rows; w/4 within [16, 256] keeps the waste ≤ 1.25 + 16/w."""
+    return max(16, min(256, window // 4))
+
+
+def _band_mask(call: Call, c0: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Bool visibility ``[rows, keys]`` of a band call (for blocked calls: of block 0)."""
+    lo, hi = call.band
+    if call.blocks:
+        r = torch.arange((call.t1 - call.t0) // call.blocks)
+        dist = r[:, None] + (hi - 1) - torch.arange(call.width)[None, :]  # same for every block
+    else:
+        dist = (c0 + torch.arange(call.t0, call.t1))[:, None] - torch.arange(call.j0, call.j1)[None, :]
+    return (dist >= lo) & (dist < hi)
+
+
+def _windows(x: torch.Tensor, call: Call) -> torch.Tensor:
+    """``[h, s_k, h_d]`` (one batch row) → strided view ``[blocks, h, width, h_d]`` of the key windows."""
+    x = x.contiguous()
+    block = (call.t1 - call.t0) // call.blocks
+    s_h, s_s, s_d = x.stride()
+    return x.as_strided((call.blocks, x.shape[0], call.width, x.shape[2]), (block * s_s, s_h, s_s, s_d),
+                        x.storage_offset() + call.j0 * s_s)
+
+
+def _query_blocks(x: torch.Tensor, call: Call) -> torch.Tensor:
+    """``[h, s_q, ·]`` → ``[blocks, h, B, ·]`` (a view) of the call's rows."""
+    return x[:, call.t0 : call.t1].unflatten(1, (call.blocks, -1)).transpose(0, 1)
+
+
+def _additive(visible: torch.Tensor, dtype) -> torch.Tensor:
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+
+
+@dataclass
+class _Plan:
+    """Everything but tensors: the calls of each region and how to run them."""
+
+    far: list[Call]
+    near: list[Call]
+    c0: int
+    scale: float
+    keep: torch.Tensor | None  # [b, s_k] bool (padding) or None
+
+
+def _run(calls: list[Call], plan: _Plan, q, k, v, out, lse):
+    """Forward of ``calls`` for rotated q ``[b, n_h, s_q, h_d]`` and k, v; merges into ``out``
+    ``[b, n_h, s_q, h_d]`` float32 and ``lse`` ``[b, n_h, s_q]`` in place."""
+    for call in calls:
+        for rows, part, part_lse in _forward_call(call, plan, q, k, v):
+            _merge(out, lse, rows, part, part_lse)
+
+
+def _forward_call(call: Call, plan: _Plan, q, k, v):
+    """Yields (row selector, out ``[b', n_h, rows, h_d]``, lse) for one call."""
+    keep, dtype = plan.keep, q.dtype
+    if call.blocks:
+        base = _band_mask(call, plan.c0)
+        for bi in range(q.shape[0]):  # one batch row at a time: blocks are the kernel's batch
+            mask, has = _additive(base, dtype), None
+            if keep is not None:
+                vis = base[None] & _windows(keep[bi][None, :, None], call)[:, 0, :, 0][:, None, :]  # [n, B, width]
+                mask, has = _additive(vis[:, None], dtype), vis.any(-1)[:, None]  # [n, 1, B, width], [n, 1, B]
+            o, l = _flash(_query_blocks(q[bi], call), _windows(k[bi], call), _windows(v[bi], call), 0.0, False,
+                          attn_mask=mask, scale=plan.scale)  # [n, n_h, B, h_d], [n, n_h, B]
+            if has is not None:
+                l = l.masked_fill(~has, float("-inf"))
+            yield (bi, slice(call.t0, call.t1)), o.transpose(0, 1).flatten(1, 2), l.transpose(0, 1).flatten(1)
+        return
+    qs, ks, vs = q[:, :, call.t0 : call.t1], k[:, :, call.j0 : call.j1], v[:, :, call.j0 : call.j1]
+    vis = _band_mask(call, plan.c0)[None, None] if call.band else None  # [1, 1, rows, keys]
+    if keep is not None:
+        kv = keep[:, None, None, call.j0 : call.j1]  # [b, 1, 1, keys]
+        vis = kv if vis is None else vis & kv
+    o, l = _flash(qs, ks, vs, 0.0, call.causal, attn_mask=None if vis is None else _additive(vis, dtype),
+                  scale=plan.scale)
+    if keep is not None:  # rows with no visible key: the kernel reports lse 0, not −inf
+        has = (vis.cumsum(-1) > 0)[..., 0, : call.t1 - call.t0] if call.causal else vis.any(-1)  # [b, 1, rows]
+        l = l.masked_fill(~has.expand_as(l), float("-inf"))
+    yield (slice(None), slice(call.t0, call.t1)), o, l
+
+
+def _merge(out, lse, rows, part, part_lse):
+    bi, ts = rows
+    o, l = out[bi, :, ts], lse[bi, :, ts]
+    new = torch.logaddexp(l, part_lse)
+    safe = new.masked_fill(new == float("-inf"), 0.0)  # rows with no key so far: weights 0, not NaN
+    o.mul_((l - safe).exp_()[..., None]).add_(part.float() * (part_lse - safe).exp()[..., None])
+    l.copy_(new)
+
+
+def _backward_call(call: Call, plan: _Plan, g, q, k, v, out, lse, dq, dk, dv):
+    """Adds one call's gradients to ``dq``, ``dk``, ``dv`` (float32, shapes of q, k, v), given the
+    merged ``out`` and ``lse`` (with +inf on rows that saw no key, so their weights are 0)."""
+    keep, dtype = plan.keep, q.dtype
+    if call.blocks:
+        base = _band_mask(call, plan.c0)
+        block = (call.t1 - call.t0) // call.blocks
+        idx = call.j0 + (torch.arange(call.blocks)[:, None] * block + torch.arange(call.width)).flatten()
+        for bi in range(q.shape[0]):
+            vis = base if keep is None else base[None] & _windows(keep[bi][None, :, None], call)[:, 0, :, 0][:, None, :]
+            gq, gk, gv = _flash_backward(
+                _query_blocks(g[bi], call), _query_blocks(q[bi], call), _windows(k[bi], call), _windows(v[bi], call),
+                _query_blocks(out[bi], call), _query_blocks(lse[bi], call).contiguous(), 0.0, False,
+                attn_mask=_additive(vis if keep is None else vis[:, None], dtype), scale=plan.scale)
+            dq[bi, :, call.t0 : call.t1] += gq.transpose(0, 1).flatten(1, 2)  # [n_h, rows, h_d]
+            dk[bi].index_add_(1, idx, gk.transpose(0, 1).flatten(1, 2).float())  # windows overlap: add
+            dv[bi].index_add_(1, idx, gv.transpose(0, 1).flatten(1, 2).float())
+        return
+    rows, keys = slice(call.t0, call.t1), slice(call.j0, call.j1)
+    vis = _band_mask(call, plan.c0)[None, None] if call.band else None
+    if keep is not None:
+        kv = keep[:, None, None, keys]
+        vis = kv if vis is None else vis & kv
+    gq, gk, gv = _flash_backward(g[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
+                                 lse[:, :, rows].contiguous(), 0.0, call.causal,
+                                 attn_mask=None if vis is None else _additive(vis, dtype), scale=plan.scale)
+    dq[:, :, rows] += gq
+    dk[:, :, keys] += gk
+    dv[:, :, keys] += gv
+
+
+class TwoRegionAttention(torch.autograd.Function):
+    """out = softmax over both regions, from un-rotated q ``[b, n_h, s_q, h_d]``, k, v
+    ``[b, n_kv, s_k, h_d]``; ``rot(x, pos)`` rotates x ``[b, h, s, h_d]`` to positions ``[b, s]``
+    (linear in x, with R(pos)ᵀ = R(−pos)). Returns ``[b, n_h, s_q, h_d]`` in q's dtype."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_pos, k_pos, far_q_pos, far_k_pos, rot, plan: _Plan):
+        b, n_h, s_q, h_d = q.shape
+        out = torch.zeros(b, n_h, s_q, h_d, dtype=torch.float32, device=q.device)
+        lse = torch.full((b, n_h, s_q), float("-inf"), device=q.device)
+        if plan.far:  # rotated copies live one region at a time
+            _run(plan.far, plan, rot(q, far_q_pos), rot(k, far_k_pos), v, out, lse)
+        _run(plan.near, plan, rot(q, q_pos), rot(k, k_pos), v, out, lse)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, q_pos, k_pos, far_q_pos, far_k_pos, out, lse)
+        ctx.rot, ctx.plan = rot, plan
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, q_pos, k_pos, far_q_pos, far_k_pos, out, lse = ctx.saved_tensors
+        rot, plan = ctx.rot, ctx.plan
+        lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # no key: probabilities exp(s − ∞) = 0
+        g = g.contiguous()
+        dq, dk = torch.zeros(q.shape, device=q.device), torch.zeros(k.shape, device=q.device)
+        dv = torch.zeros(v.shape, device=q.device)
+        for calls, qp, kp in ((plan.far, far_q_pos, far_k_pos), (plan.near, q_pos, k_pos)):
+            if not calls:
+                continue
+            dq_r, dk_r = torch.zeros_like(dq), torch.zeros_like(dk)
+            qr, kr = rot(q, qp), rot(k, kp)
+            for call in calls:
+                _backward_call(call, plan, g, qr, kr, v, out, lse, dq_r, dk_r, dv)
+            dq += rot(dq_r, -qp)  # the gradient of a rotation is the inverse rotation
+            dk += rot(dk_r, -kp)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
