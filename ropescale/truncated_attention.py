@@ -1,17 +1,24 @@
-"""Exact attention under a truncation rule (``ropescale.strategies.truncation``), two ways.
+"""Exact attention under a truncation rule (``ropescale.strategies.truncation``), three ways.
 
-Both take *un-rotated* queries ``q`` ``[b, n_h, s_q, h_d]`` and keys/values ``k``, ``v``
+All take *un-rotated* queries ``q`` ``[b, n_h, s_q, h_d]`` and keys/values ``k``, ``v``
 ``[b, n_kv, s_k, h_d]`` (n_h a multiple of n_kv: grouped-query attention), float positions
 ``q_pos`` ``[b, s_q]`` and ``k_pos`` ``[b, s_k]``, the rotary ``inv_freq`` ``[d/2]`` (d ≤ h_d: only the
 first d channels rotate) with its ``attention_scaling`` m, and ``keep`` — None or a bool mask
 broadcastable to ``[b, 1, s_q, s_k]`` (padding; causality is added here from slot order, the
 last query being the last key; a ``[b, 1, 1, s_k]`` key mask is O(n)). They return
-``[b, n_h, s_q, h_d]``.
+``[b, n_h, s_q, h_d]``. Regions are told apart by slot distance i − j, which equals the position
+distance for the positions transformers passes (contiguous per row; left padding only shifts them).
 
-``blocked_attention`` is the default path: query blocks × key blocks with an online softmax
-(the flash-attention recurrence). In each block pair the scores are q_near·k_near (both rotated
-to their own positions) where i − j < w and q_far·k_far (rotated to f_q(i), f_k(j)) elsewhere, so
-the two regions merge exactly inside one softmax. Memory is O(n·block): never an n × n matrix.
+``fused_attention`` is the default path: the far region and the near band each in PyTorch's fused
+CPU flash kernel, merged by log-sum-exp, with a backward (``ropescale.two_region``); about the
+cost of one vanilla attention.
+
+``blocked_attention`` is the general path (soft-capping, attention dropout, per-query masks,
+non-CPU devices): query blocks × key blocks with an online softmax (the flash-attention
+recurrence). In each block pair the scores are q_near·k_near (both rotated to their own
+positions) where i − j < w and q_far·k_far (rotated to f_q(i), f_k(j)) elsewhere, so the two
+regions merge exactly inside one softmax. Memory is O(n·block): never an n × n matrix. Out of
+place and decided from Python integers, so autograd differentiates it and the host never waits.
 
 ``naive_attention`` is the oracle the tests use: the explicit matrix p(i, j), and scores
 Σ_f A_f cos(p θ_f) + B_f sin(p θ_f) from the rotation identity, then an eager softmax. O(n²·d).

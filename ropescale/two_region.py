@@ -35,6 +35,7 @@ blockwise merge, Liu et al. 2023, arXiv:2310.01889); the rules are ReRoPE / Leak
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -130,6 +131,13 @@ def _additive(visible: torch.Tensor, dtype) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
 
 
+@lru_cache(maxsize=64)
+def _band_additive(call: Call, c0: int, dtype) -> torch.Tensor:
+    """The additive band mask of a call without padding: built once per shape, not per layer."""
+    mask = _additive(_band_mask(call, c0), dtype)
+    return mask if call.blocks else mask[None, None]
+
+
 @dataclass
 class _Plan:
     """Everything but tensors: the calls of each region and how to run them."""
@@ -155,7 +163,7 @@ def _forward_call(call: Call, plan: _Plan, q, k, v):
     if call.blocks:
         base = _band_mask(call, plan.c0)
         for bi in range(q.shape[0]):  # one batch row at a time: blocks are the kernel's batch
-            mask, has = _additive(base, dtype), None
+            mask, has = _band_additive(call, plan.c0, dtype), None
             if keep is not None:
                 vis = base[None] & _windows(keep[bi][None, :, None], call)[:, 0, :, 0][:, None, :]  # [n, B, width]
                 mask, has = _additive(vis[:, None], dtype), vis.any(-1)[:, None]  # [n, 1, B, width], [n, 1, B]
@@ -166,12 +174,13 @@ def _forward_call(call: Call, plan: _Plan, q, k, v):
             yield (bi, slice(call.t0, call.t1)), o.transpose(0, 1).flatten(1, 2), l.transpose(0, 1).flatten(1)
         return
     qs, ks, vs = q[:, :, call.t0 : call.t1], k[:, :, call.j0 : call.j1], v[:, :, call.j0 : call.j1]
-    vis = _band_mask(call, plan.c0)[None, None] if call.band else None  # [1, 1, rows, keys]
+    mask = _band_additive(call, plan.c0, dtype) if call.band and keep is None else None
     if keep is not None:
+        vis = _band_mask(call, plan.c0)[None, None] if call.band else None  # [1, 1, rows, keys]
         kv = keep[:, None, None, call.j0 : call.j1]  # [b, 1, 1, keys]
         vis = kv if vis is None else vis & kv
-    o, l = _flash(qs, ks, vs, 0.0, call.causal, attn_mask=None if vis is None else _additive(vis, dtype),
-                  scale=plan.scale)
+        mask = _additive(vis, dtype)
+    o, l = _flash(qs, ks, vs, 0.0, call.causal, attn_mask=mask, scale=plan.scale)
     if keep is not None:  # rows with no visible key: the kernel reports lse 0, not −inf
         has = (vis.cumsum(-1) > 0)[..., 0, : call.t1 - call.t0] if call.causal else vis.any(-1)  # [b, 1, rows]
         l = l.masked_fill(~has.expand_as(l), float("-inf"))
@@ -196,23 +205,25 @@ def _backward_call(call: Call, plan: _Plan, g, q, k, v, out, lse, dq, dk, dv):
         block = (call.t1 - call.t0) // call.blocks
         idx = call.j0 + (torch.arange(call.blocks)[:, None] * block + torch.arange(call.width)).flatten()
         for bi in range(q.shape[0]):
-            vis = base if keep is None else base[None] & _windows(keep[bi][None, :, None], call)[:, 0, :, 0][:, None, :]
+            mask = _band_additive(call, plan.c0, dtype) if keep is None else _additive(
+                (base[None] & _windows(keep[bi][None, :, None], call)[:, 0, :, 0][:, None, :])[:, None], dtype)
             gq, gk, gv = _flash_backward(
                 _query_blocks(g[bi], call), _query_blocks(q[bi], call), _windows(k[bi], call), _windows(v[bi], call),
                 _query_blocks(out[bi], call), _query_blocks(lse[bi], call).contiguous(), 0.0, False,
-                attn_mask=_additive(vis if keep is None else vis[:, None], dtype), scale=plan.scale)
+                attn_mask=mask, scale=plan.scale)
             dq[bi, :, call.t0 : call.t1] += gq.transpose(0, 1).flatten(1, 2)  # [n_h, rows, h_d]
             dk[bi].index_add_(1, idx, gk.transpose(0, 1).flatten(1, 2).float())  # windows overlap: add
             dv[bi].index_add_(1, idx, gv.transpose(0, 1).flatten(1, 2).float())
         return
     rows, keys = slice(call.t0, call.t1), slice(call.j0, call.j1)
-    vis = _band_mask(call, plan.c0)[None, None] if call.band else None
+    mask = _band_additive(call, plan.c0, dtype) if call.band and keep is None else None
     if keep is not None:
+        vis = _band_mask(call, plan.c0)[None, None] if call.band else None
         kv = keep[:, None, None, keys]
         vis = kv if vis is None else vis & kv
+        mask = _additive(vis, dtype)
     gq, gk, gv = _flash_backward(g[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
-                                 lse[:, :, rows].contiguous(), 0.0, call.causal,
-                                 attn_mask=None if vis is None else _additive(vis, dtype), scale=plan.scale)
+                                 lse[:, :, rows].contiguous(), 0.0, call.causal, attn_mask=mask, scale=plan.scale)
     dq[:, :, rows] += gq
     dk[:, :, keys] += gk
     dv[:, :, keys] += gv
