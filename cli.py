@@ -1,4 +1,4 @@
-"""ropescale command line: strategies, tasks, eval, sweep, patch, plot.
+"""ropescale command line: strategies, tasks, eval, sweep, finetune, patch, plot.
 
     ropescale strategies
     ropescale tasks
@@ -6,6 +6,7 @@
     ropescale sweep configs/quickstart.yaml [--set key=value ...] [--output DIR]
     ropescale sweep --model reference --data kjv-heldout --strategy vanilla --strategy yarn \\
         --lengths 128,256,512 --output runs/demo
+    ropescale finetune configs/finetune-pi.yaml [--set key=value ...] [--output DIR]
     ropescale patch --model reference --strategy yarn:factor=4 --output runs/yarn4
     ropescale plot runs/demo/results.jsonl
 
@@ -144,6 +145,48 @@ def sweep(config, overrides, output, model, data, strategy_specs, lengths, devic
              "max_windows": max_windows, "batch_size": batch_size, "device": device, "dtype": dtype,
              "device_map": device_map, "dynamic_block": dynamic_block, "strategies": list(strategy_specs) or None}
     _run(config, overrides, output, flags, quiet, only_task="perplexity")
+
+
+@main.command()
+@click.argument("config", required=False, type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="override a config key (dots for nesting: pose.chunks=3, eval.every=50)")
+@click.option("--output", "-o", type=click.Path(file_okay=False), help="run folder (default: output: in the config)")
+@click.option("--model", help="bundled name (reference), local path or hub id")
+@click.option("--strategy", "strategy_spec", metavar="NAME[:k=v,...]", help="e.g. yarn:factor=4")
+@click.option("--data", help="training text: kjv-train, a local file/folder, or a hub dataset id")
+@click.option("--length", type=int, help="target length L in tokens")
+@click.option("--steps", type=int, help="optimiser steps")
+@click.option("--device", help="auto, cpu, cuda ...")
+@click.option("--quiet", "-q", is_flag=True, help="no progress output")
+def finetune(config, overrides, output, model, strategy_spec, data, length, steps, device, quiet) -> None:
+    """Fine-tune a patched model at the target length (accelerate; resumable; PoSE), save it with
+    its patch, and evaluate it. Runs under `accelerate launch` for several processes."""
+    from eval.config import ConfigError
+    from eval.data import DataError
+    from ropescale.reference.kjv import KjvNotInstalledError
+    from ropescale.training import finetune as run_finetune, load_finetune_config
+
+    try:
+        flags = {"model": model, "strategy": strategy_spec, "data": data, "length": length, "steps": steps,
+                 "device": device}
+        cfg = load_finetune_config(config, list(overrides), flags)
+        out = output or cfg.output
+        if not out:
+            raise ConfigError(f"{config or 'flags'}: output: no run folder; give --output DIR or set output:")
+        summary = run_finetune(cfg, out, progress=not quiet, source=config or "flags")
+    except (ConfigError, DataError, UnknownStrategyError, KjvNotInstalledError, ValueError, OSError) as e:
+        _fail(e)
+    if not summary["main_process"]:
+        return  # launched on several processes: the main one reports
+    from eval.report import markdown_report
+
+    for records in summary["evaluations"].values():
+        click.echo(markdown_report(records))
+    ppl = summary.get("ppl") or {}
+    click.echo(f"fine-tuned {summary['label']} for {summary['steps']} steps (final loss {summary['final_loss']:.3f}"
+               + (", held-out PPL " + ", ".join(f"{k}: {v:.2f}" for k, v in ppl.items()) if ppl else "")
+               + f"); model in {summary['model']}")
 
 
 @main.command("patch")

@@ -141,10 +141,14 @@ class ScaledRotaryEmbedding(nn.Module):
 
     Dynamic strategies recompute the frequencies from ``L = max(position_ids) + 1`` (rounded up
     to a multiple of ``dynamic_block``) on each forward: one scale for the whole forward, as
-    transformers' ``dynamic`` type does. Under a KV cache (``ropescale.cache``), ``dynamic_cache``
-    says what happens to cached tokens when the frequencies change: ``"recompute"`` re-runs the
-    prefix (exact: equals a full forward), ``"rerotate"`` only re-rotates cached keys (cheap;
-    exact in layer 0, deeper layers keep hidden states computed under the old scale).
+    transformers' ``dynamic`` type does. In training mode with ``training_length`` set (by
+    ``ropescale.training``), they use L = max(``training_length``, max(position_ids) + 1)
+    instead: the target length the model is being trained for, whatever the positions of one
+    batch reach (PoSE's skipped positions reach L only sometimes). Under a KV cache
+    (``ropescale.cache``), ``dynamic_cache`` says what happens to cached tokens when the
+    frequencies change: ``"recompute"`` re-runs the prefix (exact: equals a full forward),
+    ``"rerotate"`` only re-rotates cached keys (cheap; exact in layer 0, deeper layers keep
+    hidden states computed under the old scale).
     """
 
     def __init__(self, entries: dict[str | None, _Entry], keep_float32: bool,
@@ -162,6 +166,7 @@ class ScaledRotaryEmbedding(nn.Module):
         self._positions: torch.Tensor | None = None  # [b, s_cached] positions of cached keys
         self.history = None  # (input_ids, position_ids) of the tokens in the cache (recompute mode)
         self.n_new: int | None = None  # tokens of this forward when the prefix is being recomputed
+        self.training_length: int | None = None  # dynamic strategies' L in training mode [tokens]
 
     def would_change(self, seq_len: int) -> bool:
         return any(e.would_change(seq_len) for e in self.entries.values())
@@ -185,6 +190,8 @@ class ScaledRotaryEmbedding(nn.Module):
             tracking = self.dynamic_cache == "rerotate" and any(e.dynamic for e in self.entries.values())
             cached_positions = self._track(position_ids) if tracking else None
             seq_len = int(position_ids.max()) + 1
+            if self.training and self.training_length:
+                seq_len = max(seq_len, self.training_length)
             for lt, e in self.entries.items():
                 if e.dynamic and (old := e.update(seq_len)) is not None:
                     setattr(self, _buffer(lt), e.inv_freq)

@@ -1,0 +1,15 @@
+"""Fine-tune a patched model at the target length: ``ropescale finetune CONFIG.yaml``.
+
+- ``config``: ``FinetuneConfig`` (YAML / ``--set``), ``resolve`` (what depends on the model's T)
+- ``pose``: PoSE position ids (Zhu et al. 2024, arXiv:2309.10400)
+- ``data``: training windows in a seeded order (PoSE examples drawn per index)
+- ``heldout``: held-out perplexity during training
+- ``loop``: the accelerate training loop, checkpoints, output folder, save and evaluation
+- ``report``: the training log and its figures (``python -m ropescale.training.report``)
+"""
+
+from ropescale.training.config import FinetuneConfig, build_finetune_config, load_finetune_config, resolve
+from ropescale.training.loop import finetune
+from ropescale.training.pose import sample_pose
+
+__all__ = ["FinetuneConfig", "build_finetune_config", "load_finetune_config", "resolve", "finetune", "sample_pose"]

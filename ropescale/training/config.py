@@ -1,0 +1,299 @@
+"""Fine-tuning configuration: YAML / ``--set`` / flags → validated ``FinetuneConfig``.
+
+One run = one model, one strategy (frequency rule or truncation rule, with ``logn``), trained for
+``steps`` optimiser steps on windows of ``length`` tokens from a data source the harness reads
+(``eval.data``), then saved with ``ropescale.save_patched``. Parameters the harness fills from
+the target length (``factor`` = L / T, ``n_max`` = L, truncation ``window`` = T / 2) are filled the
+same way here, with L = ``length``. Errors name the key, one line each:
+``configs/x.yaml: stpes: unknown key; allowed: ... (did you mean 'steps'?)``.
+
+Checks that need the model's configuration (the original window T: PoSE needs L > T) run in
+``resolve``, before any training.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from eval.config import ConfigError, DataConfig, StrategySpec, apply_overrides, parse_strategy, read_yaml
+
+__all__ = ["FinetuneConfig", "PoseConfig", "EvalDuringTraining", "build_finetune_config", "load_finetune_config",
+           "ResolvedRun", "resolve"]
+
+
+class PoseConfig(BaseModel):
+    """PoSE (arXiv:2309.10400): train on windows of the original length T whose position ids
+    are split into ``chunks`` with random skips reaching the target ``length``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    enabled: bool = False
+    chunks: int = Field(2, ge=1, description="chunks N per window (paper: 2)")
+    content: Literal["random", "aligned", "contiguous"] = Field(
+        "random", description="text of each chunk: random offsets v_i (paper), v_i = u_i, or contiguous")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, raw: Any) -> Any:
+        if isinstance(raw, bool):  # `pose: true`
+            return {"enabled": raw}
+        if isinstance(raw, dict) and raw and "enabled" not in raw:  # `pose: {chunks: 3}` means on
+            return {**raw, "enabled": True}
+        return raw
+
+
+class EvalDuringTraining(BaseModel):
+    """Held-out perplexity every ``every`` steps (and at step 0) at ``lengths``, logged to the
+    training log; ``after``: harness experiments (``eval.config`` mappings without model,
+    strategies and output) run on the saved model when training ends."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    every: int = Field(100, ge=1, description="steps between held-out evaluations")
+    data: DataConfig = Field(default_factory=DataConfig)
+    lengths: list[int] = Field(default_factory=list, description="default: T, 2T, ..., up to length")
+    max_windows: int | None = Field(32, ge=1, description="windows per length, evenly spaced (None: all)")
+    batch_size: int = Field(1, ge=1)
+    after: list[dict[str, Any]] = Field(default_factory=list, description="harness experiments on the saved model")
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _data(cls, v: Any) -> Any:
+        return {"source": v} if isinstance(v, str) else v
+
+    @field_validator("lengths")
+    @classmethod
+    def _lengths(cls, v: list[int]) -> list[int]:
+        if any(x < 2 for x in v):
+            raise ValueError("every length must be at least 2 tokens")
+        return sorted(set(v))
+
+    @field_validator("after")
+    @classmethod
+    def _after(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for i, entry in enumerate(v):
+            clash = sorted({"model", "strategies", "output"} & set(entry))
+            if clash:
+                raise ValueError(f"entry {i}: {', '.join(clash)} are set by the fine-tuning run (the saved model "
+                                 "and its strategy); leave them out")
+        return v
+
+
+class FinetuneConfig(BaseModel):
+    """One fine-tuning run. ``batch_size`` is per process and per micro-step: the global batch
+    is batch_size × grad_accum × processes windows."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str = "reference"
+    strategy: StrategySpec
+    data: DataConfig = Field(default_factory=lambda: DataConfig(source="kjv-train"))
+    length: int = Field(ge=2, description="target length L [tokens]: the training windows (PoSE: the reach)")
+    original_max_position_embeddings: int | None = Field(None, ge=2, description="override the model's window T")
+    attention_path: str | None = Field(None, description="truncation rules: ropescale.patch's attention_path")
+    steps: int = Field(description="optimiser steps")
+    batch_size: int = Field(4, ge=1, description="windows per process per micro-step")
+    grad_accum: int = Field(1, ge=1, description="micro-steps per optimiser step")
+    lr: float = Field(2e-5, gt=0, description="peak learning rate")
+    warmup: int = Field(20, ge=0, description="linear warm-up steps")
+    schedule: Literal["linear", "cosine", "constant"] = "linear"
+    weight_decay: float = Field(0.0, ge=0)
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    max_grad_norm: float | None = Field(1.0, gt=0, description="clip the global gradient norm (None: no clipping)")
+    seed: int = Field(0, ge=0)
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    device: str = "auto"
+    threads: int | None = Field(None, ge=1)
+    checkpoint_every: int = Field(100, ge=1, description="steps between save_state checkpoints")
+    keep_checkpoints: int = Field(1, ge=1)
+    eval: EvalDuringTraining | None = None
+    pose: PoseConfig = Field(default_factory=PoseConfig)
+    output: str | None = None
+
+    @field_validator("strategy", mode="before")
+    @classmethod
+    def _strategy(cls, v: Any) -> Any:
+        try:
+            return parse_strategy(v)
+        except (KeyError, ValueError) as e:
+            raise ValueError(str(e).strip("'\"")) from None
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _data(cls, v: Any) -> Any:
+        return {"source": v} if isinstance(v, str) else v
+
+    @field_validator("steps", mode="before")
+    @classmethod
+    def _steps(cls, v: Any) -> Any:
+        if isinstance(v, int) and not isinstance(v, bool) and v <= 0:
+            raise ValueError(f"must be at least 1 optimiser step; got {v}")
+        return v
+
+    @field_validator("threads")
+    @classmethod
+    def _threads(cls, v: int | None) -> int | None:
+        cores = os.cpu_count() or 1
+        if v is not None and v > cores:
+            raise ValueError(f"{v} threads on a machine with {cores} CPU cores; use at most {cores}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "FinetuneConfig":
+        from ropescale.strategies import get_strategy
+
+        if self.pose.enabled and get_strategy(self.strategy.name).kind == "attention":
+            raise ValueError(f"pose: {self.strategy.name} is a truncation rule: it places keys by their slot in the "
+                             "window, not by position_ids, so PoSE's skipped positions never reach it; "
+                             "use PoSE with a frequency strategy")
+        if self.eval is not None and self.eval.data.spec().describe() == self.data.spec().describe():
+            raise ValueError(f"eval.data: {self.data.source} is also the training data; held-out perplexity must "
+                             "be measured on text the model is not trained on")
+        if self.mixed_precision == "fp16" and self.device == "cpu":
+            raise ValueError("mixed_precision: fp16 needs a CUDA device; on CPU use bf16 or no")
+        return self
+
+    def identity(self) -> dict[str, Any]:
+        """What makes two runs the same run (a rerun with the same identity resumes): everything
+        but where it runs and what is evaluated after training."""
+        out = self.model_dump(mode="json", exclude={"output", "device", "threads", "keep_checkpoints"})
+        if out.get("eval"):
+            out["eval"].pop("after", None)
+        return out
+
+
+_SECTIONS = {"pose": PoseConfig, "eval": EvalDuringTraining, "data": DataConfig}
+
+
+def _explain(err: ValidationError, source: str) -> ConfigError:
+    lines = []
+    for e in err.errors():
+        loc = [str(x) for x in e["loc"]]
+        key = ".".join(loc) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            section = _SECTIONS.get(loc[-2]) if len(loc) > 1 else None
+            known = list((section or FinetuneConfig).model_fields)
+            hint = difflib.get_close_matches(loc[-1], known, n=1)
+            msg = f"unknown key; allowed: {', '.join(known)}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+        elif e["type"] == "missing":
+            msg = "required key is missing"
+        lines.append(f"{source}: {key}: {msg}")
+    return ConfigError(lines[0] if len(lines) == 1 else "; ".join(lines))
+
+
+def build_finetune_config(raw: Any, source: str = "config") -> FinetuneConfig:
+    """Validate a raw mapping. Raises ``ConfigError`` naming the key (unknown key with the known
+    ones, steps ≤ 0, unknown strategy, PoSE with a truncation rule, ...)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a mapping of keys (model, strategy, data, length, steps, ...)")
+    try:
+        return FinetuneConfig.model_validate(raw)
+    except ValidationError as e:
+        raise _explain(e, source) from None
+
+
+def load_finetune_config(path: str | Path | None, overrides: list[str] = (), flags: dict | None = None) -> FinetuneConfig:
+    """A YAML file (or none), then ``flags`` (values that are not None), then ``--set key=value``
+    overrides (dots for nesting: ``pose.chunks=3``). Raises ``ConfigError`` in one line."""
+    raw = read_yaml(path) if path else {}
+    raw = {**raw, **{k: v for k, v in (flags or {}).items() if v is not None}}
+    raw = apply_overrides(raw, list(overrides))
+    return build_finetune_config(raw, str(path) if path else "flags")
+
+
+class ResolvedRun(BaseModel):
+    """A config with what the model's configuration decides: the original window T and the
+    strategy's parameters filled for the target length."""
+
+    model_config = ConfigDict(frozen=True)
+    train_length: int  # T
+    params: dict[str, Any]
+    kind: str  # "frequency" | "attention"
+    window: int  # tokens per training example: T with PoSE, else L
+    eval_lengths: list[int]
+
+    def strategy_spec(self, cfg: FinetuneConfig) -> StrategySpec:
+        """The strategy with every parameter fixed (how the harness must evaluate the result)."""
+        return StrategySpec(name=cfg.strategy.name, params=self.params, logn=cfg.strategy.logn,
+                            label=cfg.strategy.label)
+
+    def after_configs(self, cfg: FinetuneConfig, model: str, source: str = "config") -> list[tuple[str, Any]]:
+        """``(folder name, EvalConfig)`` of each ``eval.after`` experiment on ``model`` (the saved
+        model) with the trained strategy, every parameter fixed. Raises ``ConfigError``."""
+        from eval.config import build_config
+
+        out, names = [], []
+        for i, entry in enumerate(cfg.eval.after if cfg.eval else []):
+            raw = {"data": cfg.eval.data.model_dump(), **entry, "model": model,
+                   "strategies": [self.strategy_spec(cfg)],
+                   "original_max_position_embeddings": cfg.original_max_position_embeddings}
+            raw.setdefault("device", cfg.device)
+            raw.setdefault("threads", cfg.threads)
+            task = str(entry.get("task", "perplexity"))
+            name = task if task not in names else f"{task}-{i}"
+            names.append(name)
+            try:
+                out.append((name, build_config(raw, f"{source}: eval.after.{i}")))
+            except ConfigError as e:
+                raise ConfigError(" ".join(str(e).split())) from None
+        return out
+
+
+def model_training_length(name: str) -> int:
+    """T of a model from its configuration alone (rope parameters' original window, else
+    ``max_position_embeddings``). Raises ``ModelLoadError`` / ``ValueError`` in one line."""
+    import json
+
+    from ropescale.models import PATCH_FILE, _from_pretrained, resolve_model
+    from transformers import AutoConfig
+
+    path = resolve_model(name)
+    saved = Path(path) / PATCH_FILE
+    if saved.is_file():  # a saved patch records the window it was applied over
+        orig = json.loads(saved.read_text()).get("original_max_position_embeddings")
+        if orig:
+            return int(orig)
+    config = _from_pretrained(AutoConfig, name, path)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rp = getattr(text, "rope_parameters", None) or {}
+    orig = (rp.get("original_max_position_embeddings") if isinstance(rp, dict) else None) \
+        or getattr(text, "max_position_embeddings", None)
+    if not orig:
+        raise ValueError(f"{name}: config has no max_position_embeddings; set original_max_position_embeddings")
+    return int(orig)
+
+
+def resolve(cfg: FinetuneConfig, source: str = "config") -> ResolvedRun:
+    """Fill what depends on the model (T) and check it: PoSE needs ``length`` > T and at most T
+    chunks. Raises ``ConfigError`` (one line) or ``ModelLoadError`` for a model that cannot be read."""
+    from ropescale.strategies import get_strategy
+
+    T = cfg.original_max_position_embeddings or model_training_length(cfg.model)
+    L = cfg.length
+    if cfg.pose.enabled:
+        if L <= T:
+            raise ConfigError(f"{source}: pose: length {L} is not above the model's original window T = {T}; PoSE "
+                              "trains on windows of T tokens to reach a longer target length")
+        if cfg.pose.chunks > T:
+            raise ConfigError(f"{source}: pose.chunks: {cfg.pose.chunks} chunks cannot split a window of T = {T} tokens")
+    strat = get_strategy(cfg.strategy.name)
+    try:
+        params = strat.validate(cfg.strategy.params, fill_auto={"scale": max(1.0, L / T), "length": float(L),
+                                                                "half_train": T // 2})
+    except ValueError as e:
+        raise ConfigError(f"{source}: strategy: {e}") from None
+    lengths = list(cfg.eval.lengths) if cfg.eval and cfg.eval.lengths else []
+    if cfg.eval and not lengths:
+        n = T
+        while n < L:
+            lengths.append(n)
+            n *= 2
+        lengths.append(L)
+    run = ResolvedRun(train_length=T, params=params, kind=strat.kind, window=T if cfg.pose.enabled else L,
+                      eval_lengths=lengths)
+    run.after_configs(cfg, cfg.model, source)  # a bad evaluation fails now, not after training
+    return run
+

@@ -1,0 +1,299 @@
+"""The fine-tuning run: load → patch → train with accelerate → save → evaluate.
+
+Built on accelerate's ``Accelerator``: device placement, data parallelism when launched with
+``accelerate launch`` (DDP; each process reads its share of every global batch, gradients are
+averaged, the loss logged is the mean over all processes), gradient accumulation, mixed
+precision, gradient clipping, and ``save_state``/``load_state`` checkpoints. AdamW from torch,
+warm-up + linear / cosine / constant schedule from transformers (stepped once per optimiser step
+whatever the number of processes, so the learning-rate curve does not depend on it).
+
+The patched model is trained whole (all parameters) in training mode — the model's own dropout
+settings apply — with ``use_cache=False`` and an explicit all-ones attention mask (without one,
+transformers reads position ids that jump, as PoSE's do, as packed sequences and masks the
+chunks from each other). Dynamic strategies use the target length L while training
+(``ScaledRotaryEmbedding.training_length``).
+
+The output folder holds one run (as a harness results folder holds one experiment):
+``manifest.json`` (the run's identity: config, weights and data fingerprints, processes,
+library versions; a rerun with another identity is refused, with the same identity it resumes
+from the last checkpoint — same data order, bit-exact on CPU), a lock against two runs at once,
+``log.jsonl`` and ``loss.png`` (``ropescale.training.report``), ``checkpoints/step-NNNNNN/``
+(``save_state``; removed once the model is saved), ``model/`` (``ropescale.save_patched`` plus
+``finetune.json``: the config, resolved parameters and a summary) and ``eval/<task>/`` (harness
+experiments on the saved model). Only the main process writes, except accelerate's per-process
+RNG state files inside a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eval.config import ConfigError
+from eval.manifest import check_manifest, data_fingerprint, folder_lock
+from eval.sweep import environment, prepare_output, run_sweep
+from ropescale.models import load_model, load_tokenizer, model_fingerprint, resolve_device, save_patched
+from ropescale.patching import patch, unpatch
+from ropescale.rotary import ScaledRotaryEmbedding
+from ropescale.training.config import FinetuneConfig, ResolvedRun, resolve
+from ropescale.training.data import TrainingWindows, load_stream
+from ropescale.training.heldout import HeldOut
+from ropescale.training.report import LOG, TrainingLog, plot_training, read_log
+
+__all__ = ["finetune", "causal_lm_loss", "MODEL_DIR", "SUMMARY", "CHECKPOINTS"]
+
+MODEL_DIR = "model"
+SUMMARY = "finetune.json"
+CHECKPOINTS = "checkpoints"
+_COMPLETE = "complete.json"  # written into a checkpoint folder once save_state has returned
+_SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k != "params":
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _checkpoints(output: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints ``(step, folder)``, oldest first (a folder whose save was cut off
+    has no completion marker and is ignored)."""
+    root = output / CHECKPOINTS
+    found = []
+    for p in root.glob("step-*") if root.is_dir() else []:
+        if (p / _COMPLETE).is_file():
+            found.append((json.loads((p / _COMPLETE).read_text())["step"], p))
+    return sorted(found)
+
+
+def causal_lm_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean next-token NLL [nats] of ``batch["input_ids"]`` ``[b, s]`` at ``batch["position_ids"]``
+    ``[b, s]`` (PoSE) or 0 … s−1. The attention mask is given explicitly (all ones): without one,
+    transformers takes position ids that jump for packed sequences and keeps the chunks of a PoSE
+    example from attending to each other."""
+    ids = batch["input_ids"]
+    return model(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=batch.get("position_ids"),
+                 labels=ids, use_cache=False).loss
+
+
+def _patch_for_training(model, cfg: FinetuneConfig, run: ResolvedRun):
+    unpatch(model)  # a patch saved with the model would stack under this one
+    kwargs: dict[str, Any] = {"original_max_position_embeddings": run.train_length, "logn": cfg.strategy.logn}
+    if cfg.attention_path:
+        kwargs["attention_path"] = cfg.attention_path
+    handle = patch(model, cfg.strategy.name, **kwargs, **run.params)
+    for m in model.modules():
+        if isinstance(m, ScaledRotaryEmbedding):
+            m.training_length = cfg.length  # dynamic strategies train at the target length L
+    model.config.use_cache = False
+    return handle
+
+
+def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, stop_after: int | None = None,
+             source: str = "config") -> dict[str, Any]:
+    """Run (or resume, or just evaluate when already trained) the fine-tuning run ``cfg`` into
+    ``output``. Returns a summary: ``model`` (the saved folder), ``steps``, ``final_loss``,
+    ``ppl`` (last held-out evaluation, ``{length: PPL}``), ``evaluations`` (``{name: harness
+    records}``), ``resumed_from`` (step), ``train_seconds``.
+
+    ``stop_after``: stop after this many steps as a killed run would (no model saved; the
+    checkpoints stay) — for tests and time-boxed runs.
+
+    Raises (one-line messages): ``ConfigError`` (PoSE length ≤ T, a bad strategy parameter or
+    evaluation entry), ``eval.sweep.OutputError`` (output not writable),
+    ``eval.manifest.ExperimentMismatchError`` (the folder holds another run),
+    ``eval.manifest.FolderBusyError`` (another run holds it), ``ropescale.models.ModelLoadError``,
+    ``eval.data.DataError`` / ``eval.windows.WindowError`` (data too short or unreadable),
+    ``ValueError`` (device, patch).
+    """
+    from accelerate import Accelerator
+
+    run = resolve(cfg, source)
+    resolve_device(cfg.device)  # a device that is not there fails first
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    # cpu=True also makes processes started by torchrun (`accelerate launch --multi_gpu` on a machine
+    # without GPUs) one gloo group; without it each would train alone and write the same files
+    cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    acc = Accelerator(cpu=cpu, mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.grad_accum)
+    if cfg.mixed_precision == "fp16" and acc.device.type == "cpu":
+        raise ConfigError(f"{source}: mixed_precision: fp16 needs a CUDA device; on CPU use bf16 or no")
+    output = Path(output)
+    if acc.is_main_process:
+        prepare_output(output)
+    acc.wait_for_everyone()
+    with folder_lock(output) if acc.is_main_process else nullcontext(), _loading_bars(progress and acc.is_main_process):
+        return _run_locked(cfg, run, output, acc, progress and acc.is_main_process, stop_after)
+
+
+@contextmanager
+def _loading_bars(show: bool):
+    """transformers' weight-loading progress bars only where progress is shown."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if not show:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+def _run_locked(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, progress: bool,
+                stop_after: int | None) -> dict[str, Any]:
+    from accelerate.utils import set_seed
+
+    tokenizer = load_tokenizer(cfg.model)
+    stream, _ = load_stream(cfg.data.spec(), tokenizer)
+    env = environment()
+    ident = {**_flat(cfg.identity()), "weights": model_fingerprint(cfg.model),
+             "data_tokens": data_fingerprint([stream]), "processes": acc.num_processes,
+             "versions": {k: env[k] for k in ("ropescale", "torch", "transformers")}}
+    check_manifest(output, ident, cfg.model_dump(mode="json"), write=acc.is_main_process)
+    acc.wait_for_everyone()
+    say = print if progress else (lambda *a, **k: None)
+    summary_path = output / MODEL_DIR / SUMMARY
+    if summary_path.is_file():
+        summary = json.loads(summary_path.read_text())
+        say(f"{output}: already trained ({summary['steps']} steps); model in {output / MODEL_DIR}")
+    else:
+        set_seed(cfg.seed)
+        summary = _train(cfg, run, output, acc, tokenizer, stream, env, progress, stop_after, say)
+        if summary is None:
+            return {"stopped_at": stop_after, "model": None}
+    evaluations = {}
+    for name, ecfg in run.after_configs(cfg, str(output / MODEL_DIR)):
+        say(f"evaluating the saved model: {name} (harness) → {output / 'eval' / name}")
+        evaluations[name] = run_sweep(ecfg, output / "eval" / name, progress=progress)
+    return {**summary, "model": str(output / MODEL_DIR), "evaluations": evaluations, "main_process": acc.is_main_process}
+
+
+def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, stream, env, progress: bool,
+           stop_after: int | None, say) -> dict[str, Any] | None:
+    from torch.utils.data import DataLoader
+    from tqdm.auto import tqdm
+    from transformers import get_scheduler
+
+    heldout = (HeldOut(tokenizer, cfg.eval.data, run.eval_lengths, max_windows=cfg.eval.max_windows,
+                       batch_size=cfg.eval.batch_size) if cfg.eval else None)
+    model, _ = load_model(cfg.model, device="cpu")
+    _patch_for_training(model, cfg, run)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
+    scheduler = get_scheduler(_SCHEDULES[cfg.schedule], optimizer, num_warmup_steps=cfg.warmup,
+                              num_training_steps=cfg.steps)
+    pose = (run.window, cfg.pose.chunks, cfg.pose.content) if cfg.pose.enabled else None
+    examples = cfg.steps * cfg.grad_accum * cfg.batch_size * acc.num_processes
+    dataset = TrainingWindows(stream, cfg.length, examples, cfg.seed, pose)
+    loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=False)
+    model, optimizer, loader = acc.prepare(model, optimizer, loader)
+    acc.register_for_checkpointing(scheduler)  # stepped by hand: once per optimiser step
+
+    log = TrainingLog(output / LOG, enabled=acc.is_main_process)
+    done = _checkpoints(output)
+    start = done[-1][0] if done else 0
+    if done:
+        acc.load_state(str(done[-1][1]))
+        say(f"resuming from {done[-1][1]} (step {start} of {cfg.steps})")
+    log.keep_through(start if done else -1)
+    acc.wait_for_everyone()
+    batches = acc.skip_first_batches(loader, start * cfg.grad_accum) if start else loader
+    inner = acc.unwrap_model(model)
+    label = cfg.strategy.display + (" + PoSE" if cfg.pose.enabled else "")
+    tokens_per_step = cfg.batch_size * cfg.grad_accum * acc.num_processes * run.window
+
+    def evaluate(step: int) -> dict[str, float]:
+        ppl = heldout.perplexity(inner, device=acc.device, process_index=acc.process_index,
+                                 num_processes=acc.num_processes)
+        record = {"step": step, "ppl": {str(k): round(v, 4) for k, v in ppl.items()}}
+        log.write(record)
+        return record["ppl"]
+
+    last_ppl = None
+    if heldout is not None and start == 0:
+        last_ppl = evaluate(0)
+        say("step 0: held-out PPL " + ", ".join(f"{k}: {v:.2f}" for k, v in last_ppl.items()))
+    bar = tqdm(total=cfg.steps, initial=start, desc=label, unit="step", disable=True if not progress else None)
+    step, losses, train_s, loss_value = start, [], 0.0, float("nan")
+    t0 = time.perf_counter()
+    for batch in batches:
+        with acc.accumulate(model):
+            loss = causal_lm_loss(model, batch)
+            acc.backward(loss)
+            losses.append(loss.detach().float())
+            grad_norm = None
+            if acc.sync_gradients and cfg.max_grad_norm:
+                grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            optimizer.step()
+            if acc.sync_gradients:
+                scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        if not acc.sync_gradients:
+            continue
+        step += 1
+        loss_value = acc.gather(torch.stack(losses).mean()[None]).mean().item()
+        losses = []
+        train_s += time.perf_counter() - t0
+        record = {"step": step, "loss": loss_value, "lr": scheduler.get_last_lr()[0], "tokens": step * tokens_per_step,
+                  "tokens_per_s": round((step - start) * tokens_per_step / train_s, 1)}
+        if grad_norm is not None:
+            record["grad_norm"] = float(grad_norm)
+        log.write(record)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        if heldout is not None and (step % cfg.eval.every == 0 or step == cfg.steps):
+            last_ppl = evaluate(step)
+            if progress:
+                bar.write(f"step {step}/{cfg.steps}: loss {loss_value:.3f}, {record['tokens_per_s']:.0f} tok/s, "
+                          "held-out PPL " + ", ".join(f"{k}: {v:.2f}" for k, v in last_ppl.items()))
+        if step % cfg.checkpoint_every == 0 and step < cfg.steps:
+            _save_checkpoint(acc, output, step, cfg.keep_checkpoints)
+            if acc.is_main_process:
+                plot_training(read_log(output / LOG), output / "loss.png", f"{label}, L = {cfg.length}")
+        if stop_after is not None and step >= stop_after:
+            bar.close()
+            return None
+        t0 = time.perf_counter()
+        if step >= cfg.steps:
+            break
+    bar.close()
+
+    acc.wait_for_everyone()
+    summary = {"label": label, "strategy": cfg.strategy.name, "params": run.params, "logn": cfg.strategy.logn,
+               "pose": cfg.pose.model_dump() if cfg.pose.enabled else None, "length": cfg.length,
+               "original_max_position_embeddings": run.train_length, "window": run.window, "steps": step,
+               "tokens": step * tokens_per_step, "final_loss": loss_value, "ppl": last_ppl,
+               "resumed_from": start, "train_seconds": round(train_s, 1), "processes": acc.num_processes,
+               "config": cfg.model_dump(mode="json"), "env": env}
+    if acc.is_main_process:
+        inner.eval()
+        save_patched(inner, tokenizer, output / MODEL_DIR)
+        (output / MODEL_DIR / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n")  # last: marks the run done
+        plot_training(read_log(output / LOG), output / "loss.png", f"{label}, L = {cfg.length}")
+        shutil.rmtree(output / CHECKPOINTS, ignore_errors=True)
+        say(f"saved the fine-tuned model to {output / MODEL_DIR} ({step} steps, {train_s:.0f} s of training)")
+    acc.wait_for_everyone()
+    return summary
+
+
+def _save_checkpoint(acc, output: Path, step: int, keep: int) -> None:
+    folder = output / CHECKPOINTS / f"step-{step:06d}"
+    acc.save_state(str(folder))
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        (folder / _COMPLETE).write_text(json.dumps({"step": step}) + "\n")
+        for _, old in _checkpoints(output)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    acc.wait_for_everyone()
