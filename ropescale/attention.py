@@ -184,8 +184,11 @@ def _truncation_attention(module, query, key, value, attention_mask, scaling=Non
                            f"{type(module).__name__} does not pass them")
     b, s_k = query.shape[0], key.shape[2]
     q_pos = position_ids.expand(b, -1).float()  # [b, s_q]
-    offset = (s_k - 1) - q_pos[:, -1:]  # slot of the last key minus its position
-    k_pos = torch.arange(s_k, device=query.device).float()[None] - offset  # [b, s_k]
+    if s_k == q_pos.shape[1]:  # no cache: the keys are the queries
+        k_pos = q_pos
+    else:  # cached keys: positions by slot, counting back from the last query's
+        offset = (s_k - 1) - q_pos[:, -1:]  # slot of the last key minus its position
+        k_pos = torch.arange(s_k, device=query.device).float()[None] - offset  # [b, s_k]
     if state.logn:
         query = query * logn_factor(q_pos, state.logn).to(query.dtype)[:, None, :, None]
     layer_type = getattr(module, "layer_type", None)

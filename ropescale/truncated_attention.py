@@ -43,18 +43,49 @@ def _pairs(x: torch.Tensor, d: int, interleaved: bool) -> tuple[torch.Tensor, to
     return x[..., : d // 2], x[..., d // 2 : d]
 
 
+def rope_tables(pos: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[b, 1, s, d/2]`` for float positions ``pos`` ``[b, s]``, as transformers computes
+    them (float32 angles, × ``scaling``, cast to ``dtype``)."""
+    angles = pos.float()[..., None] * inv_freq.to(pos.device).float()  # [b, s, d/2]
+    cos, sin = angles.cos(), angles.sin()
+    if scaling != 1.0:
+        cos, sin = cos * scaling, sin * scaling
+    return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+
+
+def apply_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotate the first d = 2·cos.shape[-1] channels of ``x`` ``[b, h, s, h_d]``; the rest pass through."""
+    d = 2 * cos.shape[-1]
+    x1, x2 = _pairs(x, d, interleaved)
+    r1, r2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    rot = torch.stack((r1, r2), -1).flatten(-2) if interleaved else torch.cat((r1, r2), -1)
+    return rot if d == x.shape[-1] else torch.cat((rot, x[..., d:]), -1)
+
+
 def rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
            interleaved: bool = False) -> torch.Tensor:
     """RoPE on ``x`` ``[b, h, s, h_d]`` at float positions ``pos`` ``[b, s]``, as transformers does
     (float32 angles, cos/sin × ``scaling`` cast to x's dtype); channels past d pass through."""
-    d = 2 * inv_freq.numel()
-    angles = pos.float()[..., None] * inv_freq.to(pos.device).float()  # [b, s, d/2]
-    cos = (angles.cos() * scaling).to(x.dtype)[:, None]  # [b, 1, s, d/2]
-    sin = (angles.sin() * scaling).to(x.dtype)[:, None]
-    x1, x2 = _pairs(x, d, interleaved)
-    r1, r2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-    rot = torch.stack((r1, r2), -1).flatten(-2) if interleaved else torch.cat((r1, r2), -1)
-    return torch.cat((rot, x[..., d:]), -1)
+    return apply_rotation(x, *rope_tables(pos, inv_freq, scaling, x.dtype), interleaved)
+
+
+class _Rotations:
+    """The four rotations of one call — near q and k at their positions, far q at f_q, far k at
+    f_k — with cos/sin tables computed once each (shared when q and k have the same positions).
+    ``inverse=True`` applies R(−θ) = R(θ)ᵀ: the backward of a rotation."""
+
+    def __init__(self, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling: float, interleaved: bool):
+        self.pos = {"q": q_pos, "k": k_pos, "far_q": rule.far_q(q_pos), "far_k": rule.far_k(k_pos)}
+        self.inv_freq, self.scaling, self.interleaved = inv_freq, scaling, interleaved
+        self.tables: dict[tuple, tuple] = {}
+
+    def __call__(self, x: torch.Tensor, which: str, inverse: bool = False) -> torch.Tensor:
+        pos = self.pos[which]
+        key = ("q" if which == "k" and pos is self.pos["q"] else which, x.dtype)
+        if key not in self.tables:
+            self.tables[key] = rope_tables(pos, self.inv_freq, self.scaling, x.dtype)
+        cos, sin = self.tables[key]
+        return apply_rotation(x, cos, -sin if inverse else sin, self.interleaved)
 
 
 def _visible(q_slot, k_slot, sliding_window):
@@ -93,11 +124,8 @@ def fused_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling
                                  softcap=softcap, sliding_window=sliding_window, interleaved=interleaved,
                                  dropout=dropout, block=block)
     plan = _plan(q.shape[2], k.shape[2], rule.window, sliding_window, scale, keep)
-
-    def rot(x, pos):
-        return rotate(x, pos, inv_freq, scaling, interleaved)
-
-    return TwoRegionAttention.apply(q, k, v, q_pos, k_pos, rule.far_q(q_pos), rule.far_k(k_pos), rot, plan)
+    rotations = _Rotations(q_pos, k_pos, rule, inv_freq, scaling, interleaved)
+    return TwoRegionAttention.apply(q, k, v, rotations, plan)
 
 
 def blocked_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling: float, *,

@@ -78,6 +78,8 @@ def causal_calls(s_q: int, s_k: int, lo: int) -> list[Call]:
 
 def band_calls(s_q: int, s_k: int, lo: int, hi: int, block: int) -> list[Call]:
     """Calls covering lo ≤ i − j < hi in blocks of ``block`` queries (see ``Call``)."""
+    if hi > s_k - 1:  # no pair is that far apart: the band is the causal region from lo
+        return causal_calls(s_q, s_k, lo)
     c0 = s_k - s_q
     first = max(0, lo - c0)  # rows before it see no key in the band
     body = min(s_q, max(first, hi - 1 - c0))  # rows from here see a full window of in-range keys
@@ -102,7 +104,7 @@ def near_block(window: int) -> int:
     return max(16, min(256, window // 4))
 
 
-def _band_mask(call: Call, c0: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+def _band_mask(call: Call, c0: int) -> torch.Tensor:
     """Bool visibility ``[rows, keys]`` of a band call (for blocked calls: of block 0)."""
     lo, hi = call.band
     if call.blocks:
@@ -149,23 +151,28 @@ class _Plan:
     keep: torch.Tensor | None  # [b, s_k] bool (padding) or None
 
 
-def _run(calls: list[Call], plan: _Plan, q, k, v, out, lse):
-    """Forward of ``calls`` for rotated q ``[b, n_h, s_q, h_d]`` and k, v; merges into ``out``
-    ``[b, n_h, s_q, h_d]`` float32 and ``lse`` ``[b, n_h, s_q]`` in place."""
+def _run(calls: list[Call], plan: _Plan, q, k, v, out, lse, covered: list):
+    """Forward of ``calls`` for rotated q ``[b, n_h, s_q, h_d]`` and k, v, into ``out``
+    ``[b, n_h, s_q, h_d]`` float32 and ``lse`` ``[b, n_h, s_q]`` in place: rows no earlier call
+    reached (``covered`` lists the row ranges done) are written, the others merged."""
     for call in calls:
-        for rows, part, part_lse in _forward_call(call, plan, q, k, v):
-            _merge(out, lse, rows, part, part_lse)
+        fresh = all(call.t1 <= t0 or call.t0 >= t1 for t0, t1 in covered)
+        for (bi, ts), part, part_lse in _forward_call(call, plan, q, k, v):
+            if fresh:
+                out[bi, :, ts], lse[bi, :, ts] = part, part_lse
+            else:
+                _merge(out, lse, (bi, ts), part, part_lse)
+        covered.append((call.t0, call.t1))
 
 
 def _forward_call(call: Call, plan: _Plan, q, k, v):
     """Yields (row selector, out ``[b', n_h, rows, h_d]``, lse) for one call."""
     keep, dtype = plan.keep, q.dtype
     if call.blocks:
-        base = _band_mask(call, plan.c0)
         for bi in range(q.shape[0]):  # one batch row at a time: blocks are the kernel's batch
             mask, has = _band_additive(call, plan.c0, dtype), None
             if keep is not None:
-                vis = base[None] & _windows(keep[bi][None, :, None], call)[:, 0, :, 0][:, None, :]  # [n, B, width]
+                vis = _band_mask(call, plan.c0)[None] & _windows(keep[bi][None, :, None], call)[:, 0, :, 0][:, None, :]  # [n, B, width]
                 mask, has = _additive(vis[:, None], dtype), vis.any(-1)[:, None]  # [n, 1, B, width], [n, 1, B]
             o, l = _flash(_query_blocks(q[bi], call), _windows(k[bi], call), _windows(v[bi], call), 0.0, False,
                           attn_mask=mask, scale=plan.scale)  # [n, n_h, B, h_d], [n, n_h, B]
@@ -188,11 +195,12 @@ def _forward_call(call: Call, plan: _Plan, q, k, v):
 
 
 def _merge(out, lse, rows, part, part_lse):
+    """out ← (out·e^lse + part·e^part_lse) / e^new with new = logaddexp(lse, part_lse), in place."""
     bi, ts = rows
     o, l = out[bi, :, ts], lse[bi, :, ts]
     new = torch.logaddexp(l, part_lse)
-    safe = new.masked_fill(new == float("-inf"), 0.0)  # rows with no key so far: weights 0, not NaN
-    o.mul_((l - safe).exp_()[..., None]).add_(part.float() * (part_lse - safe).exp()[..., None])
+    new_safe = new.nan_to_num(neginf=0.0)  # rows with no key in either: weights 0, not NaN
+    o.mul_((l - new_safe).exp_()[..., None]).add_(part * (part_lse - new_safe).exp_()[..., None])
     l.copy_(new)
 
 
@@ -201,12 +209,11 @@ def _backward_call(call: Call, plan: _Plan, g, q, k, v, out, lse, dq, dk, dv):
     merged ``out`` and ``lse`` (with +inf on rows that saw no key, so their weights are 0)."""
     keep, dtype = plan.keep, q.dtype
     if call.blocks:
-        base = _band_mask(call, plan.c0)
         block = (call.t1 - call.t0) // call.blocks
         idx = call.j0 + (torch.arange(call.blocks)[:, None] * block + torch.arange(call.width)).flatten()
         for bi in range(q.shape[0]):
             mask = _band_additive(call, plan.c0, dtype) if keep is None else _additive(
-                (base[None] & _windows(keep[bi][None, :, None], call)[:, 0, :, 0][:, None, :])[:, None], dtype)
+                (_band_mask(call, plan.c0)[None] & _windows(keep[bi][None, :, None], call)[:, 0, :, 0][:, None, :])[:, None], dtype)
             gq, gk, gv = _flash_backward(
                 _query_blocks(g[bi], call), _query_blocks(q[bi], call), _windows(k[bi], call), _windows(v[bi], call),
                 _query_blocks(out[bi], call), _query_blocks(lse[bi], call).contiguous(), 0.0, False,
@@ -231,37 +238,39 @@ def _backward_call(call: Call, plan: _Plan, g, q, k, v, out, lse, dq, dk, dv):
 
 class TwoRegionAttention(torch.autograd.Function):
     """out = softmax over both regions, from un-rotated q ``[b, n_h, s_q, h_d]``, k, v
-    ``[b, n_kv, s_k, h_d]``; ``rot(x, pos)`` rotates x ``[b, h, s, h_d]`` to positions ``[b, s]``
-    (linear in x, with R(pos)ᵀ = R(−pos)). Returns ``[b, n_h, s_q, h_d]`` in q's dtype."""
+    ``[b, n_kv, s_k, h_d]``; ``rot(x, which, inverse=False)`` rotates x ``[b, h, s, h_d]`` for
+    ``which`` in "q", "k" (near band), "far_q", "far_k" (far region), or applies the inverse
+    rotation. Returns ``[b, n_h, s_q, h_d]`` in q's dtype."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, k_pos, far_q_pos, far_k_pos, rot, plan: _Plan):
+    def forward(ctx, q, k, v, rot, plan: _Plan):
         b, n_h, s_q, h_d = q.shape
-        out = torch.zeros(b, n_h, s_q, h_d, dtype=torch.float32, device=q.device)
+        out = torch.zeros(b, n_h, s_q, h_d, dtype=torch.float32, device=q.device)  # rows no call reaches: 0
         lse = torch.full((b, n_h, s_q), float("-inf"), device=q.device)
+        covered = []
+        _run(plan.near, plan, rot(q, "q"), rot(k, "k"), v, out, lse, covered)
         if plan.far:  # rotated copies live one region at a time
-            _run(plan.far, plan, rot(q, far_q_pos), rot(k, far_k_pos), v, out, lse)
-        _run(plan.near, plan, rot(q, q_pos), rot(k, k_pos), v, out, lse)
+            _run(plan.far, plan, rot(q, "far_q"), rot(k, "far_k"), v, out, lse, covered)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, q_pos, k_pos, far_q_pos, far_k_pos, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.rot, ctx.plan = rot, plan
         return out
 
     @staticmethod
     def backward(ctx, g):
-        q, k, v, q_pos, k_pos, far_q_pos, far_k_pos, out, lse = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         rot, plan = ctx.rot, ctx.plan
         lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # no key: probabilities exp(s − ∞) = 0
         g = g.contiguous()
         dq, dk = torch.zeros(q.shape, device=q.device), torch.zeros(k.shape, device=q.device)
         dv = torch.zeros(v.shape, device=q.device)
-        for calls, qp, kp in ((plan.far, far_q_pos, far_k_pos), (plan.near, q_pos, k_pos)):
+        for calls, qw, kw in ((plan.near, "q", "k"), (plan.far, "far_q", "far_k")):
             if not calls:
                 continue
             dq_r, dk_r = torch.zeros_like(dq), torch.zeros_like(dk)
-            qr, kr = rot(q, qp), rot(k, kp)
+            qr, kr = rot(q, qw), rot(k, kw)
             for call in calls:
                 _backward_call(call, plan, g, qr, kr, v, out, lse, dq_r, dk_r, dv)
-            dq += rot(dq_r, -qp)  # the gradient of a rotation is the inverse rotation
-            dk += rot(dk_r, -kp)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+            dq += rot(dq_r, qw, inverse=True)  # the gradient of a rotation is the inverse rotation
+            dk += rot(dk_r, kw, inverse=True)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
