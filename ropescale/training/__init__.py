@@ -5,7 +5,7 @@
 - ``data``: training windows in a seeded order (PoSE examples drawn per index)
 - ``heldout``: held-out perplexity during training
 - ``loop``: the accelerate training loop, checkpoints, output folder, save and evaluation
-- ``report``: the training log and its figures (``python -m ropescale.training.report``)
+- ``report``: the training log and its figures; ``python -m ropescale.training RUN ...`` compares runs
 """
 
 from ropescale.training.config import FinetuneConfig, build_finetune_config, load_finetune_config, resolve

@@ -161,8 +161,11 @@ def _run_locked(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, progre
     ident = {**_flat(cfg.identity()), "weights": model_fingerprint(cfg.model),
              "data_tokens": data_fingerprint([stream]), "processes": acc.num_processes,
              "versions": {k: env[k] for k in ("ropescale", "torch", "transformers")}}
-    check_manifest(output, ident, cfg.model_dump(mode="json"), write=acc.is_main_process)
+    if acc.is_main_process:  # the main process writes the manifest; the others read it once it is there
+        check_manifest(output, ident, cfg.model_dump(mode="json"))
     acc.wait_for_everyone()
+    if not acc.is_main_process:
+        check_manifest(output, ident, cfg.model_dump(mode="json"), write=False)
     say = print if progress else (lambda *a, **k: None)
     summary_path = output / MODEL_DIR / SUMMARY
     if summary_path.is_file():

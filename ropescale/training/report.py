@@ -8,8 +8,8 @@
     (step 0 = before training).
 
 ``loss.png``: training loss and held-out PPL per length vs steps. ``plot_runs`` draws PPL at one
-length vs steps for several runs (the README's comparison), and ``python -m
-ropescale.training.report RUN_DIR ... --length L -o FIG`` draws it and prints the tables.
+length vs steps for several runs (the README's comparison), and ``python -m ropescale.training
+RUN_DIR ... --length L -o FIG`` draws it and prints the tables.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-__all__ = ["LOG", "TrainingLog", "read_log", "eval_curve", "steps_to_reach", "plot_training", "plot_runs", "main"]
+__all__ = ["LOG", "TrainingLog", "read_log", "eval_curve", "steps_to_reach", "by_step_table", "final_table", "plot_training", "plot_runs", "main"]
 
 LOG = "log.jsonl"
 
@@ -123,6 +123,10 @@ def plot_runs(runs: dict[str, list[dict]], length: int, path: Path, *, title: st
         ax.axhline(value, ls="--", lw=1, color=f"C{len(runs) + j}", label=label)
     ax.set(xlabel="fine-tuning step", ylabel=f"held-out perplexity at L = {length}", title=title)
     ax.set_yscale("log")
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    ax.yaxis.set_major_formatter(ScalarFormatter())  # plain numbers on the log axis
+    ax.yaxis.set_minor_formatter(NullFormatter())
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -133,6 +137,34 @@ def plot_runs(runs: dict[str, list[dict]], length: int, path: Path, *, title: st
     return path
 
 
+def by_step_table(runs: dict[str, list[dict]], length: int, at: str) -> str:
+    """Markdown table: held-out PPL at ``length`` of each run at the steps ``at`` ("0,50,…")."""
+    steps = [int(x) for x in at.split(",")]
+    out = [f"| run | " + " | ".join(f"step {k}" for k in steps) + " |", "|---|" + "---:|" * len(steps)]
+    for label, records in runs.items():
+        curve = dict(eval_curve(records, length))
+        out.append(f"| {label} | " + " | ".join(f"{curve[k]:.2f}" if k in curve else "—" for k in steps) + " |")
+    return f"held-out PPL at L = {length} by fine-tuning step\n\n" + "\n".join(out)
+
+
+def final_table(runs: dict[str, list[dict]], length: int, target: float, target_label: str) -> str:
+    """Markdown table: each run's held-out PPL at every length at its last evaluation, its steps
+    and training tokens, and the first evaluated step at which its PPL at ``length`` is ≤
+    ``target`` and ≤ 1.05 × ``target``."""
+    lengths = sorted({int(k) for recs in runs.values() for r in recs if "ppl" in r for k in r["ppl"]})
+    out = ["| run | steps | training tokens | " + " | ".join(f"PPL @ {n}" for n in lengths)
+           + f" | first step with PPL @ {length} ≤ {target:.2f} ({target_label}'s final) | ≤ {1.05 * target:.2f} (+5%) |",
+           "|---|---:|---:|" + "---:|" * len(lengths) + "---:|---:|"]
+    for label, records in runs.items():
+        last = [r for r in records if "ppl" in r][-1]
+        steps = [r for r in records if "loss" in r]
+        reach = [steps_to_reach(records, length, t) for t in (target, 1.05 * target)]
+        out.append(f"| {label} | {steps[-1]['step'] if steps else 0} | {steps[-1]['tokens'] if steps else 0} | "
+                   + " | ".join(f"{last['ppl'].get(str(n), float('nan')):.2f}" for n in lengths) + " | "
+                   + " | ".join(str(r) if r is not None else "not reached" for r in reach) + " |")
+    return "\n".join(out)
+
+
 def _label(run: Path) -> str:
     summary = run / "model" / "finetune.json"
     if summary.is_file():
@@ -140,15 +172,66 @@ def _label(run: Path) -> str:
     return run.name
 
 
+def _key(record: dict) -> tuple:
+    return record["name"], json.dumps(record["params"], sort_keys=True), bool(record.get("logn"))
+
+
+def _harness_records(folder: Path, task: str) -> list[dict]:
+    from eval.sweep import read_results
+
+    return [r for r in read_results(folder / "results.jsonl") if r["task"] == task]
+
+
+def before_after(runs: list[Path], before: list[Path], task: str, metric: str) -> str:
+    """Markdown table: ``metric`` of the harness ``task`` per length, for each run's strategy on
+    the base model (found in the ``before`` harness folders by strategy and parameters) and for
+    the fine-tuned model (``RUN/eval/<task>``)."""
+    base = {}
+    for folder in before:
+        for r in _harness_records(folder, task):
+            base.setdefault(_key(r), {})[r["length"]] = r
+    rows, lengths, caption = [], set(), None
+    for run in runs:
+        after = _harness_records(run / "eval" / task, task)
+        if not after:
+            continue
+        summary = json.loads((run / "model" / "finetune.json").read_text())
+        caption = caption or after[0]
+        found = base.get(_key(after[0]), {})
+        rows.append((f"{summary['label'].removesuffix(' + PoSE')}, no fine-tuning", found))
+        rows.append((f"{summary['label']}, fine-tuned {summary['steps']} steps", {r["length"]: r for r in after}))
+        lengths |= {r["length"] for r in after}
+    lengths = sorted(lengths)
+    fmt = (lambda r: f"{r[metric]:.2f}") if task == "perplexity" else (
+        lambda r: f"{r[metric]:.2f} ({r[metric + '_ci'][0]:.2f}–{r[metric + '_ci'][1]:.2f})")
+    out = [f"| model | " + " | ".join(str(n) for n in lengths) + " |", "|---|" + "---:|" * len(lengths)]
+    seen = set()
+    for label, by_length in rows:
+        if label in seen:
+            continue
+        seen.add(label)
+        out.append(f"| {label} | " + " | ".join(fmt(by_length[n]) if n in by_length else "—" for n in lengths) + " |")
+    if caption:
+        out.insert(0, f"{task} `{metric}`; data: {caption.get('data') or '—'}; options: "
+                      f"{json.dumps(caption.get('options'))}; base model: {Path(caption['model']).name}\n")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """``python -m ropescale.training.report RUN_DIR ... --length L -o FIG``: PPL at L vs steps of
-    each run in one figure, and a Markdown table: PPL at every evaluated length at the last step,
-    and the first step at which each run reaches the first run's final PPL at L."""
-    ap = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
+    """``python -m ropescale.training RUN_DIR ... --length L -o FIG [--before HARNESS_DIR ...]``:
+    PPL at L vs steps of each run in one figure, and Markdown tables: the held-out PPL of each
+    run at its last evaluation with the first step at which it reaches the first run's final PPL
+    at L; with ``--before``, the harness's perplexity and passkey results of each run's strategy on
+    the base model next to the fine-tuned model's."""
+    ap = argparse.ArgumentParser(prog="python -m ropescale.training", description=main.__doc__.split("\n")[0])
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--length", type=int, required=True)
     ap.add_argument("--output", "-o", type=Path, required=True)
     ap.add_argument("--title", default="")
+    ap.add_argument("--at", default="0,50,100,200,400,1000",
+                    help="steps of the PPL-by-step table (comma-separated; those evaluated)")
+    ap.add_argument("--before", type=Path, action="append", default=[],
+                    help="harness results folder of the strategies on the base model (repeatable)")
     args = ap.parse_args(argv)
     runs = {}
     for run in args.runs:
@@ -159,19 +242,12 @@ def main(argv: list[str] | None = None) -> None:
     plot_runs(runs, args.length, args.output, title=args.title)
     first_label, first = next(iter(runs.items()))
     target = eval_curve(first, args.length)[-1][1]
-    lengths = sorted({int(k) for recs in runs.values() for r in recs if "ppl" in r for k in r["ppl"]})
-    print(f"| run | steps | tokens | " + " | ".join(f"PPL @ {n}" for n in lengths)
-          + f" | first step with PPL @ {args.length} ≤ {target:.2f} ({first_label}'s final) |")
-    print("|---|---:|---:|" + "---:|" * len(lengths) + "---:|")
-    for label, records in runs.items():
-        last = [r for r in records if "ppl" in r][-1]
-        steps = [r for r in records if "loss" in r]
-        reach = steps_to_reach(records, args.length, target)
-        print(f"| {label} | {steps[-1]['step'] if steps else 0} | {steps[-1]['tokens'] if steps else 0} | "
-              + " | ".join(f"{last['ppl'].get(str(n), float('nan')):.2f}" for n in lengths)
-              + f" | {reach if reach is not None else 'not reached'} |")
-    print(f"figure: {args.output}")
-
-
-if __name__ == "__main__":
-    main()
+    print(by_step_table(runs, args.length, args.at))
+    print()
+    print(final_table(runs, args.length, target, first_label))
+    if args.before:
+        for task, metric in (("perplexity", "ppl"), ("passkey", "accuracy"), ("passkey", "candidate_accuracy")):
+            table = before_after(args.runs, args.before, task, metric)
+            if table.count("\n") > 2:
+                print("\n" + table)
+    print(f"\nfigure: {args.output}")
