@@ -104,3 +104,16 @@ def test_truncation_rule_trains_on_the_naive_path_and_evaluates_after(tmp_path, 
     assert out["params"]["window"] == 16  # T / 2, as sweeps fill it
     (record,) = out["evaluations"]["perplexity"]
     assert record["strategy"] == "rerope:window=16" and record["ppl"] == pytest.approx(out["ppl"]["64"], rel=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["rerope", "leaky_rerope", "self_extend"])
+def test_truncation_rule_trains_through_the_fused_kernel_as_through_the_naive_path(tmp_path, tiny_run, strategy):
+    """Three optimiser steps through the default (fused) kernel's backward end where the naive
+    path's do: the same losses and weights (float tolerance)."""
+    weights = {}
+    for path in ("fused", "naive"):
+        run(tiny_run(strategy=strategy, attention_path=path, steps=3, eval=None, checkpoint_every=10), tmp_path / path)
+        weights[path] = load_file(next((tmp_path / path / "model").glob("*.safetensors")))
+    assert losses(tmp_path / "fused") == pytest.approx(losses(tmp_path / "naive"), rel=1e-5)
+    for k, w in weights["naive"].items():
+        assert (weights["fused"][k] - w).abs().max() <= 1e-4 * w.abs().max(), k
