@@ -73,9 +73,11 @@ def identity(cfg, *, data: str | None, weights: str, versions: dict[str, str]) -
             "original_max_position_embeddings": cfg.original_max_position_embeddings, "versions": versions}
 
 
-def check_manifest(output: Path, ident: dict[str, Any], config: dict[str, Any], *, write: bool = True) -> str:
+def check_manifest(output: Path, ident: dict[str, Any], config: dict[str, Any], *, write: bool = True,
+                   processes: int = 1) -> str:
     """Check the folder's manifest (``ExperimentMismatchError`` naming what differs) and write
-    it (``write``: the main process only). Returns the identity's hash (part of every cell id)."""
+    it (``write``: the main process only) with the number of ``processes`` of the latest run.
+    Returns the identity's hash (part of every cell id)."""
     path = output / MANIFEST
     digest = hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
     if path.exists():
@@ -93,7 +95,7 @@ def check_manifest(output: Path, ident: dict[str, Any], config: dict[str, Any], 
                                       "recorded one), so they cannot be matched to this run; use a new folder")
     if write:
         path.write_text(json.dumps({"identity": ident, "identity_hash": digest, "config": config,
-                                "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1) + "\n")
+                                "processes": processes, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1) + "\n")
     return digest
 
 

@@ -17,7 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def launch(config: Path, output: Path, n: int = 2) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", str(n),
+    # `--cpu --num_processes 2` starts one process without MPI (accelerate's simple launcher);
+    # `--multi_gpu` starts two through torchrun, which the harness makes one gloo group on CPU
+    return subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(n),
                            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                            str(ROOT / "cli.py"), "eval", str(config), "-q", "-o", str(output)],
                           capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
@@ -38,6 +40,7 @@ def test_two_processes_write_what_one_process_writes(tmp_path, tiny_model_dir, t
     single = run_sweep(build_config(raw), tmp_path / "one", progress=False)
     res = launch(cfg_path, tmp_path / "two")
     assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads((tmp_path / "two" / "manifest.json").read_text())["processes"] == 2
     double = read_results(tmp_path / "two" / RESULTS)
     assert len((tmp_path / "two" / RESULTS).read_text().splitlines()) == 6  # one writer, each cell once
     for a, b in zip(single, double):
