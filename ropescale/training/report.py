@@ -186,10 +186,11 @@ def before_after(runs: list[Path], before: list[Path], task: str, metric: str) -
     """Markdown table: ``metric`` of the harness ``task`` per length, for each run's strategy on
     the base model (found in the ``before`` harness folders by strategy and parameters) and for
     the fine-tuned model (``RUN/eval/<task>``)."""
-    base = {}
+    base, base_models = {}, set()
     for folder in before:
         for r in _harness_records(folder, task):
             base.setdefault(_key(r), {})[r["length"]] = r
+            base_models.add(r["model"])
     rows, lengths, caption = [], set(), None
     for run in runs:
         after = _harness_records(run / "eval" / task, task)
@@ -198,7 +199,7 @@ def before_after(runs: list[Path], before: list[Path], task: str, metric: str) -
         summary = json.loads((run / "model" / "finetune.json").read_text())
         caption = caption or after[0]
         found = base.get(_key(after[0]), {})
-        rows.append((f"{summary['label'].removesuffix(' + PoSE')}, no fine-tuning", found))
+        rows.append((f"{summary['label'].split(' + ')[0]}, no fine-tuning", found))
         rows.append((f"{summary['label']}, fine-tuned {summary['steps']} steps", {r["length"]: r for r in after}))
         lengths |= {r["length"] for r in after}
     lengths = sorted(lengths)
@@ -213,7 +214,8 @@ def before_after(runs: list[Path], before: list[Path], task: str, metric: str) -
         out.append(f"| {label} | " + " | ".join(fmt(by_length[n]) if n in by_length else "—" for n in lengths) + " |")
     if caption:
         out.insert(0, f"{task} `{metric}`; data: {caption.get('data') or '—'}; options: "
-                      f"{json.dumps(caption.get('options'))}; base model: {Path(caption['model']).name}\n")
+                      f"{json.dumps(caption.get('options'))}; base model: {', '.join(sorted(base_models)) or '—'}; "
+                      "fine-tuned: RUN/model\n")
     return "\n".join(out)
 
 
