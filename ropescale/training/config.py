@@ -110,8 +110,6 @@ class FinetuneConfig(BaseModel):
     keep_checkpoints: int = Field(1, ge=1)
     eval: EvalDuringTraining | None = None
     pose: PoseConfig = Field(default_factory=PoseConfig)
-    copy_share: float = Field(0.0, ge=0, lt=1, description="share of training windows given a long-distance "
-                              "repeated passage (ropescale.training.data.add_copy)")
     output: str | None = None
 
     @field_validator("strategy", mode="before")
@@ -163,8 +161,6 @@ class FinetuneConfig(BaseModel):
         out = self.model_dump(mode="json", exclude={"output", "device", "threads", "keep_checkpoints"})
         if out.get("eval"):
             out["eval"].pop("after", None)
-        if not out["copy_share"]:  # runs from before the key existed keep their identity
-            del out["copy_share"]
         return out
 
 

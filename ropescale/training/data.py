@@ -11,12 +11,6 @@ processes, or where a resumed run starts — and example i is a pure function of
 Without PoSE an example is its whole span: ``input_ids`` ``[L]``. With PoSE it is T tokens of
 the span picked by ``ropescale.training.pose.sample_pose`` with the RNG seeded by ``(seed, i)``,
 plus their ``position_ids`` ``[T]``.
-
-With ``copy_share`` > 0, example i (when a draw from ``(seed, 2, i)`` falls below the share) gets
-a long-distance repeated passage (``add_copy``) before PoSE selection: plain-text fine-tuning
-erodes the copying (induction heads) that retrieval rests on, and this keeps it exercised at
-distances up to L (measured on the bundled model: README, Fine-tuning). Synthetic retrieval
-data in fine-tuning: Xiong et al. 2024, arXiv:2406.19292.
 """
 
 from __future__ import annotations
@@ -28,9 +22,7 @@ from torch.utils.data import Dataset
 from eval.data import DataError, DataSpec, load_documents, tokenize_documents
 from ropescale.training.pose import sample_pose
 
-__all__ = ["token_stream", "load_stream", "add_copy", "TrainingWindows", "COPY_TOKENS"]
-
-COPY_TOKENS = (8, 64)  # passage length range of add_copy [tokens]
+__all__ = ["token_stream", "load_stream", "TrainingWindows"]
 
 
 def token_stream(docs: list[torch.Tensor], eos_token_id: int | None) -> torch.Tensor:
@@ -46,22 +38,6 @@ def load_stream(spec: DataSpec, tokenizer) -> tuple[torch.Tensor, list[torch.Ten
     return token_stream(docs, tokenizer.eos_token_id), docs
 
 
-def add_copy(ids: torch.Tensor, rng: np.random.Generator, tokens: tuple[int, int] = COPY_TOKENS) -> torch.Tensor:
-    """``ids`` ``[L]`` with a passage repeated far later: m ~ U{tokens} tokens at a ~ U[0, L − 2m]
-    written again at b ~ U[a + m, L − m] (distance b − a from m to L − m). Returns a new tensor;
-    ``ids`` shorter than 2 · tokens[0] come back unchanged."""
-    L = ids.numel()
-    hi = min(tokens[1], L // 2)
-    if hi < tokens[0]:
-        return ids.clone()
-    m = int(rng.integers(tokens[0], hi + 1))
-    a = int(rng.integers(0, L - 2 * m + 1))
-    b = int(rng.integers(a + m, L - m + 1))
-    out = ids.clone()
-    out[b : b + m] = ids[a : a + m]
-    return out
-
-
 class TrainingWindows(Dataset):
     """Example ``i`` of a run (``len`` = examples the run consumes, all epochs included).
 
@@ -71,18 +47,17 @@ class TrainingWindows(Dataset):
         total: examples the run needs (steps × grad_accum × batch_size × processes).
         seed: data order (and PoSE draws).
         pose: ``(window T, chunks, content)`` to draw PoSE examples, or None.
-        copy_share: share of examples given a repeated passage (``add_copy``).
 
     Raises ``DataError`` when the stream holds no full span.
     """
 
     def __init__(self, stream: torch.Tensor, span: int, total: int, seed: int,
-                 pose: tuple[int, int, str] | None = None, copy_share: float = 0.0):
+                 pose: tuple[int, int, str] | None = None):
         self.n = stream.numel() // span
         if self.n == 0:
             raise DataError(f"training data too short: {stream.numel()} tokens, fewer than one window of {span}")
         self.spans = stream[: self.n * span].view(self.n, span)  # [n, L]
-        self.span, self.total, self.seed, self.pose, self.copy_share = span, total, seed, pose, copy_share
+        self.span, self.total, self.seed, self.pose = span, total, seed, pose
         self._orders: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
@@ -102,10 +77,6 @@ class TrainingWindows(Dataset):
         if not 0 <= i < self.total:
             raise IndexError(i)
         ids = self.spans[self.span_of(i)]  # [L]
-        if self.copy_share:
-            rng = np.random.default_rng((self.seed, 2, i))
-            if rng.random() < self.copy_share:
-                ids = add_copy(ids, rng)
         if self.pose is None:
             return {"input_ids": ids.clone()}
         window, chunks, content = self.pose

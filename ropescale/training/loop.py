@@ -199,7 +199,7 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, 
                               num_training_steps=cfg.steps)
     pose = (run.window, cfg.pose.chunks, cfg.pose.content) if cfg.pose.enabled else None
     examples = cfg.steps * cfg.grad_accum * cfg.batch_size * acc.num_processes
-    dataset = TrainingWindows(stream, cfg.length, examples, cfg.seed, pose, cfg.copy_share)
+    dataset = TrainingWindows(stream, cfg.length, examples, cfg.seed, pose)
     loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=False)
     model, optimizer, loader = acc.prepare(model, optimizer, loader)
     acc.register_for_checkpointing(scheduler)  # stepped by hand: once per optimiser step
@@ -214,8 +214,7 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, 
     acc.wait_for_everyone()
     batches = acc.skip_first_batches(loader, start * cfg.grad_accum) if start else loader
     inner = acc.unwrap_model(model)
-    label = (cfg.strategy.display + (" + PoSE" if cfg.pose.enabled else "")
-             + (f" + copy {cfg.copy_share:g}" if cfg.copy_share else ""))
+    label = cfg.strategy.display + (" + PoSE" if cfg.pose.enabled else "")
     tokens_per_step = cfg.batch_size * cfg.grad_accum * acc.num_processes * run.window
 
     def evaluate(step: int) -> dict[str, float]:
@@ -276,8 +275,7 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, 
 
     acc.wait_for_everyone()
     summary = {"label": label, "strategy": cfg.strategy.name, "params": run.params, "logn": cfg.strategy.logn,
-               "pose": cfg.pose.model_dump() if cfg.pose.enabled else None, "copy_share": cfg.copy_share,
-               "length": cfg.length,
+               "pose": cfg.pose.model_dump() if cfg.pose.enabled else None, "length": cfg.length,
                "original_max_position_embeddings": run.train_length, "window": run.window, "steps": step,
                "tokens": step * tokens_per_step, "final_loss": loss_value, "ppl": last_ppl,
                "resumed_from": start, "train_seconds": round(train_s, 1), "processes": acc.num_processes,

@@ -48,7 +48,6 @@ def write(tmp_path, tiny_run):
     ({"pose": {"chunks": 40}}, ["pose.chunks: 40 chunks cannot split a window of T = 32"]),
     ({"mixed_precision": "fp16"}, ["fp16 needs a CUDA device"]),
     ({"lr": 0}, ["lr: Input should be greater than 0"]),
-    ({"copy_share": 1}, ["copy_share: Input should be less than 1"]),
     ({"eval": {"every": 2, "data": "SAME"}}, ["is also the training data"]),
     ({"eval": {"after": [{"task": "passky"}]}}, ["eval.after.0", "unknown task 'passky'"]),
     ({"eval": {"after": [{"task": "perplexity", "model": "x"}]}}, ["eval.after: entry 0: model are set by"]),

@@ -4,7 +4,7 @@ functions of their index, and PoSE examples read from their own span."""
 import numpy as np
 import torch
 
-from ropescale.training.data import COPY_TOKENS, TrainingWindows, add_copy, token_stream
+from ropescale.training.data import TrainingWindows, token_stream
 from ropescale.training.pose import sample_pose
 
 STREAM = torch.arange(1000, 1000 + 10 * 16 + 7)  # 10 spans of 16 and a remainder
@@ -47,36 +47,3 @@ def test_pose_examples_are_pure_functions_of_the_index():
         assert ex["position_ids"].tolist() == expected.position_ids.tolist()
         assert ex["input_ids"].tolist() == [base + j for j in expected.content_index.tolist()]
     assert torch.equal(a[17]["input_ids"], late["input_ids"]) and torch.equal(a[17]["position_ids"], late["position_ids"])
-
-
-def _copied_block(x, y):
-    """(start, end) of the one run of positions where y differs from x (distinct tokens in x)."""
-    diff = [i for i in range(len(x)) if x[i] != y[i]]
-    assert diff == list(range(diff[0], diff[-1] + 1))  # one contiguous block
-    return diff[0], diff[-1] + 1
-
-
-def test_add_copy_repeats_one_earlier_passage():
-    x = torch.arange(100, 612)  # L = 512, every token distinct: the source is recoverable
-    lengths, distances = set(), []
-    for seed in range(300):
-        y = add_copy(x, np.random.default_rng(seed))
-        b, e = _copied_block(x.tolist(), y.tolist())
-        a = y[b].item() - 100  # where the passage came from
-        m = e - b
-        assert y[b:e].tolist() == x[a : a + m].tolist() and a + m <= b  # a copy of an earlier, disjoint passage
-        assert COPY_TOKENS[0] <= m <= COPY_TOKENS[1]
-        lengths.add(m), distances.append(b - a)
-    assert x.tolist() == list(range(100, 612))  # the input is left alone
-    assert max(distances) > 400 and min(distances) < 64 and len(lengths) > 40
-    assert add_copy(torch.arange(10), np.random.default_rng(0)).tolist() == list(range(10))  # too short
-
-
-def test_copy_share_is_the_share_of_changed_examples_and_a_pure_function_of_the_index():
-    stream = torch.arange(64 * 50)
-    a = TrainingWindows(stream, 64, total=400, seed=1, copy_share=0.25)
-    b = TrainingWindows(stream, 64, total=400, seed=1, copy_share=0.25)
-    plain = TrainingWindows(stream, 64, total=400, seed=1)
-    changed = [i for i in range(400) if a[i]["input_ids"].tolist() != plain[i]["input_ids"].tolist()]
-    assert 0.18 < len(changed) / 400 < 0.32  # binomial(400, 0.25): ±4.5 sd
-    assert all(a[i]["input_ids"].tolist() == b[i]["input_ids"].tolist() for i in reversed(range(400)))
