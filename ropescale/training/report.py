@@ -121,10 +121,12 @@ def plot_runs(runs: dict[str, list[dict]], length: int, path: Path, *, title: st
         ax.plot([s for s, _ in curve], [p for _, p in curve], marker="o", ms=3, color=f"C{i}", label=label)
     for j, (label, value) in enumerate((hlines or {}).items()):
         ax.axhline(value, ls="--", lw=1, color=f"C{len(runs) + j}", label=label)
-    ax.set(xlabel="fine-tuning step", ylabel=f"held-out perplexity at L = {length}", title=title)
+    ax.set(xlabel="fine-tuning step", ylabel=f"held-out perplexity at L = {length}")
+    ax.set_title(title, fontsize=9, wrap=True)
     ax.set_yscale("log")
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)))
     ax.yaxis.set_major_formatter(ScalarFormatter())  # plain numbers on the log axis
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.grid(alpha=0.3, which="both")
