@@ -73,11 +73,22 @@ def identity(cfg, *, data: str | None, weights: str, versions: dict[str, str]) -
             "original_max_position_embeddings": cfg.original_max_position_embeddings, "versions": versions}
 
 
-def check_manifest(output: Path, ident: dict[str, Any], config: dict[str, Any], *, write: bool = True,
-                   processes: int = 1) -> str:
-    """Check the folder's manifest (``ExperimentMismatchError`` naming what differs) and write
-    it (``write``: the main process only) with the number of ``processes`` of the latest run.
+def check_manifest(output: Path, ident: dict[str, Any], config: dict[str, Any], state=None) -> str:
+    """Check the folder's manifest (``ExperimentMismatchError`` naming what differs) and write it
+    with the run's number of processes. ``state`` (accelerate's ``PartialState`` / ``Accelerator``
+    of a launched run): the main process checks and writes, the others check once it is written.
     Returns the identity's hash (part of every cell id)."""
+    if state is None:
+        return _check_manifest(output, ident, config, write=True, processes=1)
+    if state.is_main_process:
+        digest = _check_manifest(output, ident, config, write=True, processes=state.num_processes)
+    state.wait_for_everyone()
+    if not state.is_main_process:
+        digest = _check_manifest(output, ident, config, write=False, processes=state.num_processes)
+    return digest
+
+
+def _check_manifest(output: Path, ident: dict[str, Any], config: dict[str, Any], *, write: bool, processes: int) -> str:
     path = output / MANIFEST
     digest = hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
     if path.exists():

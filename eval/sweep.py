@@ -182,12 +182,11 @@ def run_sweep(cfg: EvalConfig, output: str | Path, *, progress: bool = True) -> 
     cannot hold the task's prompts) before any cell runs, ``NoRotaryEmbeddingError`` for a
     model without RoPE, and ``ValueError`` for strategy parameters that fail at a given length.
     """
-    import torch
     from accelerate import PartialState
 
     # cpu=True makes processes started by torchrun (`accelerate launch --multi_gpu` on a machine
     # without GPUs) one gloo group; without it each would measure every example and write alone
-    state = PartialState(cpu=cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()))
+    state = PartialState(cpu=resolve_device(cfg.device).type == "cpu")
     output = prepare_output(Path(output))
     with folder_lock(output) if state.is_main_process else nullcontext():
         return _run_locked(cfg, output, progress and state.is_main_process, state)
@@ -203,11 +202,7 @@ def _run_locked(cfg: EvalConfig, output: Path, progress: bool, state) -> list[di
     env = environment()
     ident = identity(cfg, data=data_fingerprint(docs), weights=model_fingerprint(cfg.model),
                      versions={k: env[k] for k in ("ropescale", "torch", "transformers")})
-    if state.is_main_process:
-        experiment = check_manifest(output, ident, cfg.model_dump(mode="json"), processes=state.num_processes)
-    state.wait_for_everyone()
-    if not state.is_main_process:
-        experiment = check_manifest(output, ident, cfg.model_dump(mode="json"), write=False)
+    experiment = check_manifest(output, ident, cfg.model_dump(mode="json"), state)
     done = {r["cell"]: r for r in read_results(results_path) if "cell" in r}
     cells = [(length, spec, cell_id(experiment, spec, length)) for length in cfg.lengths for spec in cfg.strategies]
     todo = [c for c in cells if c[2] not in done]

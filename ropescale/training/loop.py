@@ -119,13 +119,12 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
     from accelerate import Accelerator
 
     run = resolve(cfg, source)
-    resolve_device(cfg.device)  # a device that is not there fails first
+    device = resolve_device(cfg.device)  # a device that is not there fails first
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     # cpu=True also makes processes started by torchrun (`accelerate launch --multi_gpu` on a machine
     # without GPUs) one gloo group; without it each would train alone and write the same files
-    cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
-    acc = Accelerator(cpu=cpu, mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.grad_accum)
+    acc = Accelerator(cpu=device.type == "cpu", mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.grad_accum)
     if cfg.mixed_precision == "fp16" and acc.device.type == "cpu":
         raise ConfigError(f"{source}: mixed_precision: fp16 needs a CUDA device; on CPU use bf16 or no")
     output = Path(output)
@@ -161,11 +160,7 @@ def _run_locked(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, progre
     ident = {**_flat(cfg.identity()), "weights": model_fingerprint(cfg.model),
              "data_tokens": data_fingerprint([stream]), "processes": acc.num_processes,
              "versions": {k: env[k] for k in ("ropescale", "torch", "transformers")}}
-    if acc.is_main_process:  # the main process writes the manifest; the others read it once it is there
-        check_manifest(output, ident, cfg.model_dump(mode="json"))
-    acc.wait_for_everyone()
-    if not acc.is_main_process:
-        check_manifest(output, ident, cfg.model_dump(mode="json"), write=False)
+    check_manifest(output, ident, cfg.model_dump(mode="json"), acc)
     say = print if progress else (lambda *a, **k: None)
     summary_path = output / MODEL_DIR / SUMMARY
     if summary_path.is_file():
