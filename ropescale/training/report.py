@@ -139,9 +139,8 @@ def plot_runs(runs: dict[str, list[dict]], length: int, path: Path, *, title: st
     return path
 
 
-def by_step_table(runs: dict[str, list[dict]], length: int, at: str) -> str:
-    """Markdown table: held-out PPL at ``length`` of each run at the steps ``at`` ("0,50,…")."""
-    steps = [int(x) for x in at.split(",")]
+def by_step_table(runs: dict[str, list[dict]], length: int, steps: list[int]) -> str:
+    """Markdown table: held-out PPL at ``length`` of each run at ``steps``."""
     out = [f"| run | " + " | ".join(f"step {k}" for k in steps) + " |", "|---|" + "---:|" * len(steps)]
     for label, records in runs.items():
         curve = dict(eval_curve(records, length))
@@ -221,6 +220,13 @@ def before_after(runs: list[Path], before: list[Path], task: str, metric: str) -
     return "\n".join(out)
 
 
+def _steps(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated step numbers, e.g. 0,50,100") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m ropescale.training RUN_DIR ... --length L -o FIG [--before HARNESS_DIR ...]``:
     PPL at L vs steps of each run in one figure, and Markdown tables: the held-out PPL of each
@@ -232,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--length", type=int, required=True)
     ap.add_argument("--output", "-o", type=Path, required=True)
     ap.add_argument("--title", default="")
-    ap.add_argument("--at", default="0,50,100,200,400,1000",
+    ap.add_argument("--at", default="0,50,100,200,400,1000", type=_steps,
                     help="steps of the PPL-by-step table (comma-separated; those evaluated)")
     ap.add_argument("--before", type=Path, action="append", default=[],
                     help="harness results folder of the strategies on the base model (repeatable)")
@@ -241,8 +247,15 @@ def main(argv: list[str] | None = None) -> None:
     for run in args.runs:
         records = read_log(run)
         if not records:
-            raise SystemExit(f"{run}: no {LOG}")
+            ap.error(f"{run}: no {LOG} (a fine-tuning output folder)")
         runs[_label(run)] = records
+    for folder in args.before:
+        if not (folder / "results.jsonl").is_file():
+            ap.error(f"--before {folder}: no results.jsonl (a harness results folder)")
+    for label, records in runs.items():
+        if not eval_curve(records, args.length):
+            evaluated = sorted({int(k) for r in records if "ppl" in r for k in r["ppl"]})
+            ap.error(f"--length {args.length}: {label} has no held-out PPL at it; evaluated: {evaluated}")
     plot_runs(runs, args.length, args.output, title=args.title)
     first_label, first = next(iter(runs.items()))
     target = eval_curve(first, args.length)[-1][1]

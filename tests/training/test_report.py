@@ -1,7 +1,9 @@
 """The training log's curves and the comparison figure, on a hand-written log."""
 
-from ropescale.training.report import (TrainingLog, by_step_table, eval_curve, final_table, plot_runs, read_log,
-                                         steps_to_reach)
+import pytest
+
+from ropescale.training.report import (TrainingLog, by_step_table, eval_curve, final_table, main, plot_runs,
+                                         read_log, steps_to_reach)
 
 LOG = [{"step": 0, "ppl": {"128": 40.0, "512": 70.0}},
        {"step": 1, "loss": 3.5, "lr": 1e-4, "tokens": 10, "tokens_per_s": 5.0},
@@ -37,9 +39,28 @@ def test_plot_runs_writes_a_png(tmp_path):
 def test_tables_read_the_log_at_the_asked_steps():
     runs = {"a": LOG, "b": [{"step": 0, "ppl": {"512": 50.0}}, {"step": 50, "ppl": {"512": 41.0}},
                             {"step": 50, "loss": 3.0, "tokens": 99}]}
-    by_step = by_step_table(runs, 512, "0,50,100").splitlines()
+    by_step = by_step_table(runs, 512, [0, 50, 100]).splitlines()
     assert by_step[-2:] == ["| a | 70.00 | 45.00 | 39.50 |", "| b | 50.00 | 41.00 | — |"]
     final = final_table(runs, 512, 39.5, "a").splitlines()
     # b's last PPL @ 512 is 41.0: above 39.5, within 5% (41.475); a reaches 39.5 at 100 and 41.475 at 100
     assert final[-2:] == ["| a | 1 | 10 | 37.00 | 39.50 | 100 | 100 |",
                           "| b | 50 | 99 | nan | 41.00 | not reached | 50 |"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["{run}", "--length", "999"], "--length 999: run has no held-out PPL at it; evaluated: [128, 512]"),
+    (["{run}", "--length", "512", "--at", "0,x"], "argument --at: '0,x': comma-separated step numbers"),
+    (["{run}", "--length", "512", "--before", "{tmp}/nope"], "no results.jsonl (a harness results folder)"),
+    (["{tmp}/nope", "--length", "512"], "nope: no log.jsonl (a fine-tuning output folder)"),
+])
+def test_comparison_cli_refuses_bad_input_in_one_line(tmp_path, capsys, args, message):
+    run = tmp_path / "run"
+    run.mkdir()
+    TrainingLog(run / "log.jsonl").write(LOG[0])
+    argv = [a.format(run=run, tmp=tmp_path) for a in args] + ["-o", str(tmp_path / "f.png")]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and err[-1].startswith("python -m ropescale.training: error: ")
+    assert not (tmp_path / "f.png").exists()
