@@ -141,7 +141,9 @@ class ScaledRotaryEmbedding(nn.Module):
 
     Dynamic strategies recompute the frequencies from ``L = max(position_ids) + 1`` (rounded up
     to a multiple of ``dynamic_block``) on each forward: one scale for the whole forward, as
-    transformers' ``dynamic`` type does. In training mode with ``training_length`` set (by
+    transformers' ``dynamic`` type does; each layer type's entry is brought up to L when it is
+    asked for, whatever order the base model asks in. Static strategies never read
+    ``position_ids``' values (no host-device sync). In training mode with ``training_length`` set (by
     ``ropescale.training``), they use L = max(``training_length``, max(position_ids) + 1)
     instead: the target length the model is being trained for, whatever the positions of one
     batch reach (PoSE's skipped positions reach L only sometimes). Under a KV cache
@@ -167,6 +169,10 @@ class ScaledRotaryEmbedding(nn.Module):
         self.history = None  # (input_ids, position_ids) of the tokens in the cache (recompute mode)
         self.n_new: int | None = None  # tokens of this forward when the prefix is being recomputed
         self.training_length: int | None = None  # dynamic strategies' L in training mode [tokens]
+        self._forward_positions: torch.Tensor | None = None  # position_ids of the current forward
+        self._served: set[str | None] = set()  # layer types already asked for in the current forward
+        self._seq_len: int | None = None  # dynamic strategies' L for the current forward [tokens]
+        self._cached_positions: torch.Tensor | None = None  # positions of keys cached before this forward
 
     def would_change(self, seq_len: int) -> bool:
         return any(e.would_change(seq_len) for e in self.entries.values())
@@ -181,24 +187,41 @@ class ScaledRotaryEmbedding(nn.Module):
         self._positions = torch.cat([before, position_ids.detach()], dim=-1)
         return before
 
+    def _new_forward(self, position_ids: torch.Tensor, layer_type: str | None) -> bool:
+        """Whether this call starts a model forward.
+
+        The base model asks once per layer type per forward, in an order of its own (Gemma 3
+        iterates a ``set``: the order changes with ``PYTHONHASHSEED``), all with the same
+        ``position_ids`` tensor. A call starts a new forward when it brings other
+        ``position_ids`` or asks again for a layer type already served in the current one.
+        """
+        if self._forward_positions is position_ids and layer_type not in self._served:
+            self._served.add(layer_type)
+            return False
+        self._forward_positions, self._served = position_ids, {layer_type}
+        return True
+
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None):
         for lt, e in self.entries.items():  # the buffers are the truth: they follow model.to(device)
             e.inv_freq = self._buffers[_buffer(lt)]
         entry = self.entries[layer_type]
-        if layer_type == next(iter(self.entries)):  # once per model forward
-            tracking = self.dynamic_cache == "rerotate" and any(e.dynamic for e in self.entries.values())
-            cached_positions = self._track(position_ids) if tracking else None
-            seq_len = int(position_ids.max()) + 1
+        dynamic = any(e.dynamic for e in self.entries.values())
+        if self._new_forward(position_ids, layer_type) and dynamic:  # once per model forward
+            tracking = self.dynamic_cache == "rerotate"
+            self._cached_positions = self._track(position_ids) if tracking else None
+            seq_len = int(position_ids.max()) + 1  # a host-device sync: dynamic strategies only
             if self.training and self.training_length:
                 seq_len = max(seq_len, self.training_length)
-            for lt, e in self.entries.items():
-                if e.dynamic and (old := e.update(seq_len)) is not None:
-                    setattr(self, _buffer(lt), e.inv_freq)
-                    if cached_positions is not None and self.dynamic_cache == "rerotate":
-                        layers = [i for i, t in enumerate(self.layer_of_cache or []) if t == lt] \
-                            if lt is not None else None
-                        rerotate_cache(self.cache, cached_positions, old, (e.inv_freq, e.attention_scaling), layers)
+            self._seq_len = seq_len
+        # the entry asked for, whenever its length is stale for this forward — whichever type comes first
+        if entry.dynamic and (old := entry.update(self._seq_len)) is not None:
+            setattr(self, _buffer(layer_type), entry.inv_freq)
+            if self._cached_positions is not None:
+                layers = [i for i, t in enumerate(self.layer_of_cache or []) if t == layer_type] \
+                    if layer_type is not None else None
+                rerotate_cache(self.cache, self._cached_positions, old, (entry.inv_freq, entry.attention_scaling),
+                               layers)
         freqs = position_ids[..., None].float() * entry.inv_freq.to(device=x.device, dtype=torch.float)  # [b, s, d/2]
         if self.interleaved:
             emb = freqs.repeat_interleave(2, dim=-1)  # [b, s, d]: θ0 θ0 θ1 θ1 …

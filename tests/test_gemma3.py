@@ -76,3 +76,47 @@ def test_attention_rules_on_the_multimodal_class(strategy, params):
             torch.testing.assert_close(blocked, naive, rtol=0, atol=1e-5)
         assert not torch.equal(blocked, before)
         torch.testing.assert_close(model(input_ids=IDS).logits, before, rtol=0, atol=0)  # unpatched exactly
+
+
+DYNAMIC_BOTH_TYPES = """
+import torch, transformers as T, ropescale
+from tests.families import family_config, family_model
+ids = torch.randint(0, 256, (1, 128), generator=torch.Generator().manual_seed(0))  # past max_pos 64
+both = ["sliding_attention", "full_attention"]
+model = family_model("gemma3")
+cfg = family_config("gemma3")
+cfg.rope_parameters = {lt: {**cfg.rope_parameters[lt], "rope_type": "dynamic", "factor": 2.0} for lt in both}
+torch.manual_seed(0)
+native = T.Gemma3ForCausalLM(cfg).eval()
+native.load_state_dict(model.state_dict())
+print(list(set(cfg.layer_types)))
+with torch.no_grad(), ropescale.patch(model, "dynamic_ntk", factor=2.0, layer_types=both):
+    for n in (80, 100, 128):  # each the first forward at a new length (native's dynamic only grows)
+        err = (model(ids[:, :n]).logits - native(ids[:, :n]).logits).abs().max().item()
+        assert err <= 1e-5, (n, err)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("hash_seed", ["0", "1"])  # Gemma 3 calls its layer types in set() order
+def test_dynamic_on_both_layer_types_matches_native_whatever_the_call_order(hash_seed):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = {**os.environ, "PYTHONHASHSEED": hash_seed, "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, "-c", DYNAMIC_BOTH_TYPES], env=env, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr
+
+
+def test_static_strategies_read_no_position_values():
+    """Only dynamic strategies need max(position_ids): a static forward must not sync (meta tensors have no values)."""
+    model = family_model("gemma3")
+    with ropescale.patch(model, "linear", factor=2.0, layer_types=["sliding_attention", "full_attention"]):
+        rotary = model.model.rotary_emb
+        pos = torch.arange(10, device="meta")[None]
+        x = torch.zeros(1, 10, 64, device="meta")
+        for lt in ("full_attention", "sliding_attention"):
+            cos, sin = rotary(x, pos, lt)
+            assert cos.shape == sin.shape == (1, 10, 16) and cos.device.type == "meta"
