@@ -1,11 +1,13 @@
 """Score windows with a causal LM: summed next-token NLL, overall and by position bucket.
 
-Shapes: b = windows in a batch, n = tokens in a window, V = vocabulary.
+Shapes: b = windows in a batch, n = tokens in a window, d = hidden size, V = vocabulary.
+Memory per batch is O(b·n·d) (the LM head runs in chunks: ``ropescale.lm_head``).
 NLL is in nats; perplexity = exp(total NLL / scored tokens) (token-weighted).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from itertools import groupby
 
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from eval.windows import Window
+from ropescale.lm_head import OutputHead
 
 __all__ = ["Score", "score_windows", "window_nll", "combine_windows"]
 
@@ -53,43 +56,64 @@ def _batches(windows: list[Window], batch_size: int):
             yield group[i : i + batch_size]
 
 
-def _nll(model, ids: torch.Tensor) -> torch.Tensor:
-    """Next-token NLL ``[b, n-1]`` (float64, CPU) of a batch of windows ``ids`` ``[b, n]``."""
-    logits = model(input_ids=ids, use_cache=False).logits  # [b, n, V]
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(),
-                           reduction="none").view(ids.shape[0], -1).cpu().double()  # [b, n-1]
+def _forward_nll(model, head: OutputHead | None, ids: torch.Tensor, first: int, chunk: int | None) -> torch.Tensor:
+    """NLL ``[b, n - first]`` float32 (on the model's device) of targets ``ids[:, first:]``
+    (``first`` ≥ 1) from one forward over ``ids`` ``[b, n]``: through the chunked head when it
+    reproduces the model's own logits (checked on every batch), else from full logits."""
+    if head is not None and head.mismatch is None:
+        hidden, own = head.run(input_ids=ids, use_cache=False)  # [b, n, d], [b, 1, V]
+        why = head.check(hidden, own)
+        if why is None:
+            return head.token_nll(hidden[:, first - 1 : -1], ids[:, first:], chunk)
+        head.mismatch = why
+        warnings.warn(f"{type(model).__name__}: the chunked LM head does not reproduce the model's logits "
+                      f"({why}); scoring from full [n, V] logits (more memory, same numbers)", stacklevel=3)
+    logits = model(input_ids=ids, use_cache=False).logits[:, first - 1 : -1]  # [b, n-first, V]
+    return F.cross_entropy(logits.flatten(0, 1).float(), ids[:, first:].flatten(),
+                           reduction="none").view(ids.shape[0], -1)
 
 
-def _nll_blockwise(model, ids: torch.Tensor, block: int) -> torch.Tensor:
-    """Like ``_nll`` but targets in [kB, (k+1)B) come from a forward over the first (k+1)·B
-    tokens: a dynamic strategy then sees, per block, the length generation would have reached."""
+def _nll(model, head, ids: torch.Tensor, block: int | None, chunk: int | None) -> torch.Tensor:
+    """Next-token NLL ``[b, n-1]`` of ``ids`` ``[b, n]``: one forward, or with ``block`` B the
+    targets in [kB, (k+1)B) from a forward over the first (k+1)·B tokens — a dynamic strategy then
+    sees, per block, the length generation would have reached."""
+    if not block:
+        return _forward_nll(model, head, ids, 1, chunk)
     n = ids.shape[1]
-    parts = []
-    for start in range(0, n, block):
-        end = min(start + block, n)
-        nll = _nll(model, ids[:, :end])  # [b, end-1]; column j-1 holds target j
-        parts.append(nll[:, max(start, 1) - 1:])
-    return torch.cat(parts, dim=1)
+    return torch.cat([_forward_nll(model, head, ids[:, : min(start + block, n)], max(start, 1), chunk)
+                      for start in range(0, n, block)], dim=1)
 
 
 @torch.no_grad()
 def window_nll(model, docs: list[torch.Tensor], windows: list[Window], *, length: int,
                bos_token_id: int | None = None, batch_size: int = 1, buckets: int = 16,
                device: torch.device | str = "cpu", desc: str | None = None,
-               prefix_block: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+               prefix_block: int | None = None, logits_chunk: int | None = None,
+               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per window, in order: its summed next-token NLL per position bucket ``[buckets]`` float64
     and its scored tokens per bucket ``[buckets]`` (the parts ``combine_windows`` adds up; a
     data-parallel run computes them for its share of the windows).
 
+    Memory is O(n·d): the LM head and the loss run over ``logits_chunk`` positions at a time
+    (``ropescale.lm_head``; default from a memory budget), never over ``[n, V]`` logits — unless
+    the model's head cannot be reproduced, which is detected on every batch and falls back to
+    full logits with a warning. The accounting stays on the device until the end (no host sync
+    per window).
+
     Args:
-        model: causal LM returning ``logits [b, n, V]``.
+        model: causal LM (transformers ``*ForCausalLM``).
         docs: token ids per document, ``[n_tokens]`` int64 each.
         windows: from ``eval.windows``; token at window index j is predicted from indices < j.
         length: nominal window length (sets the bucket edges: ``buckets`` equal parts of it).
         bos_token_id: prepended to every window when given (windows must be cut with bos=True).
         desc: progress-bar label; None disables the bar.
-        prefix_block: score block-wise (see ``_nll_blockwise``) instead of one forward per window.
+        prefix_block: score block-wise (see ``_nll``) instead of one forward per window.
+        logits_chunk: positions per chunk of the LM head [tokens]; None: from a memory budget.
     """
+    try:
+        head = OutputHead(model)
+    except ValueError:  # no separate decoder: full logits
+        head = None
     out = []
     bar = tqdm(total=len(windows), desc=desc, disable=True if desc is None else None, leave=False, unit="win")
     offset = int(bos_token_id is not None)
@@ -98,16 +122,19 @@ def window_nll(model, docs: list[torch.Tensor], windows: list[Window], *, length
         if offset:
             ids = F.pad(ids, (1, 0), value=bos_token_id)
         ids = ids.to(device)
-        nll = _nll_blockwise(model, ids, prefix_block) if prefix_block else _nll(model, ids)
-        target_pos = torch.arange(1, ids.shape[1])  # window index of each target
+        nll = _nll(model, head, ids, prefix_block, logits_chunk).double()  # [b, n-1]
+        target_pos = torch.arange(1, ids.shape[1], device=ids.device)  # window index of each target
+        bucket = (target_pos * buckets) // length  # [n-1]
         for row, w in zip(nll, batch):
-            keep = target_pos >= (w.score_from - w.start + offset)
-            bucket = (target_pos[keep] * buckets) // length
-            out.append((torch.bincount(bucket, weights=row[keep], minlength=buckets),
-                        torch.bincount(bucket, minlength=buckets).double()))
+            keep = (target_pos >= (w.score_from - w.start + offset)).double()  # [n-1]
+            zeros = torch.zeros(buckets, dtype=torch.float64, device=ids.device)
+            out.append((zeros.scatter_add(0, bucket, row * keep), zeros.scatter_add(0, bucket, keep)))
         bar.update(len(batch))
     bar.close()
-    return out
+    if not out:
+        return out
+    sums = torch.stack([t for pair in out for t in pair]).cpu()  # one transfer: [2·windows, buckets]
+    return [(sums[2 * i], sums[2 * i + 1]) for i in range(len(out))]
 
 
 def combine_windows(parts: list[tuple[torch.Tensor, torch.Tensor]], length: int, buckets: int) -> Score:

@@ -124,7 +124,7 @@ class RetrievalTask(Task):
         for i in indices:
             ex = examples[i]
             ids = torch.tensor([ex.prompt.ids], device=device)  # [1, n]
-            out = model(input_ids=ids, use_cache=True)
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)  # only the last position's logits
             last = out.logits[0, -1].float().log_softmax(-1)  # [V]
             if strategy.dynamic:
                 scores = _candidate_scores_full(model, ex.prompt.ids, ex.candidates, device)
@@ -176,7 +176,8 @@ def _candidate_scores_full(model, prompt: list[int], candidates: list[list[int]]
     """As ``_candidate_scores_cached``, with one full forward over prompt + candidate per row."""
     n, longest = len(prompt), max(map(len, candidates))
     ids = torch.tensor([prompt + c + [c[-1]] * (longest - len(c)) for c in candidates], device=device)  # [K, n+D]
-    logp = model(input_ids=ids, use_cache=False).logits[:, n - 1 : -1].float().log_softmax(-1)  # [K, D, V]
+    logits = model(input_ids=ids, use_cache=False, logits_to_keep=longest + 1).logits  # [K, D+1, V]: positions n-1 …
+    logp = logits[:, :-1].float().log_softmax(-1)  # [K, D, V]
     tok = logp.gather(-1, ids[:, n:, None])[..., 0].double()  # [K, D]
     real = torch.tensor([[j < len(c) for j in range(longest)] for c in candidates], device=device)
     return (tok * real).sum(-1).cpu()

@@ -1,0 +1,192 @@
+"""The chunked LM head (``ropescale.lm_head``) against full logits computed the textbook way:
+every supported family (soft-capping, logit scaling and tied heads among them), the fallback for
+a head it cannot reproduce, and the training loss with its gradients."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers as T
+
+from eval.perplexity import score_windows
+from eval.windows import make_windows
+from ropescale.lm_head import OutputHead, causal_lm_loss, chunk_size_for
+from tests.families import COMMON, FAMILIES, family_model
+
+
+def _extra_families():
+    """Families whose forward does more than ``lm_head`` (not RoPE-patch families of their own)."""
+    gemma3 = FAMILIES["gemma3"]
+    return {
+        "gemma3_softcap": (gemma3[0], gemma3[1], {**gemma3[2], "final_logit_softcapping": 3.0}),
+        "cohere": (T.CohereConfig, T.CohereForCausalLM, {"logit_scale": 0.37}),
+        "granite": (T.GraniteConfig, T.GraniteForCausalLM, {"logits_scaling": 2.5}),
+    }
+
+
+ALL = {**FAMILIES, **_extra_families()}
+
+
+def _model(name):
+    if name in FAMILIES:
+        return family_model(name)
+    cfg_cls, model_cls, extra = ALL[name]
+    torch.manual_seed(0)
+    return model_cls(cfg_cls(**COMMON, **extra)).eval()
+
+
+@torch.no_grad()
+def full_logit_nll(model, ids):
+    """Oracle: the model's own full logits, log-softmax in float64, gathered by hand."""
+    logp = model(input_ids=ids, use_cache=False).logits.double().log_softmax(-1)  # [b, n, V]
+    return -logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]  # [b, n-1]
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_chunked_perplexity_equals_full_logits(name):
+    model = _model(name)
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(0, 256, (n,), generator=g) for n in (70, 45)]
+    windows = make_windows([len(d) for d in docs], 20)
+    with _no_warning():
+        score = score_windows(model, docs, windows, length=20, batch_size=2, logits_chunk=3)
+    total = 0.0
+    for w in windows:
+        ids = docs[w.doc][w.start : w.end][None]
+        total += float(full_logit_nll(model, ids)[0, w.score_from - w.start - 1 :].sum())
+    assert score.tokens == sum(w.end - w.score_from for w in windows)
+    assert score.nll == pytest.approx(total, rel=1e-6)
+
+
+class _no_warning:
+    """No warning may be raised inside (the head must be reproduced, not fall back)."""
+
+    def __enter__(self):
+        import warnings
+
+        self._ctx = warnings.catch_warnings(record=True)
+        self._log = self._ctx.__enter__()
+        warnings.simplefilter("always")
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+        fallbacks = [str(w.message) for w in self._log if "chunked LM head" in str(w.message)]
+        assert not fallbacks, fallbacks
+
+
+class _DoubledHead(T.LlamaForCausalLM):
+    """A family whose forward post-processes logits in a way ropescale does not know."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 2.0 + 0.5
+        return out
+
+
+def test_unknown_head_falls_back_with_a_warning_and_the_same_numbers():
+    cfg_cls, _, _ = FAMILIES["llama"]
+    torch.manual_seed(0)
+    model = _DoubledHead(cfg_cls(**COMMON)).eval()
+    docs = [torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(5))]
+    windows = make_windows([60], 20)
+    with pytest.warns(UserWarning, match="does not reproduce the model's logits"):
+        score = score_windows(model, docs, windows, length=20, logits_chunk=4)
+    total = sum(float(full_logit_nll(model, docs[0][w.start : w.end][None])[0, w.score_from - w.start - 1 :].sum())
+                for w in windows)
+    assert score.nll == pytest.approx(total, rel=1e-6)
+
+
+def test_check_names_the_difference():
+    model = _model("llama")
+    head = OutputHead(model)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden, own = head.run(input_ids=ids)
+    assert hidden.shape == (2, 9, COMMON["hidden_size"]) and own.shape == (2, 1, COMMON["vocab_size"])
+    assert head.check(hidden, own) is None
+    assert "max |Δlogit|" in head.check(hidden, own + 1e-2)
+
+
+def test_chunk_size_from_budget():
+    # V = 128,256 float32, eval: 12 bytes per position and row → 256 MiB / (12·V) = 174 positions
+    assert chunk_size_for(128_256, 1, budget=256 * 2**20) == (256 * 2**20) // (128_256 * 12)
+    assert chunk_size_for(128_256, 2, budget=256 * 2**20, training=True) == (256 * 2**20) // (128_256 * 16 * 2)
+    assert chunk_size_for(10**9, 8, budget=1) == 1
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "phi3"])
+def test_training_loss_and_gradients_equal_the_plain_loss(name):
+    model = _model(name).train()
+    model.config.attention_dropout = 0.0
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 256, (2, 23), generator=torch.Generator().manual_seed(2))
+    plain = ref(input_ids=ids, labels=ids, use_cache=False).loss
+    plain.backward()
+    loss = causal_lm_loss(model, ids, chunk_size=5)
+    loss.backward()
+    assert float(loss) == pytest.approx(float(plain), rel=1e-5)
+    worst = 0.0
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        if q.grad is None:
+            assert p.grad is None or not p.grad.any(), n
+            continue
+        worst = max(worst, float((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)))
+    assert worst <= 1e-5
+
+
+def test_training_loss_ignores_masked_labels():
+    model = _model("llama")
+    ids = torch.randint(0, 256, (1, 17), generator=torch.Generator().manual_seed(4))
+    labels = ids.clone()
+    labels[0, :9] = -100
+    plain = model(input_ids=ids, labels=labels, use_cache=False).loss
+    assert float(causal_lm_loss(model, ids, labels=labels, chunk_size=4)) == pytest.approx(float(plain), rel=1e-5)
+
+
+_MEMORY_SCRIPT = textwrap.dedent("""
+    import json, resource, sys
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from eval.perplexity import score_windows
+    from eval.windows import make_windows
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=32768, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096)
+    model = LlamaForCausalLM(cfg).eval()
+    n = 4096
+    docs = [torch.randint(0, 32768, (n,))]
+    windows = make_windows([n], n)
+    score_windows(model, docs, windows, length=n, logits_chunk=8)  # warm-up: allocator, kernels
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    before = rss()
+    peak0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    score_windows(model, docs, windows, length=n, logits_chunk=int(sys.argv[1]))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"before": before, "peak0": peak0, "peak": peak}))
+""")
+
+
+def test_perplexity_memory_is_not_n_times_v(tmp_path):
+    """One 4,096-token window at V = 32,768: full logits would be 512 MiB per float32 copy (and
+    ≥ 1 GiB with the log-softmax); the chunked head must stay far below one copy."""
+    script = tmp_path / "mem.py"
+    script.write_text(_MEMORY_SCRIPT)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, str(script), "64"], capture_output=True, text=True, env=env,
+                         check=True, timeout=300).stdout
+    m = json.loads(out.strip().splitlines()[-1])
+    grew = max(m["peak"], m["peak0"]) - m["before"]
+    one_copy = 4096 * 32768 * 4
+    assert grew < one_copy / 4, f"scoring grew RSS by {grew / 2**20:.0f} MiB"
