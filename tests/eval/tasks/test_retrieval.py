@@ -52,8 +52,9 @@ class Bigram(torch.nn.Module):
         super().__init__()
         self.table = table
 
-    def forward(self, input_ids, past_key_values=None, use_cache=False):
+    def forward(self, input_ids, past_key_values=None, use_cache=False, logits_to_keep=0):
         logits = self.table[input_ids]  # [b, s, V]
+        logits = logits[:, -logits_to_keep:] if logits_to_keep else logits  # as transformers' models slice
         return type("Out", (), {"logits": logits, "past_key_values": past_key_values or BigramCache()})()
 
 
