@@ -1,7 +1,9 @@
 """Experiment configuration: YAML / flags → validated ``EvalConfig``.
 
 An experiment runs one task (``perplexity`` by default; ``passkey``, ``needle``, … — see
-``eval.tasks``) over strategies × lengths. The task's own options sit under its name.
+``eval.tasks``) over strategies × lengths. The task's own options sit under its name (or under
+``options:``, as ``EvalConfig.model_dump()`` — the manifest's config — writes them, so a dumped
+config reads back as the same ``EvalConfig``).
 
 A strategy entry is a name (``yarn``), a name with parameters (``yarn:factor=4,beta_fast=16``)
 or a mapping (``{name: yarn, factor: 4, label: yarn-s4}``). Parameters the strategy fills
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
 from ropescale.strategies import get_strategy
 from eval.data import DataSpec
@@ -146,7 +148,9 @@ class EvalConfig(BaseModel):
     data: DataConfig = Field(default_factory=DataConfig)
     lengths: list[int] = Field(min_length=1)
     strategies: list[StrategySpec] = Field(min_length=1)
-    options: TaskOptions = Field(default_factory=TaskOptions, description="the task's options")
+    # SerializeAsAny: dumped as the task's own options class (the manifest's config), not as the
+    # declared base, which has no fields and would dump as {}
+    options: SerializeAsAny[TaskOptions] = Field(default_factory=TaskOptions, description="the task's options")
     original_max_position_embeddings: int | None = Field(None, ge=2)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "auto"
@@ -166,7 +170,14 @@ class EvalConfig(BaseModel):
             task = get_task(name)
         except KeyError as e:
             raise ValueError(str(e)) from None
-        section = raw.pop(name, None) or {}
+        section = raw.pop(name, None)
+        if "options" in raw:  # a dumped config (the manifest's) holds them under ``options``
+            if section is not None:
+                raise ValueError(f"{name}: the task's options are given twice (under {name}: and options:); "
+                                 "keep one")
+            section = raw.pop("options")
+            section = section.model_dump() if isinstance(section, TaskOptions) else section
+        section = section or {}
         if not isinstance(section, dict):
             raise ValueError(f"{name}: expected a mapping of the task's options")
         if name == "perplexity":  # the pre-task layout: perplexity's keys at the top level

@@ -1,14 +1,16 @@
 """One folder = one experiment: manifest, lock, fingerprints in the resume key."""
 
+import hashlib
 import json
 
 import pytest
 import torch
 
-from eval.config import build_config
+from eval.config import ConfigError, build_config
 from eval.manifest import (MANIFEST, ExperimentMismatchError, FolderBusyError, data_fingerprint, folder_lock,
-                           weights_fingerprint)
+                           identity, weights_fingerprint)
 from eval.sweep import RESULTS, read_results, run_sweep
+from eval.tasks.passkey import PasskeyOptions
 
 
 def config(model_dir, data, **kw):
@@ -17,13 +19,40 @@ def config(model_dir, data, **kw):
 
 
 def test_manifest_records_the_experiment(tmp_path, tiny_model_dir, text_file):
-    (r,) = run_sweep(config(tiny_model_dir, text_file), tmp_path, progress=False)
+    cfg = config(tiny_model_dir, text_file)
+    (r,) = run_sweep(cfg, tmp_path, progress=False)
     m = json.loads((tmp_path / MANIFEST).read_text())
     ident = m["identity"]
     assert ident["task"] == "perplexity" and ident["model"] == str(tiny_model_dir) and ident["data"] == str(text_file)
     assert ident["weights"] == weights_fingerprint(tiny_model_dir) and len(ident["data_tokens"]) == 16
-    assert set(ident["versions"]) == {"ropescale", "torch", "transformers"} and m["config"]["lengths"] == [32]
+    assert set(ident["versions"]) == {"ropescale", "torch", "transformers"}
     assert r["experiment"] == m["identity_hash"] and r["schema"] == 2
+    # the recorded config is the run's whole config: read back, it is the same EvalConfig
+    assert m["config"]["options"]["max_windows"] == 2
+    assert build_config(m["config"]) == cfg
+
+
+def test_manifest_config_keeps_the_task_options_and_reproduces_the_identity(tmp_path, tiny_model_dir):
+    cfg = build_config({"task": "passkey", "model": str(tiny_model_dir), "lengths": [128], "strategies": ["vanilla"],
+                        "device": "cpu", "passkey": {"trials": 1, "depths": [0.0, 1.0], "digits": 3,
+                                                     "candidates": 4, "preamble": True}})
+    run_sweep(cfg, tmp_path, progress=False)
+    m = json.loads((tmp_path / MANIFEST).read_text())
+    options = m["config"]["options"]
+    assert (options["trials"], options["depths"], options["digits"], options["candidates"], options["preamble"]) \
+        == (1, [0.0, 1.0], 3, 4, True)
+    again = build_config(m["config"])
+    assert again == cfg and type(again.options) is PasskeyOptions
+    ident = identity(again, data=m["identity"]["data_tokens"], weights=m["identity"]["weights"],
+                     versions=m["identity"]["versions"])
+    assert ident == m["identity"]
+    assert hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12] == m["identity_hash"]
+
+
+def test_options_given_twice_are_refused():
+    with pytest.raises(ConfigError, match="passkey: the task's options are given twice"):
+        build_config({"task": "passkey", "lengths": [64], "strategies": ["vanilla"], "passkey": {"trials": 2},
+                      "options": {"trials": 3}})
 
 
 def test_other_data_in_the_same_folder_is_refused(tmp_path, tiny_model_dir, text_file):
