@@ -22,6 +22,9 @@ class PerplexityOptions(TaskOptions):
     max_windows: int | None = Field(None, ge=1, description="cap on windows per length")
     add_bos: bool = False
     batch_size: int = Field(1, ge=1)
+    logits_chunk: int | None = Field(None, ge=1, description=(
+        "positions per chunk of the LM head and loss (memory ≈ chunk × V × 12 bytes); "
+        "default: from a 256 MiB budget"))
     position_buckets: int = Field(16, ge=1, le=1024, description="NLL-by-position buckets per window")
     dynamic_block: int | None = Field(None, ge=1, description=(
         "dynamic strategies: score tokens [kB, (k+1)B) with a forward over the first (k+1)B tokens, "
@@ -32,12 +35,12 @@ class PerplexityOptions(TaskOptions):
             raise ValueError(f"stride {self.stride} is longer than the shortest length {min(lengths)}")
 
     def key(self) -> dict[str, Any]:
-        # batch_size changes numbers by float noise only: not part of the identity
-        return self.model_dump(exclude={"batch_size"}) | {"stride": self.stride if self.mode == "sliding" else None}
+        # batch_size and logits_chunk change numbers by float noise only: not part of the identity
+        return self.model_dump(exclude={"batch_size", "logits_chunk"}) | {"stride": self.stride if self.mode == "sliding" else None}
 
 
 # written at the top level of a config before tasks existed; still read there
-LEGACY_KEYS = tuple(PerplexityOptions.model_fields)
+LEGACY_KEYS = tuple(k for k in PerplexityOptions.model_fields if k != "logits_chunk")
 
 
 def _dynamic_semantics(block: int | None) -> str:
@@ -70,7 +73,7 @@ class Perplexity(Task):
         o = self.options
         parts = window_nll(model, self.documents, [windows[i] for i in indices], length=length, bos_token_id=self.bos,
                            batch_size=o.batch_size, buckets=o.position_buckets, device=device, desc=desc,
-                           prefix_block=o.dynamic_block if strategy.dynamic else None)
+                           prefix_block=o.dynamic_block if strategy.dynamic else None, logits_chunk=o.logits_chunk)
         return list(zip(indices, parts))
 
     def combine(self, parts, windows, *, length, strategy) -> dict[str, Any]:

@@ -76,3 +76,14 @@ def test_blockwise_scoring_equals_prefix_forwards(tiny_llama):
     assert s.nll != single.nll  # the semantics differ past L_train (slightly, on a random model)
     assert math.isclose(score_windows(tiny_llama, docs, windows, length=100, prefix_block=30).nll,
                         score_windows(tiny_llama, docs, windows, length=100).nll, rel_tol=1e-9)  # static
+
+
+def test_logits_chunk_is_an_option_outside_the_identity(tiny_llama):
+    from eval.tasks.perplexity import PerplexityOptions
+
+    assert PerplexityOptions(logits_chunk=3).key() == PerplexityOptions().key()
+    docs = docs_for_test()
+    windows = make_windows([len(d) for d in docs], 40)
+    small = score_windows(tiny_llama, docs, windows, length=40, logits_chunk=3)
+    total, count = plain_loop_nll(tiny_llama, docs, windows)
+    assert small.tokens == count and math.isclose(small.nll, total, rel_tol=1e-6)

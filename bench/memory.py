@@ -1,0 +1,224 @@
+"""Peak memory of ropescale's long-context paths against an analytic floor, at Llama 3's vocabulary.
+
+    python bench/memory.py [--lengths 8192,16384,32768] [--device cpu|cuda] [--shape small|8b]
+
+A random-weight Llama with Llama 3's vocabulary (V = 128,256), head_dim 128 and grouped-query
+attention — ``small`` (hidden 256, 2 query heads, 1 KV head, MLP 896, 2 layers, float32: fits a
+laptop) or ``8b`` (Llama 3 8B's shape: hidden 4096, 32 heads, 8 KV heads, MLP 14336, 32 layers,
+bfloat16: a GPU). Cases, each in a fresh process:
+
+* ``ppl``: perplexity of one window of n tokens through the harness (``eval.perplexity``);
+  ``ppl (before)`` is the scoring main had before the chunked head (``model(ids).logits``
+  and ``cross_entropy`` over ``[n, V]``), run only where it fits;
+* ``passkey``: one passkey example of n tokens (prefill, 10 candidates, greedy answer);
+* ``finetune``: one optimiser step (AdamW) on one window of n tokens with activation
+  checkpointing and the chunked loss (``ropescale.lm_head.causal_lm_loss``); ``finetune
+  (before)`` without either (``model(labels=ids).loss``, as the training loop had).
+
+Memory: CPU — peak RSS of the process (glibc serves allocations over 128 KiB by mmap, so freed
+tensors leave RSS at once); CUDA — ``torch.cuda.max_memory_allocated``. ``base`` is measured in the
+same process just before the case (process + weights, after a 16-token warm-up). The floor is
+``base`` plus what the case must hold, analytically (4 bytes per float32 element; 2 for bf16):
+
+* ppl: the last hidden state n·d, plus the larger of one decoder layer's MLP at n — residual,
+  normed input, act(gate), up, their product: n·(2d + 3f) — and one head chunk at the default
+  budget (c positions × V × (logits + float32 copy + log-softmax));
+* passkey: the ppl layer term + the KV cache 2·layers·n·n_kv·h_d + one ``[V]`` row;
+* finetune: gradients and AdamW's two moments (3 × the weights) + the checkpointed layer
+  inputs layers·n·d + one layer's activations kept for its backward during recompute
+  n·(4d + 2·q + 2·kv + 3f) (q = n_h·h_d, kv = n_kv·h_d) + one head chunk with its gradient.
+
+Ratios ``peak / floor`` are printed beside, and ``before / ropescale`` for the old paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPES = {
+    "small": dict(vocab_size=128_256, hidden_size=256, intermediate_size=896, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=128, dtype="float32"),
+    "8b": dict(vocab_size=128_256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128, dtype="bfloat16"),
+}
+CASES = ("ppl", "ppl (before)", "passkey", "finetune", "finetune (before)")
+
+
+def _model(shape: str, length: int, device: str):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    s = dict(SHAPES[shape])
+    dtype = getattr(torch, s.pop("dtype"))
+    cfg = LlamaConfig(**s, max_position_embeddings=max(length, 8192), tie_word_embeddings=False,
+                      rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(dtype).eval()
+    return model, dtype
+
+
+def _memory(device: str) -> int:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _current(device: str) -> int:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.memory_allocated()
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def _full_logit_nll(model, ids):
+    """What eval.perplexity did before the chunked head (main at b72f51e)."""
+    import torch.nn.functional as F
+
+    logits = model(input_ids=ids, use_cache=False).logits  # [b, n, V]
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none")
+
+
+def worker(case: str, shape: str, length: int, device: str) -> dict:
+    import torch
+
+    from eval.perplexity import score_windows
+    from eval.windows import make_windows
+    from ropescale.lm_head import DEFAULT_BUDGET, causal_lm_loss, chunk_size_for
+
+    model, dtype = _model(shape, length, device)
+    c = model.config
+    V, d, f, layers = c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    e = torch.finfo(dtype).bits // 8
+    n = length
+    ids = torch.randint(0, V, (1, n), generator=torch.Generator().manual_seed(0)).to(device)
+    train = case.startswith("finetune")
+    if train:
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    with torch.no_grad():
+        model(input_ids=ids[:, :16], use_cache=False)  # warm-up
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base = _current(device)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    layer = e * n * (2 * d + 3 * f)
+    head_eval = chunk_size_for(V, 1, dtype=dtype) * V * (e + 8)
+    if case == "ppl":
+        docs = [ids[0].cpu()]
+        score_windows(model, docs, make_windows([n], n), length=n, device=device)
+        floor = base + e * n * d + max(layer, head_eval)
+    elif case == "ppl (before)":
+        with torch.no_grad():
+            _full_logit_nll(model, ids)
+        floor = base + e * n * d + max(layer, head_eval)
+    elif case == "passkey":
+        floor = base + layer + 2 * layers * n * kv * e + V * 4
+        _passkey(model, n, device)
+    else:
+        if case == "finetune":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            loss = causal_lm_loss(model, ids)
+        else:
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        chunk = chunk_size_for(V, 1, budget=DEFAULT_BUDGET, training=True, dtype=dtype)
+        floor = (base + 3 * weights + e * layers * n * d + e * n * (4 * d + 2 * q + 2 * kv + 3 * f)
+                 + chunk * V * (e + 12))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return {"peak": _memory(device), "base": base, "floor": floor}
+
+
+def _passkey(model, n: int, device: str) -> None:
+    """One passkey example at n tokens through the task's own measure (prompt in the bundled
+    model's tokens — valid ids of any larger vocabulary)."""
+    import torch
+
+    from eval.tasks.base import get_task
+    from ropescale.models import load_tokenizer
+    from ropescale.strategies import get_strategy
+
+    cls = get_task("passkey")
+    task = cls(cls.Options(depths=[0.5], trials=1), tokenizer=load_tokenizer("reference"), train_length=8192)
+    examples = task.examples(n)
+    task.measure(model, examples, [0], length=n, strategy=get_strategy("vanilla"), device=torch.device(device),
+                 desc=None)
+
+
+def run_case(case: str, shape: str, length: int, device: str, limit_gb: float) -> dict:
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+    args = [sys.executable, __file__, "--worker", case, "--shape", shape, "--lengths", str(length),
+            "--device", device, "--limit-gb", str(limit_gb)]
+    out = subprocess.run(args, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        tail = (out.stderr.strip().splitlines() or ["killed"])[-1]
+        return {"error": f"does not fit in {limit_gb:g} GiB" if "memory" in tail.lower() or out.returncode < 0 else tail[:80]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", default="8192,16384,32768")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--limit-gb", type=float, default=14.0, help="CPU: address-space cap of a case's process")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    if args.worker:
+        if args.device == "cpu":  # a case that cannot fit fails with MemoryError instead of swapping the machine
+            cap = int(args.limit_gb * 2**30)
+            resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
+        print(json.dumps(worker(args.worker, args.shape, lengths[0], args.device)))
+        return
+
+    import torch
+
+    from bench.common import machine
+
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    s = SHAPES[args.shape]
+    print(f"machine: {machine()}")
+    print(f"model: random Llama, V = {s['vocab_size']:,}, hidden {s['hidden_size']}, head_dim {s['head_dim']}, "
+          f"{s['num_attention_heads']} heads / {s['num_key_value_heads']} KV heads, MLP {s['intermediate_size']}, "
+          f"{s['num_hidden_layers']} layers, {s['dtype']}, untied head; device {args.device}; batch 1")
+    print(f"memory: {'peak RSS (fresh process per case)' if args.device == 'cpu' else 'max_memory_allocated'}; "
+          "floor = base (process + weights, measured) + what the case must hold (see the docstring)\n")
+    print(f"{'case':<18} {'length':>6} {'base GiB':>9} {'floor GiB':>10} {'peak GiB':>9} {'peak/floor':>10} "
+          f"{'before/now':>10}")
+    wanted = args.cases.split(",")
+    for length in lengths:
+        results = {}
+        for case in CASES:
+            if case not in wanted:
+                continue
+            r = results[case] = run_case(case, args.shape, length, args.device, args.limit_gb)
+            if "error" in r:
+                print(f"{case:<18} {length:>6} {r['error']:>40}", flush=True)
+                continue
+            now = results.get(case.split(" (")[0])
+            ratio = f"{r['peak'] / now['peak']:>10.2f}" if " (" in case and now and "peak" in now else f"{'':>10}"
+            print(f"{case:<18} {length:>6} {r['base'] / 2**30:>9.2f} {r['floor'] / 2**30:>10.2f} "
+                  f"{r['peak'] / 2**30:>9.2f} {r['peak'] / r['floor']:>10.2f} {ratio}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
