@@ -32,6 +32,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, prepa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ropescale.strategies.truncation import RelativeRule
+from ropescale.flex_regions import flex_attention_path
 from ropescale.truncated_attention import blocked_attention, fused_attention, naive_attention
 
 __all__ = ["logn_factor", "enable_logn", "enable_truncation", "IdentityRotary", "LOGN_PREFIX",
@@ -137,7 +138,8 @@ def enable_logn(model, original_max_position_embeddings: int):
 
 
 TRUNCATION = "ropescale_truncation"
-_PATHS = {"fused": fused_attention, "blocked": blocked_attention, "naive": naive_attention}
+_PATHS = {"fused": fused_attention, "flex": flex_attention_path, "blocked": blocked_attention,
+          "naive": naive_attention}
 ATTENTION_PATHS = tuple(_PATHS)
 
 
@@ -146,7 +148,7 @@ class _Truncation:
     rule: RelativeRule
     freqs: dict  # layer type (None: all) → (inv_freq [d/2], attention_scaling)
     interleaved: bool
-    path: str  # "fused", "blocked" or "naive" (ropescale.truncated_attention)
+    path: str  # a key of _PATHS: "fused", "flex", "blocked" or "naive"
     block: int
     logn: int | None  # L_train when log-n scaling is on
 

@@ -117,10 +117,13 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
         logn: also scale queries by max(1, ln(p+1)/ln(L_train)) (Su 2023), through the
             attention interface (``ropescale.attention``); works with any strategy.
         attention_path: truncation rules only: ``"fused"`` (default: the two regions in fused
-            kernels, about the cost of vanilla attention, with backward), ``"blocked"`` (a Python
-            online softmax; also what ``"fused"`` uses for soft-capping, attention dropout and
-            non-CPU devices) or ``"naive"`` (explicit n × n relative positions; the tests' oracle).
-            All three are exact and differentiable.
+            CPU kernels, about the cost of vanilla attention, with backward; on a non-CPU device
+            it runs ``"flex"``), ``"flex"`` (the two regions in FlexAttention, compiled on CUDA;
+            eager and unfused on the CPU, where torch has no FlexAttention backward, so training
+            there runs ``"fused"``), ``"blocked"`` (a Python online softmax; also what
+            ``"fused"`` uses for attention dropout, and on the CPU for soft-capping) or
+            ``"naive"`` (explicit n × n relative positions; the tests' oracle). All are exact and
+            differentiable.
         block_size: truncation rules only: query/key block of the blocked path [tokens].
         **params: the strategy's parameters (validated).
 
@@ -146,8 +149,8 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
         raise ValueError(f"dynamic_cache={dynamic_cache!r}; choose one of {', '.join(DYNAMIC_CACHE_MODES)}")
     if not isinstance(dynamic_block, int) or dynamic_block < 1:
         raise ValueError(f"dynamic_block={dynamic_block!r} must be a whole number >= 1")
-    if attention_path not in ("fused", "blocked", "naive"):
-        raise ValueError(f"attention_path={attention_path!r}; choose 'fused', 'blocked' or 'naive'")
+    if attention_path not in ("fused", "flex", "blocked", "naive"):
+        raise ValueError(f"attention_path={attention_path!r}; choose 'fused', 'blocked' or 'naive' (or 'flex')")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size={block_size!r} must be a whole number >= 1")
     if current_patch(model) is not None:

@@ -13,8 +13,11 @@ distance for the positions transformers passes (contiguous per row; left padding
 CPU flash kernel, merged by log-sum-exp, with a backward (``ropescale.two_region``); about the
 cost of one vanilla attention.
 
-``blocked_attention`` is the general path (soft-capping, attention dropout, per-query masks,
-non-CPU devices): query blocks × key blocks with an online softmax (the flash-attention
+On other devices it hands over to ``ropescale.flex_regions.flex_attention_path`` (the same two
+regions in FlexAttention, compiled on CUDA).
+
+``blocked_attention`` is the general path (soft-capping, attention dropout, per-query masks on
+the CPU): query blocks × key blocks with an online softmax (the flash-attention
 recurrence). In each block pair the scores are q_near·k_near (both rotated to their own
 positions) where i − j < w and q_far·k_far (rotated to f_q(i), f_k(j)) elsewhere, so the two
 regions merge exactly inside one softmax. Memory is O(n·block): never an n × n matrix. Out of
@@ -31,7 +34,7 @@ import torch
 from ropescale.strategies.truncation import RelativeRule
 from ropescale.two_region import TwoRegionAttention, _Plan, band_calls, causal_calls, near_block
 
-__all__ = ["rotate", "fused_attention", "blocked_attention", "naive_attention"]
+__all__ = ["rotate", "fused_attention", "fused_route", "blocked_attention", "naive_attention"]
 
 _NEG = -1e30  # running-max start: exp(-inf - _NEG) = 0 without NaN
 
@@ -113,16 +116,35 @@ def _plan(s_q: int, s_k: int, window: int, sliding_window: int | None, scale: fl
     return _Plan(far, near, s_k - s_q, scale, None if keep is None else keep[:, 0, 0])
 
 
+def fused_route(device_type: str, *, softcap: float | None = None, dropout: float = 0.0, keep=None) -> str:
+    """Which kernel ``fused_attention`` runs: ``"blocked"`` with attention dropout (any device);
+    ``"flex"`` on any other non-CPU device (CUDA: compiled FlexAttention); on the CPU
+    ``"blocked"`` for soft-capping or a per-query ``keep`` mask, else ``"two_region"``."""
+    if dropout:
+        return "blocked"
+    if device_type != "cpu":
+        return "flex"
+    if softcap or (keep is not None and keep.shape[-2] != 1):
+        return "blocked"
+    return "two_region"
+
+
 def fused_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling: float, *, keep=None,
                     scale: float, softcap: float | None = None, sliding_window: int | None = None,
                     interleaved: bool = False, dropout: float = 0.0, block: int = 512) -> torch.Tensor:
     """Default path: the two regions in fused CPU flash kernels (``ropescale.two_region``), with
-    backward. Falls back to ``blocked_attention`` where that kernel cannot follow: soft-capping,
-    attention dropout, a per-query ``keep`` mask, or a device other than the CPU."""
-    if softcap or dropout or q.device.type != "cpu" or (keep is not None and keep.shape[-2] != 1):
-        return blocked_attention(q, k, v, q_pos, k_pos, rule, inv_freq, scaling, keep=keep, scale=scale,
-                                 softcap=softcap, sliding_window=sliding_window, interleaved=interleaved,
-                                 dropout=dropout, block=block)
+    backward. Where that kernel cannot follow (``fused_route``): on a device other than the CPU,
+    the two regions in FlexAttention (``ropescale.flex_regions``; compiled on CUDA); with
+    soft-capping, attention dropout or a per-query ``keep`` mask on the CPU, and with dropout
+    anywhere, ``blocked_attention``."""
+    route = fused_route(q.device.type, softcap=softcap, dropout=dropout, keep=keep)
+    if route != "two_region":
+        if route == "flex":
+            from ropescale.flex_regions import flex_attention_path as fn  # imports this module
+        else:
+            fn = blocked_attention
+        return fn(q, k, v, q_pos, k_pos, rule, inv_freq, scaling, keep=keep, scale=scale, softcap=softcap,
+                  sliding_window=sliding_window, interleaved=interleaved, dropout=dropout, block=block)
     plan = _plan(q.shape[2], k.shape[2], rule.window, sliding_window, scale, keep)
     rotations = _Rotations(q_pos, k_pos, rule, inv_freq, scaling, interleaved)
     return TwoRegionAttention.apply(q, k, v, rotations, plan)

@@ -1,0 +1,184 @@
+"""Truncation-rule attention as two FlexAttention calls merged by log-sum-exp: the GPU path.
+
+A truncation rule (``ropescale.strategies.truncation``) splits the causal triangle by slot
+distance i − j into the *near band* 0 ≤ i − j < w, where q and k are rotated to their own
+positions, and the *far region* i − j ≥ w, where q is rotated to f_q(i) and k to f_k(j). Each
+region is one ``flex_attention`` call over a block-sparse mask (near: 0 ≤ i − j < min(w, W);
+far: w ≤ i − j < W, W the sliding window when there is one; both ∧ the padding ``keep`` mask),
+returning its output and its rows' log-sum-exp (LSE). The two are merged exactly, in float32
+(float64 for float64 inputs):
+
+    m = max(lse_near, lse_far)  (0 on rows with no visible key; m cancels, so it is detached)
+    out = (out_near·e^(lse_near − m) + out_far·e^(lse_far − m)) / (e^(lse_near − m) + e^(lse_far − m))
+
+The denominator is in [1, 2] on rows with a visible key and 0 on rows with none, whose output is
+0 (no NaN, forward or backward). Soft-capping tanh(s/c)·c is a ``score_mod``. Backward is
+FlexAttention's own autograd: its backward takes the gradient of the LSE (``grad_logsumexp``, in
+the dense reference and the Triton kernel alike; only the experimental ``BACKEND="FLASH"``
+refuses it, and we never select it), so gradients through the merge are exact.
+
+Where it runs: on CUDA through ``torch.compile(flex_attention)`` (compiled once, lazily), the
+fused block-sparse kernel; this is what ``fused_attention`` dispatches to on any non-CPU device.
+On the CPU ``flex_attention`` runs eagerly and unfused (it materialises each call's scores:
+for tests and short inputs). torch refuses FlexAttention backward on the CPU
+("FlexAttention does not support backward on CPU. Please set the input requires_grad to False or
+use another device."), so when gradients are needed on the CPU this path hands over to ``fused_attention`` (the CPU
+flash kernels, with backward), on MPS to ``blocked_attention``. Attention dropout goes to
+``blocked_attention``. Every decision is made from Python integers and device types: no host
+reads of tensor values.
+
+Shapes (as ``fused_attention``): q ``[b, n_h, s_q, h_d]`` un-rotated, k, v ``[b, n_kv, s_k, h_d]``
+(n_h a multiple of n_kv: grouped-query attention), ``q_pos`` ``[b, s_q]`` and ``k_pos`` ``[b, s_k]``
+float positions [tokens], ``inv_freq`` ``[d/2]`` [rad/token] with d ≤ h_d rotary channels,
+``keep`` None or bool broadcastable to ``[b, 1, s_q, s_k]``; query row t is key slot
+s_k − s_q + t. Legend: b batch, n_h query heads, n_kv key/value heads, s_q queries, s_k keys
+(cached ones included), h_d head dim, w the rule's window, W the sliding window.
+
+Sources: FlexAttention (Dong et al. 2024, "Flex Attention: A Programming Model for Generating
+Optimized Attention Kernels", arXiv:2412.05496); the LSE merge is flash attention's (Dao et al.
+2022, arXiv:2205.14135); the rules are ReRoPE / Leaky ReRoPE (github.com/bojone/rerope) and
+SelfExtend (Jin et al. 2024, arXiv:2401.01325).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+
+from ropescale.strategies.truncation import RelativeRule
+from ropescale.truncated_attention import blocked_attention, fused_attention, rotate
+
+__all__ = ["flex_attention_path", "region_block_masks", "NO_FLEX_BACKWARD"]
+
+NO_FLEX_BACKWARD = {"cpu", "mps"}  # device types where torch refuses FlexAttention backward
+_COMPILED = {}  # "flex" → torch.compile(flex_attention), built on first CUDA call
+
+
+def _flex_for(device: torch.device):
+    """The compiled kernel on CUDA (compiled once per process), the eager function elsewhere."""
+    if device.type != "cuda":
+        return flex_attention
+    if "flex" not in _COMPILED:
+        _COMPILED["flex"] = torch.compile(flex_attention)
+    return _COMPILED["flex"]
+
+
+def _keep3(keep: torch.Tensor | None, b: int, s_q: int, s_k: int) -> torch.Tensor | None:
+    """bool keep broadcastable to ``[b, 1, s_q, s_k]`` → ``[b, 1 or s_q, s_k]`` (a view)."""
+    if keep is None:
+        return None
+    if keep.dim() != 4 or keep.shape[1] != 1 or keep.shape[-1] != s_k or keep.shape[-2] not in (1, s_q):
+        raise ValueError(f"keep must broadcast to [b, 1, s_q, s_k] = [{b}, 1, {s_q}, {s_k}]; got {list(keep.shape)}")
+    return keep.expand(b, 1, keep.shape[-2], s_k)[:, 0]  # [b, 1 or s_q, s_k]
+
+
+def _region_mask_mod(c0: int, lo: int, hi: int | None, keep3: torch.Tensor | None):
+    """mask_mod(b, h, t, j): lo ≤ (c0 + t) − j (< hi), and keep3[b, t or 0, j]."""
+    def band(b, h, t, j):
+        dist = t + c0 - j
+        vis = dist >= lo
+        return vis & (dist < hi) if hi is not None else vis
+
+    if keep3 is None:
+        return band
+    if keep3.shape[1] == 1:  # a key (padding) mask: the same for every query row
+        keys = keep3[:, 0]  # [b, s_k]
+        return lambda b, h, t, j: band(b, h, t, j) & keys[b, j]
+    return lambda b, h, t, j: band(b, h, t, j) & keep3[b, t, j]
+
+
+class _LastMasks:
+    """The block masks of the last call. Every layer of one forward passes the same lengths and
+    the same ``keep`` tensor, so the masks are built once per forward, not once per layer
+    (``create_block_mask`` evaluates the mask over all s_q × s_k pairs)."""
+
+    def __init__(self):
+        self.key, self.keep_ref, self.keep_version, self.masks = None, None, None, None
+
+    def get(self, key: tuple, keep: torch.Tensor | None, build):
+        same_keep = (keep is None and self.keep_ref is None) or (
+            keep is not None and self.keep_ref is not None and self.keep_ref() is keep
+            and keep._version == self.keep_version)
+        if key != self.key or not same_keep:
+            self.masks = build()
+            self.key = key
+            self.keep_ref = None if keep is None else weakref.ref(keep)
+            self.keep_version = None if keep is None else keep._version
+        return self.masks
+
+
+_LAST = _LastMasks()
+
+
+def region_block_masks(b: int, s_q: int, s_k: int, window: int, sliding_window: int | None,
+                       keep: torch.Tensor | None, device) -> tuple:
+    """(near, far) ``BlockMask``s for queries at slots s_k − s_q + t; far is None when no pair
+    reaches distance ``window`` (or the sliding window ends first). ``keep``: as the path's."""
+    def build():
+        keep3 = _keep3(keep, b, s_q, s_k)
+        batch = None if keep3 is None else b
+        c0 = s_k - s_q
+        near_hi = min(window, sliding_window) if sliding_window else window
+        near = create_block_mask(_region_mask_mod(c0, 0, near_hi, keep3), batch, None, s_q, s_k, device=device)
+        far = None
+        if s_k - 1 >= window and (sliding_window is None or sliding_window > window):
+            far = create_block_mask(_region_mask_mod(c0, window, sliding_window, keep3), batch, None, s_q, s_k,
+                                    device=device)
+        return near, far
+
+    return _LAST.get((b, s_q, s_k, window, sliding_window, str(device)), keep, build)
+
+
+def _softcap_mod(softcap: float | None):
+    if not softcap:
+        return None
+    return lambda score, b, h, t, j: torch.tanh(score / softcap) * softcap
+
+
+def flex_attention_path(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling: float, *, keep=None,
+                        scale: float, softcap: float | None = None, sliding_window: int | None = None,
+                        interleaved: bool = False, dropout: float = 0.0, block: int = 512) -> torch.Tensor:
+    """Exact attention under ``rule`` in two FlexAttention calls; returns ``[b, n_h, s_q, h_d]``
+    in q's dtype (see the module docstring for shapes and the merge).
+
+    ``scaling`` is the rotary ``attention_scaling`` (cos and sin are multiplied by it, as
+    transformers does), ``scale`` the softmax scale, ``softcap`` c of tanh(s/c)·c (None: off),
+    ``sliding_window`` W: keys at i − j ≥ W are invisible. ``dropout`` > 0 is handed to
+    ``blocked_attention`` (with ``block``, its block size [tokens]), as are gradients on MPS;
+    gradients on the CPU go to ``fused_attention``. Raises ``ValueError`` for a ``keep`` mask that does not broadcast to
+    ``[b, 1, s_q, s_k]``.
+    """
+    args = (q, k, v, q_pos, k_pos, rule, inv_freq, scaling)
+    kw = dict(keep=keep, scale=scale, softcap=softcap, sliding_window=sliding_window, interleaved=interleaved,
+              dropout=dropout, block=block)
+    if dropout:
+        return blocked_attention(*args, **kw)
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if needs_grad and q.device.type in NO_FLEX_BACKWARD:  # fused_attention would send MPS back here
+        return (fused_attention if q.device.type == "cpu" else blocked_attention)(*args, **kw)
+    b, n_h, s_q, h_d = q.shape
+    s_k = k.shape[2]
+    near_mask, far_mask = region_block_masks(b, s_q, s_k, rule.window, sliding_window, keep, q.device)
+    flex, score_mod = _flex_for(q.device), _softcap_mod(softcap)
+    aux = AuxRequest(lse=True)
+
+    def region(q_at, k_at, mask):  # rotated q [b, n_h, s_q, h_d], k [b, n_kv, s_k, h_d]
+        out, stats = flex(rotate(q, q_at, inv_freq, scaling, interleaved), rotate(k, k_at, inv_freq, scaling, interleaved),
+                          v, score_mod=score_mod, block_mask=mask, scale=scale, enable_gqa=True, return_aux=aux)
+        return out, stats.lse  # [b, n_h, s_q, h_d], [b, n_h, s_q]
+
+    out_n, lse_n = region(q_pos, k_pos, near_mask)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    if far_mask is None:  # flex already gives 0 on rows with no visible key
+        return out_n
+    out_f, lse_f = region(rule.far_q(q_pos), rule.far_k(k_pos), far_mask)
+    lse_n, lse_f = lse_n.to(acc), lse_f.to(acc)
+    m = torch.maximum(lse_n, lse_f).detach()  # the merge does not depend on m: no gradient needed
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows with no key: e^(−inf − 0) = 0
+    e_n, e_f = (lse_n - m).exp()[..., None], (lse_f - m).exp()[..., None]  # [b, n_h, s_q, 1]
+    den = e_n + e_f  # in [1, 2] where a key is visible, 0 where none
+    den = torch.where(den > 0, den, torch.ones_like(den))
+    out = (out_n.to(acc) * e_n + out_f.to(acc) * e_f) / den  # [b, n_h, s_q, h_d]
+    return out.to(q.dtype)

@@ -1,0 +1,214 @@
+"""The FlexAttention path (``ropescale.flex_regions``) against the naive n × n oracle: outputs and
+gradients of q, k, v (float32 and float64), GQA, left padding, a KV-cache split, sliding windows,
+soft-capping; end to end on tiny models; its fallbacks and ``fused_attention``'s dispatch to it.
+
+torch refuses FlexAttention backward on the CPU, so the gradient tests lift that guard
+(``flex_backward_on_cpu``) and run FlexAttention's own autograd with its dense reference
+backward — the formula the CUDA kernel compiles — through our LSE merge."""
+
+import warnings
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch.nn.attention import flex_attention as torch_flex
+from transformers import DynamicCache
+
+import ropescale
+from ropescale import flex_regions, truncated_attention
+from ropescale.flex_regions import flex_attention_path, region_block_masks
+from ropescale.strategies.truncation import leaky_rerope, rerope, self_extend
+from ropescale.truncated_attention import fused_attention, fused_route, naive_attention
+from tests.families import family_model
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+RULES = {"rerope": rerope(8), "leaky_rerope": leaky_rerope(8, 3.0, None, 64), "self_extend": self_extend(3, 8)}
+CASES = {  # name: (b, n_h, n_kv, s_q, s_k, pad, options)
+    "plain": (1, 4, 4, 40, 40, 0, {}),
+    "gqa_left_padding": (2, 6, 2, 40, 40, 7, {}),
+    "kv_cache_split": (2, 6, 2, 13, 45, 5, {}),
+    "sliding_window": (2, 4, 2, 45, 45, 3, {"sliding_window": 20}),
+    "sliding_inside_window": (1, 4, 2, 30, 30, 0, {"sliding_window": 5}),
+    "softcap_interleaved": (2, 6, 3, 40, 40, 4, {"softcap": 2.0, "interleaved": True}),
+    "per_query_keep": (2, 4, 2, 30, 30, 0, {"per_query": True}),
+}
+INV = 1.0 / (10000 ** (torch.arange(0, 12, 2).float() / 12))  # 12 of 16 channels rotate
+
+
+def _case(name, dtype, seed=0):
+    """q, k, v (requiring grad), positions and keyword arguments of one case."""
+    b, n_h, n_kv, s_q, s_k, pad, opts = CASES[name]
+    opts = dict(opts)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, n_h, s_q, 16, generator=g, dtype=dtype).requires_grad_()
+    k, v = (torch.randn(b, n_kv, s_k, 16, generator=g, dtype=dtype).requires_grad_() for _ in range(2))
+    k_pos = torch.arange(s_k, dtype=dtype)[None].repeat(b, 1)  # [b, s_k]
+    keep = None
+    if pad:  # the last row is left-padded: its positions start after the pad
+        k_pos[-1] -= pad
+        keep = torch.ones(b, 1, 1, s_k, dtype=torch.bool)
+        keep[-1, ..., :pad] = False
+    if opts.pop("per_query", False):  # a random per-query mask, some rows all hidden
+        keep = torch.rand(b, 1, s_q, s_k, generator=g) > 0.3
+        keep[:, :, 3] = False
+    args = (q, k, v, k_pos[:, s_k - s_q :], k_pos)
+    return args, dict(keep=keep, scale=0.3, **opts)
+
+
+@pytest.fixture
+def flex_backward_on_cpu(monkeypatch):
+    """Let FlexAttention differentiate on the CPU (torch refuses by default) and count its calls."""
+    real_validate = torch_flex._validate_device
+    monkeypatch.setattr(torch_flex, "_validate_device",
+                        lambda q, k, v: real_validate(q.detach(), k.detach(), v.detach()))
+    monkeypatch.setattr(flex_regions, "NO_FLEX_BACKWARD", set())
+    calls = []
+    real_flex = flex_regions.flex_attention
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real_flex(*a, **kw)
+
+    monkeypatch.setattr(flex_regions, "flex_attention", counting)
+    return calls
+
+
+def _assert_close_rel(got, want, rtol=1e-5):
+    """max |got − want| ≤ rtol · max |want| (entries can be exactly 0: no relative scale of their own)."""
+    scale = max(float(w.detach().abs().max()) for w in want)
+    for a, b in zip(got, want, strict=True):
+        assert torch.isfinite(a).all()
+        err = float((a - b).detach().abs().max())
+        assert err <= rtol * scale, (err, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("rule", list(RULES))
+def test_flex_equals_oracle_with_gradients(flex_backward_on_cpu, rule, case, dtype):
+    args, kw = _case(case, dtype, seed=len(case))
+    out = flex_attention_path(*args, RULES[rule], INV, 1.1, **kw)
+    ref = naive_attention(*args, RULES[rule], INV, 1.1, **kw).to(dtype)
+    assert out.dtype == dtype and len(flex_backward_on_cpu) in (1, 2)  # FlexAttention did the work
+    _assert_close_rel([out], [ref])
+    grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    q, k, v = args[:3]
+    _assert_close_rel(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad))
+
+
+def test_both_regions_are_flex_calls_and_the_far_one_is_skipped_when_empty(flex_backward_on_cpu):
+    args, kw = _case("plain", torch.float32)
+    with torch.no_grad():
+        flex_attention_path(*args, rerope(8), INV, 1.0, **kw)
+        assert len(flex_backward_on_cpu) == 2
+        flex_attention_path(*args, rerope(40), INV, 1.0, **kw)  # no pair is 40 apart: near band only
+        assert len(flex_backward_on_cpu) == 3
+
+
+def test_torch_refuses_flex_backward_on_cpu_so_training_uses_fused(monkeypatch):
+    """The limitation we work around (if torch lifts it, this test says so), and the fallback:
+    with gradients on the CPU the path runs fused_attention, whose gradients equal the oracle's."""
+    q = torch.randn(1, 2, 8, 16, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="FlexAttention does not support backward on CPU"):
+        torch_flex.flex_attention(q, q, q)
+    used = []
+    monkeypatch.setattr(flex_regions, "fused_attention", lambda *a, **kw: used.append(1) or fused_attention(*a, **kw))
+    args, kw = _case("gqa_left_padding", torch.float32)
+    out = flex_attention_path(*args, self_extend(3, 8), INV, 1.0, **kw)
+    ref = naive_attention(*args, self_extend(3, 8), INV, 1.0, **kw)
+    assert used == [1]
+    _assert_close_rel([out], [ref])
+    _assert_close_rel(torch.autograd.grad(out.sum(), args[:3]), torch.autograd.grad(ref.sum(), args[:3]))
+
+
+def test_dropout_goes_to_the_blocked_path(monkeypatch):
+    used = []
+    monkeypatch.setattr(flex_regions, "blocked_attention", lambda *a, **kw: used.append(kw["dropout"]) or a[0])
+    args, kw = _case("plain", torch.float32)
+    flex_attention_path(*args, rerope(8), INV, 1.0, dropout=0.1, **kw)
+    assert used == [0.1]
+
+
+def test_fused_on_a_non_cpu_device_dispatches_to_flex(monkeypatch):
+    """fused_attention with tensors on another device (meta: shapes only) calls the flex path
+    with all its arguments; on the CPU it does not; dropout goes to the blocked path anywhere."""
+    assert fused_route("cuda") == "flex" and fused_route("cuda", softcap=30.0) == "flex"
+    assert fused_route("cuda", dropout=0.1) == "blocked"
+    assert fused_route("cpu") == "two_region" and fused_route("cpu", softcap=30.0) == "blocked"
+    seen = []
+    monkeypatch.setattr(flex_regions, "flex_attention_path", lambda *a, **kw: seen.append(kw) or "flex ran")
+    q = torch.empty(1, 4, 10, 16, device="meta")
+    pos = torch.arange(10.0, device="meta")[None]
+    got = fused_attention(q, q, q, pos, pos, rerope(4), INV, 1.0, scale=0.25, sliding_window=6, softcap=5.0)
+    assert got == "flex ran" and seen[0]["sliding_window"] == 6 and seen[0]["softcap"] == 5.0
+    args, kw = _case("plain", torch.float32)
+    with torch.no_grad():
+        assert isinstance(fused_attention(*args, rerope(4), INV, 1.0, **kw), torch.Tensor) and len(seen) == 1
+    assert truncated_attention.fused_route is fused_route
+
+
+def test_block_masks_are_built_once_per_forward_and_rebuilt_when_keep_changes():
+    keep = torch.ones(2, 1, 1, 30, dtype=torch.bool)
+    first = region_block_masks(2, 30, 30, 8, None, keep, "cpu")
+    assert region_block_masks(2, 30, 30, 8, None, keep, "cpu") is first  # another layer, same forward
+    keep[1, ..., :4] = False  # changed in place: rebuilt
+    second = region_block_masks(2, 30, 30, 8, None, keep, "cpu")
+    assert second is not first
+    assert region_block_masks(2, 30, 30, 8, None, keep.clone(), "cpu") is not second  # another tensor
+    assert region_block_masks(2, 30, 30, 40, None, None, "cpu")[1] is None  # no far region
+
+
+def test_bad_keep_shape_is_one_clear_value_error():
+    args, kw = _case("plain", torch.float32)
+    kw["keep"] = torch.ones(1, 40, dtype=torch.bool)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"keep must broadcast to \[b, 1, s_q, s_k\]"):
+        flex_attention_path(*args, rerope(8), INV, 1.0, **kw)
+
+
+def test_flex_path_never_reads_tensor_values_on_the_host():
+    """Under FakeTensorMode any int()/bool()/if on a tensor value raises (a host sync on a GPU)."""
+    with warnings.catch_warnings(), FakeTensorMode():
+        warnings.simplefilter("ignore")
+        inv = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+        q, k, v = (torch.randn(1, 4, 300, 16) for _ in range(3))
+        pos = torch.arange(300).float()[None]
+        keep = torch.ones(1, 1, 1, 300, dtype=torch.bool)
+        for kw in ({}, {"keep": keep, "sliding_window": 100, "softcap": 5.0}):
+            out = flex_attention_path(q, k, v, pos, pos, self_extend(4, 32), inv, 1.0, scale=0.25, **kw)
+            assert out.shape == q.shape
+        with pytest.raises(DataDependentOutputException):
+            int(q.sum())
+
+
+IDS = torch.randint(0, 256, (2, 100), generator=torch.Generator().manual_seed(5))
+
+
+@torch.no_grad()
+def _logits(model, strategy, path, ids=IDS, **kw):
+    params = {"rerope": {"window": 40}, "leaky_rerope": {"window": 16, "k": 4.0},
+              "self_extend": {"window": 16, "group_size": 4}}[strategy]
+    with ropescale.patch(model, strategy, attention_path=path, **params):
+        return model(ids, **kw).logits
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # gemma2: eager, soft-capping, sliding window 32
+@pytest.mark.parametrize("strategy", list(RULES))
+def test_tiny_model_flex_equals_naive(family, strategy):
+    model = family_model(family)
+    torch.testing.assert_close(_logits(model, strategy, "flex"), _logits(model, strategy, "naive"), rtol=0, atol=1e-5)
+
+
+def test_tiny_llama_left_padding_and_cached_decoding_with_flex():
+    model = family_model("llama")
+    mask = torch.ones_like(IDS[:, :80])
+    mask[1, :12] = 0
+    kw = dict(attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+    torch.testing.assert_close(_logits(model, "leaky_rerope", "flex", IDS[:, :80], **kw),
+                               _logits(model, "leaky_rerope", "naive", IDS[:, :80], **kw), rtol=0, atol=1e-5)
+    with torch.no_grad(), ropescale.patch(model, "self_extend", window=16, group_size=4, attention_path="flex"):
+        cache = DynamicCache(config=model.config)
+        model(IDS[:, :70], past_key_values=cache, use_cache=True)
+        for t in range(70, 75):
+            step = model(IDS[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+            torch.testing.assert_close(step, model(IDS[:, : t + 1]).logits[:, -1], rtol=0, atol=1e-5)
