@@ -79,14 +79,41 @@ def test_base_bound_and_decay_by_hand():
     assert float(geo.roformer_bound(theta, 6)[r]) == pytest.approx((abs(s1) + abs(s2)) / 2)
 
 
-def test_smallest_base_against_a_brute_force_scan():
-    dim, length = 16, 300
+def passing(dim, length, bases):
+    """Brute force: for each base, whether Σ_i cos(m·b^(−2i/d)) ≥ 0 for every m < length."""
+    b = torch.tensor(bases, dtype=torch.float64)[:, None, None]
+    theta = b ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)  # [n, 1, d/2]
+    m = torch.arange(length, dtype=torch.float64)[None, :, None]
+    return (torch.cos(m * theta).sum(-1) >= 0).all(-1).tolist()
 
-    def ok(b):
-        return all(sum(math.cos(m * b ** (-2 * i / dim)) for i in range(dim // 2)) >= 0 for m in range(length))
 
-    found = geo.smallest_base(dim, length, rel_tol=1e-5)
-    assert ok(found) and not ok(found * 0.999)
-    scan = [10 ** (k / 400) for k in range(400, 2400)]  # 10 … 1e6, 400 per decade
-    first = next(b for b in scan if ok(b))
-    assert found <= first * 1.0001 and found >= first / 10 ** (1 / 400)
+PER_DECADE = 4000  # the brute-force scan: 0.058% steps
+
+
+# (16, 256) and (32, 300): the first passing window is narrower than a 100-per-decade grid's step
+# (8570–8645 and 4242–4268), which that grid stepped over (1.2e4 and 5.5e3)
+@pytest.mark.parametrize("dim,length,window", [(16, 256, (8565, 8645)), (32, 300, (4240, 4269)),
+                                               (16, 300, (14860, 15722)), (8, 64, None)])
+def test_smallest_base_against_a_brute_force_scan(dim, length, window):
+    rel_tol = 1e-5
+    found = geo.smallest_base(dim, length, rel_tol=rel_tol)
+    scan = [10 ** (k / PER_DECADE) for k in range(int(0.31 * PER_DECADE), 5 * PER_DECADE)]  # 2 … 1e5
+    ok = passing(dim, length, scan)
+    first = scan[ok.index(True)]
+    assert passing(dim, length, [found]) == [True]
+    # no scanned base below it passes, and it is no higher than the first scanned base that passes
+    assert not any(o for b, o in zip(scan, ok) if b < found / (1 + rel_tol))
+    assert first / 10 ** (1 / PER_DECADE) < found <= first * (1 + rel_tol)
+    if window:
+        assert window[0] <= found <= window[1]
+
+
+def test_failure_certificate_holds():
+    """Every base in [b, b·e^Δ) that the walk steps over fails (checked densely), and Δ > 0."""
+    dim, length = 16, 256
+    for b in (50.0, 900.0, 8000.0, 8500.0, 11000.0):
+        step = geo._failure_step(dim, length, math.log(b))
+        assert step is not None and step > 0
+        inside = [b * math.exp(step * k / 400) for k in range(400)]
+        assert not any(passing(dim, length, inside))
+    assert geo._failure_step(dim, length, math.log(8600.0)) is None  # inside the narrow window
