@@ -1,0 +1,50 @@
+"""The retrieval tasks keep only the logits they use (``logits_to_keep``): on the bundled model
+every example scores exactly as with full-sequence logits (the scoring main had)."""
+
+import pytest
+import torch
+
+from eval.tasks.base import get_task
+from ropescale.models import load_model
+from ropescale.strategies import get_strategy
+
+
+class FullLogits(torch.nn.Module):
+    """The same model computing the head over every position (``[b, n, V]``, as main did), then
+    keeping the last ``logits_to_keep`` positions by slicing."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+
+    def forward(self, *args, logits_to_keep=0, **kwargs):
+        out = self.inner(*args, **kwargs)
+        assert out.logits.shape[1] == kwargs["input_ids"].shape[1]  # really the full sequence
+        if logits_to_keep:
+            out.logits = out.logits[:, -logits_to_keep:]
+        return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task,strategy,length", [("passkey", "vanilla", 128), ("needle", "dynamic_ntk", 256)])
+def test_retrieval_rows_equal_full_logit_scoring(task, strategy, length):
+    import ropescale
+
+    model, tok = load_model("reference", device="cpu")
+    cls = get_task(task)
+    opts = cls.Options(depths=[0.0, 0.5, 1.0], trials=2)
+    kw = {"documents": None}
+    if cls.uses_data:
+        from eval.data import DataSpec, load_documents, tokenize_documents
+
+        kw["documents"] = tokenize_documents(tok, load_documents(DataSpec("kjv-heldout")))
+    t = cls(opts, tokenizer=tok, train_length=128, **kw)
+    examples = t.examples(length)
+    idx = list(range(len(examples)))
+    with ropescale.patch(model, strategy):
+        s = get_strategy(strategy)
+        kept = t.measure(model, examples, idx, length=length, strategy=s, device=torch.device("cpu"), desc=None)
+        full = t.measure(FullLogits(model), examples, idx, length=length, strategy=s, device=torch.device("cpu"),
+                         desc=None)
+    assert kept == full
+    assert any(cand for _, _, cand in full)  # rows that can differ: some examples are found
