@@ -22,7 +22,7 @@ same process just before the case (process + weights, after a 16-token warm-up).
 
 * ppl: the last hidden state n·d, plus the larger of one decoder layer's MLP at n — residual,
   normed input, act(gate), up, their product: n·(2d + 3f) — and one head chunk at the default
-  budget (c positions × V × (logits + float32 copy + log-softmax));
+  budget (c positions × V × (logits + their float32 copy in bf16 + log-softmax));
 * passkey: the ppl layer term + the KV cache 2·layers·n·n_kv·h_d + one ``[V]`` row;
 * finetune: gradients and AdamW's two moments (3 × the weights) + the checkpointed layer
   inputs layers·n·d + one layer's activations kept for its backward during recompute
@@ -117,7 +117,7 @@ def worker(case: str, shape: str, length: int, device: str) -> dict:
     base = _current(device)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     layer = e * n * (2 * d + 3 * f)
-    head_eval = chunk_size_for(V, 1, dtype=dtype) * V * (e + 8)
+    head_eval = chunk_size_for(V, 1, dtype=dtype) * V * (e + (4 if e < 4 else 0) + 4)
     if case == "ppl":
         docs = [ids[0].cpu()]
         score_windows(model, docs, make_windows([n], n), length=n, device=device)
@@ -140,7 +140,7 @@ def worker(case: str, shape: str, length: int, device: str) -> dict:
         opt.zero_grad(set_to_none=True)
         chunk = chunk_size_for(V, 1, budget=DEFAULT_BUDGET, training=True, dtype=dtype)
         floor = (base + 3 * weights + e * layers * n * d + e * n * (4 * d + 2 * q + 2 * kv + 3 * f)
-                 + chunk * V * (e + 12))
+                 + chunk * V * (e + (4 if e < 4 else 0) + 8))
     if device == "cuda":
         torch.cuda.synchronize()
     return {"peak": _memory(device), "base": base, "floor": floor}

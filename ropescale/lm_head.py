@@ -57,9 +57,10 @@ def _unwrap(model: nn.Module) -> nn.Module:
 def chunk_size_for(vocab_size: int, batch: int, *, budget: int = DEFAULT_BUDGET, training: bool = False,
                    dtype: torch.dtype = torch.float32) -> int:
     """Positions per chunk so that one chunk's logits work fits ``budget`` bytes: per position
-    and row, V × (the head's output in ``dtype`` + its float32 copy + log-softmax; + the logits'
-    gradient in training). At least 1."""
-    per_position = vocab_size * (torch.finfo(dtype).bits // 8 + 4 + 4 + (4 if training else 0))
+    and row, V × (the head's output in ``dtype`` + its float32 copy unless it is float32 already
+    + the log-softmax; + the logits' gradient in training). At least 1."""
+    size = torch.finfo(dtype).bits // 8
+    per_position = vocab_size * (size + (4 if size < 4 else 0) + 4 + (4 if training else 0))
     return max(1, budget // (per_position * max(1, batch)))
 
 

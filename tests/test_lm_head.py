@@ -114,9 +114,10 @@ def test_check_names_the_difference():
 
 
 def test_chunk_size_from_budget():
-    # V = 128,256 float32, eval: 12 bytes per position and row → 256 MiB / (12·V) = 174 positions
-    assert chunk_size_for(128_256, 1, budget=256 * 2**20) == (256 * 2**20) // (128_256 * 12)
-    assert chunk_size_for(128_256, 2, budget=256 * 2**20, training=True) == (256 * 2**20) // (128_256 * 16 * 2)
+    # V = 128,256, float32 eval: logits + log-softmax, 8 bytes per position and row → 261 positions
+    assert chunk_size_for(128_256, 1, budget=256 * 2**20) == 261
+    # bfloat16 training: bf16 logits, float32 copy, log-softmax, gradient: 14 bytes; batch 2
+    assert chunk_size_for(128_256, 2, budget=256 * 2**20, training=True, dtype=torch.bfloat16) == 74
     assert chunk_size_for(10**9, 8, budget=1) == 1
 
 
