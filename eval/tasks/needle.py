@@ -2,7 +2,8 @@
 
 The haystack is sentences of the harness's data source (held-out KJV books by default; PG-19
 and the like for real users), from a seeded starting sentence per example; the needle is a
-magic-number line for a random word; the question asks for that word's number. Scored as RULER
+magic-number line for a random word, under RULER's header line (``HEADER``: the task stated
+before the haystack); the question asks for that word's number. Scored as RULER
 does (the number appears in the greedy output) and by candidate log-likelihood
 (``eval.tasks.retrieval``).
 """
@@ -11,14 +12,17 @@ from __future__ import annotations
 
 import random
 from functools import cached_property
+from typing import Any
 
 from pydantic import Field
 
 from eval.tasks.prompts import Prompt, build_prompt, cycle_units, random_key, sentence_units
 from eval.tasks.retrieval import RetrievalOptions, RetrievalTask, contains_match
 
-__all__ = ["Needle", "NeedleOptions", "NEEDLE", "QUESTION", "WORDS", "make_prompt"]
+__all__ = ["Needle", "NeedleOptions", "HEADER", "NEEDLE", "QUESTION", "WORDS", "make_prompt"]
 
+HEADER = ("A special magic number is hidden within the following text. Make sure to memorize it. "
+          "I will quiz you about the number afterwards.")  # RULER niah_single's first line
 NEEDLE = "One of the special magic numbers for {word} is: {number}."
 QUESTION = ("What is the special magic number for {word} mentioned in the provided text? "
             "The special magic number for {word} mentioned in the provided text is")
@@ -28,14 +32,20 @@ WORDS = ("apple", "river", "candle", "mountain", "garden", "silver", "window", "
          "ladder", "magnet", "needle", "orange", "pillow", "quartz", "rocket", "spider", "tunnel", "walnut")
 
 
-def make_prompt(tokenizer, units, *, length: int, depth: float, word: str, number: str) -> Prompt:
-    """A needle prompt of ``length`` tokens (answer included) over the haystack ``units``."""
+def make_prompt(tokenizer, units, *, length: int, depth: float, word: str, number: str,
+                header: bool = True) -> Prompt:
+    """A needle prompt of ``length`` tokens (answer included): ``HEADER`` (unless ``header`` is
+    false), then the haystack ``units`` with the needle at ``depth``, then the question."""
     return build_prompt(tokenizer, units, length=length, depth=depth, needle=NEEDLE.format(word=word, number=number),
-                        question=QUESTION.format(word=word), answer=number)
+                        question=QUESTION.format(word=word), answer=number, head=HEADER if header else None)
 
 
 class NeedleOptions(RetrievalOptions):
     digits: int = Field(7, ge=1, le=12, description="digits of the magic number (RULER: 7)")
+
+    def key(self) -> dict[str, Any]:
+        # prompts open with HEADER now: a folder of cells scored without it holds another experiment
+        return super().key() | {"prompt": "ruler_header"}
 
 
 class Needle(RetrievalTask):

@@ -4,9 +4,10 @@ ways, with Wilson intervals per depth.
 Each example is a prompt of exactly L tokens including its answer (``eval.tasks.prompts``). It
 is scored
 
-- by **greedy generation** of the answer's token count + 2 tokens after the prompt (with the KV
-  cache, as a user would decode), checked as the task says: the first integer in the output
-  equals the key (YaRN's passkey scoring) or the key appears in it (RULER's);
+- by **greedy generation** of the answer's token count + ``greedy_extra_tokens`` (default 2)
+  tokens after the prompt (with the KV cache, as a user would decode), checked as the task
+  says: the first integer in the output equals the key as an integer (YaRN's passkey scoring)
+  or the key appears in it (RULER's);
 - by **candidate log-likelihood**: the answer against ``candidates − 1`` seeded distractor keys
   with as many digits, each scored as the sum of its tokens' log-probabilities after the prompt;
   correct when the answer scores strictly highest (chance = 1 / candidates). It still separates
@@ -54,9 +55,10 @@ def wilson(successes: int, trials: int, z: float = Z95) -> tuple[float, float]:
 
 
 def first_integer_match(output: str, answer: str) -> bool:
-    """YaRN's passkey check: the first integer in ``output`` equals ``answer``."""
+    """YaRN's passkey check: the first integer in ``output`` equals ``answer`` as an integer
+    (YaRN compares ``int``s, so ``"060494"`` answers key 60494)."""
     m = re.search(r"\d+", output)
-    return m is not None and m.group() == answer
+    return m is not None and int(m.group()) == int(answer)
 
 
 def contains_match(output: str, answer: str) -> bool:
@@ -70,7 +72,17 @@ class RetrievalOptions(TaskOptions):
     trials: int = Field(10, ge=1, description="examples per (length, depth), each with its own seeded key")
     digits: int = Field(5, ge=1, le=12, description="digits of the key")
     candidates: int = Field(10, ge=2, description="keys compared by log-likelihood, the answer among them")
+    greedy_extra_tokens: int = Field(2, ge=0, description="greedy decoding runs for the answer's token count plus "
+                                                          "this many tokens (room for a leading space or "
+                                                          "punctuation before the check)")
     seed: int = 0
+
+    def key(self) -> dict[str, Any]:
+        # the default budget hashes as it did before it was an option: earlier folders still resume
+        out = self.model_dump()
+        if out["greedy_extra_tokens"] == 2:
+            del out["greedy_extra_tokens"]
+        return out
 
     @field_validator("depths")
     @classmethod
@@ -130,7 +142,7 @@ class RetrievalTask(Task):
                 scores = _candidate_scores_full(model, ex.prompt.ids, ex.candidates, device)
             else:
                 scores = _candidate_scores_cached(model, last, out.past_key_values, ex.candidates, device)
-            generated = _greedy(model, last, out.past_key_values, len(ex.prompt.answer_ids) + 2)
+            generated = _greedy(model, last, out.past_key_values, len(ex.prompt.answer_ids) + self.options.greedy_extra_tokens)
             exact = type(self).match(self.tokenizer.decode(generated), ex.prompt.answer)
             rows.append((i, exact, bool(scores[0] > scores[1:].max())))
             bar.update(1)

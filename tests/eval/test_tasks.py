@@ -93,7 +93,7 @@ def test_a_length_too_short_for_the_prompt_fails_before_any_cell(tmp_path, tiny_
 
 
 def test_needle_reads_the_data_source(tmp_path, tiny_model_dir, text_file):
-    cfg = build_config({"task": "needle", "model": str(tiny_model_dir), "data": str(text_file), "lengths": [96],
+    cfg = build_config({"task": "needle", "model": str(tiny_model_dir), "data": str(text_file), "lengths": [160],
                         "strategies": ["vanilla"], "device": "cpu",
                         "needle": {"trials": 2, "depths": [0.5], "digits": 4, "candidates": 3}})
     (r,) = run_sweep(cfg, tmp_path, progress=False)
