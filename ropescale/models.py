@@ -5,6 +5,11 @@ A directory written by ``save_patched`` holds the HF files, with the patch expre
 ``config.json`` where transformers can (``ropescale.export``), plus ``ropescale.json`` recording the
 patch and the model's original rope parameters; ``load_model`` rebuilds the original model and
 re-applies the patch (patching must follow ``from_pretrained``, which recomputes ``inv_freq``).
+
+A LoRA adapter folder written by ``save_adapter`` (PEFT's ``adapter_config.json`` and
+``adapter_model.safetensors``, the tokenizer, ``ropescale.json``) loads the same way:
+``load_model`` loads the base model named in ``adapter_config.json``, re-applies the patch, then
+the adapter (PEFT, an optional dependency: ``pip install 'ropescale[lora]'``).
 """
 
 from __future__ import annotations
@@ -16,14 +21,16 @@ from typing import Any
 
 import torch
 
-from ropescale.patching import PatchHandle, current_patch, patch
+from ropescale.patching import PatchHandle, current_patch, patch, unpatch
 
-__all__ = ["REFERENCE_MODEL", "MODEL_ALIASES", "PATCH_FILE", "ModelLoadError", "resolve_model", "load_model",
-           "load_tokenizer", "model_fingerprint", "save_patched", "resolve_device"]
+__all__ = ["REFERENCE_MODEL", "MODEL_ALIASES", "PATCH_FILE", "ADAPTER_FILE", "ModelLoadError", "resolve_model",
+           "load_model", "load_tokenizer", "model_fingerprint", "save_patched", "save_adapter", "adapter_base",
+           "resolve_device"]
 
 REFERENCE_MODEL = Path(__file__).parent / "reference" / "kjv-llama"
 MODEL_ALIASES = {"reference": REFERENCE_MODEL, "kjv-llama": REFERENCE_MODEL}
 PATCH_FILE = "ropescale.json"
+ADAPTER_FILE = "adapter_config.json"  # PEFT's
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -43,8 +50,9 @@ def resolve_model(name_or_path: str) -> str:
     path = MODEL_ALIASES.get(name_or_path)
     if path is None:
         local = Path(name_or_path).expanduser()
-        if local.is_dir() and not (local / "config.json").is_file():
-            raise ModelLoadError(f"{name_or_path}: folder has no config.json; not a Hugging Face model folder")
+        if local.is_dir() and not (local / "config.json").is_file() and not (local / ADAPTER_FILE).is_file():
+            raise ModelLoadError(f"{name_or_path}: folder has no config.json (nor adapter_config.json); not a Hugging "
+                             "Face model or PEFT adapter folder")
         if not local.exists() and _looks_like_path(name_or_path):
             raise ModelLoadError(f"{name_or_path}: no such model folder (bundled names: {', '.join(MODEL_ALIASES)})")
         if local.is_file():
@@ -56,6 +64,22 @@ def resolve_model(name_or_path: str) -> str:
                                 "train it with `python -m ropescale.reference.train --output "
                                 f"{path}`")
     return str(path)
+
+
+def adapter_base(path: str | Path) -> str | None:
+    """The base model named by a PEFT adapter folder's ``adapter_config.json``
+    (``base_model_name_or_path``), or None when ``path`` is not an adapter folder.
+    Raises ``ModelLoadError`` for an adapter config without a readable base name."""
+    config = Path(path) / ADAPTER_FILE
+    if not config.is_file() or (Path(path) / "config.json").is_file():
+        return None
+    try:
+        base = json.loads(config.read_text()).get("base_model_name_or_path")
+    except (ValueError, AttributeError):
+        base = None
+    if not base:
+        raise ModelLoadError(f"{path}: {ADAPTER_FILE} names no base_model_name_or_path; cannot load the adapter")
+    return str(base)
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -112,6 +136,10 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "auto
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} unknown; choose one of {', '.join(_DTYPES)}")
     path = resolve_model(name_or_path)
+    base = adapter_base(path)
+    if base is not None:
+        return _load_adapter(name_or_path, path, base, dtype=dtype, device=device,
+                             attn_implementation=attn_implementation, device_map=device_map)
     kwargs = {"dtype": _DTYPES[dtype]}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
@@ -129,12 +157,44 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "auto
         model = _from_pretrained(AutoModelForCausalLM, name_or_path, path, **kwargs).to(target).eval()
     tokenizer = _from_pretrained(AutoTokenizer, name_or_path, path)
     if record:
-        patch(model, record["strategy"],
-              original_max_position_embeddings=record.get("original_max_position_embeddings"),
-              layer_types=record.get("layer_types"),
-              **{k: record[k] for k in ("dynamic_cache", "dynamic_block", "logn") if k in record},
-              **record.get("params", {}))
+        _apply_record(model, record)
     return model, tokenizer
+
+
+def _apply_record(model, record: dict[str, Any]) -> PatchHandle:
+    """Re-apply a patch recorded in ``ropescale.json``."""
+    return patch(model, record["strategy"],
+                 original_max_position_embeddings=record.get("original_max_position_embeddings"),
+                 layer_types=record.get("layer_types"),
+                 **{k: record[k] for k in ("dynamic_cache", "dynamic_block", "logn") if k in record},
+                 **record.get("params", {}))
+
+
+def _load_adapter(name: str, path: str, base: str, **kwargs) -> tuple[Any, Any]:
+    """An adapter folder: the base model (``load_model``; a patch saved with the base is dropped),
+    the adapter's patch re-applied, then the adapter applied (PEFT ``PeftModel`` in eval mode;
+    ``current_patch`` reaches the base model's patch through it)."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise ModelLoadError(f"{name}: is a LoRA adapter folder; loading it needs PEFT: "
+                             "pip install 'ropescale[lora]' (peft>=0.13)") from None
+    from transformers import AutoTokenizer
+
+    if Path(base).resolve() == Path(path).resolve():
+        raise ModelLoadError(f"{name}: {ADAPTER_FILE} names the adapter folder itself as its base model")
+    model, _ = load_model(base, **kwargs)
+    unpatch(model)
+    saved = Path(path) / PATCH_FILE
+    if saved.is_file():  # patch before the adapter, as training did
+        _apply_record(model, json.loads(saved.read_text()))
+    try:
+        model = PeftModel.from_pretrained(model, path, is_trainable=False)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"{name}: cannot apply the LoRA adapter to {base} ({first})") from None
+    tokenizer = _from_pretrained(AutoTokenizer, name, path)
+    return model.eval(), tokenizer
 
 
 def load_tokenizer(name_or_path: str):
@@ -161,14 +221,15 @@ def model_fingerprint(name_or_path: str) -> str:
     return "hub:" + Path(config).parent.name  # …/snapshots/<commit>/config.json
 
 
-def save_patched(model, tokenizer, output: str | Path) -> Path:
+def save_patched(model, tokenizer, output: str | Path, *, state_dict: dict | None = None) -> Path:
     """Write the patched model: HF files with the patch in ``config.json`` plus ``ropescale.json``.
 
     Where transformers can express the strategy, plain ``AutoModelForCausalLM.from_pretrained``
     of ``output`` gives the same logits; otherwise it fails with a ``KeyError`` naming
     ``ropescale.load_model`` rather than running vanilla RoPE. ``ropescale.load_model(output)``
     always restores the patched model. ``ropescale.json`` has ``native`` (which case applies).
-    Raises ``ValueError`` when the model carries no patch.
+    ``state_dict``: the weights to write instead of ``model.state_dict()`` (a sharded model's,
+    gathered). Raises ``ValueError`` when the model carries no patch.
     """
     handle: PatchHandle | None = current_patch(model)
     if handle is None:
@@ -177,11 +238,42 @@ def save_patched(model, tokenizer, output: str | Path) -> Path:
 
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(output)
+    model.save_pretrained(output, **({"state_dict": state_dict} if state_dict is not None else {}))
     tokenizer.save_pretrained(output)
     config, native = exported_config(model, handle)
     config.save_pretrained(output)
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     record = handle.to_dict() | {"native": native, "base_rope_parameters": text.rope_parameters}
+    (output / PATCH_FILE).write_text(json.dumps(record, indent=1) + "\n")
+    return output
+
+
+def save_adapter(model, tokenizer, output: str | Path) -> Path:
+    """Write a LoRA-trained model (a PEFT ``PeftModel`` over a patched base model) as an adapter
+    folder: PEFT's ``adapter_config.json`` + ``adapter_model.safetensors`` (the LoRA matrices and
+    any ``modules_to_save``), the tokenizer, and ``ropescale.json`` recording the patch (with
+    ``adapter: true``). ``ropescale.load_model(output)`` rebuilds it: base model, patch, adapter.
+    Raises ``ValueError`` when the model is not a PEFT model or carries no patch."""
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
+        raise ValueError(f"save_adapter needs a PEFT model; got {type(model).__name__} (use save_patched)")
+    handle: PatchHandle | None = current_patch(model)
+    if handle is None:
+        raise ValueError("model is not patched; call ropescale.patch(model, ...) first")
+    base = model.peft_config[model.active_adapter].base_model_name_or_path
+    if not base:
+        raise ValueError("the PEFT model records no base_model_name_or_path; its adapter could not be reloaded")
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(output)
+    tokenizer.save_pretrained(output)
+    config_path = output / ADAPTER_FILE
+    adapter_config = json.loads(config_path.read_text())
+    if Path(str(base)).resolve() == REFERENCE_MODEL.resolve():  # the bundled model by name, not this install's path
+        adapter_config["base_model_name_or_path"] = "reference"
+        config_path.write_text(json.dumps(adapter_config, indent=2) + "\n")
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    record = handle.to_dict() | {"native": False, "adapter": True, "base_rope_parameters": text.rope_parameters}
     (output / PATCH_FILE).write_text(json.dumps(record, indent=1) + "\n")
     return output
