@@ -22,8 +22,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from eval.config import ConfigError, DataConfig, StrategySpec, apply_overrides, parse_strategy, read_yaml
 
-__all__ = ["FinetuneConfig", "PoseConfig", "EvalDuringTraining", "build_finetune_config", "load_finetune_config",
-           "ResolvedRun", "resolve"]
+__all__ = ["FinetuneConfig", "PoseConfig", "LoraSettings", "EvalDuringTraining", "build_finetune_config",
+           "load_finetune_config", "ResolvedRun", "resolve", "fsdp_plugin_kwargs", "DEFAULT_LORA_TARGETS"]
+
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 class PoseConfig(BaseModel):
@@ -44,6 +46,100 @@ class PoseConfig(BaseModel):
         if isinstance(raw, dict) and raw and "enabled" not in raw:  # `pose: {chunks: 3}` means on
             return {**raw, "enabled": True}
         return raw
+
+
+class LoraSettings(BaseModel):
+    """LoRA (Hu et al. 2021, arXiv:2106.09685) through PEFT: the base weights stay frozen and
+    each targeted linear layer W gains W + (alpha / r) · B A with A ``[r, in]``, B ``[out, r]``
+    (B starts at zero, so training starts from the base model's outputs).
+
+    ``trainable_embeddings_norms``: LongLoRA's "LoRA+" (Chen et al. 2023, arXiv:2309.12307 §3.3;
+    dvlab-research/LongLoRA ``trainable_params="embed,norm"``): the embedding and normalisation
+    layers are also trained fully; they go through PEFT's ``modules_to_save`` so they are saved
+    with the adapter. ``save``: ``merged`` (LoRA merged into the weights, a plain patched model)
+    or ``adapter`` (PEFT adapter folder + patch record + tokenizer; ``ropescale.load_model``
+    loads the base model named in it, applies the adapter and re-applies the patch)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    r: int = Field(8, ge=1, description="rank of the update B A")
+    alpha: float = Field(16.0, gt=0, description="the update is scaled by alpha / r")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA branch's input")
+    target_modules: list[str] | None = Field(
+        None, description="linear layers given LoRA (default: q_proj, k_proj, v_proj, o_proj when the model has "
+                          "them, else PEFT's default for the architecture)")
+    modules_to_save: list[str] = Field(default_factory=list, description="modules trained fully and saved")
+    trainable_embeddings_norms: bool = Field(False, description="LongLoRA's LoRA+: embeddings and norms trained")
+    save: Literal["merged", "adapter"] = "merged"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, raw: Any) -> Any:
+        return {} if raw is True else raw  # `lora: true`: the defaults
+
+    @field_validator("target_modules", "modules_to_save", mode="before")
+    @classmethod
+    def _names(cls, v: Any) -> Any:
+        if isinstance(v, str):  # `q_proj,v_proj`
+            v = [x.strip() for x in v.split(",") if x.strip()]
+        return v
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and not v:
+            raise ValueError("empty: name at least one linear layer (or leave the key out for the default)")
+        return v
+
+
+def fsdp_plugin_kwargs(spec: str, source: str = "config") -> dict[str, Any]:
+    """Keyword arguments of accelerate's ``FullyShardedDataParallelPlugin`` for ``sharding``
+    (see ``_fsdp_kwargs``); raises ``ConfigError`` in one line naming the key."""
+    try:
+        return _fsdp_kwargs(spec)
+    except ValueError as e:
+        raise ConfigError(f"{source}: sharding: {e}") from None
+
+
+def _fsdp_kwargs(spec: str) -> dict[str, Any]:
+    """Keyword arguments of accelerate's ``FullyShardedDataParallelPlugin`` for ``sharding``:
+    ``fsdp`` → FSDP2, parameters, gradients and optimiser state sharded over the processes
+    (FULL_SHARD: ``reshard_after_forward``), one unit per decoder layer (the model's
+    ``_no_split_modules``), sharded checkpoints; a path → a YAML mapping of the plugin's
+    arguments (or an ``accelerate config`` file: its ``fsdp_config`` section, ``fsdp_`` prefixes
+    dropped). Raises ``ValueError`` for an unreadable file or an unknown argument."""
+    import dataclasses
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    base = {"fsdp_version": 2, "reshard_after_forward": True, "auto_wrap_policy": "transformer_based_wrap",
+            "state_dict_type": "SHARDED_STATE_DICT", "cpu_ram_efficient_loading": False}
+    if spec == "fsdp":
+        return base
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"{spec!r} is neither 'fsdp' nor a readable accelerate FSDP config file")
+    try:
+        raw = read_yaml(path)
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
+    raw = raw.get("fsdp_config", raw) if isinstance(raw, dict) else raw
+    if not isinstance(raw, dict):
+        raise ValueError(f"{spec}: expected a mapping of FSDP plugin arguments")
+    known = {f.name for f in dataclasses.fields(FullyShardedDataParallelPlugin)}
+    out = dict(base)
+    aliases = {"offload_params": "cpu_offload", "transformer_layer_cls_to_wrap": "transformer_cls_names_to_wrap"}
+    for key, value in raw.items():
+        name = key if key in known else aliases.get(key.removeprefix("fsdp_"), key.removeprefix("fsdp_"))
+        if name == "sharding_strategy" and "reshard_after_forward" not in raw:
+            out.pop("reshard_after_forward", None)
+        if name not in known:
+            hint = difflib.get_close_matches(name, sorted(known), n=1)
+            raise ValueError(f"{spec}: {key}: not an FSDP plugin argument"
+                              + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+        if name == "transformer_cls_names_to_wrap" and isinstance(value, str):
+            value = [x.strip() for x in value.split(",") if x.strip()]
+        out[name] = value.lower() if name == "auto_wrap_policy" and isinstance(value, str) else value
+    return out
 
 
 class EvalDuringTraining(BaseModel):
@@ -110,6 +206,16 @@ class FinetuneConfig(BaseModel):
     keep_checkpoints: int = Field(1, ge=1)
     eval: EvalDuringTraining | None = None
     pose: PoseConfig = Field(default_factory=PoseConfig)
+    gradient_checkpointing: bool = Field(
+        False, description="recompute each decoder layer's activations in backward (transformers' non-reentrant "
+                           "checkpointing): activation memory of one layer instead of all; same loss and gradients")
+    loss_chunk_size: int | None = Field(
+        None, ge=0, description="positions per chunk of the LM head in the loss (ropescale.lm_head: [chunk, V] "
+                                "logits at a time, recomputed in backward); None: chosen from a memory budget; "
+                                "0 or false: the model's own labels= loss over [b, s, V] logits")
+    lora: LoraSettings | None = Field(None, description="train LoRA adapters (PEFT) instead of all the weights")
+    sharding: str | None = Field(None, description="'fsdp' (accelerate's FSDP, FULL_SHARD) or an FSDP plugin "
+                                                   "config file; needs CUDA devices")
     output: str | None = None
 
     @field_validator("strategy", mode="before")
@@ -130,6 +236,35 @@ class FinetuneConfig(BaseModel):
     def _steps(cls, v: Any) -> Any:
         if isinstance(v, int) and not isinstance(v, bool) and v <= 0:
             raise ValueError(f"must be at least 1 optimiser step; got {v}")
+        return v
+
+    @field_validator("loss_chunk_size", mode="before")
+    @classmethod
+    def _chunk(cls, v: Any) -> Any:
+        if v is False:  # `loss_chunk_size: false`: the plain loss
+            return 0
+        if v is True:
+            raise ValueError("true is not a chunk size; give a number of positions, null (chosen from a memory "
+                             "budget) or false (the model's own loss)")
+        return v
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora(cls, v: Any) -> Any:
+        if v is False:
+            return None
+        if v is not None:
+            import importlib.util
+
+            if importlib.util.find_spec("peft") is None:
+                raise ValueError("needs PEFT, which is not installed: pip install 'ropescale[lora]' (peft>=0.13)")
+        return v
+
+    @field_validator("sharding")
+    @classmethod
+    def _sharding(cls, v: str | None) -> str | None:
+        if v is not None:
+            _fsdp_kwargs(v)  # a bad file fails now
         return v
 
     @field_validator("threads")
@@ -153,18 +288,30 @@ class FinetuneConfig(BaseModel):
                              "be measured on text the model is not trained on")
         if self.mixed_precision == "fp16" and self.device == "cpu":
             raise ValueError("mixed_precision: fp16 needs a CUDA device; on CPU use bf16 or no")
+        if self.sharding is not None and self.device == "cpu":
+            raise ValueError(SHARDING_ON_CPU)
+        if self.sharding is not None and self.lora is not None:
+            raise ValueError("sharding: not combined with lora here (LoRA freezes the base weights, so with "
+                             "gradient_checkpointing an 8B model trains on one GPU); use sharding for full fine-tuning")
         return self
 
     def identity(self) -> dict[str, Any]:
         """What makes two runs the same run (a rerun with the same identity resumes): everything
         but where it runs and what is evaluated after training."""
-        out = self.model_dump(mode="json", exclude={"output", "device", "threads", "keep_checkpoints"})
+        # gradient checkpointing and the loss's chunking change how the same numbers are computed, not
+        # what is trained (float tolerance); leaving them out keeps earlier runs' manifests valid
+        out = self.model_dump(mode="json", exclude={"output", "device", "threads", "keep_checkpoints",
+                                                    "gradient_checkpointing", "loss_chunk_size"})
         if out.get("eval"):
             out["eval"].pop("after", None)
         return out
 
 
-_SECTIONS = {"pose": PoseConfig, "eval": EvalDuringTraining, "data": DataConfig}
+SHARDING_ON_CPU = ("sharding: needs CUDA devices: accelerate 1.15 shards (FSDP) only on GPUs; on CPU it falls back "
+                   "to plain data parallelism without a word (every process holds the whole model), so the run "
+                   "would not fit where sharding is needed; leave sharding out on CPU")
+
+_SECTIONS = {"pose": PoseConfig, "eval": EvalDuringTraining, "data": DataConfig, "lora": LoraSettings}
 
 
 def _explain(err: ValidationError, source: str) -> ConfigError:

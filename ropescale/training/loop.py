@@ -13,13 +13,24 @@ transformers reads position ids that jump, as PoSE's do, as packed sequences and
 chunks from each other). Dynamic strategies use the target length L while training
 (``ScaledRotaryEmbedding.training_length``).
 
+What makes a long window fit (an 8B model at 32k tokens): ``gradient_checkpointing`` (transformers'
+non-reentrant checkpointing: each decoder layer's activations are recomputed in backward, so one
+layer's are held at a time; the patch lives in the rotary module, computed once outside the
+layers, and in the attention function, recomputed with its layer — frequency, dynamic, log-n and
+truncation rules alike); the loss from ``ropescale.lm_head`` (the LM head over chunks of
+``loss_chunk_size`` positions, recomputed in backward: never the ``[b, s, V]`` logits); ``lora``
+(PEFT adapters on a frozen base model, applied *after* the patch, which stays active inside the
+PEFT wrapper; LongLoRA's embeddings and norms through ``modules_to_save``); ``sharding``
+(accelerate's FSDP on CUDA devices).
+
 The output folder holds one run (as a harness results folder holds one experiment):
 ``manifest.json`` (the run's identity: config, weights and data fingerprints, processes,
 library versions; a rerun with another identity is refused, with the same identity it resumes
 from the last checkpoint — same data order, bit-exact on CPU), a lock against two runs at once,
 ``log.jsonl`` and ``loss.png`` (``ropescale.training.report``), ``checkpoints/step-NNNNNN/``
-(``save_state``; removed once the model is saved), ``model/`` (``ropescale.save_patched`` plus
-``finetune.json``: the config, resolved parameters and a summary) and ``eval/<task>/`` (harness
+(``save_state``; removed once the model is saved), ``model/`` (``ropescale.save_patched``, or with
+``lora.save: adapter`` ``ropescale.models.save_adapter``, plus ``finetune.json``: the config,
+resolved parameters and a summary) and ``eval/<task>/`` (harness
 experiments on the saved model). Only the main process writes, except accelerate's per-process
 RNG state files inside a checkpoint.
 """
@@ -38,15 +49,19 @@ import torch
 from eval.config import ConfigError
 from eval.manifest import check_manifest, data_fingerprint, folder_lock
 from eval.sweep import environment, prepare_output, run_sweep
-from ropescale.models import load_model, load_tokenizer, model_fingerprint, resolve_device, save_patched
-from ropescale.patching import patch, unpatch
+from ropescale.lm_head import OutputHead
+from ropescale.lm_head import causal_lm_loss as chunked_lm_loss
+from ropescale.models import load_model, load_tokenizer, model_fingerprint, resolve_device, save_adapter, save_patched
+from ropescale.patching import current_patch, patch, unpatch
 from ropescale.rotary import ScaledRotaryEmbedding
-from ropescale.training.config import FinetuneConfig, ResolvedRun, resolve
+from ropescale.training.config import (DEFAULT_LORA_TARGETS, SHARDING_ON_CPU, FinetuneConfig, LoraSettings,
+                                       ResolvedRun, fsdp_plugin_kwargs, resolve)
 from ropescale.training.data import TrainingWindows, load_stream
 from ropescale.training.heldout import HeldOut
 from ropescale.training.report import LOG, TrainingLog, plot_training, read_log
 
-__all__ = ["finetune", "causal_lm_loss", "MODEL_DIR", "SUMMARY", "CHECKPOINTS"]
+__all__ = ["finetune", "causal_lm_loss", "enable_checkpointing", "apply_lora", "embedding_and_norm_modules", "save_trained", "MODEL_DIR",
+           "SUMMARY", "CHECKPOINTS"]
 
 MODEL_DIR = "model"
 SUMMARY = "finetune.json"
@@ -76,14 +91,97 @@ def _checkpoints(output: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def causal_lm_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def causal_lm_loss(model, batch: dict[str, torch.Tensor], *, chunk_size: int | None = None,
+                   head: OutputHead | None = None) -> torch.Tensor:
     """Mean next-token NLL [nats] of ``batch["input_ids"]`` ``[b, s]`` at ``batch["position_ids"]``
     ``[b, s]`` (PoSE) or 0 … s−1. The attention mask is given explicitly (all ones): without one,
     transformers takes position ids that jump for packed sequences and keeps the chunks of a PoSE
-    example from attending to each other."""
+    example from attending to each other.
+
+    ``chunk_size``: positions per chunk of the LM head (``ropescale.lm_head.causal_lm_loss``:
+    ``[b, chunk, V]`` logits at a time, recomputed in backward); None: chosen there from a memory
+    budget; 0: the model's own ``labels=`` loss over the full ``[b, s, V]`` logits. ``head``: an
+    ``OutputHead(model)`` kept across calls. Works on DDP- and PEFT-wrapped models."""
     ids = batch["input_ids"]
-    return model(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=batch.get("position_ids"),
-                 labels=ids, use_cache=False).loss
+    mask, pos = torch.ones_like(ids), batch.get("position_ids")
+    if chunk_size == 0:
+        return model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=ids, use_cache=False).loss
+    return chunked_lm_loss(model, ids, position_ids=pos, attention_mask=mask, chunk_size=chunk_size, head=head)
+
+
+def enable_checkpointing(model, source: str = "config") -> None:
+    """transformers' non-reentrant activation checkpointing on every decoder layer of ``model``
+    (``activation_checkpointing_enable``, formerly ``gradient_checkpointing_enable``): in training
+    mode each layer keeps only its input and recomputes the rest in backward (same RNG state, so
+    dropout draws the same masks). Raises ``ConfigError`` for a model that does not support it."""
+    kwargs = {"use_reentrant": False}
+    try:
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    except ValueError as e:
+        raise ConfigError(f"{source}: gradient_checkpointing: {e}") from None
+
+
+def embedding_and_norm_modules(model) -> list[str]:
+    """Names of the modules LongLoRA's "LoRA+" trains fully (Chen et al. 2023, arXiv:2309.12307;
+    dvlab-research/LongLoRA ``trainable_params="embed,norm"``): embeddings (``nn.Embedding``) and
+    normalisation layers (a class name containing ``Norm``: LlamaRMSNorm, LayerNorm, ...) that
+    hold parameters of their own. For Llama: ``model.embed_tokens``, each layer's
+    ``input_layernorm`` and ``post_attention_layernorm``, ``model.norm`` — the modules of the
+    parameters whose names contain ``embed`` or ``norm``, LongLoRA's rule."""
+    out = []
+    for name, module in model.named_modules():
+        if not name or not any(True for _ in module.parameters(recurse=False)):
+            continue
+        if isinstance(module, torch.nn.Embedding) or "Norm" in type(module).__name__:
+            out.append(name)
+    return out
+
+
+def apply_lora(model, lora: LoraSettings, source: str = "config"):
+    """Wrap a (patched) causal LM in PEFT's LoRA: the base weights frozen, LoRA matrices on
+    ``lora.target_modules`` (default ``q_proj, k_proj, v_proj, o_proj`` when the model has them,
+    else PEFT's default for the architecture), ``modules_to_save`` (plus, with
+    ``trainable_embeddings_norms``, ``embedding_and_norm_modules``) trained fully and saved with
+    the adapter. The ropescale patch (rotary module swapped, attention function set) is left as it
+    is and stays active inside the wrapper; ``current_patch`` reaches it through PEFT.
+
+    Returns the ``PeftModel``. Raises ``ConfigError`` (one line) for target modules the model
+    does not have."""
+    from peft import LoraConfig, get_peft_model
+
+    leaves = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    targets = list(lora.target_modules) if lora.target_modules else (
+        list(DEFAULT_LORA_TARGETS) if set(DEFAULT_LORA_TARGETS) <= leaves else None)
+    save = list(lora.modules_to_save)
+    if lora.trainable_embeddings_norms:
+        save += [n for n in embedding_and_norm_modules(model) if n not in save]
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+                        modules_to_save=save or None, task_type="CAUSAL_LM")
+    handle = current_patch(model)
+    try:
+        wrapped = get_peft_model(model, config)
+    except ValueError as e:
+        first = " ".join(str(e).split())[:300]
+        raise ConfigError(f"{source}: lora: {first}") from None
+    if current_patch(wrapped) is not handle:  # the patch must survive the wrapping
+        raise RuntimeError("the ropescale patch is not reachable through the PEFT model")
+    return wrapped
+
+
+def save_trained(model, tokenizer, output: str | Path, lora: LoraSettings | None = None, *,
+                 state_dict: dict | None = None) -> Path:
+    """Save a trained patched model into ``output``: all weights (``save_patched``); with LoRA
+    ``save: merged`` the adapter merged into the weights first (``merge_and_unload``: ``model``
+    itself is changed), with ``save: adapter`` an adapter folder (``save_adapter``). Both reload
+    with their patch through ``ropescale.load_model(output)``."""
+    if lora is None:
+        return save_patched(model, tokenizer, output, state_dict=state_dict)
+    if lora.save == "adapter":
+        return save_adapter(model, tokenizer, output)
+    return save_patched(model.merge_and_unload(), tokenizer, output)
 
 
 def _patch_for_training(model, cfg: FinetuneConfig, run: ResolvedRun):
@@ -122,11 +220,28 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
     device = resolve_device(cfg.device)  # a device that is not there fails first
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    plugin = None
+    if cfg.sharding is not None:
+        if device.type != "cuda":
+            raise ConfigError(f"{source}: {SHARDING_ON_CPU}")
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        plugin = FullyShardedDataParallelPlugin(**fsdp_plugin_kwargs(cfg.sharding, source))
+    # accelerate keeps one AcceleratorState per process and refuses another mixed precision in it; a
+    # process running several fine-tunings (tests, notebooks) starts each afresh — the distributed
+    # group (PartialState) is kept
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
     # cpu=True also makes processes started by torchrun (`accelerate launch --multi_gpu` on a machine
     # without GPUs) one gloo group; without it each would train alone and write the same files
-    acc = Accelerator(cpu=device.type == "cpu", mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.grad_accum)
+    acc = Accelerator(cpu=device.type == "cpu", mixed_precision=cfg.mixed_precision,
+                      gradient_accumulation_steps=cfg.grad_accum, fsdp_plugin=plugin)
     if cfg.mixed_precision == "fp16" and acc.device.type == "cpu":
         raise ConfigError(f"{source}: mixed_precision: fp16 needs a CUDA device; on CPU use bf16 or no")
+    if plugin is not None and acc.num_processes > 1 and acc.distributed_type.value != "FSDP":
+        raise ConfigError(f"{source}: sharding: accelerate set up {acc.distributed_type.value}, not FSDP, for "
+                          f"{acc.num_processes} processes; launch with `accelerate launch --multi_gpu`")
     output = Path(output)
     if acc.is_main_process:
         prepare_output(output)
@@ -187,9 +302,18 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, 
     heldout = (HeldOut(tokenizer, cfg.eval.data, run.eval_lengths, max_windows=cfg.eval.max_windows,
                        batch_size=cfg.eval.batch_size) if cfg.eval else None)
     model, _ = load_model(cfg.model, device="cpu")
+    if hasattr(model, "merge_and_unload") and hasattr(model, "peft_config"):  # a saved adapter as the base
+        model = model.merge_and_unload()
     _patch_for_training(model, cfg, run)
+    if cfg.gradient_checkpointing:  # before PEFT: the decoder layers are the base model's
+        enable_checkpointing(model)
+    if cfg.lora is not None:
+        model = apply_lora(model, cfg.lora)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    counts = {"trainable_parameters": sum(p.numel() for p in trainable),
+              "parameters": sum(p.numel() for p in model.parameters())}
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
     scheduler = get_scheduler(_SCHEDULES[cfg.schedule], optimizer, num_warmup_steps=cfg.warmup,
                               num_training_steps=cfg.steps)
     pose = (run.window, cfg.pose.chunks, cfg.pose.content) if cfg.pose.enabled else None
@@ -209,12 +333,19 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, 
     acc.wait_for_everyone()
     batches = acc.skip_first_batches(loader, start * cfg.grad_accum) if start else loader
     inner = acc.unwrap_model(model)
-    label = cfg.strategy.display + (" + PoSE" if cfg.pose.enabled else "")
+    sharded = acc.distributed_type.value == "FSDP"
+    # the chunked head runs lm_head outside the model's forward, where FSDP's parameters are sharded
+    chunk_size = 0 if sharded else cfg.loss_chunk_size
+    head = OutputHead(model) if chunk_size != 0 else None
+    label = cfg.strategy.display + (" + PoSE" if cfg.pose.enabled else "") + (" + LoRA" if cfg.lora else "")
     tokens_per_step = cfg.batch_size * cfg.grad_accum * acc.num_processes * run.window
 
     def evaluate(step: int) -> dict[str, float]:
-        ppl = heldout.perplexity(inner, device=acc.device, process_index=acc.process_index,
-                                 num_processes=acc.num_processes)
+        if sharded:  # every process runs every window through the sharded model, so its collectives line up
+            ppl = heldout.perplexity(model, device=acc.device)
+        else:
+            ppl = heldout.perplexity(inner, device=acc.device, process_index=acc.process_index,
+                                     num_processes=acc.num_processes)
         record = {"step": step, "ppl": {str(k): round(v, 4) for k, v in ppl.items()}}
         log.write(record)
         return record["ppl"]
@@ -228,7 +359,8 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, 
     t0 = time.perf_counter()
     for batch in batches:
         with acc.accumulate(model):
-            loss = causal_lm_loss(model, batch)
+            with acc.autocast():  # the chunked head runs outside the model's forward, under the same precision
+                loss = causal_lm_loss(model, batch, chunk_size=chunk_size, head=head)
             acc.backward(loss)
             losses.append(loss.detach().float())
             grad_norm = None
@@ -274,10 +406,11 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, 
                "original_max_position_embeddings": run.train_length, "window": run.window, "steps": step,
                "tokens": step * tokens_per_step, "final_loss": loss_value, "ppl": last_ppl,
                "resumed_from": start, "train_seconds": round(train_s, 1), "processes": acc.num_processes,
-               "config": cfg.model_dump(mode="json"), "env": env}
+               **counts, "config": cfg.model_dump(mode="json"), "env": env}
+    state_dict = acc.get_state_dict(model) if sharded else None  # gathered: every process takes part
     if acc.is_main_process:
         inner.eval()
-        save_patched(inner, tokenizer, output / MODEL_DIR)
+        save_trained(inner, tokenizer, output / MODEL_DIR, cfg.lora, state_dict=state_dict)
         (output / MODEL_DIR / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n")  # last: marks the run done
         plot_training(read_log(output / LOG), output / "loss.png", f"{label}, L = {cfg.length}")
         shutil.rmtree(output / CHECKPOINTS, ignore_errors=True)

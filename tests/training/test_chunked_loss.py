@@ -1,0 +1,72 @@
+"""The training loss through ``ropescale.lm_head`` (the LM head over chunks of positions,
+recomputed in backward): ``loss_chunk_size`` null (chosen from a memory budget), a number, or
+0 / false (the model's own ``labels=`` loss, the oracle) give the same losses, gradients and
+training runs; the chunk size asked for is the one used."""
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+import ropescale
+from ropescale import lm_head
+from ropescale.training import build_finetune_config, finetune
+from ropescale.training.loop import causal_lm_loss
+from ropescale.training.report import read_log
+from tests.conftest import build, tiny_llama_config
+from tests.training.test_checkpointing import POSE
+from tests.training.test_gradients import IDS, assert_same_grads, grads
+
+
+@pytest.mark.parametrize("batch", [{"input_ids": IDS}, {"input_ids": IDS[:, :64], "position_ids": POSE}],
+                         ids=["plain", "pose"])
+@pytest.mark.parametrize("chunk_size", [None, 7])
+def test_chunked_loss_and_gradients_equal_the_models_own_loss(batch, chunk_size, monkeypatch):
+    model = build(LlamaForCausalLM, tiny_llama_config())
+    with ropescale.patch(model, "yarn", factor=4.0, logn=True):
+        model.train()
+        expected = causal_lm_loss(model, batch, chunk_size=0)
+        widths = []
+        logits = lm_head.OutputHead.logits
+        monkeypatch.setattr(lm_head.OutputHead, "logits", lambda self, h: widths.append(h.shape[1]) or logits(self, h))
+        got = causal_lm_loss(model, batch, chunk_size=chunk_size)
+        monkeypatch.undo()
+        n = batch["input_ids"].shape[1] - 1  # positions with a next token
+        assert widths[0] == 1  # lm_head checks its head against the model's logits at the last position
+        if chunk_size == 7:
+            assert widths[1:] == [7] * (n // 7) + ([n % 7] if n % 7 else [])
+        else:
+            assert widths[1:] == [n]  # a tiny vocabulary: one chunk fits the budget
+        assert abs(got - expected) <= 1e-5 * expected
+        model.zero_grad()
+        got.backward()
+        chunked = {k: p.grad.clone() for k, p in model.named_parameters()}
+        assert_same_grads(chunked, grads(model, batch), rtol=1e-5)
+
+
+def losses(output):
+    return [r["loss"] for r in read_log(output) if "loss" in r]
+
+
+@pytest.mark.parametrize("extra", [{}, {"lora": {"trainable_embeddings_norms": True}}], ids=["full", "lora+"])
+def test_training_runs_give_the_same_losses_with_any_chunk_size(tmp_path, tiny_run, extra):
+    raw = tiny_run(strategy="yarn", steps=3, eval=None, checkpoint_every=10, **extra)
+    curves = {}
+    for chunk in (False, 0, None, 5):
+        out = finetune(build_finetune_config({**raw, "loss_chunk_size": chunk}), tmp_path / str(chunk), progress=False)
+        curves[chunk] = losses(tmp_path / str(chunk))
+        assert out["config"]["loss_chunk_size"] == (0 if chunk is False else chunk)
+    assert curves[False] == curves[0]
+    for chunk in (None, 5):
+        assert curves[chunk] == pytest.approx(curves[0], rel=1e-5), chunk
+
+
+def test_chunk_size_config_values():
+    from eval.config import ConfigError
+
+    base = {"strategy": "yarn", "length": 64, "steps": 1}
+    assert build_finetune_config(base).loss_chunk_size is None
+    assert build_finetune_config({**base, "loss_chunk_size": False}).loss_chunk_size == 0
+    with pytest.raises(ConfigError, match="loss_chunk_size: true is not a chunk size"):
+        build_finetune_config({**base, "loss_chunk_size": True})
+    with pytest.raises(ConfigError, match="loss_chunk_size: Input should be greater than or equal to 0"):
+        build_finetune_config({**base, "loss_chunk_size": -3})

@@ -1,0 +1,213 @@
+"""LoRA through PEFT: the config, LongLoRA's "LoRA+" modules, the patch staying active inside the
+PEFT wrapper, training that moves only the adapter (and with LoRA+ the embeddings and norms), and
+both ways of saving — merged weights and an adapter folder — reloading through
+``ropescale.load_model`` with the patch and the in-memory model's logits. Also bf16 on CPU."""
+
+import copy
+import json
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaForCausalLM
+
+import ropescale
+from eval.config import ConfigError
+from ropescale.training import build_finetune_config, finetune
+from ropescale.training.loop import apply_lora, causal_lm_loss, embedding_and_norm_modules, save_trained
+from ropescale.training.config import LoraSettings
+from ropescale.training.report import read_log
+from tests.conftest import build, tiny_llama_config
+from tests.training.test_config import cli, one_line_error, write  # noqa: F401 (write: fixture)
+from tests.training.test_gradients import IDS
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def test_lora_config_defaults_and_errors():
+    base = {"strategy": "yarn", "length": 64, "steps": 1}
+    cfg = build_finetune_config({**base, "lora": True}).lora
+    assert (cfg.r, cfg.alpha, cfg.dropout, cfg.target_modules, cfg.modules_to_save, cfg.trainable_embeddings_norms,
+            cfg.save) == (8, 16.0, 0.0, None, [], False, "merged")
+    assert build_finetune_config({**base, "lora": False}).lora is None
+    cfg = build_finetune_config({**base, "lora": {"r": 4, "target_modules": "q_proj, v_proj", "save": "adapter"}}).lora
+    assert cfg.target_modules == ["q_proj", "v_proj"] and cfg.save == "adapter"
+    for lora, message in [({"rank": 4}, "lora.rank: unknown key; allowed: r, alpha, dropout, target_modules, "
+                                        "modules_to_save, trainable_embeddings_norms, save"),
+                          ({"save": "full"}, "lora.save: Input should be 'merged' or 'adapter'"),
+                          ({"target_modules": []}, "lora.target_modules: empty"),
+                          ({"r": 0}, "lora.r: Input should be greater than or equal to 1")]:
+        with pytest.raises(ConfigError) as e:
+            build_finetune_config({**base, "lora": lora})
+        assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_missing_peft_is_one_line(write, tmp_path, monkeypatch):  # noqa: F811
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else find(name, *a))
+    one_line_error(cli(write(lora={"r": 4}), "-q", "-o", tmp_path / "out"),
+                   "lora: needs PEFT, which is not installed: pip install 'ropescale[lora]'")
+
+
+def test_unknown_target_module_is_one_line(write, tmp_path):  # noqa: F811
+    one_line_error(cli(write(lora={"target_modules": ["qkv_proj"]}, eval=None), "-q", "-o", tmp_path / "out"),
+                   "lora: Target modules {'qkv_proj'} not found in the base model")
+
+
+def test_lora_plus_trains_what_longlora_trains():
+    """LongLoRA's rule (``trainable_params="embed,norm"``): every parameter whose name contains
+    ``embed`` or ``norm``. The modules given to PEFT hold exactly those parameters, and after
+    wrapping exactly those and the LoRA matrices require gradients."""
+    model = build(LlamaForCausalLM, tiny_llama_config())
+    longlora = {n for n, _ in model.named_parameters() if "embed" in n or "norm" in n}
+    names = embedding_and_norm_modules(model)
+    assert {f"{m}.weight" for m in names} == longlora and len(names) == 1 + 2 * 2 + 1
+    wrapped = apply_lora(model, LoraSettings(trainable_embeddings_norms=True))
+    trainable = {n for n, p in wrapped.named_parameters() if p.requires_grad}
+    lora = {n for n in trainable if ".lora_" in n}
+    assert {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in lora} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    saved = {n.replace("base_model.model.", "", 1).replace(".modules_to_save.default", "") for n in trainable - lora}
+    assert saved == longlora
+
+
+@pytest.mark.parametrize("strategy,kwargs", [("yarn", {"factor": 2.0}), ("yarn", {"factor": 2.0, "logn": True}),
+                                             ("rerope", {"window": 16})])
+def test_the_patch_stays_active_inside_the_peft_model(strategy, kwargs):
+    """At initialisation (B = 0) the LoRA model computes the patched model's logits — at 100 > T = 64
+    tokens, where they differ from the unpatched model's."""
+    model = build(LlamaForCausalLM, tiny_llama_config())
+    with torch.no_grad():
+        plain = model(IDS).logits
+        handle = ropescale.patch(model, strategy, **kwargs)
+        patched = model(IDS).logits
+        wrapped = apply_lora(model, LoraSettings(trainable_embeddings_norms=True)).eval()
+        assert ropescale.current_patch(wrapped) is handle
+        assert torch.equal(wrapped(IDS).logits, patched) and rel(plain, patched) > 1e-3
+
+
+def base_weights(folder) -> dict[str, torch.Tensor]:
+    return load_file(next(iter(sorted(folder.glob("*.safetensors")))))
+
+
+@pytest.mark.parametrize("save", ["merged", "adapter"])
+@pytest.mark.parametrize("plus", [False, True], ids=["lora", "lora+"])
+def test_lora_trains_only_its_weights_and_reloads_with_the_patch(tmp_path, tiny_model_dir, save, plus):
+    torch.manual_seed(0)
+    model, tokenizer = ropescale.load_model(str(tiny_model_dir), device="cpu")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ropescale.patch(model, "yarn", factor=2.0)
+    settings = LoraSettings(trainable_embeddings_norms=plus, save=save, dropout=0.1)
+    peft = apply_lora(model, settings)
+    peft.train()
+    optimizer = torch.optim.AdamW([p for p in peft.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, len(tokenizer), (2, 64), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(6):
+        loss = causal_lm_loss(peft, {"input_ids": ids})
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.05, losses
+    state = peft.state_dict()
+    for k, v in before.items():
+        module, leaf = k.rsplit(".", 1)
+        at = "base_model.model." + module
+        frozen = [state[x] for x in (f"{at}.{leaf}", f"{at}.base_layer.{leaf}", f"{at}.original_module.{leaf}")
+                  if x in state]
+        assert len(frozen) == 1 and torch.equal(frozen[0], v), k  # the base weights never move
+        trained = state.get(f"{at}.modules_to_save.default.{leaf}")
+        assert (trained is not None) == (plus and ("embed" in k or "norm" in k)), k
+        assert trained is None or not torch.equal(trained, v), k  # LoRA+: the trained copy moved
+    assert all(state[k].abs().max() > 0 for k in state if ".lora_B." in k)  # B starts at 0 and moved
+    peft.eval()
+    with torch.no_grad():
+        expected = peft(ids).logits
+    save_trained(copy.deepcopy(peft) if save == "merged" else peft, tokenizer, tmp_path / "out", settings)
+    files = {p.name for p in (tmp_path / "out").iterdir()}
+    assert ("adapter_config.json" in files) == (save == "adapter") and "ropescale.json" in files
+    reloaded, _ = ropescale.load_model(str(tmp_path / "out"), device="cpu")
+    assert ropescale.current_patch(reloaded).strategy == "yarn"
+    with torch.no_grad():
+        got = reloaded(ids).logits
+        assert rel(got, expected) <= 1e-5
+        ropescale.unpatch(reloaded)
+        assert rel(reloaded(ids).logits, expected) > 1e-4  # the patch mattered at 64 > T = 32
+    if save == "adapter":
+        stored = load_file(tmp_path / "out" / "adapter_model.safetensors")
+        kinds = {"lora" if ".lora_" in k else k.split(".")[-2] for k in stored}
+        assert kinds == ({"lora", "embed_tokens", "input_layernorm", "post_attention_layernorm", "norm"} if plus
+                         else {"lora"})
+
+
+def losses(output):
+    return [r["loss"] for r in read_log(output) if "loss" in r]
+
+
+def test_lora_runs_end_to_end_in_both_save_modes(tmp_path, tiny_run, tiny_model_dir):
+    """Fine-tuning with LoRA+: the first step's loss is the fully trained run's (the same patched
+    model at initialisation) and not vanilla RoPE's; the loss falls; merged and adapter runs train
+    the same (bit-exact on CPU) and reload to the same logits; the harness evaluates the adapter
+    folder after training to the PPL the run measured in memory; merged weights moved only in the
+    LoRA-targeted layers, the embeddings and the norms."""
+    heldout = tiny_run()["eval"]["data"]
+    ev = {"every": 10, "data": heldout, "max_windows": 2, "lengths": [64]}
+    lora = {"trainable_embeddings_norms": True, "r": 4}
+    raw = tiny_run(strategy="yarn", steps=10, lr=1e-2, checkpoint_every=20, eval=None)
+    runs = {"full": {**raw, "steps": 1}, "vanilla": {**raw, "steps": 1, "strategy": "vanilla", "lora": lora},
+            "merged": {**raw, "lora": {**lora, "save": "merged"}},
+            "adapter": {**raw, "lora": {**lora, "save": "adapter"},
+                        "eval": {**ev, "after": [{"task": "perplexity", "lengths": [64], "max_windows": 2}]}}}
+    out = {name: finetune(build_finetune_config(r), tmp_path / name, progress=False) for name, r in runs.items()}
+    curve = losses(tmp_path / "merged")
+    assert curve == losses(tmp_path / "adapter")
+    # B = 0 adds exact zeros: the first loss is bit-equal to full fine-tuning's; vanilla RoPE's differs
+    # (barely: the tiny random model's attention is near uniform, so it is compared exactly)
+    assert curve[0] == losses(tmp_path / "full")[0] != losses(tmp_path / "vanilla")[0]
+    assert sum(curve[-3:]) / 3 < sum(curve[:3]) / 3 - 0.05, curve  # 8.32 → 8.24 nats measured
+    assert out["merged"]["trainable_parameters"] < out["full"]["trainable_parameters"] == out["full"]["parameters"]
+    (record,) = out["adapter"]["evaluations"]["perplexity"]
+    assert record["ppl"] == pytest.approx(out["adapter"]["ppl"]["64"], rel=1e-5)
+    adapter_config = json.loads((tmp_path / "adapter" / "model" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str(tiny_model_dir)
+    models = {m: ropescale.load_model(str(tmp_path / m / "model"), device="cpu")[0] for m in ("merged", "adapter")}
+    ids = torch.randint(0, 4096, (1, 64), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert rel(models["adapter"](ids).logits, models["merged"](ids).logits) <= 1e-5
+    base, merged = base_weights(tiny_model_dir), base_weights(tmp_path / "merged" / "model")
+    assert base.keys() == merged.keys()
+    moved = {k for k in base if not torch.equal(base[k], merged[k])}
+    targeted = {"q_proj", "k_proj", "v_proj", "o_proj", "embed_tokens", "input_layernorm",
+                "post_attention_layernorm", "norm"}
+    assert moved == {k for k in base if k.split(".")[-2] in targeted}
+
+
+def test_bf16_on_cpu_with_checkpointing_and_lora(tmp_path, tiny_run):
+    """mixed_precision bf16 (CPU autocast): LoRA+ with checkpointing trains the same with and
+    without checkpointing and with the chunked or the model's own loss, within bf16 rounding of
+    the float32 run, and keeps the adapter's weights float32."""
+    raw = tiny_run(strategy="yarn", steps=3, lr=1e-2, eval=None, checkpoint_every=10,
+                   lora={"trainable_embeddings_norms": True, "save": "adapter"})
+    curves = {}
+    for name, extra in {"fp32": {}, "bf16": {"mixed_precision": "bf16"},
+                        "bf16+ckpt": {"mixed_precision": "bf16", "gradient_checkpointing": True},
+                        "bf16+ckpt+plain": {"mixed_precision": "bf16", "gradient_checkpointing": True,
+                                            "loss_chunk_size": 0}}.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            finetune(build_finetune_config({**raw, **extra}), tmp_path / name, progress=False)
+        assert not [w for w in caught if "chunked LM head" in str(w.message)]  # no fallback to full logits
+        curves[name] = losses(tmp_path / name)
+    assert curves["bf16+ckpt"] == pytest.approx(curves["bf16"], rel=1e-5)
+    assert curves["bf16+ckpt+plain"] == pytest.approx(curves["bf16"], rel=1e-5)
+    assert curves["bf16"] != curves["fp32"]  # autocast was on
+    assert curves["bf16"] == pytest.approx(curves["fp32"], rel=2e-2)
+    stored = load_file(tmp_path / "bf16+ckpt" / "model" / "adapter_model.safetensors")
+    assert {v.dtype for v in stored.values()} == {torch.float32}
