@@ -3,9 +3,20 @@ scaling and the truncation rules (ReRoPE, Leaky ReRoPE, SelfExtend).
 
 An attention function registered under a new name receives, per layer, ``query``
 ``[b, n_h, s_q, h_d]`` and ``key``/``value`` ``[b, n_kv, s_k, h_d]`` *after* RoPE (and after the
-cache update), plus ``position_ids`` ``[b, s_q]`` among its keyword arguments. We wrap the model's
-own implementation (``sdpa``, or the modeling file's ``eager_attention_forward``) and register
-the same mask function under the new name — otherwise transformers hands a new name no mask.
+cache update), plus ``position_ids`` ``[b, s_q]`` among its keyword arguments. log-n wraps
+whatever implementation the model uses — ``ALL_ATTENTION_FUNCTIONS[name]`` (sdpa,
+flash_attention_2/3, flex_attention, a user's own), or for ``eager`` the modeling file's
+``eager_attention_forward`` — under ``ropescale_logn_<name>``, registered with the base's own mask
+function (its ``AttentionMaskInterface`` entry; none when the base has none) when first enabled —
+otherwise transformers hands a new name no mask. Flash kernels are loaded by name (the name
+containing "flash" is how transformers recognises them), so for those the wrapper passes the
+base a view of the layer whose ``config._attn_implementation`` is the base's name, and the model
+is switched through the config setter rather than ``set_attn_implementation``. The truncation function is registered on first
+use too. Nothing is registered at import.
+
+Routing check: each attention function counts its calls on the per-model state object it reads
+from the layer (``_LogN`` / ``_Truncation``, set on every submodule), so ``check_routed`` can tell
+whether a 2-token forward reached it — no global state.
 
 log-n scaling (Su 2023, "Scaling attention by log n"; bojone/rerope): queries at position p
 are multiplied by max(1, ln(p + 1) / ln(L_train)), keeping attention entropy roughly constant as
@@ -28,21 +39,20 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, eager_mask, prepare_padding_mask, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, prepare_padding_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils.generic import is_flash_attention_requested
 
-from ropescale.strategies.truncation import RelativeRule
 from ropescale.flex_regions import flex_attention_path
+from ropescale.strategies.truncation import RelativeRule
 from ropescale.truncated_attention import blocked_attention, fused_attention, naive_attention
 
 __all__ = ["logn_factor", "enable_logn", "enable_truncation", "IdentityRotary", "LOGN_PREFIX",
-           "TRUNCATION", "ATTENTION_PATHS", "AttentionNotPluggableError", "check_routed"]
+           "TRUNCATION", "ATTENTION_PATHS", "AttentionNotPluggableError", "check_routed", "register_logn"]
 
 LOGN_PREFIX = "ropescale_logn_"
-_MASKS = {"sdpa": sdpa_mask, "eager": eager_mask}
-_LOGN_ATTR = "_ropescale_logn"  # on each submodule while log-n is on: L_train
+_LOGN_ATTR = "_ropescale_logn"  # on each submodule while log-n is on: a _LogN
 _TRUNCATION_ATTR = "_ropescale_truncation"  # on each submodule while a truncation rule is on
-_CALLS = {"n": 0}
 
 
 def _set_on_modules(model, attr: str, value) -> None:
@@ -63,17 +73,18 @@ class AttentionNotPluggableError(ValueError):
     """The model's attention does not go through transformers' AttentionInterface."""
 
 
-def check_routed(model, name: str) -> None:
-    """Run a 2-token forward and make sure the attention function ``name`` was called.
+def check_routed(model, name: str, state) -> None:
+    """Run a 2-token forward and make sure the attention function ``name`` was called, i.e. that
+    ``state.calls`` (the counter on the state object the function reads from the layers) moved.
 
     Some families (Falcon in transformers 5.x) compute attention themselves; a registered
     function would then be silently ignored. Raises ``AttentionNotPluggableError``.
     """
-    before = _CALLS["n"]
+    before = state.calls
     device = next(model.parameters()).device
     with torch.no_grad():
         model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device), use_cache=False)
-    if _CALLS["n"] == before:
+    if state.calls == before:
         raise AttentionNotPluggableError(
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface "
             f"(its layers never called {name!r}); attention-side strategies cannot be applied to it")
@@ -94,43 +105,99 @@ def _base_attention(module, base: str):
     return ALL_ATTENTION_FUNCTIONS[base]
 
 
+@dataclass
+class _LogN:
+    """Per-model log-n state, set on every submodule while log-n is on."""
+
+    train: int  # L_train [tokens]
+    base: str  # the wrapped attention implementation's name
+    calls: int = 0  # attention calls that went through the wrapper (check_routed)
+
+
+class _ConfigAs:
+    """A layer's config as the wrapped implementation must see it: ``_attn_implementation`` reads
+    the base's name (flash_attention_* load their kernel by that name at call time)."""
+
+    def __init__(self, config, name: str):
+        self.__dict__.update(_config=config, _attn_implementation=name)
+
+    def __getattr__(self, attr):
+        return getattr(self._config, attr)
+
+
+class _LayerAs:
+    """The attention layer with ``config`` replaced by a ``_ConfigAs``; all else is the layer's."""
+
+    def __init__(self, module, name: str):
+        self.__dict__.update(_module=module, config=_ConfigAs(module.config, name))
+
+    def __getattr__(self, attr):
+        return getattr(self._module, attr)
+
+
+def _is_flash(name: str) -> bool:
+    """transformers' own test: an implementation whose name contains "flash" is a flash kernel,
+    which ``set_attn_implementation`` and the flash forward load by that very name."""
+    return is_flash_attention_requested(requested_attention_implementation=name)
+
+
 def _logn_attention(module, query, key, value, attention_mask, **kwargs):
-    _CALLS["n"] += 1
-    base = module.config._attn_implementation.removeprefix(LOGN_PREFIX)
+    state = getattr(module, _LOGN_ATTR)
+    state.calls += 1
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
         raise RuntimeError(f"log-n scaling needs position_ids in the attention call; "
                            f"{type(module).__name__} does not pass them")
-    scale = logn_factor(position_ids, getattr(module, _LOGN_ATTR)).to(query.dtype)  # [b, s_q]
+    scale = logn_factor(position_ids, state.train).to(query.dtype)  # [b, s_q]
     query = query * scale[:, None, :, None]  # [b, n_h, s_q, h_d]
-    return _base_attention(module, base)(module, query, key, value, attention_mask, **kwargs)
+    fn = _base_attention(module, state.base)
+    layer = _LayerAs(module, state.base) if _is_flash(state.base) else module
+    return fn(layer, query, key, value, attention_mask, **kwargs)
 
 
-for _base, _mask in _MASKS.items():
-    AttentionInterface.register(LOGN_PREFIX + _base, _logn_attention)
-    AttentionMaskInterface.register(LOGN_PREFIX + _base, _mask)
+def register_logn(base: str) -> str:
+    """Register the log-n wrapper of attention implementation ``base`` as
+    ``ropescale_logn_<base>``, with ``base``'s own mask function (none when ``base`` has none,
+    exactly as transformers treats ``base``); returns the name. Idempotent. Raises ``ValueError``
+    when ``base`` is neither ``eager`` nor a registered attention function."""
+    if base != "eager" and base not in ALL_ATTENTION_FUNCTIONS:
+        raise ValueError(f"log-n scaling wraps a registered attention implementation; {base!r} is not one "
+                         f"(known: {', '.join(sorted(ALL_ATTENTION_FUNCTIONS))}, eager)")
+    name = LOGN_PREFIX + base
+    AttentionInterface.register(name, _logn_attention)
+    mask = AttentionMaskInterface._global_mapping.get(base)  # what transformers itself consults
+    if mask is not None:
+        AttentionMaskInterface.register(name, mask)
+    return name
 
 
 def enable_logn(model, original_max_position_embeddings: int):
-    """Switch ``model`` to log-n-scaled attention; returns a function that switches it back.
+    """Switch ``model`` to log-n-scaled attention around whatever attention it uses; returns a
+    function that switches it back.
 
-    Raises ``ValueError`` when the model's attention is neither ``sdpa`` nor ``eager``, naming
-    what it uses, and ``AttentionNotPluggableError`` when it bypasses the interface (Falcon).
+    Raises ``ValueError`` when the model's attention implementation is not registered (and not
+    eager), and ``AttentionNotPluggableError`` when it bypasses the interface (Falcon).
     """
-    config = model.config
-    current = config._attn_implementation
-    if current not in _MASKS:
-        raise ValueError(f"log-n scaling wraps sdpa or eager attention; this model uses {current!r} "
-                         "(load it with attn_implementation='sdpa')")
-    _set_on_modules(model, _LOGN_ATTR, int(original_max_position_embeddings))
-    model.set_attn_implementation(LOGN_PREFIX + current)
+    current = model.config._attn_implementation
+    name = register_logn(current)
+    state = _LogN(int(original_max_position_embeddings), current)
+    _set_on_modules(model, _LOGN_ATTR, state)
+    if _is_flash(current):
+        # set_attn_implementation would try to load a flash kernel named ropescale_logn_flash_…;
+        # the config setter (recursive over sub-configs) keeps "flash" in the name, so the model's
+        # flash-specific handling stays on, and the wrapper shows the base its own name
+        def switch(to: str) -> None:
+            model.config._attn_implementation = to
+    else:
+        switch = model.set_attn_implementation
+    switch(name)
 
     def restore() -> None:
-        model.set_attn_implementation(current)
+        switch(current)
         _clear_on_modules(model, _LOGN_ATTR)
 
     try:
-        check_routed(model, LOGN_PREFIX + current)
+        check_routed(model, name, state)
     except Exception:
         restore()
         raise
@@ -151,7 +218,7 @@ class _Truncation:
     path: str  # a key of _PATHS: "fused", "flex", "blocked" or "naive"
     block: int
     logn: int | None  # L_train when log-n scaling is on
-
+    calls: int = 0  # attention calls that reached the rule (check_routed)
 
 
 class IdentityRotary(nn.Module):
@@ -178,8 +245,8 @@ def _keep_mask(attention_mask):
 
 def _truncation_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                           softcap=None, sliding_window=None, **kwargs):
-    _CALLS["n"] += 1
     state = getattr(module, _TRUNCATION_ATTR)
+    state.calls += 1
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
         raise RuntimeError(f"truncation rules need position_ids in the attention call; "
@@ -213,10 +280,6 @@ def _padding_only_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     return None if bool(padding.all()) else padding[:, None, None, :]
 
 
-AttentionInterface.register(TRUNCATION, _truncation_attention)
-AttentionMaskInterface.register(TRUNCATION, _padding_only_mask)
-
-
 def enable_truncation(model, rule: RelativeRule, freqs: dict, *, interleaved: bool, path: str,
                       block: int, logn: int | None):
     """Route ``model``'s attention through the truncation rule; returns the undo function.
@@ -224,9 +287,11 @@ def enable_truncation(model, rule: RelativeRule, freqs: dict, *, interleaved: bo
     The caller has already made the rotary module an ``IdentityRotary``. Raises
     ``AttentionNotPluggableError`` when the model's layers bypass the interface.
     """
-    config = model.config
-    current = config._attn_implementation
-    _set_on_modules(model, _TRUNCATION_ATTR, _Truncation(rule, freqs, interleaved, path, block, logn))
+    AttentionInterface.register(TRUNCATION, _truncation_attention)  # on first use, not at import
+    AttentionMaskInterface.register(TRUNCATION, _padding_only_mask)
+    current = model.config._attn_implementation
+    state = _Truncation(rule, freqs, interleaved, path, block, logn)
+    _set_on_modules(model, _TRUNCATION_ATTR, state)
     model.set_attn_implementation(TRUNCATION)
 
     def restore() -> None:
@@ -234,7 +299,7 @@ def enable_truncation(model, rule: RelativeRule, freqs: dict, *, interleaved: bo
         _clear_on_modules(model, _TRUNCATION_ATTR)
 
     try:
-        check_routed(model, TRUNCATION)
+        check_routed(model, TRUNCATION, state)
     except Exception:
         restore()
         raise
