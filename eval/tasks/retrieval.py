@@ -13,7 +13,9 @@ is scored
   correct when the answer scores strictly highest (chance = 1 / candidates). It still separates
   strategies when generation fails everywhere.
 
-Candidates share the prompt's KV cache (one prompt forward per example). Dynamic strategies,
+Candidates share the prompt's KV cache (one prompt forward per example; each candidate's tokens
+are taken back off the cache afterwards, so memory holds one cache, not one per candidate).
+Dynamic strategies,
 whose frequencies depend on the length of each forward, score them with full forwards instead,
 so both scores are what a full forward over prompt + candidate gives.
 
@@ -167,32 +169,48 @@ class RetrievalTask(Task):
         return paths
 
 
+def _rewindable(cache) -> bool:
+    """Whether ``cache.crop`` can take tokens back exactly: every layer a plain ``DynamicLayer``
+    (sliding-window layers cannot roll back past their window)."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
 def _candidate_scores_cached(model, last: torch.Tensor, cache, candidates: list[list[int]], device) -> torch.Tensor:
-    """Summed log-probabilities ``[K]`` of each candidate after the prompt, from the prompt's
-    cache (copied, repeated K times) and one forward of the right-padded candidates."""
-    k, longest = len(candidates), max(map(len, candidates))
+    """Summed log-probabilities ``[K]`` of each candidate after the prompt, one candidate at a
+    time on the prompt's cache: taken back with ``crop`` after each when the cache allows it,
+    else on a copy — so memory holds at most two caches, never K (at 8B and 128k tokens one
+    cache is 16 GiB)."""
     first = torch.tensor([c[0] for c in candidates], device=last.device)
     scores = last[first].double()  # [K]: the first token is predicted by the prompt's last logits
-    if longest == 1:
+    if max(map(len, candidates)) == 1:
         return scores.cpu()
-    cache = copy.deepcopy(cache)
-    cache.batch_repeat_interleave(k)
-    ids = torch.tensor([c + [c[-1]] * (longest - len(c)) for c in candidates], device=device)  # [K, D]
-    logp = model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True).logits.float().log_softmax(-1)
-    tok = logp.gather(-1, ids[:, 1:, None])[..., 0].double()  # [K, D-1]: log p(candidate token j | ...)
-    real = torch.tensor([[j + 1 < len(c) for j in range(longest - 1)] for c in candidates], device=device)
-    return (scores + (tok * real).sum(-1)).cpu()
+    rewind = _rewindable(cache)
+    rest = []
+    for c in candidates:
+        if len(c) == 1:
+            rest.append(scores.new_zeros(()))
+            continue
+        ids = torch.tensor([c], device=device)  # [1, D]
+        own = cache if rewind else copy.deepcopy(cache)
+        logp = model(input_ids=ids[:, :-1], past_key_values=own, use_cache=True).logits.float().log_softmax(-1)
+        rest.append(logp[0].gather(-1, ids[0, 1:, None]).double().sum())  # log p(c_j | prompt, c_<j), j ≥ 1
+        if rewind:
+            cache.crop(-(len(c) - 1))
+    return (scores + torch.stack(rest)).cpu()
 
 
 def _candidate_scores_full(model, prompt: list[int], candidates: list[list[int]], device) -> torch.Tensor:
-    """As ``_candidate_scores_cached``, with one full forward over prompt + candidate per row."""
-    n, longest = len(prompt), max(map(len, candidates))
-    ids = torch.tensor([prompt + c + [c[-1]] * (longest - len(c)) for c in candidates], device=device)  # [K, n+D]
-    logits = model(input_ids=ids, use_cache=False, logits_to_keep=longest + 1).logits  # [K, D+1, V]: positions n-1 …
-    logp = logits[:, :-1].float().log_softmax(-1)  # [K, D, V]
-    tok = logp.gather(-1, ids[:, n:, None])[..., 0].double()  # [K, D]
-    real = torch.tensor([[j < len(c) for j in range(longest)] for c in candidates], device=device)
-    return (tok * real).sum(-1).cpu()
+    """As ``_candidate_scores_cached``, with one full forward over prompt + candidate per
+    candidate (one at a time: activations of one sequence, not K)."""
+    n, out = len(prompt), []
+    for c in candidates:
+        ids = torch.tensor([prompt + c], device=device)  # [1, n+D]
+        logits = model(input_ids=ids, use_cache=False, logits_to_keep=len(c) + 1).logits  # [1, D+1, V]: positions n-1 …
+        logp = logits[0, :-1].float().log_softmax(-1)  # [D, V]
+        out.append(logp.gather(-1, ids[0, n:, None]).double().sum())
+    return torch.stack(out).cpu()
 
 
 def _greedy(model, last: torch.Tensor, cache, n: int) -> list[int]:

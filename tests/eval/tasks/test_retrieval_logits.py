@@ -48,3 +48,27 @@ def test_retrieval_rows_equal_full_logit_scoring(task, strategy, length):
                          desc=None)
     assert kept == full
     assert any(cand for _, _, cand in full)  # rows that can differ: some examples are found
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # plain cache (crop) / sliding-window cache (copy)
+def test_cached_candidates_leave_the_prompt_cache_as_it_was(family):
+    from eval.tasks.retrieval import _candidate_scores_cached, _rewindable
+    from tests.families import family_model
+
+    model = family_model(family)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 256, (1, 40), generator=g)  # past Gemma 2's sliding window (32)
+    candidates = [torch.randint(0, 256, (k,), generator=g).tolist() for k in (3, 1, 4, 3)]
+    with torch.no_grad():
+        out = model(input_ids=prompt, use_cache=True)
+        assert _rewindable(out.past_key_values) == (family == "llama")
+        before = [(layer.keys.clone(), layer.values.clone()) for layer in out.past_key_values.layers]
+        last = out.logits[0, -1].float().log_softmax(-1)
+        scores = _candidate_scores_cached(model, last, out.past_key_values, candidates, "cpu")
+        for layer, (k, v) in zip(out.past_key_values.layers, before):
+            assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+        for score, c in zip(scores, candidates):  # oracle: one full forward over prompt + candidate
+            ids = torch.cat([prompt, torch.tensor([c])], 1)
+            logp = model(input_ids=ids).logits[0].double().log_softmax(-1)
+            want = sum(float(logp[39 + j, t]) for j, t in enumerate(c))
+            assert float(score) == pytest.approx(want, abs=1e-4)
