@@ -211,3 +211,13 @@ def test_bf16_on_cpu_with_checkpointing_and_lora(tmp_path, tiny_run):
     assert curves["bf16"] == pytest.approx(curves["fp32"], rel=2e-2)
     stored = load_file(tmp_path / "bf16+ckpt" / "model" / "adapter_model.safetensors")
     assert {v.dtype for v in stored.values()} == {torch.float32}
+
+
+def test_a_killed_lora_run_resumes_to_the_same_adapter(tmp_path, tiny_run):
+    raw = tiny_run(strategy="yarn", steps=4, lr=1e-2, eval=None, checkpoint_every=2,
+                   gradient_checkpointing=True, lora={"trainable_embeddings_norms": True, "save": "adapter"})
+    finetune(build_finetune_config(raw), tmp_path / "straight", progress=False)
+    assert finetune(build_finetune_config(raw), tmp_path / "killed", progress=False, stop_after=3)["model"] is None
+    assert finetune(build_finetune_config(raw), tmp_path / "killed", progress=False)["resumed_from"] == 2
+    a, b = (load_file(tmp_path / run / "model" / "adapter_model.safetensors") for run in ("straight", "killed"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
