@@ -43,6 +43,7 @@ SelfExtend (Jin et al. 2024, arXiv:2401.01325).
 from __future__ import annotations
 
 import weakref
+from functools import lru_cache
 
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
@@ -131,7 +132,9 @@ def region_block_masks(b: int, s_q: int, s_k: int, window: int, sliding_window: 
     return _LAST.get((b, s_q, s_k, window, sliding_window, str(device)), keep, build)
 
 
+@lru_cache(maxsize=16)
 def _softcap_mod(softcap: float | None):
+    """score_mod tanh(s/c)·c, one function object per c (the compiled kernel is guarded on it)."""
     if not softcap:
         return None
     return lambda score, b, h, t, j: torch.tanh(score / softcap) * softcap
@@ -151,15 +154,14 @@ def flex_attention_path(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, sca
     ``[b, 1, s_q, s_k]``.
     """
     args = (q, k, v, q_pos, k_pos, rule, inv_freq, scaling)
-    kw = dict(keep=keep, scale=scale, softcap=softcap, sliding_window=sliding_window, interleaved=interleaved,
-              dropout=dropout, block=block)
+    kw = {"keep": keep, "scale": scale, "softcap": softcap, "sliding_window": sliding_window,
+          "interleaved": interleaved, "dropout": dropout, "block": block}
     if dropout:
         return blocked_attention(*args, **kw)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if needs_grad and q.device.type in NO_FLEX_BACKWARD:  # fused_attention would send MPS back here
         return (fused_attention if q.device.type == "cpu" else blocked_attention)(*args, **kw)
-    b, n_h, s_q, h_d = q.shape
-    s_k = k.shape[2]
+    b, s_q, s_k = q.shape[0], q.shape[2], k.shape[2]
     near_mask, far_mask = region_block_masks(b, s_q, s_k, rule.window, sliding_window, keep, q.device)
     flex, score_mod = _flex_for(q.device), _softcap_mod(softcap)
     aux = AuxRequest(lse=True)
