@@ -221,3 +221,31 @@ def test_a_killed_lora_run_resumes_to_the_same_adapter(tmp_path, tiny_run):
     assert finetune(build_finetune_config(raw), tmp_path / "killed", progress=False)["resumed_from"] == 2
     a, b = (load_file(tmp_path / run / "model" / "adapter_model.safetensors") for run in ("straight", "killed"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_two_processes_train_lora_with_checkpointing_as_one_does(tmp_path, tiny_run):
+    """DDP (two gloo processes) with frozen base weights, LoRA+ and non-reentrant checkpointing:
+    the same loss curve as one process with the whole batch, the same adapter."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    raw = tiny_run(strategy="yarn", steps=3, batch_size=4, lr=1e-2, eval=None, checkpoint_every=10,
+                   gradient_checkpointing=True, lora={"trainable_embeddings_norms": True, "save": "adapter"})
+    finetune(build_finetune_config(raw), tmp_path / "one", progress=False)
+    cfg = tmp_path / "ft.yaml"
+    cfg.write_text(json.dumps({**raw, "batch_size": 2}))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    res = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                          str(root / "cli.py"), "finetune", str(cfg), "-q", "-o", str(tmp_path / "two")],
+                         capture_output=True, text=True, env=env, timeout=300, cwd=root)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads((tmp_path / "two" / "model" / "finetune.json").read_text())["processes"] == 2
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
+    a, b = (load_file(tmp_path / run / "model" / "adapter_model.safetensors") for run in ("one", "two"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k] - b[k]).abs().max() <= 1e-4 * a[k].abs().max(), k
