@@ -60,8 +60,8 @@ from ropescale.training.data import TrainingWindows, load_stream
 from ropescale.training.heldout import HeldOut
 from ropescale.training.report import LOG, TrainingLog, plot_training, read_log
 
-__all__ = ["finetune", "causal_lm_loss", "enable_checkpointing", "apply_lora", "embedding_and_norm_modules", "save_trained", "MODEL_DIR",
-           "SUMMARY", "CHECKPOINTS"]
+__all__ = ["finetune", "causal_lm_loss", "enable_checkpointing", "apply_lora", "embedding_and_norm_modules",
+           "save_trained", "MODEL_DIR", "SUMMARY", "CHECKPOINTS"]
 
 MODEL_DIR = "model"
 SUMMARY = "finetune.json"
@@ -211,6 +211,8 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
     evaluation entry), ``eval.sweep.OutputError`` (output not writable),
     ``eval.manifest.ExperimentMismatchError`` (the folder holds another run),
     ``eval.manifest.FolderBusyError`` (another run holds it), ``ropescale.models.ModelLoadError``,
+    ``ConfigError`` also for ``sharding`` without CUDA devices (accelerate 1.15 does not shard on
+    CPU) and LoRA target modules the model does not have,
     ``eval.data.DataError`` / ``eval.windows.WindowError`` (data too short or unreadable),
     ``ValueError`` (device, patch).
     """

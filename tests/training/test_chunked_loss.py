@@ -4,7 +4,6 @@ recomputed in backward): ``loss_chunk_size`` null (chosen from a memory budget),
 training runs; the chunk size asked for is the one used."""
 
 import pytest
-import torch
 from transformers import LlamaForCausalLM
 
 import ropescale

@@ -3,7 +3,6 @@ file, one-line errors for bad files, and the refusal on CPU — where accelerate
 shard: with ``Accelerator(cpu=True)`` two launched processes become a DDP (MULTI_CPU) group and
 the FSDP plugin is dropped without a word (measured; see the module test below)."""
 
-import json
 import os
 import subprocess
 import sys
