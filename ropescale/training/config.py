@@ -394,7 +394,7 @@ def model_training_length(name: str) -> int:
     ``max_position_embeddings``). Raises ``ModelLoadError`` / ``ValueError`` in one line."""
     import json
 
-    from ropescale.models import PATCH_FILE, _from_pretrained, resolve_model
+    from ropescale.models import PATCH_FILE, _from_pretrained, adapter_base, resolve_model
     from transformers import AutoConfig
 
     path = resolve_model(name)
@@ -403,6 +403,9 @@ def model_training_length(name: str) -> int:
         orig = json.loads(saved.read_text()).get("original_max_position_embeddings")
         if orig:
             return int(orig)
+    base = adapter_base(path)
+    if base is not None:  # a LoRA adapter folder without a patch record: its base model's window
+        return model_training_length(base)
     config = _from_pretrained(AutoConfig, name, path)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     rp = getattr(text, "rope_parameters", None) or {}

@@ -249,3 +249,13 @@ def test_two_processes_train_lora_with_checkpointing_as_one_does(tmp_path, tiny_
     assert a.keys() == b.keys()
     for k in a:
         assert (a[k] - b[k]).abs().max() <= 1e-4 * a[k].abs().max(), k
+
+
+def test_an_adapter_folder_without_a_patch_record_takes_its_base_models_window(tmp_path, tiny_model_dir):
+    from ropescale.training.config import model_training_length
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_model_dir)}))
+    assert model_training_length(str(tmp_path)) == 32
+    (tmp_path / "adapter_config.json").write_text("{}")
+    with pytest.raises(ropescale.models.ModelLoadError, match="names no base_model_name_or_path"):
+        model_training_length(str(tmp_path))
