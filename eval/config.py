@@ -67,7 +67,10 @@ def parse_strategy(entry: Any) -> StrategySpec:
     try:
         return _parse_strategy(entry)
     except ValidationError as e:
-        raise ValueError(e.errors()[0]["msg"].removeprefix("Value error, ")) from None
+        err = e.errors()[0]
+        where = ".".join(map(str, err["loc"]))  # a field's own check (logn); empty for the strategy's
+        msg = err["msg"].removeprefix("Value error, ")
+        raise ValueError(f"{where}: {msg}" if where else msg) from None
 
 
 def _yaml_error(e: yaml.YAMLError) -> str:

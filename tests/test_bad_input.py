@@ -62,10 +62,15 @@ def test_garbled_safetensors(tmp_path, tiny_model_dir, text_file):
     (["--set", "threads=100000"], "threads: 100000 threads on a machine with"),
     (["--strategy", "vanilla"], "strategies: entry 1 ('vanilla') repeats entry 0"),
     (["--set", "position_buckets=100000"], "position_buckets: Input should be less than or equal to 1024"),
-    (["--strategy", "yarn:logn=maybe"], "entry 1"),
 ])
 def test_bad_flags(sweep_args, tmp_path, extra, message):
     one_line_error(cli(*sweep_args, *extra, "-o", tmp_path / "o"), message)
+
+
+def test_a_bad_logn_names_the_entry_and_the_key(sweep_args, tmp_path):
+    line = one_line_error(cli(*sweep_args, "--strategy", "yarn:logn=maybe", "-o", tmp_path / "o"), "entry 1")
+    assert line == ("Error: flags: strategies: entry 1 ('yarn:logn=maybe'): logn: Input should be a valid boolean, "
+                    "unable to interpret input")
 
 
 def test_list_parameters_in_the_flag_syntax():
