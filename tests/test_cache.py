@@ -25,9 +25,13 @@ def worst_step_error(model, steps=24, prompt=PROMPT):
     return worst
 
 
+def native_dynamic(model):
+    return build(LlamaForCausalLM, tiny_llama_config(rope_type="dynamic", factor=1.0), model.state_dict())
+
+
 def test_transformers_dynamic_is_inexact_under_cache(tiny_llama):
-    native = build(LlamaForCausalLM, tiny_llama_config(rope_type="dynamic", factor=1.0), tiny_llama.state_dict())
-    assert worst_step_error(native) > 1e-4  # the problem (transformers #25104)
+    # the problem (transformers #25104): ten times the tolerance the recompute mode meets below
+    assert worst_step_error(native_dynamic(tiny_llama)) > 10 * 1e-5
 
 
 SHORT, LONG = [1.0] * 8, [1.0 + 0.4 * i for i in range(8)]
@@ -75,8 +79,9 @@ def test_rerotate_mode_fixes_layer_zero_keys_exactly(tiny_llama):
         torch.testing.assert_close(cache.layers[0].keys, ref.layers[0].keys, rtol=0, atol=1e-6)
         # deeper layers keep hidden states computed under older scales: why "recompute" is the default
         assert (cache.layers[1].keys - ref.layers[1].keys).abs().max() > 1e-6
-        # still far closer to the full forward than transformers' own dynamic
-        assert worst_step_error(tiny_llama) < 2e-4
+        # still far closer to the full forward than transformers' own dynamic on the same weights
+        native = worst_step_error(native_dynamic(tiny_llama))
+        assert worst_step_error(tiny_llama) < native / 10
 
 
 def test_rerotate_keys_equals_rotating_from_scratch():

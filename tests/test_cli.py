@@ -19,8 +19,9 @@ def run():
 
 def test_strategies_lists_all_with_params_and_sources(run):
     out = run("strategies").output
-    for name in ropescale.strategy_names():
-        assert name in out
+    # each strategy's header line starts at column 0 with its name: every name listed, once, in order
+    listed = [line.split()[0] for line in out.splitlines() if line and not line[0].isspace()]
+    assert listed == ropescale.strategy_names()
     assert "beta_fast (float, > 0; default 32.0)" in out and "arXiv:2309.00071" in out
 
 

@@ -2,14 +2,19 @@
 end to end on a tiny random model (finite results, same examples for every strategy, resume)."""
 
 import json
-import math
+import re
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eval.config import ConfigError, build_config
 from eval.sweep import RESULTS, read_results, run_sweep
 from eval.tasks import Task, UnknownTaskError, get_task, task_names
-from eval.tasks.passkey import PasskeyOptions
+from eval.data import load_documents, tokenize_documents
+from eval.tasks.needle import Needle
+from eval.tasks.passkey import Passkey, PasskeyOptions
+from eval.tasks.retrieval import wilson
 
 
 def test_tasks_are_found_by_module():
@@ -48,16 +53,58 @@ def passkey_config(model_dir, **kw):
                          "passkey": {"trials": 2, "depths": [0, 1], "digits": 3, "candidates": 4}, **kw})
 
 
+@torch.no_grad()
+def scored_by_hand(model_dir, task, length, match):
+    """Each example scored the textbook way, without the harness: greedy answer + 2 tokens by
+    full forwards (no cache), candidates by one full forward each; ``match(text, answer)``.
+    Returns (greedy hits, candidate hits, depth index) per example."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    rows = []
+    for ex in task.examples(length):
+        out = []
+        for _ in range(len(ex.prompt.answer_ids) + 2):
+            out.append(int(model(torch.tensor([ex.prompt.ids + out])).logits[0, -1].argmax()))
+        scores = []
+        for c in ex.candidates:
+            logp = model(torch.tensor([ex.prompt.ids + c])).logits[0].double().log_softmax(-1)
+            n = len(ex.prompt.ids)
+            scores.append(sum(logp[n - 1 + j, t].item() for j, t in enumerate(c)))
+        rows.append((match(task.tokenizer.decode(out), ex.prompt.answer), scores[0] > max(scores[1:]),
+                     ex.depth_index))
+    return rows
+
+
+def expected_record(rows, depths):
+    def stats(sel):
+        n, e, c = len(sel), sum(r[0] for r in sel), sum(r[1] for r in sel)
+        return {"trials": n, "accuracy": e / n, "accuracy_ci": list(wilson(e, n)),
+                "candidate_accuracy": c / n, "candidate_accuracy_ci": list(wilson(c, n))}
+    return stats(rows), [{"depth": d, **stats([r for r in rows if r[2] == i])} for i, d in enumerate(depths)]
+
+
+def yarn_match(text, answer):  # YaRN's passkey check: the first integer, as an integer
+    m = re.search(r"[0-9]+", text)
+    return m is not None and int(m.group()) == int(answer)
+
+
 def test_passkey_end_to_end_on_a_tiny_model(tmp_path, tiny_model_dir):
-    records = run_sweep(passkey_config(tiny_model_dir), tmp_path, progress=False)
+    cfg = passkey_config(tiny_model_dir)
+    records = run_sweep(cfg, tmp_path, progress=False)
     assert [(r["strategy"], r["length"]) for r in records] == [
         (s, n) for n in (56, 64) for s in ("vanilla", "yarn", "rerope", "dynamic_ntk")]
+    task = Passkey(cfg.options, tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir), train_length=32)
     for r in records:
         assert r["task"] == "passkey" and r["trials"] == 4 and r["chance"] == 0.25
-        for key in ("accuracy", "candidate_accuracy"):
-            assert 0 <= r[key] <= 1 and r[key + "_ci"][0] <= r[key] <= r[key + "_ci"][1]
-            assert sum(d[key] * d["trials"] for d in r["by_depth"]) == pytest.approx(r[key] * r["trials"])
-        assert [d["depth"] for d in r["by_depth"]] == [0.0, 1.0]
+        assert [(d["depth"], d["trials"]) for d in r["by_depth"]] == [(0.0, 2), (1.0, 2)]
+        for key in ("accuracy", "candidate_accuracy"):  # counts out of 4, their Wilson intervals
+            hits = round(r[key] * 4)
+            assert r[key] == hits / 4 and r[key + "_ci"] == pytest.approx(list(wilson(hits, 4)), abs=1e-12)
+            assert sum(round(d[key] * d["trials"]) for d in r["by_depth"]) == hits
+        if r["strategy"] == "vanilla":  # the unpatched model: the harness's scores are the textbook ones
+            overall, by_depth = expected_record(scored_by_hand(tiny_model_dir, task, r["length"], yarn_match),
+                                                [0.0, 1.0])
+            assert {k: r[k] for k in overall} == pytest.approx(overall)
+            assert [{k: d[k] for k in e} for d, e in zip(r["by_depth"], by_depth)] == pytest.approx(by_depth)
     # the same examples for every strategy: same prompts, so the same needle positions
     at64 = [r for r in records if r["length"] == 64]
     assert len({json.dumps([d["needle_token"] for d in r["by_depth"]]) for r in at64}) == 1
@@ -98,4 +145,11 @@ def test_needle_reads_the_data_source(tmp_path, tiny_model_dir, text_file):
                         "needle": {"trials": 2, "depths": [0.5], "digits": 4, "candidates": 3}})
     (r,) = run_sweep(cfg, tmp_path, progress=False)
     assert r["task"] == "needle" and r["data"] == str(text_file) and r["trials"] == 2
-    assert math.isfinite(r["accuracy"]) and (tmp_path / "depth_heatmap.png").exists()
+    assert (tmp_path / "depth_heatmap.png").exists()
+    # the same examples from the same text, scored by hand: RULER's check (the number appears)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    docs = tokenize_documents(tok, load_documents(cfg.data.spec()))
+    task = Needle(cfg.options, tokenizer=tok, train_length=32, documents=docs)
+    overall, by_depth = expected_record(scored_by_hand(tiny_model_dir, task, 160, lambda text, a: a in text), [0.5])
+    assert {k: r[k] for k in overall} == pytest.approx(overall)
+    assert [{k: d[k] for k in e} for d, e in zip(r["by_depth"], by_depth)] == pytest.approx(by_depth)

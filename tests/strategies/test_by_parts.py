@@ -127,8 +127,18 @@ def test_base_truncation_giraffe_single_length_form(T_trunc):
     # Giraffe: t = 2π/T, low = 2π/(16T), z = 8: ft = where(f < t, low, f); ft = where(f < t/z, 0, ft)
     c = 2 * math.pi / T_trunc
     f = base_truncation(128, 1e4, T_trunc, None, None, None)
-    close(f.inv_freq, naive_truncation(128, 1e4, c / 8, c, 2 * math.pi / (16 * T_trunc)))
-    assert (f.inv_freq == 0).any() and (f.inv_freq == f.inv_freq[-1]).sum() >= 1
+    rho = 2 * math.pi / (16 * T_trunc)
+    close(f.inv_freq, naive_truncation(128, 1e4, c / 8, c, rho))
+    # all three classes, as many pairs in each as the thresholds put there: θ < c/8 → 0,
+    # c/8 ≤ θ < c → ρ, θ ≥ c kept
+    theta = naive_theta(128, 1e4)
+    zeros, low = sum(t < c / 8 for t in theta), sum(c / 8 <= t < c for t in theta)
+    assert zeros > 0 and low > 0 and zeros + low < 64
+    assert int((f.inv_freq == 0).sum()) == zeros
+    assert int(torch.isclose(f.inv_freq, torch.tensor(rho, dtype=f.inv_freq.dtype), rtol=1e-6, atol=0).sum()) == low
+    kept = [t for t in theta if t >= c]  # θ falls with i: the first pairs
+    assert len(kept) == 64 - zeros - low
+    close(f.inv_freq[: len(kept)], kept)
 
 
 @pytest.mark.parametrize("params,match", [
