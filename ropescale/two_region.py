@@ -151,9 +151,15 @@ class _Plan:
     keep: torch.Tensor | None  # [b, s_k] bool (padding) or None
 
 
+def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where partial outputs, LSEs and gradients are summed: float64 for float64 inputs (the
+    kernel's LSE is float64 then, and its backward wants it so), float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _run(calls: list[Call], plan: _Plan, q, k, v, out, lse, covered: list):
     """Forward of ``calls`` for rotated q ``[b, n_h, s_q, h_d]`` and k, v, into ``out``
-    ``[b, n_h, s_q, h_d]`` float32 and ``lse`` ``[b, n_h, s_q]`` in place: rows no earlier call
+    ``[b, n_h, s_q, h_d]`` and ``lse`` ``[b, n_h, s_q]`` (``_accumulate_dtype``) in place: rows no earlier call
     reached (``covered`` lists the row ranges done) are written, the others merged."""
     for call in calls:
         fresh = all(call.t1 <= t0 or call.t0 >= t1 for t0, t1 in covered)
@@ -205,7 +211,7 @@ def _merge(out, lse, rows, part, part_lse):
 
 
 def _backward_call(call: Call, plan: _Plan, g, q, k, v, out, lse, dq, dk, dv):
-    """Adds one call's gradients to ``dq``, ``dk``, ``dv`` (float32, shapes of q, k, v), given the
+    """Adds one call's gradients to ``dq``, ``dk``, ``dv`` (``_accumulate_dtype``, shapes of q, k, v), given the
     merged ``out`` and ``lse`` (with +inf on rows that saw no key, so their weights are 0)."""
     keep, dtype = plan.keep, q.dtype
     if call.blocks:
@@ -219,8 +225,8 @@ def _backward_call(call: Call, plan: _Plan, g, q, k, v, out, lse, dq, dk, dv):
                 _query_blocks(out[bi], call), _query_blocks(lse[bi], call).contiguous(), 0.0, False,
                 attn_mask=mask, scale=plan.scale)
             dq[bi, :, call.t0 : call.t1] += gq.transpose(0, 1).flatten(1, 2)  # [n_h, rows, h_d]
-            dk[bi].index_add_(1, idx, gk.transpose(0, 1).flatten(1, 2).float())  # windows overlap: add
-            dv[bi].index_add_(1, idx, gv.transpose(0, 1).flatten(1, 2).float())
+            dk[bi].index_add_(1, idx, gk.transpose(0, 1).flatten(1, 2).to(dk.dtype))  # windows overlap: add
+            dv[bi].index_add_(1, idx, gv.transpose(0, 1).flatten(1, 2).to(dv.dtype))
         return
     rows, keys = slice(call.t0, call.t1), slice(call.j0, call.j1)
     mask = _band_additive(call, plan.c0, dtype) if call.band and keep is None else None
@@ -245,8 +251,9 @@ class TwoRegionAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, rot, plan: _Plan):
         b, n_h, s_q, h_d = q.shape
-        out = torch.zeros(b, n_h, s_q, h_d, dtype=torch.float32, device=q.device)  # rows no call reaches: 0
-        lse = torch.full((b, n_h, s_q), float("-inf"), device=q.device)
+        acc = _accumulate_dtype(q.dtype)
+        out = torch.zeros(b, n_h, s_q, h_d, dtype=acc, device=q.device)  # rows no call reaches: 0
+        lse = torch.full((b, n_h, s_q), float("-inf"), dtype=acc, device=q.device)
         covered = []
         _run(plan.near, plan, rot(q, "q"), rot(k, "k"), v, out, lse, covered)
         if plan.far:  # rotated copies live one region at a time
@@ -262,8 +269,9 @@ class TwoRegionAttention(torch.autograd.Function):
         rot, plan = ctx.rot, ctx.plan
         lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # no key: probabilities exp(s − ∞) = 0
         g = g.contiguous()
-        dq, dk = torch.zeros(q.shape, device=q.device), torch.zeros(k.shape, device=q.device)
-        dv = torch.zeros(v.shape, device=q.device)
+        acc = _accumulate_dtype(q.dtype)
+        dq, dk = torch.zeros(q.shape, dtype=acc, device=q.device), torch.zeros(k.shape, dtype=acc, device=q.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=q.device)
         for calls, qw, kw in ((plan.near, "q", "k"), (plan.far, "far_q", "far_k")):
             if not calls:
                 continue

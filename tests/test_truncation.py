@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 import ropescale
 from ropescale.attention import AttentionNotPluggableError, logn_factor
-from ropescale.truncated_attention import blocked_attention, fused_attention, naive_attention
+from ropescale.truncated_attention import _Rotations, blocked_attention, fused_attention, naive_attention
 from ropescale.strategies.truncation import leaky_rerope, rerope, self_extend
 from tests.families import family_model
 
@@ -222,3 +222,54 @@ def test_kernels_never_read_tensor_values_on_the_host(kernel):
             assert q.grad.shape == q.shape
         with pytest.raises(DataDependentOutputException):  # the mode does catch host reads
             int(q.sum())
+
+
+def _float64_oracle(q, k, v, q_pos, k_pos, rule, inv, scaling, *, keep, scale, sliding_window, interleaved):
+    """The two regions spelled out in float64: near pairs (slot distance < w) score with q and k
+    rotated to their own positions, far pairs with q at f_q and k at f_k (the tables as the
+    kernel builds them: float32 angles, cast), causal and sliding-window by slot, n × n softmax."""
+    n_h, s_q, s_k = q.shape[1], q.shape[2], k.shape[2]
+    k, v = k.repeat_interleave(n_h // k.shape[1], 1), v.repeat_interleave(n_h // v.shape[1], 1)
+    rot = _Rotations(q_pos, k_pos, rule, inv, scaling, interleaved)
+    near = rot(q, "q") @ rot(k, "k").transpose(-1, -2)
+    far = rot(q, "far_q") @ rot(k, "far_k").transpose(-1, -2)
+    dist = (torch.arange(s_k - s_q, s_k)[:, None] - torch.arange(s_k)[None])  # slot distance i − j
+    s = torch.where(dist < rule.window, near, far) * scale
+    vis = (dist >= 0) & (dist < sliding_window if sliding_window else True)
+    if keep is not None:
+        vis = vis & keep
+    return torch.nan_to_num(torch.softmax(s.masked_fill(~vis, float("-inf")), -1)) @ v
+
+
+@pytest.mark.parametrize("s_k,cached,window,rule,sliding,pad,gqa,interleaved", [
+    (60, 0, 8, "rerope", None, 0, False, False),
+    (90, 30, 16, "leaky", 24, 5, True, False),
+    (70, 69, 12, "self_extend", None, 3, True, True),
+    (45, 10, 40, "rerope", 70, 0, False, True),
+])
+def test_fused_kernel_in_float64_with_gradients(s_k, cached, window, rule, sliding, pad, gqa, interleaved):
+    """float64 in: forward and backward run in float64 — equal to the naive path (which scores in
+    float32) at its precision, and to the regions spelled out in float64 at float64 precision."""
+    s_q = max(1, s_k - cached)
+    rule = {"rerope": rerope(window), "leaky": leaky_rerope(window, 3.0, None, 64),
+            "self_extend": self_extend(3, window)}[rule]
+    q, k, v = (x.detach().double().requires_grad_() for x in _inputs(2, 6, 2 if gqa else 6, s_q, s_k, 16, 7))
+    k_pos = torch.arange(s_k).double()[None] - torch.tensor([[0.0], [float(min(pad, s_k - 1))]], dtype=torch.float64)
+    keep = None
+    if pad:
+        keep = torch.ones(2, 1, 1, s_k, dtype=torch.bool)
+        keep[1, ..., : min(pad, s_k - 1)] = False
+    inv = 1.0 / (10000 ** (torch.arange(0, 12, 2).double() / 12))
+    kw = dict(keep=keep, scale=0.3, sliding_window=sliding, interleaved=interleaved)
+    args = (q, k, v, k_pos[:, s_k - s_q :], k_pos, rule, inv, 1.1)
+    out = fused_attention(*args, **kw)
+    assert out.dtype == torch.float64
+    grad = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    assert all(g.dtype == torch.float64 for g in got)
+    naive = naive_attention(*args, **kw)
+    torch.testing.assert_close(out, naive.double(), rtol=0, atol=1e-5)
+    _close_grads(got, torch.autograd.grad(naive, (q, k, v), grad.float()))
+    exact = _float64_oracle(*args, **kw)
+    torch.testing.assert_close(out, exact, rtol=0, atol=1e-12)
+    _close_grads(got, torch.autograd.grad(exact, (q, k, v), grad), rtol=1e-12)
