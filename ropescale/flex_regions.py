@@ -114,9 +114,11 @@ _LAST = _LastMasks()
 
 
 def region_block_masks(b: int, s_q: int, s_k: int, window: int, sliding_window: int | None,
-                       keep: torch.Tensor | None, device) -> tuple:
+                       keep: torch.Tensor | None, device, tensor_type: type = torch.Tensor) -> tuple:
     """(near, far) ``BlockMask``s for queries at slots s_k − s_q + t; far is None when no pair
-    reaches distance ``window`` (or the sliding window ends first). ``keep``: as the path's."""
+    reaches distance ``window`` (or the sliding window ends first). ``keep``: as the path's.
+    ``tensor_type`` (the queries' class) is part of the cache key, so masks built from fake
+    tensors (FakeTensorMode) never serve real ones."""
     def build():
         keep3 = _keep3(keep, b, s_q, s_k)
         batch = None if keep3 is None else b
@@ -129,7 +131,7 @@ def region_block_masks(b: int, s_q: int, s_k: int, window: int, sliding_window: 
                                     device=device)
         return near, far
 
-    return _LAST.get((b, s_q, s_k, window, sliding_window, str(device)), keep, build)
+    return _LAST.get((b, s_q, s_k, window, sliding_window, str(device), tensor_type), keep, build)
 
 
 @lru_cache(maxsize=16)
@@ -162,7 +164,7 @@ def flex_attention_path(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, sca
     if needs_grad and q.device.type in NO_FLEX_BACKWARD:  # fused_attention would send MPS back here
         return (fused_attention if q.device.type == "cpu" else blocked_attention)(*args, **kw)
     b, s_q, s_k = q.shape[0], q.shape[2], k.shape[2]
-    near_mask, far_mask = region_block_masks(b, s_q, s_k, rule.window, sliding_window, keep, q.device)
+    near_mask, far_mask = region_block_masks(b, s_q, s_k, rule.window, sliding_window, keep, q.device, type(q))
     flex, score_mod = _flex_for(q.device), _softcap_mod(softcap)
     aux = AuxRequest(lse=True)
 

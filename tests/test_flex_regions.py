@@ -174,11 +174,18 @@ def test_flex_path_never_reads_tensor_values_on_the_host():
         q, k, v = (torch.randn(1, 4, 300, 16) for _ in range(3))
         pos = torch.arange(300).float()[None]
         keep = torch.ones(1, 1, 1, 300, dtype=torch.bool)
-        for kw in ({}, {"keep": keep, "sliding_window": 100, "softcap": 5.0}):
+        for kw in ({"keep": keep, "sliding_window": 100, "softcap": 5.0}, {}):  # the last one as below
             out = flex_attention_path(q, k, v, pos, pos, self_extend(4, 32), inv, 1.0, scale=0.25, **kw)
             assert out.shape == q.shape
         with pytest.raises(DataDependentOutputException):
             int(q.sum())
+    inv = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))  # real tensors, same shapes: masks not reused
+    q, k, v = (torch.randn(1, 4, 300, 16) for _ in range(3))
+    pos = torch.arange(300).float()[None]
+    with torch.no_grad():
+        out = flex_attention_path(q, k, v, pos, pos, self_extend(4, 32), inv, 1.0, scale=0.25)
+    torch.testing.assert_close(out, naive_attention(q, k, v, pos, pos, self_extend(4, 32), inv, 1.0, scale=0.25),
+                               rtol=0, atol=1e-5)
 
 
 IDS = torch.randint(0, 256, (2, 100), generator=torch.Generator().manual_seed(5))
