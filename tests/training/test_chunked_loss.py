@@ -68,3 +68,22 @@ def test_chunk_size_config_values():
         build_finetune_config({**base, "loss_chunk_size": True})
     with pytest.raises(ConfigError, match="loss_chunk_size: Input should be greater than or equal to 0"):
         build_finetune_config({**base, "loss_chunk_size": -3})
+
+
+def test_a_run_checks_the_head_once_not_every_step(tmp_path, tiny_run, monkeypatch):
+    """The check against the model's own logits ends in a host-side verdict (a device sync): a
+    run makes it on its first batch only."""
+    calls = []
+    check = lm_head.OutputHead.check
+    monkeypatch.setattr(lm_head.OutputHead, "check", lambda self, h, own: calls.append(1) or check(self, h, own))
+    finetune(build_finetune_config(tiny_run(steps=3, grad_accum=2, eval=None)), tmp_path, progress=False)
+    assert calls == [1]
+
+
+def test_a_head_that_fails_its_check_trains_on_the_models_own_loss(tmp_path, tiny_run, monkeypatch):
+    raw = tiny_run(steps=2, eval=None)
+    finetune(build_finetune_config({**raw, "loss_chunk_size": 0}), tmp_path / "plain", progress=False)
+    monkeypatch.setattr(lm_head.OutputHead, "check", lambda self, h, own: "forced mismatch")
+    with pytest.warns(UserWarning, match="forced mismatch"):
+        finetune(build_finetune_config(raw), tmp_path / "fallback", progress=False)
+    assert losses(tmp_path / "fallback") == losses(tmp_path / "plain")
