@@ -27,7 +27,7 @@ def loss_and_grads(model, batch, checkpointing: bool, chunk_size=0):
     if checkpointing:
         enable_checkpointing(model)
     else:
-        model.gradient_checkpointing_disable()
+        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
     loss = causal_lm_loss(model, batch, chunk_size=chunk_size)
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
