@@ -54,7 +54,7 @@ from ropescale.truncated_attention import blocked_attention, fused_attention, ro
 __all__ = ["flex_attention_path", "region_block_masks", "NO_FLEX_BACKWARD"]
 
 NO_FLEX_BACKWARD = {"cpu", "mps"}  # device types where torch refuses FlexAttention backward
-_COMPILED = {}  # "flex" → torch.compile(flex_attention), built on first CUDA call
+_COMPILED = {}  # "flex", "mask" → compiled flex_attention / create_block_mask, built on first CUDA call
 
 
 def _flex_for(device: torch.device):
@@ -64,6 +64,17 @@ def _flex_for(device: torch.device):
     if "flex" not in _COMPILED:
         _COMPILED["flex"] = torch.compile(flex_attention)
     return _COMPILED["flex"]
+
+
+def _mask_builder(device: torch.device):
+    """``create_block_mask`` compiled on CUDA: eagerly it evaluates the mask over all s_q × s_k
+    pairs at once (16 G booleans at 128k tokens); compiled, the evaluation is fused into the
+    per-block reduction (torch's advice since 2.6). Eager elsewhere (tests, short inputs)."""
+    if device.type != "cuda":
+        return create_block_mask
+    if "mask" not in _COMPILED:
+        _COMPILED["mask"] = torch.compile(create_block_mask)
+    return _COMPILED["mask"]
 
 
 def _keep3(keep: torch.Tensor | None, b: int, s_q: int, s_k: int) -> torch.Tensor | None:
@@ -124,11 +135,12 @@ def region_block_masks(b: int, s_q: int, s_k: int, window: int, sliding_window: 
         batch = None if keep3 is None else b
         c0 = s_k - s_q
         near_hi = min(window, sliding_window) if sliding_window else window
-        near = create_block_mask(_region_mask_mod(c0, 0, near_hi, keep3), batch, None, s_q, s_k, device=device)
+        build_mask = _mask_builder(torch.device(device))
+        near = build_mask(_region_mask_mod(c0, 0, near_hi, keep3), batch, None, s_q, s_k, device=device)
         far = None
         if s_k - 1 >= window and (sliding_window is None or sliding_window > window):
-            far = create_block_mask(_region_mask_mod(c0, window, sliding_window, keep3), batch, None, s_q, s_k,
-                                    device=device)
+            far = build_mask(_region_mask_mod(c0, window, sliding_window, keep3), batch, None, s_q, s_k,
+                             device=device)
         return near, far
 
     return _LAST.get((b, s_q, s_k, window, sliding_window, str(device), tensor_type), keep, build)

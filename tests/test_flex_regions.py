@@ -219,3 +219,15 @@ def test_tiny_llama_left_padding_and_cached_decoding_with_flex():
         for t in range(70, 75):
             step = model(IDS[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1]
             torch.testing.assert_close(step, model(IDS[:, : t + 1]).logits[:, -1], rtol=0, atol=1e-5)
+
+
+def test_block_masks_are_built_compiled_on_cuda():
+    """Eager create_block_mask evaluates all s_q × s_k pairs at once; on CUDA it must be compiled
+    (checked without a GPU: the builder chosen for a CUDA device is not the eager function)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from ropescale.flex_regions import _mask_builder
+
+    assert _mask_builder(torch.device("cpu")) is create_block_mask
+    cuda = _mask_builder(torch.device("cuda"))
+    assert cuda is not create_block_mask and cuda is _mask_builder(torch.device("cuda"))  # compiled once
