@@ -25,6 +25,15 @@ from tests.training.test_gradients import IDS
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 
 
+def free_port() -> int:
+    """A port nothing listens on (launched tests on one machine must not share torchrun's 29500)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
@@ -239,7 +248,8 @@ def test_two_processes_train_lora_with_checkpointing_as_one_does(tmp_path, tiny_
     cfg.write_text(json.dumps({**raw, "batch_size": 2}))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     res = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                          "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
+                          "--dynamo_backend", "no",
                           str(root / "cli.py"), "finetune", str(cfg), "-q", "-o", str(tmp_path / "two")],
                          capture_output=True, text=True, env=env, timeout=300, cwd=root)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -18,6 +18,15 @@ from tests.training.test_config import cli, one_line_error, write  # noqa: F401 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def free_port() -> int:
+    """A port nothing listens on (launched tests on one machine must not share torchrun's 29500)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_fsdp_shorthand_is_full_shard_per_decoder_layer():
     from accelerate.utils import FullyShardedDataParallelPlugin
 
@@ -73,10 +82,14 @@ def test_accelerate_drops_fsdp_on_cpu_processes(tmp_path):
         "from ropescale.training.config import fsdp_plugin_kwargs\n"
         "acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(**fsdp_plugin_kwargs('fsdp')))\n"
         "model = acc.prepare(torch.nn.Linear(4, 4))\n"
-        "print(acc.num_processes, acc.distributed_type.value, type(model).__name__)\n")
+        "import pathlib\n"
+        f"pathlib.Path({str(tmp_path)!r}, f'rank{{acc.process_index}}.txt').write_text("
+        "f'{acc.num_processes} {acc.distributed_type.value} {type(model).__name__}')\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     res = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script)],
+                          "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
+                          "--dynamo_backend", "no", str(script)],
                          capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.splitlines().count("2 MULTI_CPU DistributedDataParallel") == 2, res.stdout
+    for rank in (0, 1):  # each process writes its own file (their stdout lines interleave)
+        assert (tmp_path / f"rank{rank}.txt").read_text() == "2 MULTI_CPU DistributedDataParallel"
