@@ -105,11 +105,13 @@ def _vanilla(dim: int, base: float) -> torch.Tensor:
     return base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
 
 
-def _failure_step(dim: int, length: int, log_base: float) -> float | None:
-    """How far (in ln b) upward from ``b = e^log_base`` vanilla B is certified to stay negative
-    somewhere below ``length``: ``None`` when B(m) ≥ 0 for every m < length at b (b passes).
+def _failure_steps(dim: int, length: int, log_base: float, bounds_at: float | None = None) -> tuple[float, float] | None:
+    """How far (in ln b) from ``b = e^log_base`` vanilla B is certified to stay negative somewhere
+    below ``length``, upward and downward: ``(up, down)``, or ``None`` when B(m) ≥ 0 for every
+    m < length at b (b passes). ``down`` holds only down to ``bounds_at`` (default: b itself,
+    so ``down`` is 0), where the derivative bounds are evaluated (they shrink as b grows).
 
-    See ``smallest_base`` for the bounds. Returns the largest certificate over the failing m.
+    See ``smallest_base`` for the bounds. Each is the largest certificate over the failing m.
     """
     w = torch.arange(0, dim, 2, dtype=torch.float64) / dim  # w_i = 2i/d: θ_i = e^(−w_i·u), u = ln b
     m = torch.arange(length, dtype=torch.float64)[:, None]
@@ -118,13 +120,45 @@ def _failure_step(dim: int, length: int, log_base: float) -> float | None:
     neg = curve < 0
     if not bool(neg.any()):
         return None
-    a, b = a[neg], curve[neg]
-    k = (a * w).sum(-1)  # K(m) ≥ |dB/du|
+    m, a, b = m[neg], a[neg], curve[neg]
     slope = (torch.sin(a) * a * w).sum(-1)  # dB/du
-    m2 = ((a * a + a) * w * w).sum(-1)  # ≥ |d²B/du²|
-    first = -b / k
-    second = (-slope + torch.sqrt(slope * slope - 2 * m2 * b)) / m2
-    return float(torch.maximum(first, second).max())
+
+    def reach(a_bound: torch.Tensor, towards: torch.Tensor) -> float:
+        k = (a_bound * w).sum(-1)  # K(m) ≥ |dB/du| from here on
+        m2 = ((a_bound * a_bound + a_bound) * w * w).sum(-1)  # ≥ |d²B/du²|
+        first = -b / k
+        second = (-towards + torch.sqrt(towards * towards - 2 * m2 * b)) / m2
+        return float(torch.maximum(first, second).max())
+
+    up = reach(a, slope)
+    if bounds_at is None or bounds_at >= log_base:
+        return up, 0.0
+    return up, min(reach(m * torch.exp(-w * bounds_at), -slope), log_base - bounds_at)
+
+
+def _failure_step(dim: int, length: int, log_base: float) -> float | None:
+    """The upward certificate of ``_failure_steps``: every base in [b, b·e^step) fails."""
+    steps = _failure_steps(dim, length, log_base)
+    return None if steps is None else steps[0]
+
+
+def _passing_in(dim: int, length: int, lo: float, hi: float, floor: float) -> float | None:
+    """A passing ln b in [lo, hi], or None once certificates cover all of it but gaps narrower
+    than ``floor``: probes the middle of each uncovered piece, and splits what its certificates
+    (up and down) leave uncovered."""
+    gaps = [(lo, hi)]
+    while gaps:
+        g0, g1 = gaps.pop()
+        c = g1 if g1 - g0 <= floor else (g0 + g1) / 2
+        steps = _failure_steps(dim, length, c, bounds_at=g0)
+        if steps is None:
+            return c
+        up, down = (x * (1 - 1e-9) for x in steps)
+        if c - down - g0 > floor:
+            gaps.append((g0, c - down))
+        if g1 - c - up > floor:
+            gaps.append((c + up, g1))
+    return None
 
 
 def smallest_base(dim: int, length: int, *, low: float = 2.0, high: float = 1e12, rel_tol: float = 1e-4) -> float:
@@ -151,15 +185,24 @@ def smallest_base(dim: int, length: int, *, low: float = 2.0, high: float = 1e12
     steeply. The walk starts at ``low``, evaluates B for every m < L, and moves to the end of the
     longest certificate over the failing m (shortened by 1e-9 against rounding); the first base
     where no m fails is the answer. Where certificates shrink below ``rel_tol`` (B about to
-    cross zero), it also tries b·e^(rel_tol) and returns it if that passes. A few hundred
-    evaluations of B for the README's table.
+    cross zero: steps toward a root only approach it), it settles [u, u + ``rel_tol``] at once:
+    it probes the right end and splits whatever the certificates leave uncovered, the same
+    bounds also certifying downward from a failing probe (with K and M taken at the left end of
+    the piece, where they are largest). Any base it finds passing there is within ``rel_tol``
+    of the failing ones below; only pieces narrower than 1e-12 in ln b (below what float64
+    resolves of B) are left unsettled. One evaluation of B (L·d/2 cosines) per step: from tens
+    of steps (L = 128) to thousands (d = 32, L = 32768).
     """
     u, top = math.log(low), math.log(high)
     while u <= top:
         step = _failure_step(dim, length, u)
         if step is None:
             return math.exp(u)
-        if step < rel_tol and _failure_step(dim, length, u + rel_tol) is None:
-            return math.exp(u + rel_tol)
-        u += step * (1 - 1e-9)
+        step *= 1 - 1e-9
+        if step < rel_tol:  # about to cross zero: settle [u, u + rel_tol] at once
+            found = _passing_in(dim, length, u + step, u + rel_tol, floor=1e-12)
+            if found is not None:
+                return math.exp(found)
+            step = rel_tol
+        u += step
     raise ValueError(f"no base up to {high:g} keeps B(m) >= 0 for m < {length} at d = {dim}")

@@ -117,3 +117,21 @@ def test_failure_certificate_holds():
         inside = [b * math.exp(step * k / 400) for k in range(400)]
         assert not any(passing(dim, length, inside))
     assert geo._failure_step(dim, length, math.log(8600.0)) is None  # inside the narrow window
+
+
+def test_downward_failure_certificate_holds():
+    """From a failing base b, with the bounds taken at a lower base b0: every base in
+    (b·e^(−down), b] fails, and down never reaches below b0."""
+    dim, length = 16, 256
+    for b0, b in ((40.0, 50.0), (800.0, 900.0), (8000.0, 8560.0), (8650.0, 9000.0), (9000.0, 11000.0)):
+        up, down = geo._failure_steps(dim, length, math.log(b), bounds_at=math.log(b0))
+        assert 0 < down <= math.log(b / b0) + 1e-12 and up > 0
+        inside = [b * math.exp(-down * k / 400) for k in range(400)]
+        assert not any(passing(dim, length, inside))
+    assert geo._failure_steps(dim, length, math.log(8600.0), bounds_at=math.log(8000.0)) is None
+    # the narrow window lies between the certificates from either side
+    lo, hi = math.log(8000.0), math.log(9000.0)
+    found = geo._passing_in(dim, length, lo, hi, floor=1e-12)
+    assert found is not None and passing(dim, length, [math.exp(found)]) == [True]
+    assert 8565 <= math.exp(found) <= 8645
+    assert geo._passing_in(dim, length, math.log(9000.0), math.log(11000.0), floor=1e-12) is None
