@@ -305,10 +305,13 @@ def lm_eval_cmd(args) -> None:
     """lm-evaluation-harness with the `ropescale` model registered (needs the lm-eval extra):
     ropescale lm-eval --model ropescale --model_args pretrained=reference,strategy=yarn,factor=8 --tasks ..."""
     try:
-        from eval.lmeval import main as lm_eval_main
+        from eval.lmeval import ModelArgsError, main as lm_eval_main
     except ImportError as e:
         _fail(ImportError(f"lm-eval is not installed ({e}); pip install 'ropescale[lm-eval]'"))
-    lm_eval_main(list(args))
+    try:
+        lm_eval_main(list(args))
+    except ModelArgsError as e:  # bad model_args, no arguments, a missing --include_path: one line
+        _fail(ModelArgsError(f"lm-eval: {e}"))
 
 
 @main.command()

@@ -16,13 +16,23 @@ hand the arguments to lm-eval's own CLI unchanged; from Python, ``import eval.lm
 
 ``max_length`` (lm-eval's context window for rolling perplexity and truncation) defaults to
 ``factor × L_train`` when the strategy has a ``factor``, else to the model's own window.
-Raises ``ValueError`` for an unknown strategy or parameter, as ``ropescale.patch`` does.
+
+Bad ``model_args`` (no ``pretrained``, a model folder that is not there, an unknown strategy, key
+or dtype, a parameter out of range or missing, a bad patch option) raise ``ModelArgsError`` (a
+``ValueError``) in one line naming the key and what is allowed. ``main`` checks them, and the
+``--include_path``, before lm-eval loads anything (lm-eval's CLI lets exceptions from a model's
+constructor end in a traceback); ``ropescale lm-eval`` prints the line and exits 1.
 """
 
 from __future__ import annotations
 
+import contextlib
+import difflib
+import inspect
+import io
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,9 +42,82 @@ from lm_eval.models.huggingface import HFLM
 import ropescale
 from ropescale.strategies import get_strategy
 
-__all__ = ["RopescaleLM", "main"]
+__all__ = ["RopescaleLM", "ModelArgsError", "check_model_args", "main"]
 
-_PATCH_OPTIONS = ("original_max_position_embeddings", "layer_types", "dynamic_cache", "dynamic_block", "logn")
+_PATCH_OPTIONS = ("original_max_position_embeddings", "layer_types", "dynamic_cache", "dynamic_block", "logn",
+                  "attention_path", "block_size")
+_OWN = ("pretrained", "strategy", "dtype", "device", "max_length")
+USAGE = ("ropescale lm-eval --model ropescale --model_args pretrained=reference,strategy=yarn,factor=8 "
+         "--tasks TASK [--include_path DIR] [any lm_eval option] (--help: lm-eval's options)")
+
+
+class ModelArgsError(ValueError):
+    """Bad ``model_args`` or lm-eval arguments, in one line."""
+
+
+def _hflm_keys() -> list[str]:
+    return [n for n, p in inspect.signature(HFLM.__init__).parameters.items()
+            if n not in ("self", "pretrained") and p.kind is not p.VAR_KEYWORD]
+
+
+def _whole(value: Any, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def check_model_args(args: dict[str, Any]) -> dict[str, Any]:
+    """Check the ``ropescale`` model's arguments without loading the model: ``pretrained`` given
+    and resolvable, the strategy known, every key known (the strategy's parameters, the patch
+    options, ``dtype``/``device``/``max_length`` and ``HFLM``'s own), parameters in range and
+    present, patch options of the right kind. Returns the validated strategy parameters.
+    Raises ``ModelArgsError`` in one line."""
+    from ropescale.models import _DTYPES, MODEL_ALIASES, ModelLoadError, resolve_model
+    from ropescale.patching import DYNAMIC_CACHE_MODES
+    from ropescale.strategies import UnknownStrategyError
+
+    def fail(msg: str) -> ModelArgsError:
+        return ModelArgsError(f"model_args: {msg}")
+
+    if args.get("pretrained") in (None, ""):
+        raise fail(f"pretrained: missing; give pretrained=NAME (a bundled name: {', '.join(MODEL_ALIASES)}; "
+                   "a local model folder; or a hub id)")
+    try:
+        resolve_model(str(args["pretrained"]))
+    except (ModelLoadError, OSError) as e:
+        raise fail(str(e)) from None
+    name = args.get("strategy", "vanilla")
+    try:
+        strat = get_strategy(str(name))
+    except UnknownStrategyError as e:
+        raise fail(f"strategy: {e}") from None
+    names = [p.name for p in strat.params]
+    allowed = [*names, *_PATCH_OPTIONS, *_OWN]
+    for key in args:
+        if key not in allowed and key not in _hflm_keys():
+            hint = difflib.get_close_matches(key, [*allowed, *_hflm_keys()], n=1)
+            raise fail(f"{key}: unknown key" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                       + f"; allowed: {strat.name}'s parameters ({', '.join(names) or 'none'}), the patch options "
+                       f"({', '.join(_PATCH_OPTIONS)}), {', '.join(_OWN[2:])} and HFLM's own arguments")
+    try:
+        params = strat.validate({k: args[k] for k in names if k in args})
+    except ValueError as e:
+        raise fail(str(e)) from None
+    dtype = args.get("dtype", "float32")
+    if dtype not in _DTYPES:
+        raise fail(f"dtype={dtype!r}; choose one of {', '.join(_DTYPES)}")
+    checks = {
+        "original_max_position_embeddings": (lambda v: _whole(v, 2), "must be a whole number of tokens >= 2"),
+        "dynamic_cache": (lambda v: v in DYNAMIC_CACHE_MODES, f"; choose one of {', '.join(DYNAMIC_CACHE_MODES)}"),
+        "dynamic_block": (lambda v: _whole(v, 1), "must be a whole number >= 1"),
+        "logn": (lambda v: isinstance(v, bool), "must be True or False"),
+        "attention_path": (lambda v: v in ("fused", "flex", "blocked", "naive"),
+                           "; choose one of fused, flex, blocked, naive"),
+        "block_size": (lambda v: _whole(v, 1), "must be a whole number >= 1"),
+        "max_length": (lambda v: v is None or _whole(v, 1), "must be a whole number of tokens >= 1"),
+    }
+    for key, (ok, what) in checks.items():
+        if key in args and not ok(args[key]):
+            raise fail(f"{key}={args[key]!r}{'' if what.startswith(';') else ' '}{what}")
+    return params
 
 
 @register_model("ropescale")
@@ -43,6 +126,11 @@ class RopescaleLM(HFLM):
 
     def __init__(self, pretrained: str, strategy: str = "vanilla", dtype: str = "float32", device: str = "cpu",
                  max_length: int | None = None, **kwargs: Any):
+        from ropescale.models import ModelLoadError
+        from ropescale.rotary import NoRotaryEmbeddingError
+
+        check_model_args({"pretrained": pretrained, "strategy": strategy, "dtype": dtype, "max_length": max_length,
+                          **kwargs})
         strat = get_strategy(strategy)
         names = {p.name for p in strat.params}
         params = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
@@ -53,22 +141,60 @@ class RopescaleLM(HFLM):
             # lm-eval's CLI asks for cuda by default; its own HFLM falls back to the CPU too
             logging.getLogger(__name__).warning("device %s is not available; running on the CPU", device)
             device = "cpu"
-        model, tokenizer = ropescale.load_model(str(pretrained), dtype=dtype, device=str(device))
-        ropescale.unpatch(model)  # a saved patch would stack under this one
-        handle = ropescale.patch(model, strategy, **options, **params)
+        try:  # what needs the model (a hub id offline, unreadable weights, layer types): one line too
+            model, tokenizer = ropescale.load_model(str(pretrained), dtype=dtype, device=str(device))
+            ropescale.unpatch(model)  # a saved patch would stack under this one
+            handle = ropescale.patch(model, strategy, **options, **params)
+        except (ModelLoadError, NoRotaryEmbeddingError, ValueError) as e:
+            raise ModelArgsError(f"model_args: {e}") from None
         if max_length is None and "factor" in handle.params:
             max_length = int(handle.params["factor"] * handle.context["original_max_position_embeddings"])
         self.patch_handle = handle
         super().__init__(pretrained=model, tokenizer=tokenizer, max_length=max_length, device=device, **kwargs)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """lm-eval's command line with the ``ropescale`` model registered."""
-    from lm_eval.__main__ import cli_evaluate
+def _check_run(namespace) -> None:
+    """What ``lm-eval run`` would refuse late or with a traceback, refused before it loads anything."""
+    from lm_eval.config.evaluate_config import EvaluatorConfig
 
-    sys.argv = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
-    cli_evaluate()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints a --config's settings; lm-eval does again
+            cfg = EvaluatorConfig.from_cli(namespace)
+    except (ValueError, TypeError, OSError) as e:
+        raise ModelArgsError(" ".join(str(e).split())) from None
+    if not cfg.tasks:  # lm-eval finds out after loading the model
+        raise ModelArgsError("no --tasks; give --tasks TASK[,TASK ...] (`ropescale lm-eval ls tasks` lists them)")
+    if cfg.include_path is not None:
+        paths = cfg.include_path if isinstance(cfg.include_path, list) else [cfg.include_path]
+        for p in paths:
+            if not Path(p).exists():
+                raise ModelArgsError(f"--include_path {p}: no such file or folder (give the folder of your task "
+                                     "YAML files)")
+    if cfg.model == "ropescale":
+        check_model_args(dict(cfg.model_args or {}))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """lm-eval's command line with the ``ropescale`` model registered. Raises ``ModelArgsError``
+    (one line) for no arguments, bad ``model_args``, a missing ``--include_path`` or arguments
+    lm-eval's configuration refuses, before lm-eval loads a task or the model."""
+    from lm_eval._cli import HarnessCLI
+    from lm_eval.utils import setup_logging
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        raise ModelArgsError(f"no arguments; e.g. {USAGE}")
+    sys.argv = [sys.argv[0], *args]
+    setup_logging()  # as lm-eval's own cli_evaluate does
+    parser = HarnessCLI()
+    namespace = parser.parse_args()
+    if getattr(namespace, "command", None) == "run":
+        _check_run(namespace)
+    parser.execute(namespace)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ModelArgsError as e:
+        sys.exit(f"Error: lm-eval: {e}")

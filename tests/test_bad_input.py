@@ -163,3 +163,37 @@ def test_truncation_window_beyond_every_length_is_noted(tmp_path, tiny_model_dir
     with caplog.at_level(logging.WARNING, logger="ropescale"):
         (r,) = run_sweep(cfg, tmp_path, progress=False)
     assert r["note"].startswith("window 64 >= length 32: the rule never applies") and "equals vanilla" in caplog.text
+
+
+LM_EVAL_TASK = ["--tasks", "tiny_rolling", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("model_args,message", [
+    ("pretrained=reference,strategy=bogus", "unknown strategy 'bogus'; known strategies: "),
+    ("pretrained=reference,strategy=linear,factor=-1", "linear: parameter factor=-1.0 is out of range; allowed: >= 1"),
+    ("pretrained=/tmp/ropescale-no-such-model,strategy=yarn,factor=2",
+     "/tmp/ropescale-no-such-model: no such model folder"),
+    ("strategy=yarn,factor=2", "pretrained: missing; give pretrained=NAME"),
+    ("pretrained=reference,strategy=dynamic_ntk,dynamic_cache=bogus",
+     "dynamic_cache='bogus'; choose one of recompute, rerotate"),
+    ("pretrained=reference,strategy=yarn,factor=2,logn=maybe", "logn='maybe' must be True or False"),
+    ("pretrained=reference,dtype=float64", "dtype='float64'; choose one of float32, bfloat16, float16"),
+    ("pretrained=reference,strategy=linear,fctor=4", "fctor: unknown key (did you mean 'factor'?)"),
+    ("pretrained=reference,strategy=linear", "linear: parameter factor is required"),
+    ("pretrained=reference,strategy=linear,factor=2,max_length=0", "max_length=0 must be a whole number"),
+])
+def test_lm_eval_bad_model_args(model_args, message):
+    pytest.importorskip("lm_eval")
+    line = one_line_error(cli("lm-eval", "--model", "ropescale", "--model_args", model_args, *LM_EVAL_TASK), message)
+    assert line.startswith("Error: lm-eval: model_args: "), line
+
+
+def test_lm_eval_bad_include_path_and_no_arguments():
+    pytest.importorskip("lm_eval")
+    one_line_error(cli("lm-eval", "--model", "ropescale", "--model_args", "pretrained=reference",
+                       "--include_path", "/tmp/ropescale-no-such-tasks", *LM_EVAL_TASK),
+                   "--include_path /tmp/ropescale-no-such-tasks: no such file or folder")
+    one_line_error(cli("lm-eval"), "lm-eval: no arguments; e.g. ropescale lm-eval --model ropescale")
+    one_line_error(cli("lm-eval", "--model", "ropescale", "--model_args", "pretrained=reference"),
+                   "lm-eval: no --tasks; give --tasks TASK")
+

@@ -65,3 +65,19 @@ def test_command_line_runs_offline(task_dir, tiny_model_dir, capsys):
                  "--tasks", "tiny_rolling", "--include_path", str(task_dir), "--device", "cpu", "--batch_size", "1"])
     out = capsys.readouterr().out
     assert "tiny_rolling" in out and "word_perplexity" in out
+
+
+def test_what_needs_the_model_fails_in_one_line_too(task_dir):
+    # a hub id with the hub offline passes the early checks; loading it fails inside lm-eval's run
+    with pytest.raises(lmeval.ModelArgsError, match="model_args: cannot load 'some-org/some-model'.*hub is offline"):
+        lmeval.main(["--model", "ropescale", "--model_args", "pretrained=some-org/some-model",
+                     "--tasks", "tiny_rolling", "--include_path", str(task_dir), "--device", "cpu"])
+
+
+def test_model_args_checked_before_loading(tiny_model_dir):
+    params = lmeval.check_model_args({"pretrained": str(tiny_model_dir), "strategy": "yarn", "factor": 2,
+                                      "logn": True, "batch_size": 1, "dynamic_block": 4})
+    assert params["factor"] == 2.0
+    with pytest.raises(lmeval.ModelArgsError, match="beta_fast: unknown key.*linear's parameters \\(factor\\)"):
+        lmeval.check_model_args({"pretrained": str(tiny_model_dir), "strategy": "linear", "factor": 2,
+                                 "beta_fast": 4})
