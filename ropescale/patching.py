@@ -132,12 +132,19 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
     Raises:
         UnknownStrategyError: unknown ``strategy`` (message lists the known ones).
         ValueError: bad parameter (names it and the allowed range); unknown layer type; model
-            already patched.
+            already patched; a model whose rotary buffers are on the meta device.
         NoRotaryEmbeddingError: no rotary module, or no ``rope_theta`` in the config.
         AttentionNotPluggableError: ``logn`` on a model whose attention bypasses the interface.
     """
     strat = get_strategy(strategy)
     params = strat.validate(params)
+    # the rotary buffers only: accelerate's offloading (device_map) leaves offloaded weights on meta
+    # but keeps buffers on a real device; a rotary buffer on meta has no frequencies to read
+    meta = [n for n, m in find_rotary_modules(model) if any(b.is_meta for b in m.buffers(recurse=False))]
+    if meta:
+        raise ValueError(f"{type(model).__name__} is on the meta device ({meta[0]}'s inv_freq has a shape but no "
+                         "values): no weights to patch; load the model with its weights (from_pretrained, or "
+                         "to_empty() then load_state_dict) first")
     if original_max_position_embeddings is not None and (
             isinstance(original_max_position_embeddings, bool) or not isinstance(original_max_position_embeddings, int)
             or original_max_position_embeddings < 2):

@@ -121,3 +121,11 @@ def test_save_patched_and_load_back(tmp_path, tiny_model_dir):
         assert torch.equal(loaded(ids).logits, expected)
     with pytest.raises(ValueError, match="not patched"):
         ropescale.save_patched(loaded.__class__(loaded.config), tok, tmp_path / "x")
+
+
+def test_patch_refuses_a_model_on_the_meta_device():
+    with torch.device("meta"):
+        model = LlamaForCausalLM(tiny_llama_config())
+    with pytest.raises(ValueError, match="is on the meta device .*: no weights to patch; load the model"):
+        ropescale.patch(model, "yarn", factor=2)
+    assert ropescale.current_patch(model) is None
