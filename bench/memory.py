@@ -24,9 +24,10 @@ same process just before the case (process + weights, after a 16-token warm-up).
   normed input, act(gate), up, their product: n·(2d + 3f) — and one head chunk at the default
   budget (c positions × V × (logits + their float32 copy in bf16 + log-softmax));
 * passkey: the ppl layer term + the KV cache 2·layers·n·n_kv·h_d + one ``[V]`` row;
-* finetune: gradients and AdamW's two moments (3 × the weights) + the checkpointed layer
-  inputs layers·n·d + one layer's activations kept for its backward during recompute
-  n·(4d + 2·q + 2·kv + 3f) (q = n_h·h_d, kv = n_kv·h_d) + one head chunk with its gradient.
+* finetune: the larger of the backward — gradients (the weights' size) + the checkpointed
+  layer inputs layers·n·d + the larger of one layer's activations kept for its backward during
+  recompute n·(4d + 2·q + 2·kv + 3f) (q = n_h·h_d, kv = n_kv·h_d) and one head chunk with its
+  gradient — and the optimiser step: gradients + AdamW's two moments (3 × the weights).
 
 Ratios ``peak / floor`` are printed beside, and ``before / ropescale`` for the old paths.
 """
@@ -108,7 +109,7 @@ def worker(case: str, shape: str, length: int, device: str) -> dict:
     train = case.startswith("finetune")
     if train:
         model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)  # as the training loop: no temporaries
     with torch.no_grad():
         model(input_ids=ids[:, :16], use_cache=False)  # warm-up
     if device == "cuda":
@@ -139,8 +140,9 @@ def worker(case: str, shape: str, length: int, device: str) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         chunk = chunk_size_for(V, 1, budget=DEFAULT_BUDGET, training=True, dtype=dtype)
-        floor = (base + 3 * weights + e * layers * n * d + e * n * (4 * d + 2 * q + 2 * kv + 3 * f)
-                 + chunk * V * (e + (4 if e < 4 else 0) + 8))
+        backward = (weights + e * layers * n * d  # gradients, checkpointed layer inputs
+                    + max(e * n * (4 * d + 2 * q + 2 * kv + 3 * f), chunk * V * (e + (4 if e < 4 else 0) + 8)))
+        floor = base + max(backward, 3 * weights)  # AdamW's moments appear at step(), after the activations
     if device == "cuda":
         torch.cuda.synchronize()
     return {"peak": _memory(device), "base": base, "floor": floor}

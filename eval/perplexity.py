@@ -7,7 +7,6 @@ NLL is in nats; perplexity = exp(total NLL / scored tokens) (token-weighted).
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from itertools import groupby
 
@@ -59,15 +58,12 @@ def _batches(windows: list[Window], batch_size: int):
 def _forward_nll(model, head: OutputHead | None, ids: torch.Tensor, first: int, chunk: int | None) -> torch.Tensor:
     """NLL ``[b, n - first]`` float32 (on the model's device) of targets ``ids[:, first:]``
     (``first`` ≥ 1) from one forward over ``ids`` ``[b, n]``: through the chunked head when it
-    reproduces the model's own logits (checked on every batch), else from full logits."""
+    reproduces the model's own logits (``OutputHead.verify``: checked on the first batch of a
+    call, one host read), else from full logits."""
     if head is not None and head.mismatch is None:
         hidden, own = head.run(input_ids=ids, use_cache=False)  # [b, n, d], [b, 1, V]
-        why = head.check(hidden, own)
-        if why is None:
+        if head.verify(hidden, own):
             return head.token_nll(hidden[:, first - 1 : -1], ids[:, first:], chunk)
-        head.mismatch = why
-        warnings.warn(f"{type(model).__name__}: the chunked LM head does not reproduce the model's logits "
-                      f"({why}); scoring from full [n, V] logits (more memory, same numbers)", stacklevel=3)
     logits = model(input_ids=ids, use_cache=False).logits[:, first - 1 : -1]  # [b, n-first, V]
     return F.cross_entropy(logits.flatten(0, 1).float(), ids[:, first:].flatten(),
                            reduction="none").view(ids.shape[0], -1)
@@ -96,8 +92,8 @@ def window_nll(model, docs: list[torch.Tensor], windows: list[Window], *, length
 
     Memory is O(n·d): the LM head and the loss run over ``logits_chunk`` positions at a time
     (``ropescale.lm_head``; default from a memory budget), never over ``[n, V]`` logits — unless
-    the model's head cannot be reproduced, which is detected on every batch and falls back to
-    full logits with a warning. The accounting stays on the device until the end (no host sync
+    the model's head cannot be reproduced, which is detected on the first batch (against the
+    model's own last-position logits) and falls back to full logits with a warning. The accounting stays on the device until the end (no host sync
     per window).
 
     Args:

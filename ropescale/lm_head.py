@@ -87,6 +87,7 @@ class OutputHead:
         self.divide = getattr(cfg, "logits_scaling", None)  # Granite: logits ÷ logits_scaling
         self.vocab_size = self.proj.weight.shape[0]
         self.mismatch: str | None = None  # why the head could not be reproduced, once a check failed
+        self.verified = False  # checked once: the head does not change while this object is used
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., d]`` → ``[..., V]`` as the model's own forward computes them (its dtype)."""
@@ -128,6 +129,18 @@ class OutputHead:
         err = float((mine.float() - ref).abs().max())
         return None if err <= tol else f"max |Δlogit| {err:.3g} > {tol:.3g} at the last position"
 
+    def verify(self, hidden: torch.Tensor, own: torch.Tensor) -> bool:
+        """Whether the chunked head may be used: ``check`` on the first call (one host read per
+        head object, none per batch after it), its verdict kept. A mismatch warns once."""
+        if not self.verified:
+            self.verified = True
+            self.mismatch = self.check(hidden, own)
+            if self.mismatch is not None:
+                warnings.warn(f"{type(_unwrap(self.model)).__name__}: the chunked LM head does not reproduce the "
+                              f"model's logits ({self.mismatch}); using full [n, V] logits instead (more memory, "
+                              "same numbers)", stacklevel=3)
+        return self.mismatch is None
+
     def token_nll(self, hidden: torch.Tensor, targets: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
         """NLL ``[b, n]`` float32 of ``targets`` ``[b, n]`` predicted from ``hidden`` ``[b, n, d]``
         (0 where the target is ``-100``), the head applied ``chunk`` positions at a time (default:
@@ -155,8 +168,9 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, *, position_ids: t
     transformers' loss does (position t predicts t + 1; ``-100`` ignored), from the decoder's
     hidden states with the head applied ``chunk_size`` positions at a time (default: from
     ``budget`` bytes) and recomputed in backward. Equal to ``model(..., labels=).loss`` to float
-    noise; falls back to it (warning once per ``head``) when the head cannot be reproduced.
-    ``head``: an ``OutputHead(model)`` kept across calls (a training run builds one).
+    noise; falls back to it (warning once per ``head``) when the head cannot be reproduced,
+    which ``head.verify`` checks on its first batch. ``head``: an ``OutputHead(model)`` kept
+    across calls (a training run builds one, so only its first step reads anything on the host).
     """
     labels = input_ids if labels is None else labels
     inputs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask,
@@ -165,11 +179,7 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, *, position_ids: t
     if head.mismatch is not None:
         return model(**inputs, labels=labels).loss
     hidden, own = head.run(**inputs)
-    why = head.check(hidden, own)
-    if why is not None:
-        head.mismatch = why
-        warnings.warn(f"{type(_unwrap(model)).__name__}: the chunked LM head does not reproduce the model's "
-                      f"logits ({why}); computing the loss from full logits", stacklevel=2)
+    if not head.verify(hidden, own):
         return model(**inputs, labels=labels).loss
     targets = labels[:, 1:]  # [b, n-1]
     h = hidden[:, :-1]  # [b, n-1, d]
