@@ -16,7 +16,7 @@ from __future__ import annotations
 import difflib
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -26,15 +26,30 @@ __all__ = ["FinetuneConfig", "PoseConfig", "LoraSettings", "EvalDuringTraining",
            "load_finetune_config", "ResolvedRun", "resolve", "fsdp_plugin_kwargs", "DEFAULT_LORA_TARGETS"]
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MAX_STEPS = 10 ** 9  # more optimiser steps than any run takes; beyond it counts overflow (int64 indices)
+MAX_WINDOWS = 10 ** 15  # training windows per process: steps × grad_accum × batch_size
+
+# every section refuses inf and NaN (`lr: .inf` trained to NaN and saved the model)
+_FINITE = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def _not_a_bool(cls, v: Any) -> Any:
+    """YAML's true/false where a number is meant (``steps: true`` was read as 1 step)."""
+    if isinstance(v, bool):
+        raise ValueError(f"{str(v).lower()} is a yes/no value, not a number")
+    if isinstance(v, (list, tuple)) and any(isinstance(x, bool) for x in v):
+        raise ValueError(f"{list(v)!r} holds a yes/no value, not a number")
+    return v
 
 
 class PoseConfig(BaseModel):
     """PoSE (arXiv:2309.10400): train on windows of the original length T whose position ids
     are split into ``chunks`` with random skips reaching the target ``length``."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = _FINITE
     enabled: bool = False
     chunks: int = Field(2, ge=1, description="chunks N per window (paper: 2)")
+    _numbers = field_validator("chunks", mode="before")(_not_a_bool)
     content: Literal["random", "aligned", "contiguous"] = Field(
         "random", description="text of each chunk: random offsets v_i (paper), v_i = u_i, or contiguous")
 
@@ -60,7 +75,7 @@ class LoraSettings(BaseModel):
     or ``adapter`` (PEFT adapter folder + patch record + tokenizer; ``ropescale.load_model``
     loads the base model named in it, applies the adapter and re-applies the patch)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = _FINITE
     r: int = Field(8, ge=1, description="rank of the update B A")
     alpha: float = Field(16.0, gt=0, description="the update is scaled by alpha / r")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA branch's input")
@@ -70,6 +85,7 @@ class LoraSettings(BaseModel):
     modules_to_save: list[str] = Field(default_factory=list, description="modules trained fully and saved")
     trainable_embeddings_norms: bool = Field(False, description="LongLoRA's LoRA+: embeddings and norms trained")
     save: Literal["merged", "adapter"] = "merged"
+    _numbers = field_validator("r", "alpha", "dropout", mode="before")(_not_a_bool)
 
     @model_validator(mode="before")
     @classmethod
@@ -147,13 +163,14 @@ class EvalDuringTraining(BaseModel):
     training log; ``after``: harness experiments (``eval.config`` mappings without model,
     strategies and output) run on the saved model when training ends."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = _FINITE
     every: int = Field(100, ge=1, description="steps between held-out evaluations")
     data: DataConfig = Field(default_factory=DataConfig)
     lengths: list[int] = Field(default_factory=list, description="default: T, 2T, ..., up to length")
     max_windows: int | None = Field(32, ge=1, description="windows per length, evenly spaced (None: all)")
     batch_size: int = Field(1, ge=1)
     after: list[dict[str, Any]] = Field(default_factory=list, description="harness experiments on the saved model")
+    _numbers = field_validator("every", "lengths", "max_windows", "batch_size", mode="before")(_not_a_bool)
 
     @field_validator("data", mode="before")
     @classmethod
@@ -182,21 +199,21 @@ class FinetuneConfig(BaseModel):
     """One fine-tuning run. ``batch_size`` is per process and per micro-step: the global batch
     is batch_size × grad_accum × processes windows."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     model: str = "reference"
     strategy: StrategySpec
     data: DataConfig = Field(default_factory=lambda: DataConfig(source="kjv-train"))
     length: int = Field(ge=2, description="target length L [tokens]: the training windows (PoSE: the reach)")
     original_max_position_embeddings: int | None = Field(None, ge=2, description="override the model's window T")
     attention_path: str | None = Field(None, description="truncation rules: ropescale.patch's attention_path")
-    steps: int = Field(description="optimiser steps")
+    steps: int = Field(description="optimiser steps", le=MAX_STEPS)
     batch_size: int = Field(4, ge=1, description="windows per process per micro-step")
     grad_accum: int = Field(1, ge=1, description="micro-steps per optimiser step")
     lr: float = Field(2e-5, gt=0, description="peak learning rate")
     warmup: int = Field(20, ge=0, description="linear warm-up steps")
     schedule: Literal["linear", "cosine", "constant"] = "linear"
     weight_decay: float = Field(0.0, ge=0)
-    adam_betas: tuple[float, float] = (0.9, 0.95)
+    adam_betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.95)
     max_grad_norm: float | None = Field(1.0, gt=0, description="clip the global gradient norm (None: no clipping)")
     seed: int = Field(0, ge=0)
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
@@ -218,6 +235,10 @@ class FinetuneConfig(BaseModel):
                                                    "config file; needs CUDA devices")
     output: str | None = None
 
+    _numbers = field_validator("length", "original_max_position_embeddings", "steps", "batch_size", "grad_accum",
+                               "lr", "warmup", "weight_decay", "adam_betas", "max_grad_norm", "seed", "threads",
+                               "checkpoint_every", "keep_checkpoints", mode="before")(_not_a_bool)
+
     @field_validator("strategy", mode="before")
     @classmethod
     def _strategy(cls, v: Any) -> Any:
@@ -236,6 +257,8 @@ class FinetuneConfig(BaseModel):
     def _steps(cls, v: Any) -> Any:
         if isinstance(v, int) and not isinstance(v, bool) and v <= 0:
             raise ValueError(f"must be at least 1 optimiser step; got {v}")
+        if isinstance(v, int) and not isinstance(v, bool) and v > MAX_STEPS:
+            raise ValueError(f"{v} optimiser steps is more than any run takes; at most {MAX_STEPS}")
         return v
 
     @field_validator("loss_chunk_size", mode="before")
@@ -286,6 +309,10 @@ class FinetuneConfig(BaseModel):
         if self.eval is not None and self.eval.data.spec().describe() == self.data.spec().describe():
             raise ValueError(f"eval.data: {self.data.source} is also the training data; held-out perplexity must "
                              "be measured on text the model is not trained on")
+        windows = self.steps * self.grad_accum * self.batch_size
+        if windows > MAX_WINDOWS:
+            raise ValueError(f"steps × grad_accum × batch_size = {windows} training windows per process; at most "
+                             f"{MAX_WINDOWS} (their indices overflow)")
         if self.mixed_precision == "fp16" and self.device == "cpu":
             raise ValueError("mixed_precision: fp16 needs a CUDA device; on CPU use bf16 or no")
         if self.sharding is not None and self.device == "cpu":
@@ -444,6 +471,31 @@ def resolve(cfg: FinetuneConfig, source: str = "config") -> ResolvedRun:
         lengths.append(L)
     run = ResolvedRun(train_length=T, params=params, kind=strat.kind, window=T if cfg.pose.enabled else L,
                       eval_lengths=lengths)
-    run.after_configs(cfg, cfg.model, source)  # a bad evaluation fails now, not after training
+    # a bad evaluation fails now, not after training: the harness configs, then each task's examples at
+    # each length (a passkey length shorter than its question, data too short for a perplexity length)
+    _check_after(run, cfg, run.after_configs(cfg, cfg.model, source), source)
     return run
+
+
+def _check_after(run: ResolvedRun, cfg: FinetuneConfig, configs: list[tuple[str, Any]], source: str) -> None:
+    """Build the examples of every ``eval.after`` experiment at every length, as the harness will
+    on the saved model (same tokenizer, same window T). Raises ``ConfigError`` in one line."""
+    if not configs:
+        return
+    from eval.data import load_documents, tokenize_documents
+    from eval.tasks.base import get_task
+    from ropescale.models import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model)
+    for i, (name, ecfg) in enumerate(configs):
+        task_cls = get_task(ecfg.task)
+        try:
+            docs = (tokenize_documents(tokenizer, load_documents(ecfg.data.spec())) if task_cls.uses_data
+                    else None)
+            task = task_cls(ecfg.options, tokenizer=tokenizer,
+                            train_length=ecfg.original_max_position_embeddings or run.train_length, documents=docs)
+            for length in ecfg.lengths:
+                task.examples(length)
+        except ValueError as e:
+            raise ConfigError(f"{source}: eval.after.{i} ({ecfg.task}): {' '.join(str(e).split())}") from None
 

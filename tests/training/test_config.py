@@ -54,6 +54,20 @@ def write(tmp_path, tiny_run):
     ({"model": "./no/such/model"}, ["no such model folder"]),
     ({"data": "/no/such/text.txt"}, ["/no/such/text.txt"]),
     ({"attention_path": "fastest", "strategy": "rerope"}, ["attention_path='fastest'"]),
+    ({"lr": float("inf")}, ["lr: Input should be a finite number"]),
+    ({"weight_decay": float("nan")}, ["weight_decay: Input should be a finite number"]),
+    ({"max_grad_norm": float("inf")}, ["max_grad_norm: Input should be a finite number"]),
+    ({"adam_betas": [0.9, float("nan")]}, ["adam_betas.1: Input should be a finite number"]),
+    ({"adam_betas": [0.9, 1.5]}, ["adam_betas.1: Input should be less than 1"]),
+    ({"steps": True}, ["steps: true is a yes/no value, not a number"]),
+    ({"batch_size": True}, ["batch_size: true is a yes/no value"]),
+    ({"lr": True}, ["lr: true is a yes/no value"]),
+    ({"steps": 100000000000000000000}, ["steps: 100000000000000000000 optimiser steps is more than",
+                                        "at most 1000000000"]),
+    ({"steps": 10 ** 9, "batch_size": 10 ** 9}, ["steps × grad_accum × batch_size",
+                                                 "training windows per process"]),
+    ({"eval": {"after": [{"task": "passkey", "lengths": [16]}]}},
+     ["eval.after.0 (passkey): length 16 is too short for this prompt"]),
 ])
 def test_bad_config_one_line(write, tmp_path, overrides, fragments):
     if overrides.get("eval", {}).get("data") == "SAME":
@@ -98,3 +112,10 @@ def test_cli_runs_and_reports(tmp_path, write):
     assert res.exit_code == 0, res.output
     assert "fine-tuned linear for 2 steps" in res.output and "held-out PPL 64:" in res.output
     assert (tmp_path / "out" / "model" / "finetune.json").is_file()
+
+
+def test_after_entries_are_checked_before_training(tiny_run):
+    # a passkey length shorter than its question failed only after the whole run
+    with pytest.raises(ConfigError, match="eval.after.1 \\(passkey\\): length 16 is too short"):
+        resolve(build_finetune_config(tiny_run(eval={"data": "x.txt", "after": [
+            {"task": "passkey", "lengths": [64]}, {"task": "passkey", "lengths": [16]}]})))
