@@ -38,6 +38,7 @@ RNG state files inside a checkpoint.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from contextlib import contextmanager, nullcontext
@@ -68,6 +69,10 @@ SUMMARY = "finetune.json"
 CHECKPOINTS = "checkpoints"
 _COMPLETE = "complete.json"  # written into a checkpoint folder once save_state has returned
 _SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}
+
+
+class NonFiniteLossError(ValueError):
+    """The training loss became inf or NaN: the run stops (no model saved; checkpoints kept)."""
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -380,6 +385,13 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, 
         step += 1
         loss_value = acc.gather(torch.stack(losses).mean()[None]).mean().item()
         losses = []
+        if not math.isfinite(loss_value):  # read on the host here anyway: no extra sync; every process sees it
+            bar.close()
+            kept = _checkpoints(output)
+            raise NonFiniteLossError(
+                f"step {step}: the training loss is {loss_value} (not finite); stopped, no model saved"
+                + (f"; checkpoints kept (last: step {kept[-1][0]}, a rerun resumes there)" if kept else "")
+                + "; lower lr or warm up longer, check max_grad_norm and mixed_precision")
         train_s += time.perf_counter() - t0
         record = {"step": step, "loss": loss_value, "lr": scheduler.get_last_lr()[0], "tokens": step * tokens_per_step,
                   "tokens_per_s": round((step - start) * tokens_per_step / train_s, 1)}

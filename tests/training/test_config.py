@@ -119,3 +119,21 @@ def test_after_entries_are_checked_before_training(tiny_run):
     with pytest.raises(ConfigError, match="eval.after.1 \\(passkey\\): length 16 is too short"):
         resolve(build_finetune_config(tiny_run(eval={"data": "x.txt", "after": [
             {"task": "passkey", "lengths": [64]}, {"task": "passkey", "lengths": [16]}]})))
+
+
+def test_a_non_finite_loss_stops_the_run_naming_the_step(write, tmp_path, monkeypatch):
+    from ropescale.training import loop
+
+    real, calls = loop.causal_lm_loss, []
+
+    def diverging(*a, **k):  # finite for steps 1 and 2, then NaN (as a run that diverges)
+        calls.append(1)
+        loss = real(*a, **k)
+        return loss * float("nan") if len(calls) > 2 else loss
+
+    monkeypatch.setattr(loop, "causal_lm_loss", diverging)
+    out = tmp_path / "out"
+    line = one_line_error(cli(write(steps=4, eval=None, checkpoint_every=2), "-q", "-o", out),
+                          "step 3: the training loss is nan", "no model saved")
+    assert not (out / "model").exists(), line
+    assert (out / "checkpoints" / "step-000002").is_dir()  # the run can resume from before the divergence
