@@ -219,7 +219,8 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
     ``ConfigError`` also for ``sharding`` without CUDA devices (accelerate 1.15 does not shard on
     CPU) and LoRA target modules the model does not have,
     ``eval.data.DataError`` / ``eval.windows.WindowError`` (data too short or unreadable),
-    ``ValueError`` (device, patch).
+    ``ValueError`` (device, patch), ``NonFiniteLossError`` (a ``ValueError``: the training loss
+    became inf or NaN at a step; no model saved, the checkpoints kept).
     """
     from accelerate import Accelerator
 
