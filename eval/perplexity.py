@@ -118,18 +118,19 @@ def window_nll(model, docs: list[torch.Tensor], windows: list[Window], *, length
         if offset:
             ids = F.pad(ids, (1, 0), value=bos_token_id)
         ids = ids.to(device)
-        nll = _nll(model, head, ids, prefix_block, logits_chunk).double()  # [b, n-1]
+        acc = torch.float32 if ids.device.type == "mps" else torch.float64  # MPS has no float64
+        nll = _nll(model, head, ids, prefix_block, logits_chunk).to(acc)  # [b, n-1]
         target_pos = torch.arange(1, ids.shape[1], device=ids.device)  # window index of each target
         bucket = (target_pos * buckets) // length  # [n-1]
         for row, w in zip(nll, batch):
             keep = (target_pos >= (w.score_from - w.start + offset)).double()  # [n-1]
-            zeros = torch.zeros(buckets, dtype=torch.float64, device=ids.device)
+            zeros = torch.zeros(buckets, dtype=acc, device=ids.device)
             out.append((zeros.scatter_add(0, bucket, row * keep), zeros.scatter_add(0, bucket, keep)))
         bar.update(len(batch))
     bar.close()
     if not out:
         return out
-    sums = torch.stack([t for pair in out for t in pair]).cpu()  # one transfer: [2·windows, buckets]
+    sums = torch.stack([t for pair in out for t in pair]).cpu().double()  # one transfer: [2·windows, buckets]
     return [(sums[2 * i], sums[2 * i + 1]) for i in range(len(out))]
 
 

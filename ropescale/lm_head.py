@@ -10,8 +10,9 @@ PEFT wrappers all see an ordinary call), then the head and the loss run over chu
 positions in float32. The head is reproduced from what each family's forward does after
 ``lm_head`` — a bias or tied weights come with the module itself; Gemma 2/3
 ``final_logit_softcapping`` (tanh(l / c)·c), Cohere ``logit_scale`` (× s), Granite
-``logits_scaling`` (÷ s) — and *checked on every batch* against the model's own logits at the
-last position, which the same forward returns for free. A head ropescale cannot reproduce (a
+``logits_scaling`` (÷ s), HyperCLOVAX ``logits_scaling`` (× s), Falcon-H1 ``lm_head_multiplier``
+(× s) — and *checked* on the first batch against the model's own logits at the last position,
+which the same forward returns for free. A head ropescale cannot reproduce (a
 family with another post-processing step) fails that check: the caller then falls back to full
 logits with a warning, never a silently different number.
 
@@ -54,6 +55,22 @@ def _unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
+def _post_scale(inner: nn.Module, cfg) -> tuple[str, float] | None:
+    """``("mul" | "div", value)`` a family's forward applies to ``lm_head``'s output, as its
+    modeling file writes it (transformers 5.23); None for the others. A family not listed here
+    that scales its logits fails ``OutputHead.check`` and is scored from full logits."""
+    kind = getattr(cfg, "model_type", "") or ""
+    if kind.startswith("granite"):  # logits / config.logits_scaling
+        return "div", cfg.logits_scaling
+    if kind.startswith("hyperclovax"):  # lm_head(h) * config.logits_scaling
+        return "mul", cfg.logits_scaling
+    if kind == "falcon_h1":  # lm_head(h) * self.model.lm_head_multiplier
+        return "mul", inner.base_model.lm_head_multiplier
+    if kind.startswith("cohere") and isinstance(getattr(inner, "logit_scale", None), (int, float)):
+        return "mul", inner.logit_scale  # logits * self.logit_scale
+    return None
+
+
 def chunk_size_for(vocab_size: int, batch: int, *, budget: int = DEFAULT_BUDGET, training: bool = False,
                    dtype: torch.dtype = torch.float32) -> int:
     """Positions per chunk so that one chunk's logits work fits ``budget`` bytes: per position
@@ -82,9 +99,7 @@ class OutputHead:
             raise ValueError(f"{type(inner).__name__} has no separate decoder and LM head")
         cfg = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
-        scale = getattr(inner, "logit_scale", None)  # Cohere: logits × logit_scale
-        self.multiply = float(scale) if isinstance(scale, (int, float)) else None
-        self.divide = getattr(cfg, "logits_scaling", None)  # Granite: logits ÷ logits_scaling
+        self.scale = _post_scale(inner, cfg)
         self.vocab_size = self.proj.weight.shape[0]
         self.mismatch: str | None = None  # why the head could not be reproduced, once a check failed
         self.verified = False  # checked once: the head does not change while this object is used
@@ -92,10 +107,9 @@ class OutputHead:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., d]`` → ``[..., V]`` as the model's own forward computes them (its dtype)."""
         x = self.proj(hidden)
-        if self.multiply is not None:
-            x = x * self.multiply
-        if self.divide is not None:
-            x = x / self.divide
+        if self.scale is not None:
+            op, value = self.scale
+            x = x * value if op == "mul" else x / value
         if self.softcap:
             x = torch.tanh(x / self.softcap) * self.softcap
         return x
@@ -119,15 +133,18 @@ class OutputHead:
 
     @torch.no_grad()
     def check(self, hidden: torch.Tensor, own: torch.Tensor) -> str | None:
-        """None when ``logits(hidden[:, -1:])`` equals the model's ``own`` ``[b, 1, V]`` (to a
-        few ulps of its dtype); else why not."""
+        """None when ``logits(hidden[:, -1:])`` equals the model's ``own`` ``[b, 1, V]`` element by
+        element to 4 ulps of its dtype (both apply the same ops to the same slice, so they are
+        normally bit-identical; a missing scale or cap is many ulps off on the large logits even
+        in bfloat16); else why not."""
         mine = self.logits(hidden[:, -1:])
         if mine.shape != own.shape:
             return f"shape {tuple(mine.shape)} vs the model's {tuple(own.shape)}"
         ref = own.float()
-        tol = 64 * torch.finfo(own.dtype).eps * max(1.0, float(ref.abs().max()))
-        err = float((mine.float() - ref).abs().max())
-        return None if err <= tol else f"max |Δlogit| {err:.3g} > {tol:.3g} at the last position"
+        excess = (mine.float() - ref).abs() - 4 * torch.finfo(own.dtype).eps * ref.abs().clamp_min(1.0)
+        if float(excess.max()) <= 0:
+            return None
+        return f"max |Δlogit| {float((mine.float() - ref).abs().max()):.3g} at the last position, over 4 ulps"
 
     def verify(self, hidden: torch.Tensor, own: torch.Tensor) -> bool:
         """Whether the chunked head may be used: ``check`` on the first call (one host read per
@@ -188,7 +205,7 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, *, position_ids: t
     total = h.new_zeros((), dtype=torch.float32)
     for s in range(0, n, chunk):
         part = (h[:, s : s + chunk], targets[:, s : s + chunk])
-        if torch.is_grad_enabled() and h.requires_grad:
+        if torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for p in head.proj.parameters())):
             total = total + checkpoint(_chunk_loss_sum, head, *part, use_reentrant=False)
         else:
             total = total + _chunk_loss_sum(head, *part)

@@ -27,6 +27,8 @@ def _extra_families():
         "gemma3_softcap": (gemma3[0], gemma3[1], {**gemma3[2], "final_logit_softcapping": 3.0}),
         "cohere": (T.CohereConfig, T.CohereForCausalLM, {"logit_scale": 0.37}),
         "granite": (T.GraniteConfig, T.GraniteForCausalLM, {"logits_scaling": 2.5}),
+        "hyperclovax": (T.HyperCLOVAXConfig, T.HyperCLOVAXForCausalLM, {"logits_scaling": 0.85}),  # × s
+        "falcon_h1": (T.FalconH1Config, T.FalconH1ForCausalLM, {"lm_head_multiplier": 0.8}),
     }
 
 
@@ -78,6 +80,67 @@ class _no_warning:
         self._ctx.__exit__(*exc)
         fallbacks = [str(w.message) for w in self._log if "chunked LM head" in str(w.message)]
         assert not fallbacks, fallbacks
+
+
+@pytest.mark.parametrize("name", ["granite", "hyperclovax", "falcon_h1", "gemma2", "cohere"])
+def test_scaled_heads_in_bfloat16_equal_full_logits(name):
+    """In bfloat16 too: the head is reproduced (no fallback) and scores as the model's own logits."""
+    model = _model(name).to(torch.bfloat16)
+    with torch.no_grad():  # logits of a few units: a wrong scale is many bf16 ulps off
+        model.get_output_embeddings().weight.mul_(30.0)
+    docs = [torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(6))]
+    windows = make_windows([48], 24)
+    with _no_warning():
+        score = score_windows(model, docs, windows, length=24, logits_chunk=5)
+    total = sum(float(full_logit_nll(model, docs[0][w.start : w.end][None])[0, w.score_from - w.start - 1 :].sum())
+                for w in windows)
+    assert score.nll == pytest.approx(total, rel=1e-3)  # bf16 logits: float32 loss of the same values
+
+
+class _ScaledHead(T.LlamaForCausalLM):
+    """A family that multiplies its logits by a factor ropescale does not know."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 0.85
+        return out
+
+
+def test_unknown_scale_is_caught_in_bfloat16():
+    torch.manual_seed(0)
+    model = _ScaledHead(FAMILIES["llama"][0](**COMMON)).eval().to(torch.bfloat16)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(1))
+    head = OutputHead(model)
+    with torch.no_grad():
+        hidden, own = head.run(input_ids=ids)
+    assert "max |Δlogit|" in head.check(hidden, own)
+
+
+def test_head_only_training_recomputes_chunks_in_backward():
+    """With the decoder frozen (only the head trains, as LoRA on lm_head does), the chunks must
+    still be checkpointed: no [*, V]-sized tensor is kept for backward."""
+    model = _model("llama").train()
+    model.requires_grad_(False)
+    model.lm_head.weight.requires_grad_(True)
+    ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(2))
+    kept = []
+
+    def pack(t):
+        kept.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = causal_lm_loss(model, ids, chunk_size=8)
+    assert not [s for s in kept if s and s[-1] == COMMON["vocab_size"] and len(s) > 1 and s[-2] > 1
+                and s != tuple(model.lm_head.weight.shape)], kept
+    loss.backward()
+    ref = _model("llama")
+    ref.requires_grad_(False)
+    ref.lm_head.weight.requires_grad_(True)
+    ref(input_ids=ids, labels=ids).loss.backward()
+    assert torch.allclose(model.lm_head.weight.grad, ref.lm_head.weight.grad, rtol=1e-5, atol=1e-7)
 
 
 class _DoubledHead(T.LlamaForCausalLM):
