@@ -115,7 +115,8 @@ class Mix:
     def _needle(self) -> list[int]:
         number = random_key(self.rng, self.rng.randint(3, 7))
         p = needle.make_prompt(self.tok, self._filler(), length=self.T - len(self.end), depth=self.rng.random(),
-                               word=self.rng.choice(needle.WORDS), number=number)
+                               word=self.rng.choice(needle.WORDS), number=number,
+                               header=False)  # the bundled model's recipe: RULER's header would fill T = 128
         return p.ids + p.answer_ids + self.end
 
     def _repeat(self, piece: list[int]) -> list[int]:
