@@ -5,6 +5,7 @@
 - ``data``: training windows in a seeded order (PoSE examples drawn per index)
 - ``heldout``: held-out perplexity during training
 - ``loop``: the accelerate training loop, checkpoints, output folder, save and evaluation
+- ``lora``: LoRA / LongLoRA's LoRA+ through PEFT, saved merged or as an adapter
 - ``report``: the training log and its figures; ``python -m ropescale.training RUN ...`` compares runs
 """
 

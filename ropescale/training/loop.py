@@ -52,17 +52,16 @@ from eval.manifest import check_manifest, data_fingerprint, folder_lock
 from eval.sweep import environment, prepare_output, run_sweep
 from ropescale.lm_head import OutputHead
 from ropescale.lm_head import causal_lm_loss as chunked_lm_loss
-from ropescale.models import load_model, load_tokenizer, model_fingerprint, resolve_device, save_adapter, save_patched
-from ropescale.patching import current_patch, patch, unpatch
+from ropescale.models import load_model, load_tokenizer, model_fingerprint, resolve_device
+from ropescale.patching import patch, unpatch
 from ropescale.rotary import ScaledRotaryEmbedding
-from ropescale.training.config import (DEFAULT_LORA_TARGETS, SHARDING_ON_CPU, FinetuneConfig, LoraSettings,
-                                       ResolvedRun, fsdp_plugin_kwargs, resolve)
+from ropescale.training.config import SHARDING_ON_CPU, FinetuneConfig, ResolvedRun, fsdp_plugin_kwargs, resolve
 from ropescale.training.data import TrainingWindows, load_stream
 from ropescale.training.heldout import HeldOut
+from ropescale.training.lora import apply_lora, save_trained
 from ropescale.training.report import LOG, TrainingLog, plot_training, read_log
 
-__all__ = ["finetune", "causal_lm_loss", "enable_checkpointing", "apply_lora", "embedding_and_norm_modules",
-           "save_trained", "MODEL_DIR", "SUMMARY", "CHECKPOINTS"]
+__all__ = ["finetune", "causal_lm_loss", "enable_checkpointing", "MODEL_DIR", "SUMMARY", "CHECKPOINTS"]
 
 MODEL_DIR = "model"
 SUMMARY = "finetune.json"
@@ -127,66 +126,6 @@ def enable_checkpointing(model, source: str = "config") -> None:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     except ValueError as e:
         raise ConfigError(f"{source}: gradient_checkpointing: {e}") from None
-
-
-def embedding_and_norm_modules(model) -> list[str]:
-    """Names of the modules LongLoRA's "LoRA+" trains fully (Chen et al. 2023, arXiv:2309.12307;
-    dvlab-research/LongLoRA ``trainable_params="embed,norm"``): embeddings (``nn.Embedding``) and
-    normalisation layers (a class name containing ``Norm``: LlamaRMSNorm, LayerNorm, ...) that
-    hold parameters of their own. For Llama: ``model.embed_tokens``, each layer's
-    ``input_layernorm`` and ``post_attention_layernorm``, ``model.norm`` — the modules of the
-    parameters whose names contain ``embed`` or ``norm``, LongLoRA's rule."""
-    out = []
-    for name, module in model.named_modules():
-        if not name or not any(True for _ in module.parameters(recurse=False)):
-            continue
-        if isinstance(module, torch.nn.Embedding) or "Norm" in type(module).__name__:
-            out.append(name)
-    return out
-
-
-def apply_lora(model, lora: LoraSettings, source: str = "config"):
-    """Wrap a (patched) causal LM in PEFT's LoRA: the base weights frozen, LoRA matrices on
-    ``lora.target_modules`` (default ``q_proj, k_proj, v_proj, o_proj`` when the model has them,
-    else PEFT's default for the architecture), ``modules_to_save`` (plus, with
-    ``trainable_embeddings_norms``, ``embedding_and_norm_modules``) trained fully and saved with
-    the adapter. The ropescale patch (rotary module swapped, attention function set) is left as it
-    is and stays active inside the wrapper; ``current_patch`` reaches it through PEFT.
-
-    Returns the ``PeftModel``. Raises ``ConfigError`` (one line) for target modules the model
-    does not have."""
-    from peft import LoraConfig, get_peft_model
-
-    leaves = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    targets = list(lora.target_modules) if lora.target_modules else (
-        list(DEFAULT_LORA_TARGETS) if set(DEFAULT_LORA_TARGETS) <= leaves else None)
-    save = list(lora.modules_to_save)
-    if lora.trainable_embeddings_norms:
-        save += [n for n in embedding_and_norm_modules(model) if n not in save]
-    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
-                        modules_to_save=save or None, task_type="CAUSAL_LM")
-    handle = current_patch(model)
-    try:
-        wrapped = get_peft_model(model, config)
-    except ValueError as e:
-        first = " ".join(str(e).split())[:300]
-        raise ConfigError(f"{source}: lora: {first}") from None
-    if current_patch(wrapped) is not handle:  # the patch must survive the wrapping
-        raise RuntimeError("the ropescale patch is not reachable through the PEFT model")
-    return wrapped
-
-
-def save_trained(model, tokenizer, output: str | Path, lora: LoraSettings | None = None, *,
-                 state_dict: dict | None = None) -> Path:
-    """Save a trained patched model into ``output``: all weights (``save_patched``); with LoRA
-    ``save: merged`` the adapter merged into the weights first (``merge_and_unload``: ``model``
-    itself is changed), with ``save: adapter`` an adapter folder (``save_adapter``). Both reload
-    with their patch through ``ropescale.load_model(output)``."""
-    if lora is None:
-        return save_patched(model, tokenizer, output, state_dict=state_dict)
-    if lora.save == "adapter":
-        return save_adapter(model, tokenizer, output)
-    return save_patched(model.merge_and_unload(), tokenizer, output)
 
 
 def _patch_for_training(model, cfg: FinetuneConfig, run: ResolvedRun):

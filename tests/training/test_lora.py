@@ -16,7 +16,8 @@ import ropescale
 from eval.config import ConfigError
 from ropescale.training import build_finetune_config, finetune
 from ropescale.training.config import LoraSettings
-from ropescale.training.loop import apply_lora, causal_lm_loss, embedding_and_norm_modules, save_trained
+from ropescale.training.lora import apply_lora, embedding_and_norm_modules, save_trained
+from ropescale.training.loop import causal_lm_loss
 from ropescale.training.report import read_log
 from tests.conftest import build, tiny_llama_config
 from tests.training.test_config import cli, one_line_error, write  # noqa: F401 (write: fixture)
