@@ -289,11 +289,15 @@ def build_config(raw: Any, source: str = "config") -> EvalConfig:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key given twice in one mapping (YAML keeps the last)."""
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML keeps the last).
+    Merge keys (``<<: *anchor``) are YAML too: the merged keys are defaults the mapping's own
+    keys override, so only the mapping's own keys are checked."""
 
     def construct_mapping(self, node, deep=False):
         seen = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(

@@ -71,3 +71,18 @@ def test_logn_is_an_option_not_a_strategy_parameter():
     assert s.logn and s.params == {"beta_fast": 16} and s.display == "yarn:beta_fast=16+logn"
     m = parse_strategy({"name": "ntk", "logn": True})
     assert m.logn and m.params == {} and m.display == "ntk+logn"
+
+
+def test_yaml_merge_keys_are_read(tmp_path):
+    from eval.config import read_yaml
+
+    raw = read_yaml(write(tmp_path, "base: &b {source: kjv-heldout, max_documents: 3}\n"
+                                    "data:\n  <<: *b\n  max_documents: 2\n"))
+    assert raw["data"] == {"source": "kjv-heldout", "max_documents": 2}
+    with pytest.raises(ConfigError, match="key 'max_documents' is given twice"):
+        read_yaml(write(tmp_path, "base: &b {a: 1}\ndata:\n  <<: *b\n  max_documents: 2\n  max_documents: 3\n"))
+
+
+def test_a_task_given_as_a_list_names_the_known_tasks(tmp_path):
+    with pytest.raises(ConfigError, match=r"task: .*\['passkey'\].*known tasks: .*passkey"):
+        load_config(write(tmp_path, "task: [passkey]\nlengths: [128]\nstrategies: [vanilla]\n"))
