@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationErr
 
 from ropescale.strategies import get_strategy
 from eval.data import DataSpec
-from eval.tasks.base import TaskOptions, get_task
+from eval.tasks.base import TaskOptions, get_task, task_names
 from eval.tasks.perplexity import LEGACY_KEYS
 
 __all__ = ["ConfigError", "StrategySpec", "DataConfig", "EvalConfig", "SweepConfig", "build_config", "load_config", "read_yaml",
@@ -169,6 +169,8 @@ class EvalConfig(BaseModel):
             return raw
         raw = dict(raw)
         name = raw.get("task", "perplexity")
+        if not isinstance(name, str):  # a list or mapping would not even be hashable
+            raise ValueError(f"task: expected one task name, got {name!r}; known tasks: {', '.join(task_names())}")
         try:
             task = get_task(name)
         except KeyError as e:
