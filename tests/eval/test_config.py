@@ -86,3 +86,17 @@ def test_yaml_merge_keys_are_read(tmp_path):
 def test_a_task_given_as_a_list_names_the_known_tasks(tmp_path):
     with pytest.raises(ConfigError, match=r"task: .*\['passkey'\].*known tasks: .*passkey"):
         load_config(write(tmp_path, "task: [passkey]\nlengths: [128]\nstrategies: [vanilla]\n"))
+
+
+@pytest.mark.parametrize("task,options,match", [
+    ("passkey", "{trials: true}", r"passkey.trials: expected an integer, got true"),
+    ("needle", "{trials: false}", r"needle.trials: expected an integer, got false"),
+    ("needle", "{digits: true}", r"needle.digits: expected an integer, got true"),
+    ("passkey", "{depths: [0.5, true]}", r"passkey.depths: expected numbers, got true"),
+    ("perplexity", "{batch_size: true}", r"perplexity.batch_size: expected an integer, got true"),
+    ("perplexity", "{max_windows: true}", r"perplexity.max_windows: expected an integer, got true"),
+])
+def test_integer_options_refuse_booleans(tmp_path, task, options, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(write(tmp_path, f"task: {task}\n{task}: {options}\nlengths: [128]\nstrategies: [vanilla]\n"))
+    assert load_config(write(tmp_path, f"task: {task}\nlengths: [128]\nstrategies: [vanilla]\n")).task == task
