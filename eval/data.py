@@ -73,7 +73,13 @@ def _documents(spec: DataSpec) -> Iterable[str]:
             raise DataError(f"{path}: cannot read {suffix} files; use .txt, a folder of .txt, "
                             ".jsonl or .parquet")
         import datasets
-        rows = datasets.load_dataset(builder, data_files=str(path), split="train")
+        try:
+            rows = datasets.load_dataset(builder, data_files=str(path), split="train")
+        except Exception as e:  # datasets wraps the parser's error in its own, many lines long
+            kind = {".jsonl": "JSON lines", ".json": "JSON"}.get(suffix, "parquet")
+            raise DataError(f"{path}: not a readable {kind} file ({type(e).__name__}); "
+                            + ("use one JSON object per row, e.g. {\"text\": \"...\"}" if builder == "json"
+                               else "write it with pyarrow/pandas")) from None
         return _rows(rows, spec.text_column, str(path))
     import datasets
     try:

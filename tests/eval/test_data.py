@@ -55,3 +55,11 @@ def test_tokenize_once_without_special_tokens(tiny_model_dir):
     assert [t.tolist() for t in ids] == [tok("In the beginning", add_special_tokens=False)["input_ids"],
                                          tok("God", add_special_tokens=False)["input_ids"]]
     assert tok.bos_token_id not in ids[0].tolist()
+
+
+def test_a_jsonl_file_that_is_not_json_is_one_line(tmp_path):
+    (tmp_path / "d.jsonl").write_text("this is plain text\nnot json at all\n")
+    with pytest.raises(DataError, match=r"d.jsonl: not a readable JSON lines file") as e:
+        load_documents(DataSpec(str(tmp_path / "d.jsonl")))
+    assert "\n" not in str(e.value) and e.value.__cause__ is None
+
