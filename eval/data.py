@@ -55,6 +55,16 @@ def _rows(rows: Iterable[dict], column: str, where: str) -> Iterable[str]:
         yield row[column]
 
 
+def _read_text(path: Path) -> str:
+    """A text file as UTF-8 (bad bytes as U+FFFD); ``DataError`` for text with NUL characters,
+    which is UTF-16/32 (or binary) read as UTF-8: every other byte a NUL, and no warning."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if "\x00" in text:
+        raise DataError(f"{path}: the text has NUL characters, so it is not UTF-8; probably UTF-16 (or binary): "
+                        f"convert it, e.g. iconv -f UTF-16 -t UTF-8 {path} > {path.with_suffix('.utf8.txt')}")
+    return text
+
+
 def _documents(spec: DataSpec) -> Iterable[str]:
     if spec.source in KJV_SPLITS:
         return (text for _, text in kjv.split(KJV_SPLITS[spec.source]))
@@ -63,11 +73,11 @@ def _documents(spec: DataSpec) -> Iterable[str]:
         files = sorted(p for p in path.rglob("*.txt") if p.is_file())
         if not files:
             raise DataError(f"{path}: folder has no *.txt files")
-        return (p.read_text(encoding="utf-8", errors="replace") for p in files)
+        return (_read_text(p) for p in files)
     if path.is_file():
         suffix = path.suffix.lower()
         if suffix in (".txt", ".md", ""):
-            return [path.read_text(encoding="utf-8", errors="replace")]
+            return [_read_text(path)]
         builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(suffix)
         if builder is None:
             raise DataError(f"{path}: cannot read {suffix} files; use .txt, a folder of .txt, "

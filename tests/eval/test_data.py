@@ -63,3 +63,9 @@ def test_a_jsonl_file_that_is_not_json_is_one_line(tmp_path):
         load_documents(DataSpec(str(tmp_path / "d.jsonl")))
     assert "\n" not in str(e.value) and e.value.__cause__ is None
 
+
+@pytest.mark.parametrize("where", ["u16.txt", "."])
+def test_utf16_text_is_refused_naming_the_file(tmp_path, where):
+    (tmp_path / "u16.txt").write_text("In the beginning God created the heaven", encoding="utf-16")
+    with pytest.raises(DataError, match=r"u16.txt: the text has NUL characters.*UTF-16.*iconv"):
+        load_documents(DataSpec(str(tmp_path / where)))
