@@ -96,6 +96,9 @@ def _check_manifest(output: Path, ident: dict[str, Any], config: dict[str, Any],
             old = json.loads(path.read_text())["identity"]
         except (ValueError, KeyError, TypeError):
             raise ExperimentMismatchError(f"{path}: unreadable manifest; use a new output folder") from None
+        if not isinstance(old, dict):  # hand-edited: a list or a string has no keys to compare
+            raise ExperimentMismatchError(f"{path}: not a ropescale manifest, or a corrupt one (identity is not a "
+                                          f"mapping but {type(old).__name__}); use a new output folder") from None
         diff = [k for k in sorted(set(old) | set(ident)) if old.get(k) != ident.get(k)]
         if diff:
             shown = "; ".join(f"{k}: {ident.get(k)!r} now, {old.get(k)!r} in the folder" for k in diff)

@@ -107,3 +107,13 @@ def test_data_fingerprint_is_order_and_boundary_sensitive():
     assert data_fingerprint([a, b]) != data_fingerprint([b, a])
     assert data_fingerprint([a, b]) != data_fingerprint([torch.tensor([1, 2]), torch.tensor([3, 4])])
     assert data_fingerprint([a, b]) == data_fingerprint([a.clone(), b.clone()]) and data_fingerprint(None) is None
+
+
+@pytest.mark.parametrize("identity", [["task", "model"], "perplexity", 3, None])
+def test_a_hand_edited_manifest_identity_is_one_line(tmp_path, identity):
+    from eval.manifest import check_manifest
+
+    (tmp_path / MANIFEST).write_text(json.dumps({"identity": identity}))
+    with pytest.raises(ExperimentMismatchError, match=f"{tmp_path / MANIFEST}: not a ropescale manifest, or a "
+                                                      "corrupt one .identity is not a mapping."):
+        check_manifest(tmp_path, {"task": "perplexity"}, {})
