@@ -313,13 +313,13 @@ def read_yaml(path: str | Path) -> dict:
     """The raw mapping of a YAML config file. Raises ``ConfigError`` (missing, invalid, not a mapping)."""
     path = Path(path)
     try:
-        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # YAML is UTF-8, whatever the locale
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise ConfigError(f"{path}: is a folder, not a YAML file") from None
     except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not a text file") from None
+        raise ConfigError(f"{path}: not a text file (a YAML config must be UTF-8)") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {_yaml_error(e)}") from None
     if raw is None:

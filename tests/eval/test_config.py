@@ -100,3 +100,17 @@ def test_integer_options_refuse_booleans(tmp_path, task, options, match):
     with pytest.raises(ConfigError, match=match):
         load_config(write(tmp_path, f"task: {task}\n{task}: {options}\nlengths: [128]\nstrategies: [vanilla]\n"))
     assert load_config(write(tmp_path, f"task: {task}\nlengths: [128]\nstrategies: [vanilla]\n")).task == task
+
+
+def test_a_utf8_config_reads_under_an_ascii_locale(tmp_path):
+    """YAML is UTF-8: a non-ASCII label reads the same whatever the machine's locale."""
+    import os
+    import subprocess
+    import sys
+
+    p = tmp_path / "c.yaml"
+    p.write_text("lengths: [128]\nstrategies: [{name: linear, factor: 2, label: 'π-ß-線形'}]\n", encoding="utf-8")
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    code = f"from eval.config import load_config; print(ascii(load_config({str(p)!r}).strategies[0].display))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=os.getcwd())
+    assert out.returncode == 0 and out.stdout.strip() == ascii("π-ß-線形"), out.stderr[-2000:]
