@@ -220,7 +220,7 @@ def patch_cmd(model, strategy_spec, output, original_max_position_embeddings, la
         _fail(e)
     import json
 
-    native = json.loads((path / "ropescale.json").read_text())["native"]
+    native = json.loads((path / "ropescale.json").read_text(encoding="utf-8"))["native"]
     click.echo(f"saved {spec.display} patch of {model} to {path}")
     click.echo("plain transformers (AutoModelForCausalLM.from_pretrained) reproduces it" if native else
                "transformers cannot express this strategy: load it with ropescale.load_model "

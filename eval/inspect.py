@@ -140,7 +140,7 @@ def inspect(cfg: RotaryConfig, strategies: list[StrategySpec], length: int, outp
         summary["attention"] = {k: {"mean_entropy": v["mean_entropy"], "mean_sink_share": v["mean_sink_share"]}
                                 for k, v in stats.items()}
         summary["files"].append("attention.png")
-    (output / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (output / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     return summary
 
 

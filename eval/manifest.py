@@ -93,7 +93,7 @@ def _check_manifest(output: Path, ident: dict[str, Any], config: dict[str, Any],
     digest = hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
     if path.exists():
         try:
-            old = json.loads(path.read_text())["identity"]
+            old = json.loads(path.read_text(encoding="utf-8"))["identity"]
         except (ValueError, KeyError, TypeError):
             raise ExperimentMismatchError(f"{path}: unreadable manifest; use a new output folder") from None
         if not isinstance(old, dict):  # hand-edited: a list or a string has no keys to compare
@@ -109,7 +109,7 @@ def _check_manifest(output: Path, ident: dict[str, Any], config: dict[str, Any],
                                       "recorded one), so they cannot be matched to this run; use a new folder")
     if write:
         path.write_text(json.dumps({"identity": ident, "identity_hash": digest, "config": config,
-                                "processes": processes, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1) + "\n")
+                                "processes": processes, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1) + "\n", encoding="utf-8")
     return digest
 
 

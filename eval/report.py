@@ -59,7 +59,7 @@ def write_csv(records: list[dict], path: Path) -> None:
     head = [k for k in _FIRST + metrics if k in records[0]]
     fields = head + [k for k in scalar if k not in head and k not in _LAST and k != "cell"] + \
         [k for k in _LAST if k in records[0]]
-    with path.open("w", newline="") as f:
+    with path.open("w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         for r in records:
@@ -239,5 +239,5 @@ def write_reports(records: list[dict], output: str | Path) -> dict[str, Path]:
         return {}
     paths = {"csv": output / "results.csv", "md": output / "results.md"}
     write_csv(records, paths["csv"])
-    paths["md"].write_text(markdown_report(records))
+    paths["md"].write_text(markdown_report(records), encoding="utf-8")
     return paths | task_of(records).plots(records, output)

@@ -89,7 +89,7 @@ def prepare_output(output: Path) -> Path:
     try:
         output.mkdir(parents=True, exist_ok=True)
         probe = output / f".ropescale-write-test-{os.getpid()}"
-        probe.write_text("")
+        probe.write_text("", encoding="utf-8")
         probe.unlink()
     except NotADirectoryError:
         raise OutputError(f"output {output}: a part of the path is a file, not a folder") from None
@@ -116,7 +116,7 @@ def environment() -> dict[str, Any]:
 
 def _append_safely(path: Path):
     """Open ``results.jsonl`` for appending; a torn last line (killed mid-write) is ended first."""
-    sink = path.open("a+")
+    sink = path.open("a+", encoding="utf-8")
     sink.seek(0, 2)
     if sink.tell():
         sink.seek(sink.tell() - 1)

@@ -74,7 +74,7 @@ def adapter_base(path: str | Path) -> str | None:
     if not config.is_file() or (Path(path) / "config.json").is_file():
         return None
     try:
-        base = json.loads(config.read_text()).get("base_model_name_or_path")
+        base = json.loads(config.read_text(encoding="utf-8")).get("base_model_name_or_path")
     except (ValueError, AttributeError):
         base = None
     if not base:
@@ -144,7 +144,7 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "auto
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     saved = Path(path) / PATCH_FILE
-    record = json.loads(saved.read_text()) if saved.is_file() else None
+    record = json.loads(saved.read_text(encoding="utf-8")) if saved.is_file() else None
     if record and "base_rope_parameters" in record:  # undo the export: ropescale re-applies the patch
         config = _from_pretrained(AutoConfig, name_or_path, path)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -187,7 +187,7 @@ def _load_adapter(name: str, path: str, base: str, **kwargs) -> tuple[Any, Any]:
     unpatch(model)
     saved = Path(path) / PATCH_FILE
     if saved.is_file():  # patch before the adapter, as training did
-        _apply_record(model, json.loads(saved.read_text()))
+        _apply_record(model, json.loads(saved.read_text(encoding="utf-8")))
     try:
         model = PeftModel.from_pretrained(model, path, is_trainable=False)
     except (OSError, ValueError, RuntimeError, KeyError) as e:
@@ -244,7 +244,7 @@ def save_patched(model, tokenizer, output: str | Path, *, state_dict: dict | Non
     config.save_pretrained(output)
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     record = handle.to_dict() | {"native": native, "base_rope_parameters": text.rope_parameters}
-    (output / PATCH_FILE).write_text(json.dumps(record, indent=1) + "\n")
+    (output / PATCH_FILE).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     return output
 
 
@@ -269,11 +269,11 @@ def save_adapter(model, tokenizer, output: str | Path) -> Path:
     model.save_pretrained(output)
     tokenizer.save_pretrained(output)
     config_path = output / ADAPTER_FILE
-    adapter_config = json.loads(config_path.read_text())
+    adapter_config = json.loads(config_path.read_text(encoding="utf-8"))
     if Path(str(base)).resolve() == REFERENCE_MODEL.resolve():  # the bundled model by name, not this install's path
         adapter_config["base_model_name_or_path"] = "reference"
-        config_path.write_text(json.dumps(adapter_config, indent=2) + "\n")
+        config_path.write_text(json.dumps(adapter_config, indent=2) + "\n", encoding="utf-8")
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     record = handle.to_dict() | {"native": False, "adapter": True, "base_rope_parameters": text.rope_parameters}
-    (output / PATCH_FILE).write_text(json.dumps(record, indent=1) + "\n")
+    (output / PATCH_FILE).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     return output

@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from pydantic import Field, field_validator, model_validator
 
 from eval.tasks.base import Metric, Task, TaskOptions, progress

@@ -153,10 +153,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--plot", type=Path, help="also draw the training and copy-probe curves here (PNG)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    summary = json.loads((args.model / "training.json").read_text())
+    summary = json.loads((args.model / "training.json").read_text(encoding="utf-8"))
     summary["card"] = measure(args.model)
-    (args.model / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
-    (args.model / "README.md").write_text(model_card(summary, summary["card"], kjv.split("train"), kjv.split("heldout")))
+    (args.model / "training.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    (args.model / "README.md").write_text(model_card(summary, summary["card"], kjv.split("train"), kjv.split("heldout")), encoding="utf-8")
     if args.plot:
         plot_training(summary, args.plot)
     print(json.dumps(summary["card"], indent=1))

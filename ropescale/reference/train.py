@@ -293,8 +293,8 @@ def main(argv: list[str] | None = None) -> None:
         "probe_every": args.probe_every, "copy_probe": probes[-1], "log": log, "probes": probes,
     }
     if args.init and (args.init / "training.json").is_file():
-        summary["stage1"] = json.loads((args.init / "training.json").read_text())
-    (args.output / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
+        summary["stage1"] = json.loads((args.init / "training.json").read_text(encoding="utf-8"))
+    (args.output / "training.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     print(f"saved to {args.output}")
 
 

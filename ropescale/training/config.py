@@ -427,7 +427,7 @@ def model_training_length(name: str) -> int:
     path = resolve_model(name)
     saved = Path(path) / PATCH_FILE
     if saved.is_file():  # a saved patch records the window it was applied over
-        orig = json.loads(saved.read_text()).get("original_max_position_embeddings")
+        orig = json.loads(saved.read_text(encoding="utf-8")).get("original_max_position_embeddings")
         if orig:
             return int(orig)
     base = adapter_base(path)

@@ -91,7 +91,7 @@ def _checkpoints(output: Path) -> list[tuple[int, Path]]:
     found = []
     for p in root.glob("step-*") if root.is_dir() else []:
         if (p / _COMPLETE).is_file():
-            found.append((json.loads((p / _COMPLETE).read_text())["step"], p))
+            found.append((json.loads((p / _COMPLETE).read_text(encoding="utf-8"))["step"], p))
     return sorted(found)
 
 
@@ -226,7 +226,7 @@ def _run_locked(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, progre
     say = print if progress else (lambda *a, **k: None)
     summary_path = output / MODEL_DIR / SUMMARY
     if summary_path.is_file():
-        summary = json.loads(summary_path.read_text())
+        summary = json.loads(summary_path.read_text(encoding="utf-8"))
         say(f"{output}: already trained ({summary['steps']} steps); model in {output / MODEL_DIR}")
     else:
         set_seed(cfg.seed)
@@ -368,7 +368,7 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, 
     if acc.is_main_process:
         inner.eval()
         save_trained(inner, tokenizer, output / MODEL_DIR, cfg.lora, state_dict=state_dict)
-        (output / MODEL_DIR / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n")  # last: marks the run done
+        (output / MODEL_DIR / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")  # last: marks the run done
         plot_training(read_log(output / LOG), output / "loss.png", f"{label}, L = {cfg.length}")
         shutil.rmtree(output / CHECKPOINTS, ignore_errors=True)
         say(f"saved the fine-tuned model to {output / MODEL_DIR} ({step} steps, {train_s:.0f} s of training)")
@@ -381,7 +381,7 @@ def _save_checkpoint(acc, output: Path, step: int, keep: int) -> None:
     acc.save_state(str(folder))
     acc.wait_for_everyone()
     if acc.is_main_process:
-        (folder / _COMPLETE).write_text(json.dumps({"step": step}) + "\n")
+        (folder / _COMPLETE).write_text(json.dumps({"step": step}) + "\n", encoding="utf-8")
         for _, old in _checkpoints(output)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     acc.wait_for_everyone()

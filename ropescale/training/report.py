@@ -31,7 +31,7 @@ def read_log(path: str | Path) -> list[dict]:
     if not path.is_file():
         return []
     out = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text(encoding="utf-8").splitlines():
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError:
@@ -51,11 +51,11 @@ class TrainingLog:
         of ``step`` writes again (a checkpoint is saved after that step's log and evaluation)."""
         if self.enabled:
             keep = [r for r in read_log(self.path) if r["step"] <= step]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
 
     def write(self, record: dict) -> None:
         if self.enabled:
-            with self.path.open("a") as f:
+            with self.path.open("a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
 
 
@@ -169,7 +169,7 @@ def final_table(runs: dict[str, list[dict]], length: int, target: float, target_
 def _label(run: Path) -> str:
     summary = run / "model" / "finetune.json"
     if summary.is_file():
-        return json.loads(summary.read_text()).get("label") or run.name
+        return json.loads(summary.read_text(encoding="utf-8")).get("label") or run.name
     return run.name
 
 
@@ -197,7 +197,7 @@ def before_after(runs: list[Path], before: list[Path], task: str, metric: str) -
         after = _harness_records(run / "eval" / task, task)
         if not after:
             continue
-        summary = json.loads((run / "model" / "finetune.json").read_text())
+        summary = json.loads((run / "model" / "finetune.json").read_text(encoding="utf-8"))
         caption = caption or after[0]
         found = base.get(_key(after[0]), {})
         rows.append((f"{summary['label'].split(' + ')[0]}, no fine-tuning", found))

@@ -85,3 +85,19 @@ def test_logn_cells_are_separate_and_only_act_past_the_window(tmp_path, tiny_mod
     assert r[("vanilla+logn", 64)]["logn"] and not r[("vanilla", 64)]["logn"]
     assert math.isclose(r[("vanilla+logn", 32)]["ppl"], r[("vanilla", 32)]["ppl"], rel_tol=1e-6)
     assert r[("vanilla+logn", 64)]["ppl"] != r[("vanilla", 64)]["ppl"]
+
+
+def test_a_sweep_writes_its_reports_under_an_ascii_locale(tmp_path):
+    """Reports are UTF-8 whatever the machine's locale (results.md's header line holds '—'; under
+    LC_ALL=C with UTF-8 mode off the write failed with an 'ascii' codec error)."""
+    import os
+    import subprocess
+    import sys
+
+    out_dir = tmp_path / "π-run"
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    cmd = [sys.executable, "cli.py", "sweep", "--model", "reference", "--data", "kjv-heldout", "--strategy", "vanilla",
+           "--lengths", "128", "--max-windows", "2", "--output", str(out_dir), "--quiet"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=os.getcwd(), timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (out_dir / "results.md").read_text(encoding="utf-8").startswith("Task `perplexity` — model `reference`")
