@@ -85,13 +85,16 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 
 def _checkpoints(output: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints ``(step, folder)``, oldest first (a folder whose save was cut off
-    has no completion marker and is ignored)."""
+    """Complete checkpoints ``(step, folder)``, oldest first: a folder whose save was cut off has
+    no completion marker, and one whose marker is unreadable (emptied or cut by a full disk) is
+    not complete either — both are ignored, so a resume falls back to the previous complete one."""
     root = output / CHECKPOINTS
     found = []
     for p in root.glob("step-*") if root.is_dir() else []:
-        if (p / _COMPLETE).is_file():
-            found.append((json.loads((p / _COMPLETE).read_text(encoding="utf-8"))["step"], p))
+        try:
+            found.append((int(json.loads((p / _COMPLETE).read_text(encoding="utf-8"))["step"]), p))
+        except (OSError, ValueError, KeyError, TypeError):  # no marker, or not one this loop wrote
+            continue
     return sorted(found)
 
 
