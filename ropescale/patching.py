@@ -169,6 +169,8 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
             f"{type(model).__name__} has no rotary embedding: no submodule holds an `inv_freq` "
             "(or `<layer_type>_inv_freq`) buffer; models with learned, ALiBi or sinusoidal "
             "positions cannot be patched")
+    _refuse_inapplicable(strat, layer_types=layer_types, dynamic_cache=dynamic_cache, dynamic_block=dynamic_block,
+                         attention_path=attention_path, block_size=block_size)
     modules = dict(model.named_modules())
     handle = PatchHandle(model, strategy, params, {})
     if strat.kind == "attention":
@@ -224,6 +226,23 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
         raise
     setattr(model, _HANDLE_ATTR, handle)
     return handle
+
+
+def _refuse_inapplicable(strat: Strategy, **options: Any) -> None:
+    """``ValueError`` naming the options given away from their defaults that ``strat`` does not
+    use: ``layer_types`` (frequency strategies only: a truncation rule acts in every layer's
+    attention), ``dynamic_cache``/``dynamic_block`` (dynamic strategies), ``attention_path``/
+    ``block_size`` (truncation rules)."""
+    defaults = {"layer_types": None, "dynamic_cache": "recompute", "dynamic_block": 1, "attention_path": "fused",
+                "block_size": 512}
+    applies = {"layer_types": strat.kind != "attention", "dynamic_cache": strat.dynamic,
+               "dynamic_block": strat.dynamic, "attention_path": strat.kind == "attention",
+               "block_size": strat.kind == "attention"}
+    unused = [f"{k}={v!r}" for k, v in options.items() if v != defaults[k] and not applies[k]]
+    if unused:
+        raise ValueError(f"{strat.name} does not use {', '.join(unused)} (layer_types: frequency strategies; "
+                         "dynamic_cache, dynamic_block: dynamic strategies; attention_path, block_size: truncation "
+                         "rules)")
 
 
 def _patch_attention(model, handle: PatchHandle, strat: Strategy, found, modules, train_override,

@@ -129,3 +129,27 @@ def test_patch_refuses_a_model_on_the_meta_device():
     with pytest.raises(ValueError, match="is on the meta device .*: no weights to patch; load the model"):
         ropescale.patch(model, "yarn", factor=2)
     assert ropescale.current_patch(model) is None
+
+
+@pytest.mark.parametrize("strategy,options,named", [
+    ("rerope", {"layer_types": ["bogus"]}, "layer_types=['bogus']"),
+    ("rerope", {"dynamic_block": 7}, "dynamic_block=7"),
+    ("yarn", {"dynamic_cache": "rerotate", "factor": 2.0}, "dynamic_cache='rerotate'"),
+    ("linear", {"attention_path": "naive", "factor": 2.0}, "attention_path='naive'"),
+])
+def test_options_a_strategy_does_not_use_are_refused(tiny_llama, strategy, options, named):
+    import ropescale
+
+    with pytest.raises(ValueError) as e:
+        ropescale.patch(tiny_llama, strategy, **options)
+    assert str(e.value).startswith(f"{strategy} does not use {named} ")
+    assert ropescale.current_patch(tiny_llama) is None
+
+
+def test_options_a_strategy_uses_are_accepted(tiny_llama):
+    import ropescale
+
+    with ropescale.patch(tiny_llama, "dynamic_ntk", dynamic_block=7, dynamic_cache="rerotate"):
+        pass
+    with ropescale.patch(tiny_llama, "rerope", window=8, attention_path="naive", block_size=16):
+        pass
