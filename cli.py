@@ -252,6 +252,11 @@ def inspect(model, head_dim, rope_theta, training_length, strategy_specs, length
     try:
         specs = [parse_strategy(s) for s in strategy_specs]
         if model:
+            bare = [f for f, v in (("--head-dim", head_dim), ("--rope-theta", rope_theta),
+                                   ("--training-length", training_length)) if v is not None]
+            if bare:
+                raise ValueError(f"{', '.join(bare)} describe a bare configuration; with --model the model's own "
+                                 "config is used: give one or the other")
             cfg = rotary_config_of_model(model)
         else:
             missing = [f for f, v in (("--head-dim", head_dim), ("--rope-theta", rope_theta),

@@ -56,6 +56,8 @@ def test_bare_configuration_and_attention(tmp_path):
     (["--strategy", "yarn", "--model", "reference", "--length", 1], "length 1 must be at least 2"),
     (["--strategy", "rerope", "--model", "reference", "--length", 256, "--attention"], "needs attention weights; rerope compute"),
     (["--strategy", "yarn:factor=0.5", "--model", "reference", "--length", 256], "factor=0.5 is out of range"),
+    (["--strategy", "yarn", "--model", "reference", "--head-dim", 64, "--length", 256],
+     "--head-dim describe a bare configuration; with --model the model's own config is used"),
 ])
 def test_bad_input_is_one_line(tmp_path, args, message):
     res = run(*args, "-o", tmp_path)
