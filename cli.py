@@ -15,12 +15,26 @@ Works as ``python cli.py ...`` from a checkout and as ``ropescale ...`` once ins
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
 from ropescale.strategies import REGISTRY, UnknownStrategyError, strategy_names
+
+
+# the harness: the folder `eval/` in a checkout (`python cli.py`, the tests); installed, the package
+# `ropescale_eval` and this file `ropescale_cli.cli` (pyproject's package-dir), so site-packages holds
+# no generic `eval` or `cli`
+HARNESS = "ropescale_eval" if __package__ == "ropescale_cli" else "eval"
+
+
+def harness(module: str, *names: str) -> tuple[Any, ...]:
+    """``names`` from the harness module ``module`` (``harness("sweep", "run_sweep")``)."""
+    mod = importlib.import_module(f"{HARNESS}.{module}")
+    return tuple(getattr(mod, n) for n in names)
 
 
 def _fail(err: Exception) -> None:
@@ -51,7 +65,7 @@ def strategies() -> None:
 @main.command()
 def tasks() -> None:
     """List evaluation tasks, their metrics and options."""
-    from eval.tasks import get_task, task_names
+    get_task, task_names = harness("tasks", "get_task", "task_names")
 
     for name in task_names():
         t = get_task(name)
@@ -94,11 +108,13 @@ def _common_options(fn):
 
 
 def _run(config, overrides, output, flags: dict, quiet: bool, *, only_task: str | None = None) -> None:
-    from eval.config import ConfigError, apply_overrides, build_config, read_yaml
-    from eval.data import DataError
-    from eval.report import markdown_report
-    from eval.sweep import run_sweep
-    from eval.tasks import UnknownTaskError
+    from ropescale.runs.config import ConfigError, apply_overrides, read_yaml
+
+    build_config, = harness("config", "build_config")
+    from ropescale.runs.data import DataError
+    markdown_report, = harness("report", "markdown_report")
+    run_sweep, = harness("sweep", "run_sweep")
+    UnknownTaskError, = harness("tasks", "UnknownTaskError")
 
     try:
         source = config or "flags"
@@ -162,10 +178,12 @@ def sweep(config, overrides, output, model, data, strategy_specs, lengths, devic
 def finetune(config, overrides, output, model, strategy_spec, data, length, steps, device, quiet) -> None:
     """Fine-tune a patched model at the target length (accelerate; resumable; PoSE), save it with
     its patch, and evaluate it. Runs under `accelerate launch` for several processes."""
-    from eval.config import ConfigError
-    from eval.data import DataError
+    from ropescale.runs.config import ConfigError
+    from ropescale.runs.data import DataError
     from ropescale.reference.kjv import KjvNotInstalledError
-    from ropescale.training import finetune as run_finetune, load_finetune_config
+    from ropescale.training import load_finetune_config
+
+    run_finetune, = harness("finetune", "run_finetune")
 
     try:
         flags = {"model": model, "strategy": strategy_spec, "data": data, "length": length, "steps": steps,
@@ -179,7 +197,7 @@ def finetune(config, overrides, output, model, strategy_spec, data, length, step
         _fail(e)
     if not summary["main_process"]:
         return  # launched on several processes: the main one reports
-    from eval.report import markdown_report
+    markdown_report, = harness("report", "markdown_report")
 
     for records in summary["evaluations"].values():
         click.echo(markdown_report(records))
@@ -205,7 +223,7 @@ def patch_cmd(model, strategy_spec, output, original_max_position_embeddings, la
     """Save a patched model. Strategies transformers implements are written into config.json
     (plain from_pretrained reproduces them); others need ropescale.load_model."""
     import ropescale
-    from eval.config import parse_strategy
+    from ropescale.runs.config import parse_strategy
 
     try:
         spec = parse_strategy(strategy_spec)
@@ -245,8 +263,8 @@ def inspect(model, head_dim, rope_theta, training_length, strategy_specs, length
     and aliasing, long-range decay, the base bound; writes PNGs and summary.json."""
     import torch
 
-    from eval.config import parse_strategy
-    from eval.inspect import RotaryConfig, inspect as run_inspect, rotary_config_of_model
+    from ropescale.runs.config import parse_strategy
+    RotaryConfig, run_inspect, rotary_config_of_model = harness("inspect", "RotaryConfig", "inspect", "rotary_config_of_model")
     from ropescale.strategies.frequency import rope_inv_freq
 
     try:
@@ -277,7 +295,7 @@ def inspect(model, head_dim, rope_theta, training_length, strategy_specs, length
             if rules:
                 raise ValueError(f"--attention needs attention weights; {', '.join(rules)} compute attention in "
                                  "their own kernel and return none (measure frequency strategies only)")
-            from eval.data import DataSpec, load_documents, tokenize_documents
+            from ropescale.runs.data import DataSpec, load_documents, tokenize_documents
             from ropescale import load_model, unpatch
 
             m, tok = load_model(model, device="cpu")
@@ -310,7 +328,7 @@ def lm_eval_cmd(args) -> None:
     """lm-evaluation-harness with the `ropescale` model registered (needs the lm-eval extra):
     ropescale lm-eval --model ropescale --model_args pretrained=reference,strategy=yarn,factor=8 --tasks ..."""
     try:
-        from eval.lmeval import ModelArgsError, main as lm_eval_main
+        ModelArgsError, lm_eval_main = harness("lmeval", "ModelArgsError", "main")
     except ImportError as e:
         _fail(ImportError(f"lm-eval is not installed ({e}); pip install 'ropescale[lm-eval]'"))
     try:
@@ -324,10 +342,10 @@ def lm_eval_cmd(args) -> None:
 @click.option("--output", "-o", type=click.Path(file_okay=False), help="default: beside RESULTS")
 def plot(results, output) -> None:
     """Rebuild results.csv/md and the plots from a results.jsonl."""
-    from eval.report import write_reports
-    from eval.sweep import read_results
+    write_reports, = harness("report", "write_reports")
+    read_results, = harness("sweep", "read_results")
 
-    from eval.sweep import prepare_output
+    from ropescale.runs.manifest import prepare_output
 
     try:
         records = read_results(results)

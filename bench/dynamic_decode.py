@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 import ropescale  # noqa: E402
 from bench.common import machine  # noqa: E402
-from eval.data import DataSpec, load_documents, tokenize_documents  # noqa: E402
+from ropescale.runs.data import DataSpec, load_documents, tokenize_documents  # noqa: E402
 from ropescale.models import REFERENCE_MODEL  # noqa: E402
 
 

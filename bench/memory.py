@@ -7,7 +7,7 @@ attention — ``small`` (hidden 256, 2 query heads, 1 KV head, MLP 896, 2 layers
 laptop) or ``8b`` (Llama 3 8B's shape: hidden 4096, 32 heads, 8 KV heads, MLP 14336, 32 layers,
 bfloat16: a GPU). Cases, each in a fresh process:
 
-* ``ppl``: perplexity of one window of n tokens through the harness (``eval.perplexity``);
+* ``ppl``: perplexity of one window of n tokens through the harness (``ropescale.runs.scoring``);
   ``ppl (before)`` is the scoring main had before the chunked head (``model(ids).logits``
   and ``cross_entropy`` over ``[n, V]``), run only where it fits;
 * ``passkey``: one passkey example of n tokens (prefill, 10 candidates, greedy answer);
@@ -85,7 +85,7 @@ def _current(device: str) -> int:
 
 
 def _full_logit_nll(model, ids):
-    """What eval.perplexity did before the chunked head (main at b72f51e)."""
+    """What ropescale.runs.scoring did before the chunked head (main at b72f51e)."""
     import torch.nn.functional as F
 
     logits = model(input_ids=ids, use_cache=False).logits  # [b, n, V]
@@ -95,8 +95,8 @@ def _full_logit_nll(model, ids):
 def worker(case: str, shape: str, length: int, device: str) -> dict:
     import torch
 
-    from eval.perplexity import score_windows
-    from eval.windows import make_windows
+    from ropescale.runs.scoring import score_windows
+    from ropescale.runs.windows import make_windows
     from ropescale.lm_head import DEFAULT_BUDGET, causal_lm_loss, chunk_size_for
 
     model, dtype = _model(shape, length, device)

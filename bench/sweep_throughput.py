@@ -2,7 +2,7 @@
 
     python bench/sweep_throughput.py [--model reference] [--lengths 128,1024,2048] [--windows 24]
 
-For each length: tokens/s of ``eval.perplexity.score_windows`` under each ``--strategies`` patch
+For each length: tokens/s of ``ropescale.runs.scoring.score_windows`` under each ``--strategies`` patch
 (what a sweep cell does: patched model, NLL by position bucket) and of the baseline loop (plain
 forward of the unpatched model, nothing else), interleaved over ``--repeats`` rounds; prints
 best-of ratios. Goals: ≥ 0.9 for a frequency strategy, ≥ 0.8 for a truncation rule (which also
@@ -22,9 +22,9 @@ import torch  # noqa: E402
 
 import ropescale  # noqa: E402
 from bench.common import machine  # noqa: E402
-from eval.data import DataSpec, load_documents, tokenize_documents  # noqa: E402
-from eval.perplexity import score_windows  # noqa: E402
-from eval.windows import make_windows  # noqa: E402
+from ropescale.runs.data import DataSpec, load_documents, tokenize_documents  # noqa: E402
+from ropescale.runs.scoring import score_windows  # noqa: E402
+from ropescale.runs.windows import make_windows  # noqa: E402
 
 
 @torch.no_grad()

@@ -62,7 +62,7 @@ def rss_bytes() -> int:
 
 def _setup(length: int, device: str):
     import ropescale
-    from eval.data import DataSpec, load_documents, tokenize_documents
+    from ropescale.runs.data import DataSpec, load_documents, tokenize_documents
 
     model, tok = ropescale.load_model("reference", device=device)
     doc = max(tokenize_documents(tok, load_documents(DataSpec("kjv-heldout"))), key=len)

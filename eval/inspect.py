@@ -29,14 +29,13 @@ from typing import Any
 
 import torch
 
-from eval.config import StrategySpec
 from ropescale import geometry as geo
+from ropescale.runs.config import StrategySpec
 from ropescale.strategies import RopeFrequencies, get_strategy
 from ropescale.strategies.frequency import rope_inv_freq
 
 __all__ = ["RotaryConfig", "rotary_config_of_model", "inspect", "SINK_TOKENS"]
 
-SINK_TOKENS = 4  # "the first tokens" whose share of attention is reported
 
 
 @dataclass(frozen=True)
@@ -128,11 +127,11 @@ def inspect(cfg: RotaryConfig, strategies: list[StrategySpec], length: int, outp
                "length": length, "pairs": pairs, "smallest_base_for_length": b_min,
                "rope_theta_keeps_B_nonnegative": cfg.rope_theta >= b_min,
                "strategies": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]}
-    from eval.inspect_plots import plot_all
+    from .inspect_plots import plot_all
 
     summary["files"] = plot_all(cfg, rows, length, pairs, output)
     if attention:
-        from eval.inspect_plots import attention_stats, plot_attention
+        from .inspect_plots import attention_stats, plot_attention
 
         stats = {r["strategy"]: attention_stats(attention["model"], attention["ids"], s)
                  for r, s in zip(rows, strategies)}

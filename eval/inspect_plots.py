@@ -10,7 +10,10 @@ import torch
 
 from ropescale import geometry as geo
 from ropescale.patching import find_rotary_modules, patch, rope_context
+from ropescale.runs.plotting import line_style, pyplot
 from ropescale.strategies import get_strategy
+
+SINK_TOKENS = 4  # "the first tokens" whose share of attention is reported
 
 __all__ = ["plot_all", "attention_stats", "plot_attention"]
 
@@ -18,25 +21,10 @@ _CLASS_COLOURS = {"unchanged": "tab:green", "interpolated": "tab:blue", "extrapo
                   "truncated": "black"}
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _style(i: int, n: int) -> dict:
-    from eval.report import _style as style
-
-    return style(i, n)
-
-
 def _save(fig, path: Path) -> None:
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(path, dpi=120, bbox_inches="tight")
-    _plt().close(fig)
+    pyplot().close(fig)
 
 
 def _title(cfg, length: int) -> str:
@@ -44,7 +32,7 @@ def _title(cfg, length: int) -> str:
 
 
 def plot_wavelengths(cfg, rows: list[dict], length: int, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     n = len(rows)
     cols = min(3, n)
     fig, axes = plt.subplots(-(-n // cols), cols, figsize=(4.6 * cols, 3.6 * -(-n // cols)), squeeze=False)
@@ -76,7 +64,7 @@ def plot_wavelengths(cfg, rows: list[dict], length: int, path: Path) -> None:
 
 
 def plot_relative_positions(cfg, rows: list[dict], length: int, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(rows), figsize=(4.2 * len(rows), 3.8), squeeze=False)
     for ax, r in zip(axes[0], rows):
         step = max(1, length // 256)
@@ -91,14 +79,14 @@ def plot_relative_positions(cfg, rows: list[dict], length: int, path: Path) -> N
 
 
 def plot_angles(cfg, rows: list[dict], length: int, pairs: list[int], path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     short = min(length, 32)
     fig, axes = plt.subplots(len(pairs), 2, figsize=(12, 3.4 * len(pairs)), squeeze=False)
     for (ax_s, ax_l), i in zip(axes, pairs):
         for k, r in enumerate(rows):
             theta = float(r["_theta"][i])
             ang = geo.rotation_angles(theta, length)
-            style = _style(k, len(rows)) | {"ms": 3}
+            style = line_style(k, len(rows)) | {"ms": 3}
             alias = r["alias_distance"][str(i)]
             label = f"{r['strategy']} (θ = {theta:.3g}; aliasing at r = {alias})" if alias else \
                 f"{r['strategy']} (θ = {theta:.3g}; monotone to L)"
@@ -117,10 +105,10 @@ def plot_angles(cfg, rows: list[dict], length: int, pairs: list[int], path: Path
 
 
 def plot_decay(cfg, rows: list[dict], length: int, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.2))
     for k, r in enumerate(rows):
-        style = {"color": _style(k, len(rows))["color"], "lw": 1, "label": r["strategy"]}
+        style = {"color": line_style(k, len(rows))["color"], "lw": 1, "label": r["strategy"]}
         a.plot(geo.decay_curve(r["_theta"], length).tolist(), **style)
         b.plot(geo.roformer_bound(r["_theta"], length).tolist(), **style)
     for ax, ylabel, title in ((a, "C(r) = (2/d) Σ cos(r θ_i)", "long-range decay of the mean cosine"),
@@ -138,11 +126,11 @@ def plot_decay(cfg, rows: list[dict], length: int, path: Path) -> None:
 
 
 def plot_base_bound(cfg, rows: list[dict], length: int, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.2))
     for k, r in enumerate(rows):
         neg = r["base_bound_first_negative"]
-        ax.plot(geo.base_bound_curve(r["_theta"], length).tolist(), lw=1, color=_style(k, len(rows))["color"],
+        ax.plot(geo.base_bound_curve(r["_theta"], length).tolist(), lw=1, color=line_style(k, len(rows))["color"],
                 label=f"{r['strategy']} (first B < 0 at m = {neg})" if neg is not None else f"{r['strategy']} (B ≥ 0 up to L)")
     ax.axhline(0, color="black", lw=0.8)
     ax.axvline(cfg.train_length, color="black", ls="--", lw=0.8)
@@ -184,8 +172,6 @@ def attention_stats(model, ids: torch.Tensor, spec) -> dict:
     """Attention entropy [nats] and the share of attention on the first ``SINK_TOKENS`` keys, by
     query position, averaged over heads and layers, with ``spec``'s strategy patched in. Needs
     eager attention weights: frequency strategies (and log-n) only."""
-    from eval.inspect import SINK_TOKENS
-
     strat = get_strategy(spec.name)
     if strat.kind != "frequency":
         raise ValueError(f"attention statistics need attention weights; {strat.name} computes attention in its "
@@ -208,12 +194,10 @@ def attention_stats(model, ids: torch.Tensor, spec) -> dict:
 
 
 def plot_attention(stats: dict, cfg, length: int, path: Path) -> None:
-    from eval.inspect import SINK_TOKENS
-
-    plt = _plt()
+    plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.2))
     for k, (name, s) in enumerate(stats.items()):
-        colour = _style(k, len(stats))["color"]
+        colour = line_style(k, len(stats))["color"]
         a.plot(s["entropy"], lw=0.8, color=colour, label=name)
         b.plot(s["sink_share"], lw=0.8, color=colour, label=name)
     a.plot([math.log(i + 1) for i in range(length)], color="grey", ls=":", lw=0.8, label="uniform (ln(i+1))")

@@ -39,6 +39,7 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
+from ropescale.errors import RopescaleError
 import ropescale
 from ropescale.strategies import get_strategy
 
@@ -51,7 +52,7 @@ USAGE = ("ropescale lm-eval --model ropescale --model_args pretrained=reference,
          "--tasks TASK [--include_path DIR] [any lm_eval option] (--help: lm-eval's options)")
 
 
-class ModelArgsError(ValueError):
+class ModelArgsError(RopescaleError, ValueError):
     """Bad ``model_args`` or lm-eval arguments, in one line."""
 
 

@@ -25,25 +25,26 @@ import torch
 from accelerate.utils import gather_object
 from pydantic import ValidationError
 
-import ropescale
 from ropescale.models import load_model, load_tokenizer, model_fingerprint, resolve_device
 from ropescale.patching import NoRotaryEmbeddingError, find_rotary_modules, patch, rope_context, unpatch
+from ropescale.runs.data import load_documents, tokenize_documents
+from ropescale.runs.manifest import (OutputError, check_manifest, data_fingerprint, environment, folder_lock,
+                                     identity, prepare_output)
 from ropescale.strategies import get_strategy
-from eval.config import EvalConfig, StrategySpec
-from eval.data import load_documents, tokenize_documents
-from eval.manifest import check_manifest, data_fingerprint, folder_lock, identity
-from eval.schema import SCHEMA_VERSION, Record
-from eval.report import write_reports
-from eval.tasks.base import Task, get_task
 
-__all__ = ["run_sweep", "cell_id", "read_results", "environment", "prepare_output", "OutputError"]
+from .config import EvalConfig, StrategySpec
+from .report import write_reports
+from .schema import SCHEMA_VERSION, Record
+from .tasks.base import Task, get_task
+
+__all__ = ["run_sweep", "cell_id", "read_results"]
 
 RESULTS = "results.jsonl"
 
 
 def cell_id(experiment: str, spec: StrategySpec, length: int) -> str:
     """Stable id of a cell: the experiment's identity hash (task, options, model weights, data
-    tokens, dtype, library versions: ``eval.manifest``) with the strategy and length, hashed."""
+    tokens, dtype, library versions: ``ropescale.runs.manifest``) with the strategy and length, hashed."""
     key = {"experiment": experiment, "strategy": spec.name, "params": spec.params, "logn": spec.logn,
            "length": length}
     return hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -75,43 +76,6 @@ def read_results(path: str | Path) -> list[dict]:
             raise ValueError(f"{path}: line {i} is not a ropescale result record ({what}; see eval/schema.py)") from None
         out.append(record)
     return out
-
-
-class OutputError(ValueError):
-    """The results folder cannot be used."""
-
-
-def prepare_output(output: Path) -> Path:
-    """Create ``output`` (and parents) and make sure files can be written in it; ``OutputError``
-    in one line otherwise (a file in the way, no permission, a read-only file system)."""
-    if output.exists() and not output.is_dir():
-        raise OutputError(f"output {output} is a file, not a folder")
-    try:
-        output.mkdir(parents=True, exist_ok=True)
-        probe = output / f".ropescale-write-test-{os.getpid()}"
-        probe.write_text("", encoding="utf-8")
-        probe.unlink()
-    except NotADirectoryError:
-        raise OutputError(f"output {output}: a part of the path is a file, not a folder") from None
-    except OSError as e:
-        raise OutputError(f"output {output}: cannot write there ({e.strerror or e})") from None
-    return output
-
-
-def _git_hash() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(ropescale.__file__).parent, timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def environment() -> dict[str, Any]:
-    import transformers
-    return {"ropescale": ropescale.__version__, "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
-            "git": _git_hash(), "machine": platform.machine(),
-            "threads": torch.get_num_threads()}
 
 
 def _append_safely(path: Path):
@@ -178,7 +142,7 @@ def run_sweep(cfg: EvalConfig, output: str | Path, *, progress: bool = True) -> 
     process measures its share of each cell's examples, the parts are gathered, and only the main
     process writes: the records equal a single-process run's.
 
-    Raises ``eval.data.DataError`` / ``ValueError`` subclasses (too-short data, a length that
+    Raises ``ropescale.runs.data.DataError`` / ``ValueError`` subclasses (too-short data, a length that
     cannot hold the task's prompts) before any cell runs, ``NoRotaryEmbeddingError`` for a
     model without RoPE, and ``ValueError`` for strategy parameters that fail at a given length.
     """

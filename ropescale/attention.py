@@ -43,6 +43,7 @@ from transformers.masking_utils import AttentionMaskInterface, prepare_padding_m
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils.generic import is_flash_attention_requested
 
+from ropescale.errors import RopescaleError
 from ropescale.flex_regions import flex_attention_path
 from ropescale.strategies.truncation import RelativeRule
 from ropescale.truncated_attention import blocked_attention, fused_attention, naive_attention
@@ -69,7 +70,7 @@ def _clear_on_modules(model, attr: str) -> None:
             delattr(m, attr)
 
 
-class AttentionNotPluggableError(ValueError):
+class AttentionNotPluggableError(RopescaleError, ValueError):
     """The model's attention does not go through transformers' AttentionInterface."""
 
 

@@ -14,6 +14,7 @@ the adapter (PEFT, an optional dependency: ``pip install 'ropescale[lora]'``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ropescale.errors import RopescaleError
 from ropescale.patching import PatchHandle, current_patch, patch, unpatch
 
 __all__ = ["REFERENCE_MODEL", "MODEL_ALIASES", "PATCH_FILE", "ADAPTER_FILE", "ModelLoadError", "resolve_model",
@@ -34,7 +36,7 @@ ADAPTER_FILE = "adapter_config.json"  # PEFT's
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(RopescaleError, ValueError):
     """A model cannot be loaded: missing folder, unreadable files, unknown or unreachable hub id."""
 
 
@@ -61,7 +63,7 @@ def resolve_model(name_or_path: str) -> str:
         return name_or_path
     if not (path / "model.safetensors").exists():
         raise FileNotFoundError(f"bundled model missing at {path}; reinstall ropescale or "
-                                "train it with `python -m ropescale.reference.train --output "
+                                "train it with `python -m eval.reference.train --output "
                                 f"{path}`")
     return str(path)
 
@@ -204,12 +206,32 @@ def load_tokenizer(name_or_path: str):
     return _from_pretrained(AutoTokenizer, name_or_path, resolve_model(name_or_path))
 
 
+_HASH_CONTENT_UP_TO = 1 << 30  # weight files up to 1 GiB are hashed; larger ones by size and mtime
+
+
+def weights_fingerprint(folder: str | Path) -> str:
+    """Fingerprint of a model folder's config and weight files: content hashes (size and mtime
+    for files over 1 GiB), 16 hex digits."""
+    folder = Path(folder)
+    h = hashlib.sha256()
+    files = sorted(p for p in folder.iterdir() if p.name == "config.json" or p.suffix in (".safetensors", ".bin"))
+    for p in files:
+        h.update(p.name.encode())
+        size = p.stat().st_size
+        if size <= _HASH_CONTENT_UP_TO:
+            with p.open("rb") as f:
+                for chunk in iter(lambda: f.read(1 << 22), b""):
+                    h.update(chunk)
+        else:
+            h.update(f"{size}:{p.stat().st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
 def model_fingerprint(name_or_path: str) -> str:
-    """What identifies the weights: a content fingerprint of a local folder (``eval.manifest``),
+    """What identifies the weights: a content fingerprint of a local folder (``ropescale.runs.manifest``),
     the snapshot commit of a hub model."""
     path = resolve_model(name_or_path)
     if Path(path).is_dir():
-        from eval.manifest import weights_fingerprint
 
         return weights_fingerprint(path)
     from transformers.utils import cached_file

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ropescale.errors import RopescaleError
 from ropescale.cache import rerotate_cache
 from ropescale.strategies import Strategy
 
@@ -28,7 +29,7 @@ __all__ = ["NoRotaryEmbeddingError", "ScaledRotaryEmbedding", "attention_scaling
 _SKIP = ("original", "long")  # `*_original_inv_freq`, `*_long_inv_freq` are bookkeeping buffers
 
 
-class NoRotaryEmbeddingError(ValueError):
+class NoRotaryEmbeddingError(RopescaleError, ValueError):
     """The model has no rotary-embedding module that ropescale can patch."""
 
 

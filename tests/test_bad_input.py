@@ -138,7 +138,7 @@ def test_logn_must_be_a_boolean(tiny_llama, value):
 
 
 def test_random_bytes_as_text_warn(tmp_path, caplog):
-    from eval.data import DataSpec, load_documents
+    from ropescale.runs.data import DataSpec, load_documents
 
     noise = tmp_path / "noise.txt"
     noise.write_bytes(torch.randint(128, 256, (4000,), generator=torch.Generator().manual_seed(0)).to(torch.uint8)

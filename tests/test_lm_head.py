@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 import transformers as T
 
-from eval.perplexity import score_windows
-from eval.windows import make_windows
+from ropescale.runs.scoring import score_windows
+from ropescale.runs.windows import make_windows
 from ropescale.lm_head import OutputHead, causal_lm_loss, chunk_size_for
 from tests.families import COMMON, FAMILIES, family_model
 
@@ -220,8 +220,8 @@ _MEMORY_SCRIPT = textwrap.dedent("""
     import json, sys, threading, time
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    from eval.perplexity import score_windows
-    from eval.windows import make_windows
+    from ropescale.runs.scoring import score_windows
+    from ropescale.runs.windows import make_windows
 
     def anon():  # anonymous resident memory: live tensors, not library pages a busy machine may evict
         with open("/proc/self/status") as f:

@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Union, get_args, get_origin
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
+from ropescale.errors import RopescaleError
 from ropescale.strategies import Strategy
 
 __all__ = ["Task", "TaskOptions", "Metric", "TASKS", "get_task", "task_names", "UnknownTaskError", "progress"]
@@ -84,7 +85,7 @@ class Metric(BaseModel):
     fmt: str = "{:.2f}"
 
 
-class UnknownTaskError(KeyError):
+class UnknownTaskError(RopescaleError, KeyError):
     def __str__(self) -> str:
         return str(self.args[0])
 
@@ -146,14 +147,13 @@ class Task:
 
 
 def _discover() -> None:
+    """Import every task module of this package (each registers itself by its ``name``)."""
     import importlib
     import pkgutil
 
-    import eval.tasks as package
-
-    for mod in pkgutil.iter_modules(package.__path__):
+    for mod in pkgutil.iter_modules([str(Path(__file__).parent)]):
         if mod.name not in ("base", "prompts") and not mod.name.startswith("_"):
-            importlib.import_module(f"eval.tasks.{mod.name}")
+            importlib.import_module(f"{__package__}.{mod.name}")
 
 
 def task_names() -> list[str]:

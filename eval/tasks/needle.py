@@ -16,8 +16,8 @@ from typing import Any
 
 from pydantic import Field
 
-from eval.tasks.prompts import Prompt, build_prompt, cycle_units, random_key, sentence_units
-from eval.tasks.retrieval import RetrievalOptions, RetrievalTask, contains_match
+from .prompts import Prompt, build_prompt, cycle_units, random_key, sentence_units
+from .retrieval import RetrievalOptions, RetrievalTask, contains_match
 
 __all__ = ["Needle", "NeedleOptions", "HEADER", "NEEDLE", "QUESTION", "WORDS", "make_prompt"]
 

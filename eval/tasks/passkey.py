@@ -13,8 +13,8 @@ import random
 
 from pydantic import Field
 
-from eval.tasks.prompts import Prompt, build_prompt, cycle_units, encode, random_key
-from eval.tasks.retrieval import RetrievalOptions, RetrievalTask, first_integer_match
+from .prompts import Prompt, build_prompt, cycle_units, encode, random_key
+from .retrieval import RetrievalOptions, RetrievalTask, first_integer_match
 
 __all__ = ["Passkey", "PasskeyOptions", "FILLER", "INFO", "QUESTION", "PREAMBLE", "make_prompt", "filler_units"]
 

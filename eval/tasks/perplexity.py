@@ -1,5 +1,5 @@
-"""Perplexity over windows of L tokens of the data source (``eval.windows`` cuts them,
-``eval.perplexity`` scores them). PPL = exp(total NLL / scored tokens), token-weighted."""
+"""Perplexity over windows of L tokens of the data source (``ropescale.runs.windows`` cuts them,
+``ropescale.runs.scoring`` scores them). PPL = exp(total NLL / scored tokens), token-weighted."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from eval.perplexity import combine_windows, window_nll
-from eval.tasks.base import Metric, Task, TaskOptions
-from eval.windows import make_windows
+from ropescale.runs.scoring import combine_windows, window_nll
+from .base import Metric, Task, TaskOptions
+from ropescale.runs.windows import make_windows
 
 __all__ = ["Perplexity", "PerplexityOptions", "LEGACY_KEYS"]
 
@@ -88,7 +88,7 @@ class Perplexity(Task):
 
     @classmethod
     def plots(cls, records: list[dict], output: Path) -> dict[str, Path]:
-        from eval.report import plot_metric, plot_position
+        from ..plots import plot_metric, plot_position
 
         paths = {"plot": output / "ppl_vs_length.png", "position_plot": output / "nll_vs_position.png"}
         plot_metric(records, "ppl", "perplexity", paths["plot"])

@@ -21,13 +21,15 @@ import random
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
+from ropescale.errors import RopescaleError
+
 __all__ = ["Prompt", "PromptError", "encode", "build_prompt", "random_key", "distractor_keys",
            "sentence_units", "cycle_units"]
 
 SEPARATOR = "\n"
 
 
-class PromptError(ValueError):
+class PromptError(RopescaleError, ValueError):
     """The requested length cannot hold the prompt."""
 
 

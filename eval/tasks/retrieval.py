@@ -36,8 +36,8 @@ from typing import Any, ClassVar
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from eval.tasks.base import Metric, Task, TaskOptions, progress
-from eval.tasks.prompts import Prompt, continuation, distractor_keys
+from .base import Metric, Task, TaskOptions, progress
+from .prompts import Prompt, continuation, distractor_keys
 
 __all__ = ["RetrievalOptions", "RetrievalTask", "Example", "wilson", "first_integer_match", "contains_match"]
 
@@ -158,7 +158,7 @@ class RetrievalTask(Task):
 
     @classmethod
     def plots(cls, records: list[dict], output: Path) -> dict[str, Path]:
-        from eval.report import plot_depth_heatmaps, plot_metric
+        from ..plots import plot_depth_heatmaps, plot_metric
 
         paths = {"plot": output / "accuracy_vs_length.png", "heatmap": output / "depth_heatmap.png"}
         plot_metric(records, "accuracy", "greedy exact-match accuracy", paths["plot"], ci="accuracy_ci",

@@ -18,6 +18,8 @@ import re
 import shutil
 import subprocess
 
+from ropescale.errors import RopescaleError
+
 __all__ = ["KjvNotInstalledError", "books", "split", "HELD_OUT_EVERY", "HELD_OUT_OFFSET"]
 
 HELD_OUT_EVERY = 9
@@ -26,7 +28,7 @@ _VERSE = re.compile(r"^\s+\d+ (.*)$")
 _HEADING = re.compile(r"^(\S.*) (\d+)$")
 
 
-class KjvNotInstalledError(RuntimeError):
+class KjvNotInstalledError(RopescaleError, RuntimeError):
     """Debian's ``bible-kjv`` package is not installed."""
 
 

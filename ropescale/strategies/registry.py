@@ -28,6 +28,8 @@ from typing import Any, Callable, Literal, NamedTuple
 
 import torch
 
+from ropescale.errors import RopescaleError
+
 __all__ = [
     "CONTEXT_ARGS", "Param", "RopeFrequencies", "Strategy", "UnknownStrategyError",
     "REGISTRY", "register", "get_strategy", "strategy_names",
@@ -48,7 +50,7 @@ class RopeFrequencies(NamedTuple):
     attention_factor: float
 
 
-class UnknownStrategyError(KeyError):
+class UnknownStrategyError(RopescaleError, KeyError):
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0])
 

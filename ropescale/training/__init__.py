@@ -6,11 +6,11 @@
 - ``heldout``: held-out perplexity during training
 - ``loop``: the accelerate training loop, checkpoints, output folder, save and evaluation
 - ``lora``: LoRA / LongLoRA's LoRA+ through PEFT, saved merged or as an adapter
-- ``report``: the training log and its figures; ``python -m ropescale.training RUN ...`` compares runs
+- ``report``: the training log and its figure (comparing runs: ``eval.compare``)
 """
 
-from ropescale.training.config import FinetuneConfig, build_finetune_config, load_finetune_config, resolve
+from ropescale.training.config import FinetuneConfig, ResolvedRun, build_finetune_config, load_finetune_config, resolve
 from ropescale.training.loop import finetune
 from ropescale.training.pose import sample_pose
 
-__all__ = ["FinetuneConfig", "build_finetune_config", "load_finetune_config", "resolve", "finetune", "sample_pose"]
+__all__ = ["FinetuneConfig", "ResolvedRun", "build_finetune_config", "load_finetune_config", "resolve", "finetune", "sample_pose"]

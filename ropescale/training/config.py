@@ -2,7 +2,7 @@
 
 One run = one model, one strategy (frequency rule or truncation rule, with ``logn``), trained for
 ``steps`` optimiser steps on windows of ``length`` tokens from a data source the harness reads
-(``eval.data``), then saved with ``ropescale.save_patched``. Parameters the harness fills from
+(``ropescale.runs.data``), then saved with ``ropescale.save_patched``. Parameters the harness fills from
 the target length (``factor`` = L / T, ``n_max`` = L, truncation ``window`` = T / 2) are filled the
 same way here, with L = ``length``. Errors name the key, one line each:
 ``configs/x.yaml: stpes: unknown key; allowed: ... (did you mean 'steps'?)``.
@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from eval.config import ConfigError, DataConfig, StrategySpec, apply_overrides, parse_strategy, read_yaml
+from ropescale.runs.config import ConfigError, DataConfig, StrategySpec, apply_overrides, parse_strategy, read_yaml
 
 __all__ = ["FinetuneConfig", "PoseConfig", "LoraSettings", "EvalDuringTraining", "build_finetune_config",
            "load_finetune_config", "ResolvedRun", "resolve", "fsdp_plugin_kwargs", "DEFAULT_LORA_TARGETS"]
@@ -394,27 +394,6 @@ class ResolvedRun(BaseModel):
         return StrategySpec(name=cfg.strategy.name, params=self.params, logn=cfg.strategy.logn,
                             label=cfg.strategy.label)
 
-    def after_configs(self, cfg: FinetuneConfig, model: str, source: str = "config") -> list[tuple[str, Any]]:
-        """``(folder name, EvalConfig)`` of each ``eval.after`` experiment on ``model`` (the saved
-        model) with the trained strategy, every parameter fixed. Raises ``ConfigError``."""
-        from eval.config import build_config
-
-        out, names = [], []
-        for i, entry in enumerate(cfg.eval.after if cfg.eval else []):
-            raw = {"data": cfg.eval.data.model_dump(), **entry, "model": model,
-                   "strategies": [self.strategy_spec(cfg)],
-                   "original_max_position_embeddings": cfg.original_max_position_embeddings}
-            raw.setdefault("device", cfg.device)
-            raw.setdefault("threads", cfg.threads)
-            task = str(entry.get("task", "perplexity"))
-            name = task if task not in names else f"{task}-{i}"
-            names.append(name)
-            try:
-                out.append((name, build_config(raw, f"{source}: eval.after.{i}")))
-            except ConfigError as e:
-                raise ConfigError(" ".join(str(e).split())) from None
-        return out
-
 
 def model_training_length(name: str) -> int:
     """T of a model from its configuration alone (rope parameters' original window, else
@@ -471,31 +450,4 @@ def resolve(cfg: FinetuneConfig, source: str = "config") -> ResolvedRun:
         lengths.append(L)
     run = ResolvedRun(train_length=T, params=params, kind=strat.kind, window=T if cfg.pose.enabled else L,
                       eval_lengths=lengths)
-    # a bad evaluation fails now, not after training: the harness configs, then each task's examples at
-    # each length (a passkey length shorter than its question, data too short for a perplexity length)
-    _check_after(run, cfg, run.after_configs(cfg, cfg.model, source), source)
     return run
-
-
-def _check_after(run: ResolvedRun, cfg: FinetuneConfig, configs: list[tuple[str, Any]], source: str) -> None:
-    """Build the examples of every ``eval.after`` experiment at every length, as the harness will
-    on the saved model (same tokenizer, same window T). Raises ``ConfigError`` in one line."""
-    if not configs:
-        return
-    from eval.data import load_documents, tokenize_documents
-    from eval.tasks.base import get_task
-    from ropescale.models import load_tokenizer
-
-    tokenizer = load_tokenizer(cfg.model)
-    for i, (name, ecfg) in enumerate(configs):
-        task_cls = get_task(ecfg.task)
-        try:
-            docs = (tokenize_documents(tokenizer, load_documents(ecfg.data.spec())) if task_cls.uses_data
-                    else None)
-            task = task_cls(ecfg.options, tokenizer=tokenizer,
-                            train_length=ecfg.original_max_position_embeddings or run.train_length, documents=docs)
-            for length in ecfg.lengths:
-                task.examples(length)
-        except ValueError as e:
-            raise ConfigError(f"{source}: eval.after.{i} ({ecfg.task}): {' '.join(str(e).split())}") from None
-

@@ -1,6 +1,6 @@
 """Training examples: windows of the data source's tokens in an order fixed by the seed.
 
-The documents of any source the harness reads (``eval.data``: the bundled KJV splits, local
+The documents of any source the harness reads (``ropescale.runs.data``: the bundled KJV splits, local
 files, HF datasets) are tokenized once and joined into one stream, each followed by the EOS
 token (packing, as pre-training does). The stream is cut into non-overlapping spans of ``span``
 tokens (L, the target length); example i of the run is span ``order_e[i mod n]`` with epoch
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from eval.data import DataError, DataSpec, load_documents, tokenize_documents
+from ropescale.runs.data import DataError, DataSpec, load_documents, tokenize_documents
 from ropescale.training.pose import sample_pose
 
 __all__ = ["token_stream", "load_stream", "TrainingWindows"]

@@ -1,9 +1,9 @@
 """Held-out perplexity during training: the curve of PPL at each length vs optimiser steps.
 
-The harness's own scoring (``eval.perplexity``): chunk windows of L tokens of the held-out
+The harness's own scoring (``ropescale.runs.scoring``): chunk windows of L tokens of the held-out
 documents (documents never run into each other), every token but a window's first scored,
 PPL = exp(total NLL / scored tokens). At most ``max_windows`` windows per length, evenly spaced
-(``eval.windows.cap_windows``), fixed for the whole run — so every evaluation of every run with the
+(``ropescale.runs.windows.cap_windows``), fixed for the whole run — so every evaluation of every run with the
 same settings scores the same tokens. Launched on several processes, each scores its share and
 the parts are added up in window order (the numbers equal one process's).
 """
@@ -15,9 +15,9 @@ import math
 import torch
 from accelerate.utils import gather_object
 
-from eval.data import load_documents, tokenize_documents
-from eval.perplexity import combine_windows, window_nll
-from eval.windows import make_windows
+from ropescale.runs.data import load_documents, tokenize_documents
+from ropescale.runs.scoring import combine_windows, window_nll
+from ropescale.runs.windows import make_windows
 
 __all__ = ["HeldOut"]
 
@@ -25,7 +25,7 @@ __all__ = ["HeldOut"]
 class HeldOut:
     """Windows of the held-out data at each length, built once.
 
-    Raises ``eval.data.DataError`` (unreadable source) or ``eval.windows.WindowError`` (a length
+    Raises ``ropescale.runs.data.DataError`` (unreadable source) or ``ropescale.runs.windows.WindowError`` (a length
     no document fills) when built — before any training.
     """
 

@@ -43,13 +43,13 @@ import shutil
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from eval.config import ConfigError
-from eval.manifest import check_manifest, data_fingerprint, folder_lock
-from eval.sweep import environment, prepare_output, run_sweep
+from ropescale.runs.config import ConfigError
+from ropescale.runs.manifest import check_manifest, data_fingerprint, environment, folder_lock, prepare_output
+from ropescale.errors import RopescaleError
 from ropescale.lm_head import OutputHead
 from ropescale.lm_head import causal_lm_loss as chunked_lm_loss
 from ropescale.models import load_model, load_tokenizer, model_fingerprint, resolve_device
@@ -70,7 +70,7 @@ _COMPLETE = "complete.json"  # written into a checkpoint folder once save_state 
 _SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}
 
 
-class NonFiniteLossError(ValueError):
+class NonFiniteLossError(RopescaleError, ValueError):
     """The training loss became inf or NaN: the run stops (no model saved; checkpoints kept)."""
 
 
@@ -144,8 +144,19 @@ def _patch_for_training(model, cfg: FinetuneConfig, run: ResolvedRun):
     return handle
 
 
+class AfterTraining(Protocol):
+    """What runs on the saved model after training (the harness's ``eval.after`` experiments:
+    ``eval.finetune.HarnessEvaluations``). ``check`` runs before step 1 and raises ``ConfigError``
+    in one line; ``run`` returns ``{name: records}``."""
+
+    def check(self, cfg: FinetuneConfig, run: ResolvedRun, source: str) -> None: ...
+
+    def run(self, cfg: FinetuneConfig, run: ResolvedRun, model_dir: Path, output: Path, *, progress: bool,
+            say) -> dict[str, list[dict]]: ...
+
+
 def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, stop_after: int | None = None,
-             source: str = "config") -> dict[str, Any]:
+             source: str = "config", after: AfterTraining | None = None) -> dict[str, Any]:
     """Run (or resume, or just evaluate when already trained) the fine-tuning run ``cfg`` into
     ``output``. Returns a summary: ``model`` (the saved folder), ``steps``, ``final_loss``,
     ``ppl`` (last held-out evaluation, ``{length: PPL}``), ``evaluations`` (``{name: harness
@@ -155,18 +166,23 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
     checkpoints stay) — for tests and time-boxed runs.
 
     Raises (one-line messages): ``ConfigError`` (PoSE length ≤ T, a bad strategy parameter or
-    evaluation entry), ``eval.sweep.OutputError`` (output not writable),
-    ``eval.manifest.ExperimentMismatchError`` (the folder holds another run),
-    ``eval.manifest.FolderBusyError`` (another run holds it), ``ropescale.models.ModelLoadError``,
+    evaluation entry), ``OutputError`` (output not writable),
+    ``ropescale.runs.manifest.ExperimentMismatchError`` (the folder holds another run),
+    ``ropescale.runs.manifest.FolderBusyError`` (another run holds it), ``ropescale.models.ModelLoadError``,
     ``ConfigError`` also for ``sharding`` without CUDA devices (accelerate 1.15 does not shard on
     CPU) and LoRA target modules the model does not have,
-    ``eval.data.DataError`` / ``eval.windows.WindowError`` (data too short or unreadable),
+    ``ropescale.runs.data.DataError`` / ``ropescale.runs.windows.WindowError`` (data too short or unreadable),
     ``ValueError`` (device, patch), ``NonFiniteLossError`` (a ``ValueError``: the training loss
     became inf or NaN at a step; no model saved, the checkpoints kept).
     """
     from accelerate import Accelerator
 
     run = resolve(cfg, source)
+    if cfg.eval and cfg.eval.after:
+        if after is None:
+            raise ConfigError(f"{source}: eval.after: harness experiments need the harness; run it with "
+                              "`ropescale finetune` or eval.finetune.run_finetune (this call only trains)")
+        after.check(cfg, run, source)  # a bad evaluation fails now, not after training
     device = resolve_device(cfg.device)  # a device that is not there fails first
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -197,7 +213,7 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
         prepare_output(output)
     acc.wait_for_everyone()
     with folder_lock(output) if acc.is_main_process else nullcontext(), _loading_bars(progress and acc.is_main_process):
-        return _run_locked(cfg, run, output, acc, progress and acc.is_main_process, stop_after)
+        return _run_locked(cfg, run, output, acc, progress and acc.is_main_process, stop_after, after)
 
 
 @contextmanager
@@ -216,7 +232,7 @@ def _loading_bars(show: bool):
 
 
 def _run_locked(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, progress: bool,
-                stop_after: int | None) -> dict[str, Any]:
+                stop_after: int | None, after: AfterTraining | None) -> dict[str, Any]:
     from accelerate.utils import set_seed
 
     tokenizer = load_tokenizer(cfg.model)
@@ -236,10 +252,8 @@ def _run_locked(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, progre
         summary = _train(cfg, run, output, acc, tokenizer, stream, env, progress, stop_after, say)
         if summary is None:
             return {"stopped_at": stop_after, "model": None}
-    evaluations = {}
-    for name, ecfg in run.after_configs(cfg, str(output / MODEL_DIR)):
-        say(f"evaluating the saved model: {name} (harness) → {output / 'eval' / name}")
-        evaluations[name] = run_sweep(ecfg, output / "eval" / name, progress=progress)
+    evaluations = (after.run(cfg, run, output / MODEL_DIR, output, progress=progress, say=say)
+                   if after is not None and cfg.eval and cfg.eval.after else {})
     return {**summary, "model": str(output / MODEL_DIR), "evaluations": evaluations, "main_process": acc.is_main_process}
 
 

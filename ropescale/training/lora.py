@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from eval.config import ConfigError
+from ropescale.runs.config import ConfigError
 from ropescale.models import save_adapter, save_patched
 from ropescale.patching import current_patch
 from ropescale.training.config import DEFAULT_LORA_TARGETS, LoraSettings

@@ -3,9 +3,9 @@ import math
 import pytest
 
 from eval.config import build_config
-from eval.manifest import ExperimentMismatchError
+from ropescale.runs.manifest import ExperimentMismatchError
 from eval.sweep import RESULTS, read_results, run_sweep
-from eval.windows import WindowError
+from ropescale.runs.windows import WindowError
 
 
 def config(model_dir, data, **kw):

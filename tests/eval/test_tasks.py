@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from eval.config import ConfigError, build_config
 from eval.sweep import RESULTS, read_results, run_sweep
 from eval.tasks import Task, UnknownTaskError, get_task, task_names
-from eval.data import load_documents, tokenize_documents
+from ropescale.runs.data import load_documents, tokenize_documents
 from eval.tasks.needle import Needle
 from eval.tasks.passkey import Passkey, PasskeyOptions
 from eval.tasks.retrieval import wilson

@@ -8,7 +8,8 @@ from click.testing import CliRunner
 
 from cli import main
 from eval.config import ConfigError
-from ropescale.training import build_finetune_config, resolve
+from eval.finetune import HarnessEvaluations
+from ropescale.training import build_finetune_config, finetune, resolve
 
 
 def cli(*args):
@@ -117,8 +118,15 @@ def test_cli_runs_and_reports(tmp_path, write):
 def test_after_entries_are_checked_before_training(tiny_run):
     # a passkey length shorter than its question failed only after the whole run
     with pytest.raises(ConfigError, match="eval.after.1 \\(passkey\\): length 16 is too short"):
-        resolve(build_finetune_config(tiny_run(eval={"data": "x.txt", "after": [
-            {"task": "passkey", "lengths": [64]}, {"task": "passkey", "lengths": [16]}]})))
+        cfg = build_finetune_config(tiny_run(eval={"data": "x.txt", "after": [
+            {"task": "passkey", "lengths": [64]}, {"task": "passkey", "lengths": [16]}]}))
+        HarnessEvaluations().check(cfg, resolve(cfg), "config")
+
+
+def test_the_library_loop_refuses_after_entries_without_the_harness(tiny_run, tmp_path):
+    cfg = build_finetune_config(tiny_run(eval={"data": "x.txt", "after": [{"task": "passkey", "lengths": [64]}]}))
+    with pytest.raises(ConfigError, match="eval.after: harness experiments need the harness"):
+        finetune(cfg, tmp_path / "out", progress=False)
 
 
 def test_a_non_finite_loss_stops_the_run_naming_the_step(write, tmp_path, monkeypatch):

@@ -9,8 +9,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import ropescale
-from eval.manifest import ExperimentMismatchError, FolderBusyError, folder_lock
-from ropescale.training import build_finetune_config, finetune
+from ropescale.runs.manifest import ExperimentMismatchError, FolderBusyError, folder_lock
+from eval.finetune import run_finetune as finetune  # the CLI's path: training, then eval.after
+from ropescale.training import build_finetune_config
 from ropescale.training.report import read_log
 
 

@@ -14,7 +14,8 @@ from transformers import LlamaForCausalLM
 
 import ropescale
 from eval.config import ConfigError
-from ropescale.training import build_finetune_config, finetune
+from eval.finetune import run_finetune as finetune  # the CLI's path: training, then eval.after
+from ropescale.training import build_finetune_config
 from ropescale.training.config import LoraSettings
 from ropescale.training.lora import apply_lora, embedding_and_norm_modules, save_trained
 from ropescale.training.loop import causal_lm_loss

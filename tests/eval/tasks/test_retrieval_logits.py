@@ -35,7 +35,7 @@ def test_retrieval_rows_equal_full_logit_scoring(task, strategy, length):
     opts = cls.Options(depths=[0.0, 0.5, 1.0], trials=2)
     kw = {"documents": None}
     if cls.uses_data:
-        from eval.data import DataSpec, load_documents, tokenize_documents
+        from ropescale.runs.data import DataSpec, load_documents, tokenize_documents
 
         kw["documents"] = tokenize_documents(tok, load_documents(DataSpec("kjv-heldout")))
     t = cls(opts, tokenizer=tok, train_length=128, **kw)

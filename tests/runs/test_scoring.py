@@ -3,8 +3,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from eval.perplexity import score_windows
-from eval.windows import make_windows
+from ropescale.runs.scoring import score_windows
+from ropescale.runs.windows import make_windows
 
 
 @torch.no_grad()

@@ -5,10 +5,10 @@ Run from a checkout (needs Debian's ``bible-kjv``; about 55 min on 2 CPU cores):
 model is two stages, from scratch and then a short second stage (the exact commands are in its
 model card, ``ropescale/reference/kjv-llama/README.md``)::
 
-    python -m ropescale.reference.train --output stage1 --steps 1800 --answer-end ''
-    python -m ropescale.reference.train --init stage1 --output DIR --steps 700 --lr 1e-3 --warmup 20 \
+    python -m eval.reference.train --output stage1 --steps 1800 --answer-end ''
+    python -m eval.reference.train --init stage1 --output DIR --steps 700 --lr 1e-3 --warmup 20 \
         --mix kjv=0.7,passkey=0.12,needle=0.08,repeat=0.06,random=0.04 --probe-every 100
-    python -m ropescale.reference.card --model DIR      # measures it and writes the model card
+    python -m eval.reference.card --model DIR      # measures it and writes the model card
 
 It writes the tokenizer, ``config.json``, ``model.safetensors`` and ``training.json`` (loss
 curve, copy-probe curve; stage 1's under ``stage1``) into ``--output``.
@@ -52,8 +52,8 @@ from transformers import (
     get_cosine_with_min_lr_schedule_with_warmup,
 )
 
-from eval.tasks import needle, passkey
-from eval.tasks.prompts import cycle_units, random_key, sentence_units
+from ..tasks import needle, passkey
+from ..tasks.prompts import cycle_units, random_key, sentence_units
 from ropescale.reference import kjv
 
 EOT = "<|endoftext|>"

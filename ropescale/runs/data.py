@@ -19,6 +19,7 @@ from typing import Iterable
 
 import torch
 
+from ropescale.errors import RopescaleError
 from ropescale.reference import kjv
 
 __all__ = ["DataError", "DataSpec", "load_documents", "tokenize_documents", "KJV_SPLITS"]
@@ -26,7 +27,7 @@ __all__ = ["DataError", "DataSpec", "load_documents", "tokenize_documents", "KJV
 KJV_SPLITS = {"kjv-heldout": "heldout", "kjv-train": "train"}
 
 
-class DataError(ValueError):
+class DataError(RopescaleError, ValueError):
     """The evaluation data cannot be read or is unusable."""
 
 

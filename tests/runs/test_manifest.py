@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from eval.config import ConfigError, build_config
-from eval.manifest import (MANIFEST, ExperimentMismatchError, FolderBusyError, data_fingerprint, folder_lock,
+from ropescale.runs.manifest import (MANIFEST, ExperimentMismatchError, FolderBusyError, data_fingerprint, folder_lock,
                            identity, weights_fingerprint)
 from eval.sweep import RESULTS, read_results, run_sweep
 from eval.tasks.passkey import PasskeyOptions
@@ -111,7 +111,7 @@ def test_data_fingerprint_is_order_and_boundary_sensitive():
 
 @pytest.mark.parametrize("identity", [["task", "model"], "perplexity", 3, None])
 def test_a_hand_edited_manifest_identity_is_one_line(tmp_path, identity):
-    from eval.manifest import check_manifest
+    from ropescale.runs.manifest import check_manifest
 
     (tmp_path / MANIFEST).write_text(json.dumps({"identity": identity}))
     with pytest.raises(ExperimentMismatchError, match=f"{tmp_path / MANIFEST}: not a ropescale manifest, or a "

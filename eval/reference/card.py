@@ -1,6 +1,6 @@
 """Measure the bundled reference model and write its model card (``README.md``).
 
-    python -m ropescale.reference.card --model ropescale/reference/kjv-llama
+    python -m eval.reference.card --model ropescale/reference/kjv-llama
 
 Runs the harness on held-out books (perplexity at T and 8T, passkey at T over six depths) and
 the copy probe, stores the figures under ``card`` in ``training.json`` and writes the card.
@@ -17,14 +17,14 @@ from pathlib import Path
 import torch
 
 from ropescale.reference import kjv
-from ropescale.reference.train import copy_probe, token_stream
+from .train import copy_probe, token_stream
 
 PASSKEY_TRIALS = 20
 
 
 def measure(model_dir: Path) -> dict:
-    from eval.config import build_config
-    from eval.sweep import run_sweep
+    from ..config import build_config
+    from ..sweep import run_sweep
     from ropescale.models import load_model
 
     model, tok = load_model(str(model_dir), device="cpu")
@@ -85,7 +85,7 @@ language model for anything else.
 - Both stages on {s['threads']} CPU threads (torch {s['torch']}); together
   {s1['train_seconds'] + (0 if s1 is s else s['train_seconds']):.0f} s.
 
-## Measured on the held-out books (`python -m ropescale.reference.card`)
+## Measured on the held-out books (`python -m eval.reference.card`)
 
 | what | value |
 |---|---|
@@ -99,10 +99,10 @@ language model for anything else.
 Reproduce (bit-exact reproduction also needs the same torch build and thread count):
 
 ```bash
-python -m ropescale.reference.train --output stage1 --seed {s1['seed']} --steps {s1['steps']} --answer-end ''
-python -m ropescale.reference.train --init stage1 --output DIR --steps {s['steps']} --lr {s['lr']} --warmup {s['warmup']} \\
+python -m eval.reference.train --output stage1 --seed {s1['seed']} --steps {s1['steps']} --answer-end ''
+python -m eval.reference.train --init stage1 --output DIR --steps {s['steps']} --lr {s['lr']} --warmup {s['warmup']} \\
     --mix {",".join(f"{k}={v:g}" for k, v in s['mix'].items())} --probe-every {s['probe_every']}
-python -m ropescale.reference.card --model DIR
+python -m eval.reference.card --model DIR
 ```
 """
 

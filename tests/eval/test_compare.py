@@ -2,8 +2,8 @@
 
 import pytest
 
-from ropescale.training.report import (TrainingLog, by_step_table, eval_curve, final_table, main, plot_runs,
-                                         read_log, steps_to_reach)
+from eval.compare import by_step_table, final_table, main, plot_runs
+from ropescale.training.report import TrainingLog, eval_curve, read_log, steps_to_reach
 
 LOG = [{"step": 0, "ppl": {"128": 40.0, "512": 70.0}},
        {"step": 1, "loss": 3.5, "lr": 1e-4, "tokens": 10, "tokens_per_s": 5.0},
@@ -62,5 +62,5 @@ def test_comparison_cli_refuses_bad_input_in_one_line(tmp_path, capsys, args, me
         main(argv)
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert message in err[-1] and err[-1].startswith("python -m ropescale.training: error: ")
+    assert message in err[-1] and err[-1].startswith("ropescale compare: error: ")
     assert not (tmp_path / "f.png").exists()

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ropescale.errors import RopescaleError
+
 __all__ = ["Window", "WindowError", "chunk_windows", "sliding_windows", "make_windows", "cap_windows"]
 
 
-class WindowError(ValueError):
+class WindowError(RopescaleError, ValueError):
     """The data is too short for the requested windows, or the settings are inconsistent."""
 
 

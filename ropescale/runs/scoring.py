@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from eval.windows import Window
+from ropescale.runs.windows import Window
 from ropescale.lm_head import OutputHead
 
 __all__ = ["Score", "score_windows", "window_nll", "combine_windows"]
@@ -99,7 +99,7 @@ def window_nll(model, docs: list[torch.Tensor], windows: list[Window], *, length
     Args:
         model: causal LM (transformers ``*ForCausalLM``).
         docs: token ids per document, ``[n_tokens]`` int64 each.
-        windows: from ``eval.windows``; token at window index j is predicted from indices < j.
+        windows: from ``ropescale.runs.windows``; token at window index j is predicted from indices < j.
         length: nominal window length (sets the bucket edges: ``buckets`` equal parts of it).
         bos_token_id: prepended to every window when given (windows must be cut with bos=True).
         desc: progress-bar label; None disables the bar.

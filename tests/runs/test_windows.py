@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eval.windows import Window, WindowError, cap_windows, chunk_windows, make_windows, sliding_windows
+from ropescale.runs.windows import Window, WindowError, cap_windows, chunk_windows, make_windows, sliding_windows
 
 
 def test_chunk_gold():

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from eval.data import DataError, DataSpec, load_documents, tokenize_documents
+from ropescale.runs.data import DataError, DataSpec, load_documents, tokenize_documents
 
 
 def test_kjv_heldout_is_seven_books_disjoint_from_train():

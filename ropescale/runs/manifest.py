@@ -15,26 +15,72 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import platform
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+import ropescale
+from ropescale.errors import RopescaleError
+from ropescale.models import weights_fingerprint
+
 __all__ = ["MANIFEST", "LOCK", "ExperimentMismatchError", "FolderBusyError", "identity", "data_fingerprint",
-           "weights_fingerprint", "check_manifest", "folder_lock"]
+           "weights_fingerprint", "check_manifest", "folder_lock", "OutputError", "prepare_output",
+           "environment"]
 
 MANIFEST = "manifest.json"
 LOCK = ".ropescale.lock"
-_HASH_CONTENT_UP_TO = 1 << 30  # weight files up to 1 GiB are hashed; larger ones by size and mtime
 
 
-class ExperimentMismatchError(ValueError):
+class ExperimentMismatchError(RopescaleError, ValueError):
     """The folder holds another experiment."""
 
 
-class FolderBusyError(ValueError):
+class FolderBusyError(RopescaleError, ValueError):
     """Another run is writing the folder."""
+
+
+class OutputError(RopescaleError, ValueError):
+    """The results folder cannot be used."""
+
+
+def prepare_output(output: Path) -> Path:
+    """Create ``output`` (and parents) and make sure files can be written in it; ``OutputError``
+    in one line otherwise (a file in the way, no permission, a read-only file system)."""
+    if output.exists() and not output.is_dir():
+        raise OutputError(f"output {output} is a file, not a folder")
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        probe = output / f".ropescale-write-test-{os.getpid()}"
+        probe.write_text("", encoding="utf-8")
+        probe.unlink()
+    except NotADirectoryError:
+        raise OutputError(f"output {output}: a part of the path is a file, not a folder") from None
+    except OSError as e:
+        raise OutputError(f"output {output}: cannot write there ({e.strerror or e})") from None
+    return output
+
+
+def _git_hash() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(ropescale.__file__).parent, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment() -> dict[str, Any]:
+    """Versions and machine facts a run records beside its results."""
+    import transformers
+
+    return {"ropescale": ropescale.__version__, "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "git": _git_hash(), "machine": platform.machine(),
+            "threads": torch.get_num_threads()}
 
 
 def data_fingerprint(docs: list[torch.Tensor] | None) -> str | None:
@@ -45,24 +91,6 @@ def data_fingerprint(docs: list[torch.Tensor] | None) -> str | None:
     for d in docs:
         h.update(len(d).to_bytes(8, "little"))
         h.update(d.to(torch.int64).numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def weights_fingerprint(folder: str | Path) -> str:
-    """Fingerprint of a model folder's config and weight files: content hashes (size and mtime
-    for files over 1 GiB), 16 hex digits."""
-    folder = Path(folder)
-    h = hashlib.sha256()
-    files = sorted(p for p in folder.iterdir() if p.name == "config.json" or p.suffix in (".safetensors", ".bin"))
-    for p in files:
-        h.update(p.name.encode())
-        size = p.stat().st_size
-        if size <= _HASH_CONTENT_UP_TO:
-            with p.open("rb") as f:
-                for chunk in iter(lambda: f.read(1 << 22), b""):
-                    h.update(chunk)
-        else:
-            h.update(f"{size}:{p.stat().st_mtime_ns}".encode())
     return h.hexdigest()[:16]
 
 

@@ -1,0 +1,176 @@
+"""Compare fine-tuning runs: held-out PPL at one length vs steps in one figure, and Markdown
+tables (PPL by step; each run's last evaluation with the first step reaching the first run's final
+PPL; with harness folders of the base model, before/after tables of perplexity and passkey).
+
+``ropescale compare RUN_DIR ... --length L -o FIG [--before HARNESS_DIR ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ropescale.runs.plotting import pyplot
+from ropescale.training.report import LOG, eval_curve, read_log, steps_to_reach
+
+from .sweep import read_results
+
+__all__ = ["plot_runs", "by_step_table", "final_table", "before_after", "main"]
+
+def plot_runs(runs: dict[str, list[dict]], length: int, path: Path, *, title: str = "",
+              hlines: dict[str, float] | None = None) -> Path:
+    """Held-out PPL at ``length`` vs optimiser steps, one line per run (``label → log records``);
+    ``hlines``: reference levels drawn dashed (e.g. the base model without fine-tuning)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (label, records) in enumerate(runs.items()):
+        curve = eval_curve(records, length)
+        ax.plot([s for s, _ in curve], [p for _, p in curve], marker="o", ms=3, color=f"C{i}", label=label)
+    for j, (label, value) in enumerate((hlines or {}).items()):
+        ax.axhline(value, ls="--", lw=1, color=f"C{len(runs) + j}", label=label)
+    ax.set(xlabel="fine-tuning step", ylabel=f"held-out perplexity at L = {length}")
+    ax.set_title(title, fontsize=9, wrap=True)
+    ax.set_yscale("log")
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)))
+    ax.yaxis.set_major_formatter(ScalarFormatter())  # plain numbers on the log axis
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def by_step_table(runs: dict[str, list[dict]], length: int, steps: list[int]) -> str:
+    """Markdown table: held-out PPL at ``length`` of each run at ``steps``."""
+    out = [f"| run | " + " | ".join(f"step {k}" for k in steps) + " |", "|---|" + "---:|" * len(steps)]
+    for label, records in runs.items():
+        curve = dict(eval_curve(records, length))
+        out.append(f"| {label} | " + " | ".join(f"{curve[k]:.2f}" if k in curve else "—" for k in steps) + " |")
+    return f"held-out PPL at L = {length} by fine-tuning step\n\n" + "\n".join(out)
+
+
+def final_table(runs: dict[str, list[dict]], length: int, target: float, target_label: str) -> str:
+    """Markdown table: each run's held-out PPL at every length at its last evaluation, its steps
+    and training tokens, and the first evaluated step at which its PPL at ``length`` is ≤
+    ``target`` and ≤ 1.05 × ``target``."""
+    lengths = sorted({int(k) for recs in runs.values() for r in recs if "ppl" in r for k in r["ppl"]})
+    out = ["| run | steps | training tokens | " + " | ".join(f"PPL @ {n}" for n in lengths)
+           + f" | first step with PPL @ {length} ≤ {target:.2f} ({target_label}'s final) | ≤ {1.05 * target:.2f} (+5%) |",
+           "|---|---:|---:|" + "---:|" * len(lengths) + "---:|---:|"]
+    for label, records in runs.items():
+        last = [r for r in records if "ppl" in r][-1]
+        steps = [r for r in records if "loss" in r]
+        reach = [steps_to_reach(records, length, t) for t in (target, 1.05 * target)]
+        out.append(f"| {label} | {steps[-1]['step'] if steps else 0} | {steps[-1]['tokens'] if steps else 0} | "
+                   + " | ".join(f"{last['ppl'].get(str(n), float('nan')):.2f}" for n in lengths) + " | "
+                   + " | ".join(str(r) if r is not None else "not reached" for r in reach) + " |")
+    return "\n".join(out)
+
+
+def _label(run: Path) -> str:
+    summary = run / "model" / "finetune.json"
+    if summary.is_file():
+        return json.loads(summary.read_text(encoding="utf-8")).get("label") or run.name
+    return run.name
+
+
+def _key(record: dict) -> tuple:
+    return record["name"], json.dumps(record["params"], sort_keys=True), bool(record.get("logn"))
+
+
+def _harness_records(folder: Path, task: str) -> list[dict]:
+    return [r for r in read_results(folder / "results.jsonl") if r["task"] == task]
+
+
+def before_after(runs: list[Path], before: list[Path], task: str, metric: str) -> str:
+    """Markdown table: ``metric`` of the harness ``task`` per length, for each run's strategy on
+    the base model (found in the ``before`` harness folders by strategy and parameters) and for
+    the fine-tuned model (``RUN/eval/<task>``)."""
+    base, base_models = {}, set()
+    for folder in before:
+        for r in _harness_records(folder, task):
+            base.setdefault(_key(r), {})[r["length"]] = r
+            base_models.add(r["model"])
+    rows, lengths, caption = [], set(), None
+    for run in runs:
+        after = _harness_records(run / "eval" / task, task)
+        if not after:
+            continue
+        summary = json.loads((run / "model" / "finetune.json").read_text(encoding="utf-8"))
+        caption = caption or after[0]
+        found = base.get(_key(after[0]), {})
+        rows.append((f"{summary['label'].split(' + ')[0]}, no fine-tuning", found))
+        rows.append((f"{summary['label']}, fine-tuned {summary['steps']} steps", {r["length"]: r for r in after}))
+        lengths |= {r["length"] for r in after}
+    lengths = sorted(lengths)
+    fmt = (lambda r: f"{r[metric]:.2f}") if task == "perplexity" else (
+        lambda r: f"{r[metric]:.2f} ({r[metric + '_ci'][0]:.2f}–{r[metric + '_ci'][1]:.2f})")
+    out = [f"| model | " + " | ".join(str(n) for n in lengths) + " |", "|---|" + "---:|" * len(lengths)]
+    seen = set()
+    for label, by_length in rows:
+        if label in seen:
+            continue
+        seen.add(label)
+        out.append(f"| {label} | " + " | ".join(fmt(by_length[n]) if n in by_length else "—" for n in lengths) + " |")
+    if caption:
+        out.insert(0, f"{task} `{metric}`; data: {caption.get('data') or '—'}; options: "
+                      f"{json.dumps(caption.get('options'))}; base model: {', '.join(sorted(base_models)) or '—'}; "
+                      "fine-tuned: RUN/model\n")
+    return "\n".join(out)
+
+
+def _steps(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated step numbers, e.g. 0,50,100") from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``ropescale compare RUN_DIR ... --length L -o FIG [--before HARNESS_DIR ...]``:
+    PPL at L vs steps of each run in one figure, and Markdown tables: the held-out PPL of each
+    run at its last evaluation with the first step at which it reaches the first run's final PPL
+    at L; with ``--before``, the harness's perplexity and passkey results of each run's strategy on
+    the base model next to the fine-tuned model's."""
+    ap = argparse.ArgumentParser(prog="ropescale compare", description=main.__doc__.split("\n")[0])
+    ap.add_argument("runs", nargs="+", type=Path)
+    ap.add_argument("--length", type=int, required=True)
+    ap.add_argument("--output", "-o", type=Path, required=True)
+    ap.add_argument("--title", default="")
+    ap.add_argument("--at", default="0,50,100,200,400,1000", type=_steps,
+                    help="steps of the PPL-by-step table (comma-separated; those evaluated)")
+    ap.add_argument("--before", type=Path, action="append", default=[],
+                    help="harness results folder of the strategies on the base model (repeatable)")
+    args = ap.parse_args(argv)
+    runs = {}
+    for run in args.runs:
+        records = read_log(run)
+        if not records:
+            ap.error(f"{run}: no {LOG} (a fine-tuning output folder)")
+        runs[_label(run)] = records
+    for folder in args.before:
+        if not (folder / "results.jsonl").is_file():
+            ap.error(f"--before {folder}: no results.jsonl (a harness results folder)")
+    for label, records in runs.items():
+        if not eval_curve(records, args.length):
+            evaluated = sorted({int(k) for r in records if "ppl" in r for k in r["ppl"]})
+            ap.error(f"--length {args.length}: {label} has no held-out PPL at it; evaluated: {evaluated}")
+    plot_runs(runs, args.length, args.output, title=args.title)
+    first_label, first = next(iter(runs.items()))
+    target = eval_curve(first, args.length)[-1][1]
+    print(by_step_table(runs, args.length, args.at))
+    print()
+    print(final_table(runs, args.length, target, first_label))
+    if args.before:
+        for task, metric in (("perplexity", "ppl"), ("passkey", "accuracy"), ("passkey", "candidate_accuracy")):
+            table = before_after(args.runs, args.before, task, metric)
+            if table.count("\n") > 2:
+                print("\n" + table)
+    print(f"\nfigure: {args.output}")
