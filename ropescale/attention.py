@@ -46,7 +46,7 @@ from transformers.utils.generic import is_flash_attention_requested
 from ropescale.errors import RopescaleError
 from ropescale.flex_regions import flex_attention_path
 from ropescale.strategies.truncation import RelativeRule
-from ropescale.truncated_attention import blocked_attention, fused_attention, naive_attention
+from ropescale.truncated_attention import blocked_attention, fused_attention, fused_route, naive_attention
 
 __all__ = ["logn_factor", "enable_logn", "enable_truncation", "IdentityRotary", "LOGN_PREFIX",
            "TRUNCATION", "ATTENTION_PATHS", "AttentionNotPluggableError", "check_routed", "register_logn"]
@@ -206,7 +206,17 @@ def enable_logn(model, original_max_position_embeddings: int):
 
 
 TRUNCATION = "ropescale_truncation"
-_PATHS = {"fused": fused_attention, "flex": flex_attention_path, "blocked": blocked_attention,
+
+
+def _fused_path(q, k, v, q_pos, k_pos, rule, inv_freq, scaling, **kw) -> torch.Tensor:
+    """The default path: the fused CPU kernels (``truncated_attention.fused_attention``) on the
+    CPU, FlexAttention (``flex_regions``) on other devices, unless ``fused_route`` says blocked."""
+    route = fused_route(q.device.type, softcap=kw.get("softcap"), dropout=kw.get("dropout", 0.0), keep=kw.get("keep"))
+    fn = flex_attention_path if route == "flex" else fused_attention
+    return fn(q, k, v, q_pos, k_pos, rule, inv_freq, scaling, **kw)
+
+
+_PATHS = {"fused": _fused_path, "flex": flex_attention_path, "blocked": blocked_attention,
           "naive": naive_attention}
 ATTENTION_PATHS = tuple(_PATHS)
 

@@ -13,7 +13,7 @@ distance for the positions transformers passes (contiguous per row; left padding
 CPU flash kernel, merged by log-sum-exp, with a backward (``ropescale.two_region``); about the
 cost of one vanilla attention.
 
-On other devices it hands over to ``ropescale.flex_regions.flex_attention_path`` (the same two
+On other devices ``ropescale.attention``'s ``fused`` path hands over to ``ropescale.flex_regions.flex_attention_path`` (the same two
 regions in FlexAttention, compiled on CUDA).
 
 ``blocked_attention`` is the general path (soft-capping, attention dropout, per-query masks on
@@ -132,19 +132,15 @@ def fused_route(device_type: str, *, softcap: float | None = None, dropout: floa
 def fused_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling: float, *, keep=None,
                     scale: float, softcap: float | None = None, sliding_window: int | None = None,
                     interleaved: bool = False, dropout: float = 0.0, block: int = 512) -> torch.Tensor:
-    """Default path: the two regions in fused CPU flash kernels (``ropescale.two_region``), with
-    backward. Where that kernel cannot follow (``fused_route``): on a device other than the CPU,
-    the two regions in FlexAttention (``ropescale.flex_regions``; compiled on CUDA); with
-    soft-capping, attention dropout or a per-query ``keep`` mask on the CPU, and with dropout
-    anywhere, ``blocked_attention``."""
-    route = fused_route(q.device.type, softcap=softcap, dropout=dropout, keep=keep)
-    if route != "two_region":
-        if route == "flex":
-            from ropescale.flex_regions import flex_attention_path as fn  # imports this module
-        else:
-            fn = blocked_attention
-        return fn(q, k, v, q_pos, k_pos, rule, inv_freq, scaling, keep=keep, scale=scale, softcap=softcap,
-                  sliding_window=sliding_window, interleaved=interleaved, dropout=dropout, block=block)
+    """The two regions in fused CPU flash kernels (``ropescale.two_region``), with backward.
+    Where that kernel cannot follow (``fused_route`` other than ``"two_region"``: soft-capping,
+    attention dropout or a per-query ``keep`` mask, or a device other than the CPU),
+    ``blocked_attention``. The ``"fused"`` attention path (``ropescale.attention``) sends other
+    devices to FlexAttention (``ropescale.flex_regions``) before this."""
+    if fused_route(q.device.type, softcap=softcap, dropout=dropout, keep=keep) != "two_region":
+        return blocked_attention(q, k, v, q_pos, k_pos, rule, inv_freq, scaling, keep=keep, scale=scale,
+                                 softcap=softcap, sliding_window=sliding_window, interleaved=interleaved,
+                                 dropout=dropout, block=block)
     plan = _plan(q.shape[2], k.shape[2], rule.window, sliding_window, scale, keep)
     rotations = _Rotations(q_pos, k_pos, rule, inv_freq, scaling, interleaved)
     return TwoRegionAttention.apply(q, k, v, rotations, plan)

@@ -131,20 +131,23 @@ def test_dropout_goes_to_the_blocked_path(monkeypatch):
 
 
 def test_fused_on_a_non_cpu_device_dispatches_to_flex(monkeypatch):
-    """fused_attention with tensors on another device (meta: shapes only) calls the flex path
-    with all its arguments; on the CPU it does not; dropout goes to the blocked path anywhere."""
+    """The "fused" attention path with tensors on another device (meta: shapes only) calls the
+    flex path with all its arguments; on the CPU it does not; dropout goes to the blocked path anywhere."""
     assert fused_route("cuda") == "flex" and fused_route("cuda", softcap=30.0) == "flex"
     assert fused_route("cuda", dropout=0.1) == "blocked"
     assert fused_route("cpu") == "two_region" and fused_route("cpu", softcap=30.0) == "blocked"
     seen = []
-    monkeypatch.setattr(flex_regions, "flex_attention_path", lambda *a, **kw: seen.append(kw) or "flex ran")
+    from ropescale import attention
+
+    monkeypatch.setattr(attention, "flex_attention_path", lambda *a, **kw: seen.append(kw) or "flex ran")
+    fused = attention._PATHS["fused"]
     q = torch.empty(1, 4, 10, 16, device="meta")
     pos = torch.arange(10.0, device="meta")[None]
-    got = fused_attention(q, q, q, pos, pos, rerope(4), INV, 1.0, scale=0.25, sliding_window=6, softcap=5.0)
+    got = fused(q, q, q, pos, pos, rerope(4), INV, 1.0, scale=0.25, sliding_window=6, softcap=5.0)
     assert got == "flex ran" and seen[0]["sliding_window"] == 6 and seen[0]["softcap"] == 5.0
     args, kw = _case("plain", torch.float32)
     with torch.no_grad():
-        assert isinstance(fused_attention(*args, rerope(4), INV, 1.0, **kw), torch.Tensor) and len(seen) == 1
+        assert isinstance(fused(*args, rerope(4), INV, 1.0, **kw), torch.Tensor) and len(seen) == 1
     assert truncated_attention.fused_route is fused_route
 
 

@@ -1,0 +1,151 @@
+"""The folder tree is the layer diagram, and it stays true.
+
+The module import graph is built statically from the source (every ``import``, also those inside
+functions): the library (``ropescale/``) never imports the harness (``eval/``) or the CLI, and no
+module imports itself back through others (no cycles). An edge goes to the most specific module an
+import names (``from ropescale.runs.config import X`` → ``ropescale.runs.config``; ``from ropescale
+import geometry`` → ``ropescale.geometry``), not to the parent packages Python also runs.
+"""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TOP = ("ropescale", "eval", "cli")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _sources() -> dict[str, Path]:
+    files = [*(ROOT / "ropescale").rglob("*.py"), *(ROOT / "eval").rglob("*.py"), ROOT / "cli.py"]
+    return {_module_name(p): p for p in files}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """``{module: modules of this project it imports}`` from the source text."""
+    mods = _sources()
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    origin = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    origin = node.module or ""
+                # ``from pkg import sub`` names the submodule when there is one
+                targets = [f"{origin}.{a.name}" if f"{origin}.{a.name}" in mods else origin for a in node.names]
+            else:
+                continue
+            for t in targets:
+                if t.split(".")[0] in TOP:
+                    while t not in mods and "." in t:  # ``import a.b.c`` of an attribute path
+                        t = t.rpartition(".")[0]
+                    if t in mods and t != name:
+                        edges.add(t)
+        graph[name] = edges
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_library_never_imports_the_harness_or_the_cli():
+    graph = import_graph()
+    bad = sorted(f"{a} → {b}" for a, deps in graph.items() if a.startswith("ropescale")
+                 for b in deps if not b.startswith("ropescale"))
+    assert bad == []
+
+
+def test_there_are_no_import_cycles():
+    assert _cycles(import_graph()) == []
+
+
+def test_the_checks_see_a_violation():
+    """The graph and the cycle search on a made-up graph and on the real source: they can fail."""
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    graph = import_graph()
+    assert "ropescale.runs.config" in graph["eval.config"]  # an absolute import
+    assert "eval.tasks.base" in graph["eval.tasks.retrieval"]  # a relative one
+    assert "ropescale.geometry" in graph["eval.inspect"]  # ``from ropescale import geometry``
+
+
+def test_installed_packages_are_namespaced_and_complete():
+    """pyproject lists every package folder, maps eval/ to ``ropescale_eval`` and cli.py into
+    ``ropescale_cli``: nothing installs as a generic top-level ``eval`` or ``cli``."""
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    dirs = setup["package-dir"]
+    assert dirs == {"ropescale": "ropescale", "ropescale_eval": "eval", "ropescale_cli": "."}
+    listed = set(setup["packages"])
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for top in ("ropescale", "eval")
+               for p in (ROOT / top).rglob("__init__.py")}
+    expected = {("ropescale_eval" + f.removeprefix("eval")) if f.split(".")[0] == "eval" else f for f in folders}
+    assert listed == expected | {"ropescale_cli"}
+    assert {p.split(".")[0] for p in listed} == {"ropescale", "ropescale_eval", "ropescale_cli"}
+    assert setup.get("py-modules") is None
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["scripts"]
+    assert scripts == {"ropescale": "ropescale_cli.cli:main"}
+
+
+@pytest.mark.slow
+def test_the_wheel_holds_no_generic_top_level_names(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    src = tmp_path / "src"  # a copy: setuptools writes build/ beside the sources
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "cli.py"):
+        shutil.copy(ROOT / name, src / name)
+    for name in ("ropescale", "eval"):
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(src),
+                    "-w", str(tmp_path)], check=True, capture_output=True, cwd=tmp_path)
+    wheel = next(tmp_path.glob("ropescale-*.whl"))
+    tops = {n.split("/")[0] for n in zipfile.ZipFile(wheel).namelist()}
+    assert tops == {"ropescale", "ropescale_eval", "ropescale_cli", wheel.name.split("-py3")[0] + ".dist-info"}
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "ropescale_cli/cli.py" in names and "ropescale_eval/tasks/passkey.py" in names
+    assert "ropescale/reference/kjv-llama/config.json" in names
