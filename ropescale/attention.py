@@ -43,7 +43,7 @@ from transformers.masking_utils import AttentionMaskInterface, prepare_padding_m
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils.generic import is_flash_attention_requested
 
-from ropescale.errors import RopescaleError
+from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.flex_regions import flex_attention_path
 from ropescale.strategies.truncation import RelativeRule
 from ropescale.truncated_attention import blocked_attention, fused_attention, fused_route, naive_attention
@@ -162,7 +162,7 @@ def register_logn(base: str) -> str:
     exactly as transformers treats ``base``); returns the name. Idempotent. Raises ``ValueError``
     when ``base`` is neither ``eager`` nor a registered attention function."""
     if base != "eager" and base not in ALL_ATTENTION_FUNCTIONS:
-        raise ValueError(f"log-n scaling wraps a registered attention implementation; {base!r} is not one "
+        raise InvalidInput(f"log-n scaling wraps a registered attention implementation; {base!r} is not one "
                          f"(known: {', '.join(sorted(ALL_ATTENTION_FUNCTIONS))}, eager)")
     name = LOGN_PREFIX + base
     AttentionInterface.register(name, _logn_attention)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ropescale.errors import RopescaleError
+from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.patching import PatchHandle, current_patch, patch, unpatch
 
 __all__ = ["REFERENCE_MODEL", "MODEL_ALIASES", "PATCH_FILE", "ADAPTER_FILE", "ModelLoadError", "resolve_model",
@@ -92,17 +92,17 @@ def resolve_device(device: str = "auto") -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ValueError(f"device {device!r} unknown; use auto, cpu, cuda, cuda:N or mps") from None
+        raise InvalidInput(f"device {device!r} unknown; use auto, cpu, cuda, cuda:N or mps") from None
     if dev.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
-            raise ValueError(f"device {device!r}: CUDA is not available on this machine (use cpu or auto)")
+            raise InvalidInput(f"device {device!r}: CUDA is not available on this machine (use cpu or auto)")
         if dev.index is not None and dev.index >= count:
-            raise ValueError(f"device {device!r}: this machine has {count} CUDA device(s), cuda:0 … cuda:{count - 1}")
+            raise InvalidInput(f"device {device!r}: this machine has {count} CUDA device(s), cuda:0 … cuda:{count - 1}")
     elif dev.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"device {device!r}: MPS is not available on this machine (use cpu or auto)")
+        raise InvalidInput(f"device {device!r}: MPS is not available on this machine (use cpu or auto)")
     elif dev.type not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"device {device!r}: ropescale runs on cpu, cuda or mps")
+        raise InvalidInput(f"device {device!r}: ropescale runs on cpu, cuda or mps")
     return dev
 
 
@@ -136,7 +136,7 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "auto
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r} unknown; choose one of {', '.join(_DTYPES)}")
+        raise InvalidInput(f"dtype {dtype!r} unknown; choose one of {', '.join(_DTYPES)}")
     path = resolve_model(name_or_path)
     base = adapter_base(path)
     if base is not None:
@@ -255,7 +255,7 @@ def save_patched(model, tokenizer, output: str | Path, *, state_dict: dict | Non
     """
     handle: PatchHandle | None = current_patch(model)
     if handle is None:
-        raise ValueError("model is not patched; call ropescale.patch(model, ...) first")
+        raise InvalidInput("model is not patched; call ropescale.patch(model, ...) first")
     from ropescale.export import exported_config
 
     output = Path(output)
@@ -279,13 +279,13 @@ def save_adapter(model, tokenizer, output: str | Path) -> Path:
     from peft import PeftModel
 
     if not isinstance(model, PeftModel):
-        raise ValueError(f"save_adapter needs a PEFT model; got {type(model).__name__} (use save_patched)")
+        raise InvalidInput(f"save_adapter needs a PEFT model; got {type(model).__name__} (use save_patched)")
     handle: PatchHandle | None = current_patch(model)
     if handle is None:
-        raise ValueError("model is not patched; call ropescale.patch(model, ...) first")
+        raise InvalidInput("model is not patched; call ropescale.patch(model, ...) first")
     base = model.peft_config[model.active_adapter].base_model_name_or_path
     if not base:
-        raise ValueError("the PEFT model records no base_model_name_or_path; its adapter could not be reloaded")
+        raise InvalidInput("the PEFT model records no base_model_name_or_path; its adapter could not be reloaded")
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(output)

@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 
 from ropescale.cache import watch_cache
+from ropescale.errors import InvalidInput
 from ropescale.rotary import (
     NoRotaryEmbeddingError, ScaledRotaryEmbedding, _buffer, _config_of, _Entry, attention_scaling_of,
     find_rotary_modules, layer_types_of, probe_layout, rope_context,
@@ -142,26 +143,26 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
     # but keeps buffers on a real device; a rotary buffer on meta has no frequencies to read
     meta = [n for n, m in find_rotary_modules(model) if any(b.is_meta for b in m.buffers(recurse=False))]
     if meta:
-        raise ValueError(f"{type(model).__name__} is on the meta device ({meta[0]}'s inv_freq has a shape but no "
+        raise InvalidInput(f"{type(model).__name__} is on the meta device ({meta[0]}'s inv_freq has a shape but no "
                          "values): no weights to patch; load the model with its weights (from_pretrained, or "
                          "to_empty() then load_state_dict) first")
     if original_max_position_embeddings is not None and (
             isinstance(original_max_position_embeddings, bool) or not isinstance(original_max_position_embeddings, int)
             or original_max_position_embeddings < 2):
-        raise ValueError(f"original_max_position_embeddings={original_max_position_embeddings!r} must be a whole "
+        raise InvalidInput(f"original_max_position_embeddings={original_max_position_embeddings!r} must be a whole "
                          "number of tokens >= 2 (the training window)")
     if not isinstance(logn, bool):
-        raise ValueError(f"logn={logn!r} must be True or False")
+        raise InvalidInput(f"logn={logn!r} must be True or False")
     if dynamic_cache not in DYNAMIC_CACHE_MODES:
-        raise ValueError(f"dynamic_cache={dynamic_cache!r}; choose one of {', '.join(DYNAMIC_CACHE_MODES)}")
+        raise InvalidInput(f"dynamic_cache={dynamic_cache!r}; choose one of {', '.join(DYNAMIC_CACHE_MODES)}")
     if not isinstance(dynamic_block, int) or dynamic_block < 1:
-        raise ValueError(f"dynamic_block={dynamic_block!r} must be a whole number >= 1")
+        raise InvalidInput(f"dynamic_block={dynamic_block!r} must be a whole number >= 1")
     if attention_path not in ("fused", "flex", "blocked", "naive"):
-        raise ValueError(f"attention_path={attention_path!r}; choose 'fused', 'blocked' or 'naive' (or 'flex')")
+        raise InvalidInput(f"attention_path={attention_path!r}; choose 'fused', 'blocked' or 'naive' (or 'flex')")
     if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size={block_size!r} must be a whole number >= 1")
+        raise InvalidInput(f"block_size={block_size!r} must be a whole number >= 1")
     if current_patch(model) is not None:
-        raise ValueError(f"model is already patched with {current_patch(model).strategy!r}; "
+        raise InvalidInput(f"model is already patched with {current_patch(model).strategy!r}; "
                          "call unpatch() first")
     found = find_rotary_modules(model)
     if not found:
@@ -182,7 +183,7 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
             chosen = list(layer_types) if layer_types is not None else _default_layer_types(model, module, available)
             unknown = [t for t in chosen if t not in available]
             if unknown:
-                raise ValueError(f"layer_types {unknown} not in this model's rotary module; it has {available}")
+                raise InvalidInput(f"layer_types {unknown} not in this model's rotary module; it has {available}")
             entries = {}
             for lt in available:
                 if lt not in chosen:  # kept as the model computes it
@@ -193,7 +194,7 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
                     context["original_max_position_embeddings"] = int(original_max_position_embeddings)
                 if context["original_max_position_embeddings"] is None and any(
                         k in strat.needs for k in ("original_max_position_embeddings", "seq_len")):
-                    raise ValueError(f"{strategy} needs original_max_position_embeddings; the config has none")
+                    raise InvalidInput(f"{strategy} needs original_max_position_embeddings; the config has none")
                 start = {**context, "seq_len": context["original_max_position_embeddings"]}
                 inv_freq, scaling = strat.compute(start, params)
                 device = getattr(module, _buffer(lt)).device
@@ -204,7 +205,7 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
             cfg = _config_of(model, module)
             keeps_float32, interleaved = probe_layout(module, available[0])
             if interleaved and strat.dynamic and dynamic_cache == "rerotate":
-                raise ValueError("dynamic_cache='rerotate' supports the rotate-half layout only; "
+                raise InvalidInput("dynamic_cache='rerotate' supports the rotate-half layout only; "
                                  f"{type(module).__name__} interleaves: use 'recompute'")
             replacement = ScaledRotaryEmbedding(entries, keeps_float32, getattr(cfg, "layer_types", None),
                                                 dynamic_cache, interleaved)
@@ -240,7 +241,7 @@ def _refuse_inapplicable(strat: Strategy, **options: Any) -> None:
                "block_size": strat.kind == "attention"}
     unused = [f"{k}={v!r}" for k, v in options.items() if v != defaults[k] and not applies[k]]
     if unused:
-        raise ValueError(f"{strat.name} does not use {', '.join(unused)} (layer_types: frequency strategies; "
+        raise InvalidInput(f"{strat.name} does not use {', '.join(unused)} (layer_types: frequency strategies; "
                          "dynamic_cache, dynamic_block: dynamic strategies; attention_path, block_size: truncation "
                          "rules)")
 
