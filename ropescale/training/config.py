@@ -43,15 +43,31 @@ def _not_a_bool(cls, v: Any) -> Any:
 
 
 class PoseConfig(BaseModel):
-    """PoSE (arXiv:2309.10400): train on windows of the original length T whose position ids
-    are split into ``chunks`` with random skips reaching the target ``length``."""
+    """PoSE (Zhu et al. 2024, arXiv:2309.10400): train on windows of the original length T whose
+    position ids are split into ``chunks`` with random skips reaching the target ``length``.
+
+    ``sampling`` (see ``ropescale.training.pose``): ``authors`` (default) — the authors' code,
+    GitHub dwzhu-pku/PoSE ``src/train_pose.py`` ``train_preprocess_function_pose``: 2 chunks, the
+    first l_0 ~ U{1 … ⌈T/2⌉} tokens, skip u_1 ~ U{0 … L − T}, text from the first 5T tokens of a
+    document (v_1 ~ U{0 … 4T}); ``paper`` — the paper's §3.2 / App. B as ropescale drew it before:
+    any number of chunks, lengths uniform over the compositions of T, cumulative skips
+    u_i ~ U{u_{i−1} … L − T}, text from a span of L tokens."""
 
     model_config = _FINITE
     enabled: bool = False
-    chunks: int = Field(2, ge=1, description="chunks N per window (paper: 2)")
+    chunks: int = Field(2, ge=1, description="chunks N per window (paper: 2; sampling authors: exactly 2)")
     _numbers = field_validator("chunks", mode="before")(_not_a_bool)
     content: Literal["random", "aligned", "contiguous"] = Field(
         "random", description="text of each chunk: random offsets v_i (paper), v_i = u_i, or contiguous")
+    sampling: Literal["authors", "paper"] = Field(
+        "authors", description="authors: dwzhu-pku/PoSE train_pose.py (2 chunks, first ≤ T/2); paper: App. B")
+
+    @model_validator(mode="after")
+    def _two_chunks(self) -> "PoseConfig":
+        if self.enabled and self.sampling == "authors" and self.chunks != 2:
+            raise ValueError(f"chunks: {self.chunks} with sampling: authors, which draws exactly 2 chunks "
+                             "(dwzhu-pku/PoSE train_pose.py); set pose.sampling: paper for other chunk counts")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -331,6 +347,8 @@ class FinetuneConfig(BaseModel):
                                                     "gradient_checkpointing", "loss_chunk_size"})
         if out.get("eval"):
             out["eval"].pop("after", None)
+        if not self.pose.enabled or self.pose.sampling == "paper":  # runs from before the key resume
+            out["pose"].pop("sampling", None)
         return out
 
 

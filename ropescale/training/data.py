@@ -3,14 +3,15 @@
 The documents of any source the harness reads (``ropescale.runs.data``: the bundled KJV splits, local
 files, HF datasets) are tokenized once and joined into one stream, each followed by the EOS
 token (packing, as pre-training does). The stream is cut into non-overlapping spans of ``span``
-tokens (L, the target length); example i of the run is span ``order_e[i mod n]`` with epoch
+tokens (L, the target length; with PoSE S, ``PoseSampler.span``: 5T under the authors'
+sampling); example i of the run is span ``order_e[i mod n]`` with epoch
 e = i // n and ``order_e`` a permutation drawn from ``(seed, e)``. Every run with the same seed,
 data and L therefore sees the same spans in the same order — whatever the strategy, the number of
 processes, or where a resumed run starts — and example i is a pure function of i.
 
 Without PoSE an example is its whole span: ``input_ids`` ``[L]``. With PoSE it is T tokens of
-the span picked by ``ropescale.training.pose.sample_pose`` with the RNG seeded by ``(seed, i)``,
-plus their ``position_ids`` ``[T]``.
+the span picked by ``ropescale.training.pose.PoseSampler.draw`` with the RNG seeded by
+``(seed, 1, i)``, plus their ``position_ids`` ``[T]``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ropescale.runs.data import DataError, DataSpec, load_documents, tokenize_documents
-from ropescale.training.pose import sample_pose
+from ropescale.training.pose import PoseSampler
 
 __all__ = ["token_stream", "load_stream", "TrainingWindows"]
 
@@ -43,16 +44,16 @@ class TrainingWindows(Dataset):
 
     Args:
         stream: token ids ``[N]`` int64.
-        span: tokens per span (L).
+        span: tokens per span (L; with PoSE ``pose.span``).
         total: examples the run needs (steps × grad_accum × batch_size × processes).
         seed: data order (and PoSE draws).
-        pose: ``(window T, chunks, content)`` to draw PoSE examples, or None.
+        pose: the run's ``PoseSampler`` (T, L, chunks, content, sampling), or None.
 
     Raises ``DataError`` when the stream holds no full span.
     """
 
     def __init__(self, stream: torch.Tensor, span: int, total: int, seed: int,
-                 pose: tuple[int, int, str] | None = None):
+                 pose: PoseSampler | None = None):
         self.n = stream.numel() // span
         if self.n == 0:
             raise DataError(f"training data too short: {stream.numel()} tokens, fewer than one window of {span}")
@@ -79,7 +80,5 @@ class TrainingWindows(Dataset):
         ids = self.spans[self.span_of(i)]  # [L]
         if self.pose is None:
             return {"input_ids": ids.clone()}
-        window, chunks, content = self.pose
-        sample = sample_pose(window, self.span, np.random.default_rng((self.seed, 1, i)), chunks=chunks,
-                             content=content, span=self.span)
+        sample = self.pose.draw(np.random.default_rng((self.seed, 1, i)), span=self.span)
         return {"input_ids": ids[sample.content_index].clone(), "position_ids": sample.position_ids}

@@ -59,6 +59,7 @@ from ropescale.training.config import SHARDING_ON_CPU, FinetuneConfig, ResolvedR
 from ropescale.training.data import TrainingWindows, load_stream
 from ropescale.training.heldout import HeldOut
 from ropescale.training.lora import apply_lora, save_trained
+from ropescale.training.pose import PoseSampler
 from ropescale.training.report import LOG, TrainingLog, plot_training, read_log
 
 __all__ = ["finetune", "causal_lm_loss", "enable_checkpointing", "MODEL_DIR", "SUMMARY", "CHECKPOINTS"]
@@ -283,9 +284,10 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, 
                                   fused=True)
     scheduler = get_scheduler(_SCHEDULES[cfg.schedule], optimizer, num_warmup_steps=cfg.warmup,
                               num_training_steps=cfg.steps)
-    pose = (run.window, cfg.pose.chunks, cfg.pose.content) if cfg.pose.enabled else None
+    pose = (PoseSampler(run.window, cfg.length, cfg.pose.chunks, cfg.pose.content, cfg.pose.sampling)
+            if cfg.pose.enabled else None)
     examples = cfg.steps * cfg.grad_accum * cfg.batch_size * acc.num_processes
-    dataset = TrainingWindows(stream, cfg.length, examples, cfg.seed, pose)
+    dataset = TrainingWindows(stream, pose.span if pose else cfg.length, examples, cfg.seed, pose)
     loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=False)
     model, optimizer, loader = acc.prepare(model, optimizer, loader)
     acc.register_for_checkpointing(scheduler)  # stepped by hand: once per optimiser step

@@ -38,7 +38,9 @@ def write(tmp_path, tiny_run):
 
 @pytest.mark.parametrize("overrides,fragments", [
     ({"stpes": 3}, ["stpes: unknown key; allowed: model, strategy,", "(did you mean 'steps'?)"]),
-    ({"pose": {"chunk": 2}}, ["pose.chunk: unknown key; allowed: enabled, chunks, content", "'chunks'"]),
+    ({"pose": {"chunk": 2}}, ["pose.chunk: unknown key; allowed: enabled, chunks, content, sampling", "'chunks'"]),
+    ({"pose": {"chunks": 3}}, ["pose: chunks: 3 with sampling: authors, which draws exactly 2 chunks",
+                               "set pose.sampling: paper"]),
     ({"steps": 0}, ["steps: must be at least 1 optimiser step; got 0"]),
     ({"steps": -5}, ["steps: must be at least 1"]),
     ({"strategy": "yarnn"}, ["strategy: unknown strategy 'yarnn'", "did you mean 'yarn'"]),
@@ -46,7 +48,7 @@ def write(tmp_path, tiny_run):
     ({"pose": True, "length": 32}, ["pose: length 32 is not above the model's original window T = 32"]),
     ({"pose": True, "length": 24}, ["pose: length 24 is not above"]),
     ({"pose": True, "strategy": "rerope"}, ["pose: rerope is a truncation rule", "position_ids"]),
-    ({"pose": {"chunks": 40}}, ["pose.chunks: 40 chunks cannot split a window of T = 32"]),
+    ({"pose": {"chunks": 40, "sampling": "paper"}}, ["pose.chunks: 40 chunks cannot split a window of T = 32"]),
     ({"mixed_precision": "fp16"}, ["fp16 needs a CUDA device"]),
     ({"lr": 0}, ["lr: Input should be greater than 0"]),
     ({"eval": {"every": 2, "data": "SAME"}}, ["is also the training data"]),
@@ -101,8 +103,8 @@ def test_strategy_parameters_filled_from_the_target_length(tiny_run):
 def test_set_overrides_and_flags(tmp_path, write):
     from ropescale.training import load_finetune_config
 
-    cfg = load_finetune_config(write(), ["pose.chunks=3", "lr=1e-4"], {"steps": 9, "model": None})
-    assert cfg.pose.enabled and cfg.pose.chunks == 3 and cfg.lr == 1e-4 and cfg.steps == 9
+    cfg = load_finetune_config(write(), ["pose.chunks=3", "pose.sampling=paper", "lr=1e-4"], {"steps": 9, "model": None})
+    assert cfg.pose.enabled and cfg.pose.chunks == 3 and cfg.pose.sampling == "paper" and cfg.lr == 1e-4 and cfg.steps == 9
     with pytest.raises(ConfigError, match="steps: must be at least 1"):
         load_finetune_config(write(), ["steps=0"])
 

@@ -2,10 +2,11 @@
 functions of their index, and PoSE examples read from their own span."""
 
 import numpy as np
+import pytest
 import torch
 
 from ropescale.training.data import TrainingWindows, token_stream
-from ropescale.training.pose import sample_pose
+from ropescale.training.pose import PoseSampler, sample_pose
 
 STREAM = torch.arange(1000, 1000 + 10 * 16 + 7)  # 10 spans of 16 and a remainder
 
@@ -35,15 +36,20 @@ def test_example_is_its_span_of_the_stream():
         assert "position_ids" not in ds[i]
 
 
-def test_pose_examples_are_pure_functions_of_the_index():
-    a = TrainingWindows(STREAM, 16, total=20, seed=1, pose=(6, 2, "random"))
-    b = TrainingWindows(STREAM, 16, total=20, seed=1, pose=(6, 2, "random"))
+@pytest.mark.parametrize("sampling", ["authors", "paper"])
+def test_pose_examples_are_pure_functions_of_the_index(sampling):
+    pose = PoseSampler(6, 16, 2, "random", sampling)
+    span = pose.span
+    assert span == (30 if sampling == "authors" else 16)  # authors: 5T tokens of text per example
+    a = TrainingWindows(STREAM, span, total=20, seed=1, pose=pose)
+    b = TrainingWindows(STREAM, span, total=20, seed=1, pose=pose)
     late = b[17]  # read out of order in b
     for i in range(20):
         ex = a[i]
         assert ex["input_ids"].shape == ex["position_ids"].shape == (6,)
-        base = 1000 + 16 * a.span_of(i)
-        expected = sample_pose(6, 16, np.random.default_rng((1, 1, i)), chunks=2, content="random", span=16)
+        base = 1000 + span * a.span_of(i)
+        expected = sample_pose(6, 16, np.random.default_rng((1, 1, i)), chunks=2, content="random", span=span,
+                               sampling=sampling)
         assert ex["position_ids"].tolist() == expected.position_ids.tolist()
         assert ex["input_ids"].tolist() == [base + j for j in expected.content_index.tolist()]
     assert torch.equal(a[17]["input_ids"], late["input_ids"]) and torch.equal(a[17]["position_ids"], late["position_ids"])
