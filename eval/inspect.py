@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ropescale import geometry as geo
+from ropescale.errors import InvalidInput
 from ropescale.runs.config import StrategySpec
 from ropescale.strategies import RopeFrequencies, get_strategy
 from ropescale.strategies.frequency import rope_inv_freq
@@ -50,36 +51,32 @@ class RotaryConfig:
 
 
 def rotary_config_of_model(name_or_path: str) -> RotaryConfig:
-    """Read d, b, T and the configured frequencies from a model's config (no weights loaded)."""
-    from transformers import AutoConfig
+    """Read d, b, T and the configured frequencies from a model's config (no weights loaded), by
+    the reader ``patch`` uses (``ropescale.models.model_rope_config``; Gemma 3: its
+    ``full_attention`` layers). Raises ``ValueError`` in one line for a config without RoPE."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from ropescale.models import resolve_model
+    from ropescale.models import model_config, model_rope_config
+    from ropescale.rope_config import NoRopeConfigError, text_config
 
-    config = AutoConfig.from_pretrained(resolve_model(name_or_path))
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    rp = dict(getattr(text, "rope_parameters", None) or {})
-    if "full_attention" in rp and isinstance(rp["full_attention"], dict):  # per layer type (Gemma 3)
-        rp = rp["full_attention"]
-    theta = rp.get("rope_theta", getattr(text, "rope_theta", None))
-    if theta is None:
-        raise ValueError(f"{name_or_path}: its config has no rope_theta: not a RoPE model")
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    dim = int(head_dim * rp.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", 1.0) or 1.0))
-    dim -= dim % 2
-    train = rp.get("original_max_position_embeddings") or getattr(text, "max_position_embeddings", None)
-    rope_type = rp.get("rope_type", "default")
-    if rope_type in ROPE_INIT_FUNCTIONS:
-        inv_freq = ROPE_INIT_FUNCTIONS[rope_type](text, "cpu")[0].double()
+    try:
+        rope = model_rope_config(name_or_path)
+    except NoRopeConfigError:
+        raise InvalidInput(f"{name_or_path}: its config has no rope_theta: not a RoPE model") from None
+    if rope.original_max_position_embeddings is None:
+        raise InvalidInput(f"{name_or_path}: its config has no max_position_embeddings; give the training window")
+    rope_type = rope.rope_parameters.get("rope_type", "default")
+    if rope_type in ROPE_INIT_FUNCTIONS:  # the model's own scaled frequencies
+        text = text_config(model_config(name_or_path))
+        inv_freq = ROPE_INIT_FUNCTIONS[rope_type](text, "cpu", layer_type=rope.layer_type)[0].double()
     else:
-        inv_freq = rope_inv_freq(dim, float(theta)).double()
-    return RotaryConfig(dim, float(theta), int(train), inv_freq, str(name_or_path))
+        inv_freq = rope_inv_freq(rope.dim, rope.rope_theta).double()
+    return RotaryConfig(rope.dim, rope.rope_theta, rope.original_max_position_embeddings, inv_freq, str(name_or_path))
 
 
 def _frequencies(spec: StrategySpec, cfg: RotaryConfig, length: int):
     strat = get_strategy(spec.name)
-    params = strat.validate(spec.params, fill_auto={"scale": max(1.0, length / cfg.train_length),
-                                                    "length": float(length), "half_train": cfg.train_length // 2})
+    params = strat.resolve(spec.params, length=length, train_length=cfg.train_length)
     context = {"dim": cfg.dim, "rope_theta": cfg.rope_theta, "original_max_position_embeddings": cfg.train_length,
                "seq_len": length}
     return params, strat.compute(context, params)
@@ -114,11 +111,11 @@ def inspect(cfg: RotaryConfig, strategies: list[StrategySpec], length: int, outp
     ``{"model": ..., "text": ...}`` to also measure attention statistics (see module doc).
     """
     if length < 2:
-        raise ValueError(f"length {length} must be at least 2 tokens")
+        raise InvalidInput(f"length {length} must be at least 2 tokens")
     pairs = pairs or [0]
     bad = [i for i in pairs if not 0 <= i < cfg.dim // 2]
     if bad:
-        raise ValueError(f"pairs {bad} out of range: this model has {cfg.dim // 2} rotary pairs (0 … {cfg.dim // 2 - 1})")
+        raise InvalidInput(f"pairs {bad} out of range: this model has {cfg.dim // 2} rotary pairs (0 … {cfg.dim // 2 - 1})")
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     rows = [_strategy_summary(s, cfg, length, pairs) for s in strategies]

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ropescale import geometry as geo
+from ropescale.errors import InvalidInput
 from ropescale.patching import find_rotary_modules, patch, rope_context
 from ropescale.runs.plotting import line_style, pyplot
 from ropescale.strategies import get_strategy
@@ -174,11 +175,10 @@ def attention_stats(model, ids: torch.Tensor, spec) -> dict:
     eager attention weights: frequency strategies (and log-n) only."""
     strat = get_strategy(spec.name)
     if strat.kind != "frequency":
-        raise ValueError(f"attention statistics need attention weights; {strat.name} computes attention in its "
+        raise InvalidInput(f"attention statistics need attention weights; {strat.name} computes attention in its "
                          "own kernel and returns none (measure frequency strategies only)")
     length, train = ids.shape[1], current_train_length(model)
-    params = strat.validate(spec.params, fill_auto={"scale": max(1.0, length / train), "length": float(length),
-                                                    "half_train": train // 2})
+    params = strat.resolve(spec.params, length=length, train_length=train)
     before = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:

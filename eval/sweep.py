@@ -107,8 +107,7 @@ def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec
     """Patch, measure this process's share of the examples, gather the parts, combine, unpatch;
     the cell's record (without id and environment)."""
     strat = get_strategy(spec.name)
-    params = strat.validate(spec.params, fill_auto={"scale": max(1.0, length / train_len),
-                                                    "length": float(length), "half_train": train_len // 2})
+    params = strat.resolve(spec.params, length=length, train_length=train_len)
     note = None
     if strat.kind == "attention" and params.get("window", 0) >= length:
         note = (f"window {params['window']} >= length {length}: the rule never applies at this length, "

@@ -1,7 +1,8 @@
 """Express a patch as transformers ``rope_parameters`` so plain ``from_pretrained`` reproduces it.
 
-Strategies transformers implements are written natively: ``vanilla`` (``default``), ``ntk`` (a
-raised ``rope_theta``: b·s^(d/(d−2))), ``linear``, ``dynamic_ntk`` (``dynamic``; only when L_train is
+Strategies transformers implements are written natively by their registry ``export`` hook (beside
+each strategy in ``ropescale.strategies``): ``vanilla`` (``default``), ``ntk`` (a raised
+``rope_theta``: b·s^(d/(d−2))), ``linear``, ``dynamic_ntk`` (``dynamic``; only when L_train is
 ``max_position_embeddings``, which transformers' formula uses), ``yarn``, ``llama3``, ``longrope``.
 Attention factors are written explicitly so no default can drift. For any other strategy the
 rope type is set to a marker that transformers refuses to build (``KeyError`` naming
@@ -24,39 +25,20 @@ _KEEP = ("rope_theta", "partial_rotary_factor")
 def native_rope_parameters(handle: PatchHandle, base: dict[str, Any], max_position_embeddings: int | None,
                            layer_type: str | None = None) -> dict[str, Any] | None:
     """The transformers ``rope_parameters`` equivalent to ``handle`` for one layer type (its
-    ``base`` parameters updated, from that type's own context: Gemma 3's sliding and full layers
-    have different ``rope_theta``), or None when transformers cannot express it."""
-    p, name = handle.params, handle.strategy
-    ctx = handle.contexts.get(layer_type, handle.context)
-    keep = {k: base[k] for k in _KEEP if k in base}
-    orig = ctx["original_max_position_embeddings"]
+    ``base`` parameters' ``rope_theta``/``partial_rotary_factor`` kept, the rest from the
+    strategy's ``export`` hook, from that type's own context: Gemma 3's sliding and full layers
+    have different ``rope_theta``), or None when transformers cannot express it (no hook, the
+    hook says so, or a ``dynamic_block``/``logn`` option transformers has no equivalent for)."""
     if handle.options.get("dynamic_block", 1) != 1 or handle.options.get("logn"):
         return None
-    if name == "vanilla":
-        return {**keep, "rope_type": "default"}
-    if name == "ntk":
-        d = ctx["dim"]
-        return {**keep, "rope_type": "default", "rope_theta": ctx["rope_theta"] * p["factor"] ** (d / (d - 2))}
-    if name == "linear":
-        return {**keep, "rope_type": "linear", "factor": p["factor"]}
-    if name == "dynamic_ntk":
-        if orig != max_position_embeddings:
-            return None
-        return {**keep, "rope_type": "dynamic", "factor": p["factor"]}
-    strat = handle.strategy_obj
-    if name == "yarn":
-        _, attention = strat.compute(ctx, p)
-        return {**keep, "rope_type": "yarn", "factor": p["factor"], "beta_fast": p["beta_fast"],
-                "beta_slow": p["beta_slow"], "attention_factor": attention,
-                "original_max_position_embeddings": orig, "truncate": True}
-    if name == "llama3":
-        return {**keep, "rope_type": "llama3", "factor": p["factor"], "low_freq_factor": p["low_freq_factor"],
-                "high_freq_factor": p["high_freq_factor"], "original_max_position_embeddings": orig}
-    if name == "longrope":
-        _, attention = strat.compute({**ctx, "seq_len": orig + 1}, p)
-        return {**keep, "rope_type": "longrope", "short_factor": p["short_factor"], "long_factor": p["long_factor"],
-                "factor": p["factor"], "attention_factor": attention, "original_max_position_embeddings": orig}
-    return None
+    export = handle.strategy_obj.export
+    if export is None:
+        return None
+    ctx = handle.contexts.get(layer_type, handle.context)
+    written = export(dict(handle.params), dict(ctx), dict(base), max_position_embeddings)
+    if written is None:
+        return None
+    return {**{k: base[k] for k in _KEEP if k in base}, **written}
 
 
 def exported_config(model, handle: PatchHandle):

@@ -27,7 +27,7 @@ from ropescale.patching import PatchHandle, current_patch, patch, unpatch
 
 __all__ = ["REFERENCE_MODEL", "MODEL_ALIASES", "PATCH_FILE", "ADAPTER_FILE", "ModelLoadError", "resolve_model",
            "load_model", "load_tokenizer", "model_fingerprint", "save_patched", "save_adapter", "adapter_base",
-           "resolve_device"]
+           "resolve_device", "model_config", "model_rope_config", "model_training_length"]
 
 REFERENCE_MODEL = Path(__file__).parent / "reference" / "kjv-llama"
 MODEL_ALIASES = {"reference": REFERENCE_MODEL, "kjv-llama": REFERENCE_MODEL}
@@ -145,13 +145,9 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "auto
     kwargs = {"dtype": _DTYPES[dtype]}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    saved = Path(path) / PATCH_FILE
-    record = json.loads(saved.read_text(encoding="utf-8")) if saved.is_file() else None
+    record = _patch_record(path)
     if record and "base_rope_parameters" in record:  # undo the export: ropescale re-applies the patch
-        config = _from_pretrained(AutoConfig, name_or_path, path)
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        text.rope_parameters = record["base_rope_parameters"]
-        kwargs["config"] = config
+        kwargs["config"] = _base_config(AutoConfig, name_or_path, path, record)
     if device_map is not None:  # accelerate's big-model inference: layers spread over the devices there are
         model = _from_pretrained(AutoModelForCausalLM, name_or_path, path, device_map=device_map, **kwargs).eval()
     else:
@@ -161,6 +157,78 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "auto
     if record:
         _apply_record(model, record)
     return model, tokenizer
+
+
+def _patch_record(path: str | Path) -> dict[str, Any] | None:
+    """The ``ropescale.json`` patch record of a saved model folder, or None."""
+    saved = Path(path) / PATCH_FILE
+    if not saved.is_file():
+        return None
+    try:
+        return json.loads(saved.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ModelLoadError(f"{saved}: not valid JSON ({e}); it is the patch record save_patched writes") from None
+
+
+def _saved_window(path: str) -> int | None:
+    """T a saved patch (or an adapter's base model's saved patch) was applied over, or None."""
+    record = _patch_record(path) or {}
+    if record.get("original_max_position_embeddings"):
+        return int(record["original_max_position_embeddings"])
+    base = adapter_base(path)
+    return None if base is None else _saved_window(resolve_model(base))
+
+
+def _base_config(loader, name: str, path: str, record: dict[str, Any] | None):
+    """The model's config with a saved patch's export undone (its ``base_rope_parameters`` back)."""
+    config = _from_pretrained(loader, name, path)
+    if record and "base_rope_parameters" in record:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text.rope_parameters = record["base_rope_parameters"]
+    return config
+
+
+def model_config(name_or_path: str):
+    """The transformers config of the model ``name_or_path`` names, as ropescale patches it, without
+    loading weights: a saved patched model's config with its export undone (the original rope
+    parameters, from ``ropescale.json``), a PEFT adapter folder's base model's. Raises
+    ``ModelLoadError`` in one line."""
+    from transformers import AutoConfig
+
+    path = resolve_model(name_or_path)
+    base = adapter_base(path)
+    if base is not None:  # an adapter folder: its base model's config
+        return model_config(base)
+    return _base_config(AutoConfig, name_or_path, path, _patch_record(path))
+
+
+def model_rope_config(name_or_path: str, layer_type: str | None = None):
+    """d, b and T (``ropescale.rope_config.RopeConfig``) of a model from its name or folder, without
+    loading weights; the same reader ``patch`` uses on a loaded model. T is the window a saved patch
+    was applied over (``ropescale.json``'s ``original_max_position_embeddings``) when there is one,
+    an adapter folder's base model's otherwise, else the config's (rope parameters', Phi-3's
+    ``original_max_position_embeddings``, ``max_position_embeddings``). Raises ``ModelLoadError``
+    or ``NoRopeConfigError`` (a ``ValueError``) in one line."""
+    from dataclasses import replace
+
+    from ropescale.rope_config import rope_config_of
+
+    rope = rope_config_of(model_config(name_or_path), layer_type)
+    saved = _saved_window(resolve_model(name_or_path))
+    return rope if saved is None else replace(rope, original_max_position_embeddings=saved)
+
+
+def model_training_length(name_or_path: str) -> int:
+    """T [tokens] of a model from its name or folder (``model_rope_config``). Raises
+    ``ModelLoadError`` / ``ValueError`` in one line, also when the config has no window."""
+    from ropescale.rope_config import text_config, training_window
+
+    saved = _saved_window(resolve_model(name_or_path))
+    orig = saved or training_window(text_config(model_config(name_or_path)))
+    if not orig:
+        raise InvalidInput(f"{name_or_path}: config has no max_position_embeddings; set "
+                           "original_max_position_embeddings")
+    return orig
 
 
 def _apply_record(model, record: dict[str, Any]) -> PatchHandle:

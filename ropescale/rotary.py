@@ -21,6 +21,7 @@ from torch import nn
 
 from ropescale.errors import RopescaleError
 from ropescale.cache import rerotate_cache
+from ropescale.rope_config import NoRopeConfigError, rope_config_of
 from ropescale.strategies import Strategy
 
 __all__ = ["NoRotaryEmbeddingError", "ScaledRotaryEmbedding", "attention_scaling_of", "find_rotary_modules",
@@ -66,29 +67,22 @@ def _config_of(model: nn.Module, module: nn.Module):
 def rope_context(model: nn.Module, module: nn.Module, layer_type: str | None = None) -> dict[str, Any]:
     """``dim``, ``rope_theta`` and ``original_max_position_embeddings`` for a rotary module.
 
-    ``dim`` comes from the module's own ``inv_freq`` (so partial rotary is honoured);
-    ``rope_theta`` from ``config.rope_parameters`` (v5; nested per layer type for Gemma 3) or the
-    legacy ``config.rope_theta``; the training window from the rope parameters'
-    ``original_max_position_embeddings``, the config's own (Phi-3 keeps it there), or
-    ``config.max_position_embeddings``.
+    ``dim`` comes from the module's own ``inv_freq`` (so partial rotary is honoured); θ and the
+    training window from the config, read by ``ropescale.rope_config.rope_config_of`` (the one
+    reader: rope parameters, nested per layer type for Gemma 3; the window from
+    ``original_max_position_embeddings`` there, the config's own (Phi-3), or
+    ``max_position_embeddings``). Raises ``NoRotaryEmbeddingError`` when the config has no θ.
     """
     cfg = _config_of(model, module)
     if layer_type is None and "inv_freq" not in module._buffers:
         layer_type = layer_types_of(module)[0]  # per-layer-type module: any type gives T
-    rp = getattr(cfg, "rope_parameters", None) or {}
-    if layer_type is not None and isinstance(rp.get(layer_type), dict):
-        rp = rp[layer_type]
-    theta = rp.get("rope_theta") if isinstance(rp, dict) else None
-    theta = theta if theta is not None else getattr(cfg, "rope_theta", None)
-    if theta is None:
+    try:
+        rope = rope_config_of(cfg, layer_type, dim=2 * getattr(module, _buffer(layer_type)).numel())
+    except NoRopeConfigError:
         raise NoRotaryEmbeddingError(
             f"found a rotary module ({type(module).__name__}) but no rope_theta in the model's "
-            "config (looked in config.rope_parameters and config.rope_theta)")
-    orig = (rp.get("original_max_position_embeddings") if isinstance(rp, dict) else None) \
-        or getattr(cfg, "original_max_position_embeddings", None) \
-        or getattr(cfg, "max_position_embeddings", None)
-    return {"dim": 2 * getattr(module, _buffer(layer_type)).numel(), "rope_theta": float(theta),
-            "original_max_position_embeddings": orig}
+            "config (looked in config.rope_parameters and config.rope_theta)") from None
+    return rope.context()
 
 
 @dataclass

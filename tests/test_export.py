@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import ropescale
+import ropescale.export
 from tests.conftest import build, tiny_llama_config
 from tests.families import family_model
 
@@ -103,3 +104,39 @@ def test_legacy_rope_scaling_and_rope_theta_keys_are_read(tmp_path):
             patched = legacy(IDS).logits
     with torch.no_grad():
         torch.testing.assert_close(patched, legacy(IDS).logits, rtol=0, atol=1e-5)
+
+
+def test_export_is_a_hook_registered_with_each_strategy():
+    """Which strategies transformers can express is declared beside each strategy; export.py has
+    no list of names."""
+    from ropescale.strategies import REGISTRY
+
+    assert {name for name, s in REGISTRY.items() if s.export is not None} == {name for name, _ in NATIVE}
+    assert all(s.kind == "frequency" for s in REGISTRY.values() if s.export is not None)
+    source = open(ropescale.export.__file__, encoding="utf-8").read()
+    assert not any(f'"{name}"' in source for name, _ in NATIVE)
+
+
+@torch.no_grad()
+def test_a_newly_registered_strategy_exports_through_its_hook(tmp_path, tiny_llama):
+    """A strategy registered with an ``export`` hook is saved natively with no change to export.py:
+    here position interpolation under another name, checked against transformers' own linear."""
+    from ropescale.strategies import REGISTRY, register
+    from ropescale.strategies.frequency import FACTOR, rope_inv_freq
+    from ropescale.strategies.registry import RopeFrequencies
+
+    def export(params, context, base, max_position_embeddings):
+        return {"rope_type": "linear", "factor": params["factor"]}
+
+    @register("test_pi_alias", params=(FACTOR,), source="test", export=export)
+    def pi_alias(dim, rope_theta, factor):
+        return RopeFrequencies(rope_inv_freq(dim, rope_theta) / factor, 1.0)
+
+    try:
+        expected = saved_logits(tiny_llama, "test_pi_alias", {"factor": 3.0}, tmp_path)
+        assert json.loads((tmp_path / "ropescale.json").read_text())["native"] is True
+        assert json.loads((tmp_path / "config.json").read_text())["rope_parameters"]["rope_type"] == "linear"
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+        torch.testing.assert_close(plain(IDS).logits, expected, rtol=0, atol=1e-5)
+    finally:
+        del REGISTRY["test_pi_alias"]

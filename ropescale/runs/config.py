@@ -38,7 +38,7 @@ class StrategySpec(BaseModel):
             strat = get_strategy(self.name)
         except KeyError as e:  # unknown name: the message lists the known ones
             raise ValueError(str(e)) from None
-        strat.validate(self.params, fill_auto={"scale": 1.0, "length": 1024, "half_train": 64})
+        strat.validate(self.params, partial=True)  # auto parameters left out are filled per length (resolve)
         return self
 
     @property

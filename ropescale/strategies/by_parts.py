@@ -12,6 +12,7 @@ import math
 import torch
 
 from ropescale.strategies.frequency import FACTOR, rope_inv_freq
+from ropescale.errors import InvalidInput
 from ropescale.strategies.registry import Param, RopeFrequencies, register
 
 __all__ = ["yarn_ramp", "ntk_by_parts", "yarn", "dynamic_yarn", "llama3", "longrope", "base_truncation"]
@@ -29,7 +30,7 @@ _ATTENTION_FACTOR = Param("attention_factor", None, low=0.0, low_open=True,
 def _beta_check(name: str):
     def check(p: dict) -> None:
         if p["beta_fast"] <= p["beta_slow"]:
-            raise ValueError(f"{name}: beta_fast={p['beta_fast']} must be greater than beta_slow={p['beta_slow']}")
+            raise InvalidInput(f"{name}: beta_fast={p['beta_fast']} must be greater than beta_slow={p['beta_slow']}")
     return check
 
 
@@ -58,6 +59,38 @@ def _yarn_attention(factor: float) -> float:
     return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
+def _export_yarn(params: dict, context: dict, base: dict, max_position_embeddings: int | None) -> dict:
+    """transformers ``yarn`` with the attention factor written out and ``truncate`` (ropescale's
+    ramp bounds are floored/ceiled) so no default can drift."""
+    attention = params["attention_factor"]
+    return {"rope_type": "yarn", "factor": params["factor"], "beta_fast": params["beta_fast"],
+            "beta_slow": params["beta_slow"],
+            "attention_factor": float(_yarn_attention(params["factor"]) if attention is None else attention),
+            "original_max_position_embeddings": context["original_max_position_embeddings"], "truncate": True}
+
+
+def _export_llama3(params: dict, context: dict, base: dict, max_position_embeddings: int | None) -> dict:
+    return {"rope_type": "llama3", "factor": params["factor"], "low_freq_factor": params["low_freq_factor"],
+            "high_freq_factor": params["high_freq_factor"],
+            "original_max_position_embeddings": context["original_max_position_embeddings"]}
+
+
+def _longrope_attention(factor: float, original_max_position_embeddings: int) -> float:
+    """√(1 + ln s / ln L_train) for s > 1, else 1 (LongRoPE's cos/sin scale)."""
+    if factor <= 1:
+        return 1.0
+    return math.sqrt(1 + math.log(factor) / math.log(original_max_position_embeddings))
+
+
+def _export_longrope(params: dict, context: dict, base: dict, max_position_embeddings: int | None) -> dict:
+    orig = context["original_max_position_embeddings"]
+    attention = params["attention_factor"]
+    return {"rope_type": "longrope", "short_factor": params["short_factor"], "long_factor": params["long_factor"],
+            "factor": params["factor"],
+            "attention_factor": float(_longrope_attention(params["factor"], orig) if attention is None else attention),
+            "original_max_position_embeddings": orig}
+
+
 @register("ntk_by_parts", params=(FACTOR, *_BETAS), check=_beta_check("ntk_by_parts"),
           source="bloc97 2023, NTK-by-parts; Peng et al. 2023, arXiv:2309.00071 §3.2")
 def ntk_by_parts(dim: int, rope_theta: float, original_max_position_embeddings: int, factor: float,
@@ -67,7 +100,7 @@ def ntk_by_parts(dim: int, rope_theta: float, original_max_position_embeddings: 
                                      beta_fast, beta_slow), 1.0)
 
 
-@register("yarn", params=(FACTOR, *_BETAS, _ATTENTION_FACTOR), check=_beta_check("yarn"),
+@register("yarn", params=(FACTOR, *_BETAS, _ATTENTION_FACTOR), check=_beta_check("yarn"), export=_export_yarn,
           source="Peng et al. 2023, YaRN, arXiv:2309.00071 (github.com/jquesnelle/yarn)")
 def yarn(dim: int, rope_theta: float, original_max_position_embeddings: int, factor: float,
          beta_fast: float, beta_slow: float, attention_factor: float | None) -> RopeFrequencies:
@@ -93,7 +126,7 @@ def dynamic_yarn(dim: int, rope_theta: float, original_max_position_embeddings: 
 
 def _llama3_check(p: dict) -> None:
     if p["high_freq_factor"] <= p["low_freq_factor"]:
-        raise ValueError(f"llama3: high_freq_factor={p['high_freq_factor']} must be greater than "
+        raise InvalidInput(f"llama3: high_freq_factor={p['high_freq_factor']} must be greater than "
                          f"low_freq_factor={p['low_freq_factor']}")
 
 
@@ -102,7 +135,7 @@ def _llama3_check(p: dict) -> None:
           help="s applied to the low-frequency band (8 in Llama 3.1); a sweep uses L / L_train"),
     Param("low_freq_factor", 1.0, low=0.0, low_open=True, help="λ > L_train/low_freq_factor is interpolated"),
     Param("high_freq_factor", 4.0, low=0.0, low_open=True, help="λ < L_train/high_freq_factor is kept"),
-), check=_llama3_check, source="Meta 2024, The Llama 3 Herd of Models, arXiv:2407.21783; "
+), check=_llama3_check, export=_export_llama3, source="Meta 2024, The Llama 3 Herd of Models, arXiv:2407.21783; "
                                "transformers rope_type 'llama3'")
 def llama3(dim: int, rope_theta: float, original_max_position_embeddings: int, factor: float,
            low_freq_factor: float, high_freq_factor: float) -> RopeFrequencies:
@@ -127,7 +160,7 @@ def llama3(dim: int, rope_theta: float, original_max_position_embeddings: int, f
           help="s for the attention factor (max_position_embeddings / L_train in Phi-3)"),
     Param("attention_factor", None, low=0.0, low_open=True,
           help="override for the cos/sin scale; default √(1 + ln s / ln L_train)"),
-), source="Ding et al. 2024, LongRoPE, arXiv:2402.13753 (github.com/microsoft/LongRoPE); "
+), export=_export_longrope, source="Ding et al. 2024, LongRoPE, arXiv:2402.13753 (github.com/microsoft/LongRoPE); "
           "transformers rope_type 'longrope'")
 def longrope(dim: int, rope_theta: float, original_max_position_embeddings: int, seq_len: int,
              short_factor: list[float], long_factor: list[float], factor: float,
@@ -139,15 +172,14 @@ def longrope(dim: int, rope_theta: float, original_max_position_embeddings: int,
     """
     for name, values in (("short_factor", short_factor), ("long_factor", long_factor)):
         if len(values) != dim // 2:
-            raise ValueError(f"longrope: {name} has {len(values)} entries; the model's rotary dim {dim} "
+            raise InvalidInput(f"longrope: {name} has {len(values)} entries; the model's rotary dim {dim} "
                              f"needs {dim // 2}")
     ext = torch.tensor(long_factor if seq_len > original_max_position_embeddings else short_factor,
                        dtype=torch.float32)
     exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (ext * rope_theta**exponent)
     if attention_factor is None:
-        attention_factor = (math.sqrt(1 + math.log(factor) / math.log(original_max_position_embeddings))
-                            if factor > 1 else 1.0)
+        attention_factor = _longrope_attention(factor, original_max_position_embeddings)
     return RopeFrequencies(inv_freq, float(attention_factor))
 
 
@@ -155,11 +187,11 @@ def _truncation_check(p: dict) -> None:
     explicit = [p[k] is not None for k in ("a", "c", "rho")]
     if p["truncation_length"] is not None:
         if any(explicit):
-            raise ValueError("base_truncation: give either truncation_length or all of a, c, rho, not both")
+            raise InvalidInput("base_truncation: give either truncation_length or all of a, c, rho, not both")
     elif not all(explicit):
-        raise ValueError("base_truncation: give truncation_length, or all of a, c and rho")
+        raise InvalidInput("base_truncation: give truncation_length, or all of a, c and rho")
     elif not p["a"] < p["c"]:
-        raise ValueError(f"base_truncation: a={p['a']} must be below c={p['c']}")
+        raise InvalidInput(f"base_truncation: a={p['a']} must be below c={p['c']}")
 
 
 @register("base_truncation", params=(

@@ -20,6 +20,28 @@ FACTOR = Param("factor", kind=float, low=1.0, auto="scale",
                 help="scale s (context extension ratio); a sweep uses L / L_train")
 
 
+def _export_vanilla(params: dict, context: dict, base: dict, max_position_embeddings: int | None) -> dict:
+    return {"rope_type": "default"}
+
+
+def _export_linear(params: dict, context: dict, base: dict, max_position_embeddings: int | None) -> dict:
+    return {"rope_type": "linear", "factor": params["factor"]}
+
+
+def _export_ntk(params: dict, context: dict, base: dict, max_position_embeddings: int | None) -> dict:
+    """NTK is vanilla RoPE with the raised base b' = b·s^(d/(d−2))."""
+    d = context["dim"]
+    return {"rope_type": "default", "rope_theta": context["rope_theta"] * params["factor"] ** (d / (d - 2))}
+
+
+def _export_dynamic_ntk(params: dict, context: dict, base: dict, max_position_embeddings: int | None) -> dict | None:
+    """transformers' ``dynamic`` divides L by ``max_position_embeddings``: only equivalent when
+    that is the window L_train the patch uses."""
+    if context["original_max_position_embeddings"] != max_position_embeddings:
+        return None
+    return {"rope_type": "dynamic", "factor": params["factor"]}
+
+
 def rope_inv_freq(dim: int, rope_theta: float) -> torch.Tensor:
     """θ_i = b^(−2i/d) for i = 0 … d/2−1: ``[d/2]`` float32 [radians per token].
 
@@ -29,20 +51,20 @@ def rope_inv_freq(dim: int, rope_theta: float) -> torch.Tensor:
     return 1.0 / (rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
-@register("vanilla", source="Su et al. 2021, RoFormer, arXiv:2104.09864")
+@register("vanilla", export=_export_vanilla, source="Su et al. 2021, RoFormer, arXiv:2104.09864")
 def vanilla(dim: int, rope_theta: float) -> RopeFrequencies:
     """Unscaled RoPE: θ_i = b^(−2i/d), attention factor 1."""
     return RopeFrequencies(rope_inv_freq(dim, rope_theta), 1.0)
 
 
-@register("linear", params=(FACTOR,),
+@register("linear", params=(FACTOR,), export=_export_linear,
           source="Chen et al. 2023, Position Interpolation, arXiv:2306.15595")
 def linear(dim: int, rope_theta: float, factor: float) -> RopeFrequencies:
     """Position interpolation: θ_i / s (positions squeezed by s into the trained range)."""
     return RopeFrequencies(rope_inv_freq(dim, rope_theta) / factor, 1.0)
 
 
-@register("ntk", params=(FACTOR,),
+@register("ntk", params=(FACTOR,), export=_export_ntk,
           source="bloc97 2023, NTK-aware scaled RoPE (reddit r/LocalLLaMA 14lz7j5)")
 def ntk(dim: int, rope_theta: float, factor: float) -> RopeFrequencies:
     """Static NTK-aware scaling: base b' = b · s^(d/(d−2)), then θ_i = b'^(−2i/d).
@@ -54,6 +76,7 @@ def ntk(dim: int, rope_theta: float, factor: float) -> RopeFrequencies:
 
 @register("dynamic_ntk",
           params=(Param("factor", 1.0, low=1.0, help="s in the base formula; 1 gives α = L/L_train"),),
+          export=_export_dynamic_ntk,
           source="emozilla 2023, Dynamically scaled RoPE (reddit r/LocalLLaMA 14mrgpr); "
                  "transformers rope_type 'dynamic'")
 def dynamic_ntk(dim: int, rope_theta: float, original_max_position_embeddings: int,

@@ -24,19 +24,55 @@ import difflib
 import inspect
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, NamedTuple
+from typing import Any, Callable, Literal, NamedTuple, get_args
 
 import torch
 
-from ropescale.errors import RopescaleError
+from ropescale.errors import InvalidInput, RopescaleError
 
 __all__ = [
-    "CONTEXT_ARGS", "Param", "RopeFrequencies", "Strategy", "UnknownStrategyError",
-    "REGISTRY", "register", "get_strategy", "strategy_names",
+    "AUTO_KINDS", "CONTEXT_ARGS", "STRATEGY_KINDS", "AutoKind", "Exporter", "Param", "RopeFrequencies",
+    "Strategy", "StrategyKind", "UnknownStrategyError", "REGISTRY", "auto_value", "register", "get_strategy",
+    "strategy_names",
 ]
 
 CONTEXT_ARGS = ("dim", "rope_theta", "original_max_position_embeddings", "seq_len")
 _REQUIRED = object()
+
+StrategyKind = Literal["frequency", "attention"]
+"""``"frequency"``: the function returns ``RopeFrequencies``; ``"attention"``: a ``RelativeRule``."""
+STRATEGY_KINDS: tuple[str, ...] = get_args(StrategyKind)
+
+AutoKind = Literal["scale", "length", "half_train"]
+"""How a parameter left out is filled from the target length L and the training window T."""
+AUTO_KINDS: tuple[str, ...] = get_args(AutoKind)
+_AUTO_TEXT = {"scale": "max(1, L / T)", "length": "L", "half_train": "floor(T / 2)"}
+
+Exporter = Callable[[dict, dict, dict, "int | None"], "dict | None"]
+"""``fn(params, context, base, max_position_embeddings) -> rope_parameters | None``: the
+transformers ``rope_parameters`` entries (``rope_type`` and its keys) that reproduce a strategy
+with validated ``params`` in a rotary ``context`` (``dim``, ``rope_theta``,
+``original_max_position_embeddings``); ``base`` is the layer's original ``rope_parameters``
+(read only) and ``max_position_embeddings`` the config's. None: transformers cannot express it."""
+
+
+def auto_value(auto: str, *, length: int, train_length: int) -> float | int:
+    """The value of an ``auto`` parameter at target length L = ``length`` for a model trained on
+    T = ``train_length`` tokens: ``"scale"`` → max(1, L / T) (float), ``"length"`` → L (float),
+    ``"half_train"`` → T // 2 (int) [tokens]. The one place that maps auto kinds to values."""
+    if auto == "scale":
+        return max(1.0, length / train_length)
+    if auto == "length":
+        return float(length)
+    if auto == "half_train":
+        return train_length // 2
+    raise InvalidInput(f"unknown auto kind {auto!r}; known: {', '.join(AUTO_KINDS)}")
+
+
+def _check_length(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        raise InvalidInput(f"{name}={value!r} must be a whole number of tokens >= 2")
+    return value
 
 
 class RopeFrequencies(NamedTuple):
@@ -59,10 +95,11 @@ class UnknownStrategyError(RopescaleError, KeyError):
 class Param:
     """One parameter of a strategy.
 
-    ``low``/``high`` bound the value (inclusive unless ``*_open``). ``auto`` names what a sweep
-    fills in when the user leaves the parameter out: ``"scale"`` → max(1, L / L_train),
-    ``"length"`` → L for the sweep's target length L, ``"half_train"`` → L_train / 2. Outside a
-    sweep the ``default`` applies, and a parameter without one is required.
+    ``low``/``high`` bound the value (inclusive unless ``*_open``). ``auto`` names what
+    ``Strategy.resolve`` fills in when the user leaves the parameter out, from the target length
+    L and the training window T (see ``auto_value``): ``"scale"`` → max(1, L / T), ``"length"`` →
+    L, ``"half_train"`` → T // 2. Without a length (``Strategy.validate``) the ``default``
+    applies, and a parameter without one is required.
     """
 
     name: str
@@ -72,12 +109,23 @@ class Param:
     high: float | None = None
     low_open: bool = False
     high_open: bool = False
-    auto: Literal["scale", "length", "half_train"] | None = None
+    auto: AutoKind | None = None
     help: str = ""
+
+    def __post_init__(self) -> None:
+        if self.auto is not None and self.auto not in AUTO_KINDS:
+            raise TypeError(f"parameter {self.name}: auto={self.auto!r}; choose one of {', '.join(AUTO_KINDS)}")
 
     @property
     def required(self) -> bool:
         return self.default is _REQUIRED
+
+    @property
+    def auto_text(self) -> str | None:
+        """What ``Strategy.resolve`` fills in, as a formula of L and T (``"max(1, L / T)"``,
+        ``"L"``, ``"floor(T / 2)"``; L the target length, T the training window [tokens]), or
+        None for a parameter that is never filled automatically."""
+        return None if self.auto is None else _AUTO_TEXT[self.auto]
 
     def range_text(self) -> str:
         parts = []
@@ -91,43 +139,46 @@ class Param:
         where = f"{strategy}: parameter {self.name}={value!r}"
         if self.kind is bool:
             if not isinstance(value, bool):
-                raise ValueError(f"{where} must be true or false")
+                raise InvalidInput(f"{where} must be true or false")
             return value
         if self.kind is list:  # a list of numbers, each within the range
             if not isinstance(value, (list, tuple)) or not value:
-                raise ValueError(f"{where} must be a non-empty list of numbers")
+                raise InvalidInput(f"{where} must be a non-empty list of numbers")
             item = Param(self.name, kind=float, low=self.low, high=self.high,
                          low_open=self.low_open, high_open=self.high_open)
             return [item.check(strategy, v) for v in value]
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{where} must be a number ({self.kind.__name__})")
+            raise InvalidInput(f"{where} must be a number ({self.kind.__name__})")
         if self.kind is int:
             if float(value) != int(value):
-                raise ValueError(f"{where} must be a whole number")
+                raise InvalidInput(f"{where} must be a whole number")
             value = int(value)
         else:
             value = float(value)
         if not math.isfinite(value):
-            raise ValueError(f"{where} must be finite")
+            raise InvalidInput(f"{where} must be finite")
         too_low = self.low is not None and (value <= self.low if self.low_open else value < self.low)
         too_high = self.high is not None and (value >= self.high if self.high_open else value > self.high)
         if too_low or too_high:
-            raise ValueError(f"{where} is out of range; allowed: {self.range_text()}")
+            raise InvalidInput(f"{where} is out of range; allowed: {self.range_text()}")
         return value
 
 
 @dataclass(frozen=True)
 class Strategy:
     """A registered strategy. ``kind`` is ``"frequency"`` (returns ``RopeFrequencies``) or
-    ``"attention"`` (returns a ``RelativeRule`` applied inside attention)."""
+    ``"attention"`` (returns a ``RelativeRule`` applied inside attention); ``export`` writes it
+    as transformers ``rope_parameters`` (see ``Exporter``), None when transformers has no
+    equivalent."""
 
     name: str
     fn: Callable[..., RopeFrequencies]
     params: tuple[Param, ...]
     source: str
-    kind: str = "frequency"
+    kind: StrategyKind = "frequency"
     check: Callable[[dict], None] | None = None
     needs: tuple[str, ...] = field(default=())
+    export: Exporter | None = None
 
     @property
     def dynamic(self) -> bool:
@@ -142,42 +193,67 @@ class Strategy:
     def param(self, name: str) -> Param:
         return next(p for p in self.params if p.name == name)
 
-    def validate(self, params: dict[str, Any], *, fill_auto: dict[str, float] | None = None) -> dict:
-        """Checked parameters with defaults filled in.
+    def validate(self, params: dict[str, Any], *, partial: bool = False, fill_auto: dict | None = None) -> dict:
+        """Checked parameters with defaults filled in (no target length: ``resolve`` for that).
 
-        ``fill_auto`` maps an ``auto`` kind ("scale", "length") to the value a sweep supplies
-        for parameters the user left out. Raises ``ValueError`` for unknown, missing or
-        out-of-range parameters.
+        ``partial=True`` accepts required ``auto`` parameters left out — a length fills them later
+        (``resolve``) — and leaves them out of the result. Raises ``ValueError`` naming the
+        parameter for unknown, missing or out-of-range parameters. (``fill_auto``, {auto kind:
+        value}, is transitional, for ``ropescale.training.config`` until it calls ``resolve``.)
         """
+        fill = {p.name: fill_auto[p.auto] for p in self.params if p.auto and p.auto in (fill_auto or {})}
+        return self._checked(params, fill=fill, partial=partial)
+
+    def resolve(self, params: dict[str, Any], *, length: int, train_length: int) -> dict:
+        """Checked parameters for a run at target length L = ``length`` [tokens] on a model
+        trained on T = ``train_length`` tokens: those the user gave, ``auto`` ones left out filled
+        by ``auto_value`` (e.g. ``factor`` = max(1, L / T)), then defaults. The one auto-fill rule
+        every sweep, inspection and training run uses. Raises ``ValueError`` (one line) for bad
+        parameters or lengths that are not whole numbers >= 2."""
+        length = _check_length("length", length)
+        train_length = _check_length("train_length", train_length)
+        fill = {p.name: auto_value(p.auto, length=length, train_length=train_length)
+                for p in self.params if p.auto}
+        return self._checked(params, fill=fill, partial=False)
+
+    def _checked(self, params: dict[str, Any], *, fill: dict[str, Any], partial: bool) -> dict:
+        if not isinstance(params, dict):
+            raise InvalidInput(f"{self.name}: parameters must be a mapping of name to value, got {params!r}")
         known = {p.name for p in self.params}
         for key in params:
             if key not in known:
                 hint = difflib.get_close_matches(key, known, n=1)
-                raise ValueError(
+                raise InvalidInput(
                     f"{self.name} has no parameter {key!r}; its parameters: "
                     f"{', '.join(sorted(known)) or 'none'}"
                     + (f" (did you mean {hint[0]!r}?)" if hint else "")
                 )
-        out = {}
+        out, deferred = {}, False
         for p in self.params:
             if p.name in params and params[p.name] is not None:
                 out[p.name] = p.check(self.name, params[p.name])
-            elif p.auto and fill_auto and p.auto in fill_auto:
-                out[p.name] = p.check(self.name, fill_auto[p.auto])
+            elif p.name in fill:
+                out[p.name] = p.check(self.name, fill[p.name])
             elif not p.required:
                 out[p.name] = p.default
+            elif partial and p.auto:
+                deferred = True  # filled from the length later
             else:
-                auto = " (a sweep sets it from the target length)" if p.auto else ""
-                raise ValueError(f"{self.name}: parameter {p.name} is required{auto}; allowed: {p.range_text()}")
+                auto = f" (a sweep sets it to {p.auto_text} from its length)" if p.auto else ""
+                raise InvalidInput(f"{self.name}: parameter {p.name} is required{auto}; allowed: {p.range_text()}")
         if self.check:
-            self.check(out)
+            try:
+                self.check(out)
+            except KeyError:
+                if not deferred:
+                    raise  # a check reading a parameter that will be filled later runs in resolve
         return out
 
     def compute(self, context: dict[str, Any], params: dict[str, Any]) -> RopeFrequencies:
         """Call the function with the context arguments it names plus validated ``params``."""
         missing = [k for k in self.needs if context.get(k) is None]
         if missing:
-            raise ValueError(f"{self.name} needs {', '.join(missing)}, which the model did not provide")
+            raise InvalidInput(f"{self.name} needs {', '.join(missing)}, which the model did not provide")
         return self.fn(**{k: context[k] for k in self.needs}, **params)
 
 
@@ -185,8 +261,13 @@ REGISTRY: dict[str, Strategy] = {}
 
 
 def register(name: str, *, params: tuple[Param, ...] = (), source: str,
-             kind: str = "frequency", check: Callable[[dict], None] | None = None):
-    """Decorator adding a strategy function to ``REGISTRY`` under ``name``."""
+             kind: StrategyKind = "frequency", check: Callable[[dict], None] | None = None,
+             export: Exporter | None = None):
+    """Decorator adding a strategy function to ``REGISTRY`` under ``name``; ``export`` is its
+    transformers ``rope_parameters`` writer (``Exporter``), if transformers can express it.
+    Raises ``TypeError`` for an unknown ``kind`` or a signature that does not match ``params``."""
+    if kind not in STRATEGY_KINDS:
+        raise TypeError(f"{name}: kind={kind!r}; choose one of {', '.join(STRATEGY_KINDS)}")
 
     def deco(fn: Callable[..., RopeFrequencies]) -> Callable[..., RopeFrequencies]:
         sig = inspect.signature(fn).parameters
@@ -197,7 +278,7 @@ def register(name: str, *, params: tuple[Param, ...] = (), source: str,
             raise TypeError(f"{name}: signature parameters {sorted(own)} != declared {sorted(declared)}")
         if name in REGISTRY:
             raise ValueError(f"strategy {name!r} is already registered")
-        REGISTRY[name] = Strategy(name, fn, params, source, kind, check, needs)
+        REGISTRY[name] = Strategy(name, fn, params, source, kind, check, needs, export)
         return fn
 
     return deco

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from ropescale.errors import InvalidInput
 from ropescale.strategies.registry import Param, register
 
 __all__ = ["RelativeRule", "rerope", "leaky_rerope", "self_extend"]
@@ -48,7 +49,7 @@ def rerope(window: int) -> RelativeRule:
 
 def _leaky_check(p: dict) -> None:
     if p["k"] is not None and p["target_length"] is not None:
-        raise ValueError("leaky_rerope: give k or target_length, not both")
+        raise InvalidInput("leaky_rerope: give k or target_length, not both")
 
 
 @register("leaky_rerope", kind="attention", params=(
@@ -67,7 +68,7 @@ def leaky_rerope(window: int, k: float | None, target_length: float | None,
     if target_length is not None:
         room = original_max_position_embeddings - 1 - window
         if room <= 0:
-            raise ValueError(f"leaky_rerope: window={window} leaves no room below L_train="
+            raise InvalidInput(f"leaky_rerope: window={window} leaves no room below L_train="
                              f"{original_max_position_embeddings} for target_length")
         k = max(1.0, (target_length - 1 - window) / room)
     k = 16.0 if k is None else k

@@ -70,7 +70,7 @@ def test_dynamic_ntk_factor_one_equals_static_ntk_at_ratio():
 @pytest.mark.parametrize("name", ["linear", "ntk", "yarn"])
 def test_factor_is_filled_from_sweep_length(name):
     s = get_strategy(name)
-    assert s.validate({}, fill_auto={"scale": 8.0})["factor"] == 8.0
+    assert s.resolve({}, length=1024, train_length=128)["factor"] == 8.0
     with pytest.raises(ValueError, match="factor is required"):
         s.validate({})
 

@@ -46,5 +46,5 @@ def test_self_extend_groups_far_positions(g, w):
 
 
 def test_window_defaults_to_half_the_training_window_in_sweeps():
-    assert get_strategy("rerope").validate({}, fill_auto={"half_train": 64})["window"] == 64
+    assert get_strategy("rerope").resolve({}, length=4096, train_length=128)["window"] == 64
     assert get_strategy("rerope").validate({})["window"] == 512

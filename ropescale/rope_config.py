@@ -1,0 +1,119 @@
+"""One reader for a model's RoPE settings in its transformers config: rotary dim d, base
+``rope_theta`` and training window T (``original_max_position_embeddings``).
+
+Everything that needs them — patching a loaded model (``ropescale.rotary.rope_context``),
+``ropescale inspect``, sweeps and fine-tuning through ``ropescale.models.model_rope_config`` —
+reads them here, so they cannot disagree. Where transformers 5 keeps them:
+
+- ``rope_theta``: ``config.rope_parameters["rope_theta"]``, nested per layer type for models
+  with per-type frequencies (Gemma 3: ``{"sliding_attention": {...}, "full_attention": {...}}``,
+  different θ each); legacy configs: ``config.rope_theta``.
+- T: ``rope_parameters["original_max_position_embeddings"]`` (scaled configs), else the config's
+  own ``original_max_position_embeddings`` (Phi-3 keeps it there even unscaled), else
+  ``max_position_embeddings``.
+- d = ``head_dim`` (or ``hidden_size / num_attention_heads``) × ``partial_rotary_factor``, made
+  even; a loaded module's ``inv_freq`` gives it exactly (``dim=`` overrides).
+
+Multimodal configs are read through ``get_text_config()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ropescale.errors import InvalidInput, RopescaleError
+
+__all__ = ["RopeConfig", "NoRopeConfigError", "text_config", "config_layer_type", "layer_rope_parameters",
+           "training_window",
+           "rope_config_of"]
+
+
+class NoRopeConfigError(RopescaleError, ValueError):
+    """The config has no RoPE settings (no ``rope_theta``): not a rotary-embedding model."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """d, b and T of one layer type.
+
+    dim: rotary dim d (even) [channels]; rope_theta: base b; original_max_position_embeddings:
+    training window T [tokens], None when the config has no window at all; rope_parameters: the
+    layer type's own transformers ``rope_parameters`` (a copy; ``rope_type`` and its keys);
+    layer_type: the layer type read (None for a config with one set of rope parameters).
+    """
+
+    dim: int
+    rope_theta: float
+    original_max_position_embeddings: int | None
+    rope_parameters: dict[str, Any]
+    layer_type: str | None = None
+
+    def context(self) -> dict[str, Any]:
+        """The strategies' context arguments ``dim``, ``rope_theta``, ``original_max_position_embeddings``."""
+        return {"dim": self.dim, "rope_theta": self.rope_theta,
+                "original_max_position_embeddings": self.original_max_position_embeddings}
+
+
+def text_config(config):
+    """The text part of a (possibly multimodal) transformers config."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def config_layer_type(config, layer_type: str | None = None) -> str | None:
+    """The layer type whose rope parameters are read: None for a config with one set of them;
+    for a per-layer-type config (Gemma 3) ``layer_type``, or when None ``full_attention`` if there
+    is one (the layers long context reaches), else the first type. Raises ``ValueError`` for a
+    ``layer_type`` the config does not have."""
+    rp = getattr(text_config(config), "rope_parameters", None) or {}
+    nested = [k for k, v in rp.items() if isinstance(v, dict)] if isinstance(rp, dict) else []
+    if not nested:
+        return None
+    if layer_type is None:
+        return "full_attention" if "full_attention" in nested else nested[0]
+    if layer_type not in nested:
+        raise InvalidInput(f"layer type {layer_type!r} not in the config's rope_parameters; it has {sorted(nested)}")
+    return layer_type
+
+
+def layer_rope_parameters(config, layer_type: str | None = None) -> dict[str, Any]:
+    """The ``rope_parameters`` of ``layer_type`` (a copy; which type: ``config_layer_type``), {}
+    for a config without them."""
+    rp = getattr(text_config(config), "rope_parameters", None) or {}
+    if not isinstance(rp, dict):
+        return {}
+    chosen = config_layer_type(config, layer_type)
+    return dict(rp if chosen is None else rp[chosen])
+
+
+def training_window(config, layer_type: str | None = None) -> int | None:
+    """T [tokens]: the rope parameters' ``original_max_position_embeddings``, else the config's own
+    (Phi-3), else ``max_position_embeddings``; None when the config has none of them."""
+    text = text_config(config)
+    orig = (layer_rope_parameters(text, layer_type).get("original_max_position_embeddings")
+            or getattr(text, "original_max_position_embeddings", None)
+            or getattr(text, "max_position_embeddings", None))
+    return None if orig is None else int(orig)
+
+
+def _config_dim(text, rp: dict[str, Any]) -> int:
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    factor = rp.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", None)) or 1.0
+    dim = int(head_dim * factor)
+    return dim - dim % 2
+
+
+def rope_config_of(config, layer_type: str | None = None, *, dim: int | None = None) -> RopeConfig:
+    """d, b and T of ``layer_type`` (see ``layer_rope_parameters`` for None) from a transformers
+    config. ``dim``: the rotary dim when it is known exactly (2 · len(inv_freq) of a loaded rotary
+    module); otherwise computed from the config. Raises ``NoRopeConfigError`` when the config has
+    no ``rope_theta``."""
+    text = text_config(config)
+    rp = layer_rope_parameters(text, layer_type)
+    theta = rp.get("rope_theta")
+    theta = theta if theta is not None else getattr(text, "rope_theta", None)
+    if theta is None:
+        raise NoRopeConfigError(f"{type(text).__name__} has no rope_theta (looked in config.rope_parameters and "
+                                "config.rope_theta): not a RoPE model")
+    return RopeConfig(int(dim) if dim is not None else _config_dim(text, rp), float(theta),
+                      training_window(text, layer_type), rp, config_layer_type(text, layer_type))
