@@ -55,6 +55,8 @@ from ropescale.lm_head import causal_lm_loss as chunked_lm_loss
 from ropescale.models import load_model, load_tokenizer, model_fingerprint, resolve_device
 from ropescale.patching import patch, unpatch
 from ropescale.rotary import ScaledRotaryEmbedding
+from ropescale.training.checkpoints import CHECKPOINTS, CheckpointWriteError, save_checkpoint
+from ropescale.training.checkpoints import complete_checkpoints as _checkpoints
 from ropescale.training.config import SHARDING_ON_CPU, FinetuneConfig, ResolvedRun, fsdp_plugin_kwargs, resolve
 from ropescale.training.data import TrainingWindows, load_stream
 from ropescale.training.heldout import HeldOut
@@ -62,12 +64,11 @@ from ropescale.training.lora import apply_lora, save_trained
 from ropescale.training.pose import PoseSampler
 from ropescale.training.report import LOG, TrainingLog, plot_training, read_log
 
-__all__ = ["finetune", "causal_lm_loss", "enable_checkpointing", "MODEL_DIR", "SUMMARY", "CHECKPOINTS"]
+__all__ = ["finetune", "causal_lm_loss", "enable_checkpointing", "MODEL_DIR", "SUMMARY", "CHECKPOINTS",
+           "CheckpointWriteError"]
 
 MODEL_DIR = "model"
 SUMMARY = "finetune.json"
-CHECKPOINTS = "checkpoints"
-_COMPLETE = "complete.json"  # written into a checkpoint folder once save_state has returned
 _SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}
 
 
@@ -83,20 +84,6 @@ def _flat(d: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{k}"] = v
     return out
-
-
-def _checkpoints(output: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints ``(step, folder)``, oldest first: a folder whose save was cut off has
-    no completion marker, and one whose marker is unreadable (emptied or cut by a full disk) is
-    not complete either — both are ignored, so a resume falls back to the previous complete one."""
-    root = output / CHECKPOINTS
-    found = []
-    for p in root.glob("step-*") if root.is_dir() else []:
-        try:
-            found.append((int(json.loads((p / _COMPLETE).read_text(encoding="utf-8"))["step"]), p))
-        except (OSError, ValueError, KeyError, TypeError):  # no marker, or not one this loop wrote
-            continue
-    return sorted(found)
 
 
 def causal_lm_loss(model, batch: dict[str, torch.Tensor], *, chunk_size: int | None = None,
@@ -173,7 +160,8 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
     ``ConfigError`` also for ``sharding`` without CUDA devices (accelerate 1.15 does not shard on
     CPU) and LoRA target modules the model does not have,
     ``ropescale.runs.data.DataError`` / ``ropescale.runs.windows.WindowError`` (data too short or unreadable),
-    ``ValueError`` (device, patch), ``NonFiniteLossError`` (a ``ValueError``: the training loss
+    ``ValueError`` (device, patch), ``CheckpointWriteError`` (an ``OutputError``: a checkpoint
+    could not be written, a full disk; a rerun resumes from the last complete one), ``NonFiniteLossError`` (a ``ValueError``: the training loss
     became inf or NaN at a step; no model saved, the checkpoints kept).
     """
     from accelerate import Accelerator
@@ -365,7 +353,7 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, 
                 bar.write(f"step {step}/{cfg.steps}: loss {loss_value:.3f}, {record['tokens_per_s']:.0f} tok/s, "
                           "held-out PPL " + ", ".join(f"{k}: {v:.2f}" for k, v in last_ppl.items()))
         if step % cfg.checkpoint_every == 0 and step < cfg.steps:
-            _save_checkpoint(acc, output, step, cfg.keep_checkpoints)
+            save_checkpoint(acc, output, step, cfg.keep_checkpoints)
             if acc.is_main_process:
                 plot_training(read_log(output / LOG), output / "loss.png", f"{label}, L = {cfg.length}")
         if stop_after is not None and step >= stop_after:
@@ -393,14 +381,3 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, 
         say(f"saved the fine-tuned model to {output / MODEL_DIR} ({step} steps, {train_s:.0f} s of training)")
     acc.wait_for_everyone()
     return summary
-
-
-def _save_checkpoint(acc, output: Path, step: int, keep: int) -> None:
-    folder = output / CHECKPOINTS / f"step-{step:06d}"
-    acc.save_state(str(folder))
-    acc.wait_for_everyone()
-    if acc.is_main_process:
-        (folder / _COMPLETE).write_text(json.dumps({"step": step}) + "\n", encoding="utf-8")
-        for _, old in _checkpoints(output)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    acc.wait_for_everyone()
