@@ -30,6 +30,9 @@ __all__ = ["ConfigError", "StrategySpec", "DataConfig", "EvalConfig", "SweepConf
            "parse_strategy", "apply_overrides"]
 
 
+MAX_LENGTH = 1 << 24  # float32 holds every integer position up to here; memory is checked before a run
+
+
 class EvalConfig(BaseModel):
     """One experiment: a task over strategies × lengths on one model (and, for tasks that read
     text, one data source). The task's own keys sit under its name (``passkey: {trials: 20}``);
@@ -80,7 +83,7 @@ class EvalConfig(BaseModel):
         try:
             raw["options"] = task.Options.model_validate(section)
         except ValidationError as e:
-            raise ValueError("; ".join(f"{name}.{'.'.join(map(str, x['loc']))}: "
+            raise ValueError("; ".join(f"{'.'.join([name, *map(str, x['loc'])])}: "
                                        f"{x['msg'].removeprefix('Value error, ')}" for x in e.errors())) from None
         return raw
 
@@ -112,6 +115,11 @@ class EvalConfig(BaseModel):
     def _lengths(cls, v: list[int]) -> list[int]:
         if any(x < 2 for x in v):
             raise ValueError("every length must be at least 2 tokens")
+        big = [x for x in v if x > MAX_LENGTH]
+        if big:
+            raise ValueError(f"{big[0]} tokens is beyond any model: RoPE angles are computed from float32 "
+                             f"positions, exact only up to 2^24 = {MAX_LENGTH} tokens (the longest context "
+                             f"windows are about 10 million); use lengths of at most {MAX_LENGTH}")
         return sorted(set(v))
 
     @field_validator("threads")

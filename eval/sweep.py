@@ -25,9 +25,11 @@ import torch
 from accelerate.utils import gather_object
 from pydantic import ValidationError
 
+from ropescale.errors import RopescaleError
 from ropescale.models import load_model, load_tokenizer, model_fingerprint, resolve_device
 from ropescale.patching import NoRotaryEmbeddingError, find_rotary_modules, patch, rope_context, unpatch
 from ropescale.runs.data import load_documents, tokenize_documents
+from ropescale.runs.memory import check_fits
 from ropescale.runs.manifest import (OutputError, check_manifest, data_fingerprint, environment, folder_lock,
                                      identity, prepare_output)
 from ropescale.strategies import get_strategy
@@ -37,7 +39,7 @@ from .report import write_reports
 from .schema import SCHEMA_VERSION, Record
 from .tasks.base import Task, get_task
 
-__all__ = ["run_sweep", "cell_id", "read_results"]
+__all__ = ["run_sweep", "cell_id", "read_results", "ResultsFileError"]
 
 RESULTS = "results.jsonl"
 
@@ -50,18 +52,22 @@ def cell_id(experiment: str, spec: StrategySpec, length: int) -> str:
     return hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
+class ResultsFileError(RopescaleError, ValueError):
+    """A file given as results is not a ropescale ``results.jsonl``."""
+
+
 def read_results(path: str | Path) -> list[dict]:
     """Records of a ``results.jsonl`` (a torn line from a killed run is skipped).
 
-    Raises ``ValueError`` (one line) for a file that is not UTF-8 text or holds JSON that is not
-    a result record."""
+    Raises ``ResultsFileError`` (a ``ValueError``; one line) for a file that is not UTF-8 text or
+    holds JSON that is not a result record."""
     path = Path(path)
     if not path.exists():
         return []
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError:
-        raise ValueError(f"{path}: not a results file (not UTF-8 text)") from None
+        raise ResultsFileError(f"{path}: not a results file (not UTF-8 text)") from None
     out = []
     for i, line in enumerate(lines, 1):
         try:
@@ -73,7 +79,7 @@ def read_results(path: str | Path) -> list[dict]:
         except ValidationError as e:
             err = e.errors()[0]
             what = f"{'.'.join(map(str, err['loc'])) or 'record'}: {err['msg']}"
-            raise ValueError(f"{path}: line {i} is not a ropescale result record ({what}; see eval/schema.py)") from None
+            raise ResultsFileError(f"{path}: line {i} is not a ropescale result record ({what}; see eval/schema.py)") from None
         out.append(record)
     return out
 
@@ -128,6 +134,18 @@ def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec
             "seconds": round(seconds, 3)}
 
 
+def _check_memory(task: Task, model, lengths: list[int], device) -> None:
+    """Refuse, before building any example, the first length whose estimated memory
+    (``Task.memory``) cannot fit: one line naming the estimate and the free memory. ``device``
+    None (a model spread over devices by ``device_map``): only the host's share is checked."""
+    for i, length in enumerate(lengths):
+        need = task.memory(length, model)
+        if need is None:
+            continue
+        longer = f" (and {len(lengths) - i - 1} longer)" if i < len(lengths) - 1 else ""
+        check_fits(need, device, hint=f"drop length {length}{longer} from lengths, or run on a device with more memory")
+
+
 def _headline(task: type[Task], record: dict) -> str:
     m = task.metrics[0]
     return f"{m.label} {m.fmt.format(record[m.key])}"
@@ -180,9 +198,12 @@ def _run_locked(cfg: EvalConfig, output: Path, progress: bool, state) -> list[di
             device = model.get_input_embeddings().weight.device  # inputs go where the embeddings are
         unpatch(model)  # a patch saved with the model would stack under the sweep's strategies
         train_len = _training_window(cfg, model)
-        task = task_cls(cfg.options, tokenizer=tokenizer, train_length=train_len, documents=docs)
+        task = task_cls(cfg.options, tokenizer=tokenizer, train_length=train_len, documents=docs,
+                        source=cfg.data.spec().describe() if task_cls.uses_data else None)
+        lengths = sorted({c[0] for c in todo})
+        _check_memory(task, model, lengths, None if cfg.device_map else device)
         # build every length's examples first: data or lengths that cannot work fail before any cell runs
-        examples = {length: task.examples(length) for length in sorted({c[0] for c in todo})}
+        examples = {length: task.examples(length) for length in lengths}
         with _append_safely(results_path) if state.is_main_process else nullcontext() as sink:
             for length, spec, cid in todo:
                 record = {"schema": SCHEMA_VERSION, "cell": cid, "experiment": experiment,

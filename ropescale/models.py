@@ -106,6 +106,30 @@ def resolve_device(device: str = "auto") -> torch.device:
     return dev
 
 
+def _damaged_weights(folder: Path) -> str | None:
+    """One line naming the first ``*.safetensors`` file of ``folder`` whose header is unreadable or
+    whose tensors run past its end (a copy or download cut short), or None when all are whole."""
+    for f in sorted(folder.glob("*.safetensors")) if folder.is_dir() else ():
+        size = f.stat().st_size
+        try:
+            with f.open("rb") as fh:
+                head = fh.read(8)
+                if len(head) < 8:
+                    raise ValueError(f"{size} bytes, shorter than a header")
+                n = int.from_bytes(head, "little")
+                if n > size - 8:
+                    raise ValueError(f"its header claims {n} bytes, the file has {size}")
+                meta = json.loads(fh.read(n))
+            end = max((v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            why = str(e).splitlines()[0] if str(e) else "unreadable header"
+            return f"{f} is truncated or corrupt: {why}; re-save or re-download it"
+        if 8 + n + end > size:
+            return (f"{f} is truncated or corrupt: its tensors need {8 + n + end} bytes, the file has {size}; "
+                    "re-save or re-download it")
+    return None
+
+
 def _from_pretrained(loader, name: str, path: str, **kwargs):
     """``loader.from_pretrained`` with its many failure types turned into one line."""
     from safetensors import SafetensorError
@@ -115,6 +139,9 @@ def _from_pretrained(loader, name: str, path: str, **kwargs):
     except (OSError, ValueError, RuntimeError, SafetensorError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if Path(path).exists():
+            bad = _damaged_weights(Path(path))
+            if bad:
+                raise ModelLoadError(bad) from None
             raise ModelLoadError(f"{name}: cannot read the model files ({first})") from None
         offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
         why = "the hub is offline (HF_HUB_OFFLINE=1)" if offline else f"the hub said: {first}"

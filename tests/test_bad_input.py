@@ -49,8 +49,17 @@ def test_garbled_safetensors(tmp_path, tiny_model_dir, text_file):
         (bad / f.name).write_bytes(f.read_bytes())
     data = (bad / "model.safetensors").read_bytes()
     (bad / "model.safetensors").write_bytes(data[: len(data) // 3])
+    # the line names the damaged file and what to do, not the loader's "incomplete metadata"
+    message = f"{bad / 'model.safetensors'} is truncated or corrupt: its tensors need"
     one_line_error(cli("sweep", "--model", bad, "--data", text_file, "--strategy", "vanilla", "--lengths", 32,
-                       "-o", tmp_path / "o"), f"{bad}: cannot read the model files")
+                       "-o", tmp_path / "o"), message)
+    with pytest.raises(ropescale.models.ModelLoadError, match="re-save or re-download it$") as err:
+        ropescale.load_model(str(bad))
+    assert str(err.value).startswith(message)
+    (bad / "model.safetensors").write_bytes(data[:50])  # cut inside the header
+    with pytest.raises(ropescale.models.ModelLoadError, match=r"model.safetensors is truncated or corrupt: its "
+                                                              r"header claims \d+ bytes, the file has 50"):
+        ropescale.load_model(str(bad))
 
 
 @pytest.mark.parametrize("extra,message", [

@@ -25,6 +25,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 from ropescale.errors import RopescaleError
+from ropescale.runs.memory import Need
 from ropescale.strategies import Strategy
 
 __all__ = ["Task", "TaskOptions", "Metric", "TASKS", "get_task", "task_names", "UnknownTaskError", "progress"]
@@ -117,8 +118,9 @@ class Task:
             TASKS[name] = cls
 
     def __init__(self, options: TaskOptions, *, tokenizer, train_length: int,
-                 documents: list[torch.Tensor] | None = None):
+                 documents: list[torch.Tensor] | None = None, source: str | None = None):
         self.options, self.tokenizer, self.train_length, self.documents = options, tokenizer, train_length, documents
+        self.source = source  # the data source's name (``DataSpec.describe()``), for messages
 
     @classmethod
     def summary(cls) -> str:
@@ -128,6 +130,12 @@ class Task:
         """The examples at ``length`` tokens; built once and scored under every strategy.
         Raises ``ValueError`` (or a subclass) when ``length`` cannot hold them."""
         raise NotImplementedError
+
+    def memory(self, length: int, model) -> Need | None:
+        """What a cell at ``length`` tokens will ask for (``ropescale.runs.memory.Need``), estimated
+        before anything is allocated: the harness refuses a length that cannot fit, in one line,
+        before building examples. None: no estimate (nothing is refused)."""
+        return None
 
     def measure(self, model, examples: Any, indices: list[int], *, length: int, strategy: Strategy,
                 device: torch.device, desc: str | None) -> Any:

@@ -10,11 +10,14 @@ does (the number appears in the greedy output) and by candidate log-likelihood
 
 from __future__ import annotations
 
+import logging
 import random
 from functools import cached_property
 from typing import Any
 
 from pydantic import Field
+
+from ropescale.runs.data import DataError
 
 from .prompts import Prompt, build_prompt, cycle_units, random_key, sentence_units
 from .retrieval import RetrievalOptions, RetrievalTask, contains_match
@@ -24,6 +27,7 @@ __all__ = ["Needle", "NeedleOptions", "HEADER", "NEEDLE", "QUESTION", "WORDS", "
 HEADER = ("A special magic number is hidden within the following text. Make sure to memorize it. "
           "I will quiz you about the number afterwards.")  # RULER niah_single's first line
 NEEDLE = "One of the special magic numbers for {word} is: {number}."
+MIN_SENTENCES = 10  # distinct sentences a haystack needs: twice passkey's five filler lines
 QUESTION = ("What is the special magic number for {word} mentioned in the provided text? "
             "The special magic number for {word} mentioned in the provided text is")
 WORDS = ("apple", "river", "candle", "mountain", "garden", "silver", "window", "harbor", "lantern", "meadow",
@@ -58,7 +62,29 @@ class Needle(RetrievalTask):
 
     @cached_property
     def units(self) -> list[list[int]]:
-        return sentence_units(self.tokenizer, [d.tolist() for d in self.documents])
+        """The haystack's sentences; ``DataError`` naming the source when it has fewer than
+        ``MIN_SENTENCES`` distinct ones (a few lines repeated are passkey's filler, not a
+        haystack of real text: the task would not measure what it says)."""
+        units = sentence_units(self.tokenizer, [d.tolist() for d in self.documents])
+        distinct = {tuple(u) for u in units}
+        if len(distinct) < MIN_SENTENCES:
+            sample = self.tokenizer.decode(max(distinct, key=len)).strip()
+            raise DataError(f"{self.source or 'the data source'}: the needle haystack needs real text, but it has only "
+                            f"{len(distinct)} distinct sentence{'s' * (len(distinct) != 1)} ({len(units)} in all, "
+                            f"e.g. {sample[:60]!r}); a few lines repeated are passkey's filler (use task: passkey) — "
+                            f"give a text with at least {MIN_SENTENCES} distinct sentences")
+        self._distinct_tokens = sum(map(len, distinct))
+        return units
+
+    def examples(self, length: int) -> list:
+        units = self.units
+        if length > self._distinct_tokens and not getattr(self, "_warned_repeat", False):
+            self._warned_repeat = True
+            logging.getLogger("ropescale").warning(
+                "%s: its %d distinct sentences hold %d tokens, so the needle haystack at %d tokens repeats "
+                "the text (the needle is still the one odd line; a longer text makes a harder haystack)",
+                self.source or "the data source", len({tuple(u) for u in units}), self._distinct_tokens, length)
+        return super().examples(length)
 
     def make_prompt(self, length: int, depth: float, rng: random.Random) -> Prompt:
         return make_prompt(self.tokenizer, cycle_units(self.units, rng.randrange(len(self.units))), length=length,

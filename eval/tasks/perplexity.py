@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from ropescale.runs.memory import Need, forward_bytes, model_dims
 from ropescale.runs.scoring import combine_windows, window_nll
 from .base import Metric, Task, TaskOptions
 from ropescale.runs.windows import make_windows
@@ -68,6 +69,19 @@ class Perplexity(Task):
         if o.add_bos and self.tokenizer.bos_token_id is None:
             raise ValueError("add_bos is set but the model's tokenizer has no BOS token")
         return make_windows([len(d) for d in self.documents], length, o.mode, o.stride, o.add_bos, o.max_windows)
+
+    def memory(self, length: int, model) -> Need:
+        """Device: one forward's activations over ``batch_size`` windows of ``length`` tokens (no
+        KV cache) and the chunked LM head's budget (``ropescale.lm_head``). The documents are
+        already in host memory."""
+        from ropescale.lm_head import DEFAULT_BUDGET
+
+        o = self.options
+        dims = model_dims(model)
+        head = o.logits_chunk * dims.vocab * 12 * o.batch_size if o.logits_chunk else DEFAULT_BUDGET
+        return Need(what=f"perplexity at {length} tokens ({o.batch_size} window{'s' * (o.batch_size > 1)} a batch)",
+                    device={"activations": forward_bytes(dims, length + 1, model.dtype.itemsize, batch=o.batch_size)
+                            + 24 * o.batch_size * length, "LM head": head})
 
     def measure(self, model, windows, indices, *, length, strategy, device, desc) -> list:
         o = self.options

@@ -36,12 +36,15 @@ from typing import Any, ClassVar
 import torch
 from pydantic import Field, field_validator, model_validator
 
+from ropescale.runs.memory import PY_LIST_SLOT, Need, forward_bytes, kv_cache_bytes, model_dims
+
 from .base import Metric, Task, TaskOptions, progress
 from .prompts import Prompt, continuation, distractor_keys
 
 __all__ = ["RetrievalOptions", "RetrievalTask", "Example", "wilson", "first_integer_match", "contains_match"]
 
 Z95 = 1.959963984540054  # standard normal quantile at 0.975
+MAX_CANDIDATES = 1000  # keys compared per example: each costs a forward per example and cell
 
 
 def wilson(successes: int, trials: int, z: float = Z95) -> tuple[float, float]:
@@ -95,8 +98,19 @@ class RetrievalOptions(TaskOptions):
 
     @model_validator(mode="after")
     def _enough_keys(self) -> "RetrievalOptions":
-        if self.candidates > 9 * 10 ** (self.digits - 1):
+        keys = 9 * 10 ** (self.digits - 1)
+        if self.candidates > keys:
             raise ValueError(f"candidates={self.candidates} is more than there are {self.digits}-digit keys")
+        if self.candidates > MAX_CANDIDATES:
+            examples = len(self.depths) * min(self.trials, keys)
+            raise ValueError(f"candidates={self.candidates}: at most {MAX_CANDIDATES} (each candidate is one more "
+                             f"forward per example in every cell: {self.candidates} × {examples} examples = "
+                             f"{self.candidates * examples} forwards per cell; chance is already "
+                             f"{1 / MAX_CANDIDATES:g} at {MAX_CANDIDATES})")
+        if self.trials > keys:
+            raise ValueError(f"trials={self.trials} is more than there are {self.digits}-digit keys ({keys}): "
+                             "trials beyond that repeat keys, so they are not independent and the confidence "
+                             f"interval would be too narrow; use at most {keys} trials (or more digits)")
         return self
 
 
@@ -117,6 +131,22 @@ class RetrievalTask(Task):
 
     def make_prompt(self, length: int, depth: float, rng: random.Random) -> Prompt:
         raise NotImplementedError
+
+    def memory(self, length: int, model) -> Need:
+        """Device: the prompt's KV cache (two when the cache cannot be rolled back and is copied
+        per candidate: sliding-window layers) and one forward's activations over ``length``
+        tokens; host: every example's prompt and candidates as token lists."""
+        o = self.options
+        dims = model_dims(model)
+        itemsize = model.dtype.itemsize
+        n = len(o.depths) * o.trials
+        answer = o.digits + 2  # tokens of a key as it continues the question (at most one per digit, and room)
+        kv = kv_cache_bytes(dims, length + answer + o.greedy_extra_tokens, itemsize)
+        return Need(what=f"{self.name} at {length} tokens ({n} prompts, {o.candidates} candidates each)",
+                    device={"KV cache": kv * (2 if dims.sliding_layers else 1),
+                            "activations": forward_bytes(dims, length + answer, itemsize) + 8 * length},
+                    host={"prompts": n * length * PY_LIST_SLOT,
+                          "candidates": n * o.candidates * (answer * PY_LIST_SLOT + 64)})
 
     def examples(self, length: int) -> list[Example]:
         o = self.options
