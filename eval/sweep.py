@@ -137,11 +137,18 @@ def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec
 def _check_memory(task: Task, model, lengths: list[int], device) -> None:
     """Refuse, before building any example, the first length whose estimated memory
     (``Task.memory``) cannot fit: one line naming the estimate and the free memory. ``device``
-    None (a model spread over devices by ``device_map``): only the host's share is checked."""
+    None (a model spread over devices by ``device_map``): only the host's share is checked. Every
+    length's examples are built before the first cell and held to the end, so the host's share
+    adds up over the lengths; the device holds one cell at a time."""
+    held = 0  # host bytes of the shorter lengths' examples
     for i, length in enumerate(lengths):
         need = task.memory(length, model)
         if need is None:
             continue
+        own = sum(need.host.values())
+        if held:
+            need.host["examples of shorter lengths"] = held
+        held += own
         longer = f" (and {len(lengths) - i - 1} longer)" if i < len(lengths) - 1 else ""
         check_fits(need, device, hint=f"drop length {length}{longer} from lengths, or run on a device with more memory")
 

@@ -129,3 +129,15 @@ def test_a_results_folder_holds_one_task(tmp_path, tiny_model_dir, text_file):
     # more lengths and strategies of the same experiment are welcome
     run_sweep(build_config({**common, "task": "needle", "needle": opts, "lengths": [160, 192],
                             "strategies": ["vanilla", "yarn"]}), tmp_path, progress=False)
+
+
+def test_the_examples_of_every_length_add_up_on_the_host(tmp_path, monkeypatch):
+    # 30 000 prompts of 8192 tokens are 1.8 GiB of token lists, and those of 16384 tokens 3.7 GiB: each
+    # fits in 5 GiB, but every length's examples are built before the first cell and held together
+    monkeypatch.setattr(memory, "host_available", lambda: 5 * GiB)
+    monkeypatch.setattr(Passkey, "examples", lambda self, length: pytest.fail("examples built before the check"))
+    cfg = build_config({**passkey(trials=5000, candidates=2), "model": "reference", "device": "cpu",
+                        "lengths": [8192, 16384]})
+    with pytest.raises(InsufficientMemoryError, match=r"^passkey at 16384 tokens .* examples of shorter lengths "
+                                                      r"1.8 GiB\); this machine has 5.0 GiB free; drop length 16384 "):
+        run_sweep(cfg, tmp_path / "o", progress=False)
