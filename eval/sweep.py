@@ -29,7 +29,7 @@ from ropescale.errors import RopescaleError
 from ropescale.models import load_model, load_tokenizer, model_fingerprint, resolve_device
 from ropescale.patching import NoRotaryEmbeddingError, find_rotary_modules, patch, rope_context, unpatch
 from ropescale.runs.data import load_documents, tokenize_documents
-from ropescale.runs.memory import check_fits
+from ropescale.runs.memory import InsufficientMemoryError, check_fits
 from ropescale.runs.manifest import (OutputError, check_manifest, data_fingerprint, environment, folder_lock,
                                      identity, prepare_output)
 from ropescale.strategies import get_strategy
@@ -121,9 +121,18 @@ def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec
         logging.getLogger("ropescale").warning("%s @ %d: %s", spec.display, length, note)
     t0 = time.perf_counter()
     share = list(range(state.process_index, len(examples), state.num_processes))
-    with patch(model, spec.name, original_max_position_embeddings=train_len, logn=spec.logn, **params):
-        part = task.measure(model, examples, share, length=length, strategy=strat, device=device,
-                            desc=f"{spec.display} @ {length}" if progress else None)
+    try:
+        with patch(model, spec.name, original_max_position_embeddings=train_len, logn=spec.logn, **params):
+            part = task.measure(model, examples, share, length=length, strategy=strat, device=device,
+                                desc=f"{spec.display} @ {length}" if progress else None)
+    except (RuntimeError, MemoryError) as e:
+        if not _out_of_memory(e):
+            raise
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise InsufficientMemoryError(
+            f"{spec.display} @ {length}: out of memory on {device} ({first}); the cells finished before it are "
+            f"saved, so a rerun resumes: drop length {length} and longer from lengths, or use a device with more "
+            "memory") from None
     parts = gather_object([part]) if state.num_processes > 1 else [part]
     result = task.combine(parts, examples, length=length, strategy=strat)
     seconds = time.perf_counter() - t0
@@ -132,6 +141,15 @@ def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec
             "data": cfg.data.spec().describe() if task.uses_data else None, "options": cfg.options.key(),
             "dtype": cfg.dtype, "device": str(device), **result, **({"note": note} if note else {}),
             "seconds": round(seconds, 3)}
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is an allocator's out-of-memory error (CUDA, CPU, MPS), which the estimate
+    (``_check_memory``, a lower bound) let through."""
+    if isinstance(err, (MemoryError, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError))):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
 
 
 def _check_memory(task: Task, model, lengths: list[int], device) -> None:

@@ -141,3 +141,34 @@ def test_the_examples_of_every_length_add_up_on_the_host(tmp_path, monkeypatch):
     with pytest.raises(InsufficientMemoryError, match=r"^passkey at 16384 tokens .* examples of shorter lengths "
                                                       r"1.8 GiB\); this machine has 5.0 GiB free; drop length 16384 "):
         run_sweep(cfg, tmp_path / "o", progress=False)
+
+
+@pytest.mark.parametrize("error,shown", [
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.1 GiB"),
+     "CUDA out of memory. Tried to allocate 20.00 GiB."),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried "
+                  "to allocate 81920000000 bytes. Error code 12 (Cannot allocate memory)"), "can't allocate memory"),
+    (MemoryError(), "MemoryError"),
+], ids=["cuda", "cpu", "python"])
+def test_running_out_of_memory_past_the_estimate_is_one_line(tmp_path, tiny_model_dir, monkeypatch, error, shown):
+    def measure(self, *a, **kw):
+        raise error
+
+    monkeypatch.setattr(Passkey, "measure", measure)
+    cfg = build_config({**passkey(trials=1, depths=[0.5], digits=3, candidates=2), "model": str(tiny_model_dir),
+                        "device": "cpu", "lengths": [64]})
+    with pytest.raises(InsufficientMemoryError, match=r"^vanilla @ 64: out of memory on cpu \(.*\); the cells "
+                                                      r"finished before it are saved, so a rerun resumes: drop length 64 ") as err:
+        run_sweep(cfg, tmp_path / "o", progress=False)
+    assert shown in str(err.value) and "\n" not in str(err.value)
+
+
+def test_other_runtime_errors_are_not_taken_for_memory(tmp_path, tiny_model_dir, monkeypatch):
+    def measure(self, *a, **kw):
+        raise RuntimeError("shape mismatch")
+
+    monkeypatch.setattr(Passkey, "measure", measure)
+    cfg = build_config({**passkey(trials=1, depths=[0.5], digits=3, candidates=2), "model": str(tiny_model_dir),
+                        "device": "cpu", "lengths": [64]})
+    with pytest.raises(RuntimeError, match="^shape mismatch$"):
+        run_sweep(cfg, tmp_path / "o", progress=False)
