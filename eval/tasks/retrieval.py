@@ -151,6 +151,9 @@ class RetrievalTask(Task):
     def examples(self, length: int) -> list[Example]:
         o = self.options
         out = []
+        total = len(o.depths) * o.trials
+        # thousands of prompts take minutes to build: a bar (on a terminal) says the run is not stuck
+        bar = progress(total, f"{self.name} prompts @ {length}" if total >= 1000 else None, unit="ex")
         for di, depth in enumerate(o.depths):
             for trial in range(o.trials):
                 rng = random.Random(f"{self.name}:{o.seed}:{length}:{depth}:{trial}")
@@ -158,6 +161,8 @@ class RetrievalTask(Task):
                 keys = [prompt.answer, *distractor_keys(rng, prompt.answer, o.candidates - 1)]
                 cands = [prompt.answer_ids] + [continuation(self.tokenizer, prompt.question, k)[1] for k in keys[1:]]
                 out.append(Example(prompt, cands, di))
+                bar.update(1)
+        bar.close()
         return out
 
     @torch.no_grad()

@@ -172,3 +172,17 @@ def test_other_runtime_errors_are_not_taken_for_memory(tmp_path, tiny_model_dir,
                         "device": "cpu", "lengths": [64]})
     with pytest.raises(RuntimeError, match="^shape mismatch$"):
         run_sweep(cfg, tmp_path / "o", progress=False)
+
+
+def test_thousands_of_prompts_show_a_progress_bar_while_built(monkeypatch):
+    import eval.tasks.retrieval as retrieval
+    from ropescale.models import load_tokenizer
+
+    seen = []
+    real = retrieval.progress
+    monkeypatch.setattr(retrieval, "progress", lambda total, desc, unit="it": seen.append((total, desc)) or
+                        real(total, None, unit))
+    task = Passkey(PasskeyOptions(trials=200, depths=[0.0, 0.25, 0.5, 0.75, 1.0], candidates=2),
+                   tokenizer=load_tokenizer("reference"), train_length=128)
+    task.examples(64)
+    assert seen == [(1000, "passkey prompts @ 64")]
