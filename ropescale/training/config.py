@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ropescale.runs.config import ConfigError, DataConfig, StrategySpec, apply_overrides, parse_strategy, read_yaml
 
-__all__ = ["FinetuneConfig", "PoseConfig", "LoraSettings", "EvalDuringTraining", "build_finetune_config",
+__all__ = ["FinetuneConfig", "PoseConfig", "LoraSettings", "RecipeSpec", "EvalDuringTraining", "build_finetune_config",
            "load_finetune_config", "ResolvedRun", "resolve", "fsdp_plugin_kwargs", "DEFAULT_LORA_TARGETS"]
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -211,6 +211,37 @@ class EvalDuringTraining(BaseModel):
         return v
 
 
+class RecipeSpec(BaseModel):
+    """Which training recipe (``ropescale.training.recipes``) and its options, validated by the
+    recipe's ``Options``. YAML: ``recipe: longlora`` or ``recipe: {name: lora, r: 16}``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str = "full"
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _parse(cls, raw: Any) -> Any:
+        from ropescale.training.recipes import build_recipe
+
+        if isinstance(raw, str):
+            raw = {"name": raw}
+        if not isinstance(raw, dict):
+            raise ValueError("a recipe name (full, lora, longlora, ...) or a mapping {name: ..., option: value}")
+        if "options" in raw and set(raw) <= {"name", "options"}:
+            name, options = raw.get("name", "full"), dict(raw["options"] or {})
+        else:
+            name, options = raw.get("name", "full"), {k: v for k, v in raw.items() if k != "name"}
+        recipe = build_recipe(name, options)  # ValueError in one line naming the option
+        return {"name": name, "options": recipe.options.model_dump(mode="json", exclude_unset=True)}
+
+    def build(self):
+        """The ``Recipe`` instance."""
+        from ropescale.training.recipes import build_recipe
+
+        return build_recipe(self.name, self.options)
+
+
 class FinetuneConfig(BaseModel):
     """One fine-tuning run. ``batch_size`` is per process and per micro-step: the global batch
     is batch_size × grad_accum × processes windows."""
@@ -246,7 +277,10 @@ class FinetuneConfig(BaseModel):
         None, ge=0, description="positions per chunk of the LM head in the loss (ropescale.lm_head: [chunk, V] "
                                 "logits at a time, recomputed in backward); None: chosen from a memory budget; "
                                 "0 or false: the model's own labels= loss over [b, s, V] logits")
-    lora: LoraSettings | None = Field(None, description="train LoRA adapters (PEFT) instead of all the weights")
+    recipe: RecipeSpec = Field(default_factory=RecipeSpec, description="what trains and how it is saved: "
+                               "full (default), lora, longlora, ... (ropescale.training.recipes)")
+    lora: LoraSettings | None = Field(None, description="train LoRA adapters (PEFT) instead of all the weights: "
+                                                        "the lora recipe with these options")
     sharding: str | None = Field(None, description="'fsdp' (accelerate's FSDP, FULL_SHARD) or an FSDP plugin "
                                                    "config file; needs CUDA devices")
     output: str | None = None
@@ -333,10 +367,21 @@ class FinetuneConfig(BaseModel):
             raise ValueError("mixed_precision: fp16 needs a CUDA device; on CPU use bf16 or no")
         if self.sharding is not None and self.device == "cpu":
             raise ValueError(SHARDING_ON_CPU)
-        if self.sharding is not None and self.lora is not None:
-            raise ValueError("sharding: not combined with lora here (LoRA freezes the base weights, so with "
-                             "gradient_checkpointing an 8B model trains on one GPU); use sharding for full fine-tuning")
+        if self.lora is not None and self.recipe.name != "full":
+            raise ValueError(f"lora: the lora section is the lora recipe; recipe: {self.recipe.name} is also given — "
+                             "keep one")
+        recipe = self.training_recipe()
+        if self.sharding is not None and not recipe.shards:
+            raise ValueError(f"sharding: not combined with {recipe.name} here (LoRA freezes the base weights, so "
+                             "with gradient_checkpointing an 8B model trains on one GPU); use sharding for full "
+                             "fine-tuning")
         return self
+
+    def training_recipe(self):
+        """The ``ropescale.training.recipes.Recipe`` this run trains with (``lora:`` → ``lora``)."""
+        from ropescale.training.recipes import build_recipe
+
+        return build_recipe("lora", self.lora) if self.lora is not None else self.recipe.build()
 
     def identity(self) -> dict[str, Any]:
         """What makes two runs the same run (a rerun with the same identity resumes): everything
@@ -349,6 +394,8 @@ class FinetuneConfig(BaseModel):
             out["eval"].pop("after", None)
         if not self.pose.enabled or self.pose.sampling == "paper":  # runs from before the key resume
             out["pose"].pop("sampling", None)
+        if out.get("recipe") == {"name": "full", "options": {}}:  # the default: runs from before the key resume
+            out.pop("recipe")
         return out
 
 
@@ -356,7 +403,8 @@ SHARDING_ON_CPU = ("sharding: needs CUDA devices: accelerate 1.15 shards (FSDP) 
                    "to plain data parallelism without a word (every process holds the whole model), so the run "
                    "would not fit where sharding is needed; leave sharding out on CPU")
 
-_SECTIONS = {"pose": PoseConfig, "eval": EvalDuringTraining, "data": DataConfig, "lora": LoraSettings}
+_SECTIONS = {"pose": PoseConfig, "eval": EvalDuringTraining, "data": DataConfig, "lora": LoraSettings,
+             "recipe": RecipeSpec}
 
 
 def _explain(err: ValidationError, source: str) -> ConfigError:

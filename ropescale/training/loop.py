@@ -7,7 +7,9 @@ precision, gradient clipping, and ``save_state``/``load_state`` checkpoints. Ada
 warm-up + linear / cosine / constant schedule from transformers (stepped once per optimiser step
 whatever the number of processes, so the learning-rate curve does not depend on it).
 
-The patched model is trained whole (all parameters) in training mode — the model's own dropout
+What trains and how the result is saved is the run's recipe (``ropescale.training.recipes``:
+``full`` — all parameters, the default; ``lora``; ``longlora``; one module each). The model is
+trained in training mode — the model's own dropout
 settings apply — with ``use_cache=False`` and an explicit all-ones attention mask (without one,
 transformers reads position ids that jump, as PoSE's do, as packed sequences and masks the
 chunks from each other). Dynamic strategies use the target length L while training
@@ -18,9 +20,10 @@ non-reentrant checkpointing: each decoder layer's activations are recomputed in 
 layer's are held at a time; the patch lives in the rotary module, computed once outside the
 layers, and in the attention function, recomputed with its layer — frequency, dynamic, log-n and
 truncation rules alike); the loss from ``ropescale.lm_head`` (the LM head over chunks of
-``loss_chunk_size`` positions, recomputed in backward: never the ``[b, s, V]`` logits); ``lora``
-(PEFT adapters on a frozen base model, applied *after* the patch, which stays active inside the
-PEFT wrapper; LongLoRA's embeddings and norms through ``modules_to_save``); ``sharding``
+``loss_chunk_size`` positions, recomputed in backward: never the ``[b, s, V]`` logits); the
+``lora`` / ``longlora`` recipes (PEFT adapters on a frozen base model, applied by the recipe's
+``prepare`` *after* the patch, which stays active inside the PEFT wrapper; LongLoRA's embeddings
+and norms through ``modules_to_save``); ``sharding``
 (accelerate's FSDP on CUDA devices).
 
 The output folder holds one run (as a harness results folder holds one experiment):
@@ -60,7 +63,6 @@ from ropescale.training.checkpoints import complete_checkpoints as _checkpoints
 from ropescale.training.config import SHARDING_ON_CPU, FinetuneConfig, ResolvedRun, fsdp_plugin_kwargs, resolve
 from ropescale.training.data import TrainingWindows, load_stream
 from ropescale.training.heldout import HeldOut
-from ropescale.training.lora import apply_lora, save_trained
 from ropescale.training.pose import PoseSampler
 from ropescale.training.report import LOG, TrainingLog, plot_training, read_log
 
@@ -260,8 +262,8 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, 
     _patch_for_training(model, cfg, run)
     if cfg.gradient_checkpointing:  # before PEFT: the decoder layers are the base model's
         enable_checkpointing(model)
-    if cfg.lora is not None:
-        model = apply_lora(model, cfg.lora)
+    recipe = cfg.training_recipe()
+    model = recipe.prepare(model, cfg)  # what trains: all weights, LoRA, ... (ropescale.training.recipes)
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     counts = {"trainable_parameters": sum(p.numel() for p in trainable),
@@ -294,7 +296,7 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, 
     # the chunked head runs lm_head outside the model's forward, where FSDP's parameters are sharded
     chunk_size = 0 if sharded else cfg.loss_chunk_size
     head = OutputHead(model) if chunk_size != 0 else None  # checked on the first step only
-    label = cfg.strategy.display + (" + PoSE" if cfg.pose.enabled else "") + (" + LoRA" if cfg.lora else "")
+    label = cfg.strategy.display + (" + PoSE" if cfg.pose.enabled else "") + recipe.label
     tokens_per_step = cfg.batch_size * cfg.grad_accum * acc.num_processes * run.window
 
     def evaluate(step: int) -> dict[str, float]:
@@ -374,7 +376,7 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, 
     state_dict = acc.get_state_dict(model) if sharded else None  # gathered: every process takes part
     if acc.is_main_process:
         inner.eval()
-        save_trained(inner, tokenizer, output / MODEL_DIR, cfg.lora, state_dict=state_dict)
+        recipe.save(inner, tokenizer, output / MODEL_DIR, state_dict=state_dict)
         (output / MODEL_DIR / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")  # last: marks the run done
         plot_training(read_log(output / LOG), output / "loss.png", f"{label}, L = {cfg.length}")
         shutil.rmtree(output / CHECKPOINTS, ignore_errors=True)

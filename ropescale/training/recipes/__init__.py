@@ -1,0 +1,125 @@
+"""Training recipes: which parameters of the patched model train, what wraps it, and how the
+result is saved — one module per recipe, each registering itself by its ``name``.
+
+A recipe is a ``Recipe`` subclass with
+
+- ``name`` (its name in configs: ``recipe: NAME`` or ``recipe: {name: NAME, option: value, ...}``),
+- ``Options`` (a pydantic model of its options; unknown keys refused, each error naming the key),
+- ``prepare(model, cfg, source) -> model``: called after the patch (and activation checkpointing)
+  are applied; freezes / wraps and returns the model the optimiser trains (its parameters with
+  ``requires_grad``),
+- ``save(model, tokenizer, output, state_dict=None) -> Path``: writes the trained model (a folder
+  ``ropescale.load_model`` reloads with its patch),
+- optional ``label`` (added to the run's label), ``requires`` (modules that must be importable:
+  checked when the config is read, one line naming the pip extra), ``shards`` (whether it combines
+  with ``sharding``).
+
+Adding a recipe is adding one module to this package: modules are imported on the first lookup
+(``get_recipe`` / ``recipe_names``), as ``eval.tasks`` discovers its tasks. Bundled: ``full`` (all
+weights, the default), ``lora`` (PEFT LoRA, also the ``lora:`` config section), ``longlora``
+(LongLoRA's LoRA+, Chen et al. 2023, arXiv:2309.12307).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+import pkgutil
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+__all__ = ["Recipe", "RecipeOptions", "UnknownRecipeError", "get_recipe", "recipe_names", "build_recipe"]
+
+
+class UnknownRecipeError(ValueError):
+    """No recipe of that name (the message lists the known ones)."""
+
+
+class RecipeOptions(BaseModel):
+    """Options of a recipe without any (subclass for a recipe's own)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class Recipe:
+    """One way to train a patched model (see the package docstring). ``self.options``: the
+    validated ``Options``. Subclasses with a ``name`` register themselves in ``Recipe.registry``."""
+
+    name: ClassVar[str]
+    Options: ClassVar[type[BaseModel]] = RecipeOptions
+    label: ClassVar[str] = ""
+    requires: ClassVar[tuple[tuple[str, str], ...]] = ()  # (module, pip requirement)
+    shards: ClassVar[bool] = True
+    registry: ClassVar[dict[str, type["Recipe"]]] = {}
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        name = cls.__dict__.get("name")
+        if name:
+            if name in Recipe.registry and Recipe.registry[name] is not cls:
+                raise ValueError(f"recipe {name!r} is already registered")
+            Recipe.registry[name] = cls
+
+    def __init__(self, options: BaseModel | None = None):
+        self.options = options if options is not None else self.Options()
+
+    def prepare(self, model, cfg, source: str = "config"):
+        """The model to train, from the patched ``model`` (all parameters trainable on entry)."""
+        raise NotImplementedError
+
+    def save(self, model, tokenizer, output: str | Path, *, state_dict: dict | None = None) -> Path:
+        """Write the trained ``model`` into ``output``; returns the folder. ``state_dict``: the
+        gathered weights of a sharded model (None otherwise)."""
+        raise NotImplementedError
+
+
+def _discover() -> None:
+    """Import every recipe module of this package (each registers itself by its ``name``)."""
+    for mod in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        if not mod.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{mod.name}")
+
+
+def recipe_names() -> list[str]:
+    _discover()
+    return sorted(Recipe.registry)
+
+
+def get_recipe(name: str) -> type[Recipe]:
+    """The recipe class ``name``; ``UnknownRecipeError`` lists the known ones."""
+    _discover()
+    try:
+        return Recipe.registry[name]
+    except (KeyError, TypeError):
+        hint = difflib.get_close_matches(str(name), list(Recipe.registry), n=1)
+        raise UnknownRecipeError(f"unknown recipe {name!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                                 + f"; known recipes: {', '.join(sorted(Recipe.registry))}") from None
+
+
+def build_recipe(name: str, options: dict[str, Any] | BaseModel | None = None) -> Recipe:
+    """An instance of recipe ``name`` with validated ``options``. Raises ``ValueError`` in one
+    line naming the option (``r: Input should be greater than or equal to 1``), an unknown recipe
+    or a missing package."""
+    cls = get_recipe(name)
+    for module, requirement in cls.requires:
+        if importlib.util.find_spec(module) is None:
+            raise ValueError(f"{name}: needs {module}, which is not installed: pip install '{requirement}'")
+    if isinstance(options, cls.Options):
+        return cls(options)
+    try:
+        return cls(cls.Options.model_validate(options or {}))
+    except ValidationError as e:
+        parts = []
+        for err in e.errors():
+            key = ".".join(str(x) for x in err["loc"]) or name
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                known = list(cls.Options.model_fields)
+                hint = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
+                msg = (f"unknown option of recipe {name}; allowed: {', '.join(known) or 'none'}"
+                       + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+            parts.append(f"{key}: {msg}")
+        raise ValueError("; ".join(parts)) from None

@@ -1,0 +1,29 @@
+"""LoRA (Hu et al. 2021, arXiv:2106.09685) through PEFT on the frozen, patched model, with
+LongLoRA's optional "LoRA+" (embeddings and norms trained fully): ``recipe: lora`` or the
+``lora:`` config section. Options: ``ropescale.training.config.LoraSettings``; the work is done
+by ``ropescale.training.lora`` (``apply_lora``, ``save_trained``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ropescale.training.config import LoraSettings
+from ropescale.training.recipes import Recipe
+
+
+class Lora(Recipe):
+    name = "lora"
+    Options = LoraSettings
+    label = " + LoRA"
+    requires = (("peft", "ropescale[lora]"),)
+    shards = False  # LoRA freezes the base weights: with gradient_checkpointing an 8B model fits one GPU
+
+    def prepare(self, model, cfg, source: str = "config"):
+        from ropescale.training.lora import apply_lora
+
+        return apply_lora(model, self.options, source)
+
+    def save(self, model, tokenizer, output: str | Path, *, state_dict: dict | None = None) -> Path:
+        from ropescale.training.lora import save_trained
+
+        return save_trained(model, tokenizer, output, self.options, state_dict=state_dict)
