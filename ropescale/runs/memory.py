@@ -100,19 +100,31 @@ def forward_bytes(dims: ModelDims, tokens: int, itemsize: int, *, batch: int = 1
     return out
 
 
-def _cgroup_room() -> int | None:
-    """What a cgroup (v2 or v1) memory limit still allows, or None when there is none."""
-    for limit_path, usage_path in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+def _cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """What a cgroup (v2 or v1) memory limit still allows, or None when there is none. Usage
+    counts the page cache; its inactive part is reclaimable, so it is not counted as used (the
+    "working set" container runtimes report)."""
+    for limit_file, usage_file, stat_file, inactive_key in (
+            ("memory.max", "memory.current", "memory.stat", "inactive_file"),
+            ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat",
+             "total_inactive_file")):
         try:
-            limit = Path(limit_path).read_text().strip()
-            usage = int(Path(usage_path).read_text().strip())
+            limit = (root / limit_file).read_text().strip()
+            usage = int((root / usage_file).read_text().strip())
         except (OSError, ValueError):
             continue
         if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:
             return None
-        return max(0, int(limit) - usage)
+        inactive = 0
+        try:
+            for line in (root / stat_file).read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == inactive_key:
+                    inactive = int(value)
+                    break
+        except (OSError, ValueError):
+            pass
+        return max(0, int(limit) - max(0, usage - inactive))
     return None
 
 

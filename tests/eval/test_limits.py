@@ -186,3 +186,13 @@ def test_thousands_of_prompts_show_a_progress_bar_while_built(monkeypatch):
                    tokenizer=load_tokenizer("reference"), train_length=128)
     task.examples(64)
     assert seen == [(1000, "passkey prompts @ 64")]
+
+
+def test_a_container_limit_bounds_the_free_memory_without_counting_reclaimable_cache(tmp_path):
+    (tmp_path / "memory.max").write_text(f"{32 * GiB}\n")
+    (tmp_path / "memory.current").write_text(f"{30 * GiB}\n")  # 20 GiB of it page cache of a model just read
+    (tmp_path / "memory.stat").write_text(f"anon {10 * GiB}\nfile {20 * GiB}\ninactive_file {18 * GiB}\n")
+    assert memory._cgroup_room(tmp_path) == 20 * GiB
+    (tmp_path / "memory.max").write_text("max\n")
+    assert memory._cgroup_room(tmp_path) is None
+    assert memory._cgroup_room(tmp_path / "none") is None
