@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -44,7 +44,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils.generic import is_flash_attention_requested
 
 from ropescale.errors import InvalidInput, RopescaleError
-from ropescale.flex_regions import flex_attention_path
+from ropescale.flex_regions import BlockMaskCache, flex_attention_path
 from ropescale.strategies.truncation import RelativeRule
 from ropescale.truncated_attention import blocked_attention, fused_attention, fused_route, naive_attention
 
@@ -208,12 +208,14 @@ def enable_logn(model, original_max_position_embeddings: int):
 TRUNCATION = "ropescale_truncation"
 
 
-def _fused_path(q, k, v, q_pos, k_pos, rule, inv_freq, scaling, **kw) -> torch.Tensor:
+def _fused_path(q, k, v, q_pos, k_pos, rule, inv_freq, scaling, *, masks=None, **kw) -> torch.Tensor:
     """The default path: the fused CPU kernels (``truncated_attention.fused_attention``) on the
-    CPU, FlexAttention (``flex_regions``) on other devices, unless ``fused_route`` says blocked."""
+    CPU, FlexAttention (``flex_regions``, with the model's block-mask cache ``masks``) on other
+    devices, unless ``fused_route`` says blocked."""
     route = fused_route(q.device.type, softcap=kw.get("softcap"), dropout=kw.get("dropout", 0.0), keep=kw.get("keep"))
-    fn = flex_attention_path if route == "flex" else fused_attention
-    return fn(q, k, v, q_pos, k_pos, rule, inv_freq, scaling, **kw)
+    if route == "flex":
+        return flex_attention_path(q, k, v, q_pos, k_pos, rule, inv_freq, scaling, masks=masks, **kw)
+    return fused_attention(q, k, v, q_pos, k_pos, rule, inv_freq, scaling, **kw)
 
 
 _PATHS = {"fused": _fused_path, "flex": flex_attention_path, "blocked": blocked_attention,
@@ -230,6 +232,7 @@ class _Truncation:
     block: int
     logn: int | None  # L_train when log-n scaling is on
     calls: int = 0  # attention calls that reached the rule (check_routed)
+    masks: BlockMaskCache = field(default_factory=BlockMaskCache)  # FlexAttention masks, shared by the layers
 
 
 class IdentityRotary(nn.Module):
@@ -274,9 +277,11 @@ def _truncation_attention(module, query, key, value, attention_mask, scaling=Non
     layer_type = getattr(module, "layer_type", None)
     inv_freq, att = state.freqs.get(layer_type, next(iter(state.freqs.values())))
     fn = _PATHS[state.path]
+    extra = {"masks": state.masks} if state.path in ("fused", "flex") else {}  # the paths that may run FlexAttention
     out = fn(query, key, value, q_pos, k_pos, state.rule, inv_freq.to(query.device), att,
              keep=_keep_mask(attention_mask), scale=scaling or query.shape[-1] ** -0.5, softcap=softcap,
-             sliding_window=sliding_window, interleaved=state.interleaved, dropout=dropout, block=state.block)
+             sliding_window=sliding_window, interleaved=state.interleaved, dropout=dropout, block=state.block,
+             **extra)
     return out.transpose(1, 2).contiguous(), None  # [b, s_q, n_h, h_d]
 
 

@@ -51,30 +51,28 @@ from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, fle
 from ropescale.strategies.truncation import RelativeRule
 from ropescale.truncated_attention import blocked_attention, fused_attention, rotate
 
-__all__ = ["flex_attention_path", "region_block_masks", "NO_FLEX_BACKWARD"]
+__all__ = ["BlockMaskCache", "flex_attention_path", "region_block_masks", "NO_FLEX_BACKWARD"]
 
 NO_FLEX_BACKWARD = {"cpu", "mps"}  # device types where torch refuses FlexAttention backward
-_COMPILED = {}  # "flex", "mask" → compiled flex_attention / create_block_mask, built on first CUDA call
+
+
+@lru_cache(maxsize=None)
+def _compiled(fn):
+    """``torch.compile(fn)``, once per process: a cache of compiled *functions* (no data), shared by
+    every model as torch's own compile cache is, so it lives here rather than on a patch."""
+    return torch.compile(fn)
 
 
 def _flex_for(device: torch.device):
     """The compiled kernel on CUDA (compiled once per process), the eager function elsewhere."""
-    if device.type != "cuda":
-        return flex_attention
-    if "flex" not in _COMPILED:
-        _COMPILED["flex"] = torch.compile(flex_attention)
-    return _COMPILED["flex"]
+    return _compiled(flex_attention) if device.type == "cuda" else flex_attention
 
 
 def _mask_builder(device: torch.device):
     """``create_block_mask`` compiled on CUDA: eagerly it evaluates the mask over all s_q × s_k
     pairs at once (16 G booleans at 128k tokens); compiled, the evaluation is fused into the
     per-block reduction (torch's advice since 2.6). Eager elsewhere (tests, short inputs)."""
-    if device.type != "cuda":
-        return create_block_mask
-    if "mask" not in _COMPILED:
-        _COMPILED["mask"] = torch.compile(create_block_mask)
-    return _COMPILED["mask"]
+    return _compiled(create_block_mask) if device.type == "cuda" else create_block_mask
 
 
 def _keep3(keep: torch.Tensor | None, b: int, s_q: int, s_k: int) -> torch.Tensor | None:
@@ -101,10 +99,12 @@ def _region_mask_mod(c0: int, lo: int, hi: int | None, keep3: torch.Tensor | Non
     return lambda b, h, t, j: band(b, h, t, j) & keep3[b, t, j]
 
 
-class _LastMasks:
-    """The block masks of the last call. Every layer of one forward passes the same lengths and
-    the same ``keep`` tensor, so the masks are built once per forward, not once per layer
-    (``create_block_mask`` evaluates the mask over all s_q × s_k pairs)."""
+class BlockMaskCache:
+    """The block masks of the last call, owned by one patched model (``ropescale.attention`` keeps
+    one on its truncation state). Every layer of one forward passes the same lengths and the same
+    ``keep`` tensor, so the masks are built once per forward, not once per layer
+    (``create_block_mask`` evaluates the mask over all s_q × s_k pairs). Holds the last masks only
+    (a weak reference to ``keep``), so it never pins a forward's tensors beyond the next one."""
 
     def __init__(self):
         self.key, self.keep_ref, self.keep_version, self.masks = None, None, None, None
@@ -121,13 +121,12 @@ class _LastMasks:
         return self.masks
 
 
-_LAST = _LastMasks()
-
-
 def region_block_masks(b: int, s_q: int, s_k: int, window: int, sliding_window: int | None,
-                       keep: torch.Tensor | None, device, tensor_type: type = torch.Tensor) -> tuple:
+                       keep: torch.Tensor | None, device, tensor_type: type = torch.Tensor,
+                       cache: BlockMaskCache | None = None) -> tuple:
     """(near, far) ``BlockMask``s for queries at slots s_k − s_q + t; far is None when no pair
     reaches distance ``window`` (or the sliding window ends first). ``keep``: as the path's.
+    ``cache``: reuse the masks of the previous call when nothing changed (None: build them).
     ``tensor_type`` (the queries' class) is part of the cache key, so masks built from fake
     tensors (FakeTensorMode) never serve real ones."""
     def build():
@@ -143,7 +142,9 @@ def region_block_masks(b: int, s_q: int, s_k: int, window: int, sliding_window: 
                              device=device)
         return near, far
 
-    return _LAST.get((b, s_q, s_k, window, sliding_window, str(device), tensor_type), keep, build)
+    if cache is None:
+        return build()
+    return cache.get((b, s_q, s_k, window, sliding_window, str(device), tensor_type), keep, build)
 
 
 @lru_cache(maxsize=16)
@@ -156,10 +157,13 @@ def _softcap_mod(softcap: float | None):
 
 def flex_attention_path(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling: float, *, keep=None,
                         scale: float, softcap: float | None = None, sliding_window: int | None = None,
-                        interleaved: bool = False, dropout: float = 0.0, block: int = 512) -> torch.Tensor:
+                        interleaved: bool = False, dropout: float = 0.0, block: int = 512,
+                        masks: BlockMaskCache | None = None) -> torch.Tensor:
     """Exact attention under ``rule`` in two FlexAttention calls; returns ``[b, n_h, s_q, h_d]``
     in q's dtype (see the module docstring for shapes and the merge).
 
+    ``masks``: the caller's block-mask cache (one per patched model, so the layers of a forward
+    share their masks); None builds them for this call alone.
     ``scaling`` is the rotary ``attention_scaling`` (cos and sin are multiplied by it, as
     transformers does), ``scale`` the softmax scale, ``softcap`` c of tanh(s/c)·c (None: off),
     ``sliding_window`` W: keys at i − j ≥ W are invisible. ``dropout`` > 0 is handed to
@@ -176,7 +180,8 @@ def flex_attention_path(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, sca
     if needs_grad and q.device.type in NO_FLEX_BACKWARD:  # fused_attention would send MPS back here
         return (fused_attention if q.device.type == "cpu" else blocked_attention)(*args, **kw)
     b, s_q, s_k = q.shape[0], q.shape[2], k.shape[2]
-    near_mask, far_mask = region_block_masks(b, s_q, s_k, rule.window, sliding_window, keep, q.device, type(q))
+    near_mask, far_mask = region_block_masks(b, s_q, s_k, rule.window, sliding_window, keep, q.device, type(q),
+                                             cache=masks)
     flex, score_mod = _flex_for(q.device), _softcap_mod(softcap)
     aux = AuxRequest(lse=True)
 

@@ -64,6 +64,18 @@ class PatchHandle:
         if getattr(self.model, _HANDLE_ATTR, None) is self:
             delattr(self.model, _HANDLE_ATTR)
 
+    def train_at(self, length: int | None) -> None:
+        """Train toward target length ``length`` [tokens]: in training mode, dynamic strategies use
+        L = max(``length``, max(position_ids) + 1) (``ScaledRotaryEmbedding.set_training_length``);
+        None undoes it. Static strategies and truncation rules do not depend on L: no effect. Raises
+        ``InvalidInput`` for a length that is not a whole number >= 1, ``RuntimeError`` after unpatch."""
+        if not self.active:
+            raise RuntimeError("this patch has been undone; patch the model again")
+        for parent, attr, _ in self._swaps:
+            rotary = getattr(parent, attr)
+            if isinstance(rotary, ScaledRotaryEmbedding):
+                rotary.set_training_length(length)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready record of the patch (how ``ropescale.save_patched`` stores it)."""
         out = {"strategy": self.strategy, "params": self.params,
@@ -139,6 +151,23 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
     """
     strat = get_strategy(strategy)
     params = strat.validate(params)
+    found = _check_options(model, strat, original_max_position_embeddings=original_max_position_embeddings,
+                           layer_types=layer_types, dynamic_cache=dynamic_cache, dynamic_block=dynamic_block,
+                           logn=logn, attention_path=attention_path, block_size=block_size)
+    modules = dict(model.named_modules())
+    handle = PatchHandle(model, strategy, params, {})
+    if strat.kind == "attention":
+        return _patch_attention(model, handle, strat, found, modules, original_max_position_embeddings,
+                                logn, attention_path, block_size)
+    return _patch_frequency(model, handle, strat, found, modules, original_max_position_embeddings, layer_types,
+                            dynamic_cache, dynamic_block, logn)
+
+
+def _check_options(model: nn.Module, strat: Strategy, *, original_max_position_embeddings: int | None,
+                   layer_types: list[str] | None, dynamic_cache: str, dynamic_block: int, logn: bool,
+                   attention_path: str, block_size: int) -> list[tuple[str, nn.Module]]:
+    """Validation: every option checked (one-line ``InvalidInput``), options ``strat`` does not use
+    refused, the model checked patchable; returns its rotary modules (``find_rotary_modules``)."""
     # the rotary buffers only: accelerate's offloading (device_map) leaves offloaded weights on meta
     # but keeps buffers on a real device; a rotary buffer on meta has no frequencies to read
     meta = [n for n, m in find_rotary_modules(model) if any(b.is_meta for b in m.buffers(recurse=False))]
@@ -172,11 +201,14 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
             "positions cannot be patched")
     _refuse_inapplicable(strat, layer_types=layer_types, dynamic_cache=dynamic_cache, dynamic_block=dynamic_block,
                          attention_path=attention_path, block_size=block_size)
-    modules = dict(model.named_modules())
-    handle = PatchHandle(model, strategy, params, {})
-    if strat.kind == "attention":
-        return _patch_attention(model, handle, strat, found, modules, original_max_position_embeddings,
-                                logn, attention_path, block_size)
+    return found
+
+
+def _patch_frequency(model: nn.Module, handle: PatchHandle, strat: Strategy, found, modules, train_override,
+                     layer_types, dynamic_cache: str, dynamic_block: int, logn: bool) -> PatchHandle:
+    """Frequency strategies: each rotary module replaced by a ``ScaledRotaryEmbedding`` (chosen
+    layer types driven by ``strat``, the others kept), plus log-n scaling in attention."""
+    params = handle.params
     try:
         for name, module in found:
             available = layer_types_of(module)
@@ -190,11 +222,11 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
                     entries[lt] = _Entry(getattr(module, _buffer(lt)).clone(), attention_scaling_of(module, lt))
                     continue
                 context = rope_context(model, module, lt)
-                if original_max_position_embeddings is not None:
-                    context["original_max_position_embeddings"] = int(original_max_position_embeddings)
+                if train_override is not None:
+                    context["original_max_position_embeddings"] = int(train_override)
                 if context["original_max_position_embeddings"] is None and any(
                         k in strat.needs for k in ("original_max_position_embeddings", "seq_len")):
-                    raise InvalidInput(f"{strategy} needs original_max_position_embeddings; the config has none")
+                    raise InvalidInput(f"{strat.name} needs original_max_position_embeddings; the config has none")
                 start = {**context, "seq_len": context["original_max_position_embeddings"]}
                 inv_freq, scaling = strat.compute(start, params)
                 device = getattr(module, _buffer(lt)).device

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ropescale.errors import RopescaleError
+from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.cache import rerotate_cache
 from ropescale.rope_config import NoRopeConfigError, rope_config_of
 from ropescale.strategies import Strategy
@@ -138,8 +138,8 @@ class ScaledRotaryEmbedding(nn.Module):
     to a multiple of ``dynamic_block``) on each forward: one scale for the whole forward, as
     transformers' ``dynamic`` type does; each layer type's entry is brought up to L when it is
     asked for, whatever order the base model asks in. Static strategies never read
-    ``position_ids``' values (no host-device sync). In training mode with ``training_length`` set (by
-    ``ropescale.training``), they use L = max(``training_length``, max(position_ids) + 1)
+    ``position_ids``' values (no host-device sync). In training mode with ``training_length`` set
+    (``set_training_length``; ``PatchHandle.train_at``), they use L = max(``training_length``, max(position_ids) + 1)
     instead: the target length the model is being trained for, whatever the positions of one
     batch reach (PoSE's skipped positions reach L only sometimes). Under a KV cache
     (``ropescale.cache``), ``dynamic_cache`` says what happens to cached tokens when the
@@ -168,6 +168,14 @@ class ScaledRotaryEmbedding(nn.Module):
         self._served: set[str | None] = set()  # layer types already asked for in the current forward
         self._seq_len: int | None = None  # dynamic strategies' L for the current forward [tokens]
         self._cached_positions: torch.Tensor | None = None  # positions of keys cached before this forward
+
+    def set_training_length(self, length: int | None) -> None:
+        """Dynamic strategies' L in training mode: at least ``length`` [tokens] (the target length
+        being trained for), whatever one batch's positions reach; None: from the positions only.
+        Raises ``InvalidInput`` unless ``length`` is None or a whole number >= 1."""
+        if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
+            raise InvalidInput(f"training length {length!r} must be a whole number of tokens >= 1 (or None)")
+        self.training_length = length
 
     def would_change(self, seq_len: int) -> bool:
         return any(e.would_change(seq_len) for e in self.entries.values())

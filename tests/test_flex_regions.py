@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 import ropescale
 from ropescale import flex_regions, truncated_attention
-from ropescale.flex_regions import flex_attention_path, region_block_masks
+from ropescale.flex_regions import BlockMaskCache, flex_attention_path, region_block_masks
 from ropescale.strategies.truncation import leaky_rerope, rerope, self_extend
 from ropescale.truncated_attention import fused_attention, fused_route, naive_attention
 from tests.families import family_model
@@ -153,13 +153,38 @@ def test_fused_on_a_non_cpu_device_dispatches_to_flex(monkeypatch):
 
 def test_block_masks_are_built_once_per_forward_and_rebuilt_when_keep_changes():
     keep = torch.ones(2, 1, 1, 30, dtype=torch.bool)
-    first = region_block_masks(2, 30, 30, 8, None, keep, "cpu")
-    assert region_block_masks(2, 30, 30, 8, None, keep, "cpu") is first  # another layer, same forward
+    cache = BlockMaskCache()
+    first = region_block_masks(2, 30, 30, 8, None, keep, "cpu", cache=cache)
+    assert region_block_masks(2, 30, 30, 8, None, keep, "cpu", cache=cache) is first  # another layer, same forward
+    assert region_block_masks(2, 30, 30, 8, None, keep, "cpu") is not first  # no cache: built for the call
     keep[1, ..., :4] = False  # changed in place: rebuilt
-    second = region_block_masks(2, 30, 30, 8, None, keep, "cpu")
+    second = region_block_masks(2, 30, 30, 8, None, keep, "cpu", cache=cache)
     assert second is not first
-    assert region_block_masks(2, 30, 30, 8, None, keep.clone(), "cpu") is not second  # another tensor
-    assert region_block_masks(2, 30, 30, 40, None, None, "cpu")[1] is None  # no far region
+    assert region_block_masks(2, 30, 30, 8, None, keep.clone(), "cpu", cache=cache) is not second  # another tensor
+    assert region_block_masks(2, 30, 30, 40, None, None, "cpu", cache=cache)[1] is None  # no far region
+
+
+def test_mask_cache_belongs_to_the_patched_model_not_the_module():
+    """No module-level data: each patched model keeps its own masks, gone with its patch."""
+    from ropescale import flex_regions
+    from ropescale.attention import _TRUNCATION_ATTR
+
+    assert not [n for n, v in vars(flex_regions).items()
+                if isinstance(v, (dict, list, BlockMaskCache)) and not n.startswith("__")]
+    a, b = family_model("llama"), family_model("llama")
+    with torch.no_grad(), ropescale.patch(a, "rerope", window=40, attention_path="flex"), \
+            ropescale.patch(b, "rerope", window=40, attention_path="flex"):
+        state_a = getattr(a.model.layers[0].self_attn, _TRUNCATION_ATTR)
+        state_b = getattr(b.model.layers[0].self_attn, _TRUNCATION_ATTR)
+        assert state_a.masks is not state_b.masks
+        assert getattr(a.model.layers[1].self_attn, _TRUNCATION_ATTR).masks is state_a.masks  # shared by layers
+        a(IDS[:, :60])
+        built = state_a.masks.masks
+        assert built[0].shape[-2:] == (60, 60)
+        assert state_b.masks.masks[0].shape[-2:] != (60, 60)  # b has not run at 60 (only patch's routing check)
+        b(IDS[:, :50])
+        assert state_a.masks.masks is built  # b's forward did not replace a's masks
+    assert not hasattr(a.model.layers[0].self_attn, _TRUNCATION_ATTR)
 
 
 def test_bad_keep_shape_is_one_clear_value_error():

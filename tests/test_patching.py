@@ -153,3 +153,39 @@ def test_options_a_strategy_uses_are_accepted(tiny_llama):
         pass
     with ropescale.patch(tiny_llama, "rerope", window=8, attention_path="naive", block_size=16):
         pass
+
+
+def _cos(inv_freq, positions):
+    freqs = positions[:, None].double() * inv_freq.double()[None]  # [s, d/2]
+    return torch.cat([freqs, freqs], -1).cos()  # [s, d]: the rotate-half layout
+
+
+def test_train_at_sets_the_length_dynamic_strategies_train_for(tiny_llama):
+    """In training mode L = max(train_at length, positions); the oracle is the dynamic NTK formula
+    b' = b·(L/T)^(d/(d−2)) (factor 1) written out here, with T = 64, L = 256, d = 16."""
+    pos = torch.arange(40)
+    x = torch.zeros(1, 40, 16)
+    exponent = torch.arange(0, 16, 2).double() / 16
+    vanilla, stretched = 1e4 ** -exponent, (1e4 * 4.0 ** (16 / 14)) ** -exponent
+    with ropescale.patch(tiny_llama, "dynamic_ntk") as h:
+        rotary = tiny_llama.model.rotary_emb
+        h.train_at(256)
+        assert rotary.training_length == 256
+        rotary.train()
+        torch.testing.assert_close(rotary(x, pos[None])[0][0].double(), _cos(stretched, pos), rtol=0, atol=1e-5)
+        rotary.eval()  # evaluation: L from the positions (40 < T): vanilla
+        torch.testing.assert_close(rotary(x, pos[None])[0][0].double(), _cos(vanilla, pos), rtol=0, atol=1e-5)
+        h.train_at(None)
+        rotary.train()
+        torch.testing.assert_close(rotary(x, pos[None])[0][0].double(), _cos(vanilla, pos), rtol=0, atol=1e-5)
+        for bad in (0, 2.5, True, "256"):
+            with pytest.raises(ValueError, match=f"training length {bad!r} must be a whole number"):
+                h.train_at(bad)
+    tiny_llama.eval()
+    with pytest.raises(RuntimeError, match="patch has been undone"):
+        h.train_at(256)
+
+
+def test_train_at_is_harmless_for_truncation_rules(tiny_llama):
+    with ropescale.patch(tiny_llama, "rerope", window=16) as h:
+        h.train_at(256)  # nothing depends on L
