@@ -12,8 +12,12 @@ Context arguments (units in brackets):
     seq_len: current sequence length L [tokens]; naming it makes the strategy *dynamic*
         (recomputed per forward from ``max(position_ids) + 1``).
 
+Parameters are checked by ``Strategy.validate`` (no target length) or ``Strategy.resolve``
+(target length L and training window T: the one rule filling ``auto`` parameters, ``auto_value``).
+``register(..., export=fn)`` declares how transformers expresses a strategy (``Exporter``).
+
 Raises ``UnknownStrategyError`` (a ``KeyError``) for an unknown name, with the known names
-and a close match, and ``ValueError`` naming the parameter, the bad value and the allowed
+and a close match, and ``InvalidInput`` (a ``ValueError``) naming the parameter, the bad value and the allowed
 range for bad parameters. This mirrors ``transformers.modeling_rope_utils`` with real
 errors instead of warnings.
 """
