@@ -85,7 +85,7 @@ def save_checkpoint(acc, output: Path, step: int, keep: int) -> Path:
         acc.wait_for_everyone()
         if acc.is_main_process:
             (folder / COMPLETE).write_text(json.dumps({"step": step}) + "\n", encoding="utf-8")
-    except Exception as e:  # noqa: BLE001 — classified below; anything not a write failure is re-raised
+    except Exception as e:  # classified below; anything not a write failure is re-raised
         reason = _write_failure(e, folder)
         if reason is None:
             raise

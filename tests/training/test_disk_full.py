@@ -62,7 +62,7 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_rerun_resumes_bit_exact
     assert resumed["resumed_from"] == 2 and resumed["steps"] == 5
     a, b = weights(tmp_path / "straight"), weights(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    strip = lambda log: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in log]  # noqa: E731
+    strip = lambda log: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in log]
     assert strip(read_log(out)) == strip(read_log(tmp_path / "straight"))
 
 

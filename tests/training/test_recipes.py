@@ -3,7 +3,6 @@
 key, and used by the loop to prepare and save the model."""
 
 import pytest
-import torch
 from pydantic import Field
 
 from eval.finetune import run_finetune as finetune
