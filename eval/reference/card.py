@@ -1,6 +1,6 @@
 """Measure the bundled reference model and write its model card (``README.md``).
 
-    python -m eval.reference.card --model ropescale/reference/kjv-llama
+    ropescale reference card --model ropescale/reference/kjv-llama [--plot curves.png]
 
 Runs the harness on held-out books (perplexity at T and 8T, passkey at T over six depths) and
 the copy probe, stores the figures under ``card`` in ``training.json`` and writes the card.
@@ -9,13 +9,13 @@ About 3 minutes on 2 CPU cores.
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
 
 import torch
 
+from ropescale.errors import InvalidInput
 from ropescale.reference import kjv
 from .train import copy_probe, token_stream
 
@@ -85,7 +85,7 @@ language model for anything else.
 - Both stages on {s['threads']} CPU threads (torch {s['torch']}); together
   {s1['train_seconds'] + (0 if s1 is s else s['train_seconds']):.0f} s.
 
-## Measured on the held-out books (`python -m eval.reference.card`)
+## Measured on the held-out books (`ropescale reference card`)
 
 | what | value |
 |---|---|
@@ -99,10 +99,10 @@ language model for anything else.
 Reproduce (bit-exact reproduction also needs the same torch build and thread count):
 
 ```bash
-python -m eval.reference.train --output stage1 --seed {s1['seed']} --steps {s1['steps']} --answer-end ''
-python -m eval.reference.train --init stage1 --output DIR --steps {s['steps']} --lr {s['lr']} --warmup {s['warmup']} \\
+ropescale reference train --output stage1 --seed {s1['seed']} --steps {s1['steps']} --answer-end ''
+ropescale reference train --init stage1 --output DIR --steps {s['steps']} --lr {s['lr']} --warmup {s['warmup']} \\
     --mix {",".join(f"{k}={v:g}" for k, v in s['mix'].items())} --probe-every {s['probe_every']}
-python -m eval.reference.card --model DIR
+ropescale reference card --model DIR
 ```
 """
 
@@ -146,21 +146,19 @@ def plot_training(summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", type=Path, required=True)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--plot", type=Path, help="also draw the training and copy-probe curves here (PNG)")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    summary = json.loads((args.model / "training.json").read_text(encoding="utf-8"))
-    summary["card"] = measure(args.model)
-    (args.model / "training.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
-    (args.model / "README.md").write_text(model_card(summary, summary["card"], kjv.split("train"), kjv.split("heldout")), encoding="utf-8")
-    if args.plot:
-        plot_training(summary, args.plot)
-    print(json.dumps(summary["card"], indent=1))
-
-
-if __name__ == "__main__":
-    main()
+def write_card(model: Path, *, threads: int = 2, plot: Path | None = None) -> dict:
+    """Measure the model in folder ``model`` (``measure``), store the figures under ``card`` in its
+    ``training.json``, write its card (``README.md``), draw the training curves into ``plot`` if
+    given, and return the figures (``ropescale reference card``)."""
+    model = Path(model)
+    if not (model / "training.json").is_file():
+        raise InvalidInput(f"--model {model}: no training.json (a model folder `ropescale reference train` wrote)")
+    torch.set_num_threads(threads)
+    summary = json.loads((model / "training.json").read_text(encoding="utf-8"))
+    summary["card"] = measure(model)
+    (model / "training.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    (model / "README.md").write_text(model_card(summary, summary["card"], kjv.split("train"), kjv.split("heldout")),
+                                     encoding="utf-8")
+    if plot:
+        plot_training(summary, Path(plot))
+    return summary["card"]

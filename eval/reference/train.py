@@ -5,10 +5,10 @@ Run from a checkout (needs Debian's ``bible-kjv``; about 55 min on 2 CPU cores):
 model is two stages, from scratch and then a short second stage (the exact commands are in its
 model card, ``ropescale/reference/kjv-llama/README.md``)::
 
-    python -m eval.reference.train --output stage1 --steps 1800 --answer-end ''
-    python -m eval.reference.train --init stage1 --output DIR --steps 700 --lr 1e-3 --warmup 20 \
+    ropescale reference train --output stage1 --steps 1800 --answer-end ''
+    ropescale reference train --init stage1 --output DIR --steps 700 --lr 1e-3 --warmup 20 \
         --mix kjv=0.7,passkey=0.12,needle=0.08,repeat=0.06,random=0.04 --probe-every 100
-    python -m eval.reference.card --model DIR      # measures it and writes the model card
+    ropescale reference card --model DIR      # measures it and writes the model card
 
 It writes the tokenizer, ``config.json``, ``model.safetensors`` and ``training.json`` (loss
 curve, copy-probe curve; stage 1's under ``stage1``) into ``--output``.
@@ -35,13 +35,13 @@ the second copy of a 40-token passage), so the phase change is visible in ``trai
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import platform
 import random
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -54,6 +54,7 @@ from transformers import (
 
 from ..tasks import needle, passkey
 from ..tasks.prompts import cycle_units, random_key, sentence_units
+from ropescale.errors import InvalidInput
 from ropescale.reference import kjv
 
 EOT = "<|endoftext|>"
@@ -176,41 +177,49 @@ def copy_probe(model: LlamaForCausalLM, stream: torch.Tensor, n: int = 40, passa
     return {"first_copy_loss": round(first, 4), "second_copy_loss": round(second, 4), "second_copy_top1": round(acc, 4)}
 
 
-def _parse_mix(text: str) -> dict[str, float]:
+def mix_text(mix: dict[str, float]) -> str:
+    """``{"kjv": 0.7, ...}`` → ``"kjv=0.7,..."`` (the form ``--mix`` takes)."""
+    return ",".join(f"{k}={v}" for k, v in mix.items())
+
+
+def _parse_mix(text: str, option: str = "--mix") -> dict[str, float]:
+    """``"kjv=0.7,passkey=0.3"`` → shares normalised to sum 1; ``InvalidInput`` in one line."""
     mix = {}
     for item in text.split(","):
-        k, _, v = item.partition("=")
-        mix[k.strip()] = float(v)
+        k, eq, v = item.partition("=")
+        try:
+            share = float(v) if eq else None
+        except ValueError:
+            share = None
+        if share is None or not math.isfinite(share) or share < 0:
+            raise InvalidInput(f"{option} {text!r}: {item!r} is not KIND=SHARE with a share >= 0 "
+                               f"(kinds: {', '.join(DEFAULT_MIX)})")
+        mix[k.strip()] = share
     unknown = set(mix) - set(DEFAULT_MIX)
     if unknown:
-        raise SystemExit(f"--mix: unknown kinds {sorted(unknown)}; known: {', '.join(DEFAULT_MIX)}")
+        raise InvalidInput(f"{option}: unknown kinds {sorted(unknown)}; known: {', '.join(DEFAULT_MIX)}")
     total = sum(mix.values())
+    if total <= 0:
+        raise InvalidInput(f"{option} {text!r}: the shares add up to 0")
     return {k: v / total for k, v in mix.items()}
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--output", type=Path, required=True)
-    ap.add_argument("--steps", type=int, default=1500)
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--window", type=int, default=128, help="training window T (tokens)")
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--warmup", type=int, default=100)
-    ap.add_argument("--vocab-size", type=int, default=4096)
-    ap.add_argument("--mix", default=",".join(f"{k}={v}" for k, v in DEFAULT_MIX.items()),
-                    help="shares of the document kinds per batch")
-    ap.add_argument("--copy-mix", default=",".join(f"{k}={v}" for k, v in COPY_MIX.items()),
-                    help="shares used from the first step until the copy probe shows induction")
-    ap.add_argument("--copy-phase-max", type=int, default=600, help="steps at most on --copy-mix")
-    ap.add_argument("--probe-every", type=int, default=50)
-    ap.add_argument("--answer-end", default=".", help="text after a passkey/needle answer ('' = the window "
-                                                       "ends at the answer, as stage 1 of the bundled model did)")
-    ap.add_argument("--init", type=Path, help="start from this model (and its tokenizer) instead of from scratch: "
-                                              "a second stage; no copy phase")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args(argv)
-    mix, copy_mix = _parse_mix(args.mix), _parse_mix(args.copy_mix)
+def train(output: Path, *, steps: int = 1500, batch_size: int = 32, window: int = 128, lr: float = 2e-3,
+          warmup: int = 100, vocab_size: int = 4096, mix: str | None = None, copy_mix: str | None = None,
+          copy_phase_max: int = 600, probe_every: int = 50, answer_end: str = ".", init: Path | None = None,
+          seed: int = 0, threads: int = 2) -> dict:
+    """Train the reference model into ``output`` (``ropescale reference train``; the options are
+    the CLI's) and return the summary written to ``training.json``. ``mix``/``copy_mix``:
+    ``"kind=share,..."`` (None: ``DEFAULT_MIX`` / ``COPY_MIX``); ``init``: a model folder to start
+    from (a second stage, no copy phase)."""
+    args = SimpleNamespace(output=Path(output), steps=steps, batch_size=batch_size, window=window, lr=lr,
+                           warmup=warmup, vocab_size=vocab_size, copy_phase_max=copy_phase_max,
+                           probe_every=probe_every, answer_end=answer_end, init=Path(init) if init else None,
+                           seed=seed, threads=threads)
+    mix = _parse_mix(mix_text(DEFAULT_MIX) if mix is None else mix, "--mix")
+    copy_mix = _parse_mix(mix_text(COPY_MIX) if copy_mix is None else copy_mix, "--copy-mix")
+    if args.init and not (args.init / "config.json").is_file():
+        raise InvalidInput(f"--init {args.init}: no config.json (a model folder `ropescale reference train` wrote)")
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
@@ -296,7 +305,4 @@ def main(argv: list[str] | None = None) -> None:
         summary["stage1"] = json.loads((args.init / "training.json").read_text(encoding="utf-8"))
     (args.output / "training.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     print(f"saved to {args.output}")
-
-
-if __name__ == "__main__":
-    main()
+    return summary

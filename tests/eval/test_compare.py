@@ -1,8 +1,10 @@
 """The training log's curves and the comparison figure, on a hand-written log."""
 
 import pytest
+from click.testing import CliRunner
 
-from eval.compare import by_step_table, final_table, main, plot_runs
+from cli import main
+from eval.compare import by_step_table, final_table, plot_runs
 from ropescale.training.report import TrainingLog, eval_curve, read_log, steps_to_reach
 
 LOG = [{"step": 0, "ppl": {"128": 40.0, "512": 70.0}},
@@ -47,20 +49,42 @@ def test_tables_read_the_log_at_the_asked_steps():
                           "| b | 50 | 99 | nan | 41.00 | not reached | 50 |"]
 
 
+def cli(*args):
+    return CliRunner().invoke(main, ["compare", *map(str, args)], catch_exceptions=False)
+
+
+def test_comparison_cli_draws_and_prints_the_tables(tmp_path):
+    runs = []
+    for name, log in (("a", LOG), ("b", LOG[:3])):
+        run = tmp_path / name
+        run.mkdir()
+        for r in log:
+            TrainingLog(run / "log.jsonl").write(r)
+        runs.append(run)
+    res = cli(*runs, "--length", 512, "--at", "0,50,100", "-o", tmp_path / "f.png", "--title", "t")
+    assert res.exit_code == 0, res.output
+    records = {"a": LOG, "b": LOG[:3]}
+    assert res.output == (by_step_table(records, 512, [0, 50, 100]) + "\n\n" + final_table(records, 512, 39.5, "a")
+                          + f"\n\nfigure: {tmp_path / 'f.png'}\n")
+    assert (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.parametrize("args,message", [
     (["{run}", "--length", "999"], "--length 999: run has no held-out PPL at it; evaluated: [128, 512]"),
-    (["{run}", "--length", "512", "--at", "0,x"], "argument --at: '0,x': comma-separated step numbers"),
-    (["{run}", "--length", "512", "--before", "{tmp}/nope"], "no results.jsonl (a harness results folder)"),
-    (["{tmp}/nope", "--length", "512"], "nope: no log.jsonl (a fine-tuning output folder)"),
+    (["{run}", "--length", "512", "--at", "0,x"],
+     "Invalid value for '--at': '0,x': comma-separated step numbers, e.g. 0,50,100"),
+    (["{run}", "--length", "512", "--before", "{tmp}/nope"],
+     "--before {tmp}/nope: no results.jsonl (a harness results folder)"),
+    (["{tmp}/nope", "--length", "512"], "{tmp}/nope: no log.jsonl (a fine-tuning output folder)"),
 ])
-def test_comparison_cli_refuses_bad_input_in_one_line(tmp_path, capsys, args, message):
+def test_comparison_cli_refuses_bad_input_in_one_line(tmp_path, args, message):
+    """Usage errors (exit 2): click's usage lines, then the one error line."""
     run = tmp_path / "run"
     run.mkdir()
     TrainingLog(run / "log.jsonl").write(LOG[0])
-    argv = [a.format(run=run, tmp=tmp_path) for a in args] + ["-o", str(tmp_path / "f.png")]
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert message in err[-1] and err[-1].startswith("ropescale compare: error: ")
+    res = cli(*[a.format(run=run, tmp=tmp_path) for a in args], "-o", tmp_path / "f.png")
+    assert res.exit_code == 2
+    lines = res.output.strip().splitlines()
+    assert lines[0] == "Usage: main compare [OPTIONS] RUNS..." and "Traceback" not in res.output
+    assert lines[-1] == "Error: " + message.format(tmp=tmp_path)
     assert not (tmp_path / "f.png").exists()
