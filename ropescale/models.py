@@ -63,7 +63,7 @@ def resolve_model(name_or_path: str) -> str:
         return name_or_path
     if not (path / "model.safetensors").exists():
         raise FileNotFoundError(f"bundled model missing at {path}; reinstall ropescale or "
-                                "train it with `python -m eval.reference.train --output "
+                                "train it with `ropescale reference train --output "
                                 f"{path}`")
     return str(path)
 
