@@ -119,7 +119,7 @@ def strategies() -> None:
         for p in s.params:
             default = ("required" if p.required else f"default {p.default}")
             if p.auto:
-                default += "; sweep: " + ("L / L_train" if p.auto == "scale" else "L")
+                default += f"; sweep: {p.auto_text}"
             click.echo(f"    {p.name} ({p.kind.__name__}, {p.range_text()}; {default}) {p.help}")
         click.echo(f"    source: {s.source}")
 

@@ -149,7 +149,3 @@ def base_bound_table(dims: list[int], lengths: list[int], paper_fit: bool = True
         vals = [f"{geo.smallest_base(d, n):.3g}" for d in dims]
         rows.append(f"| {n} | " + " | ".join(vals) + (f" | {0.0424 * n ** 1.628:.3g} |" if paper_fit else " |"))
     return "\n".join(rows) + "\n"
-
-
-if __name__ == "__main__":  # python -m eval.inspect: the README's base-bound table
-    print(base_bound_table([32, 64, 128], [128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]))

@@ -14,6 +14,8 @@ import csv
 import json
 from pathlib import Path
 
+from ropescale.errors import InvalidInput
+
 from .plots import len_label, strategies_of
 
 __all__ = ["write_reports", "write_csv", "markdown_table", "markdown_report", "task_of"]
@@ -28,7 +30,7 @@ def task_of(records: list[dict]):
 
     names = {r.get("task", "perplexity") for r in records}
     if len(names) != 1:
-        raise ValueError(f"records of several tasks ({', '.join(sorted(names))}) cannot share one report")
+        raise InvalidInput(f"records of several tasks ({', '.join(sorted(names))}) cannot share one report")
     return get_task(names.pop())
 
 

@@ -25,7 +25,7 @@ import torch
 from accelerate.utils import gather_object
 from pydantic import ValidationError
 
-from ropescale.errors import RopescaleError
+from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.models import load_model, load_tokenizer, model_fingerprint, resolve_device
 from ropescale.patching import NoRotaryEmbeddingError, find_rotary_modules, patch, rope_context, unpatch
 from ropescale.runs.data import load_documents, tokenize_documents
@@ -103,7 +103,7 @@ def _training_window(cfg: EvalConfig, model) -> int:
         raise NoRotaryEmbeddingError(f"{cfg.model}: no rotary embedding (no `inv_freq` buffer) to sweep")
     train_len = rope_context(model, rotary[0][1])["original_max_position_embeddings"]
     if not train_len:
-        raise ValueError(f"{cfg.model}: config has no max_position_embeddings; "
+        raise InvalidInput(f"{cfg.model}: config has no max_position_embeddings; "
                          "set original_max_position_embeddings in the sweep config")
     return train_len
 

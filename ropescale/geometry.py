@@ -30,6 +30,8 @@ import math
 
 import torch
 
+from ropescale.errors import InvalidInput
+
 __all__ = ["PAIR_CLASSES", "wavelengths", "classify_pairs", "rotation_angles", "alias_distance", "decay_curve",
            "roformer_bound", "base_bound_curve", "first_negative", "smallest_base"]
 
@@ -205,4 +207,4 @@ def smallest_base(dim: int, length: int, *, low: float = 2.0, high: float = 1e12
                 return math.exp(found)
             step = rel_tol
         u += step
-    raise ValueError(f"no base up to {high:g} keeps B(m) >= 0 for m < {length} at d = {dim}")
+    raise InvalidInput(f"no base up to {high:g} keeps B(m) >= 0 for m < {length} at d = {dim}")

@@ -62,7 +62,7 @@ def resolve_model(name_or_path: str) -> str:
                                  f"({', '.join(MODEL_ALIASES)}) or a hub id")
         return name_or_path
     if not (path / "model.safetensors").exists():
-        raise FileNotFoundError(f"bundled model missing at {path}; reinstall ropescale or "
+        raise ModelLoadError(f"bundled model missing at {path}; reinstall ropescale or "
                                 "train it with `ropescale reference train --output "
                                 f"{path}`")
     return str(path)

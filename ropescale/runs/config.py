@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ropescale.errors import RopescaleError
+from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.runs.data import DataSpec
 from ropescale.strategies import get_strategy
 
@@ -61,7 +61,7 @@ def parse_strategy(entry: Any) -> StrategySpec:
         err = e.errors()[0]
         where = ".".join(map(str, err["loc"]))  # a field's own check (logn); empty for the strategy's
         msg = err["msg"].removeprefix("Value error, ")
-        raise ValueError(f"{where}: {msg}" if where else msg) from None
+        raise InvalidInput(f"{where}: {msg}" if where else msg) from None
 
 
 def _yaml_error(e: yaml.YAMLError) -> str:
@@ -77,7 +77,7 @@ def _value(text: str, where: str) -> Any:
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ValueError(f"{where}: cannot read {text!r}: {_yaml_error(e)}") from None
+        raise InvalidInput(f"{where}: cannot read {text!r}: {_yaml_error(e)}") from None
 
 
 def _split_top_level(text: str) -> list[str]:
