@@ -197,16 +197,14 @@ class Strategy:
     def param(self, name: str) -> Param:
         return next(p for p in self.params if p.name == name)
 
-    def validate(self, params: dict[str, Any], *, partial: bool = False, fill_auto: dict | None = None) -> dict:
+    def validate(self, params: dict[str, Any], *, partial: bool = False) -> dict:
         """Checked parameters with defaults filled in (no target length: ``resolve`` for that).
 
         ``partial=True`` accepts required ``auto`` parameters left out — a length fills them later
         (``resolve``) — and leaves them out of the result. Raises ``ValueError`` naming the
-        parameter for unknown, missing or out-of-range parameters. (``fill_auto``, {auto kind:
-        value}, is transitional, for ``ropescale.training.config`` until it calls ``resolve``.)
+        parameter for unknown, missing or out-of-range parameters.
         """
-        fill = {p.name: fill_auto[p.auto] for p in self.params if p.auto and p.auto in (fill_auto or {})}
-        return self._checked(params, fill=fill, partial=partial)
+        return self._checked(params, fill={}, partial=partial)
 
     def resolve(self, params: dict[str, Any], *, length: int, train_length: int) -> dict:
         """Checked parameters for a run at target length L = ``length`` [tokens] on a model

@@ -461,36 +461,10 @@ class ResolvedRun(BaseModel):
                             label=cfg.strategy.label)
 
 
-def model_training_length(name: str) -> int:
-    """T of a model from its configuration alone (rope parameters' original window, else
-    ``max_position_embeddings``). Raises ``ModelLoadError`` / ``ValueError`` in one line."""
-    import json
-
-    from ropescale.models import PATCH_FILE, _from_pretrained, adapter_base, resolve_model
-    from transformers import AutoConfig
-
-    path = resolve_model(name)
-    saved = Path(path) / PATCH_FILE
-    if saved.is_file():  # a saved patch records the window it was applied over
-        orig = json.loads(saved.read_text(encoding="utf-8")).get("original_max_position_embeddings")
-        if orig:
-            return int(orig)
-    base = adapter_base(path)
-    if base is not None:  # a LoRA adapter folder without a patch record: its base model's window
-        return model_training_length(base)
-    config = _from_pretrained(AutoConfig, name, path)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    rp = getattr(text, "rope_parameters", None) or {}
-    orig = (rp.get("original_max_position_embeddings") if isinstance(rp, dict) else None) \
-        or getattr(text, "max_position_embeddings", None)
-    if not orig:
-        raise ValueError(f"{name}: config has no max_position_embeddings; set original_max_position_embeddings")
-    return int(orig)
-
-
 def resolve(cfg: FinetuneConfig, source: str = "config") -> ResolvedRun:
     """Fill what depends on the model (T) and check it: PoSE needs ``length`` > T and at most T
     chunks. Raises ``ConfigError`` (one line) or ``ModelLoadError`` for a model that cannot be read."""
+    from ropescale.models import model_training_length
     from ropescale.strategies import get_strategy
 
     T = cfg.original_max_position_embeddings or model_training_length(cfg.model)
@@ -503,8 +477,7 @@ def resolve(cfg: FinetuneConfig, source: str = "config") -> ResolvedRun:
             raise ConfigError(f"{source}: pose.chunks: {cfg.pose.chunks} chunks cannot split a window of T = {T} tokens")
     strat = get_strategy(cfg.strategy.name)
     try:
-        params = strat.validate(cfg.strategy.params, fill_auto={"scale": max(1.0, L / T), "length": float(L),
-                                                                "half_train": T // 2})
+        params = strat.resolve(cfg.strategy.params, length=L, train_length=T)
     except ValueError as e:
         raise ConfigError(f"{source}: strategy: {e}") from None
     lengths = list(cfg.eval.lengths) if cfg.eval and cfg.eval.lengths else []

@@ -13,7 +13,7 @@ trained in training mode — the model's own dropout
 settings apply — with ``use_cache=False`` and an explicit all-ones attention mask (without one,
 transformers reads position ids that jump, as PoSE's do, as packed sequences and masks the
 chunks from each other). Dynamic strategies use the target length L while training
-(``ScaledRotaryEmbedding.training_length``).
+(``PatchHandle.train_at``).
 
 What makes a long window fit (an 8B model at 32k tokens): ``gradient_checkpointing`` (transformers'
 non-reentrant checkpointing: each decoder layer's activations are recomputed in backward, so one
@@ -57,7 +57,6 @@ from ropescale.lm_head import OutputHead
 from ropescale.lm_head import causal_lm_loss as chunked_lm_loss
 from ropescale.models import load_model, load_tokenizer, model_fingerprint, resolve_device
 from ropescale.patching import patch, unpatch
-from ropescale.rotary import ScaledRotaryEmbedding
 from ropescale.training.checkpoints import CHECKPOINTS, CheckpointWriteError, save_checkpoint
 from ropescale.training.checkpoints import complete_checkpoints as _checkpoints
 from ropescale.training.config import SHARDING_ON_CPU, FinetuneConfig, ResolvedRun, fsdp_plugin_kwargs, resolve
@@ -127,9 +126,7 @@ def _patch_for_training(model, cfg: FinetuneConfig, run: ResolvedRun):
     if cfg.attention_path:
         kwargs["attention_path"] = cfg.attention_path
     handle = patch(model, cfg.strategy.name, **kwargs, **run.params)
-    for m in model.modules():
-        if isinstance(m, ScaledRotaryEmbedding):
-            m.training_length = cfg.length  # dynamic strategies train at the target length L
+    handle.train_at(cfg.length)  # dynamic strategies train at the target length L
     model.config.use_cache = False
     return handle
 

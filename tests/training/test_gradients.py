@@ -83,7 +83,7 @@ def test_dynamic_strategy_trains_at_the_target_length():
         expected = grads(static, batch)
     with ropescale.patch(model, "dynamic_ntk"):
         rotary = next(m for m in model.modules() if isinstance(m, ScaledRotaryEmbedding))
-        rotary.training_length = 256  # L = 4T
+        rotary.set_training_length(256)  # L = 4T
         assert_same_grads(grads(model, batch), expected)
         model.eval()
         with torch.no_grad():

@@ -264,7 +264,7 @@ def test_two_processes_train_lora_with_checkpointing_as_one_does(tmp_path, tiny_
 
 
 def test_an_adapter_folder_without_a_patch_record_takes_its_base_models_window(tmp_path, tiny_model_dir):
-    from ropescale.training.config import model_training_length
+    from ropescale.models import model_training_length
 
     (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_model_dir)}))
     assert model_training_length(str(tmp_path)) == 32
