@@ -38,7 +38,6 @@ import click
 from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.strategies import REGISTRY, strategy_names
 
-
 # the harness: the folder `eval/` in a checkout (`python cli.py`, the tests); installed, the package
 # `ropescale_eval` and this file `ropescale_cli.cli` (pyproject's package-dir), so site-packages holds
 # no generic `eval` or `cli`
@@ -80,7 +79,7 @@ class RopescaleGroup(click.Group):
             if e.errno == errno.EPIPE:  # `ropescale ... | head`: click's main handles a closed pipe
                 raise
             self._bug(ctx)
-        except Exception:
+        except Exception:  # noqa: BLE001 — anything that is not a user error is a bug: shown with its traceback
             self._bug(ctx)
 
     @staticmethod
@@ -341,8 +340,8 @@ def inspect(model, head_dim, rope_theta, training_length, strategy_specs, length
         if rules:
             raise InvalidInput(f"--attention needs attention weights; {', '.join(rules)} compute attention in "
                                "their own kernel and return none (measure frequency strategies only)")
-        from ropescale.runs.data import DataSpec, load_documents, tokenize_documents
         from ropescale import load_model, unpatch
+        from ropescale.runs.data import DataSpec, load_documents, tokenize_documents
 
         m, tok = load_model(model, device="cpu")
         unpatch(m)

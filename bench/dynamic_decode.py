@@ -20,13 +20,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+import torch
+from transformers import AutoModelForCausalLM
 
-import ropescale  # noqa: E402
-from bench.common import machine  # noqa: E402
-from ropescale.runs.data import DataSpec, load_documents, tokenize_documents  # noqa: E402
-from ropescale.models import REFERENCE_MODEL  # noqa: E402
+import ropescale
+from bench.common import machine
+from ropescale.models import REFERENCE_MODEL
+from ropescale.runs.data import DataSpec, load_documents, tokenize_documents
 
 
 @torch.no_grad()

@@ -95,9 +95,9 @@ def _full_logit_nll(model, ids):
 def worker(case: str, shape: str, length: int, device: str) -> dict:
     import torch
 
+    from ropescale.lm_head import DEFAULT_BUDGET, causal_lm_loss, chunk_size_for
     from ropescale.runs.scoring import score_windows
     from ropescale.runs.windows import make_windows
-    from ropescale.lm_head import DEFAULT_BUDGET, causal_lm_loss, chunk_size_for
 
     model, dtype = _model(shape, length, device)
     c = model.config

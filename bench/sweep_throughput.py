@@ -18,13 +18,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-import ropescale  # noqa: E402
-from bench.common import machine  # noqa: E402
-from ropescale.runs.data import DataSpec, load_documents, tokenize_documents  # noqa: E402
-from ropescale.runs.scoring import score_windows  # noqa: E402
-from ropescale.runs.windows import make_windows  # noqa: E402
+import ropescale
+from bench.common import machine
+from ropescale.runs.data import DataSpec, load_documents, tokenize_documents
+from ropescale.runs.scoring import score_windows
+from ropescale.runs.windows import make_windows
 
 
 @torch.no_grad()

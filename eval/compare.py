@@ -17,7 +17,7 @@ from ropescale.training.report import LOG, eval_curve, read_log, steps_to_reach
 
 from .sweep import read_results
 
-__all__ = ["plot_runs", "by_step_table", "final_table", "before_after", "read_runs", "compare"]
+__all__ = ["before_after", "by_step_table", "compare", "final_table", "plot_runs", "read_runs"]
 
 
 def plot_runs(runs: dict[str, list[dict]], length: int, path: Path, *, title: str = "",
@@ -51,7 +51,7 @@ def plot_runs(runs: dict[str, list[dict]], length: int, path: Path, *, title: st
 
 def by_step_table(runs: dict[str, list[dict]], length: int, steps: list[int]) -> str:
     """Markdown table: held-out PPL at ``length`` of each run at ``steps``."""
-    out = [f"| run | " + " | ".join(f"step {k}" for k in steps) + " |", "|---|" + "---:|" * len(steps)]
+    out = ["| run | " + " | ".join(f"step {k}" for k in steps) + " |", "|---|" + "---:|" * len(steps)]
     for label, records in runs.items():
         curve = dict(eval_curve(records, length))
         out.append(f"| {label} | " + " | ".join(f"{curve[k]:.2f}" if k in curve else "—" for k in steps) + " |")
@@ -114,7 +114,7 @@ def before_after(runs: list[Path], before: list[Path], task: str, metric: str) -
     lengths = sorted(lengths)
     fmt = (lambda r: f"{r[metric]:.2f}") if task == "perplexity" else (
         lambda r: f"{r[metric]:.2f} ({r[metric + '_ci'][0]:.2f}–{r[metric + '_ci'][1]:.2f})")
-    out = [f"| model | " + " | ".join(str(n) for n in lengths) + " |", "|---|" + "---:|" * len(lengths)]
+    out = ["| model | " + " | ".join(str(n) for n in lengths) + " |", "|---|" + "---:|" * len(lengths)]
     seen = set()
     for label, by_length in rows:
         if label in seen:

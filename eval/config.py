@@ -20,14 +20,23 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
-from ropescale.runs.config import (ConfigError, DataConfig, StrategySpec, apply_overrides, parse_strategy,
-                                   read_yaml)
+from ropescale.runs.config import ConfigError, DataConfig, StrategySpec, apply_overrides, parse_strategy, read_yaml
 
 from .tasks.base import TaskOptions, get_task, task_names
 from .tasks.perplexity import LEGACY_KEYS
 
-__all__ = ["ConfigError", "StrategySpec", "DataConfig", "EvalConfig", "SweepConfig", "build_config", "load_config", "read_yaml",
-           "parse_strategy", "apply_overrides"]
+__all__ = [
+    "ConfigError",
+    "DataConfig",
+    "EvalConfig",
+    "StrategySpec",
+    "SweepConfig",
+    "apply_overrides",
+    "build_config",
+    "load_config",
+    "parse_strategy",
+    "read_yaml",
+]
 
 
 MAX_LENGTH = 1 << 24  # float32 holds every integer position up to here; memory is checked before a run
@@ -131,7 +140,7 @@ class EvalConfig(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _fits(self) -> "EvalConfig":
+    def _fits(self) -> EvalConfig:
         self.options.check_lengths(self.lengths)
         return self
 

@@ -35,7 +35,7 @@ from ropescale.runs.config import StrategySpec
 from ropescale.strategies import RopeFrequencies, get_strategy
 from ropescale.strategies.frequency import rope_inv_freq
 
-__all__ = ["RotaryConfig", "rotary_config_of_model", "inspect", "SINK_TOKENS"]
+__all__ = ["RotaryConfig", "inspect", "rotary_config_of_model"]
 
 
 

@@ -16,7 +16,7 @@ from ropescale.strategies import get_strategy
 
 SINK_TOKENS = 4  # "the first tokens" whose share of attention is reported
 
-__all__ = ["plot_all", "attention_stats", "plot_attention"]
+__all__ = ["attention_stats", "plot_all", "plot_attention"]
 
 _CLASS_COLOURS = {"unchanged": "tab:green", "interpolated": "tab:blue", "extrapolated": "tab:red",
                   "truncated": "black"}

@@ -38,11 +38,11 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from ropescale.errors import RopescaleError
 import ropescale
+from ropescale.errors import RopescaleError
 from ropescale.strategies import get_strategy
 
-__all__ = ["RopescaleLM", "ModelArgsError", "check_model_args", "main"]
+__all__ = ["ModelArgsError", "RopescaleLM", "check_model_args", "main"]
 
 _PATCH_OPTIONS = ("original_max_position_embeddings", "layer_types", "dynamic_cache", "dynamic_block", "logn",
                   "attention_path", "block_size")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ropescale.runs.plotting import legend, line_style, mark_train, pyplot
 
-__all__ = ["plot_metric", "plot_position", "plot_depth_heatmaps", "strategies_of", "len_label"]
+__all__ = ["len_label", "plot_depth_heatmaps", "plot_metric", "plot_position", "strategies_of"]
 
 
 def strategies_of(records: list[dict]) -> list[str]:

@@ -18,7 +18,7 @@ from ropescale.errors import InvalidInput
 
 from .plots import len_label, strategies_of
 
-__all__ = ["write_reports", "write_csv", "markdown_table", "markdown_report", "task_of"]
+__all__ = ["markdown_report", "markdown_table", "task_of", "write_csv", "write_reports"]
 
 _FIRST = ["task", "strategy", "length", "train_length"]
 _LAST = ["model", "data", "params", "options", "dtype", "device", "seconds"]

@@ -13,13 +13,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import platform
-import subprocess
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
 
 import torch
 from accelerate.utils import gather_object
@@ -29,9 +25,15 @@ from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.models import load_model, load_tokenizer, model_fingerprint, resolve_device
 from ropescale.patching import NoRotaryEmbeddingError, find_rotary_modules, patch, rope_context, unpatch
 from ropescale.runs.data import load_documents, tokenize_documents
+from ropescale.runs.manifest import (
+    check_manifest,
+    data_fingerprint,
+    environment,
+    folder_lock,
+    identity,
+    prepare_output,
+)
 from ropescale.runs.memory import InsufficientMemoryError, check_fits
-from ropescale.runs.manifest import (OutputError, check_manifest, data_fingerprint, environment, folder_lock,
-                                     identity, prepare_output)
 from ropescale.strategies import get_strategy
 
 from .config import EvalConfig, StrategySpec
@@ -39,7 +41,7 @@ from .report import write_reports
 from .schema import SCHEMA_VERSION, Record
 from .tasks.base import Task, get_task
 
-__all__ = ["run_sweep", "cell_id", "read_results", "ResultsFileError"]
+__all__ = ["ResultsFileError", "cell_id", "read_results", "run_sweep"]
 
 RESULTS = "results.jsonl"
 

@@ -3,13 +3,35 @@ how far past its training window it still models text."""
 
 from ropescale.models import load_model, save_patched
 from ropescale.patching import (
-    NoRotaryEmbeddingError, PatchHandle, current_patch, find_rotary_modules, patch, unpatch,
+    NoRotaryEmbeddingError,
+    PatchHandle,
+    current_patch,
+    find_rotary_modules,
+    patch,
+    unpatch,
 )
 from ropescale.strategies import (
-    REGISTRY, RopeFrequencies, UnknownStrategyError, get_strategy, strategy_names,
+    REGISTRY,
+    RopeFrequencies,
+    UnknownStrategyError,
+    get_strategy,
+    strategy_names,
 )
 
 __version__ = "0.1.0"
-__all__ = ["load_model", "save_patched", "NoRotaryEmbeddingError", "PatchHandle", "REGISTRY", "RopeFrequencies",
-           "UnknownStrategyError", "current_patch", "find_rotary_modules", "get_strategy",
-           "patch", "strategy_names", "unpatch", "__version__"]
+__all__ = [
+    "REGISTRY",
+    "NoRotaryEmbeddingError",
+    "PatchHandle",
+    "RopeFrequencies",
+    "UnknownStrategyError",
+    "__version__",
+    "current_patch",
+    "find_rotary_modules",
+    "get_strategy",
+    "load_model",
+    "patch",
+    "save_patched",
+    "strategy_names",
+    "unpatch",
+]

@@ -48,8 +48,18 @@ from ropescale.flex_regions import BlockMaskCache, flex_attention_path
 from ropescale.strategies.truncation import RelativeRule
 from ropescale.truncated_attention import blocked_attention, fused_attention, fused_route, naive_attention
 
-__all__ = ["logn_factor", "enable_logn", "enable_truncation", "IdentityRotary", "LOGN_PREFIX",
-           "TRUNCATION", "ATTENTION_PATHS", "AttentionNotPluggableError", "check_routed", "register_logn"]
+__all__ = [
+    "ATTENTION_PATHS",
+    "LOGN_PREFIX",
+    "TRUNCATION",
+    "AttentionNotPluggableError",
+    "IdentityRotary",
+    "check_routed",
+    "enable_logn",
+    "enable_truncation",
+    "logn_factor",
+    "register_logn",
+]
 
 LOGN_PREFIX = "ropescale_logn_"
 _LOGN_ATTR = "_ropescale_logn"  # on each submodule while log-n is on: a _LogN

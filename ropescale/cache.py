@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rotate_half", "rerotate_keys", "rerotate_cache", "watch_cache"]
+__all__ = ["rerotate_cache", "rerotate_keys", "rotate_half", "watch_cache"]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ those goes on working.
 
 from __future__ import annotations
 
-__all__ = ["RopescaleError", "InvalidInput"]
+__all__ = ["InvalidInput", "RopescaleError"]
 
 
 class RopescaleError(Exception):

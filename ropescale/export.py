@@ -16,7 +16,7 @@ from typing import Any
 
 from ropescale.patching import PatchHandle
 
-__all__ = ["native_rope_parameters", "exported_config", "MARKER"]
+__all__ = ["MARKER", "exported_config", "native_rope_parameters"]
 
 MARKER = "ropescale:{name} (not a transformers rope type: load with ropescale.load_model)"
 _KEEP = ("rope_theta", "partial_rotary_factor")

@@ -43,7 +43,7 @@ SelfExtend (Jin et al. 2024, arXiv:2401.01325).
 from __future__ import annotations
 
 import weakref
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
@@ -51,12 +51,12 @@ from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, fle
 from ropescale.strategies.truncation import RelativeRule
 from ropescale.truncated_attention import blocked_attention, fused_attention, rotate
 
-__all__ = ["BlockMaskCache", "flex_attention_path", "region_block_masks", "NO_FLEX_BACKWARD"]
+__all__ = ["NO_FLEX_BACKWARD", "BlockMaskCache", "flex_attention_path", "region_block_masks"]
 
 NO_FLEX_BACKWARD = {"cpu", "mps"}  # device types where torch refuses FlexAttention backward
 
 
-@lru_cache(maxsize=None)
+@cache
 def _compiled(fn):
     """``torch.compile(fn)``, once per process: a cache of compiled *functions* (no data), shared by
     every model as torch's own compile cache is, so it lives here rather than on a patch."""

@@ -32,8 +32,18 @@ import torch
 
 from ropescale.errors import InvalidInput
 
-__all__ = ["PAIR_CLASSES", "wavelengths", "classify_pairs", "rotation_angles", "alias_distance", "decay_curve",
-           "roformer_bound", "base_bound_curve", "first_negative", "smallest_base"]
+__all__ = [
+    "PAIR_CLASSES",
+    "alias_distance",
+    "base_bound_curve",
+    "classify_pairs",
+    "decay_curve",
+    "first_negative",
+    "roformer_bound",
+    "rotation_angles",
+    "smallest_base",
+    "wavelengths",
+]
 
 PAIR_CLASSES = ("unchanged", "interpolated", "extrapolated", "truncated")
 TWO_PI = 2 * math.pi

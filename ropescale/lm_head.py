@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["OutputHead", "HeadMismatchError", "chunk_size_for", "causal_lm_loss", "DEFAULT_BUDGET"]
+__all__ = ["DEFAULT_BUDGET", "HeadMismatchError", "OutputHead", "causal_lm_loss", "chunk_size_for"]
 
 DEFAULT_BUDGET = 256 * 2**20  # bytes of per-chunk logits work (logits, their float copy, log-softmax, grad)
 IGNORE = -100  # transformers' ignore index for labels

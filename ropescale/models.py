@@ -25,9 +25,24 @@ import torch
 from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.patching import PatchHandle, current_patch, patch, unpatch
 
-__all__ = ["REFERENCE_MODEL", "MODEL_ALIASES", "PATCH_FILE", "ADAPTER_FILE", "ModelLoadError", "resolve_model",
-           "load_model", "load_tokenizer", "model_fingerprint", "save_patched", "save_adapter", "adapter_base",
-           "resolve_device", "model_config", "model_rope_config", "model_training_length"]
+__all__ = [
+    "ADAPTER_FILE",
+    "MODEL_ALIASES",
+    "PATCH_FILE",
+    "REFERENCE_MODEL",
+    "ModelLoadError",
+    "adapter_base",
+    "load_model",
+    "load_tokenizer",
+    "model_config",
+    "model_fingerprint",
+    "model_rope_config",
+    "model_training_length",
+    "resolve_device",
+    "resolve_model",
+    "save_adapter",
+    "save_patched",
+]
 
 REFERENCE_MODEL = Path(__file__).parent / "reference" / "kjv-llama"
 MODEL_ALIASES = {"reference": REFERENCE_MODEL, "kjv-llama": REFERENCE_MODEL}
@@ -42,7 +57,7 @@ class ModelLoadError(RopescaleError, ValueError):
 
 def _looks_like_path(name: str) -> bool:
     """A name that can only be a local path (a hub id is ``name`` or ``org/name``)."""
-    return name.startswith(("/", "./", "../", "~", ".\\")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+    return name.startswith(("/", "./", "../", "~", ".\\")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
 
 
 def resolve_model(name_or_path: str) -> str:

@@ -18,13 +18,30 @@ from torch import nn
 from ropescale.cache import watch_cache
 from ropescale.errors import InvalidInput
 from ropescale.rotary import (
-    NoRotaryEmbeddingError, ScaledRotaryEmbedding, _buffer, _config_of, _Entry, attention_scaling_of,
-    find_rotary_modules, layer_types_of, probe_layout, rope_context,
+    NoRotaryEmbeddingError,
+    ScaledRotaryEmbedding,
+    _buffer,
+    _config_of,
+    _Entry,
+    attention_scaling_of,
+    find_rotary_modules,
+    layer_types_of,
+    probe_layout,
+    rope_context,
 )
 from ropescale.strategies import Strategy, get_strategy
 
-__all__ = ["NoRotaryEmbeddingError", "PatchHandle", "ScaledRotaryEmbedding", "patch", "unpatch",
-           "current_patch", "find_rotary_modules", "rope_context", "layer_types_of"]
+__all__ = [
+    "NoRotaryEmbeddingError",
+    "PatchHandle",
+    "ScaledRotaryEmbedding",
+    "current_patch",
+    "find_rotary_modules",
+    "layer_types_of",
+    "patch",
+    "rope_context",
+    "unpatch",
+]
 
 _HANDLE_ATTR = "_ropescale_patch"
 
@@ -84,7 +101,7 @@ class PatchHandle:
             out["layer_types"] = self.layer_types
         return out | self.options
 
-    def __enter__(self) -> "PatchHandle":
+    def __enter__(self) -> PatchHandle:
         return self
 
     def __exit__(self, *exc) -> None:

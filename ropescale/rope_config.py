@@ -24,9 +24,15 @@ from typing import Any
 
 from ropescale.errors import InvalidInput, RopescaleError
 
-__all__ = ["RopeConfig", "NoRopeConfigError", "text_config", "config_layer_type", "layer_rope_parameters",
-           "training_window",
-           "rope_config_of"]
+__all__ = [
+    "NoRopeConfigError",
+    "RopeConfig",
+    "config_layer_type",
+    "layer_rope_parameters",
+    "rope_config_of",
+    "text_config",
+    "training_window",
+]
 
 
 class NoRopeConfigError(RopescaleError, ValueError):

@@ -19,13 +19,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.cache import rerotate_cache
+from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.rope_config import NoRopeConfigError, rope_config_of
 from ropescale.strategies import Strategy
 
-__all__ = ["NoRotaryEmbeddingError", "ScaledRotaryEmbedding", "attention_scaling_of", "find_rotary_modules",
-           "layer_types_of", "rope_context", "probe_layout"]
+__all__ = [
+    "NoRotaryEmbeddingError",
+    "ScaledRotaryEmbedding",
+    "attention_scaling_of",
+    "find_rotary_modules",
+    "layer_types_of",
+    "probe_layout",
+    "rope_context",
+]
 
 _SKIP = ("original", "long")  # `*_original_inv_freq`, `*_long_inv_freq` are bookkeeping buffers
 

@@ -34,7 +34,7 @@ import torch
 from ropescale.strategies.truncation import RelativeRule
 from ropescale.two_region import TwoRegionAttention, _Plan, band_calls, causal_calls, near_block
 
-__all__ = ["rotate", "fused_attention", "fused_route", "blocked_attention", "naive_attention"]
+__all__ = ["blocked_attention", "fused_attention", "fused_route", "naive_attention", "rotate"]
 
 _NEG = -1e30  # running-max start: exp(-inf - _NEG) = 0 without NaN
 
@@ -205,7 +205,7 @@ def blocked_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scali
 def naive_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling: float, *,
                     keep=None, scale: float, softcap: float | None = None,
                     sliding_window: int | None = None, interleaved: bool = False, **_) -> torch.Tensor:
-    b, n_h, s_q, h_d = q.shape
+    n_h, s_q = q.shape[1], q.shape[2]
     n_kv, s_k = k.shape[1], k.shape[2]
     d = 2 * inv_freq.numel()
     k = k.repeat_interleave(n_h // n_kv, dim=1).float()  # [b, n_h, s_k, h_d]

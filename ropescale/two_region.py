@@ -39,7 +39,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["Call", "band_calls", "causal_calls", "TwoRegionAttention", "near_block"]
+__all__ = ["Call", "TwoRegionAttention", "band_calls", "causal_calls", "near_block"]
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward

@@ -36,7 +36,7 @@ def half_dim(model):
     return next(b.numel() for n, b in module.named_buffers() if n.endswith("inv_freq") and "original" not in n)
 
 
-SHORT_LONG = lambda n: ([1.0 + 0.1 * i for i in range(n)], [1.0 + 2.0 * i for i in range(n)])  # noqa: E731
+SHORT_LONG = lambda n: ([1.0 + 0.1 * i for i in range(n)], [1.0 + 2.0 * i for i in range(n)])
 
 # (ours, our params, transformers' rope_parameters, patch kwargs); n = rotary pairs
 CASES = {

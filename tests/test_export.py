@@ -1,6 +1,7 @@
 """save_patched → plain transformers reproduces what it can express and refuses the rest."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,7 +114,7 @@ def test_export_is_a_hook_registered_with_each_strategy():
 
     assert {name for name, s in REGISTRY.items() if s.export is not None} == {name for name, _ in NATIVE}
     assert all(s.kind == "frequency" for s in REGISTRY.values() if s.export is not None)
-    source = open(ropescale.export.__file__, encoding="utf-8").read()
+    source = Path(ropescale.export.__file__).read_text(encoding="utf-8")
     assert not any(f'"{name}"' in source for name, _ in NATIVE)
 
 

@@ -10,10 +10,10 @@ import geometry`` → ``ropescale.geometry``), not to the parent packages Python
 from __future__ import annotations
 
 import ast
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 TOP = ("ropescale", "eval", "cli")

@@ -11,12 +11,11 @@ import textwrap
 
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers as T
 
+from ropescale.lm_head import OutputHead, causal_lm_loss, chunk_size_for
 from ropescale.runs.scoring import score_windows
 from ropescale.runs.windows import make_windows
-from ropescale.lm_head import OutputHead, causal_lm_loss, chunk_size_for
 from tests.families import COMMON, FAMILIES, family_model
 
 

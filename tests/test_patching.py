@@ -96,9 +96,8 @@ def test_bad_inputs_raise_clear_errors(tiny_llama):
         ropescale.patch(tiny_llama, "rope_magic")
     with pytest.raises(ValueError, match="factor is required"):
         ropescale.patch(tiny_llama, "yarn")
-    with ropescale.patch(tiny_llama, "linear", factor=2):
-        with pytest.raises(ValueError, match="already patched"):
-            ropescale.patch(tiny_llama, "ntk", factor=2)
+    with ropescale.patch(tiny_llama, "linear", factor=2), pytest.raises(ValueError, match="already patched"):
+        ropescale.patch(tiny_llama, "ntk", factor=2)
 
 
 def test_original_max_position_embeddings_override(tiny_llama):

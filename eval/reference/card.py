@@ -17,15 +17,17 @@ import torch
 
 from ropescale.errors import InvalidInput
 from ropescale.reference import kjv
+
 from .train import copy_probe, token_stream
 
 PASSKEY_TRIALS = 20
 
 
 def measure(model_dir: Path) -> dict:
+    from ropescale.models import load_model
+
     from ..config import build_config
     from ..sweep import run_sweep
-    from ropescale.models import load_model
 
     model, tok = load_model(str(model_dir), device="cpu")
     held = token_stream(tok, [t for _, t in kjv.split("heldout")])

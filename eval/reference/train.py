@@ -52,10 +52,11 @@ from transformers import (
     get_cosine_with_min_lr_schedule_with_warmup,
 )
 
-from ..tasks import needle, passkey
-from ..tasks.prompts import cycle_units, random_key, sentence_units
 from ropescale.errors import InvalidInput
 from ropescale.reference import kjv
+
+from ..tasks import needle, passkey
+from ..tasks.prompts import cycle_units, random_key, sentence_units
 
 EOT = "<|endoftext|>"
 DEFAULT_MIX = {"kjv": 0.45, "passkey": 0.15, "needle": 0.1, "repeat": 0.15, "random": 0.15}

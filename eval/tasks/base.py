@@ -28,7 +28,7 @@ from ropescale.errors import RopescaleError
 from ropescale.runs.memory import Need
 from ropescale.strategies import Strategy
 
-__all__ = ["Task", "TaskOptions", "Metric", "TASKS", "get_task", "task_names", "UnknownTaskError", "progress"]
+__all__ = ["TASKS", "Metric", "Task", "TaskOptions", "UnknownTaskError", "get_task", "progress", "task_names"]
 
 
 class TaskOptions(BaseModel):
@@ -91,7 +91,7 @@ class UnknownTaskError(RopescaleError, KeyError):
         return str(self.args[0])
 
 
-TASKS: dict[str, type["Task"]] = {}
+TASKS: dict[str, type[Task]] = {}
 
 
 class Task:

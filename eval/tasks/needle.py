@@ -22,7 +22,7 @@ from ropescale.runs.data import DataError
 from .prompts import Prompt, build_prompt, cycle_units, random_key, sentence_units
 from .retrieval import RetrievalOptions, RetrievalTask, contains_match
 
-__all__ = ["Needle", "NeedleOptions", "HEADER", "NEEDLE", "QUESTION", "WORDS", "make_prompt"]
+__all__ = ["HEADER", "NEEDLE", "QUESTION", "WORDS", "Needle", "NeedleOptions", "make_prompt"]
 
 HEADER = ("A special magic number is hidden within the following text. Make sure to memorize it. "
           "I will quiz you about the number afterwards.")  # RULER niah_single's first line

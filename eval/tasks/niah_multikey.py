@@ -49,9 +49,9 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterator
 
 from pydantic import Field, model_validator
 
@@ -61,8 +61,16 @@ from .needle import HEADER, NEEDLE, QUESTION, WORDS
 from .prompts import Prompt, PromptError, continuation, cycle_units, distractor_keys, encode, random_key
 from .retrieval import Example, RetrievalOptions, RetrievalTask, contains_match
 
-__all__ = ["NiahMultikey", "NiahMultikeyOptions", "MultikeyPrompt", "DEPTHS", "split_sentences", "sentence_pairs",
-           "assemble", "make_prompt"]
+__all__ = [
+    "DEPTHS",
+    "MultikeyPrompt",
+    "NiahMultikey",
+    "NiahMultikeyOptions",
+    "assemble",
+    "make_prompt",
+    "sentence_pairs",
+    "split_sentences",
+]
 
 DEPTHS = [round(100 * i / 39) for i in range(40)]  # RULER niah.py: np.round(np.linspace(0, 100, 40)).astype(int), %
 _SENTENCE_END = re.compile(r"(?<=[.!?])(?:[\"')\]]*) (?=\S)")
@@ -189,7 +197,7 @@ class NiahMultikeyOptions(RetrievalOptions):
                                                            "value; one is asked for (RULER niah_multikey_1: 4)")
 
     @model_validator(mode="after")
-    def _enough_values(self) -> "NiahMultikeyOptions":
+    def _enough_values(self) -> NiahMultikeyOptions:
         if self.keys + self.candidates - 1 > 9 * 10 ** (self.digits - 1):
             raise ValueError(f"keys={self.keys} values and candidates={self.candidates} need more distinct "
                              f"{self.digits}-digit numbers than there are")

@@ -16,7 +16,7 @@ from pydantic import Field
 from .prompts import Prompt, build_prompt, cycle_units, encode, random_key
 from .retrieval import RetrievalOptions, RetrievalTask, first_integer_match
 
-__all__ = ["Passkey", "PasskeyOptions", "FILLER", "INFO", "QUESTION", "PREAMBLE", "make_prompt", "filler_units"]
+__all__ = ["FILLER", "INFO", "PREAMBLE", "QUESTION", "Passkey", "PasskeyOptions", "filler_units", "make_prompt"]
 
 FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
 INFO = "The pass key is {key}. Remember it. {key} is the pass key."

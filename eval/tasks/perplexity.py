@@ -11,10 +11,11 @@ from pydantic import Field
 
 from ropescale.runs.memory import Need, forward_bytes, model_dims
 from ropescale.runs.scoring import combine_windows, window_nll
-from .base import Metric, Task, TaskOptions
 from ropescale.runs.windows import make_windows
 
-__all__ = ["Perplexity", "PerplexityOptions", "LEGACY_KEYS"]
+from .base import Metric, Task, TaskOptions
+
+__all__ = ["LEGACY_KEYS", "Perplexity", "PerplexityOptions"]
 
 
 class PerplexityOptions(TaskOptions):

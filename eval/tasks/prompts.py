@@ -18,13 +18,21 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 from ropescale.errors import RopescaleError
 
-__all__ = ["Prompt", "PromptError", "encode", "build_prompt", "random_key", "distractor_keys",
-           "sentence_units", "cycle_units"]
+__all__ = [
+    "Prompt",
+    "PromptError",
+    "build_prompt",
+    "cycle_units",
+    "distractor_keys",
+    "encode",
+    "random_key",
+    "sentence_units",
+]
 
 SEPARATOR = "\n"
 

@@ -41,7 +41,7 @@ from ropescale.runs.memory import PY_LIST_SLOT, Need, forward_bytes, kv_cache_by
 from .base import Metric, Task, TaskOptions, progress
 from .prompts import Prompt, continuation, distractor_keys
 
-__all__ = ["RetrievalOptions", "RetrievalTask", "Example", "wilson", "first_integer_match", "contains_match"]
+__all__ = ["Example", "RetrievalOptions", "RetrievalTask", "contains_match", "first_integer_match", "wilson"]
 
 Z95 = 1.959963984540054  # standard normal quantile at 0.975
 MAX_CANDIDATES = 1000  # keys compared per example: each costs a forward per example and cell
@@ -97,7 +97,7 @@ class RetrievalOptions(TaskOptions):
         return sorted(set(v))
 
     @model_validator(mode="after")
-    def _enough_keys(self) -> "RetrievalOptions":
+    def _enough_keys(self) -> RetrievalOptions:
         keys = 9 * 10 ** (self.digits - 1)
         if self.candidates > keys:
             raise ValueError(f"candidates={self.candidates} is more than there are {self.digits}-digit keys")

@@ -20,7 +20,7 @@ import subprocess
 
 from ropescale.errors import RopescaleError
 
-__all__ = ["KjvNotInstalledError", "books", "split", "HELD_OUT_EVERY", "HELD_OUT_OFFSET"]
+__all__ = ["HELD_OUT_EVERY", "HELD_OUT_OFFSET", "KjvNotInstalledError", "books", "split"]
 
 HELD_OUT_EVERY = 9
 HELD_OUT_OFFSET = 7

@@ -18,7 +18,7 @@ from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.runs.data import DataSpec
 from ropescale.strategies import get_strategy
 
-__all__ = ["ConfigError", "StrategySpec", "DataConfig", "read_yaml", "parse_strategy", "apply_overrides"]
+__all__ = ["ConfigError", "DataConfig", "StrategySpec", "apply_overrides", "parse_strategy", "read_yaml"]
 
 
 class ConfigError(RopescaleError, ValueError):
@@ -33,7 +33,7 @@ class StrategySpec(BaseModel):
     logn: bool = False  # log-n query scaling on top of the strategy
 
     @model_validator(mode="after")
-    def _check(self) -> "StrategySpec":
+    def _check(self) -> StrategySpec:
         try:
             strat = get_strategy(self.name)
         except KeyError as e:  # unknown name: the message lists the known ones

@@ -13,16 +13,16 @@ Raises ``DataError`` for a missing column, an empty source or a file type we do 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import torch
 
 from ropescale.errors import RopescaleError
 from ropescale.reference import kjv
 
-__all__ = ["DataError", "DataSpec", "load_documents", "tokenize_documents", "KJV_SPLITS"]
+__all__ = ["KJV_SPLITS", "DataError", "DataSpec", "load_documents", "tokenize_documents"]
 
 KJV_SPLITS = {"kjv-heldout": "heldout", "kjv-train": "train"}
 
@@ -86,7 +86,7 @@ def _documents(spec: DataSpec) -> Iterable[str]:
         import datasets
         try:
             rows = datasets.load_dataset(builder, data_files=str(path), split="train")
-        except Exception as e:  # datasets wraps the parser's error in its own, many lines long
+        except Exception as e:  # noqa: BLE001 — datasets wraps the parser's error in its own, many lines long
             kind = {".jsonl": "JSON lines", ".json": "JSON"}.get(suffix, "parquet")
             raise DataError(f"{path}: not a readable {kind} file ({type(e).__name__}); "
                             + ("use one JSON object per row, e.g. {\"text\": \"...\"}" if builder == "json"

@@ -28,9 +28,20 @@ import ropescale
 from ropescale.errors import RopescaleError
 from ropescale.models import weights_fingerprint
 
-__all__ = ["MANIFEST", "LOCK", "ExperimentMismatchError", "FolderBusyError", "identity", "data_fingerprint",
-           "weights_fingerprint", "check_manifest", "folder_lock", "OutputError", "prepare_output",
-           "environment"]
+__all__ = [
+    "LOCK",
+    "MANIFEST",
+    "ExperimentMismatchError",
+    "FolderBusyError",
+    "OutputError",
+    "check_manifest",
+    "data_fingerprint",
+    "environment",
+    "folder_lock",
+    "identity",
+    "prepare_output",
+    "weights_fingerprint",
+]
 
 MANIFEST = "manifest.json"
 LOCK = ".ropescale.lock"

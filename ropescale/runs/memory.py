@@ -23,8 +23,19 @@ import torch
 
 from ropescale.errors import InvalidInput
 
-__all__ = ["GiB", "InsufficientMemoryError", "Need", "ModelDims", "model_dims", "host_available",
-           "device_available", "forward_bytes", "kv_cache_bytes", "check_fits", "fmt_gib"]
+__all__ = [
+    "GiB",
+    "InsufficientMemoryError",
+    "ModelDims",
+    "Need",
+    "check_fits",
+    "device_available",
+    "fmt_gib",
+    "forward_bytes",
+    "host_available",
+    "kv_cache_bytes",
+    "model_dims",
+]
 
 GiB = 1 << 30
 PY_LIST_SLOT = 8  # bytes per element of a Python list of token ids (token ints are shared objects)

@@ -6,7 +6,7 @@ runs without a display stay cheap.
 
 from __future__ import annotations
 
-__all__ = ["pyplot", "line_style", "legend", "mark_train"]
+__all__ = ["legend", "line_style", "mark_train", "pyplot"]
 
 
 def pyplot():

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ropescale.runs.windows import Window
 from ropescale.lm_head import OutputHead
+from ropescale.runs.windows import Window
 
-__all__ = ["Score", "score_windows", "window_nll", "combine_windows"]
+__all__ = ["Score", "combine_windows", "score_windows", "window_nll"]
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from ropescale.errors import RopescaleError
 
-__all__ = ["Window", "WindowError", "chunk_windows", "sliding_windows", "make_windows", "cap_windows"]
+__all__ = ["Window", "WindowError", "cap_windows", "chunk_windows", "make_windows", "sliding_windows"]
 
 
 class WindowError(RopescaleError, ValueError):

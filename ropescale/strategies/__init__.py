@@ -2,7 +2,13 @@
 
 from ropescale.strategies import by_parts, frequency, truncation  # noqa: F401  (registers them)
 from ropescale.strategies.registry import (
-    REGISTRY, Param, RopeFrequencies, Strategy, UnknownStrategyError, get_strategy, register,
+    REGISTRY,
+    Param,
+    RopeFrequencies,
+    Strategy,
+    UnknownStrategyError,
+    get_strategy,
+    register,
     strategy_names,
 )
 

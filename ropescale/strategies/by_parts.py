@@ -11,11 +11,11 @@ import math
 
 import torch
 
-from ropescale.strategies.frequency import FACTOR, rope_inv_freq
 from ropescale.errors import InvalidInput
+from ropescale.strategies.frequency import FACTOR, rope_inv_freq
 from ropescale.strategies.registry import Param, RopeFrequencies, register
 
-__all__ = ["yarn_ramp", "ntk_by_parts", "yarn", "dynamic_yarn", "llama3", "longrope", "base_truncation"]
+__all__ = ["base_truncation", "dynamic_yarn", "llama3", "longrope", "ntk_by_parts", "yarn", "yarn_ramp"]
 
 _BETAS = (
     Param("beta_fast", 32.0, low=0.0, low_open=True,

@@ -14,7 +14,7 @@ import torch
 
 from ropescale.strategies.registry import Param, RopeFrequencies, register
 
-__all__ = ["FACTOR", "rope_inv_freq", "vanilla", "linear", "ntk", "dynamic_ntk", "pi_over_2n"]
+__all__ = ["FACTOR", "dynamic_ntk", "linear", "ntk", "pi_over_2n", "rope_inv_freq", "vanilla"]
 
 FACTOR = Param("factor", kind=float, low=1.0, auto="scale",
                 help="scale s (context extension ratio); a sweep uses L / L_train")

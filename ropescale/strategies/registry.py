@@ -27,16 +27,29 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, NamedTuple, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 
 from ropescale.errors import InvalidInput, RopescaleError
 
 __all__ = [
-    "AUTO_KINDS", "CONTEXT_ARGS", "STRATEGY_KINDS", "AutoKind", "Exporter", "Param", "RopeFrequencies",
-    "Strategy", "StrategyKind", "UnknownStrategyError", "REGISTRY", "auto_value", "register", "get_strategy",
+    "AUTO_KINDS",
+    "CONTEXT_ARGS",
+    "REGISTRY",
+    "STRATEGY_KINDS",
+    "AutoKind",
+    "Exporter",
+    "Param",
+    "RopeFrequencies",
+    "Strategy",
+    "StrategyKind",
+    "UnknownStrategyError",
+    "auto_value",
+    "get_strategy",
+    "register",
     "strategy_names",
 ]
 

@@ -11,15 +11,15 @@ Positions are in tokens; f_q, f_k map ``[b, s]`` float positions to ``[b, s]`` f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from ropescale.errors import InvalidInput
 from ropescale.strategies.registry import Param, register
 
-__all__ = ["RelativeRule", "rerope", "leaky_rerope", "self_extend"]
+__all__ = ["RelativeRule", "leaky_rerope", "rerope", "self_extend"]
 
 _WINDOW = Param("window", 512, kind=int, low=1, auto="half_train",
                 help="neighbour window w [tokens]; a sweep uses L_train / 2")

@@ -22,8 +22,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ropescale.runs.config import ConfigError, DataConfig, StrategySpec, apply_overrides, parse_strategy, read_yaml
 
-__all__ = ["FinetuneConfig", "PoseConfig", "LoraSettings", "RecipeSpec", "EvalDuringTraining", "build_finetune_config",
-           "load_finetune_config", "ResolvedRun", "resolve", "fsdp_plugin_kwargs", "DEFAULT_LORA_TARGETS"]
+__all__ = [
+    "DEFAULT_LORA_TARGETS",
+    "EvalDuringTraining",
+    "FinetuneConfig",
+    "LoraSettings",
+    "PoseConfig",
+    "RecipeSpec",
+    "ResolvedRun",
+    "build_finetune_config",
+    "fsdp_plugin_kwargs",
+    "load_finetune_config",
+    "resolve",
+]
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MAX_STEPS = 10 ** 9  # more optimiser steps than any run takes; beyond it counts overflow (int64 indices)
@@ -63,7 +74,7 @@ class PoseConfig(BaseModel):
         "authors", description="authors: dwzhu-pku/PoSE train_pose.py (2 chunks, first ≤ T/2); paper: App. B")
 
     @model_validator(mode="after")
-    def _two_chunks(self) -> "PoseConfig":
+    def _two_chunks(self) -> PoseConfig:
         if self.enabled and self.sampling == "authors" and self.chunks != 2:
             raise ValueError(f"chunks: {self.chunks} with sampling: authors, which draws exactly 2 chunks "
                              "(dwzhu-pku/PoSE train_pose.py); set pose.sampling: paper for other chunk counts")
@@ -349,7 +360,7 @@ class FinetuneConfig(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _consistent(self) -> "FinetuneConfig":
+    def _consistent(self) -> FinetuneConfig:
         from ropescale.strategies import get_strategy
 
         if self.pose.enabled and get_strategy(self.strategy.name).kind == "attention":

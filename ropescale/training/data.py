@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 from ropescale.runs.data import DataError, DataSpec, load_documents, tokenize_documents
 from ropescale.training.pose import PoseSampler
 
-__all__ = ["token_stream", "load_stream", "TrainingWindows"]
+__all__ = ["TrainingWindows", "load_stream", "token_stream"]
 
 
 def token_stream(docs: list[torch.Tensor], eos_token_id: int | None) -> torch.Tensor:

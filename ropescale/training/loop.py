@@ -50,13 +50,13 @@ from typing import Any, Protocol
 
 import torch
 
-from ropescale.runs.config import ConfigError
-from ropescale.runs.manifest import check_manifest, data_fingerprint, environment, folder_lock, prepare_output
 from ropescale.errors import RopescaleError
 from ropescale.lm_head import OutputHead
 from ropescale.lm_head import causal_lm_loss as chunked_lm_loss
 from ropescale.models import load_model, load_tokenizer, model_fingerprint, resolve_device
 from ropescale.patching import patch, unpatch
+from ropescale.runs.config import ConfigError
+from ropescale.runs.manifest import check_manifest, data_fingerprint, environment, folder_lock, prepare_output
 from ropescale.training.checkpoints import CHECKPOINTS, CheckpointWriteError, save_checkpoint
 from ropescale.training.checkpoints import complete_checkpoints as _checkpoints
 from ropescale.training.config import SHARDING_ON_CPU, FinetuneConfig, ResolvedRun, fsdp_plugin_kwargs, resolve
@@ -65,8 +65,15 @@ from ropescale.training.heldout import HeldOut
 from ropescale.training.pose import PoseSampler
 from ropescale.training.report import LOG, TrainingLog, plot_training, read_log
 
-__all__ = ["finetune", "causal_lm_loss", "enable_checkpointing", "MODEL_DIR", "SUMMARY", "CHECKPOINTS",
-           "CheckpointWriteError"]
+__all__ = [
+    "CHECKPOINTS",
+    "MODEL_DIR",
+    "SUMMARY",
+    "CheckpointWriteError",
+    "causal_lm_loss",
+    "enable_checkpointing",
+    "finetune",
+]
 
 MODEL_DIR = "model"
 SUMMARY = "finetune.json"

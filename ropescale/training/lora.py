@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from ropescale.runs.config import ConfigError
 from ropescale.models import save_adapter, save_patched
 from ropescale.patching import current_patch
+from ropescale.runs.config import ConfigError
 from ropescale.training.config import DEFAULT_LORA_TARGETS, LoraSettings
 
-__all__ = ["embedding_and_norm_modules", "apply_lora", "save_trained"]
+__all__ = ["apply_lora", "embedding_and_norm_modules", "save_trained"]
 
 
 def embedding_and_norm_modules(model) -> list[str]:

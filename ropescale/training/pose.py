@@ -50,8 +50,17 @@ from typing import Literal, NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["PoseSample", "PoseSampler", "CONTENT_MODES", "SAMPLINGS", "AUTHORS_SPAN_WINDOWS", "sample_pose",
-           "source_span", "chunk_lengths", "skip_biases"]
+__all__ = [
+    "AUTHORS_SPAN_WINDOWS",
+    "CONTENT_MODES",
+    "SAMPLINGS",
+    "PoseSample",
+    "PoseSampler",
+    "chunk_lengths",
+    "sample_pose",
+    "skip_biases",
+    "source_span",
+]
 
 CONTENT_MODES = ("random", "aligned", "contiguous")
 SAMPLINGS = ("authors", "paper")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ropescale.runs.plotting import pyplot
 
-__all__ = ["LOG", "TrainingLog", "read_log", "eval_curve", "steps_to_reach", "plot_training"]
+__all__ = ["LOG", "TrainingLog", "eval_curve", "plot_training", "read_log", "steps_to_reach"]
 
 LOG = "log.jsonl"
 

@@ -108,7 +108,7 @@ def test_needle_refuses_a_haystack_of_a_few_lines_repeated(tmp_path, tiny_model_
 
 def test_needle_warns_when_the_haystack_repeats_its_text(tmp_path, tiny_model_dir, haystack, caplog):
     path = haystack(" ".join(f"Sentence number {w} stands alone." for w in
-                             "one two three four five six seven eight nine ten eleven twelve".split()))
+                             ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"]))
     cfg = build_config({"task": "needle", "model": str(tiny_model_dir), "data": str(path), "lengths": [400],
                         "strategies": ["vanilla"], "device": "cpu",
                         "needle": {"trials": 1, "depths": [0.5], "digits": 4, "candidates": 3}})

@@ -3,8 +3,8 @@ import math
 import pytest
 
 from eval.config import build_config
-from ropescale.runs.manifest import ExperimentMismatchError
 from eval.sweep import RESULTS, read_results, run_sweep
+from ropescale.runs.manifest import ExperimentMismatchError
 from ropescale.runs.windows import WindowError
 
 

@@ -11,10 +11,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from eval.config import ConfigError, build_config
 from eval.sweep import RESULTS, read_results, run_sweep
 from eval.tasks import Task, UnknownTaskError, get_task, task_names
-from ropescale.runs.data import load_documents, tokenize_documents
 from eval.tasks.needle import Needle
 from eval.tasks.passkey import Passkey, PasskeyOptions
 from eval.tasks.retrieval import wilson
+from ropescale.runs.data import load_documents, tokenize_documents
 
 
 def test_tasks_are_found_by_module():

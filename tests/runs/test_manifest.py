@@ -7,10 +7,17 @@ import pytest
 import torch
 
 from eval.config import ConfigError, build_config
-from ropescale.runs.manifest import (MANIFEST, ExperimentMismatchError, FolderBusyError, data_fingerprint, folder_lock,
-                           identity, weights_fingerprint)
 from eval.sweep import RESULTS, read_results, run_sweep
 from eval.tasks.passkey import PasskeyOptions
+from ropescale.runs.manifest import (
+    MANIFEST,
+    ExperimentMismatchError,
+    FolderBusyError,
+    data_fingerprint,
+    folder_lock,
+    identity,
+    weights_fingerprint,
+)
 
 
 def config(model_dir, data, **kw):
@@ -89,9 +96,8 @@ def test_changed_weights_are_another_experiment(tmp_path, tiny_model_dir, text_f
 
 def test_two_runs_cannot_write_one_folder(tmp_path, tiny_model_dir, text_file):
     tmp_path.mkdir(exist_ok=True)
-    with folder_lock(tmp_path):
-        with pytest.raises(FolderBusyError, match="is being written by another run"):
-            run_sweep(config(tiny_model_dir, text_file), tmp_path, progress=False)
+    with folder_lock(tmp_path), pytest.raises(FolderBusyError, match="is being written by another run"):
+        run_sweep(config(tiny_model_dir, text_file), tmp_path, progress=False)
     assert not (tmp_path / RESULTS).exists()
     run_sweep(config(tiny_model_dir, text_file), tmp_path, progress=False)  # released
 

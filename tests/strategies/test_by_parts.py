@@ -7,10 +7,16 @@ import torch
 
 from ropescale.strategies import get_strategy
 from ropescale.strategies.by_parts import (
-    base_truncation, dynamic_yarn, llama3, longrope, ntk_by_parts, yarn,
+    base_truncation,
+    dynamic_yarn,
+    llama3,
+    longrope,
+    ntk_by_parts,
+    yarn,
 )
 from ropescale.strategies.frequency import vanilla
 from tests.strategies.test_frequency import close, naive_theta
+
 
 def naive_yarn(d, b, T, s, beta_fast=32.0, beta_slow=1.0):
     def fcd(r):

@@ -36,7 +36,7 @@ def test_every_strategy_documents_formula_source_and_params():
 def test_register_rejects_signature_param_mismatch():
     with pytest.raises(TypeError, match="declared"):
         @register("broken_test_only", params=(Param("alpha", 1.0),), source="test")
-        def broken(dim, rope_theta, beta):  # noqa: ARG001
+        def broken(dim, rope_theta, beta):
             return RopeFrequencies(None, 1.0)
     assert "broken_test_only" not in REGISTRY
 

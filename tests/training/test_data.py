@@ -24,7 +24,7 @@ def test_each_epoch_visits_every_span_once_in_a_seeded_order():
     for order in epochs:
         assert sorted(order) == list(range(10))
     assert epochs[0] != epochs[1]
-    assert [TrainingWindows(STREAM, 16, 35, seed=3).span_of(i) for i in range(30)] == sum(epochs, [])
+    assert [TrainingWindows(STREAM, 16, 35, seed=3).span_of(i) for i in range(30)] == [s for epoch in epochs for s in epoch]
     assert [TrainingWindows(STREAM, 16, 35, seed=4).span_of(i) for i in range(10)] != epochs[0]
 
 

@@ -40,5 +40,5 @@ def test_two_processes_give_one_process_loss_curve_and_only_the_main_process_wri
         else:
             for k in a["ppl"]:
                 assert abs(a["ppl"][k] - b["ppl"][k]) <= 1e-5 * a["ppl"][k]
-    files = lambda d: sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.name != ".ropescale.lock")  # noqa: E731
+    files = lambda d: sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.name != ".ropescale.lock")
     assert files(tmp_path / "two") == files(tmp_path / "one")

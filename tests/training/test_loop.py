@@ -9,8 +9,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import ropescale
-from ropescale.runs.manifest import ExperimentMismatchError, FolderBusyError, folder_lock
 from eval.finetune import run_finetune as finetune  # the CLI's path: training, then eval.after
+from ropescale.runs.manifest import ExperimentMismatchError, FolderBusyError, folder_lock
 from ropescale.training import build_finetune_config
 from ropescale.training.report import read_log
 
@@ -65,9 +65,8 @@ def test_a_finished_run_is_not_trained_again_and_another_config_is_refused(tmp_p
 
 
 def test_two_runs_on_one_folder_are_refused(tmp_path, tiny_run):
-    with folder_lock(tmp_path):
-        with pytest.raises(FolderBusyError, match="being written by another run"):
-            run(tiny_run(steps=1, eval=None), tmp_path)
+    with folder_lock(tmp_path), pytest.raises(FolderBusyError, match="being written by another run"):
+        run(tiny_run(steps=1, eval=None), tmp_path)
 
 
 @pytest.mark.parametrize("strategy,native", [("yarn", True), ("pi_over_2n", False)])

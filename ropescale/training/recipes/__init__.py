@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-__all__ = ["Recipe", "RecipeOptions", "UnknownRecipeError", "get_recipe", "recipe_names", "build_recipe"]
+__all__ = ["Recipe", "RecipeOptions", "UnknownRecipeError", "build_recipe", "get_recipe", "recipe_names"]
 
 
 class UnknownRecipeError(ValueError):
@@ -53,7 +53,7 @@ class Recipe:
     label: ClassVar[str] = ""
     requires: ClassVar[tuple[tuple[str, str], ...]] = ()  # (module, pip requirement)
     shards: ClassVar[bool] = True
-    registry: ClassVar[dict[str, type["Recipe"]]] = {}
+    registry: ClassVar[dict[str, type[Recipe]]] = {}
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)

@@ -13,8 +13,15 @@ from transformers import AutoTokenizer
 from eval.config import ConfigError, build_config
 from eval.sweep import run_sweep
 from eval.tasks import get_task
-from eval.tasks.niah_multikey import (DEPTHS, NiahMultikey, NiahMultikeyOptions, assemble, make_prompt,
-                                      sentence_pairs, split_sentences)
+from eval.tasks.niah_multikey import (
+    DEPTHS,
+    NiahMultikey,
+    NiahMultikeyOptions,
+    assemble,
+    make_prompt,
+    sentence_pairs,
+    split_sentences,
+)
 from eval.tasks.prompts import PromptError, continuation, cycle_units
 from eval.tasks.retrieval import contains_match
 from ropescale.models import REFERENCE_MODEL
@@ -112,7 +119,7 @@ def ruler_for(units, depths_pct, query):
 
 # --- the prompt ----------------------------------------------------------------------------------
 def test_settings_are_rulers():
-    assert DEPTHS == ruler_depths() and len(DEPTHS) == 40
+    assert ruler_depths() == DEPTHS and len(DEPTHS) == 40
     o = NiahMultikeyOptions()
     assert (o.keys, o.digits) == (MULTIKEY_1["num_needle_k"], 7)
 

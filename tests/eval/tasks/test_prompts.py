@@ -6,8 +6,15 @@ import pytest
 from transformers import AutoTokenizer
 
 from eval.tasks import needle, passkey
-from eval.tasks.prompts import (PromptError, build_prompt, continuation, cycle_units, distractor_keys, random_key,
-                                sentence_units)
+from eval.tasks.prompts import (
+    PromptError,
+    build_prompt,
+    continuation,
+    cycle_units,
+    distractor_keys,
+    random_key,
+    sentence_units,
+)
 from ropescale.models import REFERENCE_MODEL
 
 
@@ -72,7 +79,7 @@ def test_sentence_units_split_at_sentence_ends(tok):
     units = sentence_units(tok, [ids])
     assert ["".join(tok.decode(u)) for u in units] == ["And God said, Let there be light:", " and there was light.",
                                                        "\n", "And God saw the light"]
-    assert sum(units, []) == ids  # nothing lost, nothing reordered
+    assert [t for u in units for t in u] == ids  # nothing lost, nothing reordered
 
 
 def test_keys():

@@ -1,15 +1,22 @@
 """The retrieval scorer against hand-built logits, and the Wilson interval against its formula's
 published values."""
 
-import math
-import random
 
 import pytest
 import torch
 
 from eval.tasks.prompts import Prompt
-from eval.tasks.retrieval import (Example, RetrievalOptions, _candidate_scores_cached, _candidate_scores_full,
-                                  _greedy, contains_match, first_integer_match, summarise, wilson)
+from eval.tasks.retrieval import (
+    Example,
+    RetrievalOptions,
+    _candidate_scores_cached,
+    _candidate_scores_full,
+    _greedy,
+    contains_match,
+    first_integer_match,
+    summarise,
+    wilson,
+)
 
 
 @pytest.mark.parametrize("k,n,expected", [
