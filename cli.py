@@ -300,17 +300,20 @@ def patch_cmd(model, strategy_spec, output, original_max_position_embeddings, la
 @click.option("--strategy", "strategy_specs", multiple=True, required=True, metavar="NAME[:k=v,...]",
               help="repeatable; parameters a sweep fills (factor, n_max, window) follow --length")
 @click.option("--length", type=int, required=True, help="target length L (tokens)")
-@click.option("--pair", "pairs", type=int, multiple=True, help="rotary pair(s) for the angle plot (default 0, the fastest)")
+@click.option("--pair", "pairs", type=int, multiple=True,
+              help="rotary pair(s) for the angle plot (default 0, the fastest)")
 @click.option("--attention", is_flag=True, help="also measure attention entropy and first-token share on text of "
                                                 "L tokens (loads the model's weights; frequency strategies)")
 @click.option("--data", default="kjv-heldout", show_default=True, help="text for --attention")
 @click.option("--output", "-o", required=True, type=click.Path(file_okay=False))
-def inspect(model, head_dim, rope_theta, training_length, strategy_specs, length, pairs, attention, data, output) -> None:
+def inspect(model, head_dim, rope_theta, training_length, strategy_specs, length, pairs, attention, data,
+            output) -> None:
     """Draw what each strategy does to the rotary geometry: wavelengths per pair, rotation angles
     and aliasing, long-range decay, the base bound; writes PNGs and summary.json."""
     import torch
 
-    RotaryConfig, run_inspect, rotary_config_of_model = harness("inspect", "RotaryConfig", "inspect", "rotary_config_of_model")
+    RotaryConfig, run_inspect, rotary_config_of_model = harness("inspect", "RotaryConfig", "inspect",
+                                                                "rotary_config_of_model")
     from ropescale.strategies.frequency import rope_inv_freq
 
     specs = [_strategy(s) for s in strategy_specs]
@@ -358,7 +361,8 @@ def inspect(model, head_dim, rope_theta, training_length, strategy_specs, length
             click.echo(f"  {r['strategy']:<28} pairs: {counts}; aliasing at r = {r['alias_distance']}; "
                        f"first B(m) < 0 at m = {r['base_bound_first_negative']}")
         else:
-            click.echo(f"  {r['strategy']:<28} relative positions up to {r['max_relative_position']:g} (window {r['window']})")
+            click.echo(f"  {r['strategy']:<28} relative positions up to {r['max_relative_position']:g} "
+                       f"(window {r['window']})")
     click.echo(f"  smallest base keeping B(m) >= 0 for m < {length} at d = {summary['dim']}: "
                f"{summary['smallest_base_for_length']:.4g}")
     click.echo(f"written to {output}/: {', '.join(summary['files'])}, summary.json")

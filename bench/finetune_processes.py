@@ -56,7 +56,8 @@ def main() -> None:
         one_cfg, two_cfg = tmp / "one.yaml", tmp / "two.yaml"
         one_cfg.write_text(json.dumps({**base, "threads": 2}))
         two_cfg.write_text(json.dumps({**base, "batch_size": args.batch_size // 2, "threads": 1}))
-        t_one = _run([sys.executable, str(ROOT / "cli.py"), "finetune", str(one_cfg), "-o", str(tmp / "one"), "-q"], env)
+        t_one = _run([sys.executable, str(ROOT / "cli.py"), "finetune", str(one_cfg), "-o", str(tmp / "one"), "-q"],
+                     env)
         t_two = _run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                       "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                       str(ROOT / "cli.py"), "finetune", str(two_cfg), "-o", str(tmp / "two"), "-q"],
@@ -65,7 +66,8 @@ def main() -> None:
         two = [r for r in read_log(tmp / "two") if "loss" in r]
         w1 = load_file(next((tmp / "one" / "model").glob("*.safetensors")))
         w2 = load_file(next((tmp / "two" / "model").glob("*.safetensors")))
-    assert [r["step"] for r in one] == [r["step"] for r in two] and [r["tokens"] for r in one] == [r["tokens"] for r in two]
+    assert ([r["step"] for r in one] == [r["step"] for r in two]
+            and [r["tokens"] for r in one] == [r["tokens"] for r in two])
     print(f"machine: {machine()}")
     print(f"model {args.model}, {args.strategy}, L = {args.length}, global batch {args.batch_size}, "
           f"{args.steps} steps, KJV training books, seed 0\n")

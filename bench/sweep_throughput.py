@@ -48,7 +48,8 @@ def main() -> None:
     docs = tokenize_documents(tok, load_documents(DataSpec(args.data)))
     print(f"machine: {machine()}")
     print(f"model: {args.model}; data: {args.data}; batch 1; best of {args.repeats}\n")
-    print(f"{'length':>7} {'windows':>7} {'bare tok/s':>11}" + "".join(f" {n + ' tok/s':>18} {'ratio':>6}" for n in names))
+    print(f"{'length':>7} {'windows':>7} {'bare tok/s':>11}"
+          + "".join(f" {n + ' tok/s':>18} {'ratio':>6}" for n in names))
     train = model.config.max_position_embeddings
     params = {n: ({"window": train // 2} if ropescale.get_strategy(n).kind == "attention" else {}) for n in names}
     for length in [int(x) for x in args.lengths.split(",")]:

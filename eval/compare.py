@@ -64,7 +64,8 @@ def final_table(runs: dict[str, list[dict]], length: int, target: float, target_
     ``target`` and ≤ 1.05 × ``target``."""
     lengths = sorted({int(k) for recs in runs.values() for r in recs if "ppl" in r for k in r["ppl"]})
     out = ["| run | steps | training tokens | " + " | ".join(f"PPL @ {n}" for n in lengths)
-           + f" | first step with PPL @ {length} ≤ {target:.2f} ({target_label}'s final) | ≤ {1.05 * target:.2f} (+5%) |",
+           + f" | first step with PPL @ {length} ≤ {target:.2f} ({target_label}'s final)"
+             f" | ≤ {1.05 * target:.2f} (+5%) |",
            "|---|---:|---:|" + "---:|" * len(lengths) + "---:|---:|"]
     for label, records in runs.items():
         last = [r for r in records if "ppl" in r][-1]

@@ -115,7 +115,8 @@ def inspect(cfg: RotaryConfig, strategies: list[StrategySpec], length: int, outp
     pairs = pairs or [0]
     bad = [i for i in pairs if not 0 <= i < cfg.dim // 2]
     if bad:
-        raise InvalidInput(f"pairs {bad} out of range: this model has {cfg.dim // 2} rotary pairs (0 … {cfg.dim // 2 - 1})")
+        raise InvalidInput(f"pairs {bad} out of range: this model has {cfg.dim // 2} rotary pairs "
+                           f"(0 … {cfg.dim // 2 - 1})")
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     rows = [_strategy_summary(s, cfg, length, pairs) for s in strategies]

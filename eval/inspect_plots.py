@@ -93,7 +93,8 @@ def plot_angles(cfg, rows: list[dict], length: int, pairs: list[int], path: Path
                 f"{r['strategy']} (θ = {theta:.3g}; monotone to L)"
             ax_s.plot(range(1, short), ang[1:short].tolist(), label=label, **style)
             ax_l.plot(range(1, length), ang[1:].tolist(), lw=0.8, color=style["color"])
-        for ax, title in ((ax_s, f"pair {i}: distances 1 … {short - 1}"), (ax_l, f"pair {i}: distances 1 … {length - 1}")):
+        for ax, title in ((ax_s, f"pair {i}: distances 1 … {short - 1}"),
+                          (ax_l, f"pair {i}: distances 1 … {length - 1}")):
             ax.axhline(math.pi / 2, color="grey", ls=":", lw=0.8)
             ax.set_ylim(0, 2 * math.pi)
             ax.set_xlabel("distance r (tokens)", fontsize=8)
@@ -132,7 +133,8 @@ def plot_base_bound(cfg, rows: list[dict], length: int, path: Path) -> None:
     for k, r in enumerate(rows):
         neg = r["base_bound_first_negative"]
         ax.plot(geo.base_bound_curve(r["_theta"], length).tolist(), lw=1, color=line_style(k, len(rows))["color"],
-                label=f"{r['strategy']} (first B < 0 at m = {neg})" if neg is not None else f"{r['strategy']} (B ≥ 0 up to L)")
+                label=(f"{r['strategy']} (first B < 0 at m = {neg})" if neg is not None
+                       else f"{r['strategy']} (B ≥ 0 up to L)"))
     ax.axhline(0, color="black", lw=0.8)
     ax.axvline(cfg.train_length, color="black", ls="--", lw=0.8)
     ax.set_xscale("symlog", linthresh=16)

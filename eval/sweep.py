@@ -81,7 +81,8 @@ def read_results(path: str | Path) -> list[dict]:
         except ValidationError as e:
             err = e.errors()[0]
             what = f"{'.'.join(map(str, err['loc'])) or 'record'}: {err['msg']}"
-            raise ResultsFileError(f"{path}: line {i} is not a ropescale result record ({what}; see eval/schema.py)") from None
+            raise ResultsFileError(
+                f"{path}: line {i} is not a ropescale result record ({what}; see eval/schema.py)") from None
         out.append(record)
     return out
 

@@ -11,8 +11,8 @@ function (its ``AttentionMaskInterface`` entry; none when the base has none) whe
 otherwise transformers hands a new name no mask. Flash kernels are loaded by name (the name
 containing "flash" is how transformers recognises them), so for those the wrapper passes the
 base a view of the layer whose ``config._attn_implementation`` is the base's name, and the model
-is switched through the config setter rather than ``set_attn_implementation``. The truncation function is registered on first
-use too. Nothing is registered at import.
+is switched through the config setter rather than ``set_attn_implementation``. The truncation
+function is registered on first use too. Nothing is registered at import.
 
 Routing check: each attention function counts its calls on the per-model state object it reads
 from the layer (``_LogN`` / ``_Truncation``, set on every submodule), so ``check_routed`` can tell

@@ -186,7 +186,8 @@ def flex_attention_path(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, sca
     aux = AuxRequest(lse=True)
 
     def region(q_at, k_at, mask):  # rotated q [b, n_h, s_q, h_d], k [b, n_kv, s_k, h_d]
-        out, stats = flex(rotate(q, q_at, inv_freq, scaling, interleaved), rotate(k, k_at, inv_freq, scaling, interleaved),
+        out, stats = flex(rotate(q, q_at, inv_freq, scaling, interleaved),
+                          rotate(k, k_at, inv_freq, scaling, interleaved),
                           v, score_mod=score_mod, block_mask=mask, scale=scale, enable_gqa=True, return_aux=aux)
         return out, stats.lse  # [b, n_h, s_q, h_d], [b, n_h, s_q]
 

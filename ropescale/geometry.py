@@ -117,7 +117,8 @@ def _vanilla(dim: int, base: float) -> torch.Tensor:
     return base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
 
 
-def _failure_steps(dim: int, length: int, log_base: float, bounds_at: float | None = None) -> tuple[float, float] | None:
+def _failure_steps(dim: int, length: int, log_base: float,
+                   bounds_at: float | None = None) -> tuple[float, float] | None:
     """How far (in ln b) from ``b = e^log_base`` vanilla B is certified to stay negative somewhere
     below ``length``, upward and downward: ``(up, down)``, or ``None`` when B(m) ≥ 0 for every
     m < length at b (b passes). ``down`` holds only down to ``bounds_at`` (default: b itself,

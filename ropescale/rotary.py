@@ -244,7 +244,8 @@ class ScaledRotaryEmbedding(nn.Module):
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{lt or 'all'}: {e.strategy.name if e.strategy else 'kept'}" for lt, e in self.entries.items())
+        return ", ".join(f"{lt or 'all'}: {e.strategy.name if e.strategy else 'kept'}"
+                         for lt, e in self.entries.items())
 
 
 def probe_layout(module: nn.Module, layer_type: str | None) -> tuple[bool, bool]:

@@ -13,8 +13,9 @@ distance for the positions transformers passes (contiguous per row; left padding
 CPU flash kernel, merged by log-sum-exp, with a backward (``ropescale.two_region``); about the
 cost of one vanilla attention.
 
-On other devices ``ropescale.attention``'s ``fused`` path hands over to ``ropescale.flex_regions.flex_attention_path`` (the same two
-regions in FlexAttention, compiled on CUDA).
+On other devices ``ropescale.attention``'s ``fused`` path hands over to
+``ropescale.flex_regions.flex_attention_path`` (the same two regions in FlexAttention, compiled on
+CUDA).
 
 ``blocked_attention`` is the general path (soft-capping, attention dropout, per-query masks on
 the CPU): query blocks × key blocks with an online softmax (the flash-attention

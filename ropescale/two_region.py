@@ -178,7 +178,8 @@ def _forward_call(call: Call, plan: _Plan, q, k, v):
         for bi in range(q.shape[0]):  # one batch row at a time: blocks are the kernel's batch
             mask, has = _band_additive(call, plan.c0, dtype), None
             if keep is not None:
-                vis = _band_mask(call, plan.c0)[None] & _windows(keep[bi][None, :, None], call)[:, 0, :, 0][:, None, :]  # [n, B, width]
+                # [n, B, width]
+                vis = _band_mask(call, plan.c0)[None] & _windows(keep[bi][None, :, None], call)[:, 0, :, 0][:, None, :]
                 mask, has = _additive(vis[:, None], dtype), vis.any(-1)[:, None]  # [n, 1, B, width], [n, 1, B]
             o, l = _flash(_query_blocks(q[bi], call), _windows(k[bi], call), _windows(v[bi], call), 0.0, False,
                           attn_mask=mask, scale=plan.scale)  # [n, n_h, B, h_d], [n, n_h, B]
@@ -219,7 +220,8 @@ def _backward_call(call: Call, plan: _Plan, g, q, k, v, out, lse, dq, dk, dv):
         idx = call.j0 + (torch.arange(call.blocks)[:, None] * block + torch.arange(call.width)).flatten()
         for bi in range(q.shape[0]):
             mask = _band_additive(call, plan.c0, dtype) if keep is None else _additive(
-                (_band_mask(call, plan.c0)[None] & _windows(keep[bi][None, :, None], call)[:, 0, :, 0][:, None, :])[:, None], dtype)
+                (_band_mask(call, plan.c0)[None]
+                 & _windows(keep[bi][None, :, None], call)[:, 0, :, 0][:, None, :])[:, None], dtype)
             gq, gk, gv = _flash_backward(
                 _query_blocks(g[bi], call), _query_blocks(q[bi], call), _windows(k[bi], call), _windows(v[bi], call),
                 _query_blocks(out[bi], call), _query_blocks(lse[bi], call).contiguous(), 0.0, False,

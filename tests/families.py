@@ -12,7 +12,8 @@ FAMILIES = {  # name: (config class, model class, extra config)
     "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
     "mistral": (T.MistralConfig, T.MistralForCausalLM, {}),
     # explicit head_dim: transformers 5.23 dynamic/yarn read getattr(config, "head_dim", …), None for Mixtral
-    "mixtral": (T.MixtralConfig, T.MixtralForCausalLM, {"num_local_experts": 2, "num_experts_per_tok": 1, "head_dim": 16}),
+    "mixtral": (T.MixtralConfig, T.MixtralForCausalLM,
+                {"num_local_experts": 2, "num_experts_per_tok": 1, "head_dim": 16}),
     "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, {}),
     "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, {"head_dim": 16}),
     "gemma": (T.GemmaConfig, T.GemmaForCausalLM, {"head_dim": 16}),

@@ -42,7 +42,8 @@ SHORT_LONG = lambda n: ([1.0 + 0.1 * i for i in range(n)], [1.0 + 2.0 * i for i 
 CASES = {
     "linear": lambda n: ({"factor": 4.0}, {"rope_type": "linear", "factor": 4.0}, {}),
     "dynamic_ntk": lambda n: ({"factor": 2.0}, {"rope_type": "dynamic", "factor": 2.0}, {}),
-    "yarn": lambda n: ({"factor": 4.0}, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, {}),
+    "yarn": lambda n: ({"factor": 4.0}, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+                       {}),
     "llama3": lambda n: ({"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
                          {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                           "original_max_position_embeddings": 16}, {"original_max_position_embeddings": 16}),

@@ -127,8 +127,10 @@ def test_sliding_mode_refuses_lengths_the_data_cannot_fill(tmp_path, tiny_model_
 @pytest.mark.parametrize("value", [0, -5, 1, 2.5, True])
 def test_training_window_must_be_a_positive_length(tiny_llama, value):
     for name in ("dynamic_ntk", "llama3", "yarn"):
-        with pytest.raises(ValueError, match="original_max_position_embeddings=.* must be a whole number of tokens >= 2"):
-            ropescale.patch(tiny_llama, name, original_max_position_embeddings=value, **({} if name == "dynamic_ntk" else {"factor": 4}))
+        with pytest.raises(ValueError,
+                           match="original_max_position_embeddings=.* must be a whole number of tokens >= 2"):
+            ropescale.patch(tiny_llama, name, original_max_position_embeddings=value,
+                            **({} if name == "dynamic_ntk" else {"factor": 4}))
     assert ropescale.current_patch(tiny_llama) is None
 
 

@@ -24,7 +24,8 @@ def test_export_writes_each_layer_types_own_rope_theta(tmp_path):
     model = family_model("gemma3")
     rp = model.config.rope_parameters
     assert rp["sliding_attention"]["rope_theta"] != rp["full_attention"]["rope_theta"]
-    with torch.no_grad(), ropescale.patch(model, "ntk", factor=4.0, layer_types=["sliding_attention", "full_attention"]):
+    with torch.no_grad(), ropescale.patch(model, "ntk", factor=4.0,
+                                          layer_types=["sliding_attention", "full_attention"]):
         expected = model(IDS).logits
         ropescale.save_patched(model, _Tok(), tmp_path)
     plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()

@@ -70,7 +70,8 @@ def test_base_bound_and_decay_by_hand():
         assert float(b[m]) == pytest.approx(math.cos(m) + math.cos(0.1 * m), abs=1e-12)
     first = next(m for m in range(40) if math.cos(m) + math.cos(0.1 * m) < 0)
     assert geo.first_negative(b) == first
-    assert geo.decay_curve(theta, 5).tolist() == pytest.approx([(math.cos(r) + math.cos(0.1 * r)) / 2 for r in range(5)])
+    assert geo.decay_curve(theta, 5).tolist() == pytest.approx(
+        [(math.cos(r) + math.cos(0.1 * r)) / 2 for r in range(5)])
     # RoFormer's bound at r = 0: mean of |S_j| = j over j = 1 … d/2
     assert float(geo.roformer_bound(theta, 1)[0]) == pytest.approx(1.5)
     r = 5

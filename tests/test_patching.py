@@ -79,7 +79,8 @@ def test_partial_rotary_dim_is_honoured():
     with ropescale.patch(model, "vanilla") as h:
         assert h.context["dim"] == 4
         assert torch.equal(logits(model, 200), base)
-    cfg_lin = GPTNeoXConfig(**{**cfg.to_dict(), "rope_parameters": {**cfg.rope_parameters, "rope_type": "linear", "factor": 4.0}})
+    cfg_lin = GPTNeoXConfig(**{**cfg.to_dict(),
+                               "rope_parameters": {**cfg.rope_parameters, "rope_type": "linear", "factor": 4.0}})
     native = build(GPTNeoXForCausalLM, cfg_lin, model.state_dict())
     with ropescale.patch(model, "linear", factor=4.0):
         torch.testing.assert_close(logits(model, 200), logits(native, 200), rtol=0, atol=1e-5)

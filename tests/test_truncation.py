@@ -124,7 +124,8 @@ def test_bad_attention_options():
 @pytest.mark.parametrize("block", [1, 7, 64])
 def test_kernel_block_sizes_and_gqa_against_oracle(rule, block):
     g = torch.Generator().manual_seed(6)
-    q, k, v = torch.randn(2, 6, 40, 16, generator=g), torch.randn(2, 2, 40, 16, generator=g), torch.randn(2, 2, 40, 16, generator=g)
+    q, k, v = (torch.randn(2, 6, 40, 16, generator=g), torch.randn(2, 2, 40, 16, generator=g),
+               torch.randn(2, 2, 40, 16, generator=g))
     pos = torch.arange(40).float()[None].expand(2, -1)
     inv = 1.0 / (10000 ** (torch.arange(0, 10, 2).float() / 10))  # partial rotary: 10 of 16 channels
     for interleaved in (False, True):

@@ -92,8 +92,10 @@ language model for anything else.
 | what | value |
 |---|---|
 | perplexity at T (chunk windows of 128 tokens) | {c['heldout_ppl_at_T']} |
-| perplexity at 8T, vanilla RoPE (the extrapolation problem) | {c['heldout_ppl_at_8T']} ({c['ppl_ratio_8T_over_T']}× T) |
-| passkey at T, vanilla, greedy exact match ({pk['trials']} keys over depths 0…1) | {pk['accuracy']:.3f} (95% CI {pk['accuracy_ci'][0]:.3f}–{pk['accuracy_ci'][1]:.3f}) |
+| perplexity at 8T, vanilla RoPE (the extrapolation problem) | {c['heldout_ppl_at_8T']} ({
+    c['ppl_ratio_8T_over_T']}× T) |
+| passkey at T, vanilla, greedy exact match ({pk['trials']} keys over depths 0…1) | {pk['accuracy']:.3f} (95% CI {
+    pk['accuracy_ci'][0]:.3f}–{pk['accuracy_ci'][1]:.3f}) |
 | passkey at T, candidate log-likelihood (1 of 10) | {pk['candidate_accuracy']:.3f} |
 | 40-token passage repeated: loss on first / second copy (nats) | {cp['first_copy_loss']} / {cp['second_copy_loss']} |
 | top-1 accuracy on the second copy | {cp['second_copy_top1']} |

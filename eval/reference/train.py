@@ -111,7 +111,8 @@ class Mix:
 
     def _passkey(self) -> list[int]:
         key = random_key(self.rng, self.rng.randint(3, 7))
-        p = passkey.make_prompt(self.tok, self._filler(), length=self.T - len(self.end), depth=self.rng.random(), key=key)
+        p = passkey.make_prompt(self.tok, self._filler(), length=self.T - len(self.end), depth=self.rng.random(),
+                                key=key)
         return p.ids + p.answer_ids + self.end
 
     def _needle(self) -> list[int]:

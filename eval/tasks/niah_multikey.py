@@ -8,9 +8,11 @@ the value of one of them, so the others are distractors of the same form. The pr
 ``base`` template (``scripts/data/synthetic/constants.py`` ``TASKS['niah']``: template + answer
 prefix, made singular as ``niah.py`` does when one value is asked for)::
 
-    A special magic number is hidden within the following text. Make sure to memorize it. I will quiz you about the number afterwards.
+    A special magic number is hidden within the following text. Make sure to memorize it. \
+I will quiz you about the number afterwards.
     {context}
-    What is the special magic number for {key} mentioned in the provided text? The special magic number for {key} mentioned in the provided text is
+    What is the special magic number for {key} mentioned in the provided text? \
+The special magic number for {key} mentioned in the provided text is
 
 and the context is built as ``niah.py`` builds an essay haystack: the text with every run of
 whitespace made one space, cut into sentences; needle ``i`` goes before sentence

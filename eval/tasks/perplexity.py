@@ -38,7 +38,8 @@ class PerplexityOptions(TaskOptions):
 
     def key(self) -> dict[str, Any]:
         # batch_size and logits_chunk change numbers by float noise only: not part of the identity
-        return self.model_dump(exclude={"batch_size", "logits_chunk"}) | {"stride": self.stride if self.mode == "sliding" else None}
+        return (self.model_dump(exclude={"batch_size", "logits_chunk"})
+                | {"stride": self.stride if self.mode == "sliding" else None})
 
 
 # written at the top level of a config before tasks existed; still read there

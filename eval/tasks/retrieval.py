@@ -178,7 +178,8 @@ class RetrievalTask(Task):
                 scores = _candidate_scores_full(model, ex.prompt.ids, ex.candidates, device)
             else:
                 scores = _candidate_scores_cached(model, last, out.past_key_values, ex.candidates, device)
-            generated = _greedy(model, last, out.past_key_values, len(ex.prompt.answer_ids) + self.options.greedy_extra_tokens)
+            generated = _greedy(model, last, out.past_key_values,
+                                len(ex.prompt.answer_ids) + self.options.greedy_extra_tokens)
             exact = type(self).match(self.tokenizer.decode(generated), ex.prompt.answer)
             rows.append((i, exact, bool(scores[0] > scores[1:].max())))
             bar.update(1)

@@ -142,7 +142,8 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         *parents, last = key.split(".")
         for p in parents:
             child = node.get(p)
-            node[p] = child = dict(child) if isinstance(child, dict) else ({"source": child} if p == "data" and isinstance(child, str) else {})
+            node[p] = child = (dict(child) if isinstance(child, dict)
+                               else ({"source": child} if p == "data" and isinstance(child, str) else {}))
             node = child
         try:
             node[last] = _value(value, f"--set {item!r}")
@@ -164,7 +165,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} is given twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1})",
+                    None, None,
+                    f"key {key!r} is given twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1})",
                     key_node.start_mark)
             seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)

@@ -148,7 +148,8 @@ def _check_manifest(output: Path, ident: dict[str, Any], config: dict[str, Any],
                                       "recorded one), so they cannot be matched to this run; use a new folder")
     if write:
         path.write_text(json.dumps({"identity": ident, "identity_hash": digest, "config": config,
-                                "processes": processes, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1) + "\n", encoding="utf-8")
+                                    "processes": processes, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+                                   indent=1) + "\n", encoding="utf-8")
     return digest
 
 

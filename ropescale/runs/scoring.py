@@ -93,8 +93,8 @@ def window_nll(model, docs: list[torch.Tensor], windows: list[Window], *, length
     Memory is O(n·d): the LM head and the loss run over ``logits_chunk`` positions at a time
     (``ropescale.lm_head``; default from a memory budget), never over ``[n, V]`` logits — unless
     the model's head cannot be reproduced, which is detected on the first batch (against the
-    model's own last-position logits) and falls back to full logits with a warning. The accounting stays on the device until the end (no host sync
-    per window).
+    model's own last-position logits) and falls back to full logits with a warning. The accounting
+    stays on the device until the end (no host sync per window).
 
     Args:
         model: causal LM (transformers ``*ForCausalLM``).

@@ -15,4 +15,5 @@ from ropescale.training.config import FinetuneConfig, ResolvedRun, build_finetun
 from ropescale.training.loop import finetune
 from ropescale.training.pose import sample_pose
 
-__all__ = ["FinetuneConfig", "ResolvedRun", "build_finetune_config", "finetune", "load_finetune_config", "resolve", "sample_pose"]
+__all__ = ["FinetuneConfig", "ResolvedRun", "build_finetune_config", "finetune", "load_finetune_config", "resolve",
+           "sample_pose"]

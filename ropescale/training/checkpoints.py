@@ -66,7 +66,8 @@ def _write_failure(err: BaseException, folder: Path) -> str | None:
         return "no space left on the device"
     if any(s in text for s in _WRITE_FAILED) or isinstance(err, OSError):
         free = _free_bytes(folder)
-        if "no space left" in text or "storagefull" in text or "quota" in text or (free is not None and free < _LOW_SPACE):
+        if ("no space left" in text or "storagefull" in text or "quota" in text
+                or (free is not None and free < _LOW_SPACE)):
             return "no space left on the device" + (f" ({free / 2 ** 20:.0f} MiB free)" if free is not None else "")
         return err.strerror if isinstance(err, OSError) and err.strerror else text[:200]
     return None

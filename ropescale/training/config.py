@@ -446,7 +446,8 @@ def build_finetune_config(raw: Any, source: str = "config") -> FinetuneConfig:
         raise _explain(e, source) from None
 
 
-def load_finetune_config(path: str | Path | None, overrides: list[str] = (), flags: dict | None = None) -> FinetuneConfig:
+def load_finetune_config(path: str | Path | None, overrides: list[str] = (),
+                         flags: dict | None = None) -> FinetuneConfig:
     """A YAML file (or none), then ``flags`` (values that are not None), then ``--set key=value``
     overrides (dots for nesting: ``pose.chunks=3``). Raises ``ConfigError`` in one line."""
     raw = read_yaml(path) if path else {}
@@ -485,7 +486,8 @@ def resolve(cfg: FinetuneConfig, source: str = "config") -> ResolvedRun:
             raise ConfigError(f"{source}: pose: length {L} is not above the model's original window T = {T}; PoSE "
                               "trains on windows of T tokens to reach a longer target length")
         if cfg.pose.chunks > T:
-            raise ConfigError(f"{source}: pose.chunks: {cfg.pose.chunks} chunks cannot split a window of T = {T} tokens")
+            raise ConfigError(f"{source}: pose.chunks: {cfg.pose.chunks} chunks cannot split a window of "
+                              f"T = {T} tokens")
     strat = get_strategy(cfg.strategy.name)
     try:
         params = strat.resolve(cfg.strategy.params, length=L, train_length=T)

@@ -167,8 +167,9 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
     CPU) and LoRA target modules the model does not have,
     ``ropescale.runs.data.DataError`` / ``ropescale.runs.windows.WindowError`` (data too short or unreadable),
     ``ValueError`` (device, patch), ``CheckpointWriteError`` (an ``OutputError``: a checkpoint
-    could not be written, a full disk; a rerun resumes from the last complete one), ``NonFiniteLossError`` (a ``ValueError``: the training loss
-    became inf or NaN at a step; no model saved, the checkpoints kept).
+    could not be written, a full disk; a rerun resumes from the last complete one),
+    ``NonFiniteLossError`` (a ``ValueError``: the training loss became inf or NaN at a step; no
+    model saved, the checkpoints kept).
     """
     from accelerate import Accelerator
 
@@ -249,7 +250,8 @@ def _run_locked(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, progre
             return {"stopped_at": stop_after, "model": None}
     evaluations = (after.run(cfg, run, output / MODEL_DIR, output, progress=progress, say=say)
                    if after is not None and cfg.eval and cfg.eval.after else {})
-    return {**summary, "model": str(output / MODEL_DIR), "evaluations": evaluations, "main_process": acc.is_main_process}
+    return {**summary, "model": str(output / MODEL_DIR), "evaluations": evaluations,
+            "main_process": acc.is_main_process}
 
 
 def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, stream, env, progress: bool,
@@ -381,7 +383,8 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, 
     if acc.is_main_process:
         inner.eval()
         recipe.save(inner, tokenizer, output / MODEL_DIR, state_dict=state_dict)
-        (output / MODEL_DIR / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")  # last: marks the run done
+        # last: marks the run done
+        (output / MODEL_DIR / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
         plot_training(read_log(output / LOG), output / "loss.png", f"{label}, L = {cfg.length}")
         shutil.rmtree(output / CHECKPOINTS, ignore_errors=True)
         say(f"saved the fine-tuned model to {output / MODEL_DIR} ({step} steps, {train_s:.0f} s of training)")

@@ -90,7 +90,8 @@ def plot_training(records: list[dict], path: Path, title: str) -> Path:
         lengths = sorted({int(k) for r in evals for k in r["ppl"]})
         for i, length in enumerate(lengths):
             curve = eval_curve(records, length)
-            ax.plot([s for s, _ in curve], [p for _, p in curve], marker="o", ms=3, color=f"C{i}", label=f"L = {length}")
+            ax.plot([s for s, _ in curve], [p for _, p in curve], marker="o", ms=3, color=f"C{i}",
+                    label=f"L = {length}")
         ax.set(xlabel="optimiser step", ylabel="held-out perplexity", title="held-out perplexity")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

@@ -64,7 +64,8 @@ def test_an_8b_model_at_128k_tokens_fits_an_80gb_gpu(monkeypatch):
     monkeypatch.setattr(memory, "device_available", lambda device: 80 * GiB - 16 * GiB)  # after the weights
     monkeypatch.setattr(memory, "host_available", lambda: 64 * GiB)
     check_fits(need, "cuda")  # accepted
-    ppl = Perplexity(PerplexityOptions(), tokenizer=None, train_length=8192).memory(131072, _Fake(LLAMA3_8B, torch.bfloat16))
+    ppl = Perplexity(PerplexityOptions(), tokenizer=None, train_length=8192).memory(
+        131072, _Fake(LLAMA3_8B, torch.bfloat16))
     check_fits(ppl, "cuda")
     with pytest.raises(InsufficientMemoryError, match=r"passkey at 1048576 tokens \(60 prompts, 10 candidates each\) "
                                                       r"needs about .* GiB on cuda \(KV cache 128 GiB \+ activations"
@@ -79,7 +80,8 @@ def test_a_length_that_cannot_fit_is_refused_before_any_example_is_built(tmp_pat
     with pytest.raises(InsufficientMemoryError) as err:
         run_sweep(cfg, tmp_path / "o", progress=False)
     line = str(err.value)
-    assert line.startswith("passkey at 10000000 tokens (60 prompts, 10 candidates each) needs about ") and "\n" not in line
+    assert (line.startswith("passkey at 10000000 tokens (60 prompts, 10 candidates each) needs about ")
+            and "\n" not in line)
     assert "KV cache 76.3 GiB" in line and "this machine has 16.0 GiB free" in line
     assert line.endswith("drop length 10000000 (and 1 longer) from lengths, or run on a device with more memory")
     assert isinstance(err.value, RopescaleError)
@@ -108,7 +110,8 @@ def test_needle_refuses_a_haystack_of_a_few_lines_repeated(tmp_path, tiny_model_
 
 def test_needle_warns_when_the_haystack_repeats_its_text(tmp_path, tiny_model_dir, haystack, caplog):
     path = haystack(" ".join(f"Sentence number {w} stands alone." for w in
-                             ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"]))
+                             ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
+                              "eleven", "twelve"]))
     cfg = build_config({"task": "needle", "model": str(tiny_model_dir), "data": str(path), "lengths": [400],
                         "strategies": ["vanilla"], "device": "cpu",
                         "needle": {"trials": 1, "depths": [0.5], "digits": 4, "candidates": 3}})
@@ -157,8 +160,9 @@ def test_running_out_of_memory_past_the_estimate_is_one_line(tmp_path, tiny_mode
     monkeypatch.setattr(Passkey, "measure", measure)
     cfg = build_config({**passkey(trials=1, depths=[0.5], digits=3, candidates=2), "model": str(tiny_model_dir),
                         "device": "cpu", "lengths": [64]})
-    with pytest.raises(InsufficientMemoryError, match=r"^vanilla @ 64: out of memory on cpu \(.*\); the cells "
-                                                      r"finished before it are saved, so a rerun resumes: drop length 64 ") as err:
+    with pytest.raises(InsufficientMemoryError,
+                       match=r"^vanilla @ 64: out of memory on cpu \(.*\); the cells "
+                             r"finished before it are saved, so a rerun resumes: drop length 64 ") as err:
         run_sweep(cfg, tmp_path / "o", progress=False)
     assert shown in str(err.value) and "\n" not in str(err.value)
 

@@ -37,7 +37,8 @@ def task_dir(tmp_path_factory, text_file):
 def evaluate(model, task_dir, **kw):
     from lm_eval.tasks import TaskManager
 
-    out = lm_eval.simple_evaluate(model=model, tasks=["tiny_rolling"], task_manager=TaskManager(include_path=str(task_dir)),
+    out = lm_eval.simple_evaluate(model=model, tasks=["tiny_rolling"],
+                                  task_manager=TaskManager(include_path=str(task_dir)),
                                   batch_size=1, device="cpu", **kw)
     return out["results"]["tiny_rolling"]["word_perplexity,none"]
 

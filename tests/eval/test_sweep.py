@@ -55,8 +55,9 @@ def test_rerun_resumes_and_skips_finished_cells(tmp_path, tiny_model_dir, text_f
     run_sweep(config(tiny_model_dir, text_file, strategies=["vanilla", "yarn", "dynamic_ntk", "ntk"]), tmp_path,
               progress=False)
     assert len(read_results(path)) == 8
-    with pytest.raises(ExperimentMismatchError, match="holds another experiment \\(options: .*'max_windows': 3.* now, "
-                                                      ".*'max_windows': 6.* in the folder\\); give a new output folder"):
+    with pytest.raises(ExperimentMismatchError,
+                       match="holds another experiment \\(options: .*'max_windows': 3.* now, "
+                             ".*'max_windows': 6.* in the folder\\); give a new output folder"):
         run_sweep(config(tiny_model_dir, text_file, max_windows=3), tmp_path, progress=False)
     assert len(read_results(path)) == 8
 

@@ -18,7 +18,8 @@ from ropescale.training.report import read_log
 from tests.conftest import build, tiny_llama_config
 from tests.training.test_gradients import IDS, assert_same_grads
 
-POSE = sample_pose(64, 200, np.random.default_rng(3), chunks=3, sampling="paper").position_ids[None].expand(2, -1)  # [2, 64] < 200
+# [2, 64] < 200
+POSE = sample_pose(64, 200, np.random.default_rng(3), chunks=3, sampling="paper").position_ids[None].expand(2, -1)
 
 
 def loss_and_grads(model, batch, checkpointing: bool, chunk_size=0):

@@ -103,8 +103,10 @@ def test_strategy_parameters_filled_from_the_target_length(tiny_run):
 def test_set_overrides_and_flags(tmp_path, write):
     from ropescale.training import load_finetune_config
 
-    cfg = load_finetune_config(write(), ["pose.chunks=3", "pose.sampling=paper", "lr=1e-4"], {"steps": 9, "model": None})
-    assert cfg.pose.enabled and cfg.pose.chunks == 3 and cfg.pose.sampling == "paper" and cfg.lr == 1e-4 and cfg.steps == 9
+    cfg = load_finetune_config(write(), ["pose.chunks=3", "pose.sampling=paper", "lr=1e-4"],
+                               {"steps": 9, "model": None})
+    assert (cfg.pose.enabled and cfg.pose.chunks == 3 and cfg.pose.sampling == "paper" and cfg.lr == 1e-4
+            and cfg.steps == 9)
     with pytest.raises(ConfigError, match="steps: must be at least 1"):
         load_finetune_config(write(), ["steps=0"])
 

@@ -24,7 +24,8 @@ def test_each_epoch_visits_every_span_once_in_a_seeded_order():
     for order in epochs:
         assert sorted(order) == list(range(10))
     assert epochs[0] != epochs[1]
-    assert [TrainingWindows(STREAM, 16, 35, seed=3).span_of(i) for i in range(30)] == [s for epoch in epochs for s in epoch]
+    assert ([TrainingWindows(STREAM, 16, 35, seed=3).span_of(i) for i in range(30)]
+            == [s for epoch in epochs for s in epoch])
     assert [TrainingWindows(STREAM, 16, 35, seed=4).span_of(i) for i in range(10)] != epochs[0]
 
 
@@ -52,4 +53,5 @@ def test_pose_examples_are_pure_functions_of_the_index(sampling):
                                sampling=sampling)
         assert ex["position_ids"].tolist() == expected.position_ids.tolist()
         assert ex["input_ids"].tolist() == [base + j for j in expected.content_index.tolist()]
-    assert torch.equal(a[17]["input_ids"], late["input_ids"]) and torch.equal(a[17]["position_ids"], late["position_ids"])
+    assert (torch.equal(a[17]["input_ids"], late["input_ids"])
+            and torch.equal(a[17]["position_ids"], late["position_ids"]))

@@ -52,7 +52,8 @@ def test_gradients_equal_transformers_native_rope_type(strategy):
     with ropescale.patch(model, strategy, **ours):
         got = grads(model)
     assert_same_grads(got, expected)
-    assert not torch.equal(got["model.layers.0.self_attn.q_proj.weight"], grads(model)["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(got["model.layers.0.self_attn.q_proj.weight"],
+                           grads(model)["model.layers.0.self_attn.q_proj.weight"])
 
 
 def test_logn_gradients_equal_queries_scaled_by_hand():

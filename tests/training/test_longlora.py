@@ -27,7 +27,8 @@ def longlora_reference(model, trainable_params="embed,norm"):
 
 def trainable(model):
     """Trainable parameter names with PEFT's modules_to_save copy folded onto the module's name."""
-    return {n.replace(".modules_to_save.default", ""): p.numel() for n, p in model.named_parameters() if p.requires_grad}
+    return {n.replace(".modules_to_save.default", ""): p.numel()
+            for n, p in model.named_parameters() if p.requires_grad}
 
 
 def test_the_recipe_trains_what_longlora_trains():

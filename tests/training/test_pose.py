@@ -18,7 +18,8 @@ from tests.conftest import build, tiny_llama_config
 
 @settings(max_examples=300, deadline=None)
 @given(T=st.integers(1, 64), extra=st.integers(1, 300), chunks=st.integers(1, 5),
-       content=st.sampled_from(["random", "aligned", "contiguous"]), seed=st.integers(0, 2**31), slack=st.integers(0, 50))
+       content=st.sampled_from(["random", "aligned", "contiguous"]), seed=st.integers(0, 2**31),
+       slack=st.integers(0, 50))
 @pytest.mark.parametrize("sampling", ["authors", "paper"])
 def test_position_ids_properties(T, extra, chunks, content, seed, slack, sampling):
     chunks = min(chunks, T) if sampling == "paper" else 2

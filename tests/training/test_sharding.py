@@ -78,7 +78,8 @@ def test_accelerate_drops_fsdp_on_cpu_processes(tmp_path):
     plugin, get plain DDP — every process holds the whole model."""
     script = tmp_path / "probe.py"
     script.write_text(
-        "import torch\nfrom accelerate import Accelerator\nfrom accelerate.utils import FullyShardedDataParallelPlugin\n"
+        "import torch\nfrom accelerate import Accelerator\n"
+        "from accelerate.utils import FullyShardedDataParallelPlugin\n"
         "from ropescale.training.config import fsdp_plugin_kwargs\n"
         "acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(**fsdp_plugin_kwargs('fsdp')))\n"
         "model = acc.prepare(torch.nn.Linear(4, 4))\n"

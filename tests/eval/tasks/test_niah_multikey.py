@@ -234,7 +234,8 @@ def test_metric_is_rulers_string_match_all():
     ({"keys": 1}, "keys\n  Input should be greater than or equal to 2"),
     ({"keys": 41}, "keys\n  Input should be less than or equal to 40"),
     ({"keys": True}, "expected an integer, got true"),
-    ({"digits": 1, "keys": 4, "candidates": 7, "trials": 2}, "keys=4 values and candidates=7 need more distinct 1-digit numbers"),
+    ({"digits": 1, "keys": 4, "candidates": 7, "trials": 2},
+     "keys=4 values and candidates=7 need more distinct 1-digit numbers"),
     ({"depths": [0.5, 1.5]}, r"depths must lie in \[0, 1\]"),
 ])
 def test_bad_options_are_refused(bad, match):
@@ -264,7 +265,8 @@ def test_min_words_counts_the_shortest_prompt():
 
 @pytest.fixture(scope="module")
 def task(tok):
-    docs = tokenize_documents(tok, load_documents(build_config({"lengths": [8], "strategies": ["vanilla"]}).data.spec()))
+    docs = tokenize_documents(
+        tok, load_documents(build_config({"lengths": [8], "strategies": ["vanilla"]}).data.spec()))
     opts = NiahMultikeyOptions(depths=[0.0, 0.5, 1.0], trials=2, candidates=6)
     return NiahMultikey(opts, tokenizer=tok, train_length=128, documents=docs)
 

@@ -110,7 +110,8 @@ def test_summarise_per_depth():
     r = summarise(examples, [True, True, False, False, False, False], [True, True, True, True, False, False], opts)
     assert r["accuracy"] == pytest.approx(2 / 6) and r["candidate_accuracy"] == pytest.approx(4 / 6)
     assert r["chance"] == 0.25 and [d["depth"] for d in r["by_depth"]] == [0.0, 1.0]
-    assert r["by_depth"][0]["accuracy"] == pytest.approx(2 / 3) and r["by_depth"][1]["candidate_accuracy"] == pytest.approx(1 / 3)
+    assert (r["by_depth"][0]["accuracy"] == pytest.approx(2 / 3)
+            and r["by_depth"][1]["candidate_accuracy"] == pytest.approx(1 / 3))
     assert r["by_depth"][1]["accuracy_ci"] == pytest.approx(list(wilson(0, 3)))
 
 
