@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import errno
 import importlib
+import math
 import sys
 import traceback
 from pathlib import Path
@@ -329,8 +330,8 @@ def inspect(model, head_dim, rope_theta, training_length, strategy_specs, length
                                   ("--training-length", training_length)) if v is None]
         if missing:
             raise InvalidInput(f"give --model, or a bare configuration: missing {', '.join(missing)}")
-        if head_dim < 2 or head_dim % 2 or rope_theta <= 1 or training_length < 2:
-            raise InvalidInput("--head-dim must be even and >= 2, --rope-theta > 1, --training-length >= 2")
+        if head_dim < 2 or head_dim % 2 or not (math.isfinite(rope_theta) and rope_theta > 1) or training_length < 2:
+            raise InvalidInput("--head-dim must be even and >= 2, --rope-theta finite and > 1, --training-length >= 2")
         cfg = RotaryConfig(head_dim, rope_theta, training_length, rope_inv_freq(head_dim, rope_theta).double(),
                            f"d={head_dim}, b={rope_theta:g}, T={training_length}")
     extra = None

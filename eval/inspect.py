@@ -32,8 +32,20 @@ import torch
 from ropescale import geometry as geo
 from ropescale.errors import InvalidInput
 from ropescale.runs.config import StrategySpec
+from ropescale.runs.memory import Need, check_fits
 from ropescale.strategies import RopeFrequencies, get_strategy
 from ropescale.strategies.frequency import rope_inv_freq
+
+from .config import MAX_LENGTH
+
+GRID = 256  # positions per side of the relative-position figure
+
+
+def inspect_bytes(dim: int, length: int) -> int:
+    """Host memory [bytes] the geometry of one strategy holds at ``length``: the angle tables
+    r·θ_i and their cosines over r < L and the d/2 pairs, float64, about four at once (decay curve,
+    RoFormer's bound, the base bound and its certified search)."""
+    return 4 * length * (dim // 2) * 8
 
 __all__ = ["RotaryConfig", "inspect", "rotary_config_of_model"]
 
@@ -86,9 +98,13 @@ def _strategy_summary(spec: StrategySpec, cfg: RotaryConfig, length: int, pairs:
     params, out = _frequencies(spec, cfg, length)
     record: dict[str, Any] = {"strategy": spec.display, "name": spec.name, "params": params}
     if not isinstance(out, RopeFrequencies):  # a truncation rule: relative positions, not frequencies
-        pos = torch.arange(length, dtype=torch.float64)[None]
-        p = out.relative_positions(pos, pos)[0].tril()  # [L, L]
-        record |= {"kind": "relative rule", "window": out.window, "max_relative_position": float(p.max()),
+        # the map on a grid of at most GRID × GRID positions (what the figure shows), never [L, L]
+        grid = torch.arange(0, length, -(-length // GRID), dtype=torch.float64)[None]  # [1, g], g ≤ GRID
+        p = out.relative_positions(grid, grid)[0].tril()  # [g, g]
+        # the largest position attention sees is on the last query's row: [1, L], O(L)
+        last = out.relative_positions(torch.tensor([[length - 1.0]], dtype=torch.float64),
+                                      torch.arange(length, dtype=torch.float64)[None])
+        record |= {"kind": "relative rule", "window": out.window, "max_relative_position": float(last.max()),
                    "_p": p}
         return record
     theta = out.inv_freq.double()
@@ -112,6 +128,13 @@ def inspect(cfg: RotaryConfig, strategies: list[StrategySpec], length: int, outp
     """
     if length < 2:
         raise InvalidInput(f"length {length} must be at least 2 tokens")
+    if length > MAX_LENGTH:
+        raise InvalidInput(f"length {length} is beyond any model: RoPE angles come from float32 positions, exact "
+                           f"only up to 2^24 = {MAX_LENGTH} tokens; use a length of at most {MAX_LENGTH}")
+    if not (math.isfinite(cfg.rope_theta) and cfg.rope_theta > 1):
+        raise InvalidInput(f"rope_theta {cfg.rope_theta} must be a finite number above 1")
+    check_fits(Need(f"inspect at L = {length} tokens, d = {cfg.dim}",
+                    host={"angle tables": inspect_bytes(cfg.dim, length)}), "cpu", hint="use a shorter length")
     pairs = pairs or [0]
     bad = [i for i in pairs if not 0 <= i < cfg.dim // 2]
     if bad:

@@ -68,8 +68,7 @@ def plot_relative_positions(cfg, rows: list[dict], length: int, path: Path) -> N
     plt = pyplot()
     fig, axes = plt.subplots(1, len(rows), figsize=(4.2 * len(rows), 3.8), squeeze=False)
     for ax, r in zip(axes[0], rows):
-        step = max(1, length // 256)
-        p = r["_p"][::step, ::step].numpy()  # [≤256, ≤256]
+        p = r["_p"].numpy()  # [≤256, ≤256]: the map on a grid (eval.inspect)
         im = ax.imshow(p, cmap="viridis", origin="upper", extent=(0, length, length, 0))
         ax.set_title(f"{r['strategy']} (window {r['window']})", fontsize=9)
         ax.set_xlabel("key position j", fontsize=8)

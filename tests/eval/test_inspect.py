@@ -64,3 +64,59 @@ def test_bad_input_is_one_line(tmp_path, args, message):
     res = run(*args, "-o", tmp_path)
     assert res.exit_code == 1 and res.output.startswith("Error: ") and message in res.output
     assert len(res.output.strip().splitlines()) == 1 and "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("theta", ["nan", "inf", "-inf"])
+def test_a_non_finite_rope_theta_is_refused(tmp_path, theta):
+    # nan passed the `> 1` check (every comparison with nan is false) and ended in a traceback; inf wrote plots
+    res = run("--head-dim", 64, "--rope-theta", theta, "--training-length", 256, "--strategy", "yarn",
+              "--length", 1024, "-o", tmp_path)
+    assert res.exit_code == 1
+    assert res.output == ("Error: --head-dim must be even and >= 2, --rope-theta finite and > 1, "
+                          "--training-length >= 2\n")
+    assert not any(tmp_path.iterdir())
+
+
+def test_lengths_that_cannot_run_are_refused_before_allocating(tmp_path):
+    # 10^9 ended in the allocator's 'can't allocate 128000000000 bytes', 10^20 in an OverflowError
+    for length in (10 ** 9, 10 ** 20):
+        res = run("--model", "reference", "--strategy", "yarn", "--length", length, "-o", tmp_path / "big")
+        assert res.exit_code == 1
+        assert res.output == (f"Error: length {length} is beyond any model: RoPE angles come from float32 positions,"
+                              " exact only up to 2^24 = 16777216 tokens; use a length of at most 16777216\n")
+    # within 2^24 but larger than this machine: the estimate is named, nothing is allocated
+    res = run("--head-dim", 256, "--rope-theta", 500000, "--training-length", 8192, "--strategy", "yarn",
+              "--length", 16_000_000, "-o", tmp_path / "m")
+    assert res.exit_code == 1 and res.output.startswith(
+        "Error: inspect at L = 16000000 tokens, d = 256 needs about 61.0 GiB (angle tables 61.0 GiB); this machine has")
+    assert res.output.rstrip().endswith("free; use a shorter length")
+
+
+def test_relative_rule_map_is_the_full_matrix_on_a_grid():
+    """The truncation rule's figure is computed on a grid of at most 256 positions per side (it
+    held the [L, L] matrix: 34 GB at L = 65,536); on a small L it equals the full matrix, written
+    out here, taken on the same grid, and the largest position equals the full matrix's maximum."""
+    import torch
+
+    from eval.inspect import GRID, RotaryConfig, _strategy_summary
+    from ropescale.runs.config import parse_strategy
+    from ropescale.strategies.frequency import rope_inv_freq
+
+    cfg = RotaryConfig(32, 10000.0, 64, rope_inv_freq(32, 10000.0).double(), "test")
+    for spec, length in (("rerope:window=16", 1000), ("leaky_rerope:window=16,k=4", 777),
+                         ("self_extend:group_size=4,window=16", 600)):
+        row = _strategy_summary(parse_strategy(spec), cfg, length, [0])
+        i = torch.arange(length, dtype=torch.float64)
+        near = i[:, None] - i[None, :]
+        w = row["window"]
+        if spec.startswith("rerope"):
+            far = torch.full_like(near, float(w))
+        elif spec.startswith("leaky"):
+            far = (i[:, None] - i[None, :]) / 4 + w * (1 - 1 / 4)
+        else:
+            far = torch.floor(i[:, None] / 4) + (w - w // 4) - torch.floor(i[None, :] / 4)
+        full = torch.where(near < w, near, far).tril()  # [L, L]
+        step = -(-length // GRID)
+        assert row["_p"].shape[0] <= GRID
+        assert torch.equal(row["_p"], full[::step, ::step])
+        assert row["max_relative_position"] == float(full.max())
