@@ -16,7 +16,7 @@ head rotate (partial rotary).
 That fixes where cached keys point, but not what they hold: in every layer after the first,
 keys and values come from hidden states that earlier layers computed with the *old* scale, so a
 per-step dynamic scale cannot be made exact by rotation alone (measured on a 2-layer Llama: keys
-of layer 0 within 6e-8 of a full forward, layer 1 off by 2e-5). ``watch_cache`` therefore
+of layer 0 within 6e-8 of a full forward, layer 1 off by 2e-5). ``CacheWatch`` therefore
 offers the exact alternative: when the frequencies change, the cached prefix is recomputed.
 
 Shapes: b = batch, n_kv = key/value heads, s = cached length, h_d = head dim.
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rerotate_cache", "rerotate_keys", "rotate_half", "watch_cache"]
+__all__ = ["CacheWatch", "rerotate_cache", "rerotate_keys", "rotate_half"]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -72,43 +72,59 @@ def rerotate_cache(cache, positions: torch.Tensor, old: tuple[torch.Tensor, floa
         layer.keys = rerotate_keys(keys, positions[:, -n:], old, new)
 
 
-def watch_cache(base_model, rotary) -> list:
-    """Forward hooks on ``base_model`` (the module that calls ``rotary``) for dynamic strategies.
+class CacheWatch:
+    """One patched rotary module's view of the KV cache, for dynamic strategies: forward hooks on
+    ``base_model`` (the module that calls the rotary module) and the state they keep.
 
-    The pre-hook hands ``rotary`` the KV cache of the forward and records the token ids and
-    positions the cache holds. In ``"recompute"`` mode, when the new tokens would change the
-    frequencies, it empties the cache in place and feeds the whole prefix plus the new tokens;
-    the post-hook then returns only the new tokens' hidden states, so the caller (``generate``)
-    sees an ordinary cached step whose logits equal a full forward.
+    ``cache``: the forward's KV cache while it runs (None outside a forward); ``history``: token
+    ids and ``position_ids`` ``[b, s]`` of the tokens the cache holds (``"recompute"`` mode);
+    ``n_new``: tokens of this forward while the prefix is being recomputed.
+
+    The pre-hook hands over the KV cache of the forward and records the tokens it holds. In
+    ``"recompute"`` mode, when the new tokens would change the frequencies
+    (``rotary.would_change``), it empties the cache in place and feeds the whole prefix plus the
+    new tokens; the post-hook then returns only the new tokens' hidden states, so the caller
+    (``generate``) sees an ordinary cached step whose logits equal a full forward.
     Raises ``RuntimeError`` when a recompute is needed but the forward got ``inputs_embeds``.
     """
 
-    def pre(_module, args, kwargs):
+    def __init__(self, rotary):
+        self.rotary = rotary  # read only: its ``dynamic_cache`` mode and ``would_change``
+        self.cache = None
+        self.history: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.n_new: int | None = None
+
+    def attach(self, base_model) -> list:
+        """Register the hooks on ``base_model``; returns their handles (removed on unpatch)."""
+        return [base_model.register_forward_pre_hook(self._pre, with_kwargs=True),
+                base_model.register_forward_hook(self._post, with_kwargs=True)]
+
+    def _pre(self, _module, args, kwargs):
         cache = kwargs.get("past_key_values")
-        rotary.cache = cache
-        if cache is None or rotary.dynamic_cache != "recompute":
+        self.cache = cache
+        if cache is None or self.rotary.dynamic_cache != "recompute":
             return None
         positional = kwargs.get("input_ids") is None and bool(args)
         ids = args[0] if positional else kwargs.get("input_ids")
         past = cache.get_seq_length()
         if ids is None:
-            if past and rotary.history is not None:
+            if past and self.history is not None:
                 raise RuntimeError("ropescale: exact dynamic decoding needs input_ids, not inputs_embeds; "
                                    "patch with dynamic_cache='rerotate' to decode from embeddings")
             return None
         pos = kwargs.get("position_ids")
         if pos is None:
             pos = torch.arange(past, past + ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
-        if not past or rotary.history is None or rotary.history[0].shape[0] != ids.shape[0]:
-            rotary.history = (ids, pos)
+        if not past or self.history is None or self.history[0].shape[0] != ids.shape[0]:
+            self.history = (ids, pos)
             return None
-        full_ids = torch.cat([rotary.history[0], ids], dim=1)
-        full_pos = torch.cat([rotary.history[1], pos], dim=1)
-        rotary.history = (full_ids, full_pos)
-        if not rotary.would_change(int(pos.max()) + 1):
+        full_ids = torch.cat([self.history[0], ids], dim=1)  # [b, s_cached + s]
+        full_pos = torch.cat([self.history[1], pos], dim=1)
+        self.history = (full_ids, full_pos)
+        if not self.rotary.would_change(int(pos.max()) + 1):
             return None
         cache.reset()  # in place: the caller keeps its reference
-        rotary.n_new = ids.shape[1]
+        self.n_new = ids.shape[1]
         kwargs["position_ids"] = full_pos
         if kwargs.get("cache_position") is not None:
             kwargs["cache_position"] = torch.arange(full_ids.shape[1], device=ids.device)
@@ -118,14 +134,11 @@ def watch_cache(base_model, rotary) -> list:
             kwargs["input_ids"] = full_ids
         return args, kwargs
 
-    def post(_module, args, kwargs, output):
-        rotary.cache = None
-        if rotary.n_new is not None:
-            n, rotary.n_new = rotary.n_new, None
+    def _post(self, _module, args, kwargs, output):
+        self.cache = None
+        if self.n_new is not None:
+            n, self.n_new = self.n_new, None
             output.last_hidden_state = output.last_hidden_state[:, -n:]
             if getattr(output, "hidden_states", None) is not None:
                 output.hidden_states = tuple(h[:, -n:] for h in output.hidden_states)
         return output
-
-    return [base_model.register_forward_pre_hook(pre, with_kwargs=True),
-            base_model.register_forward_hook(post, with_kwargs=True)]

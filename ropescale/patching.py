@@ -15,7 +15,6 @@ from typing import Any
 
 from torch import nn
 
-from ropescale.cache import watch_cache
 from ropescale.errors import InvalidInput
 from ropescale.rotary import (
     NoRotaryEmbeddingError,
@@ -264,7 +263,7 @@ def _patch_frequency(model: nn.Module, handle: PatchHandle, strat: Strategy, fou
             handle._swaps.append((parent, attr, module))
             handle.layer_types = chosen
             if strat.dynamic:
-                handle._hooks += watch_cache(parent, replacement)
+                handle._hooks += replacement.watch_cache(parent)
                 handle.options = {"dynamic_cache": dynamic_cache, "dynamic_block": dynamic_block}
         if logn:
             from ropescale.attention import enable_logn

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ropescale.cache import rerotate_cache
+from ropescale.cache import CacheWatch, rerotate_cache
 from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.rope_config import NoRopeConfigError, rope_config_of
 from ropescale.strategies import Strategy
@@ -166,10 +166,8 @@ class ScaledRotaryEmbedding(nn.Module):
         self.layer_of_cache = layer_of_cache  # layer type of each decoder layer (cache index)
         for lt, e in entries.items():
             self.register_buffer(_buffer(lt), e.inv_freq, persistent=False)
-        self.cache = None  # set for the duration of a forward by the base model's pre-hook
+        self.watch: CacheWatch | None = None  # the KV cache of each forward (dynamic strategies)
         self._positions: torch.Tensor | None = None  # [b, s_cached] positions of cached keys
-        self.history = None  # (input_ids, position_ids) of the tokens in the cache (recompute mode)
-        self.n_new: int | None = None  # tokens of this forward when the prefix is being recomputed
         self.training_length: int | None = None  # dynamic strategies' L in training mode [tokens]
         self._forward_positions: torch.Tensor | None = None  # position_ids of the current forward
         self._served: set[str | None] = set()  # layer types already asked for in the current forward
@@ -183,6 +181,17 @@ class ScaledRotaryEmbedding(nn.Module):
         if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
             raise InvalidInput(f"training length {length!r} must be a whole number of tokens >= 1 (or None)")
         self.training_length = length
+
+    def watch_cache(self, base_model) -> list:
+        """Follow the KV cache of every forward of ``base_model`` (the module calling this one),
+        for dynamic strategies (``ropescale.cache.CacheWatch``); returns the hook handles."""
+        self.watch = CacheWatch(self)
+        return self.watch.attach(base_model)
+
+    @property
+    def cache(self):
+        """The KV cache of the forward running now, or None."""
+        return self.watch.cache if self.watch is not None else None
 
     def would_change(self, seq_len: int) -> bool:
         return any(e.would_change(seq_len) for e in self.entries.values())

@@ -149,3 +149,27 @@ def test_the_wheel_holds_no_generic_top_level_names(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "ropescale_cli/cli.py" in names and "ropescale_eval/tasks/passkey.py" in names
     assert "ropescale/reference/kjv-llama/config.json" in names
+
+
+def test_the_rotary_modules_fields_are_written_only_by_the_module():
+    """State belongs to its owner: no other library module assigns a field of the swapped rotary
+    module (the training loop wrote ``training_length``, the cache hooks ``cache``/``history``/
+    ``n_new``; now ``set_training_length`` and ``ropescale.cache.CacheWatch`` own them)."""
+    rotary = ast.parse((ROOT / "ropescale" / "rotary.py").read_text(encoding="utf-8"))
+    cls = next(n for n in ast.walk(rotary) if isinstance(n, ast.ClassDef) and n.name == "ScaledRotaryEmbedding")
+    fields = {t.attr for n in ast.walk(cls) if isinstance(n, (ast.Assign, ast.AnnAssign))
+              for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+              for t in (t.elts if isinstance(t, ast.Tuple) else [t])
+              if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    assert {"training_length", "watch", "entries"} <= fields
+    writes = []
+    for path in (ROOT / "ropescale").rglob("*.py"):
+        if path.name == "rotary.py":
+            continue
+        for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) else []
+            for t in (x for t in targets for x in (t.elts if isinstance(t, ast.Tuple) else [t])):
+                if (isinstance(t, ast.Attribute) and t.attr in fields
+                        and not (isinstance(t.value, ast.Name) and t.value.id == "self")):
+                    writes.append(f"{path.relative_to(ROOT)}:{n.lineno} {ast.unparse(t)}")
+    assert writes == []
