@@ -168,8 +168,8 @@ def test_the_rotary_modules_fields_are_written_only_by_the_module():
             continue
         for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) else []
-            for t in (x for t in targets for x in (t.elts if isinstance(t, ast.Tuple) else [t])):
-                if (isinstance(t, ast.Attribute) and t.attr in fields
-                        and not (isinstance(t.value, ast.Name) and t.value.id == "self")):
-                    writes.append(f"{path.relative_to(ROOT)}:{n.lineno} {ast.unparse(t)}")
+            for x in (x for tgt in targets for x in (tgt.elts if isinstance(tgt, ast.Tuple) else [tgt])):
+                if (isinstance(x, ast.Attribute) and x.attr in fields
+                        and not (isinstance(x.value, ast.Name) and x.value.id == "self")):
+                    writes.append(f"{path.relative_to(ROOT)}:{n.lineno} {ast.unparse(x)}")
     assert writes == []
