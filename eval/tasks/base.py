@@ -16,7 +16,6 @@ must give the same numbers however the examples were split.
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 from types import UnionType
 from typing import Any, ClassVar, Union, get_args, get_origin
@@ -25,6 +24,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 from ropescale.errors import RopescaleError
+from ropescale.registry import Registry
 from ropescale.runs.memory import Need
 from ropescale.strategies import Strategy
 
@@ -91,7 +91,8 @@ class UnknownTaskError(RopescaleError, KeyError):
         return str(self.args[0])
 
 
-TASKS: dict[str, type[Task]] = {}
+TASKS: Registry[type[Task]] = Registry("task", "tasks", UnknownTaskError, package=__package__,
+                                        skip=("base", "prompts"))
 
 
 class Task:
@@ -113,9 +114,7 @@ class Task:
         super().__init_subclass__(**kw)
         name = cls.__dict__.get("name")
         if name:
-            if name in TASKS:
-                raise ValueError(f"task {name!r} is already registered")
-            TASKS[name] = cls
+            TASKS.add(name, cls)
 
     def __init__(self, options: TaskOptions, *, tokenizer, train_length: int,
                  documents: list[torch.Tensor] | None = None, source: str | None = None):
@@ -154,30 +153,13 @@ class Task:
         return {}
 
 
-def _discover() -> None:
-    """Import every task module of this package (each registers itself by its ``name``)."""
-    import importlib
-    import pkgutil
-
-    for mod in pkgutil.iter_modules([str(Path(__file__).parent)]):
-        if mod.name not in ("base", "prompts") and not mod.name.startswith("_"):
-            importlib.import_module(f"{__package__}.{mod.name}")
-
-
 def task_names() -> list[str]:
-    _discover()
-    return sorted(TASKS)
+    return TASKS.names()
 
 
 def get_task(name: str) -> type[Task]:
     """The task class ``name``; ``UnknownTaskError`` lists the known ones."""
-    _discover()
-    try:
-        return TASKS[name]
-    except KeyError:
-        hint = difflib.get_close_matches(str(name), TASKS, n=1)
-        raise UnknownTaskError(f"unknown task {name!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
-                               + f"; known tasks: {', '.join(sorted(TASKS))}") from None
+    return TASKS.lookup(name)
 
 
 def progress(total: int, desc: str | None, unit: str = "it"):

@@ -34,6 +34,7 @@ from typing import Any, Literal, NamedTuple, get_args
 import torch
 
 from ropescale.errors import InvalidInput, RopescaleError
+from ropescale.registry import Registry
 
 __all__ = [
     "AUTO_KINDS",
@@ -272,7 +273,7 @@ class Strategy:
         return self.fn(**{k: context[k] for k in self.needs}, **params)
 
 
-REGISTRY: dict[str, Strategy] = {}
+REGISTRY: Registry[Strategy] = Registry("strategy", "strategies", UnknownStrategyError)
 
 
 def register(name: str, *, params: tuple[Param, ...] = (), source: str,
@@ -291,26 +292,16 @@ def register(name: str, *, params: tuple[Param, ...] = (), source: str,
         own = set(sig) - set(needs)
         if own != declared:
             raise TypeError(f"{name}: signature parameters {sorted(own)} != declared {sorted(declared)}")
-        if name in REGISTRY:
-            raise ValueError(f"strategy {name!r} is already registered")
-        REGISTRY[name] = Strategy(name, fn, params, source, kind, check, needs, export)
+        REGISTRY.add(name, Strategy(name, fn, params, source, kind, check, needs, export))
         return fn
 
     return deco
 
 
 def strategy_names() -> list[str]:
-    return sorted(REGISTRY)
+    return REGISTRY.names()
 
 
 def get_strategy(name: str) -> Strategy:
     """The registered strategy ``name``; ``UnknownStrategyError`` lists the known ones."""
-    try:
-        return REGISTRY[name]
-    except KeyError:
-        hint = difflib.get_close_matches(str(name), REGISTRY, n=1)
-        raise UnknownStrategyError(
-            f"unknown strategy {name!r}"
-            + (f" (did you mean {hint[0]!r}?)" if hint else "")
-            + f"; known strategies: {', '.join(strategy_names())}"
-        ) from None
+    return REGISTRY.lookup(name)

@@ -8,7 +8,7 @@ from pydantic import Field
 from eval.finetune import run_finetune as finetune
 from ropescale.runs.config import ConfigError
 from ropescale.training import build_finetune_config
-from ropescale.training.recipes import Recipe, RecipeOptions, get_recipe, recipe_names
+from ropescale.training.recipes import RECIPES, Recipe, RecipeOptions, get_recipe, recipe_names
 from ropescale.training.report import read_log
 
 BASE = {"strategy": "yarn", "length": 64, "steps": 1}
@@ -82,4 +82,4 @@ def test_a_recipe_defined_anywhere_is_used_by_the_loop(tmp_path, tiny_run):
         assert saved == ["y"] and out["label"].endswith(" + head only")
         assert out["trainable_parameters"] < out["parameters"]
     finally:
-        Recipe.registry.pop("test-head-only", None)
+        RECIPES.pop("test-head-only", None)

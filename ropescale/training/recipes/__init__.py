@@ -25,16 +25,18 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.util
-import pkgutil
 from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ropescale.errors import RopescaleError
+from ropescale.registry import Registry
+
 __all__ = ["Recipe", "RecipeOptions", "UnknownRecipeError", "build_recipe", "get_recipe", "recipe_names"]
 
 
-class UnknownRecipeError(ValueError):
+class UnknownRecipeError(RopescaleError, ValueError):
     """No recipe of that name (the message lists the known ones)."""
 
 
@@ -46,22 +48,19 @@ class RecipeOptions(BaseModel):
 
 class Recipe:
     """One way to train a patched model (see the package docstring). ``self.options``: the
-    validated ``Options``. Subclasses with a ``name`` register themselves in ``Recipe.registry``."""
+    validated ``Options``. Subclasses with a ``name`` register themselves in ``RECIPES``."""
 
     name: ClassVar[str]
     Options: ClassVar[type[BaseModel]] = RecipeOptions
     label: ClassVar[str] = ""
     requires: ClassVar[tuple[tuple[str, str], ...]] = ()  # (module, pip requirement)
     shards: ClassVar[bool] = True
-    registry: ClassVar[dict[str, type[Recipe]]] = {}
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
         name = cls.__dict__.get("name")
         if name:
-            if name in Recipe.registry and Recipe.registry[name] is not cls:
-                raise ValueError(f"recipe {name!r} is already registered")
-            Recipe.registry[name] = cls
+            RECIPES.add(name, cls)
 
     def __init__(self, options: BaseModel | None = None):
         self.options = options if options is not None else self.Options()
@@ -76,27 +75,16 @@ class Recipe:
         raise NotImplementedError
 
 
-def _discover() -> None:
-    """Import every recipe module of this package (each registers itself by its ``name``)."""
-    for mod in pkgutil.iter_modules([str(Path(__file__).parent)]):
-        if not mod.name.startswith("_"):
-            importlib.import_module(f"{__name__}.{mod.name}")
+RECIPES: Registry[type[Recipe]] = Registry("recipe", "recipes", UnknownRecipeError, package=__name__)
 
 
 def recipe_names() -> list[str]:
-    _discover()
-    return sorted(Recipe.registry)
+    return RECIPES.names()
 
 
 def get_recipe(name: str) -> type[Recipe]:
     """The recipe class ``name``; ``UnknownRecipeError`` lists the known ones."""
-    _discover()
-    try:
-        return Recipe.registry[name]
-    except (KeyError, TypeError):
-        hint = difflib.get_close_matches(str(name), list(Recipe.registry), n=1)
-        raise UnknownRecipeError(f"unknown recipe {name!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
-                                 + f"; known recipes: {', '.join(sorted(Recipe.registry))}") from None
+    return RECIPES.lookup(name)
 
 
 def build_recipe(name: str, options: dict[str, Any] | BaseModel | None = None) -> Recipe:
