@@ -1,5 +1,5 @@
-"""Evaluation tasks, one module each (``perplexity``, ``passkey``, ``needle``), sharing one
-lifecycle (``eval.tasks.base.Task``); a module dropped here is found by name."""
+"""Evaluation tasks, one module each (``perplexity``, ``passkey``, ``needle``, ``niah_multikey``),
+sharing one lifecycle (``base.Task``); a module dropped here registers itself and is found by name."""
 
 from .base import TASKS, Metric, Task, TaskOptions, UnknownTaskError, get_task, task_names
 
