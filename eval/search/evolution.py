@@ -1,0 +1,493 @@
+"""LongRoPE's evolutionary search for per-pair rescale factors (Ding et al. 2024, arXiv:2402.13753).
+
+Followed: microsoft/LongRoPE ``main`` at commit c9e56aa54007c328399677232a489feec446e4b8
+(2024-08-23): ``evolution/algorithms/genetic_base.py`` (the loop), ``dim_mono.py`` and
+``dim_piece_mono.py`` (mutation, crossover), ``evolution/search.py`` (YaRN initial factors) and
+``evolution/default_hyper_params/{dim_mono,dim_piece_mono}.json`` (identical for both variants:
+``population_size`` 64, ``max_time_budget`` 40, ``mutation_numbers`` 16, ``crossover_size`` 16,
+``max_crossover_try`` 20, ``parents_size`` 32, ``list_step`` 0.01, ``evo_scale`` 1.0). The leading
+un-interpolated tokens gene follows the ``longrope`` branch at 5d6e10ae05607306b644211779772facfb66f9b3
+(``evolution/dim_mono_n``: gene 0 of the genome is ``start_token``; grid {1, 2, 4, 8, 12, 16, 20, 24,
+28, 32, 48, 64} in ``GeneticAlgorithm.try_start_token``) and ``rope/longrope.py``'s
+``start_token_idx`` on ``main`` (cos/sin of the first ``start_token_idx`` positions are the
+original, un-scaled ones).
+
+The algorithm (their rules; n = d/2 pairs, s = ``scale``, step = 0.01):
+
+* Genome: the n factors; ``dim_piece_mono`` prepends two integers α < β (pairs k ≤ α are pinned to
+  1, pairs k > β to s when mutated); with ``search_start_tokens`` a start-tokens gene comes first.
+  The objective receives the n factors and the start-tokens count (0 when not searched).
+* Initial population: the YaRN factors (evaluated first), then ``population − 1`` mutants *of that
+  initial individual* (each mutated from it, not chained).
+* Generation (``iterations`` of them): parents = the ``elite`` best of the population (stable sort
+  by value); ``(population − elite) // 2`` mutants of uniformly drawn parents, then the rest as
+  crossovers of two distinct parents (the better one first); the next population is parents +
+  children, so the elite always survives. Evaluations: population + iterations × (population −
+  elite) = 64 + 40 × 32 = 1,344 with the defaults.
+* Mutation pass: each factor is touched with probability ``mutation_prob`` (their hard-coded 0.3)
+  and, when touched, set to a uniform draw from ``arange(left, right + step, step)`` with left/right
+  its (current) neighbours; pair 0 draws from ``arange(1, f[1], step)``, the last pair from
+  ``arange(f[n−2], top + step, step)`` with top = max(``arange(1, 1 + s + step, step)``) ≈ 1 + s.
+  Passes repeat, on the already-changed vector, until it is monotone non-decreasing and differs
+  (``numpy.allclose``) from every individual ever made.
+* ``dim_piece_mono`` pass: first one of α, β (½ each) moves by ``int(normal(·, 2))``, redrawn until
+  0 ≤ α < β < n; then each touched pair k gets 1 if k ≤ α, s if k > β, else the grid draw above.
+* Crossover: start from parent 1; up to ``max_crossover_try`` sweeps over the genes; a gene is
+  touched with probability ``crossover_prob`` (their hard-coded 0.3) and then takes parent 2's
+  value with probability ½ (α and β travel together); the first touched state that is monotone (and
+  α ≤ β) and new is the child. Identical parents or no success → a mutant of parent 1 instead.
+
+Deviations (named):
+
+1. ``yarn_factors=None`` falls back to s for every pair (position interpolation). Their
+   ``search.py`` always computes YaRN's factors (β_fast 32, β_slow 1; 128 and 2 for Mistral) and has no
+   such fallback; ``yarn_init_factors`` below reproduces their formula 1 + (s − 1)·ramp_i (linear in
+   the factor, not YaRN's own θ_i / θ'_i, which differs mid-ramp) — pass its output.
+2. ``dim_piece_mono``'s mutation touches every pair; theirs loops ``range(2, len − 2)`` over the
+   genome and so never mutates the last two pairs (and its last-pair branch is unreachable).
+3. The start-tokens gene is an ordinary gene here: mutated with ``mutation_prob`` to a uniform draw
+   from {0} ∪ their grid ∩ [1, ``max_start_tokens``], crossed like a factor, 0 in the initial
+   individual. Their ``dim_mono_n`` never mutates it and instead spends extra evaluations outside the
+   1,344 (all 12 grid values for half the initial population, 5 random values per mutant) on a
+   greedy local search.
+4. Randomness from one ``numpy.random.Generator(seed)`` (theirs: the global ``np.random`` seeded
+   42), so the same seed does not give their exact draws. The mutation/crossover probabilities and
+   population/elite sizes are arguments (their 0.3 is hard-coded); mutants per generation are
+   ⌊(population − elite)/2⌋ and crossovers the rest (theirs: two JSON entries, 16 and 16); with
+   ``elite`` 1 all children are mutants. ``max_crossover_try`` (20) and ``list_step`` (0.01) are fixed.
+5. Novelty and monotonicity tests as theirs (in ``dim_piece_mono`` novelty covers α and β too, so two
+   candidates can hand the objective the same factors, as theirs can); but a mutation that finds no
+   new monotone vector in ``_MAX_PASSES`` passes (a search space exhausted) stops the search early
+   (theirs loops forever).
+6. A value that is NaN counts as +∞ (theirs would sort NaN arbitrarily). ``budget`` stops after that
+   many evaluations (theirs has no cap). The result is the best individual ever evaluated (theirs:
+   the best of the final population — the same thing, since the elite always survives).
+7. Resume: a JSONL journal of every evaluation, replayed in order (theirs: ``--recovery`` from the
+   JSON log of the last finished generation, which restarts that generation with new draws). The
+   journal's first line holds the settings (not ``budget``: a rerun with a larger budget goes on where
+   a capped run stopped). One process writes it; candidates are evaluated one at a time (theirs: a
+   batch per free GPU evaluator, which does not change the draws).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ropescale.errors import InvalidInput
+
+__all__ = ["DEFAULTS", "START_TOKEN_GRID", "VARIANTS", "EvolutionResult", "run_evolution", "yarn_init_factors"]
+
+DEFAULTS: dict[str, Any] = {
+    "population": 64,  # population_size
+    "iterations": 40,  # max_time_budget
+    "elite": 32,  # parents_size
+    "mutation_prob": 0.3,  # hard-coded in dim_mono.py / dim_piece_mono.py
+    "crossover_prob": 0.3,  # hard-coded in crossover()
+    "crossover_take": 0.5,  # hard-coded: a touched gene takes parent 2's value
+    "max_crossover_try": 20,
+    "list_step": 0.01,
+    "piece_std": 2.0,  # dim_piece_mono: std of α/β moves
+}
+"""The authors' defaults (``default_hyper_params/*.json`` and the constants in their code)."""
+
+VARIANTS = ("dim_mono", "dim_piece_mono")
+START_TOKEN_GRID = (1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 48, 64)
+"""``try_start_token``'s candidate counts of leading un-interpolated tokens (``longrope`` branch)."""
+
+_MAX_PASSES = 10_000
+_JOURNAL_VERSION = 1
+
+
+@dataclass
+class EvolutionResult:
+    """The best candidate found and the full trace.
+
+    ``factors``: d/2 per-pair rescale factors (``longrope``'s ``long_factor``); ``start_tokens``: the
+    leading un-interpolated tokens (0 unless searched); ``value``: its objective value;
+    ``history``: one dict per evaluation (``generation`` — 0 for the initial population —,
+    ``origin`` — ``"init"``, ``"mutation"`` or ``"crossover"`` —, ``parents`` — their indices in
+    ``history`` —, ``factors``, ``start_tokens``, ``value``), in evaluation order; ``evaluations``: their count;
+    ``stop``: ``"iterations"``, ``"budget"`` or ``"exhausted"`` (no new monotone vector found).
+    """
+
+    factors: list[float]
+    start_tokens: int
+    value: float
+    history: list[dict] = field(default_factory=list)
+    evaluations: int = 0
+    stop: str = "iterations"
+
+
+def yarn_init_factors(dim: int, rope_theta: float, original_max_position_embeddings: int, scale: float,
+                      beta_fast: float = 32.0, beta_slow: float = 1.0) -> list[float]:
+    """Their initial factors: 1 + (s − 1)·ramp_i, ramp_i YaRN's interpolation ramp (0 = extrapolate).
+
+    ``search.py`` builds ``inv_freq_mask = 1 − ramp`` and takes s·(1 − mask) + 1·mask; the ramp is
+    read back from ropescale's ``yarn_ramp`` (same correction-dim bounds, floored/ceiled).
+    """
+    from ropescale.strategies.by_parts import yarn_ramp
+    from ropescale.strategies.frequency import rope_inv_freq
+
+    if scale <= 1:
+        return [1.0] * (dim // 2)
+    theta = rope_inv_freq(dim, rope_theta).double()
+    inv = yarn_ramp(dim, rope_theta, original_max_position_embeddings, scale, beta_fast, beta_slow).double()
+    ramp = ((1 - inv / theta) / (1 - 1 / scale)).clamp(0, 1).numpy()
+    ramp = np.round(ramp, 6)  # float32 noise of yarn_ramp
+    return np.maximum.accumulate(1.0 + (scale - 1.0) * ramp).tolist()
+
+
+# ---------------------------------------------------------------- operators (pure, rng passed in)
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where the genes sit in the flat genome: [start?] [α, β]? [factors]."""
+
+    n: int
+    scale: float
+    step: float
+    piece: bool
+    start: bool
+    start_grid: tuple[int, ...]
+
+    @property
+    def f0(self) -> int:
+        return int(self.start) + 2 * int(self.piece)
+
+    @property
+    def top(self) -> float:
+        return float(np.arange(1.0, 1.0 + self.scale + self.step, self.step).max())
+
+    def factors(self, genome: np.ndarray) -> np.ndarray:
+        return genome[self.f0:]
+
+    def start_tokens(self, genome: np.ndarray) -> int:
+        return int(genome[0]) if self.start else 0
+
+    def valid(self, genome: np.ndarray) -> bool:
+        if self.piece and genome[int(self.start)] > genome[int(self.start) + 1]:
+            return False
+        return bool(np.all(np.diff(self.factors(genome)) >= 0))
+
+
+def _pair_choices(f: np.ndarray, k: int, lay: _Layout) -> np.ndarray:
+    """Their grid for pair k given its current neighbours."""
+    n, step = f.shape[0], lay.step
+    if k == 0:
+        return np.arange(1.0, f[1], step)
+    if k == n - 1:
+        return np.arange(f[n - 2], lay.top + step, step)
+    return np.arange(f[k - 1], f[k + 1] + step, step)
+
+
+def _mutation_pass(genome: np.ndarray, rng: np.random.Generator, lay: _Layout,
+                   prob: float) -> tuple[np.ndarray, np.ndarray]:
+    """One sweep: a copy of ``genome`` and the mask of the factors it touched (drew < ``prob``)."""
+    g = genome.copy()
+    if lay.start and rng.random() < prob:
+        grid = (0, *lay.start_grid)
+        g[0] = grid[int(rng.integers(len(grid)))]
+    if lay.piece:
+        a_i = int(lay.start)
+        alpha, beta = g[a_i], g[a_i + 1]
+        if rng.random() < 0.5:
+            alpha = int(rng.normal(alpha, DEFAULTS["piece_std"]))
+        else:
+            beta = int(rng.normal(beta, DEFAULTS["piece_std"]))
+        while not (0 <= alpha < beta < lay.n):
+            if rng.random() < 0.5:
+                alpha = int(rng.normal(alpha, DEFAULTS["piece_std"]))
+            else:
+                beta = int(rng.normal(beta, DEFAULTS["piece_std"]))
+        g[a_i], g[a_i + 1] = alpha, beta
+    f = g[lay.f0:]  # a view: changes land in g, and neighbours read the changed values
+    touched = np.zeros(lay.n, dtype=bool)
+    for k in range(lay.n):
+        if rng.random() < prob:
+            touched[k] = True
+            if lay.piece and k <= g[int(lay.start)]:
+                f[k] = 1.0
+            elif lay.piece and k > g[int(lay.start) + 1]:
+                f[k] = lay.scale
+            else:
+                choices = _pair_choices(f, k, lay)
+                if choices.shape[0] > 0:
+                    f[k] = choices[int(rng.integers(choices.shape[0]))]
+    return g, touched
+
+
+def _crossover(p1: np.ndarray, p2: np.ndarray, rng: np.random.Generator, lay: _Layout, prob: float,
+               tries: int, seen: Callable[[np.ndarray], bool]) -> np.ndarray | None:
+    """Their crossover: parent 1 with touched genes taken from parent 2 (½), first valid new state."""
+    if np.allclose(p1, p2):
+        return None
+    g = p1.copy()
+    piece_at = int(lay.start) if lay.piece else -1
+    for _ in range(tries):
+        for i in range(g.shape[0]):
+            if rng.random() < prob:
+                g = g.copy()
+                if rng.random() < DEFAULTS["crossover_take"]:
+                    if piece_at >= 0 and i in (piece_at, piece_at + 1):  # α and β travel together
+                        g[piece_at:piece_at + 2] = p2[piece_at:piece_at + 2]
+                    else:
+                        g[i] = p2[i]
+                if seen(g) or not lay.valid(g):
+                    continue
+                return g
+    return None
+
+
+# ---------------------------------------------------------------- the search
+
+class _Made:
+    """Every genome created so far, for their novelty test (``numpy.allclose`` against each)."""
+
+    def __init__(self, width: int):
+        self.rows, self.buf = 0, np.empty((256, width))
+
+    def append(self, g: np.ndarray) -> None:
+        if self.rows == self.buf.shape[0]:
+            self.buf = np.concatenate([self.buf, np.empty_like(self.buf)])
+        self.buf[self.rows] = g
+        self.rows += 1
+
+    def seen(self, g: np.ndarray) -> bool:
+        return bool(np.isclose(self.buf[:self.rows], g).all(axis=1).any())
+
+
+class _Stop(Exception):
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def _fail(msg: str) -> None:
+    raise InvalidInput(f"run_evolution: {msg}")
+
+
+def _check_prob(name: str, p: float) -> float:
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+        _fail(f"{name}={p!r} must be a probability in [0, 1]")
+    return float(p)
+
+
+def _check_int(name: str, v: Any, low: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
+        _fail(f"{name}={v!r} must be an integer ≥ {low}")
+    return int(v)
+
+
+class _Journal:
+    """Append-only JSONL: a header line (the settings), then one line per evaluation."""
+
+    def __init__(self, path: Path | None, header: dict):
+        self.path, self.records = path, []
+        if path is None:
+            return
+        path = Path(path)
+        self.path = path
+        if path.exists():
+            text = path.read_text()
+            parsed = []
+            for line in text.split("\n")[:-1]:  # the part after the last newline is cut or empty
+                try:
+                    parsed.append(json.loads(line))
+                except json.JSONDecodeError:
+                    break  # a line cut by a kill: drop it and what follows
+            if parsed:
+                if parsed[0] != header:
+                    _fail(f"journal {path} was written by a search with other settings; "
+                          "use a new journal or the same seed and arguments")
+                self.records = parsed[1:]
+            keep = "".join(json.dumps(r) + "\n" for r in parsed) if parsed else ""
+            if keep != text:
+                path.write_text(keep)
+            if parsed:
+                self._fh = path.open("a")
+                return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = path.open("w")
+        self._write(header)
+
+    def _write(self, rec: dict) -> None:
+        self._fh.write(json.dumps(rec) + "\n")
+        self._fh.flush()
+
+    def append(self, rec: dict) -> None:
+        if self.path is not None:
+            self._write(rec)
+
+    def close(self) -> None:
+        if self.path is not None:
+            self._fh.close()
+
+
+def run_evolution(objective: Callable[[list[float], int], float], *, dim: int, scale: float,
+                  yarn_factors: list[float] | None = None, population: int | None = None,
+                  iterations: int | None = None, mutation_prob: float | None = None,
+                  crossover_prob: float | None = None, elite: int | None = None, variant: str = "dim_mono",
+                  search_start_tokens: bool = False, max_start_tokens: int = 0, seed: int = 0,
+                  journal: Path | None = None, budget: int | None = None,
+                  progress: bool = False) -> EvolutionResult:
+    """LongRoPE's evolutionary search; ``objective(factors, start_tokens)`` is minimised.
+
+    ``factors``: d/2 per-pair rescale factors (``longrope``'s ``long_factor``, θ_i / factor_i);
+    ``start_tokens``: how many leading positions keep the original, un-scaled cos/sin (their
+    ``start_token_idx``). ropescale's ``longrope`` strategy has no such parameter: the objective
+    must apply it itself; it is always 0 unless ``search_start_tokens`` (then drawn from
+    {0} ∪ {1, 2, 4, …, 64} up to ``max_start_tokens``).
+
+    ``dim``: rotary dim d (even, ≥ 4); ``scale``: s = L / L_train ≥ 1 (the grid's top is ≈ 1 + s);
+    ``yarn_factors``: the initial individual (see ``yarn_init_factors``), s everywhere when None.
+    Hyper-parameters left None take the authors' defaults (``DEFAULTS``). ``budget`` caps the
+    evaluations (default: all, population + iterations × (population − elite)). ``journal``: a JSONL
+    file; a rerun with the same arguments replays its values instead of calling the objective, so
+    a killed search resumes to the result of an uninterrupted one. Deterministic for a ``seed``.
+
+    Raises ``InvalidInput`` (one line) for bad arguments or a journal from other settings.
+    """
+    if variant not in VARIANTS:
+        _fail(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
+    dim = _check_int("dim", dim, 4)
+    if dim % 2:
+        _fail(f"dim={dim} must be even (the rotary dim: two coordinates per pair)")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale < 1:
+        _fail(f"scale={scale!r} must be a finite number ≥ 1")
+    scale = float(scale)
+    pop = _check_int("population", DEFAULTS["population"] if population is None else population, 2)
+    iters = _check_int("iterations", DEFAULTS["iterations"] if iterations is None else iterations, 0)
+    n_elite = _check_int("elite", DEFAULTS["elite"] if elite is None else elite, 1)
+    if n_elite >= pop:
+        _fail(f"elite={n_elite} must be below population={pop} (the rest are the children)")
+    p_mut = _check_prob("mutation_prob", DEFAULTS["mutation_prob"] if mutation_prob is None else mutation_prob)
+    p_cross = _check_prob("crossover_prob", DEFAULTS["crossover_prob"] if crossover_prob is None else crossover_prob)
+    seed = _check_int("seed", seed, 0)
+    if budget is not None:
+        budget = _check_int("budget", budget, 1)
+    start_grid: tuple[int, ...] = ()
+    if search_start_tokens:
+        max_start_tokens = _check_int("max_start_tokens", max_start_tokens, 1)
+        start_grid = tuple(g for g in START_TOKEN_GRID if g <= max_start_tokens)
+    elif max_start_tokens not in (0, None):
+        _check_int("max_start_tokens", max_start_tokens, 0)
+    n = dim // 2
+    if yarn_factors is None:
+        init = np.full(n, scale)
+    else:
+        try:
+            init = np.asarray(yarn_factors, dtype=float)
+        except (TypeError, ValueError):
+            _fail("yarn_factors must be a list of numbers")
+        if init.shape != (n,):
+            _fail(f"yarn_factors has {init.size} entries; dim={dim} needs {n}")
+        if not np.all(np.isfinite(init)) or np.any(init <= 0):
+            _fail("yarn_factors must be finite and positive")
+        drops = np.diff(init)
+        if np.any(drops < -1e-6 * np.abs(init[1:])):
+            _fail("yarn_factors must be non-decreasing over pairs (the searched factors are kept monotone)")
+        init = np.maximum.accumulate(init)
+
+    lay = _Layout(n=n, scale=scale, step=DEFAULTS["list_step"], piece=variant == "dim_piece_mono",
+                  start=bool(search_start_tokens), start_grid=start_grid)
+    prefix = ([0.0] if lay.start else []) + ([0.0, 0.0] if lay.piece else [])  # their init α = β = 0
+    init_genome = np.concatenate([np.array(prefix, dtype=float), init])
+    n_mut = (pop - n_elite) // 2 if n_elite >= 2 else pop - n_elite
+    n_cross = pop - n_elite - n_mut
+    total = pop + iters * (pop - n_elite)
+    cap = total if budget is None else min(budget, total)
+
+    header = {"journal": "ropescale.evolution", "version": _JOURNAL_VERSION, "dim": dim, "scale": scale,
+              "variant": variant, "population": pop, "iterations": iters, "elite": n_elite,
+              "mutation_prob": p_mut, "crossover_prob": p_cross, "seed": seed,
+              "search_start_tokens": lay.start, "start_grid": list(start_grid), "init": init.tolist()}
+    book = _Journal(journal, header)
+    rng = np.random.default_rng(seed)
+    made = _Made(init_genome.shape[0])  # every individual ever created (their self.history)
+    seen = made.seen
+    history: list[dict] = []
+    state = {"generation": 0}
+
+    def evaluate(g: np.ndarray, origin: str, parents: list[int]) -> tuple[np.ndarray, float, int]:
+        """Score genome ``g`` (from the journal when recorded); its population entry."""
+        if len(history) >= cap:
+            raise _Stop("budget" if cap < total else "iterations")
+        factors = [float(x) for x in lay.factors(g)]
+        start = lay.start_tokens(g)
+        i = len(history)
+        if i < len(book.records):
+            rec = book.records[i]
+            if rec.get("start_tokens") != start or rec.get("factors") != factors:
+                _fail(f"journal {book.path} entry {i} is another candidate; the search it records differs "
+                      "(code version or arguments); use a new journal")
+            value = float(rec["value"])
+        else:
+            value = float(objective(list(factors), start))
+            book.append({"n": i, "generation": state["generation"], "origin": origin, "parents": parents,
+                         "factors": factors, "start_tokens": start, "value": value})
+        if math.isnan(value):
+            value = math.inf
+        history.append({"generation": state["generation"], "origin": origin, "parents": parents,
+                        "factors": factors, "start_tokens": start, "value": value})
+        return g, value, i
+
+    def mutate(parent: np.ndarray) -> np.ndarray:
+        g = parent
+        for _ in range(_MAX_PASSES):
+            if not (seen(g) or not lay.valid(g)):
+                break
+            g, _touched = _mutation_pass(g, rng, lay, p_mut)
+        else:
+            if seen(g) or not lay.valid(g):
+                raise _Stop("exhausted")
+        made.append(g)
+        return g
+
+    stop = "iterations"
+    pop_list: list[tuple[np.ndarray, float, int]] = []  # (genome, value, index in history)
+    try:
+        made.append(init_genome)
+        first = evaluate(init_genome, "init", [])
+        pop_list.append(first)
+        for _ in range(pop - 1):
+            pop_list.append(evaluate(mutate(init_genome), "mutation", [first[2]]))
+        for it in range(iters):
+            state["generation"] = it + 1
+            parents = sorted(pop_list, key=lambda t: t[1])[:n_elite]  # stable: earlier first on ties
+            if progress:
+                print(f"evolution: generation {it + 1}/{iters}, best {parents[0][1]:.6g}, "
+                      f"{len(history)}/{cap} evaluations", file=sys.stderr, flush=True)
+            pop_list = list(parents)
+            for _ in range(n_mut):
+                par = parents[int(rng.integers(n_elite))]
+                pop_list.append(evaluate(mutate(par[0]), "mutation", [par[2]]))
+            for _ in range(n_cross):
+                i1, i2 = sorted(int(x) for x in rng.choice(n_elite, 2, replace=False))
+                p1, p2 = parents[i1], parents[i2]
+                child = _crossover(p1[0], p2[0], rng, lay, p_cross, DEFAULTS["max_crossover_try"], seen)
+                if child is None:  # identical parents or no valid new child: a mutant of parent 1
+                    pop_list.append(evaluate(mutate(p1[0]), "mutation", [p1[2]]))
+                else:
+                    made.append(child)
+                    pop_list.append(evaluate(child, "crossover", [p1[2], p2[2]]))
+    except _Stop as s:
+        stop = s.reason
+    finally:
+        book.close()
+
+    if not history:  # budget can't be 0, so the init individual is always evaluated
+        raise AssertionError("no evaluation")
+    best = min(range(len(history)), key=lambda i: history[i]["value"])  # first of the best on ties
+    b = history[best]
+    if progress:
+        print(f"evolution: done ({stop}), best {b['value']:.6g} after {len(history)} evaluations",
+              file=sys.stderr, flush=True)
+    return EvolutionResult(factors=list(b["factors"]), start_tokens=int(b["start_tokens"]), value=float(b["value"]),
+                           history=history, evaluations=len(history), stop=stop)
