@@ -1,4 +1,4 @@
-"""ropescale command line: strategies, tasks, eval, sweep, finetune, compare, patch, inspect,
+"""ropescale command line: strategies, tasks, eval, sweep, finetune, search, compare, patch, inspect,
 base-bound, lm-eval, plot and reference (train and card of the bundled model).
 
     ropescale strategies
@@ -8,6 +8,7 @@ base-bound, lm-eval, plot and reference (train and card of the bundled model).
     ropescale sweep --model reference --data kjv-heldout --strategy vanilla --strategy yarn \\
         --lengths 128,256,512 --output runs/demo
     ropescale finetune configs/finetune-pi.yaml [--set key=value ...] [--output DIR]
+    ropescale search configs/search-yarn.yaml [--set key=value ...] [--output DIR] [-q]
     ropescale patch --model reference --strategy yarn:factor=4 --output runs/yarn4
     ropescale compare runs/pi runs/yarn --length 512 -o compare.png [--before runs/base]
     ropescale inspect --model reference --strategy yarn --length 1024 -o runs/inspect
@@ -257,6 +258,32 @@ def finetune(config, overrides, output, model, strategy_spec, data, length, step
     click.echo(f"fine-tuned {summary['label']} for {summary['steps']} steps (final loss {summary['final_loss']:.3f}"
                + (", held-out PPL " + ", ".join(f"{k}: {v:.2f}" for k, v in ppl.items()) if ppl else "")
                + f"); model in {summary['model']}")
+
+
+@main.command()
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="override a config key (budget=40, fixed.factor=8, search.beta_fast=[4,64])")
+@click.option("--output", "-o", type=click.Path(file_okay=False), help="search folder (default: output: in the config)")
+@click.option("--quiet", "-q", is_flag=True, help="no progress output")
+def search(config, overrides, output, quiet) -> None:
+    """Search a strategy's numeric parameters for a model and target length(s) on a search split
+    (Optuna TPE or CMA-ES; resumable; several processes may share a folder); writes best.json,
+    trials.csv, results.md and search.png."""
+    from ropescale.runs.config import ConfigError
+
+    load_search_config, = harness("search.config", "load_search_config")
+    run_search, = harness("search.run", "run_search")
+
+    cfg = load_search_config(config, list(overrides))
+    out = output or cfg.output
+    if not out:
+        raise ConfigError(f"{config}: output: no search folder; give --output DIR or set output:")
+    best = run_search(cfg, out, progress=not quiet)
+    ppl = ", ".join(f"@{k} {v:.3f}" for k, v in best["ppl"].items())
+    click.echo(f"best of {best['evaluations']} candidates: {best['spec']} (objective {best['objective']:.4f}, "
+               f"PPL {ppl}, PPL@T {best['ppl_train']:.3f}{'' if best['feasible'] else ', infeasible'})")
+    click.echo(f"results in {out}/ (best.json, trials.csv, results.md, search.png, study.db)")
 
 
 @main.command("patch")

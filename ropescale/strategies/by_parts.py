@@ -18,9 +18,9 @@ from ropescale.strategies.registry import Param, RopeFrequencies, register
 __all__ = ["base_truncation", "dynamic_yarn", "llama3", "longrope", "ntk_by_parts", "yarn", "yarn_ramp"]
 
 _BETAS = (
-    Param("beta_fast", 32.0, low=0.0, low_open=True,
+    Param("beta_fast", 32.0, low=0.0, low_open=True, log=True,
           help="pairs with more than beta_fast rotations in L_train are not interpolated"),
-    Param("beta_slow", 1.0, low=0.0, low_open=True,
+    Param("beta_slow", 1.0, low=0.0, low_open=True, log=True,
           help="pairs with fewer than beta_slow rotations in L_train are fully interpolated"),
 )
 _ATTENTION_FACTOR = Param("attention_factor", None, low=0.0, low_open=True,
@@ -131,10 +131,10 @@ def _llama3_check(p: dict) -> None:
 
 
 @register("llama3", params=(
-    Param("factor", kind=float, low=1.0, auto="scale",
+    Param("factor", kind=float, low=1.0, auto="scale", log=True,
           help="s applied to the low-frequency band (8 in Llama 3.1); a sweep uses L / L_train"),
-    Param("low_freq_factor", 1.0, low=0.0, low_open=True, help="λ > L_train/low_freq_factor is interpolated"),
-    Param("high_freq_factor", 4.0, low=0.0, low_open=True, help="λ < L_train/high_freq_factor is kept"),
+    Param("low_freq_factor", 1.0, low=0.0, low_open=True, log=True, help="λ > L_train/low_freq_factor is interpolated"),
+    Param("high_freq_factor", 4.0, low=0.0, low_open=True, log=True, help="λ < L_train/high_freq_factor is kept"),
 ), check=_llama3_check, export=_export_llama3, source="Meta 2024, The Llama 3 Herd of Models, arXiv:2407.21783; "
                                "transformers rope_type 'llama3'")
 def llama3(dim: int, rope_theta: float, original_max_position_embeddings: int, factor: float,
@@ -156,7 +156,7 @@ def llama3(dim: int, rope_theta: float, original_max_position_embeddings: int, f
 @register("longrope", params=(
     Param("short_factor", kind=list, low=0.0, low_open=True, help="per-pair rescale λ_i for L ≤ L_train ([d/2])"),
     Param("long_factor", kind=list, low=0.0, low_open=True, help="per-pair rescale λ_i for L > L_train ([d/2])"),
-    Param("factor", kind=float, low=1.0, auto="scale",
+    Param("factor", kind=float, low=1.0, auto="scale", log=True,
           help="s for the attention factor (max_position_embeddings / L_train in Phi-3)"),
     Param("attention_factor", None, low=0.0, low_open=True,
           help="override for the cos/sin scale; default √(1 + ln s / ln L_train)"),
@@ -195,7 +195,7 @@ def _truncation_check(p: dict) -> None:
 
 
 @register("base_truncation", params=(
-    Param("truncation_length", None, low=1.0,
+    Param("truncation_length", None, low=1.0, log=True,
           help="Giraffe's T_trunc [tokens]: c = 2π/T_trunc, a = c/8, rho = 2π/(16·T_trunc)"),
     Param("a", None, low=0.0, help="below a, θ is set to 0 [radians/token]"),
     Param("c", None, low=0.0, low_open=True, help="θ ≥ c is kept [radians/token]"),

@@ -16,7 +16,7 @@ from ropescale.strategies.registry import Param, RopeFrequencies, register
 
 __all__ = ["FACTOR", "dynamic_ntk", "linear", "ntk", "pi_over_2n", "rope_inv_freq", "vanilla"]
 
-FACTOR = Param("factor", kind=float, low=1.0, auto="scale",
+FACTOR = Param("factor", kind=float, low=1.0, auto="scale", log=True,
                 help="scale s (context extension ratio); a sweep uses L / L_train")
 
 
@@ -75,7 +75,7 @@ def ntk(dim: int, rope_theta: float, factor: float) -> RopeFrequencies:
 
 
 @register("dynamic_ntk",
-          params=(Param("factor", 1.0, low=1.0, help="s in the base formula; 1 gives α = L/L_train"),),
+          params=(Param("factor", 1.0, low=1.0, log=True, help="s in the base formula; 1 gives α = L/L_train"),),
           export=_export_dynamic_ntk,
           source="emozilla 2023, Dynamically scaled RoPE (reddit r/LocalLLaMA 14mrgpr); "
                  "transformers rope_type 'dynamic'")
@@ -92,7 +92,7 @@ def dynamic_ntk(dim: int, rope_theta: float, original_max_position_embeddings: i
 
 
 @register("pi_over_2n", params=(
-    Param("n_max", kind=float, low=1.0, auto="length",
+    Param("n_max", kind=float, low=1.0, auto="length", log=True,
           help="maximum sequence length the angles are budgeted for; a sweep uses L"),
 ), source="He & Xu 2023, a linear-algebra derivation of RoPE (the π/(2·n_max) rule)")
 def pi_over_2n(dim: int, rope_theta: float, n_max: float) -> RopeFrequencies:

@@ -117,7 +117,9 @@ class Param:
     ``Strategy.resolve`` fills in when the user leaves the parameter out, from the target length
     L and the training window T (see ``auto_value``): ``"scale"`` → max(1, L / T), ``"length"`` →
     L, ``"half_train"`` → T // 2. Without a length (``Strategy.validate``) the ``default``
-    applies, and a parameter without one is required.
+    applies, and a parameter without one is required. ``log``: the parameter's natural scale is
+    logarithmic (a ratio, a base, a length in tokens), so a parameter search samples it uniformly
+    in log(value) (``ropescale_eval.search.space``); it changes no check.
     """
 
     name: str
@@ -129,6 +131,7 @@ class Param:
     high_open: bool = False
     auto: AutoKind | None = None
     help: str = ""
+    log: bool = False
 
     def __post_init__(self) -> None:
         if self.auto is not None and self.auto not in AUTO_KINDS:

@@ -21,7 +21,7 @@ from ropescale.strategies.registry import Param, register
 
 __all__ = ["RelativeRule", "leaky_rerope", "rerope", "self_extend"]
 
-_WINDOW = Param("window", 512, kind=int, low=1, auto="half_train",
+_WINDOW = Param("window", 512, kind=int, low=1, auto="half_train", log=True,
                 help="neighbour window w [tokens]; a sweep uses L_train / 2")
 
 
@@ -54,7 +54,7 @@ def _leaky_check(p: dict) -> None:
 
 @register("leaky_rerope", kind="attention", params=(
     _WINDOW,
-    Param("k", None, low=1.0, help="leak: positions beyond w advance 1/k per token (default 16)"),
+    Param("k", None, low=1.0, log=True, help="leak: positions beyond w advance 1/k per token (default 16)"),
     Param("target_length", None, low=2.0, auto=None,
           help="instead of k: longest sequence [tokens], mapped onto L_train"),
 ), check=_leaky_check, source="Su 2023, Leaky ReRoPE (kexue.fm/archives/9708; github.com/bojone/rerope)")
@@ -76,7 +76,7 @@ def leaky_rerope(window: int, k: float | None, target_length: float | None,
 
 
 @register("self_extend", kind="attention", params=(
-    Param("group_size", 8, kind=int, low=1, help="G: far positions are floor(position / G)"),
+    Param("group_size", 8, kind=int, low=1, log=True, help="G: far positions are floor(position / G)"),
     _WINDOW,
 ), source="Jin et al. 2024, LLM Maybe LongLM (SelfExtend), arXiv:2401.01325 (github.com/datamllab/LongLM)")
 def self_extend(group_size: int, window: int) -> RelativeRule:

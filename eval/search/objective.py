@@ -1,0 +1,156 @@
+"""What a search minimises, measured on a loaded model: one candidate = patch, score, unpatch.
+
+For a candidate's parameters θ (the strategy's, fixed and auto ones filled at the longest target
+length, so one spec serves every length) the objective [nats per token] is
+
+    J(θ) = Σ_L w_L · NLL_L(θ)  +  r · NLL_answer(θ)
+
+- NLL_L: token-weighted mean next-token NLL of the first ``max_windows`` chunk windows of L tokens
+  of the **search split** (``ropescale.runs.scoring.score_windows``); exp(NLL_L) is the PPL at L.
+  w_L: ``length_weights`` normalised to sum 1 (equal by default).
+- NLL_answer (only when r = ``retrieval_weight`` > 0): the passkey answer's mean NLL per answer
+  token after ``retrieval_trials`` passkey prompts of the longest length (the passkey task's
+  candidate scoring, ``eval.tasks.retrieval``; depths spread over [0, 1]; seed 7919, not the
+  eval's default 0, so the reported passkey prompts are not the searched ones).
+- Constraint (LongRoPE's short-context concern): c(θ) = PPL_T(θ) / ((1 + ε) · PPL_T(vanilla)) − 1,
+  PPL at the training window T on ``max_windows`` windows of the search split; feasible when
+  c ≤ 0. It is reported with every trial; the tuner uses it as an Optuna constraint (TPE) or a
+  penalty (CMA-ES) — see ``eval.search.tuner``.
+
+The model is loaded once; every candidate is patched in and removed in place
+(``ropescale.patch``), as a sweep's cell is.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ropescale.models import load_model, load_tokenizer, resolve_device
+from ropescale.patching import find_rotary_modules, patch, rope_context, unpatch
+from ropescale.runs.config import ConfigError
+from ropescale.runs.data import load_documents, tokenize_documents
+from ropescale.runs.scoring import score_windows
+from ropescale.runs.windows import make_windows
+from ropescale.strategies import get_strategy
+
+from .config import SearchConfig
+
+__all__ = ["RETRIEVAL_SEED", "Measurement", "SearchObjective", "spec_params"]
+
+RETRIEVAL_SEED = 7919  # passkey keys of the search; the eval's default seed is 0
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One candidate's scores. ``nll``/``ppl``: per target length [nats per token / perplexity];
+    ``ppl_train``: PPL at T; ``constraint`` ≤ 0 when feasible; ``retrieval_nll``: the passkey
+    answer's mean NLL per token (None when not measured); ``seconds``: wall time."""
+
+    objective: float
+    nll: dict[int, float]
+    ppl: dict[int, float]
+    ppl_train: float
+    constraint: float
+    retrieval_nll: float | None
+    seconds: float
+
+    def row(self) -> dict:
+        """Flat columns for ``trials.csv``."""
+        out = {k: v for k, v in asdict(self).items() if k not in ("nll", "ppl")}
+        out.update({f"ppl@{length}": v for length, v in self.ppl.items()})
+        return out
+
+
+def spec_params(strategy: str, fixed: dict, sampled: dict, *, length: int, train_length: int) -> dict:
+    """The parameters a candidate is applied with and written as (``best.json``): the fixed ones,
+    ``auto`` ones the user left out filled for target ``length`` (``factor`` = max(1, L / T)), and
+    the sampled ones. Raises ``ValueError`` (one line) when the strategy refuses the combination
+    (yarn's beta_fast ≤ beta_slow)."""
+    strat = get_strategy(strategy)
+    given = {**fixed, **sampled}
+    full = strat.resolve(given, length=length, train_length=train_length)
+    auto = {p.name: full[p.name] for p in strat.params if p.auto and p.name not in given}
+    return {**fixed, **auto, **sampled}
+
+
+class SearchObjective:
+    """The objective of ``cfg`` on its model, loaded once. ``objective(sampled)`` →
+    ``(params, Measurement)``."""
+
+    def __init__(self, cfg: SearchConfig, *, progress: bool = False):
+        self.cfg = cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.device = resolve_device(cfg.device)
+        tokenizer = load_tokenizer(cfg.model)
+        self.docs = tokenize_documents(tokenizer, load_documents(cfg.data.spec()))
+        self.model, self.tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=str(self.device))
+        unpatch(self.model)  # a patch saved with the model would stack under the candidates
+        self.train_length = cfg.original_max_position_embeddings or self._train_window()
+        sizes = [len(d) for d in self.docs]
+        self.windows = {L: make_windows(sizes, L, max_windows=cfg.max_windows)
+                        for L in sorted({*cfg.lengths, self.train_length})}
+        self.weights = dict(zip(cfg.lengths, cfg.weights()))
+        self.passkeys = self._passkeys() if cfg.retrieval_weight > 0 else []
+        self.vanilla_ppl_train = math.exp(self._nll(self.train_length))
+        self.evaluations = 0
+
+    def _train_window(self) -> int:
+        rotary = find_rotary_modules(self.model)
+        if not rotary:
+            raise ConfigError(f"model: {self.cfg.model} has no rotary embedding (no `inv_freq` buffer) to search")
+        t = rope_context(self.model, rotary[0][1])["original_max_position_embeddings"]
+        if not t:
+            raise ConfigError(f"model: {self.cfg.model} has no max_position_embeddings; set "
+                              "original_max_position_embeddings")
+        return t
+
+    def _passkeys(self):
+        from ..tasks.passkey import Passkey, PasskeyOptions
+
+        n = self.cfg.retrieval_trials
+        depths = [i / (n - 1) for i in range(n)] if n > 1 else [0.5]
+        options = PasskeyOptions(depths=depths, trials=1, candidates=2, seed=RETRIEVAL_SEED)
+        task = Passkey(options, tokenizer=self.tokenizer, train_length=self.train_length)
+        return task.examples(max(self.cfg.lengths))
+
+    def _nll(self, length: int) -> float:
+        """Token-weighted mean NLL [nats per token] of the search windows of ``length`` tokens."""
+        return score_windows(self.model, self.docs, self.windows[length], length=length, buckets=1,
+                             device=self.device).mean_nll
+
+    @torch.no_grad()
+    def _retrieval_nll(self) -> float:
+        """Mean NLL per answer token of the passkey answers (one full forward per prompt)."""
+        from ..tasks.retrieval import _candidate_scores_full
+
+        total, tokens = 0.0, 0
+        for ex in self.passkeys:
+            total -= float(_candidate_scores_full(self.model, ex.prompt.ids, [ex.candidates[0]], self.device)[0])
+            tokens += len(ex.candidates[0])
+        return total / tokens
+
+    def params(self, sampled: dict) -> dict:
+        """``spec_params`` of a sampled candidate for this model (target: the longest length)."""
+        return spec_params(self.cfg.strategy, self.cfg.fixed, sampled, length=max(self.cfg.lengths),
+                           train_length=self.train_length)
+
+    def __call__(self, sampled: dict) -> tuple[dict, Measurement]:
+        params = self.params(sampled)
+        t0 = time.perf_counter()
+        with patch(self.model, self.cfg.strategy, original_max_position_embeddings=self.train_length, **params):
+            nll = {L: self._nll(L) for L in self.cfg.lengths}
+            ppl_train = math.exp(self._nll(self.train_length))
+            retrieval = self._retrieval_nll() if self.passkeys else None
+        self.evaluations += 1
+        objective = sum(self.weights[L] * nll[L] for L in self.cfg.lengths)
+        if retrieval is not None:
+            objective += self.cfg.retrieval_weight * retrieval
+        constraint = ppl_train / ((1 + self.cfg.epsilon) * self.vanilla_ppl_train) - 1
+        return params, Measurement(objective=objective, nll=nll, ppl={L: math.exp(v) for L, v in nll.items()},
+                                   ppl_train=ppl_train, constraint=constraint, retrieval_nll=retrieval,
+                                   seconds=round(time.perf_counter() - t0, 3))
