@@ -283,7 +283,7 @@ def search(config, overrides, output, quiet) -> None:
     ppl = ", ".join(f"@{k} {v:.3f}" for k, v in best["ppl"].items())
     click.echo(f"best of {best['evaluations']} candidates: {best['spec']} (objective {best['objective']:.4f}, "
                f"PPL {ppl}, PPL@T {best['ppl_train']:.3f}{'' if best['feasible'] else ', infeasible'})")
-    click.echo(f"results in {out}/ (best.json, trials.csv, results.md, search.png, study.db)")
+    click.echo(f"results in {out}/ (best.json, trials.csv, results.md, search.png)")
 
 
 @main.command("patch")

@@ -35,9 +35,10 @@ from ropescale.strategies import get_strategy
 from ..config import MAX_LENGTH
 from .space import Dimension, search_space
 
-__all__ = ["METHODS", "SearchConfig", "build_search_config", "load_search_config"]
+__all__ = ["EVOLUTION_KEYS", "METHODS", "SearchConfig", "build_search_config", "load_search_config"]
 
 METHODS = ("tpe", "cmaes", "evolution")
+EVOLUTION_KEYS = ("population", "iterations", "elite", "mutation_prob", "crossover_prob", "variant")
 
 
 class SearchConfig(BaseModel):
@@ -62,6 +63,9 @@ class SearchConfig(BaseModel):
     retrieval_weight: float = Field(0.0, ge=0, description="weight of the passkey answer's mean NLL per token")
     retrieval_trials: int = Field(4, ge=1, description="passkey prompts per candidate (at the longest length)")
     epsilon: float = Field(0.05, ge=0, description="constraint: PPL at T ≤ (1 + ε) × vanilla's")
+    evolution: dict[str, Any] = Field(default_factory=dict, description=(
+        "method evolution: LongRoPE's hyper-parameters (population, iterations, elite, mutation_prob, "
+        "crossover_prob, variant); left out: the authors' defaults"))
     original_max_position_embeddings: int | None = Field(None, ge=2)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "auto"
@@ -122,8 +126,27 @@ class SearchConfig(BaseModel):
         if self.heldout is not None and self.heldout.spec().describe() == self.data.spec().describe():
             raise ValueError(f"data: the search split {self.data.spec().describe()!r} is the held-out data results "
                              "are reported on; search on another split (kjv-train on the bundled model)")
-        self.space()  # unsearchable parameters fail here, not after the model is loaded
+        if self.method == "evolution":
+            self._check_evolution()
+        else:
+            if self.evolution:
+                raise ValueError(f"evolution: options of method evolution, but method is {self.method}")
+            self.space()  # unsearchable parameters fail here, not after the model is loaded
         return self
+
+    def _check_evolution(self) -> None:
+        if self.strategy != "longrope":
+            raise ValueError(f"method: evolution searches longrope's per-pair factors; strategy is {self.strategy} "
+                             "(use tpe or cmaes for it, or strategy: longrope)")
+        if self.search:
+            raise ValueError("search: method evolution searches long_factor itself; leave search: out")
+        extra = set(self.evolution) - set(EVOLUTION_KEYS)
+        if extra:
+            raise ValueError(f"evolution: unknown key {sorted(extra)[0]!r}; allowed: {', '.join(EVOLUTION_KEYS)}")
+        extra = set(self.fixed) - {"short_factor", "attention_factor", "factor"}
+        if extra:
+            raise ValueError(f"fixed: {sorted(extra)[0]} is searched by method evolution; fix only short_factor, "
+                             "attention_factor or factor")
 
     def space(self) -> list[Dimension]:
         """The searched dimensions (``eval.search.space.search_space``)."""

@@ -16,42 +16,17 @@ shareable by several ``ropescale search`` processes; ``eval.search.tuner``). Whe
 
 from __future__ import annotations
 
-import csv
 import json
-import math
 from pathlib import Path
 
-from ropescale.models import model_fingerprint
 from ropescale.runs.config import ConfigError
-from ropescale.runs.manifest import check_manifest, environment, folder_lock, prepare_output
-from ropescale.runs.plotting import pyplot
+from ropescale.runs.manifest import check_manifest, folder_lock, prepare_output
 
 from .config import SearchConfig
+from .report import BEST, PLOT, REPORT, STUDY, TRIALS, fmt, identity, plot_objective, spec_string, write_csv
 from .tuner import Outcome, best_trial, optuna, run_study
 
-__all__ = ["BEST", "STUDY", "TRIALS", "run_search", "spec_string"]
-
-STUDY, BEST, TRIALS, REPORT, PLOT = "study.db", "best.json", "trials.csv", "results.md", "search.png"
-
-
-def spec_string(strategy: str, params: dict) -> str:
-    """``NAME:k=v,...``, the strategy entry ``eval`` and ``sweep`` read (``parse_strategy``)."""
-    return strategy + (":" + ",".join(f"{k}={v!r}" for k, v in params.items()) if params else "")
-
-
-def _identity(cfg: SearchConfig) -> dict:
-    from ropescale.models import load_tokenizer
-    from ropescale.runs.data import load_documents, tokenize_documents
-    from ropescale.runs.manifest import data_fingerprint
-
-    env = environment()
-    docs = tokenize_documents(load_tokenizer(cfg.model), load_documents(cfg.data.spec()))
-    keep = ("strategy", "search", "fixed", "lengths", "length_weights", "method", "seed", "max_windows",
-            "retrieval_weight", "retrieval_trials", "epsilon", "original_max_position_embeddings", "dtype")
-    return {"task": "search", "model": cfg.model, "weights": model_fingerprint(cfg.model),
-            "data": cfg.data.spec().describe(), "data_tokens": data_fingerprint(docs),
-            **cfg.model_dump(mode="json", include=set(keep)),
-            "versions": {k: env[k] for k in ("ropescale", "torch", "transformers")}}
+__all__ = ["run_search", "write_outputs"]
 
 
 def run_search(cfg: SearchConfig, output: str | Path, *, progress: bool = True) -> dict:
@@ -61,14 +36,11 @@ def run_search(cfg: SearchConfig, output: str | Path, *, progress: bool = True) 
     errors for a folder holding another search or busy being written."""
     output = prepare_output(Path(output))
     if cfg.method == "evolution":
-        try:
-            from .evolution import run_evolution
-        except ImportError:
-            raise ConfigError("method: evolution (LongRoPE's search) is not available in this version; "
-                              "use tpe or cmaes") from None
-        return run_evolution(cfg, output, progress=progress)
+        from .longrope import run_longrope_search
+
+        return run_longrope_search(cfg, output, progress=progress)
     with folder_lock(output):  # held while checking: processes sharing the study run unlocked
-        experiment = check_manifest(output, _identity(cfg), cfg.model_dump(mode="json"))
+        experiment = check_manifest(output, identity(cfg), cfg.model_dump(mode="json"))
     storage = f"sqlite:///{(output / STUDY).resolve()}"
     state: dict = {}
 
@@ -115,9 +87,9 @@ def write_outputs(cfg: SearchConfig, study, output: Path) -> dict:
               "ppl_train": best.user_attrs["ppl_train"], "evaluations": _evaluations(study)}
     (output / BEST).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     rows = _rows(study)
-    _write_csv(rows, output / TRIALS)
+    write_csv(rows, output / TRIALS)
     (output / REPORT).write_text(_markdown(cfg, study, result, rows), encoding="utf-8")
-    _plot(rows, output / PLOT, cfg)
+    plot_objective(rows, output / PLOT, cfg)
     return result
 
 
@@ -140,22 +112,6 @@ def _rows(study) -> list[dict]:
         row.update({k: a.get(k) for k in ("ppl_train", "retrieval_nll", "seconds", "invalid")})
         rows.append(row)
     return rows
-
-
-def _write_csv(rows: list[dict], path: Path) -> None:
-    columns = list(dict.fromkeys(k for r in rows for k in r))
-    with path.open("w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=columns)
-        w.writeheader()
-        w.writerows(rows)
-
-
-def _fmt(v) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
 
 
 def _markdown(cfg: SearchConfig, study, best: dict, rows: list[dict]) -> str:
@@ -182,31 +138,5 @@ def _markdown(cfg: SearchConfig, study, best: dict, rows: list[dict]) -> str:
     lines.append("| " + " | ".join(columns) + " |")
     lines.append("|" + "---|" * len(columns))
     for r in rows:
-        lines.append("| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |")
+        lines.append("| " + " | ".join(fmt(r.get(c)) for c in columns) + " |")
     return "\n".join(lines) + "\n"
-
-
-def _plot(rows: list[dict], path: Path, cfg: SearchConfig) -> None:
-    plt = pyplot()
-    done = [r for r in rows if r["objective"] is not None]
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    ok = [r for r in done if r["feasible"] is not False]
-    bad = [r for r in done if r["feasible"] is False]
-    ax.scatter([r["trial"] for r in ok], [r["objective"] for r in ok], s=18, label="trial (feasible)")
-    if bad:
-        ax.scatter([r["trial"] for r in bad], [r["objective"] for r in bad], s=18, marker="x",
-                   label="trial (PPL at T over the limit)")
-    best, xs, ys = math.inf, [], []
-    for r in ok:
-        best = min(best, r["objective"])
-        xs.append(r["trial"])
-        ys.append(best)
-    if xs:
-        ax.step(xs, ys, where="post", color="black", lw=1.2, label="best so far (feasible)")
-    ax.set_xlabel("trial")
-    ax.set_ylabel("objective J [nats/token]")
-    ax.set_title(f"{cfg.strategy} on {cfg.model}: {cfg.method} search", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -48,7 +48,7 @@ def test_bad_configs_are_one_line(change, words):
 
 def test_evolution_missing_is_a_config_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "eval.search.evolution", None)  # as if the module were not there
-    cfg = build_search_config({**GOOD, "method": "evolution"})
+    cfg = build_search_config({"strategy": "longrope", "method": "evolution", "lengths": [1024]})
     with pytest.raises(ConfigError, match="evolution .* not available"):
         run_search(cfg, tmp_path / "out", progress=False)
 

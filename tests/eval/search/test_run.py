@@ -87,3 +87,38 @@ def test_resuming_runs_only_what_is_left_and_another_search_is_refused(searched,
     assert len(rows) == 4 and more["evaluations"] == 4
     with pytest.raises(ExperimentMismatchError):
         run_search(build_search_config({**RAW, "seed": 1}), out, progress=False)
+
+
+LONGROPE = {"model": "reference", "strategy": "longrope", "method": "evolution", "lengths": [512], "budget": 6,
+            "max_windows": 1, "threads": 2, "evolution": {"population": 4, "iterations": 1, "elite": 2}}
+
+
+def test_evolution_writes_a_longrope_spec_that_patch_applies_and_resumes(tmp_path):
+    out = tmp_path / "lr"
+    best = run_search(build_search_config(LONGROPE), out, progress=False)
+    for name in ("best.json", "trials.csv", "results.md", "search.png", "factors.png", "evolution.jsonl"):
+        assert (out / name).is_file(), name
+    p = best["params"]
+    assert best["strategy"] == "longrope" and p["factor"] == 4.0  # s = 512 / 128
+    assert len(p["long_factor"]) == len(p["short_factor"]) == 16 and p["short_factor"] == [1.0] * 16
+    assert all(a <= b for a, b in zip(p["long_factor"], p["long_factor"][1:]))  # monotone, as LongRoPE keeps it
+    assert len(list(csv.DictReader((out / "trials.csv").open(encoding="utf-8")))) == best["evaluations"] == 6
+    assert parse_strategy(best["spec"]).params == p
+    model, _ = load_model("reference", device="cpu")
+    with ropescale.patch(model, best["strategy"], **p):
+        pass
+    # resumed from the journal: the same result
+    assert run_search(build_search_config(LONGROPE), out, progress=False) == best
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    ({"strategy": "yarn"}, "longrope's per-pair factors"),
+    ({"evolution": {"generations": 3}}, "unknown key 'generations'"),
+    ({"search": ["factor"]}, "leave search: out"),
+    ({"fixed": {"long_factor": [1.0] * 16}}, "searched by method evolution"),
+])
+def test_evolution_configs_are_checked(change, words):
+    from ropescale.runs.config import ConfigError
+
+    with pytest.raises(ConfigError, match=words):
+        build_search_config({**LONGROPE, **change})

@@ -1,0 +1,112 @@
+"""``method: evolution``: LongRoPE's evolutionary search of ``longrope``'s per-pair factors, run on
+the search objective (``eval.search.objective``) and written as a search folder.
+
+The algorithm is ``eval.search.evolution.run_evolution`` (the authors' operators and defaults);
+this module supplies what it needs from the model — rotary dim d, base b, training window T, scale
+s = max(lengths) / T, YaRN's per-pair factors as the initial individual — and scores a candidate
+``long_factor`` (d/2 factors, θ_i / factor_i) by J + ``PENALTY`` · max(0, c): the objective and the
+PPL-at-T constraint of the tuner, as a penalty since the evolution has no constraint of its own.
+``short_factor`` (used at L ≤ T) is fixed: 1 per pair unless given under ``fixed:``. Kill and
+resume: the evolution's JSONL journal (``evolution.jsonl``) replays finished evaluations.
+
+Outputs as the tuner's (``best.json``, ``trials.csv`` — one row per evaluation —, ``results.md``,
+``search.png``) plus ``factors.png``: the searched factor per rotary pair against YaRN's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ropescale.patching import find_rotary_modules
+from ropescale.rotary import rope_context
+from ropescale.runs.config import ConfigError
+from ropescale.runs.manifest import check_manifest, folder_lock
+from ropescale.runs.plotting import pyplot
+
+from .config import SearchConfig
+from .report import BEST, PLOT, REPORT, TRIALS, fmt, identity, plot_objective, spec_string, write_csv
+from .tuner import PENALTY
+
+__all__ = ["FACTORS_PLOT", "JOURNAL", "run_longrope_search"]
+
+JOURNAL, FACTORS_PLOT = "evolution.jsonl", "factors.png"
+
+
+def run_longrope_search(cfg: SearchConfig, output: Path, *, progress: bool = True) -> dict:
+    """Run (or resume) the evolutionary search of ``cfg`` (strategy longrope) into ``output``;
+    returns the ``best.json`` mapping. ``cfg.budget`` caps the evaluations."""
+    try:
+        from .evolution import run_evolution, yarn_init_factors
+    except ImportError:
+        raise ConfigError("method: evolution (LongRoPE's search) is not available in this version; "
+                          "use tpe or cmaes") from None
+    from .objective import SearchObjective
+
+    with folder_lock(output):
+        check_manifest(output, identity(cfg), cfg.model_dump(mode="json"))
+        objective = SearchObjective(cfg, progress=progress)
+        ctx = rope_context(objective.model, find_rotary_modules(objective.model)[0][1])
+        dim, theta, train = ctx["dim"], ctx["rope_theta"], objective.train_length
+        scale = max(1.0, max(cfg.lengths) / train)
+        short = cfg.fixed.get("short_factor", [1.0] * (dim // 2))
+        yarn = yarn_init_factors(dim, theta, train, scale)
+
+        def score(factors, start_tokens: int) -> float:
+            _, m = objective({"long_factor": [float(f) for f in factors], "short_factor": short})
+            return m.objective + PENALTY * max(0.0, m.constraint)
+
+        result = run_evolution(score, dim=dim, scale=scale, yarn_factors=yarn, seed=cfg.seed,
+                               journal=output / JOURNAL, budget=cfg.budget, progress=progress, **cfg.evolution)
+        params, m = objective({"long_factor": [float(f) for f in result.factors], "short_factor": short})
+        best = {"strategy": "longrope", "params": params, "spec": spec_string("longrope", params),
+                "objective": m.objective, "feasible": m.constraint <= 0, "trial": _best_index(result),
+                "ppl": {str(k): v for k, v in m.ppl.items()}, "ppl_train": m.ppl_train,
+                "evaluations": result.evaluations, "stop": result.stop}
+        (output / BEST).write_text(json.dumps(best, indent=1) + "\n", encoding="utf-8")
+        rows = [{"trial": i, "generation": h["generation"], "origin": h["origin"], "objective": h["value"],
+                 "feasible": None, "factors": json.dumps(h["factors"])} for i, h in enumerate(result.history)]
+        write_csv(rows, output / TRIALS)
+        plot_objective(rows, output / PLOT, cfg)
+        _plot_factors(result.factors, yarn, output / FACTORS_PLOT, cfg)
+        (output / REPORT).write_text(_markdown(cfg, best, rows, objective.vanilla_ppl_train, train),
+                                     encoding="utf-8")
+    return best
+
+
+def _best_index(result) -> int:
+    values = [h["value"] for h in result.history]
+    return values.index(min(values)) if values else -1
+
+
+def _plot_factors(found: list[float], yarn: list[float], path: Path, cfg: SearchConfig) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    pairs = range(len(found))
+    ax.plot(pairs, yarn, "--", color="grey", label="YaRN (initial individual)")
+    ax.plot(pairs, found, "o-", ms=3, label="searched (LongRoPE evolution)")
+    ax.set_xlabel("rotary pair i (fast → slow)")
+    ax.set_ylabel("rescale factor λ_i (θ_i / λ_i)")
+    ax.set_title(f"longrope on {cfg.model}: searched factors at {max(cfg.lengths)} tokens", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _markdown(cfg: SearchConfig, best: dict, rows: list[dict], vanilla: float, train: int) -> str:
+    lines = [
+        f"# Parameter search: longrope (LongRoPE evolution) on {cfg.model}", "",
+        f"- model: `{cfg.model}`; search data: `{cfg.data.spec().describe()}` (first {cfg.max_windows} windows per "
+        f"length); held-out data kept out: `{cfg.heldout.spec().describe() if cfg.heldout else '—'}`",
+        f"- evolution {json.dumps(cfg.evolution) or 'defaults'}, seed {cfg.seed}, budget {cfg.budget}; "
+        f"{best['evaluations']} evaluations (stop: {best['stop']}); LongRoPE's default is 64 + 40 × 32 = 1,344",
+        f"- target lengths: {', '.join(map(str, cfg.lengths))}; T = {train}",
+        f"- value = J + {PENALTY:g} · max(0, c), c = PPL_T / ((1 + {cfg.epsilon:g}) · {vanilla:.3f}) − 1", "",
+        f"**Best** (evaluation {best['trial']}): J {best['objective']:.4f}, PPL "
+        + ", ".join(f"@{k} {v:.3f}" for k, v in best["ppl"].items()) + f", PPL@T {best['ppl_train']:.3f}"
+        + ("" if best["feasible"] else " (over the PPL-at-T limit)"), "",
+        "| evaluation | generation | origin | value |", "|---|---|---|---|",
+    ]
+    lines += [f"| {r['trial']} | {r['generation']} | {r['origin']} | {fmt(r['objective'])} |" for r in rows]
+    return "\n".join(lines) + "\n"
