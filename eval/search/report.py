@@ -73,6 +73,8 @@ def plot_objective(rows: list[dict], path: Path, cfg: SearchConfig) -> None:
         xs.append(r["trial"])
         ys.append(best)
     if xs:
+        xs.append(max(r["trial"] for r in done))  # the best holds to the last trial
+        ys.append(best)
         ax.step(xs, ys, where="post", color="black", lw=1.2, label="best so far (feasible)")
     ax.set_xlabel("trial")
     ax.set_ylabel("objective J [nats/token]")

@@ -17,10 +17,11 @@ shareable by several ``ropescale search`` processes; ``eval.search.tuner``). Whe
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 from ropescale.runs.config import ConfigError
-from ropescale.runs.manifest import check_manifest, folder_lock, prepare_output
+from ropescale.runs.manifest import LOCK, FolderBusyError, check_manifest, prepare_output
 
 from .config import SearchConfig
 from .report import BEST, PLOT, REPORT, STUDY, TRIALS, fmt, identity, plot_objective, spec_string, write_csv
@@ -39,8 +40,9 @@ def run_search(cfg: SearchConfig, output: str | Path, *, progress: bool = True) 
         from .longrope import run_longrope_search
 
         return run_longrope_search(cfg, output, progress=progress)
-    with folder_lock(output):  # held while checking: processes sharing the study run unlocked
-        experiment = check_manifest(output, identity(cfg), cfg.model_dump(mode="json"))
+    ident = identity(cfg)
+    with _briefly_locked(output):  # held while checking: processes sharing the study run unlocked
+        experiment = check_manifest(output, ident, cfg.model_dump(mode="json"))
     storage = f"sqlite:///{(output / STUDY).resolve()}"
     state: dict = {}
 
@@ -70,8 +72,27 @@ def run_search(cfg: SearchConfig, output: str | Path, *, progress: bool = True) 
                                       load_if_exists=True)
     study = run_study(cfg.space(), evaluate, storage=storage, study_name=experiment, method=cfg.method,
                       seed=cfg.seed, budget=cfg.budget, report=report)
-    with folder_lock(output):
+    with _briefly_locked(output):
         return write_outputs(cfg, study, output)
+
+
+@contextmanager
+def _briefly_locked(output: Path, wait: float = 120.0):
+    """The folder's lock (``ropescale.runs.manifest.LOCK``) for a short step — the manifest check,
+    the outputs — waiting up to ``wait`` seconds for another search process sharing the folder;
+    ``FolderBusyError`` (one line) when a run holds it longer (a sweep writing there)."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(output / LOCK), timeout=wait)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise FolderBusyError(f"{output} is being written by another run (lock {LOCK}); wait for it to finish "
+                              "or use another output folder") from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def write_outputs(cfg: SearchConfig, study, output: Path) -> dict:

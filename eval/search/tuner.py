@@ -8,11 +8,15 @@ ask/tell interface:
 - **Budget over resumes**: the loop stops when the study holds ``budget`` finished trials
   (complete, or pruned because the strategy refused the combination, e.g. yarn's
   beta_fast ≤ beta_slow), however many runs it took.
-- **Deterministic resume**: each trial's sampler is seeded with (``seed``, index of the trial
-  among finished + running ones), so with one process a search stopped after k trials and resumed
-  proposes exactly what an uninterrupted one does (TPE and CMA-ES are functions of the history and
-  their seed; CMA-ES keeps its own state in the trials). A trial left running by a killed process
-  of this machine is marked failed on resume and its candidate proposed again.
+- **Deterministic resume**: each trial's sampler is seeded with (``seed``, the trial's index — for
+  TPE its number less the failed trials before it, for CMA-ES the finished + running trials), so
+  with one process a search stopped after k trials and resumed proposes exactly what an
+  uninterrupted one does (TPE and CMA-ES are functions of the history and their seed; CMA-ES keeps
+  its own state in the trials). A trial left running by a killed process of this machine is marked
+  failed on resume and its candidate proposed again.
+- **Several processes** (TPE): trial numbers are unique, so no two processes draw with one seed;
+  TPE's constant liar counts the others' running trials. The trials then depend on timing, not
+  only on the seed. CMA-ES processes that ask at the same moment may draw the same candidate.
 - **Constraint** c ≤ 0 (``eval.search.objective``): TPE takes it as an Optuna constraint
   (``Trial.set_constraint``, or ``constraints_func`` before Optuna 5: feasibility-aware TPE;
   c is also kept in the trial's user attrs); CMA-ES has no
@@ -128,6 +132,12 @@ def _distribution(dim: Dimension):
     return d.FloatDistribution(dim.low, dim.high, log=dim.log)
 
 
+def _suggest(trial, dim: Dimension):
+    if dim.kind == "int":
+        return trial.suggest_int(dim.name, int(dim.low), int(dim.high), log=dim.log)
+    return trial.suggest_float(dim.name, dim.low, dim.high, log=dim.log)
+
+
 def best_trial(study):
     """``(trial, feasible)``: the complete trial with the lowest objective among feasible ones
     (user attr ``constraint`` ≤ 0 or absent), else among all; ``(None, False)`` when none is complete."""
@@ -161,10 +171,18 @@ def run_study(space: list[Dimension], evaluate: Callable[[dict], Outcome], *, st
         done = len(finished(study))
         if done + len(running) >= budget:
             break
-        study.sampler = _sampler(method, _seed(seed, done + len(running)))
-        trial = study.ask(dists)
+        if method == "tpe":
+            # TPE samples each parameter when it is suggested: seed by the trial's own number (less the
+            # failed trials before it), unique even when processes ask at the same moment
+            trial = study.ask()
+            failed = sum(t.number < trial.number for t in study.get_trials(deepcopy=False, states=(states.FAIL,)))
+            study.sampler = _sampler(method, _seed(seed, trial.number - failed))
+            sampled = {d.name: _suggest(trial, d) for d in space}
+        else:  # CMA-ES samples all parameters at ask
+            study.sampler = _sampler(method, _seed(seed, done + len(running)))
+            trial = study.ask(dists)
+            sampled = {name: trial.params[name] for name in dists}
         trial.set_user_attr(WORKER, f"{socket.gethostname()}:{os.getpid()}")
-        sampled = {name: trial.params[name] for name in dists}
         try:
             out = evaluate(sampled)
         except ValueError as e:

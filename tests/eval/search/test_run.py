@@ -122,3 +122,14 @@ def test_evolution_configs_are_checked(change, words):
 
     with pytest.raises(ConfigError, match=words):
         build_search_config({**LONGROPE, **change})
+
+
+def test_the_retrieval_term_adds_the_passkey_answer_nll(tmp_path):
+    raw = {**RAW, "budget": 1, "max_windows": 1, "retrieval_weight": 0.5, "retrieval_trials": 2,
+           "lengths": [256, 512], "length_weights": [1, 3]}
+    run_search(build_search_config(raw), tmp_path / "r", progress=False)
+    (row,) = csv.DictReader((tmp_path / "r" / "trials.csv").open(encoding="utf-8"))
+    answer = float(row["retrieval_nll"])
+    assert answer > 0  # a negative log-likelihood of a 5-digit key
+    expected = 0.25 * math.log(float(row["ppl@256"])) + 0.75 * math.log(float(row["ppl@512"])) + 0.5 * answer
+    assert math.isclose(float(row["objective"]), expected, rel_tol=1e-9)

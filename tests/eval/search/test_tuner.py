@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,7 @@ from eval.search.space import Dimension
 from eval.search.tuner import WORKER, Outcome, best_trial, finished, optuna, run_study
 from ropescale.runs.config import ConfigError
 
+ROOT = Path(__file__).resolve().parents[3]
 SPACE = [Dimension("x", "float", -5.0, 5.0), Dimension("n", "int", 1, 64, log=True)]
 
 
@@ -105,3 +107,21 @@ def test_a_trial_of_a_live_process_is_left_running(tmp_path):
 def test_budget_below_one_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="at least 1 trial"):
         run_study(SPACE, bowl, storage=_url(tmp_path), study_name="s", budget=0)
+
+
+def test_two_processes_share_one_study(tmp_path):
+    url = _url(tmp_path)
+    optuna().create_study(storage=url, study_name="s", direction="minimize")  # created once, before both start
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
+            "from tests.eval.search.test_tuner import SPACE, bowl\n"
+            "from eval.search.tuner import run_study\n"
+            f"run_study(SPACE, bowl, storage={url!r}, study_name='s', seed=0, budget=16)\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT) for _ in range(2)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    study = optuna().load_study(study_name="s", storage=url)
+    done = finished(study)
+    # each process stops when the study holds the budget; at most one trial over it per extra process
+    assert 16 <= len(done) <= 17
+    workers = {t.user_attrs[WORKER] for t in done}
+    assert len(workers) == 2  # both evaluated candidates
+    assert len({tuple(sorted(t.params.items())) for t in done}) == len(done)  # no candidate twice
