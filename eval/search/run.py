@@ -8,7 +8,9 @@ shareable by several ``ropescale search`` processes; ``eval.search.tuner``). Whe
 
 - ``best.json``: ``{"strategy": NAME, "params": {...}, "spec": "NAME:k=v,...", ...}`` —
   ``ropescale.patch(model, best["strategy"], **best["params"])`` applies it, and ``spec`` is a
-  strategy entry ``eval`` / ``sweep`` / ``finetune`` accept;
+  strategy entry ``eval`` / ``sweep`` / ``finetune`` accept and ``ropescale patch --strategy SPEC``
+  exports (transformers-native ``config.json`` for yarn, longrope, ntk, linear, dynamic_ntk,
+  llama3; the others — rerope, self_extend, ntk_by_parts, … — need ``ropescale.load_model``);
 - ``trials.csv``: every trial (state, parameters, objective, constraint, PPL per length, PPL at T);
 - ``results.md``: the settings and the trials table; ``search.png``: objective vs trial and the
   best so far.
