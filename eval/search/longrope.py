@@ -23,6 +23,8 @@ from ropescale.rotary import rope_context
 from ropescale.runs.config import ConfigError
 from ropescale.runs.manifest import check_manifest, folder_lock
 from ropescale.runs.plotting import pyplot
+from ropescale.strategies.by_parts import yarn_ramp
+from ropescale.strategies.frequency import rope_inv_freq
 
 from .config import SearchConfig
 from .report import BEST, PLOT, REPORT, TRIALS, fmt, identity, plot_objective, spec_string, write_csv
@@ -68,7 +70,10 @@ def run_longrope_search(cfg: SearchConfig, output: Path, *, progress: bool = Tru
                  "feasible": None, "factors": json.dumps(h["factors"])} for i, h in enumerate(result.history)]
         write_csv(rows, output / TRIALS)
         plot_objective(rows, output / PLOT, cfg)
-        _plot_factors(result.factors, yarn, output / FACTORS_PLOT, cfg)
+        # YaRN's own per-pair factors θ_i / θ'_i (its defaults), beside LongRoPE's initial individual
+        vanilla = rope_inv_freq(dim, theta).double()
+        yarn_own = (vanilla / yarn_ramp(dim, theta, train, scale, 32.0, 1.0).double()).tolist()
+        _plot_factors(result.factors, yarn, yarn_own, output / FACTORS_PLOT, cfg)
         (output / REPORT).write_text(_markdown(cfg, best, rows, objective.vanilla_ppl_train, train),
                                      encoding="utf-8")
     return best
@@ -79,14 +84,18 @@ def _best_index(result) -> int:
     return values.index(min(values)) if values else -1
 
 
-def _plot_factors(found: list[float], yarn: list[float], path: Path, cfg: SearchConfig) -> None:
+def _plot_factors(found: list[float], init: list[float], yarn_own: list[float], path: Path,
+                  cfg: SearchConfig) -> None:
+    """Searched factor per rotary pair against the initial individual (LongRoPE's 1 + (s − 1)·ramp)
+    and YaRN's own effective factors θ_i / θ'_i (β 32 / 1)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     pairs = range(len(found))
-    ax.plot(pairs, yarn, "--", color="grey", label="YaRN (initial individual)")
+    ax.plot(pairs, init, "--", color="grey", label="initial individual (LongRoPE's YaRN: 1 + (s − 1)·ramp)")
+    ax.plot(pairs, yarn_own, ":", color="black", label="YaRN's own θ_i / θ'_i (β 32 / 1)")
     ax.plot(pairs, found, "o-", ms=3, label="searched (LongRoPE evolution)")
     ax.set_xlabel("rotary pair i (fast → slow)")
-    ax.set_ylabel("rescale factor λ_i (θ_i / λ_i)")
+    ax.set_ylabel("rescale factor θ_i / θ'_i")
     ax.set_title(f"longrope on {cfg.model}: searched factors at {max(cfg.lengths)} tokens", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
