@@ -195,10 +195,10 @@ def _run(config, overrides, output, flags: dict, quiet: bool, *, only_task: str 
 
 @main.command("eval")
 @_common_options
-@click.option("--task", help="perplexity (default), passkey, needle")
+@click.option("--task", help="perplexity (default), passkey, needle, niah_multikey … (`ropescale tasks` lists them)")
 def eval_cmd(config, overrides, output, model, data, strategy_specs, lengths, device, device_map, dtype, quiet,
              task) -> None:
-    """Run a task (perplexity, passkey, needle) for each strategy at each length; resumable;
+    """Run a task (perplexity, passkey, needle, …) for each strategy at each length; resumable;
     writes results.jsonl/csv/md and the task's plots."""
     flags = {"task": task, "model": model, "data": data, "lengths": lengths, "device": device, "dtype": dtype,
              "device_map": device_map, "strategies": list(strategy_specs) or None}
