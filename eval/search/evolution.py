@@ -83,7 +83,8 @@ import numpy as np
 
 from ropescale.errors import InvalidInput
 
-__all__ = ["DEFAULTS", "START_TOKEN_GRID", "VARIANTS", "EvolutionResult", "run_evolution", "yarn_init_factors"]
+__all__ = ["DEFAULTS", "START_TOKEN_GRID", "VARIANTS", "EvolutionResult", "run_evolution", "split_over_processes",
+           "yarn_init_factors"]
 
 DEFAULTS: dict[str, Any] = {
     "population": 64,  # population_size
@@ -288,12 +289,26 @@ def _check_int(name: str, v: Any, low: int) -> int:
 class _Journal:
     """Append-only JSONL: a header line (the settings), then one line per evaluation."""
 
-    def __init__(self, path: Path | None, header: dict):
+    def __init__(self, path: Path | None, header: dict, write: bool = True):
         self.path, self.records = path, []
         if path is None:
             return
         path = Path(path)
         self.path = path
+        if not write:  # another process of a parallel search writes it: read what is there, never write
+            self.path = None
+            if path.exists():
+                parsed = []
+                for line in path.read_text().split("\n")[:-1]:
+                    try:
+                        parsed.append(json.loads(line))
+                    except json.JSONDecodeError:
+                        break
+                if parsed and parsed[0] != header:
+                    _fail(f"journal {path} was written by a search with other settings; "
+                          "use a new journal or the same seed and arguments")
+                self.records = parsed[1:]
+            return
         if path.exists():
             text = path.read_text()
             parsed = []
@@ -330,13 +345,33 @@ class _Journal:
             self._fh.close()
 
 
+def split_over_processes(objective: Callable[[list[float], int], float], state=None):
+    """An ``evaluate_batch`` for ``run_evolution`` under ``accelerate launch``: candidate k of a
+    generation is scored by process k mod P, and every process gets all values in order
+    (``gather_object``). ``state``: accelerate's ``PartialState`` (made here when None)."""
+    from accelerate import PartialState
+    from accelerate.utils import gather_object
+
+    state = state if state is not None else PartialState()
+
+    def evaluate_batch(cands: list[tuple[list[float], int]]) -> list[float]:
+        mine = [(k, float(objective(list(f), s))) for k, (f, s) in enumerate(cands)
+                if k % state.num_processes == state.process_index]
+        values = dict(gather_object(mine) if state.num_processes > 1 else mine)
+        return [values[k] for k in range(len(cands))]
+
+    return evaluate_batch
+
+
 def run_evolution(objective: Callable[[list[float], int], float], *, dim: int, scale: float,
                   yarn_factors: list[float] | None = None, population: int | None = None,
                   iterations: int | None = None, mutation_prob: float | None = None,
                   crossover_prob: float | None = None, elite: int | None = None, variant: str = "dim_mono",
                   search_start_tokens: bool = False, max_start_tokens: int = 0, seed: int = 0,
                   journal: Path | None = None, budget: int | None = None,
-                  progress: bool = False) -> EvolutionResult:
+                  progress: bool = False,
+                  evaluate_batch: Callable[[list[tuple[list[float], int]]], list[float]] | None = None,
+                  write_journal: bool = True) -> EvolutionResult:
     """LongRoPE's evolutionary search; ``objective(factors, start_tokens)`` is minimised.
 
     ``factors``: d/2 per-pair rescale factors (``longrope``'s ``long_factor``, θ_i / factor_i);
@@ -351,6 +386,13 @@ def run_evolution(objective: Callable[[list[float], int], float], *, dim: int, s
     evaluations (default: all, population + iterations × (population − elite)). ``journal``: a JSONL
     file; a rerun with the same arguments replays its values instead of calling the objective, so
     a killed search resumes to the result of an uninterrupted one. Deterministic for a ``seed``.
+
+    Parallel: each generation's candidates are made first (they depend only on earlier
+    generations' values), then scored together by ``evaluate_batch([(factors, start_tokens),
+    …]) -> [value, …]`` (default: ``objective`` on each in turn). A batch scorer that splits the
+    candidates over processes and gathers the values (every process running this same search with
+    the same seed; one of them with ``write_journal``, the others replaying the journal read-only)
+    gives exactly the serial search's candidates and values.
 
     Raises ``InvalidInput`` (one line) for bad arguments or a journal from other settings.
     """
@@ -408,35 +450,54 @@ def run_evolution(objective: Callable[[list[float], int], float], *, dim: int, s
               "variant": variant, "population": pop, "iterations": iters, "elite": n_elite,
               "mutation_prob": p_mut, "crossover_prob": p_cross, "seed": seed,
               "search_start_tokens": lay.start, "start_grid": list(start_grid), "init": init.tolist()}
-    book = _Journal(journal, header)
+    book = _Journal(journal, header, write=write_journal)
     rng = np.random.default_rng(seed)
     made = _Made(init_genome.shape[0])  # every individual ever created (their self.history)
     seen = made.seen
     history: list[dict] = []
     state = {"generation": 0}
+    full = "budget" if cap < total else "iterations"
 
-    def evaluate(g: np.ndarray, origin: str, parents: list[int]) -> tuple[np.ndarray, float, int]:
-        """Score genome ``g`` (from the journal when recorded); its population entry."""
-        if len(history) >= cap:
-            raise _Stop("budget" if cap < total else "iterations")
-        factors = [float(x) for x in lay.factors(g)]
-        start = lay.start_tokens(g)
-        i = len(history)
-        if i < len(book.records):
-            rec = book.records[i]
-            if rec.get("start_tokens") != start or rec.get("factors") != factors:
-                _fail(f"journal {book.path} entry {i} is another candidate; the search it records differs "
-                      "(code version or arguments); use a new journal")
-            value = float(rec["value"])
-        else:
-            value = float(objective(list(factors), start))
-            book.append({"n": i, "generation": state["generation"], "origin": origin, "parents": parents,
+    def score_all(cands: list[tuple[list[float], int]]):
+        """Values of ``cands`` in order, each yielded as soon as it is known (serially: one by
+        one, so the journal keeps every finished evaluation; with ``evaluate_batch``: the batch)."""
+        if evaluate_batch is None:
+            for f, s in cands:
+                yield objective(list(f), s)
+            return
+        values = list(evaluate_batch(cands))
+        if len(values) != len(cands):
+            raise AssertionError(f"evaluate_batch returned {len(values)} values for {len(cands)} candidates")
+        yield from values
+
+    def score(batch: list[tuple[np.ndarray, str, list]]) -> list[tuple[np.ndarray, float, int]]:
+        """Score one generation's candidates in order (journal values where recorded); their
+        population entries (genome, value, index in history)."""
+        base = len(history)
+        rows = []
+        for k, (g, origin, parents) in enumerate(batch):
+            factors, start = [float(x) for x in lay.factors(g)], lay.start_tokens(g)
+            value = None
+            if base + k < len(book.records):
+                rec = book.records[base + k]
+                if rec.get("start_tokens") != start or rec.get("factors") != factors:
+                    _fail(f"journal {journal} entry {base + k} is another candidate; the search it records "
+                          "differs (code version or arguments); use a new journal")
+                value = float(rec["value"])
+            rows.append([g, origin, parents, factors, start, value])
+        todo = [k for k, row in enumerate(rows) if row[5] is None]
+        for k, v in zip(todo, score_all([(rows[k][3], rows[k][4]) for k in todo])):
+            rows[k][5] = float(v)
+            g, origin, parents, factors, start, value = rows[k]
+            book.append({"n": base + k, "generation": state["generation"], "origin": origin, "parents": parents,
                          "factors": factors, "start_tokens": start, "value": value})
-        if math.isnan(value):
-            value = math.inf
-        history.append({"generation": state["generation"], "origin": origin, "parents": parents,
-                        "factors": factors, "start_tokens": start, "value": value})
-        return g, value, i
+        out = []
+        for g, origin, parents, factors, start, value in rows:
+            value = math.inf if math.isnan(value) else value
+            out.append((g, value, len(history)))
+            history.append({"generation": state["generation"], "origin": origin, "parents": parents,
+                            "factors": factors, "start_tokens": start, "value": value})
+        return out
 
     def mutate(parent: np.ndarray) -> np.ndarray:
         g = parent
@@ -450,33 +511,53 @@ def run_evolution(objective: Callable[[list[float], int], float], *, dim: int, s
         made.append(g)
         return g
 
+    def generation(make: list) -> list[tuple[np.ndarray, float, int]]:
+        """Make this generation's candidates (``make``: callables returning (genome, origin,
+        parents)), at most as many as the budget leaves, then score them together."""
+        room = cap - len(history)
+        if room <= 0:
+            raise _Stop(full)
+        batch, stopped = [], None
+        try:
+            for m in make[:room]:
+                batch.append(m())
+        except _Stop as s:  # no new valid candidate: score those made, then stop
+            stopped = s
+        entries = score(batch)
+        if stopped is not None:
+            raise stopped
+        if len(make) > room:
+            raise _Stop(full)
+        return entries
+
     stop = "iterations"
     pop_list: list[tuple[np.ndarray, float, int]] = []  # (genome, value, index in history)
     try:
         made.append(init_genome)
-        first = evaluate(init_genome, "init", [])
-        pop_list.append(first)
-        for _ in range(pop - 1):
-            pop_list.append(evaluate(mutate(init_genome), "mutation", [first[2]]))
+        first_index = len(history)
+        pop_list = generation([lambda: (init_genome, "init", [])]
+                              + [lambda: (mutate(init_genome), "mutation", [first_index])] * (pop - 1))
         for it in range(iters):
             state["generation"] = it + 1
             parents = sorted(pop_list, key=lambda t: t[1])[:n_elite]  # stable: earlier first on ties
             if progress:
                 print(f"evolution: generation {it + 1}/{iters}, best {parents[0][1]:.6g}, "
                       f"{len(history)}/{cap} evaluations", file=sys.stderr, flush=True)
-            pop_list = list(parents)
-            for _ in range(n_mut):
+
+            def mutant(parents=parents):
                 par = parents[int(rng.integers(n_elite))]
-                pop_list.append(evaluate(mutate(par[0]), "mutation", [par[2]]))
-            for _ in range(n_cross):
+                return mutate(par[0]), "mutation", [par[2]]
+
+            def cross(parents=parents):
                 i1, i2 = sorted(int(x) for x in rng.choice(n_elite, 2, replace=False))
                 p1, p2 = parents[i1], parents[i2]
                 child = _crossover(p1[0], p2[0], rng, lay, p_cross, DEFAULTS["max_crossover_try"], seen)
                 if child is None:  # identical parents or no valid new child: a mutant of parent 1
-                    pop_list.append(evaluate(mutate(p1[0]), "mutation", [p1[2]]))
-                else:
-                    made.append(child)
-                    pop_list.append(evaluate(child, "crossover", [p1[2], p2[2]]))
+                    return mutate(p1[0]), "mutation", [p1[2]]
+                made.append(child)
+                return child, "crossover", [p1[2], p2[2]]
+
+            pop_list = list(parents) + generation([mutant] * n_mut + [cross] * n_cross)
     except _Stop as s:
         stop = s.reason
     finally:

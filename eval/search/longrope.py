@@ -16,8 +16,10 @@ Outputs as the tuner's (``best.json``, ``trials.csv`` — one row per evaluation
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from pathlib import Path
 
+from ropescale.models import resolve_device
 from ropescale.patching import find_rotary_modules
 from ropescale.rotary import rope_context
 from ropescale.runs.config import ConfigError
@@ -39,14 +41,21 @@ def run_longrope_search(cfg: SearchConfig, output: Path, *, progress: bool = Tru
     """Run (or resume) the evolutionary search of ``cfg`` (strategy longrope) into ``output``;
     returns the ``best.json`` mapping. ``cfg.budget`` caps the evaluations."""
     try:
-        from .evolution import run_evolution, yarn_init_factors
+        from .evolution import run_evolution, split_over_processes, yarn_init_factors
     except ImportError:
         raise ConfigError("method: evolution (LongRoPE's search) is not available in this version; "
                           "use tpe or cmaes") from None
+    from accelerate import PartialState
+
     from .objective import SearchObjective
 
-    with folder_lock(output):
-        check_manifest(output, identity(cfg), cfg.model_dump(mode="json"))
+    # under `accelerate launch` every process runs this same search; each generation's candidates
+    # are split over them (split_over_processes) and the main process alone writes the folder
+    state = PartialState(cpu=resolve_device(cfg.device).type == "cpu")
+    main = state.is_main_process
+    progress = progress and main
+    with folder_lock(output) if main else nullcontext():
+        check_manifest(output, identity(cfg), cfg.model_dump(mode="json"), state)
         objective = SearchObjective(cfg, progress=progress)
         ctx = rope_context(objective.model, find_rotary_modules(objective.model)[0][1])
         dim, theta, train = ctx["dim"], ctx["rope_theta"], objective.train_length
@@ -58,13 +67,18 @@ def run_longrope_search(cfg: SearchConfig, output: Path, *, progress: bool = Tru
             _, m = objective({"long_factor": [float(f) for f in factors], "short_factor": short})
             return m.objective + PENALTY * max(0.0, m.constraint)
 
+        batch = split_over_processes(score, state) if state.num_processes > 1 else None
         result = run_evolution(score, dim=dim, scale=scale, yarn_factors=yarn, seed=cfg.seed,
-                               journal=output / JOURNAL, budget=cfg.budget, progress=progress, **cfg.evolution)
+                               journal=output / JOURNAL, budget=cfg.budget, progress=progress,
+                               evaluate_batch=batch, write_journal=main, **cfg.evolution)
         params, m = objective({"long_factor": [float(f) for f in result.factors], "short_factor": short})
         best = {"strategy": "longrope", "params": params, "spec": spec_string("longrope", params),
                 "objective": m.objective, "feasible": m.constraint <= 0, "trial": _best_index(result),
                 "ppl": {str(k): v for k, v in m.ppl.items()}, "ppl_train": m.ppl_train,
                 "evaluations": result.evaluations, "stop": result.stop}
+        if not main:
+            state.wait_for_everyone()  # leave together: a process exiting mid-group aborts the others
+            return best
         (output / BEST).write_text(json.dumps(best, indent=1) + "\n", encoding="utf-8")
         rows = [{"trial": i, "generation": h["generation"], "origin": h["origin"], "objective": h["value"],
                  "feasible": None, "factors": json.dumps(h["factors"])} for i, h in enumerate(result.history)]
@@ -76,6 +90,7 @@ def run_longrope_search(cfg: SearchConfig, output: Path, *, progress: bool = Tru
         _plot_factors(result.factors, yarn, yarn_own, output / FACTORS_PLOT, cfg)
         (output / REPORT).write_text(_markdown(cfg, best, rows, objective.vanilla_ppl_train, train),
                                      encoding="utf-8")
+    state.wait_for_everyone()
     return best
 
 
