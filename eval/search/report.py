@@ -14,10 +14,11 @@ from ropescale.runs.plotting import pyplot
 
 from .config import SearchConfig
 
-__all__ = ["BEST", "PLOT", "REPORT", "STUDY", "TRIALS", "fmt", "identity", "plot_objective", "spec_string",
-           "write_csv"]
+__all__ = ["BEST", "PARETO", "PLOT", "REPORT", "STUDY", "TRIALS", "fmt", "identity", "pareto_front",
+           "perplexity_term", "plot_objective", "plot_pareto", "spec_string", "write_csv"]
 
 STUDY, BEST, TRIALS, REPORT, PLOT = "study.db", "best.json", "trials.csv", "results.md", "search.png"
+PARETO = "pareto.png"
 
 
 def spec_string(strategy: str, params: dict) -> str:
@@ -83,3 +84,63 @@ def plot_objective(rows: list[dict], path: Path, cfg: SearchConfig) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def pareto_front(points) -> list[int]:
+    """Indices of the non-dominated points of ``points`` (pairs ``(a, b)``, both minimised), in
+    order of increasing ``a`` (then ``b``, then index).
+
+    p dominates q when p ≤ q in both objectives and p < q in one; equal points do not dominate each
+    other, so duplicates on the front are all kept. O(n log n): sorted by (a, b), a point is on the
+    front when it has the least ``b`` of its ``a`` and a ``b`` below every point of smaller ``a``."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], points[i][1], i))
+    front: list[int] = []
+    best_b = math.inf  # least b among points of strictly smaller a
+    k = 0
+    while k < len(order):
+        a = points[order[k]][0]
+        group = [i for i in order[k:] if points[i][0] == a]  # sorted: the equal a's are contiguous
+        low = points[group[0]][1]
+        if low < best_b:
+            front.extend(i for i in group if points[i][1] == low)
+        best_b = min(best_b, low)
+        k += len(group)
+    return front
+
+
+def perplexity_term(row: dict, cfg: SearchConfig) -> float:
+    """The perplexity part of a trial's objective, Σ_L w_L · ln PPL_L [nats/token], from its row."""
+    return sum(w * math.log(row[f"ppl@{L}"]) for L, w in zip(cfg.lengths, cfg.weights()))
+
+
+def plot_pareto(rows: list[dict], path: Path, cfg: SearchConfig, best: int | None = None) -> list[int]:
+    """``pareto.png``: every trial's perplexity term against its passkey answer NLL (grey), the
+    Pareto front (both minimised) highlighted and connected, the chosen best (trial ``best``)
+    marked. Returns the front's trial numbers, in order of increasing perplexity term."""
+    done = [r for r in rows if r.get("objective") is not None and r.get("retrieval_nll") is not None]
+    pts = [(perplexity_term(r, cfg), r["retrieval_nll"]) for r in done]
+    front = pareto_front(pts)
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    ok = [i for i, r in enumerate(done) if r["feasible"] is not False]
+    bad = [i for i, r in enumerate(done) if r["feasible"] is False]
+    ax.scatter([pts[i][0] for i in ok], [pts[i][1] for i in ok], s=16, color="0.65", label="trial")
+    if bad:
+        ax.scatter([pts[i][0] for i in bad], [pts[i][1] for i in bad], s=18, marker="x", color="0.65",
+                   label="trial (PPL at T over the limit)")
+    ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], "-o", color="tab:red", ms=5, lw=1.2,
+            label=f"Pareto front ({len(front)} trials)")
+    chosen = [i for i, r in enumerate(done) if r["trial"] == best]
+    if chosen:
+        i = chosen[0]
+        ax.scatter([pts[i][0]], [pts[i][1]], s=160, marker="*", color="black", zorder=5,
+                   label=f"best J (trial {best}, r = {cfg.retrieval_weight:g})")
+    lengths = ", ".join(str(L) for L in cfg.lengths)
+    ax.set_xlabel(f"perplexity term Σ w·NLL at {lengths} [nats/token]")
+    ax.set_ylabel("passkey answer NLL [nats/token]")
+    ax.set_title(f"{cfg.strategy} on {cfg.model}: {len(done)} trials, both minimised", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [done[i]["trial"] for i in front]

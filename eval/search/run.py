@@ -13,7 +13,10 @@ shareable by several ``ropescale search`` processes; ``eval.search.tuner``). Whe
   llama3; the others — rerope, self_extend, ntk_by_parts, … — need ``ropescale.load_model``);
 - ``trials.csv``: every trial (state, parameters, objective, constraint, PPL per length, PPL at T);
 - ``results.md``: the settings and the trials table; ``search.png``: objective vs trial and the
-  best so far.
+  best so far;
+- ``pareto.png`` (only with ``retrieval_weight`` > 0, when each trial has two objectives: the
+  perplexity term Σ w_L · NLL_L and the passkey answer's NLL): every trial, the Pareto front of
+  the two (both minimised) and the chosen best; the front's trials are listed in ``results.md``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,20 @@ from ropescale.runs.config import ConfigError
 from ropescale.runs.manifest import LOCK, FolderBusyError, check_manifest, prepare_output
 
 from .config import SearchConfig
-from .report import BEST, PLOT, REPORT, STUDY, TRIALS, fmt, identity, plot_objective, spec_string, write_csv
+from .report import (
+    BEST,
+    PARETO,
+    PLOT,
+    REPORT,
+    STUDY,
+    TRIALS,
+    fmt,
+    identity,
+    plot_objective,
+    plot_pareto,
+    spec_string,
+    write_csv,
+)
 from .tuner import Outcome, best_trial, optuna, run_study
 
 __all__ = ["run_search", "write_outputs"]
@@ -98,7 +114,8 @@ def _briefly_locked(output: Path, wait: float = 120.0):
 
 
 def write_outputs(cfg: SearchConfig, study, output: Path) -> dict:
-    """``best.json``, ``trials.csv``, ``results.md`` and ``search.png`` from the study."""
+    """``best.json``, ``trials.csv``, ``results.md``, ``search.png`` (and ``pareto.png`` with the
+    retrieval term) from the study."""
     best, feasible = best_trial(study)
     if best is None:
         raise ConfigError(f"no candidate could be evaluated: every trial was refused by {cfg.strategy} "
@@ -111,7 +128,8 @@ def write_outputs(cfg: SearchConfig, study, output: Path) -> dict:
     (output / BEST).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     rows = _rows(study)
     write_csv(rows, output / TRIALS)
-    (output / REPORT).write_text(_markdown(cfg, study, result, rows), encoding="utf-8")
+    front = plot_pareto(rows, output / PARETO, cfg, best.number) if cfg.retrieval_weight > 0 else None
+    (output / REPORT).write_text(_markdown(cfg, study, result, rows, front), encoding="utf-8")
     plot_objective(rows, output / PLOT, cfg)
     return result
 
@@ -137,7 +155,7 @@ def _rows(study) -> list[dict]:
     return rows
 
 
-def _markdown(cfg: SearchConfig, study, best: dict, rows: list[dict]) -> str:
+def _markdown(cfg: SearchConfig, study, best: dict, rows: list[dict], front: list[int] | None = None) -> str:
     attrs = study.user_attrs
     train = attrs.get("train_length", cfg.original_max_position_embeddings)
     lengths = ", ".join(f"{L} (weight {w:.2g})" for L, w in zip(cfg.lengths, cfg.weights()))
@@ -157,6 +175,9 @@ def _markdown(cfg: SearchConfig, study, best: dict, rows: list[dict]) -> str:
         f"J {best['objective']:.4f}, PPL " + ", ".join(f"@{k} {v:.3f}" for k, v in best["ppl"].items())
         + f", PPL@T {best['ppl_train']:.3f}", "",
     ]
+    if front is not None:
+        lines += [f"Pareto front of (perplexity term, passkey answer NLL), both minimised ({PARETO}): trials "
+                  + ", ".join(map(str, front)), ""]
     columns = list(dict.fromkeys(k for r in rows for k in r if k != "invalid"))
     lines.append("| " + " | ".join(columns) + " |")
     lines.append("|" + "---|" * len(columns))
