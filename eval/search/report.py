@@ -137,7 +137,8 @@ def plot_pareto(rows: list[dict], path: Path, cfg: SearchConfig, best: int | Non
                    label=f"best J (trial {best}, r = {cfg.retrieval_weight:g})")
     lengths = ", ".join(str(L) for L in cfg.lengths)
     ax.set_xlabel(f"perplexity term Σ w·NLL at {lengths} [nats/token]")
-    ax.set_ylabel("passkey answer NLL [nats/token]")
+    ax.set_yscale("log")  # the answer NLL spans decades; the front sits at its bottom
+    ax.set_ylabel("passkey answer NLL [nats/token, log scale]")
     ax.set_title(f"{cfg.strategy} on {cfg.model}: {len(done)} trials, both minimised", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
