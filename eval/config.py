@@ -14,13 +14,20 @@ left out. Every error names the key: ``ConfigError: quickstart.yaml: strategies.
 from __future__ import annotations
 
 import difflib
-import os
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
-from ropescale.runs.config import ConfigError, DataConfig, StrategySpec, apply_overrides, parse_strategy, read_yaml
+from ropescale.runs.config import (
+    ConfigError,
+    DataConfig,
+    StrategySpec,
+    apply_overrides,
+    check_threads,
+    parse_strategy,
+    read_yaml,
+)
 
 from .tasks.base import TaskOptions, get_task, task_names
 from .tasks.perplexity import LEGACY_KEYS
@@ -134,10 +141,7 @@ class EvalConfig(BaseModel):
     @field_validator("threads")
     @classmethod
     def _threads(cls, v: int | None) -> int | None:
-        cores = os.cpu_count() or 1
-        if v is not None and v > cores:
-            raise ValueError(f"{v} threads on a machine with {cores} CPU cores; use at most {cores}")
-        return v
+        return check_threads(v)
 
     @model_validator(mode="after")
     def _fits(self) -> EvalConfig:

@@ -24,12 +24,11 @@ Every error is one ``ConfigError`` line naming the key.
 from __future__ import annotations
 
 import difflib
-import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ropescale.runs.config import ConfigError, DataConfig, apply_overrides, read_yaml
+from ropescale.runs.config import ConfigError, DataConfig, apply_overrides, check_threads, read_yaml
 from ropescale.strategies import get_strategy
 
 from ..config import MAX_LENGTH
@@ -107,10 +106,7 @@ class SearchConfig(BaseModel):
     @field_validator("threads")
     @classmethod
     def _threads(cls, v: int | None) -> int | None:
-        cores = os.cpu_count() or 1
-        if v is not None and v > cores:
-            raise ValueError(f"{v} threads on a machine with {cores} CPU cores; use at most {cores}")
-        return v
+        return check_threads(v)
 
     @model_validator(mode="after")
     def _check(self) -> SearchConfig:

@@ -8,6 +8,7 @@ merge keys allowed, UTF-8 whatever the locale).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,8 @@ from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.runs.data import DataSpec
 from ropescale.strategies import get_strategy
 
-__all__ = ["ConfigError", "DataConfig", "StrategySpec", "apply_overrides", "parse_strategy", "read_yaml"]
+__all__ = ["ConfigError", "DataConfig", "StrategySpec", "apply_overrides", "check_threads", "parse_strategy",
+           "read_yaml"]
 
 
 class ConfigError(RopescaleError, ValueError):
@@ -190,3 +192,12 @@ def read_yaml(path: str | Path) -> dict:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of keys (model, data, lengths, strategies, ...)")
     return raw
+
+
+def check_threads(v: int | None) -> int | None:
+    """A run's ``threads``: at most this machine's CPU cores (None: torch's default). Raises
+    ``ValueError`` in one line (a config's validator reports it under its key)."""
+    cores = os.cpu_count() or 1
+    if v is not None and v > cores:
+        raise ValueError(f"{v} threads on a machine with {cores} CPU cores; use at most {cores}")
+    return v

@@ -14,13 +14,20 @@ Checks that need the model's configuration (the original window T: PoSE needs L 
 from __future__ import annotations
 
 import difflib
-import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ropescale.runs.config import ConfigError, DataConfig, StrategySpec, apply_overrides, parse_strategy, read_yaml
+from ropescale.runs.config import (
+    ConfigError,
+    DataConfig,
+    StrategySpec,
+    apply_overrides,
+    check_threads,
+    parse_strategy,
+    read_yaml,
+)
 
 __all__ = [
     "DEFAULT_LORA_TARGETS",
@@ -354,10 +361,7 @@ class FinetuneConfig(BaseModel):
     @field_validator("threads")
     @classmethod
     def _threads(cls, v: int | None) -> int | None:
-        cores = os.cpu_count() or 1
-        if v is not None and v > cores:
-            raise ValueError(f"{v} threads on a machine with {cores} CPU cores; use at most {cores}")
-        return v
+        return check_threads(v)
 
     @model_validator(mode="after")
     def _consistent(self) -> FinetuneConfig:
