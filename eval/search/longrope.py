@@ -77,7 +77,7 @@ def run_longrope_search(cfg: SearchConfig, output: Path, *, progress: bool = Tru
                 "ppl": {str(k): v for k, v in m.ppl.items()}, "ppl_train": m.ppl_train,
                 "evaluations": result.evaluations, "stop": result.stop}
         if not main:
-            state.wait_for_everyone()  # leave together: a process exiting mid-group aborts the others
+            _leave(state)
             return best
         (output / BEST).write_text(json.dumps(best, indent=1) + "\n", encoding="utf-8")
         rows = [{"trial": i, "generation": h["generation"], "origin": h["origin"], "objective": h["value"],
@@ -90,8 +90,18 @@ def run_longrope_search(cfg: SearchConfig, output: Path, *, progress: bool = Tru
         _plot_factors(result.factors, yarn, yarn_own, output / FACTORS_PLOT, cfg)
         (output / REPORT).write_text(_markdown(cfg, best, rows, objective.vanilla_ppl_train, train),
                                      encoding="utf-8")
-    state.wait_for_everyone()
+    _leave(state)
     return best
+
+
+def _leave(state) -> None:
+    """All processes leave together, and a launched run's gloo group is closed before interpreter
+    shutdown (left open, it can abort at exit: "terminate called without an active exception")."""
+    state.wait_for_everyone()
+    if state.num_processes > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
 
 
 def _best_index(result) -> int:

@@ -35,6 +35,8 @@ if state.is_main_process:
     (out / "result.json").write_text(json.dumps({{"history": res.history, "factors": res.factors,
                                                   "value": res.value}}))
 state.wait_for_everyone()
+import torch.distributed as dist
+dist.destroy_process_group()  # a gloo group left to interpreter shutdown can abort ("terminate called ...")
 """
 
 
