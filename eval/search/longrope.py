@@ -24,7 +24,7 @@ from ropescale.patching import find_rotary_modules
 from ropescale.rotary import rope_context
 from ropescale.runs.config import ConfigError
 from ropescale.runs.manifest import check_manifest, folder_lock
-from ropescale.runs.plotting import pyplot
+from ropescale.runs.plotting import pyplot, save_figure
 from ropescale.strategies.by_parts import yarn_ramp
 from ropescale.strategies.frequency import rope_inv_freq
 
@@ -123,9 +123,7 @@ def _plot_factors(found: list[float], init: list[float], yarn_own: list[float], 
     ax.set_ylabel("rescale factor θ_i / θ'_i")
     ax.set_title(f"longrope on {cfg.model}: searched factors at {max(cfg.lengths)} tokens", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _markdown(cfg: SearchConfig, best: dict, rows: list[dict], vanilla: float, train: int) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ropescale.models import model_fingerprint
 from ropescale.runs.manifest import environment
-from ropescale.runs.plotting import pyplot
+from ropescale.runs.plotting import pyplot, save_figure
 
 from .config import SearchConfig
 
@@ -81,9 +81,7 @@ def plot_objective(rows: list[dict], path: Path, cfg: SearchConfig) -> None:
     ax.set_ylabel("objective J [nats/token]")
     ax.set_title(f"{cfg.strategy} on {cfg.model}: {cfg.method} search", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def pareto_front(points) -> list[int]:
@@ -141,7 +139,5 @@ def plot_pareto(rows: list[dict], path: Path, cfg: SearchConfig, best: int | Non
     ax.set_ylabel("passkey answer NLL [nats/token, log scale]")
     ax.set_title(f"{cfg.strategy} on {cfg.model}: {len(done)} trials, both minimised", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return [done[i]["trial"] for i in front]

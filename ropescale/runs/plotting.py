@@ -42,3 +42,10 @@ def mark_train(ax, train: int | None) -> None:
         ax.axvline(train, color="grey", ls="--", lw=1)
         ax.annotate("training window", (train, 1), xycoords=("data", "axes fraction"),
                     xytext=(4, -12), textcoords="offset points", fontsize=8, color="grey")
+
+
+def save_figure(fig, path) -> None:
+    """Lay out ``fig``, write it to ``path`` (PNG, 120 dpi) and free it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
