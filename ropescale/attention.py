@@ -222,7 +222,8 @@ def _fused_path(q, k, v, q_pos, k_pos, rule, inv_freq, scaling, *, masks=None, *
     """The default path: the fused CPU kernels (``truncated_attention.fused_attention``) on the
     CPU, FlexAttention (``flex_regions``, with the model's block-mask cache ``masks``) on other
     devices, unless ``fused_route`` says blocked."""
-    route = fused_route(q.device.type, softcap=kw.get("softcap"), dropout=kw.get("dropout", 0.0), keep=kw.get("keep"))
+    route = fused_route(q.device.type, softcap=kw.get("softcap"), dropout=kw.get("dropout", 0.0), keep=kw.get("keep"),
+                        by_chunk=rule.by_chunk, sliding_window=kw.get("sliding_window"))
     if route == "flex":
         return flex_attention_path(q, k, v, q_pos, k_pos, rule, inv_freq, scaling, masks=masks, **kw)
     return fused_attention(q, k, v, q_pos, k_pos, rule, inv_freq, scaling, **kw)
@@ -286,6 +287,7 @@ def _truncation_attention(module, query, key, value, attention_mask, scaling=Non
         query = query * logn_factor(q_pos, state.logn).to(query.dtype)[:, None, :, None]
     layer_type = getattr(module, "layer_type", None)
     inv_freq, att = state.freqs.get(layer_type, next(iter(state.freqs.values())))
+    att = att * state.rule.attention_factor  # a rule's own cos/sin scale (STRING, DCA's temperature)
     fn = _PATHS[state.path]
     extra = {"masks": state.masks} if state.path in ("fused", "flex") else {}  # the paths that may run FlexAttention
     out = fn(query, key, value, q_pos, k_pos, state.rule, inv_freq.to(query.device), att,

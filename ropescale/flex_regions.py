@@ -1,17 +1,19 @@
-"""Truncation-rule attention as two FlexAttention calls merged by log-sum-exp: the GPU path.
+"""Relative-position-rule attention as one FlexAttention call per region, merged by log-sum-exp:
+the GPU path.
 
-A truncation rule (``ropescale.strategies.truncation``) splits the causal triangle by slot
-distance i − j into the *near band* 0 ≤ i − j < w, where q and k are rotated to their own
-positions, and the *far region* i − j ≥ w, where q is rotated to f_q(i) and k to f_k(j). Each
-region is one ``flex_attention`` call over a block-sparse mask (near: 0 ≤ i − j < min(w, W);
-far: w ≤ i − j < W, W the sliding window when there is one; both ∧ the padding ``keep`` mask),
-returning its output and its rows' log-sum-exp (LSE). The two are merged exactly, in float32
+A rule (``ropescale.strategies.truncation``) is a list of regions partitioning the causal
+triangle — by slot distance lo ≤ i − j < hi (ReRoPE, Leaky, SelfExtend, STRING) or by chunk
+distance lo ≤ ⌊p_i/c⌋ − ⌊p_j/c⌋ < hi (Dual Chunk Attention; p = slot + the row's offset, read
+inside the mask from a ``[b]`` tensor: no host wait) — with queries rotated to q_at(i) and keys
+to k_at(j) in each. Each region is one ``flex_attention`` call over a block-sparse mask (its
+predicate ∧ i − j < W, W the sliding window when there is one, ∧ the padding ``keep`` mask),
+returning its output and its rows' log-sum-exp (LSE). They are merged exactly, in float32
 (float64 for float64 inputs):
 
-    m = max(lse_near, lse_far)  (0 on rows with no visible key; m cancels, so it is detached)
-    out = (out_near·e^(lse_near − m) + out_far·e^(lse_far − m)) / (e^(lse_near − m) + e^(lse_far − m))
+    m = max_r lse_r  (0 on rows with no visible key; m cancels, so it is detached)
+    out = Σ_r out_r·e^(lse_r − m) / Σ_r e^(lse_r − m)
 
-The denominator is in [1, 2] on rows with a visible key and 0 on rows with none, whose output is
+The denominator is in [1, k] on rows with a visible key and 0 on rows with none, whose output is
 0 (no NaN, forward or backward). Soft-capping tanh(s/c)·c is a ``score_mod``. Backward is
 FlexAttention's own autograd: its backward takes the gradient of the LSE (``grad_logsumexp``, in
 the dense reference and the Triton kernel alike; only the experimental ``BACKEND="FLASH"``
@@ -48,8 +50,8 @@ from functools import cache, lru_cache
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
-from ropescale.strategies.truncation import RelativeRule
-from ropescale.truncated_attention import blocked_attention, fused_attention, rotate
+from ropescale.strategies.truncation import Region, RelativeRule
+from ropescale.truncated_attention import blocked_attention, fused_attention, rotate, slot_offsets
 
 __all__ = ["NO_FLEX_BACKWARD", "BlockMaskCache", "flex_attention_path", "region_block_masks"]
 
@@ -84,19 +86,30 @@ def _keep3(keep: torch.Tensor | None, b: int, s_q: int, s_k: int) -> torch.Tenso
     return keep.expand(b, 1, keep.shape[-2], s_k)[:, 0]  # [b, 1 or s_q, s_k]
 
 
-def _region_mask_mod(c0: int, lo: int, hi: int | None, keep3: torch.Tensor | None):
-    """mask_mod(b, h, t, j): lo ≤ (c0 + t) − j (< hi), and keep3[b, t or 0, j]."""
-    def band(b, h, t, j):
+def _region_mask_mod(c0: int, region: Region, sliding_window: int | None, keep3: torch.Tensor | None,
+                     offsets: torch.Tensor | None):
+    """mask_mod(b, h, t, j): (c0 + t, j) in ``region`` (chunks from ``offsets[b]``, the position of
+    slot 0), i − j ≥ 0 and < the sliding window, and keep3[b, t or 0, j]."""
+    def inside(b, h, t, j):
         dist = t + c0 - j
-        vis = dist >= lo
-        return vis & (dist < hi) if hi is not None else vis
+        vis = dist >= 0
+        if sliding_window:
+            vis = vis & (dist < sliding_window)
+        if region.chunk:
+            o = offsets[b]
+            g = torch.div(t + c0 + o, region.chunk, rounding_mode="floor") - torch.div(j + o, region.chunk,
+                                                                                       rounding_mode="floor")
+        else:
+            g = dist
+        vis = vis & (g >= region.lo)
+        return vis & (g < region.hi) if region.hi is not None else vis
 
     if keep3 is None:
-        return band
+        return inside
     if keep3.shape[1] == 1:  # a key (padding) mask: the same for every query row
         keys = keep3[:, 0]  # [b, s_k]
-        return lambda b, h, t, j: band(b, h, t, j) & keys[b, j]
-    return lambda b, h, t, j: band(b, h, t, j) & keep3[b, t, j]
+        return lambda b, h, t, j: inside(b, h, t, j) & keys[b, j]
+    return lambda b, h, t, j: inside(b, h, t, j) & keep3[b, t, j]
 
 
 class BlockMaskCache:
@@ -121,30 +134,36 @@ class BlockMaskCache:
         return self.masks
 
 
-def region_block_masks(b: int, s_q: int, s_k: int, window: int, sliding_window: int | None,
+def _region_empty(region: Region, s_k: int, sliding_window: int | None) -> bool:
+    """True when no pair of a distance region exists (from Python integers); chunk regions are
+    decided by their masks."""
+    if region.chunk:
+        return False
+    top = s_k - 1 if not sliding_window else min(s_k - 1, sliding_window - 1)
+    return region.lo > top
+
+
+def region_block_masks(b: int, s_q: int, s_k: int, rule: RelativeRule, sliding_window: int | None,
                        keep: torch.Tensor | None, device, tensor_type: type = torch.Tensor,
-                       cache: BlockMaskCache | None = None) -> tuple:
-    """(near, far) ``BlockMask``s for queries at slots s_k − s_q + t; far is None when no pair
-    reaches distance ``window`` (or the sliding window ends first). ``keep``: as the path's.
-    ``cache``: reuse the masks of the previous call when nothing changed (None: build them).
-    ``tensor_type`` (the queries' class) is part of the cache key, so masks built from fake
-    tensors (FakeTensorMode) never serve real ones."""
+                       cache: BlockMaskCache | None = None, offsets: torch.Tensor | None = None) -> list:
+    """One ``BlockMask`` per region of ``rule`` for queries at slots s_k − s_q + t, None for a
+    distance region no pair reaches (or that the sliding window ends first). ``keep``: as the
+    path's; ``offsets`` ``[b]``: the position of key slot 0 per row (chunk rules; masks then
+    depend on it and are not cached). ``cache``: reuse the masks of the previous call when
+    nothing changed (None: build them). ``tensor_type`` (the queries' class) is part of the cache
+    key, so masks built from fake tensors (FakeTensorMode) never serve real ones."""
     def build():
         keep3 = _keep3(keep, b, s_q, s_k)
-        batch = None if keep3 is None else b
-        c0 = s_k - s_q
-        near_hi = min(window, sliding_window) if sliding_window else window
+        batch = None if keep3 is None and not rule.by_chunk else b
         build_mask = _mask_builder(torch.device(device))
-        near = build_mask(_region_mask_mod(c0, 0, near_hi, keep3), batch, None, s_q, s_k, device=device)
-        far = None
-        if s_k - 1 >= window and (sliding_window is None or sliding_window > window):
-            far = build_mask(_region_mask_mod(c0, window, sliding_window, keep3), batch, None, s_q, s_k,
-                             device=device)
-        return near, far
+        return [None if _region_empty(r, s_k, sliding_window) else
+                build_mask(_region_mask_mod(s_k - s_q, r, sliding_window, keep3, offsets), batch, None, s_q, s_k,
+                           device=device)
+                for r in rule.regions]
 
-    if cache is None:
+    if cache is None or rule.by_chunk:
         return build()
-    return cache.get((b, s_q, s_k, window, sliding_window, str(device), tensor_type), keep, build)
+    return cache.get((b, s_q, s_k, rule, sliding_window, str(device), tensor_type), keep, build)
 
 
 @lru_cache(maxsize=16)
@@ -180,27 +199,29 @@ def flex_attention_path(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, sca
     if needs_grad and q.device.type in NO_FLEX_BACKWARD:  # fused_attention would send MPS back here
         return (fused_attention if q.device.type == "cpu" else blocked_attention)(*args, **kw)
     b, s_q, s_k = q.shape[0], q.shape[2], k.shape[2]
-    near_mask, far_mask = region_block_masks(b, s_q, s_k, rule.window, sliding_window, keep, q.device, type(q),
-                                             cache=masks)
+    offsets = slot_offsets(q_pos, s_k).long() if rule.by_chunk else None
+    masks = region_block_masks(b, s_q, s_k, rule, sliding_window, keep, q.device, type(q), cache=masks,
+                               offsets=offsets)
     flex, score_mod = _flex_for(q.device), _softcap_mod(softcap)
     aux = AuxRequest(lse=True)
 
-    def region(q_at, k_at, mask):  # rotated q [b, n_h, s_q, h_d], k [b, n_kv, s_k, h_d]
+    def region(r: Region, mask):  # rotated q [b, n_h, s_q, h_d], k [b, n_kv, s_k, h_d]
+        q_at = q_pos if r.q_at is None else r.q_at(q_pos)
+        k_at = k_pos if r.k_at is None else r.k_at(k_pos)
         out, stats = flex(rotate(q, q_at, inv_freq, scaling, interleaved),
                           rotate(k, k_at, inv_freq, scaling, interleaved),
                           v, score_mod=score_mod, block_mask=mask, scale=scale, enable_gqa=True, return_aux=aux)
         return out, stats.lse  # [b, n_h, s_q, h_d], [b, n_h, s_q]
 
-    out_n, lse_n = region(q_pos, k_pos, near_mask)
+    parts = [region(r, mask) for r, mask in zip(rule.regions, masks, strict=True) if mask is not None]
+    if len(parts) == 1:  # flex already gives 0 on rows with no visible key
+        return parts[0][0]
     acc = torch.promote_types(q.dtype, torch.float32)
-    if far_mask is None:  # flex already gives 0 on rows with no visible key
-        return out_n
-    out_f, lse_f = region(rule.far_q(q_pos), rule.far_k(k_pos), far_mask)
-    lse_n, lse_f = lse_n.to(acc), lse_f.to(acc)
-    m = torch.maximum(lse_n, lse_f).detach()  # the merge does not depend on m: no gradient needed
+    lses = torch.stack([lse.to(acc) for _, lse in parts])  # [k, b, n_h, s_q]
+    m = lses.amax(0).detach()  # the merge does not depend on m: no gradient needed
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows with no key: e^(−inf − 0) = 0
-    e_n, e_f = (lse_n - m).exp()[..., None], (lse_f - m).exp()[..., None]  # [b, n_h, s_q, 1]
-    den = e_n + e_f  # in [1, 2] where a key is visible, 0 where none
+    e = (lses - m).exp()[..., None]  # [k, b, n_h, s_q, 1]
+    den = e.sum(0)  # in [1, k] where a key is visible, 0 where none
     den = torch.where(den > 0, den, torch.ones_like(den))
-    out = (out_n.to(acc) * e_n + out_f.to(acc) * e_f) / den  # [b, n_h, s_q, h_d]
+    out = sum(o.to(acc) * e_r for (o, _), e_r in zip(parts, e, strict=True)) / den  # [b, n_h, s_q, h_d]
     return out.to(q.dtype)

@@ -1,4 +1,4 @@
-"""Exact attention under a truncation rule (``ropescale.strategies.truncation``), three ways.
+"""Exact attention under a relative-position rule (``ropescale.strategies.truncation``), three ways.
 
 All take *un-rotated* queries ``q`` ``[b, n_h, s_q, h_d]`` and keys/values ``k``, ``v``
 ``[b, n_kv, s_k, h_d]`` (n_h a multiple of n_kv: grouped-query attention), float positions
@@ -6,23 +6,25 @@ All take *un-rotated* queries ``q`` ``[b, n_h, s_q, h_d]`` and keys/values ``k``
 first d channels rotate) with its ``attention_scaling`` m, and ``keep`` — None or a bool mask
 broadcastable to ``[b, 1, s_q, s_k]`` (padding; causality is added here from slot order, the
 last query being the last key; a ``[b, 1, 1, s_k]`` key mask is O(n)). They return
-``[b, n_h, s_q, h_d]``. Regions are told apart by slot distance i − j, which equals the position
-distance for the positions transformers passes (contiguous per row; left padding only shifts them).
+``[b, n_h, s_q, h_d]``. Distance regions are told apart by slot distance i − j, which equals the
+position distance for the positions transformers passes (contiguous per row; left padding only
+shifts them); chunk regions by position = slot + the row's offset (``slot_offsets``).
 
-``fused_attention`` is the default path: the far region and the near band each in PyTorch's fused
-CPU flash kernel, merged by log-sum-exp, with a backward (``ropescale.two_region``); about the
-cost of one vanilla attention.
+``fused_attention`` is the default path: each region in PyTorch's fused CPU flash kernel,
+merged by log-sum-exp, with a backward (``ropescale.two_region``); about the cost of one vanilla
+attention.
 
 On other devices ``ropescale.attention``'s ``fused`` path hands over to
-``ropescale.flex_regions.flex_attention_path`` (the same two regions in FlexAttention, compiled on
+``ropescale.flex_regions.flex_attention_path`` (the same regions in FlexAttention, compiled on
 CUDA).
 
-``blocked_attention`` is the general path (soft-capping, attention dropout, per-query masks on
-the CPU): query blocks × key blocks with an online softmax (the flash-attention
-recurrence). In each block pair the scores are q_near·k_near (both rotated to their own
-positions) where i − j < w and q_far·k_far (rotated to f_q(i), f_k(j)) elsewhere, so the two
-regions merge exactly inside one softmax. Memory is O(n·block): never an n × n matrix. Out of
-place and decided from Python integers, so autograd differentiates it and the host never waits.
+``blocked_attention`` is the general path (soft-capping, attention dropout, per-query masks, chunk
+rules under a sliding window): query blocks × key blocks with an online softmax (the
+flash-attention recurrence). In each block pair the scores are those of the region holding each
+(i, j) — q and k rotated as that region places them —, so the regions merge exactly inside one
+softmax; a block pair inside one distance region computes that region alone. Memory is
+O(n·block): never an n × n matrix. Out of place and decided from Python integers, so autograd
+differentiates it and the host never waits.
 
 ``naive_attention`` is the oracle the tests use: the explicit matrix p(i, j), and scores
 Σ_f A_f cos(p θ_f) + B_f sin(p θ_f) from the rotation identity, then an eager softmax. O(n²·d).
@@ -32,10 +34,10 @@ from __future__ import annotations
 
 import torch
 
-from ropescale.strategies.truncation import RelativeRule
-from ropescale.two_region import TwoRegionAttention, _Plan, band_calls, causal_calls, near_block
+from ropescale.strategies.truncation import Region, RelativeRule
+from ropescale.two_region import RegionAttention, _Plan, band_calls, causal_calls, chunk_calls, near_block
 
-__all__ = ["blocked_attention", "fused_attention", "fused_route", "naive_attention", "rotate"]
+__all__ = ["blocked_attention", "fused_attention", "fused_route", "naive_attention", "rotate", "slot_offsets"]
 
 _NEG = -1e30  # running-max start: exp(-inf - _NEG) = 0 without NaN
 
@@ -74,18 +76,30 @@ def rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, scaling: 
 
 
 class _Rotations:
-    """The four rotations of one call — near q and k at their positions, far q at f_q, far k at
-    f_k — with cos/sin tables computed once each (shared when q and k have the same positions).
-    ``inverse=True`` applies R(−θ) = R(θ)ᵀ: the backward of a rotation."""
+    """The rotations of one call — region r's queries at q_at_r(i), keys at k_at_r(j) — with cos/sin
+    tables computed once per distinct position map (shared by regions and by q and k when their
+    positions are the same tensor). ``inverse=True`` applies R(−θ) = R(θ)ᵀ: the backward of a
+    rotation."""
 
     def __init__(self, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling: float, interleaved: bool):
-        self.pos = {"q": q_pos, "k": k_pos, "far_q": rule.far_q(q_pos), "far_k": rule.far_k(k_pos)}
+        self.q_pos, self.k_pos, self.regions = q_pos, k_pos, rule.regions
         self.inv_freq, self.scaling, self.interleaved = inv_freq, scaling, interleaved
+        self.positions: dict[tuple, torch.Tensor] = {}
         self.tables: dict[tuple, tuple] = {}
 
-    def __call__(self, x: torch.Tensor, which: str, inverse: bool = False) -> torch.Tensor:
-        pos = self.pos[which]
-        key = ("q" if which == "k" and pos is self.pos["q"] else which, x.dtype)
+    def _positions(self, side: str, region: int) -> tuple[tuple, torch.Tensor]:
+        f = getattr(self.regions[region], f"{side}_at")
+        pos = self.q_pos if side == "q" else self.k_pos
+        if f is None:  # the identity: keys share the queries' tables when they are the same positions
+            return (("q" if pos is self.q_pos else "k"), None), pos
+        key = (side, f)
+        if key not in self.positions:
+            self.positions[key] = f(pos)
+        return key, self.positions[key]
+
+    def __call__(self, x: torch.Tensor, side: str, region: int, inverse: bool = False) -> torch.Tensor:
+        key, pos = self._positions(side, region)
+        key = (*key, x.dtype)
         if key not in self.tables:
             self.tables[key] = rope_tables(pos, self.inv_freq, self.scaling, x.dtype)
         cos, sin = self.tables[key]
@@ -105,46 +119,88 @@ def _softcap(s: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return torch.tanh(s / softcap) * softcap if softcap else s
 
 
-def _plan(s_q: int, s_k: int, window: int, sliding_window: int | None, scale: float, keep) -> _Plan:
-    near_hi = min(window, sliding_window) if sliding_window else window
-    if sliding_window is None:
-        far = causal_calls(s_q, s_k, window)
-    elif sliding_window > window:
-        far = band_calls(s_q, s_k, window, sliding_window, near_block(sliding_window - window))
-    else:
-        far = []
-    near = band_calls(s_q, s_k, 0, near_hi, near_block(near_hi))
-    return _Plan(far, near, s_k - s_q, scale, None if keep is None else keep[:, 0, 0])
+def _region_calls(region: Region, s_q: int, s_k: int, sliding_window: int | None, offset: int | None):
+    if region.chunk:
+        return chunk_calls(s_q, s_k, region.chunk, offset, region.lo, region.hi)
+    hi = region.hi if not sliding_window else min(sliding_window, region.hi or sliding_window)
+    if hi is None:
+        return causal_calls(s_q, s_k, region.lo)
+    return band_calls(s_q, s_k, region.lo, hi, near_block(hi - region.lo)) if hi > region.lo else []
 
 
-def fused_route(device_type: str, *, softcap: float | None = None, dropout: float = 0.0, keep=None) -> str:
+def _plan(s_q: int, s_k: int, rule: RelativeRule, sliding_window: int | None, scale: float, keep,
+          offset: int | None = None) -> _Plan:
+    """The calls of every region; ``offset`` is the position of key slot 0 (chunk regions)."""
+    parts = [(r, _region_calls(region, s_q, s_k, sliding_window, offset)) for r, region in enumerate(rule.regions)]
+    return _Plan(parts, s_k - s_q, scale, None if keep is None else keep[:, 0, 0])
+
+
+def fused_route(device_type: str, *, softcap: float | None = None, dropout: float = 0.0, keep=None,
+                by_chunk: bool = False, sliding_window: int | None = None) -> str:
     """Which kernel ``fused_attention`` runs: ``"blocked"`` with attention dropout (any device);
     ``"flex"`` on any other non-CPU device (CUDA: compiled FlexAttention); on the CPU
-    ``"blocked"`` for soft-capping or a per-query ``keep`` mask, else ``"two_region"``."""
+    ``"blocked"`` for soft-capping, a per-query ``keep`` mask or a chunk rule (``by_chunk``)
+    under a sliding window, else ``"regions"`` (``ropescale.two_region``)."""
     if dropout:
         return "blocked"
     if device_type != "cpu":
         return "flex"
-    if softcap or (keep is not None and keep.shape[-2] != 1):
+    if softcap or (keep is not None and keep.shape[-2] != 1) or (by_chunk and sliding_window):
         return "blocked"
-    return "two_region"
+    return "regions"
+
+
+def slot_offsets(q_pos: torch.Tensor, s_k: int) -> torch.Tensor:
+    """Position of key slot 0 per batch row ``[b]`` (positions are contiguous per row: the last
+    query, slot s_k − 1, is at ``q_pos[:, -1]``); negative with left padding."""
+    return q_pos[:, -1] - (s_k - 1)
 
 
 def fused_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling: float, *, keep=None,
                     scale: float, softcap: float | None = None, sliding_window: int | None = None,
                     interleaved: bool = False, dropout: float = 0.0, block: int = 512) -> torch.Tensor:
-    """The two regions in fused CPU flash kernels (``ropescale.two_region``), with backward.
-    Where that kernel cannot follow (``fused_route`` other than ``"two_region"``: soft-capping,
-    attention dropout or a per-query ``keep`` mask, or a device other than the CPU),
-    ``blocked_attention``. The ``"fused"`` attention path (``ropescale.attention``) sends other
-    devices to FlexAttention (``ropescale.flex_regions``) before this."""
-    if fused_route(q.device.type, softcap=softcap, dropout=dropout, keep=keep) != "two_region":
+    """The rule's regions in fused CPU flash kernels (``ropescale.two_region``), with backward.
+    Where that kernel cannot follow (``fused_route`` other than ``"regions"``: soft-capping,
+    attention dropout, a per-query ``keep`` mask, a chunk rule under a sliding window, or a device
+    other than the CPU), ``blocked_attention``. The ``"fused"`` attention path
+    (``ropescale.attention``) sends other devices to FlexAttention (``ropescale.flex_regions``)
+    before this. Chunk rules read each row's position offset (a CPU tensor: no device wait) and
+    plan rows with different offsets (left padding) apart."""
+    route = fused_route(q.device.type, softcap=softcap, dropout=dropout, keep=keep, by_chunk=rule.by_chunk,
+                        sliding_window=sliding_window)
+    if route != "regions":
         return blocked_attention(q, k, v, q_pos, k_pos, rule, inv_freq, scaling, keep=keep, scale=scale,
                                  softcap=softcap, sliding_window=sliding_window, interleaved=interleaved,
                                  dropout=dropout, block=block)
-    plan = _plan(q.shape[2], k.shape[2], rule.window, sliding_window, scale, keep)
-    rotations = _Rotations(q_pos, k_pos, rule, inv_freq, scaling, interleaved)
-    return TwoRegionAttention.apply(q, k, v, rotations, plan)
+    s_q, s_k = q.shape[2], k.shape[2]
+    if not rule.by_chunk:
+        plan = _plan(s_q, s_k, rule, sliding_window, scale, keep)
+        return RegionAttention.apply(q, k, v, _Rotations(q_pos, k_pos, rule, inv_freq, scaling, interleaved), plan)
+    offsets = [round(o) for o in slot_offsets(q_pos, s_k).tolist()]
+    groups: dict[int, list[int]] = {}
+    for row, o in enumerate(offsets):
+        groups.setdefault(o, []).append(row)
+    outs, order = [], []
+    for o, rows in groups.items():
+        sel = slice(None) if len(rows) == len(offsets) else torch.tensor(rows)
+        kp = None if keep is None else keep[sel]
+        plan = _plan(s_q, s_k, rule, None, scale, kp, offset=o)
+        rot = _Rotations(q_pos[sel], k_pos[sel] if k_pos is not q_pos else q_pos[sel], rule, inv_freq, scaling,
+                         interleaved)
+        outs.append(RegionAttention.apply(q[sel], k[sel], v[sel], rot, plan))
+        order += rows
+    if len(outs) == 1:
+        return outs[0]
+    return torch.cat(outs)[torch.argsort(torch.tensor(order))]  # rows back in batch order
+
+
+def _touches(region: Region, lo: int, hi: int) -> tuple[bool, bool]:
+    """(may a block pair with slot distances in [lo, hi] hold pairs of ``region``, is it all in
+    it), from Python integers; chunk regions depend on positions: always maybe, never all."""
+    if region.chunk:
+        return True, False
+    top = region.hi if region.hi is not None else float("inf")
+    return hi >= region.lo and lo < top, lo >= region.lo and hi < top
 
 
 def blocked_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling: float, *,
@@ -153,18 +209,21 @@ def blocked_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scali
                       block: int = 512) -> torch.Tensor:
     b, n_h, s_q, h_d = q.shape
     n_kv, s_k = k.shape[1], k.shape[2]
-    g, c0, w = n_h // n_kv, s_k - s_q, rule.window
+    g, c0 = n_h // n_kv, s_k - s_q
 
     def grouped(x):  # [b, n_h, s, h_d] → [b, n_kv, g, s, h_d]
         return x.view(b, n_kv, g, x.shape[2], h_d)
 
-    q_near = grouped(rotate(q, q_pos, inv_freq, scaling, interleaved))
-    q_far = grouped(rotate(q, rule.far_q(q_pos), inv_freq, scaling, interleaved))
-    k_near = rotate(k, k_pos, inv_freq, scaling, interleaved)[:, :, None]  # [b, n_kv, 1, s_k, h_d]
-    k_far = rotate(k, rule.far_k(k_pos), inv_freq, scaling, interleaved)[:, :, None]
+    rot = _Rotations(q_pos, k_pos, rule, inv_freq, scaling, interleaved)
+    qs_r = [grouped(rot(q, "q", r)) for r in range(len(rule.regions))]
+    ks_r = [rot(k, "k", r)[:, :, None] for r in range(len(rule.regions))]  # [b, n_kv, 1, s_k, h_d]
     v = v[:, :, None]
     q_slot = torch.arange(c0, s_k, device=q.device)
     k_slot = torch.arange(s_k, device=q.device)
+    if rule.by_chunk:  # positions by slot from each row's offset: [b, 1, 1, s, 1] and [b, 1, 1, 1, s]
+        o = slot_offsets(q_pos, s_k)[:, None]
+        q_at = (q_slot[None].float() + o)[:, None, None, :, None]
+        k_at = (k_slot[None].float() + o)[:, None, None, None, :]
     rows = []
     for qs in range(0, s_q, block):
         qe = min(qs + block, s_q)
@@ -174,16 +233,23 @@ def blocked_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scali
         first = max(0, c0 + qs - sliding_window + 1) if sliding_window else 0
         for ks in range(first // block * block, c0 + qe, block):
             ke = min(ks + block, s_k)
-            # the region(s) a block pair touches, from slot distances: Python integers, no host sync
+            # the regions a block pair touches, from slot distances: Python integers, no host sync
             lo, hi = c0 + qs - (ke - 1), c0 + qe - 1 - ks
             dist = q_slot[qs:qe, None] - k_slot[None, ks:ke]  # [Bq, Bk]
-            if hi < w:
-                s = q_near[..., qs:qe, :] @ k_near[..., ks:ke, :].transpose(-1, -2)
-            elif lo >= w:
-                s = q_far[..., qs:qe, :] @ k_far[..., ks:ke, :].transpose(-1, -2)
-            else:
-                s = torch.where(dist < w, q_near[..., qs:qe, :] @ k_near[..., ks:ke, :].transpose(-1, -2),
-                                q_far[..., qs:qe, :] @ k_far[..., ks:ke, :].transpose(-1, -2))
+            s = None
+            for r, region in enumerate(rule.regions):
+                maybe, whole = _touches(region, lo, hi)
+                if not maybe:
+                    continue
+                part = qs_r[r][..., qs:qe, :] @ ks_r[r][..., ks:ke, :].transpose(-1, -2)  # [b, n_kv, g, Bq, Bk]
+                if whole:
+                    s = part
+                    break
+                if region.chunk:
+                    inside = region.contains(q_at[..., qs:qe, :], k_at[..., ks:ke])  # [b, 1, 1, Bq, Bk]
+                else:
+                    inside = (dist >= region.lo) & (dist < region.hi) if region.hi is not None else dist >= region.lo
+                s = torch.where(inside, part, torch.zeros_like(part) if s is None else s)
             s = _softcap(s.float() * scale, softcap)  # [b, n_kv, g, Bq, Bk]
             if lo < 0 or (sliding_window and hi >= sliding_window) or keep is not None:  # masks only where needed
                 vis = (dist >= 0) & (dist < sliding_window) if sliding_window else dist >= 0

@@ -1,35 +1,42 @@
-"""Truncation-rule attention as two fused kernel regions, merged by log-sum-exp; with backward.
+"""Relative-position rules as k fused kernel regions, merged by log-sum-exp; with backward.
 
-A truncation rule (``ropescale.strategies.truncation``) splits the causal triangle by slot
-distance i − j into the *near band* 0 ≤ i − j < w, where q and k are rotated to their own
-positions, and the *far region* i − j ≥ w, where q is rotated to f_q(i) and k to f_k(j). Each
-region is an ordinary attention over a structured key set, so each runs in PyTorch's fused CPU
-flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu``), which also returns the
-log-sum-exp (LSE) of its rows; partial results are merged exactly (the merge of online softmax):
+A rule (``ropescale.strategies.truncation``) is a list of regions partitioning the causal
+triangle; in region r the queries are rotated to q_at_r(i) and the keys to k_at_r(j). Each region
+is cut into a few *calls* of PyTorch's fused CPU flash kernel
+(``aten._scaled_dot_product_flash_attention_for_cpu``), each an ordinary attention over a
+structured key set, which also returns the log-sum-exp (LSE) of its rows; partial results are
+merged exactly (the merge of online softmax):
 
     lse = logaddexp(lse_1, lse_2),   out = out_1·exp(lse_1 − lse) + out_2·exp(lse_2 − lse).
 
-* far region, i − j ≥ w: a causal attention shifted by w (queries from slot w on, keys up to
-  n − w − 1), one kernel call (two under a KV cache with a long prefix);
-* near band, 0 ≤ i − j < w: queries in blocks of B, each over the B + w − 1 keys it can see,
-  read through a strided *view* of the keys (no copy) with one shared band mask ``[B, B + w − 1]``;
-  the first rows (whose window starts before slot 0) and the last partial block are separate
-  small masked calls;
-* a sliding window W (Mistral, Gemma) bounds both regions: near i − j < min(w, W), far
-  w ≤ i − j < W (then also a band).
+Calls by region shape (every decision from Python integers, so the host never waits):
 
-The work is the causal triangle once plus a band of about (B + w)·n scores: close to one vanilla
-attention. Every call is decided from Python integers (sequence lengths, w, W, B), so the host
-never waits for the device. Backward (``TwoRegionAttention``) calls the kernel's backward per
-call with the *merged* output and LSE — the softmax gradient of each region given the global
-normaliser — and adds the parts; rotations are recomputed in backward (R(θ)ᵀ = R(−θ)), so only
-q, k, v, the output and the LSE are kept: O(n) memory.
+* distance region lo ≤ i − j (unbounded): a causal attention shifted by lo, one call (two under
+  a KV cache with a long prefix) — ``causal_calls``;
+* distance band lo ≤ i − j < hi: queries in blocks of B, each over the B + hi − lo − 1 keys it
+  can see, read through a strided *view* of the keys (no copy) with one shared band mask; the
+  first rows and the last partial block are separate small masked calls — ``band_calls``;
+* chunk region lo ≤ ⌊p_i/c⌋ − ⌊p_j/c⌋ < hi (p = position = slot + o): per query chunk, one full
+  call over the key chunks in range, plus a top-left causal call over its own chunk when lo = 0
+  — ``chunk_calls``; o is a Python integer per batch row, so rows with different left padding
+  are planned apart (``ropescale.truncated_attention``);
+* a sliding window W bounds distance regions (hi ← min(hi, W)).
+
+ReRoPE / Leaky ReRoPE / SelfExtend / STRING are two distance regions (near band, far causal):
+the causal triangle once plus a band of about (B + w)·n scores, close to one vanilla attention.
+Dual Chunk Attention is three chunk regions: the triangle once in about 3·n/c calls.
+
+Backward (``RegionAttention``) calls the kernel's backward per call with the *merged* output and
+LSE — the softmax gradient of each region given the global normaliser — and adds the parts;
+rotations are recomputed in backward (R(θ)ᵀ = R(−θ)), so only q, k, v, the output and the LSE
+are kept: O(n) memory.
 
 Shapes: b batch, n_h query heads, n_kv key/value heads (n_h a multiple: grouped-query attention),
 s_q queries, s_k keys (the last query is the last key), h_d head dim, d ≤ h_d rotary channels.
 Source: the merge is flash attention's (Dao et al. 2022, arXiv:2205.14135; ring attention's
 blockwise merge, Liu et al. 2023, arXiv:2310.01889); the rules are ReRoPE / Leaky ReRoPE
-(github.com/bojone/rerope) and SelfExtend (arXiv:2401.01325).
+(github.com/bojone/rerope), SelfExtend (arXiv:2401.01325), STRING (arXiv:2410.18745) and Dual
+Chunk Attention (arXiv:2402.17463, whose ChunkLlama merges its three attentions the same way).
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["Call", "TwoRegionAttention", "band_calls", "causal_calls", "near_block"]
+__all__ = ["Call", "RegionAttention", "band_calls", "causal_calls", "chunk_calls", "near_block"]
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -98,6 +105,25 @@ def band_calls(s_q: int, s_k: int, lo: int, hi: int, block: int) -> list[Call]:
     return calls
 
 
+def chunk_calls(s_q: int, s_k: int, chunk: int, offset: int, lo: int, hi: int | None) -> list[Call]:
+    """Calls covering lo ≤ ⌊p_i/c⌋ − ⌊p_j/c⌋ < hi (hi None: unbounded), i ≥ j, where p = slot +
+    ``offset`` is a slot's position and c = ``chunk``; query slot i = s_k − s_q + t."""
+    c0, calls = s_k - s_q, []
+    first, last = (c0 + offset) // chunk, (s_k - 1 + offset) // chunk
+    for m in range(first, last + 1):  # query chunk m: slots [m·c − offset, (m + 1)·c − offset)
+        qa, qb = max(c0, m * chunk - offset), min(s_k, (m + 1) * chunk - offset)
+        ka = 0 if hi is None else max(0, (m - hi + 1) * chunk - offset)
+        if lo == 0:  # earlier key chunks in full, then the own chunk causally
+            if qa > ka:
+                calls.append(Call(qa - c0, qb - c0, ka, qa))
+            calls.append(Call(qa - c0, qb - c0, qa, qb, causal=True))
+        else:
+            kb = min(s_k, (m - lo + 1) * chunk - offset)
+            if kb > ka:
+                calls.append(Call(qa - c0, qb - c0, ka, kb))
+    return calls
+
+
 def near_block(window: int) -> int:
     """Query block B of the near band: work per query is B + w − 1 keys for w useful, and the
     kernel wants blocks of a few dozen rows; w/4 within [16, 256] keeps the waste ≤ 1.25 + 16/w."""
@@ -142,10 +168,10 @@ def _band_additive(call: Call, c0: int, dtype) -> torch.Tensor:
 
 @dataclass
 class _Plan:
-    """Everything but tensors: the calls of each region and how to run them."""
+    """Everything but tensors: the calls of each region (``parts``: region index, its calls) and
+    how to run them."""
 
-    far: list[Call]
-    near: list[Call]
+    parts: list[tuple[int, list[Call]]]
     c0: int
     scale: float
     keep: torch.Tensor | None  # [b, s_k] bool (padding) or None
@@ -244,10 +270,10 @@ def _backward_call(call: Call, plan: _Plan, g, q, k, v, out, lse, dq, dk, dv):
     dv[:, :, keys] += gv
 
 
-class TwoRegionAttention(torch.autograd.Function):
-    """out = softmax over both regions, from un-rotated q ``[b, n_h, s_q, h_d]``, k, v
-    ``[b, n_kv, s_k, h_d]``; ``rot(x, which, inverse=False)`` rotates x ``[b, h, s, h_d]`` for
-    ``which`` in "q", "k" (near band), "far_q", "far_k" (far region), or applies the inverse
+class RegionAttention(torch.autograd.Function):
+    """out = softmax over all regions, from un-rotated q ``[b, n_h, s_q, h_d]``, k, v
+    ``[b, n_kv, s_k, h_d]``; ``rot(x, side, region, inverse=False)`` rotates x ``[b, h, s, h_d]``
+    as region ``region`` places its queries (``side`` "q") or keys ("k"), or applies the inverse
     rotation. Returns ``[b, n_h, s_q, h_d]`` in q's dtype."""
 
     @staticmethod
@@ -257,9 +283,9 @@ class TwoRegionAttention(torch.autograd.Function):
         out = torch.zeros(b, n_h, s_q, h_d, dtype=acc, device=q.device)  # rows no call reaches: 0
         lse = torch.full((b, n_h, s_q), float("-inf"), dtype=acc, device=q.device)
         covered = []
-        _run(plan.near, plan, rot(q, "q"), rot(k, "k"), v, out, lse, covered)
-        if plan.far:  # rotated copies live one region at a time
-            _run(plan.far, plan, rot(q, "far_q"), rot(k, "far_k"), v, out, lse, covered)
+        for region, calls in plan.parts:  # rotated copies live one region at a time
+            if calls:
+                _run(calls, plan, rot(q, "q", region), rot(k, "k", region), v, out, lse, covered)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.rot, ctx.plan = rot, plan
@@ -274,13 +300,13 @@ class TwoRegionAttention(torch.autograd.Function):
         acc = _accumulate_dtype(q.dtype)
         dq, dk = torch.zeros(q.shape, dtype=acc, device=q.device), torch.zeros(k.shape, dtype=acc, device=q.device)
         dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-        for calls, qw, kw in ((plan.near, "q", "k"), (plan.far, "far_q", "far_k")):
+        for region, calls in plan.parts:
             if not calls:
                 continue
             dq_r, dk_r = torch.zeros_like(dq), torch.zeros_like(dk)
-            qr, kr = rot(q, qw), rot(k, kw)
+            qr, kr = rot(q, "q", region), rot(k, "k", region)
             for call in calls:
                 _backward_call(call, plan, g, qr, kr, v, out, lse, dq_r, dk_r, dv)
-            dq += rot(dq_r, qw, inverse=True)  # the gradient of a rotation is the inverse rotation
-            dk += rot(dk_r, kw, inverse=True)
+            dq += rot(dq_r, "q", region, inverse=True)  # the gradient of a rotation is the inverse rotation
+            dk += rot(dk_r, "k", region, inverse=True)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None

@@ -135,7 +135,7 @@ def test_fused_on_a_non_cpu_device_dispatches_to_flex(monkeypatch):
     flex path with all its arguments; on the CPU it does not; dropout goes to the blocked path anywhere."""
     assert fused_route("cuda") == "flex" and fused_route("cuda", softcap=30.0) == "flex"
     assert fused_route("cuda", dropout=0.1) == "blocked"
-    assert fused_route("cpu") == "two_region" and fused_route("cpu", softcap=30.0) == "blocked"
+    assert fused_route("cpu") == "regions" and fused_route("cpu", softcap=30.0) == "blocked"
     seen = []
     from ropescale import attention
 
@@ -154,14 +154,15 @@ def test_fused_on_a_non_cpu_device_dispatches_to_flex(monkeypatch):
 def test_block_masks_are_built_once_per_forward_and_rebuilt_when_keep_changes():
     keep = torch.ones(2, 1, 1, 30, dtype=torch.bool)
     cache = BlockMaskCache()
-    first = region_block_masks(2, 30, 30, 8, None, keep, "cpu", cache=cache)
-    assert region_block_masks(2, 30, 30, 8, None, keep, "cpu", cache=cache) is first  # another layer, same forward
-    assert region_block_masks(2, 30, 30, 8, None, keep, "cpu") is not first  # no cache: built for the call
+    rule = rerope(8)
+    first = region_block_masks(2, 30, 30, rule, None, keep, "cpu", cache=cache)
+    assert region_block_masks(2, 30, 30, rule, None, keep, "cpu", cache=cache) is first  # another layer, same forward
+    assert region_block_masks(2, 30, 30, rule, None, keep, "cpu") is not first  # no cache: built for the call
     keep[1, ..., :4] = False  # changed in place: rebuilt
-    second = region_block_masks(2, 30, 30, 8, None, keep, "cpu", cache=cache)
+    second = region_block_masks(2, 30, 30, rule, None, keep, "cpu", cache=cache)
     assert second is not first
-    assert region_block_masks(2, 30, 30, 8, None, keep.clone(), "cpu", cache=cache) is not second  # another tensor
-    assert region_block_masks(2, 30, 30, 40, None, None, "cpu", cache=cache)[1] is None  # no far region
+    assert region_block_masks(2, 30, 30, rule, None, keep.clone(), "cpu", cache=cache) is not second  # another tensor
+    assert region_block_masks(2, 30, 30, rerope(40), None, None, "cpu", cache=cache)[1] is None  # no far region
 
 
 def test_mask_cache_belongs_to_the_patched_model_not_the_module():

@@ -232,8 +232,8 @@ def _float64_oracle(q, k, v, q_pos, k_pos, rule, inv, scaling, *, keep, scale, s
     n_h, s_q, s_k = q.shape[1], q.shape[2], k.shape[2]
     k, v = k.repeat_interleave(n_h // k.shape[1], 1), v.repeat_interleave(n_h // v.shape[1], 1)
     rot = _Rotations(q_pos, k_pos, rule, inv, scaling, interleaved)
-    near = rot(q, "q") @ rot(k, "k").transpose(-1, -2)
-    far = rot(q, "far_q") @ rot(k, "far_k").transpose(-1, -2)
+    near = rot(q, "q", 0) @ rot(k, "k", 0).transpose(-1, -2)
+    far = rot(q, "q", 1) @ rot(k, "k", 1).transpose(-1, -2)
     dist = (torch.arange(s_k - s_q, s_k)[:, None] - torch.arange(s_k)[None])  # slot distance i − j
     s = torch.where(dist < rule.window, near, far) * scale
     vis = (dist >= 0) & (dist < sliding_window if sliding_window else True)

@@ -1,16 +1,22 @@
-"""Truncation rules: change the relative position attention sees, not the frequencies.
+"""Relative-position rules: change the relative position attention sees, not the frequencies.
 
-Each rule is one relative-position function p(i, j) of query position i and key position
-j ≤ i, split into two regions. Inside the neighbour window (i − j < w) it is the ordinary
-i − j. Beyond it, p(i, j) = f_q(i) − f_k(j), so the far region is ordinary RoPE attention with
-queries rotated to f_q(i) and keys to f_k(j). That split is what lets ``ropescale.attention``
-compute it exactly in O(n) memory.
+Each rule is a relative-position function p(i, j) of query position i and key position j ≤ i,
+given as a list of *regions* that partition the causal triangle. In each region p(i, j) =
+q_at(i) − k_at(j): attention there is ordinary RoPE attention with the queries rotated to q_at(i)
+and the keys to k_at(j), which is what lets ``ropescale.two_region`` compute every rule exactly
+in O(n) memory (one fused kernel call per region piece, merged by log-sum-exp).
 
-Positions are in tokens; f_q, f_k map ``[b, s]`` float positions to ``[b, s]`` float positions.
+A region is selected either by *distance* (lo ≤ i − j < hi: ReRoPE, Leaky ReRoPE, SelfExtend,
+STRING) or by *chunk distance* (lo ≤ ⌊i/c⌋ − ⌊j/c⌋ < hi for chunks of c positions: Dual Chunk
+Attention). hi = None is unbounded.
+
+Positions are in tokens; q_at, k_at map ``[b, s]`` float positions to ``[b, s]`` float positions
+(None: the identity). Legend: b batch, s positions, w/W windows, c chunk length [tokens].
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,32 +25,82 @@ import torch
 from ropescale.errors import InvalidInput
 from ropescale.strategies.registry import Param, register
 
-__all__ = ["RelativeRule", "leaky_rerope", "rerope", "self_extend"]
+__all__ = ["Region", "RelativeRule", "dca", "leaky_rerope", "rerope", "self_extend", "string"]
 
-_WINDOW = Param("window", 512, kind=int, low=1, auto="half_train", log=True,
-                help="neighbour window w [tokens]; a sweep uses L_train / 2")
+PositionMap = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Region:
+    """Pairs with lo ≤ g(i, j) < hi (hi None: no bound), g = i − j, or ⌊i/chunk⌋ − ⌊j/chunk⌋ when
+    ``chunk`` is set; there queries sit at ``q_at(i)`` and keys at ``k_at(j)`` (None: identity)."""
+
+    lo: int
+    hi: int | None
+    q_at: PositionMap | None = None
+    k_at: PositionMap | None = None
+    chunk: int | None = None
+
+    def contains(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """Membership of (i, j) for broadcastable position tensors (bool, their broadcast shape)."""
+        g = (torch.floor(q_pos / self.chunk) - torch.floor(k_pos / self.chunk)) if self.chunk else q_pos - k_pos
+        inside = g >= self.lo
+        return inside & (g < self.hi) if self.hi is not None else inside
+
+
+def _at(f: PositionMap | None, pos: torch.Tensor) -> torch.Tensor:
+    return pos if f is None else f(pos)
 
 
 @dataclass(frozen=True)
 class RelativeRule:
-    """p(i, j) = i − j for i − j < ``window``, else ``far_q(i) − far_k(j)``."""
+    """p(i, j) = q_at(i) − k_at(j) of the region holding (i, j); the regions partition j ≤ i.
 
-    window: int
-    far_q: Callable[[torch.Tensor], torch.Tensor]
-    far_k: Callable[[torch.Tensor], torch.Tensor]
+    ``attention_factor`` multiplies cos and sin in every region (attention logits × its square),
+    as YaRN's does; 1 for most rules.
+    """
+
+    regions: tuple[Region, ...]
+    attention_factor: float = 1.0
+
+    @property
+    def window(self) -> int | None:
+        """The neighbour window: the first region's bound when it is the ordinary distance
+        band 0 ≤ i − j < w (ReRoPE, Leaky, SelfExtend, STRING), else None."""
+        first = self.regions[0]
+        plain = first.chunk is None and first.lo == 0 and first.q_at is None and first.k_at is None
+        return first.hi if plain else None
+
+    @property
+    def by_chunk(self) -> bool:
+        """True when a region is selected by chunk (its pieces depend on absolute positions)."""
+        return any(r.chunk for r in self.regions)
 
     def relative_positions(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """The explicit matrix p ``[b, s_q, s_k]`` (for the naive reference path and tests)."""
-        near = q_pos[:, :, None] - k_pos[:, None, :]
-        far = self.far_q(q_pos)[:, :, None] - self.far_k(k_pos)[:, None, :]
-        return torch.where(near < self.window, near, far)
+        """The explicit matrix p ``[b, s_q, s_k]`` (for the naive reference path, inspection and
+        tests); pairs with j > i get i − j."""
+        i, j = q_pos[:, :, None], k_pos[:, None, :]
+        p = i - j
+        for r in self.regions:
+            here = _at(r.q_at, q_pos)[:, :, None] - _at(r.k_at, k_pos)[:, None, :]
+            p = torch.where(r.contains(i, j) & (j <= i), here, p)
+        return p
+
+
+def _two(window: int, far_q: PositionMap, far_k: PositionMap | None, attention_factor: float = 1.0) -> RelativeRule:
+    """p = i − j below ``window``, far_q(i) − far_k(j) from it on."""
+    return RelativeRule((Region(0, window), Region(window, None, far_q, far_k)), attention_factor)
+
+
+_WINDOW = Param("window", 512, kind=int, low=1, auto="half_train", log=True,
+                help="neighbour window w [tokens]; a sweep uses L_train / 2")
 
 
 @register("rerope", kind="attention", params=(_WINDOW,),
           source="Su 2023, ReRoPE (kexue.fm/archives/9708; github.com/bojone/rerope)")
 def rerope(window: int) -> RelativeRule:
     """ReRoPE: p(i, j) = min(i − j, w): relative positions beyond the window are clipped to w."""
-    return RelativeRule(window, lambda i: torch.full_like(i, float(window)), torch.zeros_like)
+    return _two(window, lambda i: torch.full_like(i, float(window)), torch.zeros_like)
 
 
 def _leaky_check(p: dict) -> None:
@@ -72,7 +128,7 @@ def leaky_rerope(window: int, k: float | None, target_length: float | None,
                              f"{original_max_position_embeddings} for target_length")
         k = max(1.0, (target_length - 1 - window) / room)
     k = 16.0 if k is None else k
-    return RelativeRule(window, lambda i: i / k + window * (1 - 1 / k), lambda j: j / k)
+    return _two(window, lambda i: i / k + window * (1 - 1 / k), lambda j: j / k)
 
 
 @register("self_extend", kind="attention", params=(
@@ -86,5 +142,98 @@ def self_extend(group_size: int, window: int) -> RelativeRule:
     from w at the window's edge; usable length ≈ (L_train − w)·G + w.
     """
     shift = window - window // group_size
-    return RelativeRule(window, lambda i: torch.floor(i / group_size) + shift,
-                        lambda j: torch.floor(j / group_size))
+    return _two(window, lambda i: torch.floor(i / group_size) + shift, lambda j: torch.floor(j / group_size))
+
+
+def _string_defaults(shifted_offset: int | None, local_window: int | None,
+                     original_max_position_embeddings: int) -> tuple[int, int]:
+    s = int(0.33 * original_max_position_embeddings) if shifted_offset is None else shifted_offset
+    w = min(128, s // 8) if local_window is None else local_window
+    if not 0 <= w < s:
+        raise InvalidInput(f"string: local_window={w} must be below shifted_offset={s} (both in tokens)")
+    return s, w
+
+
+@register("string", params=(
+    Param("shifted_offset", None, kind=int, low=1, log=True,
+          help="S: distances ≥ S are shifted down by S − W [tokens]; default int(0.33 · L_train), the authors'"),
+    Param("local_window", None, kind=int, low=0,
+          help="W: where shifted distances restart [tokens]; default min(128, S // 8) (the authors use 128)"),
+    Param("attention_factor", None, low=0.0, low_open=True,
+          help="cos/sin scale in every region; default 0.1·ln 2 + 1, the authors'"),
+), source="An et al. 2024, Why Does the Effective Context Length of LLMs Fall Short? (STRING), "
+          "arXiv:2410.18745 (github.com/HKUNLP/STRING string_for_llama.py @ 216cc2f)")
+def string(shifted_offset: int | None, local_window: int | None, attention_factor: float | None,
+           original_max_position_embeddings: int) -> RelativeRule:
+    """STRING: p(i, j) = i − j for i − j < S, else i − j − S + W: the S largest, rarely trained
+    distances are dropped and the well-trained ones from W on overwrite them.
+
+    Near queries and keys at their positions; far queries at i − S + W, keys at j. cos and sin are
+    multiplied by ``attention_factor`` everywhere (the authors' 0.1·ln 2 + 1 ≈ 1.069, so logits
+    × 1.143). The authors' prefill (``string_flash_forward``) counts the keys at distance exactly
+    S twice — in its window ``[S, 0]``, inclusive, and in its shifted triangle —, their decoding
+    does not; ropescale follows the paper's formula and their decoding (each key once).
+    ``local_window`` defaults to 128 as the authors', capped at S // 8 so that models with short
+    windows keep W well below S. Raises ``InvalidInput`` unless 0 ≤ W < S.
+    """
+    s, w = _string_defaults(shifted_offset, local_window, original_max_position_embeddings)
+    factor = 0.1 * math.log(2) + 1 if attention_factor is None else attention_factor
+    return _two(s, lambda i: i - (s - w), None, factor)
+
+
+def _dca_sizes(chunk_size: int | None, local_window: int | None,
+               original_max_position_embeddings: int) -> tuple[int, int]:
+    t = original_max_position_embeddings
+    size = t * 3 // 4 if chunk_size is None else chunk_size
+    local = t // 8 if local_window is None else local_window
+    if not 0 <= local < size:
+        raise InvalidInput(f"dca: local_window={local} must be below chunk_size={size} (both in tokens)")
+    return size, local
+
+
+@register("dca", params=(
+    Param("chunk_size", None, kind=int, low=2, log=True,
+          help="largest relative position [tokens]; default 3 · L_train // 4 (ChunkLlama's)"),
+    Param("local_window", None, kind=int, low=0,
+          help="chunks are chunk_size − local_window positions long [tokens]; default L_train // 8"),
+    Param("scale", 1.0, low=1.0, auto="scale", log=True,
+          help="s = L / L_train for the temperature; a sweep uses max(1, L / L_train)"),
+    Param("vllm_temperature", False, kind=bool,
+          help="vLLM's temperature max(1, 0.1·ln s + 1) instead of ChunkLlama's 0.05·ln s + 1"),
+), source="An et al. 2024, Training-Free Long-Context Scaling of Large Language Models (Dual Chunk "
+          "Attention), arXiv:2402.17463 (github.com/HKUNLP/ChunkLlama chunkllama_attn_replace.py @ 847ae71); "
+          "vLLM 0.10 dual_chunk_rope.py / DualChunkFlashAttention (Qwen2.5-1M)")
+def dca(chunk_size: int | None, local_window: int | None, scale: float, vllm_temperature: bool,
+        original_max_position_embeddings: int) -> RelativeRule:
+    """Dual Chunk Attention: positions are cut into chunks of c = chunk_size − local_window; keys
+    sit at j mod c; a query at i mod c against its own chunk (intra, causal), at
+    min(i mod c + c, chunk_size) against the previous chunk (successive) and at
+    min(2c − 1, chunk_size) against all earlier chunks (inter). No relative position exceeds
+    chunk_size; distances are exact inside a chunk and for the previous chunk
+    while i mod c + c ≤ chunk_size.
+
+    Temperature: cos and sin × 0.05·ln s + 1 (ChunkLlama's ``get_mscale``, s = ``scale``, 1 when
+    s ≤ 1), or with ``vllm_temperature`` × max(1, 0.1·ln s + 1): vLLM multiplies keys and, in
+    prefill, the softmax scale by it (logits × its square, as here); its decoding applies it
+    once. Defaults: ChunkLlama's ``replace_with_chunkllama`` at 847ae71 (chunk_size = 3T/4,
+    local_window = T/8; T/16 in commits before d304027). Raises ``InvalidInput`` unless
+    0 ≤ local_window < chunk_size.
+    """
+    size, local = _dca_sizes(chunk_size, local_window, original_max_position_embeddings)
+    c = size - local
+    if vllm_temperature:
+        factor = max(1.0, 0.1 * math.log(scale) + 1)
+    else:
+        factor = 0.05 * math.log(scale) + 1 if scale > 1 else 1.0
+
+    def key(j):
+        return torch.remainder(j, c)
+
+    def succ(i):
+        return (torch.remainder(i, c) + c).clamp(max=size)
+
+    def inter(i):
+        return torch.full_like(i, float(min(2 * c - 1, size)))
+
+    return RelativeRule((Region(0, 1, key, key, chunk=c), Region(1, 2, succ, key, chunk=c),
+                         Region(2, None, inter, key, chunk=c)), factor)
