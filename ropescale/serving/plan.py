@@ -1,0 +1,100 @@
+"""Step one of every engine export: a patch → the transformers ``rope_parameters`` it serves.
+
+The strategy's own export hook (``register(export=...)``, via ``ropescale.export``) gives the
+transformers rope type; each engine module then translates that by rope type. Here: what no
+engine config expresses is refused with one line naming the engine, and dynamic NTK — which
+both engines serve statically — is frozen at a length the user names: the raised base
+b' = b·(s·F/T − (s − 1))^(d/(d−2)) that ropescale's ``dynamic_ntk`` uses at F (vanilla for F ≤ T),
+written as ``rope_type: default``.
+
+Notation: b = ``rope_theta``, d = rotary dim, T = training window
+(``original_max_position_embeddings``), s = ``factor``, L = served length, F = freeze length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ropescale.export import native_rope_parameters
+from ropescale.patching import PatchHandle
+from ropescale.rope_config import text_config
+from ropescale.serving.rope import ExportRefused, check_length
+
+__all__ = ["ServedRope", "served_rope_parameters"]
+
+
+@dataclass
+class ServedRope:
+    """The transformers ``rope_parameters`` an engine must reproduce, with their context.
+
+    rope_parameters: ``rope_type`` and its keys (``rope_theta`` included); context: ``dim``,
+    ``rope_theta``, ``original_max_position_embeddings`` of the patched layers; serve_length: L;
+    frozen_at: F for a frozen dynamic strategy, else None; notes: what the export had to decide.
+    """
+
+    rope_parameters: dict[str, Any]
+    context: dict[str, Any]
+    serve_length: int
+    strategy: str
+    frozen_at: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def served_rope_parameters(handle: PatchHandle, engine: str, serve_length: int, *,
+                           freeze_dynamic_at: int | None = None, freeze_default: bool = True) -> ServedRope:
+    """The rope parameters ``engine`` must serve for ``handle`` at ``serve_length`` [tokens].
+
+    ``freeze_dynamic_at``: F for dynamic NTK (default: L when ``freeze_default``, else refused).
+    Raises ``ExportRefused`` ("<engine>: ...") for relative-position rules (ReRoPE, Leaky ReRoPE,
+    SelfExtend, DCA, STRING …), log-n, ``dynamic_block`` ≠ 1, per-layer-type patches, strategies
+    without a transformers export hook, and dynamic strategies other than ``dynamic_ntk``;
+    ``InvalidInput`` for bad lengths.
+    """
+    serve_length = check_length(serve_length)
+    if freeze_dynamic_at is not None:
+        freeze_dynamic_at = check_length(freeze_dynamic_at, "freeze_dynamic_at")
+    strat = handle.strategy_obj
+    name = strat.name
+    if strat.kind != "frequency":
+        raise ExportRefused(f"{engine}: {name} is a relative-position rule applied inside attention; {engine} has no "
+                            "setting for it (serve it with ropescale.load_model)")
+    if handle.options.get("logn"):
+        raise ExportRefused(f"{engine}: log-n query scaling (logn=true) has no {engine} setting; export without it")
+    if handle.options.get("dynamic_block", 1) != 1:
+        raise ExportRefused(f"{engine}: dynamic_block={handle.options['dynamic_block']} has no {engine} setting")
+    if handle.layer_types != [None]:
+        raise ExportRefused(f"{engine}: per-layer-type rotary patches ({handle.layer_types}) are not exported; "
+                            "only models with one set of rope parameters")
+    if strat.export is None:
+        raise ExportRefused(f"{engine}: {name} has no transformers rope type to translate (no export hook), so "
+                            f"{engine} cannot express it")
+    ctx = dict(handle.contexts.get(None, handle.context))
+    text = text_config(handle.model.config)
+    base = dict(text.rope_parameters)
+    # the training window as max_position_embeddings: the only value the `dynamic` hook accepts
+    rp = native_rope_parameters(handle, base, ctx["original_max_position_embeddings"])
+    if rp is None:
+        raise ExportRefused(f"{engine}: {name} with these parameters has no transformers rope type to translate")
+    out = ServedRope(rp, ctx, serve_length, name)
+    if strat.dynamic and name != "longrope":  # LongRoPE: two static sets, each engine picks one
+        if name != "dynamic_ntk":
+            raise ExportRefused(f"{engine}: {name} recomputes its frequencies from the sequence length; {engine} "
+                                "serves one static rotation and only dynamic_ntk can be frozen")
+        if freeze_dynamic_at is None and not freeze_default:
+            raise ExportRefused(f"{engine}: dynamic NTK recomputes its base from the sequence length and {engine} "
+                                "has no dynamic rope (it would run plain RoPE); name a length to freeze it at "
+                                "(--freeze-dynamic-at)")
+        out.frozen_at = at = freeze_dynamic_at or serve_length
+        out.rope_parameters = _frozen_dynamic(rp, ctx, at)
+        out.notes.append(f"dynamic NTK frozen at {at} tokens: every sequence is served with the base ropescale "
+                         f"uses at {at} (ropescale's own dynamic rule is vanilla up to "
+                         f"{ctx['original_max_position_embeddings']} and rescales with the length)")
+    return out
+
+
+def _frozen_dynamic(rp: dict[str, Any], ctx: dict[str, Any], at: int) -> dict[str, Any]:
+    d, b, t, s = ctx["dim"], ctx["rope_theta"], ctx["original_max_position_embeddings"], rp["factor"]
+    out = {k: v for k, v in rp.items() if k not in ("rope_type", "factor")}
+    theta = b if at <= t else b * (s * at / t - (s - 1)) ** (d / (d - 2))
+    return out | {"rope_type": "default", "rope_theta": theta}

