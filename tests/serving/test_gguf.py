@@ -1,0 +1,253 @@
+"""llama.cpp: every frequency strategy written into a GGUF and read back by llama_cpp_rope gives
+ropescale's rotation; llama_cpp_rope checked against llama.cpp's formulas written out here from
+its source (src/llama-model.cpp load_hparams, src/llama-context.cpp cparams,
+ggml/src/ggml-cpu/ops.cpp rope_yarn*); the GGUF round trip through gguf's reader; every known
+non-parity detected and named."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ropescale.errors import InvalidInput
+from ropescale.serving import (
+    ExportRefused,
+    compare,
+    gguf_rope,
+    llama_cpp_rope,
+    read_gguf_rope,
+    rewrite_gguf,
+    ropescale_rope,
+)
+from ropescale.serving.gguf import ROPE_TENSORS
+from tests.conftest import tiny_llama_config
+from tests.serving.conftest import FREQUENCY, LONG, RELATIVE, SHORT, THETA, D, T, patched
+from tests.serving.tiny_gguf import write_tiny_llama_gguf
+
+gguf = pytest.importorskip("gguf")
+V = gguf.GGUFValueType
+FREQ_TOL, MAG_TOL = 1e-5, 1e-6
+SERVED = sorted(set(FREQUENCY) - {"yarn_betas"})  # refused: the llama architecture never reads them
+
+
+@pytest.fixture(scope="module")
+def base_gguf(tmp_path_factory):
+    """A tiny Llama GGUF as a converter writes it, with a stale yarn setup and rope_freqs to replace."""
+    path = tmp_path_factory.mktemp("gguf") / "base.gguf"
+    stale = {"llama.rope.scaling.type": ("yarn", V.STRING), "llama.rope.scaling.factor": (2.0, V.FLOAT32),
+             "llama.rope.scaling.yarn_log_multiplier": (0.1, V.FLOAT32)}
+    return write_tiny_llama_gguf(path, tiny_llama_config(), extra_kv=stale,
+                                 extra_tensors={"rope_freqs.weight": np.full(D // 2, 3.0, dtype=np.float32)})
+
+
+def _freeze(case, length):
+    return length if case == "dynamic_ntk" else None
+
+
+@pytest.mark.parametrize("length", [48, 256])
+@pytest.mark.parametrize("case", SERVED)
+def test_every_frequency_strategy_is_served_exactly(case, length, base_gguf, tmp_path):
+    name, params = FREQUENCY[case]
+    model = patched(name, **params)
+    rope = gguf_rope(model, length, freeze_dynamic_at=_freeze(case, length))
+    out = rewrite_gguf(base_gguf, tmp_path / "model.gguf", rope)
+    kv, tensors = read_gguf_rope(out)
+    theirs = llama_cpp_rope(kv, tensors, length, D)
+    ours = ropescale_rope(model, length)
+    assert theirs.failure is None
+    assert torch.allclose(theirs.inv_freq, ours.inv_freq, rtol=FREQ_TOL, atol=0)
+    assert abs(theirs.magnitude - ours.magnitude) <= MAG_TOL
+    verdict = compare(ours, theirs, length)
+    assert verdict.same, verdict.verdict
+
+
+def test_the_round_trip_keeps_every_other_key_and_tensor_with_its_type(base_gguf, tmp_path):
+    rope = gguf_rope(patched("llama3", factor=4.0), 256)
+    out = rewrite_gguf(base_gguf, tmp_path / "model.gguf", rope)
+    src, dst = gguf.GGUFReader(base_gguf), gguf.GGUFReader(out)
+    rope_keys = {k for k in src.fields if k.startswith("llama.rope.") and k not in
+                 ("llama.rope.dimension_count", "llama.rope.scaling.finetuned")}
+    for name, field in src.fields.items():
+        if name.startswith("GGUF.") or name in rope_keys:
+            continue
+        copied = dst.fields[name]
+        assert copied.types == field.types, name
+        assert copied.contents() == field.contents(), name
+    for key, (value, vtype) in rope.kv.items():
+        assert dst.fields[key].types == [vtype]
+        assert dst.fields[key].contents() == (pytest.approx(value) if isinstance(value, float) else value)
+    assert "llama.rope.scaling.factor" not in dst.fields  # the stale yarn setup is gone
+    assert "llama.rope.scaling.yarn_log_multiplier" not in dst.fields
+    src_t = {t.name: t for t in src.tensors}
+    dst_t = {t.name: t for t in dst.tensors}
+    assert set(dst_t) == set(src_t)
+    for name, t in src_t.items():
+        if name in ROPE_TENSORS:
+            continue
+        assert dst_t[name].tensor_type == t.tensor_type and list(dst_t[name].shape) == list(t.shape)
+        assert np.array_equal(np.asarray(dst_t[name].data), np.asarray(t.data))
+    assert dst_t["blk.0.attn_q.weight"].tensor_type == gguf.GGMLQuantizationType.F16
+    assert np.array_equal(np.asarray(dst_t["rope_freqs.weight"].data), rope.tensors["rope_freqs.weight"])
+
+
+def test_vanilla_export_drops_the_old_rope_tensor(base_gguf, tmp_path):
+    out = rewrite_gguf(base_gguf, tmp_path / "model.gguf", gguf_rope(patched("vanilla"), 256))
+    assert "rope_freqs.weight" not in {t.name for t in gguf.GGUFReader(out).tensors}
+
+
+def test_the_export_follows_the_measured_rules():
+    yarn = gguf_rope(patched("yarn", factor=4.0, attention_factor=1.3), 256).kv
+    assert yarn["llama.rope.scaling.type"] == ("yarn", V.STRING)
+    assert yarn["llama.rope.scaling.attn_factor"][0] == pytest.approx(1.3 / (0.1 * math.log(4) + 1))
+    assert yarn["llama.rope.scaling.original_context_length"] == (T, V.UINT32)
+    ntk = gguf_rope(patched("ntk", factor=4.0), 256).kv
+    assert ntk["llama.rope.freq_base"][0] == pytest.approx(THETA * 4 ** (D / (D - 2)))
+    llama3 = gguf_rope(patched("llama3", factor=4.0), 256)
+    divisors = []
+    for i in range(D // 2):  # the converter's rope_factors, from the model's own window T
+        wl = 2 * math.pi * THETA ** (2 * i / D)
+        smooth = (T / wl - 1.0) / (4.0 - 1.0)
+        divisors.append(1.0 if wl < T / 4 else 4.0 if wl > T else 1 / ((1 - smooth) / 4 + smooth))
+    assert llama3.tensors["rope_freqs.weight"].tolist() == pytest.approx(divisors, rel=1e-6)
+    assert gguf_rope(patched("longrope", factor=4.0, short_factor=SHORT, long_factor=LONG), 48) \
+        .tensors["rope_freqs.weight"].tolist() == pytest.approx(SHORT)
+    assert gguf_rope(patched("vanilla"), 256, arch="qwen2").kv["qwen2.rope.scaling.type"] == ("none", V.STRING)
+
+
+@pytest.mark.parametrize("name", sorted(RELATIVE))
+def test_relative_rules_are_refused_naming_llama_cpp(name):
+    from ropescale.strategies import strategy_names
+
+    if name not in strategy_names():
+        pytest.skip(f"{name} not registered")
+    with pytest.raises(ExportRefused, match=f"^llama.cpp: {name} is a relative-position rule"):
+        gguf_rope(patched(name, **RELATIVE[name]), 256)
+
+
+@pytest.mark.parametrize(("name", "params", "match"), [
+    ("ntk", {"factor": 2.0, "logn": True}, "log-n"),
+    ("yarn", {"factor": 4.0, "beta_fast": 16.0, "beta_slow": 2.0}, "never reads rope.scaling.yarn_beta"),
+    ("dynamic_ntk", {"factor": 2.0}, "freeze"),
+    ("ntk_by_parts", {"factor": 2.0}, "no transformers rope type"),
+])
+def test_what_llama_cpp_cannot_express_is_refused_in_one_line(name, params, match):
+    with pytest.raises(ExportRefused, match=match) as err:
+        gguf_rope(patched(name, **params), 256)
+    assert str(err.value).startswith("llama.cpp: ") and "\n" not in str(err.value)
+
+
+def test_bad_files_are_one_line_errors(tmp_path, base_gguf):
+    rope = gguf_rope(patched("vanilla"), 256)
+    with pytest.raises(InvalidInput, match="no such GGUF"):
+        rewrite_gguf(tmp_path / "missing.gguf", tmp_path / "out.gguf", rope)
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
+    with pytest.raises(InvalidInput, match="not a readable GGUF"):
+        rewrite_gguf(tmp_path / "junk.gguf", tmp_path / "out.gguf", rope)
+    with pytest.raises(InvalidInput, match="over the source"):
+        rewrite_gguf(base_gguf, base_gguf, rope)
+
+
+# ---- llama_cpp_rope against llama.cpp's formulas, written out from its source ---------------------
+
+def _kv(**rope):
+    return {"general.architecture": "llama", "llama.context_length": T, "llama.rope.freq_base": THETA,
+            **{f"llama.rope.{k}": v for k, v in rope.items()}}
+
+
+def _theta():
+    return [THETA ** (-2 * i / D) for i in range(D // 2)]
+
+
+def _close(engine, expected, magnitude=1.0):
+    assert engine.inv_freq.tolist() == pytest.approx(expected, rel=FREQ_TOL)
+    assert engine.magnitude == pytest.approx(magnitude, abs=MAG_TOL)
+
+
+def test_llama_cpp_scaling_types():
+    _close(llama_cpp_rope(_kv(**{"scaling.type": "none"}), {}, 256, D), _theta())
+    # no rope.scaling.type: llama-model.cpp reads "linear", with factor 0 → freq_scale 1
+    _close(llama_cpp_rope(_kv(), {}, 256, D), _theta())
+    _close(llama_cpp_rope(_kv(**{"scaling.type": "linear", "scaling.factor": 4.0}), {}, 256, D),
+           [f / 4 for f in _theta()])
+    # type none ignores a factor (llama-context.cpp: freq_scale = 1 when scaling type is none)
+    _close(llama_cpp_rope(_kv(**{"scaling.type": "none", "scaling.factor": 4.0}), {}, 256, D), _theta())
+    divisors = np.linspace(1, 4, D // 2).astype(np.float32)
+    _close(llama_cpp_rope(_kv(**{"scaling.type": "none", "scaling.attn_factor": 1.2}),
+                          {"rope_freqs.weight": divisors}, 256, D),
+           [f / x for f, x in zip(_theta(), divisors.tolist())], 1.2)
+    bad = llama_cpp_rope(_kv(**{"scaling.type": "dynamic"}), {}, 256, D)
+    assert "aborts loading" in bad.failure
+
+
+def test_llama_cpp_yarn_ramp_betas_and_magnitude():
+    s = 4.0
+
+    def corr(rot):  # ggml_rope_yarn_corr_dim
+        return D * math.log(T / (rot * 2 * math.pi)) / (2 * math.log(THETA))
+
+    def expected(beta_fast, beta_slow):
+        low, high = max(0, math.floor(corr(beta_fast))), min(D - 1, math.ceil(corr(beta_slow)))
+        out = []
+        for i, f in enumerate(_theta()):
+            mix = 1 - min(1, max(0, (i - low) / max(0.001, high - low)))  # rope_yarn_ramp, ext_factor 1
+            out.append(f / s * (1 - mix) + f * mix)
+        return out
+
+    kv = _kv(**{"scaling.type": "yarn", "scaling.factor": s, "scaling.original_context_length": T})
+    _close(llama_cpp_rope(kv, {}, 256, D), expected(32, 1), 0.1 * math.log(s) + 1)
+    _close(llama_cpp_rope(kv, {}, 256, D, yarn_beta_fast=16, yarn_beta_slow=2), expected(16, 2), 0.1 * math.log(s) + 1)
+    # rope.scaling.yarn_beta_* in the GGUF: not read by the llama architecture
+    with_betas = {**kv, "llama.rope.scaling.yarn_beta_fast": 16.0, "llama.rope.scaling.yarn_beta_slow": 2.0}
+    _close(llama_cpp_rope(with_betas, {}, 256, D), expected(32, 1), 0.1 * math.log(s) + 1)
+    # the runtime yarn_attn_factor is overwritten; rope.scaling.attn_factor multiplies in
+    _close(llama_cpp_rope(kv, {}, 256, D, yarn_attn_factor=2.0), expected(32, 1), 0.1 * math.log(s) + 1)
+    _close(llama_cpp_rope({**kv, "llama.rope.scaling.attn_factor": 0.9}, {}, 256, D), expected(32, 1),
+           0.9 * (0.1 * math.log(s) + 1))
+
+
+def test_llama_cpp_phi3_chooses_long_or_short_factors_by_context_size():
+    kv = {"general.architecture": "phi3", "phi3.context_length": 256, "phi3.rope.freq_base": THETA,
+          "phi3.rope.scaling.original_context_length": T}
+    tensors = {"rope_factors_long.weight": np.array(LONG, np.float32),
+               "rope_factors_short.weight": np.array(SHORT, np.float32)}
+    _close(llama_cpp_rope(kv, tensors, 256, D), [f / x for f, x in zip(_theta(), LONG)])
+    _close(llama_cpp_rope(kv, tensors, T, D), [f / x for f, x in zip(_theta(), SHORT)])
+
+
+# ---- known non-parities: detected and named, never "same" ----------------------------------------
+
+def _differs(model, kv, tensors, length, **runtime):
+    verdict = compare(ropescale_rope(model, length), llama_cpp_rope(kv, tensors, length, D, **runtime), length)
+    assert not verdict.same and verdict.verdict.startswith("differs: ")
+    return verdict.verdict
+
+
+YARN_KV = _kv(**{"scaling.type": "yarn", "scaling.factor": 4.0, "scaling.original_context_length": T})
+
+
+def test_attention_factor_is_lost_without_the_attn_factor_key():
+    model = patched("yarn", factor=4.0, attention_factor=1.3)
+    assert "magnitude" in _differs(model, YARN_KV, {}, 256)
+    assert "magnitude" in _differs(model, YARN_KV, {}, 256, yarn_attn_factor=1.3 / (0.1 * math.log(4) + 1))
+
+
+def test_betas_in_the_gguf_are_lost():
+    model = patched("yarn", factor=4.0, beta_fast=16.0, beta_slow=2.0)
+    kv = {**YARN_KV, "llama.rope.scaling.yarn_beta_fast": 16.0, "llama.rope.scaling.yarn_beta_slow": 2.0}
+    assert "frequencies differ" in _differs(model, kv, {}, 256)
+
+
+def test_llama3_divisors_from_the_converters_default_window_differ():
+    model = patched("llama3", factor=4.0)
+    divisors = []
+    for i in range(D // 2):  # convert_hf_to_gguf with old_context_len = 8192 (its default)
+        wl = 2 * math.pi * THETA ** (2 * i / D)
+        smooth = (8192 / wl - 1.0) / 3.0
+        divisors.append(1.0 if wl < 8192 / 4 else 4.0 if wl > 8192 else 1 / ((1 - smooth) / 4 + smooth))
+    kv = _kv(**{"scaling.type": "none"})
+    assert "frequencies differ" in _differs(model, kv, {"rope_freqs.weight": np.array(divisors, np.float32)}, 256)
+
+
+def test_dynamic_ntk_dropped_by_the_converter_runs_vanilla():
+    assert "frequencies differ" in _differs(patched("dynamic_ntk", factor=2.0), _kv(), {}, 256)
