@@ -297,12 +297,28 @@ def search(config, overrides, output, quiet) -> None:
               show_default=True, help="dynamic strategies under the KV cache: exact or approximate")
 @click.option("--dynamic-block", type=int, default=1, show_default=True,
               help="dynamic strategies change scale once per this many tokens")
+@click.option("--target", type=click.Choice(["transformers", "vllm", "gguf"]), default="transformers",
+              show_default=True, help="the engine to serve it with")
+@click.option("--serve-length", type=int, help="length to serve (tokens); required for vllm and gguf")
+@click.option("--gguf", "gguf_path", type=click.Path(dir_okay=False),
+              help="gguf target: the unpatched model's GGUF to rewrite (llama.cpp's converter output)")
+@click.option("--freeze-dynamic-at", type=int,
+              help="dynamic NTK: serve it static at this length (vllm default: the serve length)")
 def patch_cmd(model, strategy_spec, output, original_max_position_embeddings, layer_types,
-              dynamic_cache, dynamic_block) -> None:
-    """Save a patched model. Strategies transformers implements are written into config.json
-    (plain from_pretrained reproduces them); others need ropescale.load_model."""
+              dynamic_cache, dynamic_block, target, serve_length, gguf_path, freeze_dynamic_at) -> None:
+    """Save a patched model for an engine. transformers: strategies it implements are written into
+    config.json (plain from_pretrained reproduces them), others need ropescale.load_model. vllm: the
+    folder with the config.json vLLM computes the same rotation from, and vllm.json (max_model_len,
+    hf_overrides). gguf: OUT/model.gguf, the --gguf file with its rope metadata rewritten.
+    What an engine cannot express is refused with the reason."""
+    import json
+
     import ropescale
 
+    if target != "transformers" and serve_length is None:
+        raise InvalidInput(f"--target {target} needs --serve-length (the length to serve, tokens)")
+    if target == "gguf" and not gguf_path:
+        raise InvalidInput("--target gguf rewrites an existing GGUF: give the unpatched model's with --gguf BASE.gguf")
     spec = _strategy(strategy_spec)
     m, tok = ropescale.load_model(model, device="cpu")
     ropescale.unpatch(m)
@@ -310,14 +326,18 @@ def patch_cmd(model, strategy_spec, output, original_max_position_embeddings, la
                     layer_types=layer_types.split(",") if layer_types else None,
                     dynamic_cache=dynamic_cache, dynamic_block=dynamic_block, logn=spec.logn,
                     **spec.params)
-    path = ropescale.save_patched(m, tok, output)
-    import json
-
-    native = json.loads((path / "ropescale.json").read_text(encoding="utf-8"))["native"]
-    click.echo(f"saved {spec.display} patch of {model} to {path}")
-    click.echo("plain transformers (AutoModelForCausalLM.from_pretrained) reproduces it" if native else
-               "transformers cannot express this strategy: load it with ropescale.load_model "
-               "(plain from_pretrained refuses it rather than run vanilla RoPE)")
+    result = ropescale.export_for(m, target, serve_length, output, tokenizer=tok, gguf=gguf_path,
+                                  freeze_dynamic_at=freeze_dynamic_at)
+    click.echo(f"saved {spec.display} patch of {model} for {target} to {result.path}")
+    for note in result.notes:
+        click.echo(f"  {note}")
+    if target == "transformers":
+        native = json.loads((result.path / "ropescale.json").read_text(encoding="utf-8"))["native"]
+        click.echo("plain transformers (AutoModelForCausalLM.from_pretrained) reproduces it" if native else
+                   "transformers cannot express this strategy: load it with ropescale.load_model "
+                   "(plain from_pretrained refuses it rather than run vanilla RoPE)")
+    else:
+        click.echo(f"serve it with: {result.command}")
 
 
 @main.command()

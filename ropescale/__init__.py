@@ -10,6 +10,7 @@ from ropescale.patching import (
     patch,
     unpatch,
 )
+from ropescale.serving import export_for
 from ropescale.strategies import (
     REGISTRY,
     RopeFrequencies,
@@ -27,6 +28,7 @@ __all__ = [
     "UnknownStrategyError",
     "__version__",
     "current_patch",
+    "export_for",
     "find_rotary_modules",
     "get_strategy",
     "load_model",
