@@ -1,0 +1,65 @@
+"""vllm_rope checked against vLLM's own rotary classes (``get_rope``), run in vLLM's interpreter as a
+subprocess (tests/serving/vllm_probe.py) — vLLM is never a dependency of ropescale. Skipped unless
+ROPESCALE_VLLM_PYTHON names a Python with vLLM installed (e.g. the venv of bench/engines/install.sh)."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from ropescale.serving import compare, export_vllm, ropescale_rope, vllm_rope
+from tests.serving.conftest import FREQUENCY, LONG, SHORT, THETA, T, patched
+
+VLLM_PYTHON = os.environ.get("ROPESCALE_VLLM_PYTHON")
+pytestmark = pytest.mark.skipif(not VLLM_PYTHON, reason="set ROPESCALE_VLLM_PYTHON to a Python with vLLM")
+
+
+def _probe(cases):
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    res = subprocess.run([VLLM_PYTHON, str(Path(__file__).with_name("vllm_probe.py"))], input=json.dumps(cases),
+                         capture_output=True, text=True, env=env, timeout=300, cwd="/")
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout.split("PROBE", 1)[1])
+
+
+def _config(rp, mpe):
+    return {"hidden_size": 64, "num_attention_heads": 4, "max_position_embeddings": mpe,
+            "rope_parameters": {"rope_theta": THETA, **rp}}
+
+
+def test_real_vllm_serves_every_export_as_ropescale_and_vllm_rope_say():
+    cases, expected = [], []
+    for name, params in (FREQUENCY[case] for case in sorted(FREQUENCY)):
+        for length in (48, 256):
+            model = patched(name, **params)
+            export = export_vllm(model, length)
+            cases.append({"config": export.config, "max_model_len": length})
+            expected.append((ropescale_rope(model, length), vllm_rope(export.config, length), length))
+    for real, (ours, mine, length) in zip(_probe(json.loads(json.dumps(cases, default=str))), expected):
+        real_freq = torch.tensor(real["inv_freq"], dtype=torch.float64)
+        for side in (ours, mine):  # cache read-back: float32 cos/sin, ~1e-7 relative
+            assert torch.allclose(real_freq, side.inv_freq, rtol=1e-5, atol=0)
+            assert abs(real["magnitude"] - side.magnitude) <= 1e-6
+        assert real["cache"] >= length
+        assert compare(ours, mine, length).same
+
+
+def test_real_vllm_has_the_quirks_vllm_rope_reproduces():
+    longrope = {"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG,
+                "original_max_position_embeddings": T, "factor": 8.0, "attention_factor": 2.0}
+    cases = [
+        (_config({"rope_type": "ntk", "factor": 4.0}, 256), 256),
+        (_config({"rope_type": "dynamic", "factor": 2.0}, T), T),
+        (_config({"rope_type": "dynamic", "factor": 2.0, "max_trained_positions": T}, 256), 256),
+        (_config(longrope, 256), 256),
+        (_config(longrope, 256), 48),
+        (_config({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": T, "beta_fast": 16.0,
+                  "beta_slow": 2.0, "truncate": False}, 256), 256),
+    ]
+    for real, (config, length) in zip(_probe([{"config": c, "max_model_len": n} for c, n in cases]), cases):
+        mine = vllm_rope(config, length)
+        assert torch.allclose(torch.tensor(real["inv_freq"], dtype=torch.float64), mine.inv_freq, rtol=1e-5, atol=0)
+        assert abs(real["magnitude"] - mine.magnitude) <= 1e-6
