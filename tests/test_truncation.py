@@ -17,7 +17,8 @@ from tests.families import family_model
 
 IDS = torch.randint(0, 256, (2, 100), generator=torch.Generator().manual_seed(5))
 RULES = [("rerope", {"window": 8}), ("rerope", {"window": 40}), ("leaky_rerope", {"window": 16, "k": 4.0}),
-         ("self_extend", {"window": 16, "group_size": 4}), ("self_extend", {"window": 8, "group_size": 3})]
+         ("self_extend", {"window": 16, "group_size": 4}), ("self_extend", {"window": 8, "group_size": 3}),
+         ("dca", {"chunk_size": 24, "local_window": 4}), ("string", {"shifted_offset": 20, "local_window": 3})]
 FAMILIES = ["llama", "qwen2", "gemma2", "gpt_neox"]  # gemma2: eager, softcap, sliding window; neox: partial
 
 

@@ -154,7 +154,7 @@ def _string_defaults(shifted_offset: int | None, local_window: int | None,
     return s, w
 
 
-@register("string", params=(
+@register("string", kind="attention", params=(
     Param("shifted_offset", None, kind=int, low=1, log=True,
           help="S: distances ≥ S are shifted down by S − W [tokens]; default int(0.33 · L_train), the authors'"),
     Param("local_window", None, kind=int, low=0,
@@ -191,7 +191,7 @@ def _dca_sizes(chunk_size: int | None, local_window: int | None,
     return size, local
 
 
-@register("dca", params=(
+@register("dca", kind="attention", params=(
     Param("chunk_size", None, kind=int, low=2, log=True,
           help="largest relative position [tokens]; default 3 · L_train // 4 (ChunkLlama's)"),
     Param("local_window", None, kind=int, low=0,

@@ -1,0 +1,258 @@
+"""Dual Chunk Attention and STRING: position maps against the papers' figures and formulas, every
+attention path against a float64 n × n oracle written from the papers (forward and gradients;
+GQA, left padding, a KV-cache split, lengths that are not multiples of the chunk), cached decoding
+against full forwards across chunk boundaries, and the strategies' defaults and refusals."""
+
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import ropescale
+from ropescale.flex_regions import flex_attention_path
+from ropescale.strategies import get_strategy
+from ropescale.strategies.truncation import dca, string
+from ropescale.truncated_attention import blocked_attention, fused_attention
+from tests.families import family_model
+
+IDS = torch.randint(0, 256, (2, 100), generator=torch.Generator().manual_seed(11))
+
+
+# --- the papers' position maps, written per (i, j) with Python integers -------------------------
+
+def dca_pair(i: int, j: int, chunk_size: int, local_window: int) -> tuple[int, int]:
+    """(query position, key position) of Dual Chunk Attention for query i, key j ≤ i (An et al.
+    2024 §3, as ChunkLlama's chunkllama_attn_replace.py places them): chunks of c = chunk_size −
+    local_window; keys at j mod c; queries at i mod c (same chunk), min(i mod c + c, chunk_size)
+    (previous chunk), min(2c − 1, chunk_size) (earlier chunks)."""
+    c = chunk_size - local_window
+    gap = i // c - j // c
+    q = i % c if gap == 0 else min(i % c + c, chunk_size) if gap == 1 else min(2 * c - 1, chunk_size)
+    return q, j % c
+
+
+def string_pair(i: int, j: int, shifted_offset: int, local_window: int) -> tuple[int, int]:
+    """STRING (An et al. 2024, arXiv:2410.18745, Fig. 1b): p = i − j below S, i − j − S + W from S."""
+    return (i, j) if i - j < shifted_offset else (i - shifted_offset + local_window, j)
+
+
+def test_dca_positions_match_the_papers_figure():
+    """The paper's example (pretraining length 10, chunk length s = 6, w = 4 exact successive
+    positions: successive queries at 6, 7, 8, 9, 9, 9 and inter queries at 9) is chunk_size = 9,
+    local_window = 3 in ChunkLlama's parametrisation (chunk length = chunk_size − local_window)."""
+    rule = dca(9, 3, 1.0, False, 12)
+    pos = torch.arange(18.0)[None]
+    p = rule.relative_positions(pos, pos)[0]
+    assert [p[6 + r, 0].item() for r in range(6)] == [6, 7, 8, 9, 9, 9]  # successive: key 0 at 0
+    assert [p[12 + r, 3].item() for r in range(6)] == [6, 6, 6, 6, 6, 6]  # inter: queries at 9, key at 3
+    assert [p[15, j].item() for j in range(12, 16)] == [3, 2, 1, 0]  # intra: exact
+    assert p.max().item() == 9  # never beyond the largest trained position used
+
+
+def test_string_positions_match_the_papers_figure():
+    """Fig. 1b: S = 42K, W = 128, L = 128K: distance 42K − 1 stays, 42K becomes 128 and the
+    largest, 128K − 1, becomes 86K + 127."""
+    k = 1024
+    rule = string(42 * k, 128, None, 128 * k)
+    q = torch.tensor([[42 * k - 1.0, 42 * k, 128 * k - 1.0]])
+    got = rule.relative_positions(q, torch.zeros(1, 1))[0, :, 0]
+    assert got.tolist() == [42 * k - 1, 128, 86 * k + 127]
+
+
+@pytest.mark.parametrize("chunk_size,local_window", [(9, 3), (24, 4), (10, 0), (7, 6)])
+def test_dca_map_is_the_papers_formula_everywhere(chunk_size, local_window):
+    rule = dca(chunk_size, local_window, 1.0, False, 64)
+    pos = torch.arange(60.0)[None]
+    p = rule.relative_positions(pos, pos)[0]
+    for i in range(60):
+        for j in range(i + 1):
+            a, b = dca_pair(i, j, chunk_size, local_window)
+            assert p[i, j].item() == a - b, (i, j)
+
+
+@pytest.mark.parametrize("s,w", [(20, 3), (5, 0), (30, 29)])
+def test_string_map_is_the_papers_formula_everywhere(s, w):
+    p = string(s, w, None, 64).relative_positions(torch.arange(60.0)[None], torch.arange(60.0)[None])[0]
+    for i in range(60):
+        for j in range(i + 1):
+            a, b = string_pair(i, j, s, w)
+            assert p[i, j].item() == a - b, (i, j)
+
+
+def test_defaults_are_the_authors():
+    assert get_strategy("dca").validate({}) == {"chunk_size": None, "local_window": None, "scale": 1.0,
+                                               "vllm_temperature": False}
+    rule = dca(None, None, 1.0, False, 4096)  # ChunkLlama: chunk_size 3T/4 = 3072, local_window T/8 = 512
+    pos = torch.tensor([[10_000.0]])
+    c = 3072 - 512
+    assert rule.relative_positions(pos, torch.tensor([[0.0]])).item() == 3072  # inter: min(2c − 1, 3072) − 0
+    assert rule.relative_positions(pos, torch.tensor([[10_000.0 - c]])).item() == min(10_000 % c + c, 3072) - (
+        (10_000 - c) % c)
+    s = string(None, None, None, 131072)  # the authors' S = int(0.33 L), W = 128, factor 0.1 ln 2 + 1
+    assert s.window == int(0.33 * 131072)
+    assert s.relative_positions(torch.tensor([[131071.0]]), torch.zeros(1, 1)).item() == 131071 - 43253 + 128
+    assert s.attention_factor == pytest.approx(0.1 * math.log(2) + 1)
+
+
+def test_temperatures():
+    assert dca(24, 4, 1.0, False, 32).attention_factor == 1.0
+    assert dca(24, 4, 8.0, False, 32).attention_factor == pytest.approx(0.05 * math.log(8) + 1)  # ChunkLlama
+    assert dca(24, 4, 8.0, True, 32).attention_factor == pytest.approx(0.1 * math.log(8) + 1)  # vLLM
+    assert get_strategy("dca").resolve({}, length=512, train_length=128)["scale"] == 4.0  # a sweep: L / T
+
+
+@pytest.mark.parametrize("strategy,params,match", [
+    ("dca", {"chunk_size": 8, "local_window": 8}, "below chunk_size"),
+    ("string", {"shifted_offset": 8, "local_window": 8}, "below shifted_offset"),
+])
+def test_bad_sizes_are_one_line(strategy, params, match):
+    model = family_model("llama")
+    with pytest.raises(ValueError, match=match):
+        ropescale.patch(model, strategy, **params)
+
+
+# --- the float64 oracle: per pair, q rotated to its region's query position, k to its key position
+
+def _rotate64(x, pos, inv, factor):
+    """RoPE (rotate-half layout) in float64 at integer positions ``pos`` [..., s]: x [..., s, h_d];
+    cos and sin × ``factor`` (as transformers' attention_scaling: rotary channels only)."""
+    ang = pos[..., None].double() * inv.double()  # [..., s, d/2]
+    cos, sin = ang.cos() * factor, ang.sin() * factor
+    d = 2 * inv.numel()
+    x1, x2 = x[..., : d // 2], x[..., d // 2 : d]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., d:]), -1)
+
+
+def oracle(q, k, v, positions, pair, inv, factor, scale, keep):
+    """softmax over j ≤ i of (factor·R(a_ij) q_i · factor·R(b_j) k_j)·scale (the rotary channels
+    scaled, the rest not), (a_ij, b_j) = pair(i, j)
+    on each row's positions (``positions`` [b][s_k] ints, None for padding slots)."""
+    b, n_h, s_q, _ = q.shape
+    s_k = k.shape[2]
+    k = k.repeat_interleave(n_h // k.shape[1], 1)
+    v = v.repeat_interleave(n_h // v.shape[1], 1)
+    rows = []
+    for r in range(b):
+        s = torch.full((n_h, s_q, s_k), float("-inf"), dtype=torch.float64)
+        for t in range(s_q):
+            i = positions[r][s_k - s_q + t]
+            for j_slot in range(s_k - s_q + t + 1):
+                j = positions[r][j_slot]
+                if j is None or not keep[r][j_slot]:
+                    continue
+                a, bk = pair(i, j)
+                qa = _rotate64(q[r, :, t], torch.tensor(float(a)), inv, factor)  # [n_h, h_d]
+                kb = _rotate64(k[r, :, j_slot], torch.tensor(float(bk)), inv, factor)
+                s[:, t, j_slot] = (qa * kb).sum(-1) * scale
+        rows.append(torch.nan_to_num(torch.softmax(s, -1)) @ v[r])
+    return torch.stack(rows)
+
+
+CASES = [  # rule, s_k, cached, n_kv, pad (row 1)
+    ("dca", 45, 0, 4, 0),     # 45 = 2 chunks of 20 + 5: not a multiple
+    ("dca", 57, 20, 2, 7),    # GQA, left padding (rows chunk differently), a KV-cache split
+    ("dca", 31, 30, 1, 3),    # one decoding query
+    ("string", 45, 0, 4, 0),
+    ("string", 50, 13, 2, 6),
+]
+
+
+def _rule(name):
+    return dca(24, 4, 3.0, False, 32) if name == "dca" else string(17, 5, None, 64)
+
+
+def _pair(name):
+    return (lambda i, j: dca_pair(i, j, 24, 4)) if name == "dca" else (lambda i, j: string_pair(i, j, 17, 5))
+
+
+@pytest.mark.parametrize("path", ["fused", "blocked", "flex"])
+@pytest.mark.parametrize("name,s_k,cached,n_kv,pad", CASES)
+def test_every_path_equals_the_float64_oracle_with_gradients(path, name, s_k, cached, n_kv, pad):
+    gen = torch.Generator().manual_seed(s_k)
+    s_q = s_k - cached
+    q = torch.randn(2, 4, s_q, 16, generator=gen, dtype=torch.float64).requires_grad_()
+    k = torch.randn(2, n_kv, s_k, 16, generator=gen, dtype=torch.float64).requires_grad_()
+    v = torch.randn(2, n_kv, s_k, 16, generator=gen, dtype=torch.float64).requires_grad_()
+    inv = (1.0 / (100 ** (torch.arange(0, 12, 2) / 12))).float().double()  # float32-exact: 12 of 16 rotate
+    pads = [0, pad]
+    k_pos = torch.stack([torch.arange(s_k, dtype=torch.float64) - p for p in pads])  # [2, s_k]
+    keep = torch.ones(2, 1, 1, s_k, dtype=torch.bool)
+    keep[1, ..., :pad] = False
+    rule = _rule(name)
+    kw = {"keep": keep if pad else None, "scale": 0.3}
+    args = (q, k, v, k_pos[:, s_k - s_q :], k_pos, rule, inv, rule.attention_factor)
+    if path == "flex":
+        with torch.no_grad():  # FlexAttention has no backward on the CPU (and refuses inputs that need one)
+            out = flex_attention_path(q.detach(), k.detach(), v.detach(), *args[3:], **kw)
+    else:
+        out = (fused_attention if path == "fused" else blocked_attention)(*args, block=16, **kw)
+    positions = [[s - p if s >= p else None for s in range(s_k)] for p in pads]
+    want = oracle(q, k, v, positions, _pair(name), inv, rule.attention_factor, 0.3,
+                  [[bool(x) for x in keep[r, 0, 0]] for r in range(2)])
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+    if path != "flex":
+        g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+        got = torch.autograd.grad(out, (q, k, v), g)
+        exp = torch.autograd.grad(want, (q, k, v), g)
+        for a, b in zip(got, exp, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_neox"])  # gemma2: sliding window + softcap
+@pytest.mark.parametrize("strategy,params", [("dca", {"chunk_size": 24, "local_window": 4}),
+                                             ("string", {"shifted_offset": 20, "local_window": 3})])
+def test_cached_decoding_equals_full_forward_across_chunk_boundaries(family, strategy, params):
+    """Prefill 70 tokens, then decode 15: DCA's chunks (c = 20) turn over at 80."""
+    model = family_model(family)
+    with torch.no_grad(), ropescale.patch(model, strategy, **params):
+        cache = DynamicCache(config=model.config)
+        model(IDS[:, :70], past_key_values=cache, use_cache=True)
+        for t in range(70, 85):
+            step = model(IDS[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+            full = model(IDS[:, : t + 1]).logits[:, -1]
+            torch.testing.assert_close(step, full, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy,params", [("dca", {"chunk_size": 24, "local_window": 4}),
+                                             ("string", {"shifted_offset": 20, "local_window": 3})])
+def test_generate_with_left_padding_equals_each_row_alone(strategy, params):
+    """A batch with left padding: each row's logits equal the row run alone (chunks follow each
+    row's own positions)."""
+    model = family_model("llama")
+    ids = IDS[:, :60].clone()
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    with torch.no_grad(), ropescale.patch(model, strategy, **params):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+        alone = model.generate(ids[1:, 9:], attention_mask=mask[1:, 9:], max_new_tokens=6, do_sample=False,
+                               output_logits=True, return_dict_in_generate=True)
+    for step_batch, step_alone in zip(out.logits, alone.logits, strict=True):
+        torch.testing.assert_close(step_batch[1:], step_alone, rtol=0, atol=1e-4)
+
+
+def test_logn_composes():
+    """log-n scales queries by log_T(n) before any rule; with DCA it equals the naive path."""
+    model = family_model("llama")
+    ids = IDS[:, :90]
+    with torch.no_grad():
+        with ropescale.patch(model, "dca", chunk_size=24, local_window=4, logn=True,
+                             original_max_position_embeddings=32):
+            fast = model(ids).logits
+        with ropescale.patch(model, "dca", chunk_size=24, local_window=4, logn=True, attention_path="naive",
+                                 original_max_position_embeddings=32):
+            slow = model(ids).logits
+        with ropescale.patch(model, "dca", chunk_size=24, local_window=4):
+            plain = model(ids).logits
+    torch.testing.assert_close(fast, slow, rtol=0, atol=1e-5)
+    assert not torch.allclose(fast, plain, atol=1e-3)
+
+
+def test_string_below_its_offset_is_vanilla_up_to_its_factor():
+    """Below S every pair is i − j: with attention_factor 1, STRING is vanilla RoPE exactly."""
+    model = family_model("llama")
+    with torch.no_grad():
+        base = model(IDS[:, :40]).logits
+        with ropescale.patch(model, "string", shifted_offset=60, local_window=3, attention_factor=1.0):
+            torch.testing.assert_close(model(IDS[:, :40]).logits, base, rtol=0, atol=1e-5)
