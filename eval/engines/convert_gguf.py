@@ -1,0 +1,77 @@
+"""llama.cpp's own converter (``convert_hf_to_gguf.py``) with one mapping added: runs inside the
+llama.cpp environment (never imports ropescale) and does not copy the converter.
+
+    python convert_gguf.py REQUEST.json RESULT.json
+
+Request: ``{"mode": "convert", "model": DIR, "out": FILE.gguf, "source": LLAMA_CPP_DIR,
+"outtype": "f32"}``; ``source`` is the ``vendor/llama.cpp`` folder of the llama-cpp-python sdist
+(its ``convert_hf_to_gguf.py``, ``conversion/`` and ``gguf-py``, imported from there). Result:
+``{"out": FILE, "pre": name}``.
+
+Why the mapping: the converter names a BPE tokenizer's pre-tokenizer by hashing how it splits a
+fixed string and refuses hashes it does not list — also a from-scratch vocabulary whose
+pre-tokenizer is exactly GPT-2's byte-level one (the bundled model's). For that case only (the
+``tokenizer.json`` pre-tokenizer is a plain ``ByteLevel``) this wrapper answers ``"gpt-2"``, with
+which llama.cpp reproduces transformers' token ids exactly; any other unknown hash is still
+refused as the converter refuses it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _byte_level(model_dir: Path) -> bool:
+    try:
+        tok = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    pre = tok.get("pre_tokenizer") or {}
+    return pre.get("type") == "ByteLevel"
+
+
+def convert(request: dict) -> dict:
+    source = Path(request["source"]).resolve()
+    model_dir = Path(request["model"]).resolve()
+    sys.path.insert(0, str(source))
+    sys.path.insert(1, str(source / "gguf-py"))
+    import convert_hf_to_gguf
+    from conversion import base
+
+    original = base.TextModel.get_vocab_base_pre
+    chosen = {}
+
+    def get_vocab_base_pre(self, tokenizer) -> str:
+        try:
+            res = original(self, tokenizer)
+        except NotImplementedError:
+            if not _byte_level(model_dir):
+                raise
+            res = "gpt-2"
+        chosen["pre"] = res
+        return res
+
+    base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+    sys.argv = ["convert_hf_to_gguf.py", str(model_dir), "--outfile", str(request["out"]),
+                "--outtype", request.get("outtype", "f32")]
+    try:
+        convert_hf_to_gguf.main()
+    except SystemExit as e:  # the converter exits when done, non-zero on failure
+        if e.code not in (0, None):
+            raise
+    return {"out": str(request["out"]), "pre": chosen.get("pre")}
+
+
+def main() -> int:
+    request_path, result_path = sys.argv[1:3]  # read first: convert() sets sys.argv for the converter
+    request = json.loads(Path(request_path).read_text(encoding="utf-8"))
+    result = convert(request)
+    with open(result_path, "w", encoding="utf-8") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

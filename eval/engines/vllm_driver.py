@@ -1,0 +1,184 @@
+"""vLLM driver: runs inside vLLM's own environment (never imports ropescale).
+
+    python vllm_driver.py REQUEST.json RESULT.json
+
+Modes (``request["mode"]``):
+
+``logprobs``: ``{"jobs": [{"model": DIR, "max_model_len": N, "ids": [[int, ...], ...],
+"hf_overrides": {...} | null}, ...]}`` → ``{"jobs": [{"logprobs": [[float, ...], ...], "seconds": s}, ...],
+"vllm": version}``. Each job is one ``LLM(model=DIR, dtype="float32",
+enforce_eager=True, max_model_len=N)``; each sequence of ids is a ``TokensPrompt`` (the same ids
+ropescale scores) with ``prompt_logprobs=0``; ``logprobs[k][j]`` is log p(ids[j+1] | ids[:j+1]) as
+vLLM computes it (a NaN stays NaN: vLLM past its cos/sin cache). Sets ``VLLM_CPU_KVCACHE_SPACE=1``,
+``VLLM_CPU_OMP_THREADS_BIND=nobind`` and (here only: the prompt is L tokens and one more is
+generated) ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`` unless given.
+
+``rope``: ``{"cases": [{"model": DIR, "max_model_len": N, "hf_overrides": {...} | null, "length": L}
+| {"head_size": int, "rotary_dim": int | null, "max_position": int, "rope_parameters": {...},
+"length": L}, ...]}`` → per case ``{"class": name, "cache_length": n,
+"cos": [[...]], "sin": [[...]]}``: vLLM's own rotary module from ``get_rope(...)``
+(``model_executor/layers/rotary_embedding/__init__.py``) applied by its ``forward_native`` to unit
+vectors at positions 0 … L−1 (neox style, as Llama). With ``model``, the config goes through
+vLLM's own ``ModelConfig(model=DIR, max_model_len=N, hf_overrides=...)`` first (its rope
+standardisation and its ``max_model_len`` check; a refusal is reported as ``error``) and
+``get_rope`` gets what vLLM's Llama passes it: ``head_dim``, ``max_position_embeddings``,
+``rope_parameters``. ``cos[m][i]`` = magnitude·cos(angle of pair i at position m); positions
+past what the module can rotate are reported as ``cache_length`` (and left out) instead of an
+error. ``{"error": line}`` for a case vLLM refuses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _env() -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def logprobs(request: dict) -> dict:
+    # the prompt is L tokens and one is generated: max_model_len L + 1 may exceed the config's length
+    os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    out = []
+    for job in request["jobs"]:
+        start = time.perf_counter()
+        kwargs = {"hf_overrides": job["hf_overrides"]} if job.get("hf_overrides") else {}
+        llm = LLM(model=job["model"], dtype="float32", max_model_len=int(job["max_model_len"]),
+                  enforce_eager=True, seed=0, **kwargs)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+        prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in job["ids"]]
+        results = llm.generate(prompts, params, use_tqdm=False)
+        seqs = []
+        for ids, r in zip(job["ids"], results):
+            row = []
+            for j, entry in enumerate(r.prompt_logprobs[1:], start=1):
+                lp = entry[int(ids[j])].logprob if entry is not None and int(ids[j]) in entry else float("nan")
+                row.append(float(lp))
+            seqs.append(row)
+        out.append({"logprobs": seqs, "seconds": time.perf_counter() - start})
+        del llm
+        import gc
+
+        gc.collect()
+    return {"jobs": out, "vllm": vllm.__version__}
+
+
+def rope(request: dict) -> dict:
+    import torch
+    import vllm
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers import rotary_embedding
+
+    out = []
+    for case in request["cases"]:
+        try:
+            model_config = None
+            if case.get("model"):
+                model_config, read = _from_model(case)
+                case = {**case, **read}
+            head = int(case["head_size"])
+            rot = int(case.get("rotary_dim") or head)
+            # LongRoPE reads max_model_len from the current config; get_rope's cache key lacks it
+            rotary_embedding._ROPE_DICT.clear()
+            with set_current_vllm_config(VllmConfig(model_config=model_config,
+                                                    device_config=DeviceConfig(device="cpu"))):
+                module = _get_rope(rotary_embedding.get_rope, head, rot, int(case["max_position"]),
+                                   case["rope_parameters"])
+        except Exception as e:  # noqa: BLE001 — vLLM's refusal, reported as data
+            out.append({"error": f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"})
+            continue
+        cache = getattr(module, "long_short_cos_sin_cache", getattr(module, "cos_sin_cache", None))
+        cache_len = int(cache.shape[0]) if cache is not None else None
+        if hasattr(module, "long_short_cos_sin_cache"):  # short cache of T positions, then the long one
+            t = int(module.original_max_position_embeddings)
+            cache_len = cache_len - t if module.use_long_rope else t
+        length = int(case["length"])
+        n = length if cache_len is None else min(length, cache_len)
+        cos, sin, n = _rotate(module, head, rot, n)
+        out.append({"class": type(module).__name__, "cache_length": cache_len, "evaluated": n,
+                    "max_position": int(case["max_position"]), "rope_parameters": case["rope_parameters"],
+                    "use_long_rope": getattr(module, "use_long_rope", None), "cos": cos, "sin": sin})
+    return {"cases": out, "vllm": vllm.__version__, "torch": torch.__version__}
+
+
+def _from_model(case: dict):
+    """``(ModelConfig, {head_size, max_position, rope_parameters})`` as vLLM's Llama reads them from
+    a model folder."""
+    from vllm.config import ModelConfig
+
+    kwargs = {"hf_overrides": case["hf_overrides"]} if case.get("hf_overrides") else {}
+    mc = ModelConfig(model=case["model"], dtype="float32", max_model_len=int(case["max_model_len"]), **kwargs)
+    text = mc.hf_text_config
+    head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return mc, {"head_size": int(head), "max_position": int(getattr(text, "max_position_embeddings", 8192)),
+                "rope_parameters": dict(text.rope_parameters), "max_model_len_used": int(mc.max_model_len)}
+
+
+def _get_rope(get_rope, head: int, rot: int, max_position: int, rope_parameters: dict):
+    """``get_rope`` across its keyword spellings (0.32: ``head_size, max_position, is_neox_style,
+    rope_parameters, dtype``; ``rotary_dim`` only through ``partial_rotary_factor``)."""
+    import inspect
+
+    import torch
+
+    names = inspect.signature(get_rope).parameters
+    kwargs = {"head_size": head, "max_position": max_position, "is_neox_style": True, "dtype": torch.float32}
+    rp = dict(rope_parameters)
+    if rot != head:
+        if "rotary_dim" in names:
+            kwargs["rotary_dim"] = rot
+        else:
+            rp["partial_rotary_factor"] = rot / head
+    elif "rotary_dim" in names:
+        kwargs["rotary_dim"] = rot
+    kwargs["rope_parameters" if "rope_parameters" in names else "rope_scaling"] = rp
+    if "base" in names:
+        kwargs["base"] = rp.get("rope_theta", 10000.0)
+    return get_rope(**kwargs)
+
+
+def _rotate(module, head: int, rot: int, n: int):
+    """cos/sin·magnitude per pair at positions 0 … n−1 from the module's own forward_native: the
+    query is the unit vector of each pair's first channel in turn (neox: pair i = channels i, i + rot/2)."""
+    import torch
+
+    half = rot // 2
+    positions = torch.arange(n, dtype=torch.long)
+    q = torch.zeros(n, half, head, dtype=torch.float32)  # [positions, probe, head]: probe i → channel i
+    q[:, torch.arange(half), torch.arange(half)] = 1.0
+    q = q.reshape(n, half * head)
+    k = q.clone()
+    fwd = getattr(module, "forward_native", None) or module.forward
+    try:
+        qo, _ = fwd(positions, q, k)
+    except (IndexError, RuntimeError):
+        return [], [], 0
+    qo = qo.reshape(n, half, head)
+    idx = torch.arange(half)
+    cos = qo[:, idx, idx].double()
+    sin = qo[:, idx, idx + half].double()
+    return cos.tolist(), sin.tolist(), n
+
+
+def main() -> int:
+    _env()
+    request = json.loads(Path(sys.argv[1]).read_text(encoding="utf-8"))
+    result = {"logprobs": logprobs, "rope": rope}[request["mode"]](request)
+    with open(sys.argv[2], "w", encoding="utf-8") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

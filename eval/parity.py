@@ -1,0 +1,490 @@
+"""``ropescale parity``: does a serving engine rotate (and score text) as ropescale's patched model does?
+
+For a model, strategies and served lengths L, per engine (vLLM, llama.cpp) × strategy × L:
+
+1. **export** the patch for the engine (``ropescale.serving``: ``export_vllm``, ``gguf_rope`` +
+   ``rewrite_gguf``), or record the engine's refusal and its reason;
+2. **rope**: the per-pair frequencies θ_i, the cos/sin magnitude and the softmax scale the engine
+   computes from that export, against ``ropescale_rope`` (``compare``: largest relative
+   frequency difference, magnitude difference, largest angle difference up to L, verdict
+   ``same`` / ``differs: why``). *Source* says where the engine's numbers come from:
+   - ``vLLM 0.32.0 get_rope``: vLLM's own config reader (``ModelConfig``) and rotary class,
+     applied by its ``forward_native`` to unit vectors at positions 0 … L−1 — every angle
+     measured, so the angle difference is the largest over all positions and pairs, and
+     positions past its cos/sin cache are a failure;
+   - ``llama.cpp 0.3.36 runtime metadata``: the GGUF keys as the llama.cpp runtime read them,
+     through ``llama_cpp_rope`` (the rotation itself runs inside ggml's graph, which
+     llama-cpp-python does not expose; the end-to-end log-probabilities check it);
+   - ``re-implementation``: ``vllm_rope`` / ``llama_cpp_rope`` of ``ropescale.serving`` when the
+     engine is not installed (``ropescale_eval.engines`` says how to install it);
+3. with ``end_to_end``: held-out text through the **real engine** (subprocess in its own
+   environment) against the patched ropescale model on the same token ids: max |Δ log p| over
+   every scored position, both perplexities, NaN count.
+
+Writes ``parity.csv``, ``parity.md`` (one table, under a line naming the model, data and
+settings), ``parity.png`` and ``parity.json`` to the output folder, the exported configs/GGUFs under
+``exports/`` and the engines' logs under ``logs/``.
+
+Errors (one line each): ``InvalidInput`` for bad lengths/engines/options, ``EngineAbsent`` when
+``end_to_end`` names an engine that is not installed, ``EngineFailed`` when an engine's driver dies.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ropescale.errors import InvalidInput
+
+from .engines import ENGINES, engine_python, llama_cpp_source, require_engine, run_engine
+
+__all__ = ["ENGINE_NAMES", "ParityRow", "angle_table_diff", "e2e_numbers", "markdown", "plot_parity",
+           "run_parity", "write_parity"]
+
+ENGINE_NAMES = tuple(ENGINES)  # "vllm", "llama.cpp"
+_LINKED = ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+           "special_tokens_map.json", "tokenizer.model")
+
+
+@dataclass
+class ParityRow:
+    """One engine × strategy × length. Frequencies in rad/token, angles in radians, log p in nats.
+
+    verdict: ``same`` / ``differs: …`` / ``refused: …`` (the export's reason) / ``n/a: …``;
+    source: where the engine's numbers came from (see the module docstring).
+    max_abs_dlogp, ppl_ropescale, ppl_engine, nan_positions, tokens: end-to-end only (None otherwise).
+    """
+
+    engine: str
+    strategy: str
+    length: int
+    source: str
+    verdict: str
+    same: bool | None = None
+    max_rel_freq_diff: float | None = None
+    magnitude_ropescale: float | None = None
+    magnitude_engine: float | None = None
+    softmax_scale_ropescale: float | None = None
+    softmax_scale_engine: float | None = None
+    max_angle_diff: float | None = None
+    export: str = ""
+    notes: str = ""
+    max_abs_dlogp: float | None = None
+    ppl_ropescale: float | None = None
+    ppl_engine: float | None = None
+    nan_positions: int | None = None
+    tokens: int | None = None
+    engine_seconds: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def angle_table_diff(cos: torch.Tensor, sin: torch.Tensor, inv_freq: torch.Tensor) -> float:
+    """Largest |wrap(φ_engine(m, i) − m·θ_i)| [radians] over positions m and pairs i, where
+    φ_engine = atan2(sin, cos) from an engine's ``[n, d/2]`` cos/sin table (magnitude-scaled is
+    fine) and θ = ``inv_freq`` ``[d/2]``; NaN anywhere → inf. The wrap maps to (−π, π]."""
+    if cos.numel() == 0:
+        return 0.0
+    if torch.isnan(cos).any() or torch.isnan(sin).any():
+        return math.inf
+    m = torch.arange(cos.shape[0], dtype=torch.float64)[:, None]
+    ours = m * inv_freq.to(torch.float64)[None, :]
+    theirs = torch.atan2(sin.double(), cos.double())
+    d = torch.remainder(theirs - ours + math.pi, 2 * math.pi) - math.pi
+    return float(d.abs().max())
+
+
+def e2e_numbers(ours: list[list[float]], theirs: list[list[float]]) -> dict[str, float | int]:
+    """max |Δ log p| [nats] over every position of every window, NaN positions on the engine's side
+    (counted, and making the max inf), perplexities exp(−mean log p) of both sides, token count."""
+    a = torch.tensor([x for row in ours for x in row], dtype=torch.float64)
+    b = torch.tensor([x for row in theirs for x in row], dtype=torch.float64)
+    if a.shape != b.shape:
+        raise InvalidInput(f"log-prob counts differ: ropescale {a.numel()} vs engine {b.numel()}")
+    nan = int(torch.isnan(b).sum())
+    diff = (a - b).abs()
+    return {"max_abs_dlogp": math.inf if nan else float(diff.max()),
+            "ppl_ropescale": float(torch.exp(-a.mean())),
+            "ppl_engine": math.nan if nan else float(torch.exp(-b.mean())),
+            "nan_positions": nan, "tokens": int(a.numel())}
+
+
+def _json_value(text: str) -> Any:
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _link_model(src: Path, dst: Path, config: dict) -> Path:
+    """A model folder for an engine: ``config`` as config.json, the weights and tokenizer linked."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in _LINKED:
+        if (src / name).is_file() and not (dst / name).exists():
+            os.symlink((src / name).resolve(), dst / name)
+    (dst / "config.json").write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
+    return dst
+
+
+def _windows(tokenizer, data: str, lengths: list[int], windows: int) -> dict[int, list[list[int]]]:
+    from ropescale.runs.data import DataSpec, load_documents, tokenize_documents
+
+    stream = torch.cat(tokenize_documents(tokenizer, load_documents(DataSpec(data))))
+    out = {}
+    for length in lengths:
+        if stream.numel() < length * windows:
+            raise InvalidInput(f"--data {data} has {stream.numel()} tokens, fewer than {windows} windows of {length}")
+        out[length] = [stream[k * length:(k + 1) * length].tolist() for k in range(windows)]
+    return out
+
+
+@torch.no_grad()
+def _our_logprobs(model, windows: list[list[int]]) -> list[list[float]]:
+    out = []
+    for ids in windows:
+        x = torch.tensor([ids])
+        logits = model(x).logits[0].double()
+        logp = torch.log_softmax(logits, -1)[:-1].gather(1, x[0, 1:, None])[:, 0]
+        out.append(logp.tolist())
+    return out
+
+
+def _slug(strategy: str, length: int) -> str:
+    """A file name for a strategy display and length: readable, unique (a hash when cut short)."""
+    import hashlib
+
+    text = "".join(c if c.isalnum() or c in "._=-" else "_" for c in strategy)
+    if len(text) > 48:
+        text = text[:40] + "-" + hashlib.sha1(strategy.encode()).hexdigest()[:8]
+    return f"{text}@{length}"
+
+
+def run_parity(model: str, specs: list, lengths: list[int], *, engines: list[str], end_to_end: bool = False,
+               data: str = "kjv-heldout", windows: int = 1, output: str | Path,
+               freeze_dynamic: bool = True, gguf: str | None = None,
+               say: Callable[[str], None] | None = None) -> tuple[list[ParityRow], dict]:
+    """``(rows, meta)``: the parity rows of ``specs`` (``StrategySpec``) × ``lengths`` [tokens] × ``engines`` (see
+    the module docstring); writes nothing but the exports and logs (``write_parity`` writes the
+    report). ``freeze_dynamic``: dynamic NTK is exported frozen at each L (both engines serve one
+    static rotation); otherwise refused. ``gguf``: the base GGUF to rewrite (default: llama.cpp's
+    converter run on the model, needs the llama.cpp environment). ``windows``: held-out windows of
+    L tokens per length for ``end_to_end``. ``say``: progress lines (None: quiet). ``meta``: model,
+data, windows, T, d, lengths, one line per engine (version and where it ran, or that it was absent)."""
+    from ropescale import load_model, patch, unpatch
+    from ropescale.models import model_rope_config, resolve_model
+    from ropescale.serving.rope import ExportRefused, compare, ropescale_rope
+    from ropescale.strategies import get_strategy
+
+    say = say or (lambda _m: None)
+    bad = [e for e in engines if e not in ENGINES]
+    if bad or not engines:
+        raise InvalidInput(f"--engine {','.join(bad) or '(none)'}: choose from {', '.join(ENGINES)}")
+    if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in lengths):
+        raise InvalidInput(f"lengths {lengths} must be whole numbers of tokens >= 2")
+    if windows < 1:
+        raise InvalidInput(f"windows={windows} must be >= 1")
+    if end_to_end:
+        for e in engines:
+            require_engine(e)  # EngineAbsent: one line naming how to install it
+    output = Path(output)
+    exports, logs = output / "exports", output / "logs"
+    rope_cfg = model_rope_config(model)
+    train, dim = rope_cfg.original_max_position_embeddings, rope_cfg.dim
+    src = Path(resolve_model(model))
+    m, tok = load_model(model, device="cpu")
+    unpatch(m)
+    ids = _windows(tok, data, lengths, windows) if end_to_end else {}
+    installed = {e: engine_python(e) is not None for e in engines}
+    versions: dict[str, str] = {}
+
+    rows: list[ParityRow] = []
+    pending_vllm_rope: list[tuple[ParityRow, Any, Any, dict]] = []
+    pending_llama_rope: list[tuple[ParityRow, Any, Path, Any]] = []
+    vllm_jobs: list[tuple[ParityRow, dict]] = []
+    llama_jobs: list[tuple[ParityRow, dict]] = []
+    base_gguf = Path(gguf) if gguf else None
+    for spec in specs:
+        strat = get_strategy(spec.name)
+        for length in lengths:
+            params = strat.resolve(spec.params, length=length, train_length=train)
+            with patch(m, spec.name, original_max_position_embeddings=train, logn=spec.logn, **params) as handle:
+                try:
+                    ours = ropescale_rope(handle, length)
+                except InvalidInput as e:  # a relative rule: no single inv_freq
+                    ours, why = None, str(e)
+                ours_lp = _our_logprobs(m, ids[length]) if end_to_end and ours is not None else None
+                freeze = length if (freeze_dynamic and strat.dynamic) else None
+                for engine in engines:
+                    row = ParityRow(engine, spec.display, length, "", "")
+                    rows.append(row)
+                    if ours is not None:
+                        row.magnitude_ropescale, row.softmax_scale_ropescale = ours.magnitude, ours.softmax_scale
+                    try:
+                        if engine == "vllm":
+                            from ropescale.serving.vllm import export_vllm
+
+                            exp = export_vllm(handle, length, freeze_dynamic_at=freeze)
+                        else:
+                            from ropescale.serving.gguf import gguf_rope
+
+                            exp = gguf_rope(handle, length, freeze_dynamic_at=freeze)
+                    except ExportRefused as e:
+                        row.verdict, row.source, row.same = f"refused: {e}", "ropescale export", False
+                        continue
+                    if ours is None:  # exported something for a rule without inv_freq: should not happen
+                        row.verdict = f"n/a: {why}"
+                        continue
+                    row.notes = "; ".join(exp.notes)
+                    slug = _slug(spec.display, length)
+                    if engine == "vllm":
+                        folder = _link_model(src, exports / "vllm" / slug, exp.config)
+                        row.export = f"max_model_len {exp.max_model_len}; hf_overrides {json.dumps(exp.hf_overrides)}"
+                        if installed[engine]:
+                            pending_vllm_rope.append((row, ours, exp, {"model": str(folder),
+                                                                        "max_model_len": exp.max_model_len,
+                                                                        "length": length}))
+                        else:
+                            from ropescale.serving.vllm import vllm_rope
+
+                            _fill(row, ours, vllm_rope(exp.config, exp.max_model_len), length, compare,
+                                  "re-implementation (ropescale.serving.vllm.vllm_rope; vLLM not installed)")
+                        if end_to_end:
+                            vllm_jobs.append((row, {"model": str(folder), "max_model_len": exp.max_model_len + 1,
+                                                    "ids": ids[length], "ours": ours_lp}))
+                    else:
+                        row.export = ", ".join(f"{k.split('rope.')[-1]}={v[0] if isinstance(v, tuple) else v}"
+                                               for k, v in exp.kv.items()) + \
+                            "".join(f", {n}[{a.size}]" for n, a in exp.tensors.items())
+                        if installed[engine] or base_gguf is not None:
+                            if base_gguf is None:
+                                base_gguf = _convert_base(src, exports / "gguf" / "base-f32.gguf", logs, say)
+                            from ropescale.serving.gguf import rewrite_gguf
+
+                            path = rewrite_gguf(base_gguf, exports / "gguf" / f"{slug}.gguf", exp)
+                        else:
+                            path = None
+                        if installed[engine]:
+                            pending_llama_rope.append((row, ours, path, length))
+                        else:
+                            from ropescale.serving.gguf import llama_cpp_rope
+
+                            kv = {"general.architecture": "llama", "llama.context_length": train,
+                                  "llama.rope.dimension_count": dim, **exp.kv}
+                            _fill(row, ours, llama_cpp_rope(kv, exp.tensors, length, dim), length, compare,
+                                  "re-implementation (ropescale.serving.gguf.llama_cpp_rope; llama.cpp not installed)")
+                        if end_to_end:
+                            llama_jobs.append((row, {"gguf": str(path), "n_ctx": length, "ids": ids[length],
+                                                     "ours": ours_lp}))
+    unpatch(m)
+    if pending_vllm_rope:
+        say(f"vLLM: rotary classes for {len(pending_vllm_rope)} exports")
+        res = run_engine("vllm", {"mode": "rope", "cases": [c for *_, c in pending_vllm_rope]}, log_dir=logs)
+        versions["vllm"] = f"vLLM {res.get('vllm', '?')}"
+        for (row, ours, _exp, case), got in zip(pending_vllm_rope, res["cases"]):
+            _fill_vllm_real(row, ours, got, case["length"], compare, res.get("vllm", "?"))
+    if pending_llama_rope:
+        say(f"llama.cpp: runtime metadata of {len(pending_llama_rope)} GGUFs")
+        res = run_engine("llama.cpp", {"mode": "rope", "cases": [{"gguf": str(p), "n_ctx": n}
+                                                                 for _, _, p, n in pending_llama_rope]}, log_dir=logs)
+        versions["llama.cpp"] = f"llama-cpp-python {res.get('llama_cpp', '?')}"
+        from ropescale.serving.gguf import llama_cpp_rope, read_gguf_rope
+
+        for (row, ours, path, length), got in zip(pending_llama_rope, res["cases"]):
+            kv = {k: _json_value(v) for k, v in got["meta"].items()}
+            _, tensors = read_gguf_rope(path)
+            _fill(row, ours, llama_cpp_rope(kv, tensors, length, dim), length, compare,
+                  f"llama.cpp {res.get('llama_cpp', '?')} runtime metadata + llama_cpp_rope")
+    for engine, jobs in (("vllm", vllm_jobs), ("llama.cpp", llama_jobs)):
+        if not jobs:
+            continue
+        say(f"{ENGINES[engine]['label']}: end to end, {len(jobs)} exports × {windows} window(s) of held-out text")
+        start = time.perf_counter()
+        res = run_engine(engine, {"mode": "logprobs", "jobs": [{k: v for k, v in j.items() if k != "ours"}
+                                                               for _, j in jobs]}, log_dir=logs)
+        for (row, job), got in zip(jobs, res["jobs"]):
+            for k, v in e2e_numbers(job["ours"], got["logprobs"]).items():
+                setattr(row, k, v)
+            row.engine_seconds = round(got.get("seconds", 0.0), 2)
+        say(f"{ENGINES[engine]['label']}: done in {time.perf_counter() - start:.0f} s")
+    meta = {"model": model, "data": data, "windows": windows, "train_length": train, "dim": dim,
+            "lengths": list(lengths), "freeze_dynamic": freeze_dynamic, "end_to_end": end_to_end,
+            "engines": [f"{versions.get(e, ENGINES[e]['label'])} ({engine_python(e)})" if installed[e] else
+                        f"{ENGINES[e]['label']} not installed: re-implementation" for e in engines]}
+    return rows, meta
+
+
+def _fill(row: ParityRow, ours, theirs, length: int, compare, source: str, angle: float | None = None) -> None:
+    v = compare(ours, theirs, length)
+    row.source, row.verdict, row.same = source, v.verdict, v.same
+    row.max_rel_freq_diff = v.max_rel_freq_diff
+    row.magnitude_engine, row.softmax_scale_engine = theirs.magnitude, theirs.softmax_scale
+    row.max_angle_diff = v.max_angle_diff if angle is None else angle
+
+
+def _fill_vllm_real(row: ParityRow, ours, got: dict, length: int, compare, version: str) -> None:
+    """A row from vLLM's rotary module: θ from the angle at position 1, magnitude from position 0,
+    the angle difference over every evaluated position; a cache shorter than L is a failure."""
+    from ropescale.serving.rope import EngineRope
+
+    source = f"vLLM {version} ModelConfig + get_rope ({got.get('class', '?')}.forward_native)"
+    if "error" in got:
+        row.source, row.verdict, row.same = source, f"differs: vLLM refuses it: {got['error']}", False
+        return
+    cos, sin = torch.tensor(got["cos"], dtype=torch.float64), torch.tensor(got["sin"], dtype=torch.float64)
+    if cos.shape[0] < 2:
+        row.source, row.verdict, row.same = source, "differs: vLLM's rotary module computed no angles", False
+        return
+    inv = torch.atan2(sin[1], cos[1])
+    magnitude = float(torch.hypot(cos[0], sin[0]).mean())
+    failure = None
+    if got["evaluated"] < length:
+        failure = (f"vLLM's cos/sin cache holds {got['cache_length']} positions (NaN past it), fewer than the "
+                   f"served {length}")
+    theirs = EngineRope(inv, magnitude, 1.0, source, failure)
+    _fill(row, ours, theirs, length, compare, source,
+          angle=angle_table_diff(cos, sin, ours.inv_freq) if failure is None else math.inf)
+    row.extra = {"vllm_class": got.get("class"), "cache_length": got.get("cache_length"),
+                 "max_position": got.get("max_position")}
+
+
+def _convert_base(src: Path, dst: Path, logs: Path, say) -> Path:
+    """llama.cpp's converter on the model folder (f32), once per output folder."""
+    if dst.is_file():
+        return dst
+    source = llama_cpp_source()
+    if source is None:
+        raise InvalidInput("no llama.cpp source with convert_hf_to_gguf.py (bench/engines/install.sh puts it in "
+                           "<prefix>/llama/src/llama.cpp; or set ROPESCALE_LLAMA_CPP_SOURCE, or give --gguf BASE.gguf)")
+    say(f"llama.cpp: converting {src.name} to GGUF (f32) with llama.cpp's converter")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    run_engine("llama.cpp", {"mode": "convert", "model": str(src), "out": str(dst), "source": str(source),
+                             "outtype": "f32"}, script="convert_gguf.py", log_dir=logs)
+    return dst
+
+
+_COLUMNS = ["engine", "strategy", "length", "verdict", "same", "max_abs_dlogp", "ppl_ropescale", "ppl_engine",
+            "nan_positions", "tokens", "max_rel_freq_diff", "max_angle_diff", "magnitude_ropescale",
+            "magnitude_engine", "softmax_scale_ropescale", "softmax_scale_engine", "source", "export", "notes",
+            "engine_seconds", "model", "data", "windows", "train_length"]
+
+
+def _fmt(x: Any, spec: str = ".3g") -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "NaN"
+        if math.isinf(x):
+            return "∞"
+        return format(x, spec)
+    return str(x)
+
+
+def markdown(rows: list[ParityRow], meta: dict) -> str:
+    """One table (engine, strategy, L, verdict, max |Δ log p|, PPL both sides, frequency and angle
+    differences, magnitudes, source) under a line naming the model, data and settings."""
+    e2e = any(r.max_abs_dlogp is not None or r.tokens is not None for r in rows)
+    head = (f"Parity — model `{meta['model']}` (T = {meta['train_length']}, d = {meta['dim']}), "
+            f"lengths {', '.join(map(str, meta['lengths']))}, engines: "
+            + "; ".join(meta["engines"])
+            + (f"; end to end on `{meta['data']}`, {meta['windows']} window(s) per length, "
+               "float32 both sides, llama.cpp with an f32 KV cache" if e2e else "")
+            + f"; dynamic NTK {'frozen at L' if meta.get('freeze_dynamic', True) else 'not frozen'}.")
+    cols = ["engine", "strategy", "L", "verdict"]
+    cols += ["max \\|Δ log p\\|", "PPL ropescale", "PPL engine"] if e2e else []
+    cols += ["max rel Δθ", "max Δangle (rad)", "magnitude (ours / engine)", "source"]
+    lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = [r.engine, f"`{r.strategy}`", str(r.length), r.verdict.replace("|", "\\|")]
+        if e2e:
+            cells += [_fmt(r.max_abs_dlogp, ".2g") + (f" ({r.nan_positions} NaN)" if r.nan_positions else ""),
+                      _fmt(r.ppl_ropescale, ".5g"), _fmt(r.ppl_engine, ".5g")]
+        mag = "—" if r.magnitude_engine is None else \
+            f"{_fmt(r.magnitude_ropescale, '.6g')} / {_fmt(r.magnitude_engine, '.6g')}"
+        cells += [_fmt(r.max_rel_freq_diff, ".2g"), _fmt(r.max_angle_diff, ".2g"), mag, r.source]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_parity(rows: list[ParityRow], path: Path, meta: dict) -> Path:
+    """max |Δ log p| (end to end; else the largest angle difference) per strategy, one panel per
+    engine, one marker series per length, log scale; refused cases drawn at the bottom as ×,
+    NaN/∞ at the top as ▲."""
+    from ropescale.runs.plotting import legend, line_style, pyplot, save_figure
+
+    plt = pyplot()
+    e2e = any(r.tokens for r in rows)
+    key, label = ("max_abs_dlogp", "max |Δ log p| (nats)") if e2e else ("max_angle_diff", "max angle difference (rad)")
+    engines = list(dict.fromkeys(r.engine for r in rows))
+    strategies = list(dict.fromkeys(r.strategy for r in rows))
+    lengths = sorted({r.length for r in rows})
+    fig, axes = plt.subplots(1, len(engines), figsize=(max(6, 0.55 * len(strategies) + 2) * len(engines) / 1.4, 4.2),
+                             squeeze=False, sharey=True)
+    finite = [getattr(r, key) for r in rows if getattr(r, key) is not None and math.isfinite(getattr(r, key))
+              and getattr(r, key) > 0]
+    lo = min(finite) / 10 if finite else 1e-8
+    hi = max(finite) * 10 if finite else 1.0
+    for ax, engine in zip(axes[0], engines):
+        for j, length in enumerate(lengths):
+            style = line_style(j, len(lengths))
+            xs, ys, xr, xn = [], [], [], []
+            for i, s in enumerate(strategies):
+                r = next((r for r in rows if r.engine == engine and r.strategy == s and r.length == length), None)
+                if r is None:
+                    continue
+                x = i + (j - (len(lengths) - 1) / 2) * 0.18
+                v = getattr(r, key)
+                if r.verdict.startswith("refused"):
+                    xr.append(x)
+                elif v is None or not math.isfinite(v):
+                    xn.append(x)
+                else:
+                    xs.append(x)
+                    ys.append(max(v, lo))
+            ax.scatter(xs, ys, color=style["color"], marker=style["marker"], s=28,
+                       label=f"L = {length} ({length / meta['train_length']:g}T)")
+            ax.scatter(xr, [lo] * len(xr), color=style["color"], marker="x", s=36)
+            ax.scatter(xn, [hi] * len(xn), color=style["color"], marker="^", s=36)
+        ax.set_yscale("log")
+        ax.set_ylim(lo / 2, hi * 2)
+        ax.set_xticks(range(len(strategies)))
+        ax.set_xticklabels(strategies, rotation=60, ha="right", fontsize=7)
+        ax.set_title(f"{ENGINES[engine]['label'] if engine in ENGINES else engine}", fontsize=10)
+        ax.grid(True, axis="y", alpha=0.3)
+        legend(ax, len(lengths))
+    axes[0][0].set_ylabel(label)
+    fig.suptitle(f"ropescale vs the engine — {meta['model']} (T = {meta['train_length']}); × refused, ▲ NaN/∞",
+                 fontsize=9)
+    save_figure(fig, path)
+    return path
+
+
+def write_parity(rows: list[ParityRow], output: str | Path, meta: dict) -> dict[str, Path]:
+    """``parity.csv`` (one row per case, the columns of ``ParityRow``), ``parity.md``, ``parity.png``,
+    ``parity.json`` (rows and ``meta``) in ``output``; returns their paths."""
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    paths = {"csv": output / "parity.csv", "markdown": output / "parity.md", "plot": output / "parity.png",
+             "json": output / "parity.json"}
+    with paths["csv"].open("w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:  # every row names its model, data and settings
+            w.writerow({**asdict(r), "model": meta["model"], "data": meta["data"] if meta.get("end_to_end") else "",
+                        "windows": meta["windows"] if meta.get("end_to_end") else "",
+                        "train_length": meta["train_length"]})
+    paths["markdown"].write_text(markdown(rows, meta), encoding="utf-8")
+    paths["json"].write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1,
+                                        default=str) + "\n", encoding="utf-8")
+    plot_parity(rows, paths["plot"], meta)
+    return paths
