@@ -206,13 +206,18 @@ def test_llama_cpp_yarn_ramp_betas_and_magnitude():
            0.9 * (0.1 * math.log(s) + 1))
 
 
-def test_llama_cpp_phi3_chooses_long_or_short_factors_by_context_size():
-    kv = {"general.architecture": "phi3", "phi3.context_length": 256, "phi3.rope.freq_base": THETA,
-          "phi3.rope.scaling.original_context_length": T}
+def test_llama_cpp_longrope_chooses_factors_once_by_the_padded_context_size():
     tensors = {"rope_factors_long.weight": np.array(LONG, np.float32),
-               "rope_factors_short.weight": np.array(SHORT, np.float32)}
-    _close(llama_cpp_rope(kv, tensors, 256, D), [f / x for f, x in zip(_theta(), LONG)])
-    _close(llama_cpp_rope(kv, tensors, T, D), [f / x for f, x in zip(_theta(), SHORT)])
+               "rope_factors_short.weight": np.array(SHORT, np.float32),
+               "rope_freqs.weight": np.full(D // 2, 9.0, np.float32)}  # not loaded under longrope
+    long = [f / x for f, x in zip(_theta(), LONG)]
+    short = [f / x for f, x in zip(_theta(), SHORT)]
+    phi3 = {"general.architecture": "phi3", "phi3.context_length": 4096, "phi3.rope.freq_base": THETA,
+            "phi3.rope.scaling.original_context_length": 512}
+    _close(llama_cpp_rope(phi3, tensors, 600, D), long)  # 600 → 768 > 512
+    _close(llama_cpp_rope(phi3, tensors, 512, D), short)
+    llama = _kv(**{"scaling.type": "longrope", "scaling.original_context_length": T})
+    _close(llama_cpp_rope(llama, tensors, 48, D), long)  # 48 → 256 > T: long factors even for short contexts
 
 
 # ---- known non-parities: detected and named, never "same" ----------------------------------------
@@ -247,6 +252,14 @@ def test_llama3_divisors_from_the_converters_default_window_differ():
         divisors.append(1.0 if wl < 8192 / 4 else 4.0 if wl > 8192 else 1 / ((1 - smooth) / 4 + smooth))
     kv = _kv(**{"scaling.type": "none"})
     assert "frequencies differ" in _differs(model, kv, {"rope_freqs.weight": np.array(divisors, np.float32)}, 256)
+
+
+def test_longrope_type_serves_long_factors_below_the_window():
+    model = patched("longrope", factor=4.0, short_factor=SHORT, long_factor=LONG)
+    tensors = {"rope_factors_long.weight": np.array(LONG, np.float32),
+               "rope_factors_short.weight": np.array(SHORT, np.float32)}
+    kv = _kv(**{"scaling.type": "longrope", "scaling.original_context_length": T})
+    assert "frequencies differ" in _differs(model, kv, tensors, 48)
 
 
 def test_dynamic_ntk_dropped_by_the_converter_runs_vanilla():
