@@ -135,6 +135,9 @@ def gguf_rope(model_or_handle, serve_length: int, *, freeze_dynamic_at: int | No
             raise ExportRefused(f"llama.cpp: the llama architecture never reads rope.scaling.yarn_beta_*, so "
                                 f"beta_fast={betas[0]:g}/beta_slow={betas[1]:g} would run as 32/1; export betas 32/1 "
                                 f"or serve with --yarn-beta-fast {betas[0]:g} --yarn-beta-slow {betas[1]:g}")
+        if rp.get("truncate", True) is False:
+            raise ExportRefused("llama.cpp: its YaRN ramp always floors/ceils the correction dims (truncate: true); "
+                                "an unrounded ramp (truncate: false) cannot be expressed")
         s, a = float(rp["factor"]), float(rp["attention_factor"])
         kv[k + "scaling.type"] = ("yarn", t_.STRING)
         kv[k + "scaling.factor"] = (s, t_.FLOAT32)

@@ -206,6 +206,21 @@ def test_llama_cpp_yarn_ramp_betas_and_magnitude():
            0.9 * (0.1 * math.log(s) + 1))
 
 
+def test_llama_cpp_yarn_ramp_is_the_truncated_one():
+    """Measured: llama.cpp floors/ceils the correction dims always, as transformers/vLLM do with
+    ``truncate: true`` (ropescale's yarn); an unrounded ramp (``truncate: false``) differs by up to
+    65% on one pair at s = 8 on the bundled model's shape (d = 32, T = 128)."""
+    from ropescale.serving import vllm_rope
+
+    kv = _kv(**{"scaling.type": "yarn", "scaling.factor": 8.0, "scaling.original_context_length": T})
+    ours = llama_cpp_rope(kv, {}, 512, D)
+    for truncate, same in ((True, True), (False, False)):
+        config = {"hidden_size": 64, "num_attention_heads": 4, "max_position_embeddings": 512,
+                  "rope_parameters": {"rope_theta": THETA, "rope_type": "yarn", "factor": 8.0,
+                                      "original_max_position_embeddings": T, "truncate": truncate}}
+        assert compare(vllm_rope(config, 512), ours, 512).same is same
+
+
 def test_llama_cpp_longrope_chooses_factors_once_by_the_padded_context_size():
     tensors = {"rope_factors_long.weight": np.array(LONG, np.float32),
                "rope_factors_short.weight": np.array(SHORT, np.float32),
