@@ -107,11 +107,25 @@ def band_calls(s_q: int, s_k: int, lo: int, hi: int, block: int) -> list[Call]:
 
 def chunk_calls(s_q: int, s_k: int, chunk: int, offset: int, lo: int, hi: int | None) -> list[Call]:
     """Calls covering lo ≤ ⌊p_i/c⌋ − ⌊p_j/c⌋ < hi (hi None: unbounded), i ≥ j, where p = slot +
-    ``offset`` is a slot's position and c = ``chunk``; query slot i = s_k − s_q + t."""
+    ``offset`` is a slot's position and c = ``chunk``; query slot i = s_k − s_q + t.
+
+    Bounded regions: per query chunk, a full call over the key chunks in range (plus a causal one
+    over its own chunk when lo = 0): c × (hi − lo)·c scores each. Unbounded (lo ≥ 1: DCA's
+    inter-chunk region): every pair at distance ≥ lo·c is in it, so one shifted causal attention
+    (``causal_calls``) does the bulk — a few long calls, which the flash kernel runs far faster
+    than one short query block per chunk against all earlier keys — and per query chunk a small
+    masked call adds chunk m − lo's keys closer than lo·c."""
     c0, calls = s_k - s_q, []
     first, last = (c0 + offset) // chunk, (s_k - 1 + offset) // chunk
+    if hi is None and lo >= 1:
+        calls += causal_calls(s_q, s_k, lo * chunk)
     for m in range(first, last + 1):  # query chunk m: slots [m·c − offset, (m + 1)·c − offset)
         qa, qb = max(c0, m * chunk - offset), min(s_k, (m + 1) * chunk - offset)
+        if hi is None and lo >= 1:  # the staircase: chunk m − lo's keys at distance < lo·c
+            ka, kb = max(0, (m - lo) * chunk - offset), min(s_k, (m - lo + 1) * chunk - offset)
+            if kb > ka and qa - (kb - 1) < lo * chunk:  # some pair closer than lo·c
+                calls.append(Call(qa - c0, qb - c0, ka, kb, band=(0, lo * chunk)))
+            continue
         ka = 0 if hi is None else max(0, (m - hi + 1) * chunk - offset)
         if lo == 0:  # earlier key chunks in full, then the own chunk causally
             if qa > ka:
@@ -194,7 +208,16 @@ def _run(calls: list[Call], plan: _Plan, q, k, v, out, lse, covered: list):
                 out[bi, :, ts], lse[bi, :, ts] = part, part_lse
             else:
                 _merge(out, lse, (bi, ts), part, part_lse)
-        covered.append((call.t0, call.t1))
+        _cover(covered, call.t0, call.t1)
+
+
+def _cover(covered: list, t0: int, t1: int) -> None:
+    """Add rows [t0, t1) to ``covered``, coalescing with the last range when they touch (calls come
+    in row order within a region, so the list stays a handful of ranges even for thousands of calls)."""
+    if covered and t0 <= covered[-1][1] and t1 >= covered[-1][0]:
+        covered[-1] = (min(t0, covered[-1][0]), max(t1, covered[-1][1]))
+    else:
+        covered.append((t0, t1))
 
 
 def _forward_call(call: Call, plan: _Plan, q, k, v):
