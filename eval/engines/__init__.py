@@ -117,11 +117,16 @@ def llama_cpp_source() -> Path | None:
 
 
 def _last_error(log: str) -> str:
+    """The line of a driver's log that says what went wrong: the first ``...Error: ...`` line that
+    is not a wrapper pointing elsewhere (vLLM's EngineDeadError says "see the stack trace above"),
+    else the last error line, else the last line."""
+    import re
+
     lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if "Error" in ln or "error" in ln or "Exception" in ln:
-            return ln[:400]
-    return lines[-1][:400] if lines else "no output"
+    errors = [ln for ln in lines if re.search(r"\w*(Error|Exception): ", ln)]
+    causes = [ln for ln in errors if not re.search(r"stack trace|root cause|EngineDeadError|encountered", ln)]
+    pick = (causes or errors or lines or ["no output"])[0 if causes else -1]
+    return re.sub(r"^\(\w+ pid=\d+\) ERROR [\d:\- ]+\[[^\]]+\] ", "", pick)[:400]
 
 
 def run_engine(engine: str, request: dict[str, Any], *, script: str | None = None, timeout: float = 1800,

@@ -142,7 +142,8 @@ def test_vllm_rotary_classes_show_the_known_non_parities(tiny_model_dir, tmp_pat
 
 
 @needs_vllm
-def test_vllm_end_to_end_matches_ropescale_for_one_export(tiny_model_dir, tmp_path, text_file):
-    rows = _rows(tiny_model_dir, ["yarn"], [128], "vllm", end_to_end=True, data=str(text_file), output=tmp_path)
+def test_vllm_end_to_end_matches_ropescale_for_one_export(tmp_path):
+    """One vLLM start (about 20 s; the bundled model: vLLM's CPU attention has no kernel for head_dim 16)."""
+    rows = _rows("reference", ["yarn"], [512], "vllm", end_to_end=True, data="kjv-heldout", output=tmp_path)
     r = rows[0]
     assert r.verdict == "same" and r.nan_positions == 0 and r.max_abs_dlogp < 1e-3, r
