@@ -593,10 +593,13 @@ def reference_card(model, threads, plot) -> None:
               help="export dynamic NTK frozen at each L (engines serve one static rotation) or have it refused")
 @click.option("--gguf", "gguf_path", type=click.Path(dir_okay=False, exists=True),
               help="base GGUF of the model to rewrite (default: llama.cpp's converter run on it)")
+@click.option("--baseline", is_flag=True,
+              help="also rows for what was served before these exports: save_patched's config.json given to vLLM, "
+                   "llama.cpp's converter run on it")
 @click.option("--output", "-o", required=True, type=click.Path(file_okay=False))
 @click.option("--quiet", "-q", is_flag=True, help="no progress output")
 def parity(model, strategy_specs, lengths, engine_list, end_to_end, data, windows, freeze_dynamic, gguf_path,
-           output, quiet) -> None:
+           baseline, output, quiet) -> None:
     """Per engine (vLLM, llama.cpp) × strategy × length: the frequencies, cos/sin magnitude and
     softmax scale the engine computes from ropescale's export against ropescale's, the largest
     angle difference up to L and a verdict — from the engine's own code where installed, from
@@ -612,11 +615,13 @@ def parity(model, strategy_specs, lengths, engine_list, end_to_end, data, window
         if say and e in ("vllm", "llama.cpp"):
             say(engine_status(e))
     rows, meta = run_parity(model, specs, list(lengths), engines=engines, end_to_end=end_to_end, data=data,
-                            windows=windows, output=output, freeze_dynamic=freeze_dynamic, gguf=gguf_path, say=say)
+                            windows=windows, output=output, freeze_dynamic=freeze_dynamic, gguf=gguf_path,
+                            baseline=baseline, say=say)
     paths = write_parity(rows, output, meta)
     for r in rows:
         e2e = "" if r.max_abs_dlogp is None else f"  max|Δlog p| {r.max_abs_dlogp:.2g}"
-        click.echo(f"{r.engine:<9} {r.strategy:<32} L={r.length:<6} {r.verdict[:110]}{e2e}")
+        base = "" if r.exported_by == "ropescale" else " [as written]"
+        click.echo(f"{r.engine:<9} {r.strategy + base:<32} L={r.length:<6} {r.verdict[:110]}{e2e}")
     click.echo(f"written to {output}/: {', '.join(p.name for p in paths.values())}")
 
 

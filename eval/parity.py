@@ -47,10 +47,12 @@ from ropescale.errors import InvalidInput
 
 from .engines import ENGINES, engine_python, llama_cpp_source, require_engine, run_engine
 
-__all__ = ["ENGINE_NAMES", "ParityRow", "angle_table_diff", "e2e_numbers", "markdown", "plot_parity",
+__all__ = ["AS_WRITTEN", "ENGINE_NAMES", "ParityRow", "angle_table_diff", "e2e_numbers", "markdown", "plot_parity",
            "run_parity", "write_parity"]
 
 ENGINE_NAMES = tuple(ENGINES)  # "vllm", "llama.cpp"
+AS_WRITTEN = {"vllm": "save_patched config.json as written",
+              "llama.cpp": "llama.cpp's converter on save_patched"}
 _LINKED = ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
            "special_tokens_map.json", "tokenizer.model")
 
@@ -61,6 +63,9 @@ class ParityRow:
 
     verdict: ``same`` / ``differs: …`` / ``refused: …`` (the export's reason) / ``n/a: …``;
     source: where the engine's numbers came from (see the module docstring).
+    exported_by: ``ropescale`` (this project's export for the engine) or, with ``baseline``, what a
+    user got before it (``AS_WRITTEN``: save_patched's config.json as vLLM's config; llama.cpp's
+    converter on that folder).
     max_abs_dlogp, ppl_ropescale, ppl_engine, nan_positions, tokens: end-to-end only (None otherwise).
     """
 
@@ -84,6 +89,7 @@ class ParityRow:
     nan_positions: int | None = None
     tokens: int | None = None
     engine_seconds: float | None = None
+    exported_by: str = "ropescale"
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -171,14 +177,17 @@ def _slug(strategy: str, length: int) -> str:
 
 def run_parity(model: str, specs: list, lengths: list[int], *, engines: list[str], end_to_end: bool = False,
                data: str = "kjv-heldout", windows: int = 1, output: str | Path,
-               freeze_dynamic: bool = True, gguf: str | None = None,
+               freeze_dynamic: bool = True, gguf: str | None = None, baseline: bool = False,
                say: Callable[[str], None] | None = None) -> tuple[list[ParityRow], dict]:
     """``(rows, meta)``: the parity rows of ``specs`` (``StrategySpec``) × ``lengths`` [tokens] × ``engines`` (see
     the module docstring); writes nothing but the exports and logs (``write_parity`` writes the
     report). ``freeze_dynamic``: dynamic NTK is exported frozen at each L (both engines serve one
     static rotation); otherwise refused. ``gguf``: the base GGUF to rewrite (default: llama.cpp's
     converter run on the model, needs the llama.cpp environment). ``windows``: held-out windows of
-    L tokens per length for ``end_to_end``. ``say``: progress lines (None: quiet). ``meta``: model,
+    L tokens per length for ``end_to_end``. ``baseline``: also rows for what a user served before this
+export existed (``AS_WRITTEN``; the issue's known non-parities), for strategies transformers
+expresses; the llama.cpp ones need llama.cpp installed (its converter). ``say``: progress lines
+(None: quiet). ``meta``: model,
 data, windows, T, d, lengths, one line per engine (version and where it ran, or that it was absent)."""
     from ropescale import load_model, patch, unpatch
     from ropescale.models import model_rope_config, resolve_model
@@ -212,6 +221,7 @@ data, windows, T, d, lengths, one line per engine (version and where it ran, or 
     pending_llama_rope: list[tuple[ParityRow, Any, Path, Any]] = []
     vllm_jobs: list[tuple[ParityRow, dict]] = []
     llama_jobs: list[tuple[ParityRow, dict]] = []
+    conversions: list[dict] = []  # baseline GGUFs to make with llama.cpp's converter
     base_gguf = Path(gguf) if gguf else None
     for spec in specs:
         strat = get_strategy(spec.name)
@@ -285,7 +295,51 @@ data, windows, T, d, lengths, one line per engine (version and where it ran, or 
                         if end_to_end:
                             llama_jobs.append((row, {"gguf": str(path), "n_ctx": length, "ids": ids[length],
                                                      "ours": ours_lp}))
+                if baseline and ours is not None:
+                    from ropescale.export import exported_config
+
+                    written, native = exported_config(m, handle)
+                    if not native:
+                        continue
+                    slug = _slug(spec.display, length)
+                    folder = _link_model(src, exports / "as-written" / slug, written.to_dict())
+                    for engine in engines:
+                        if engine == "llama.cpp" and not installed[engine]:
+                            continue  # the converter runs in llama.cpp's environment
+                        row = ParityRow(engine, spec.display, length, "", "", exported_by=AS_WRITTEN[engine],
+                                        magnitude_ropescale=ours.magnitude, softmax_scale_ropescale=ours.softmax_scale)
+                        rows.append(row)
+                        if engine == "vllm":
+                            row.export = f"max_model_len {length}; max_position_embeddings as saved"
+                            if installed[engine]:
+                                pending_vllm_rope.append((row, ours, None, {"model": str(folder),
+                                                                            "max_model_len": length, "length": length}))
+                            else:
+                                from ropescale.serving.vllm import vllm_rope
+
+                                _fill(row, ours, vllm_rope(written.to_dict(), length), length, compare,
+                                      "re-implementation (ropescale.serving.vllm.vllm_rope; vLLM not installed)")
+                            if end_to_end:
+                                row.notes = "end to end with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"
+                                vllm_jobs.append((row, {"model": str(folder), "max_model_len": length + 1,
+                                                        "ids": ids[length], "ours": ours_lp}))
+                        else:
+                            path = exports / "as-written" / f"{slug}.gguf"
+                            row.export = "GGUF from convert_hf_to_gguf.py"
+                            conversions.append({"model": str(folder), "out": str(path)})
+                            pending_llama_rope.append((row, ours, path, length))
+                            if end_to_end:
+                                llama_jobs.append((row, {"gguf": str(path), "n_ctx": length, "ids": ids[length],
+                                                         "ours": ours_lp}))
     unpatch(m)
+    if conversions:
+        source = llama_cpp_source()
+        if source is None:
+            raise InvalidInput("--baseline needs llama.cpp's converter (convert_hf_to_gguf.py): set "
+                               "ROPESCALE_LLAMA_CPP_SOURCE or install with bench/engines/install.sh")
+        say(f"llama.cpp: converting {len(conversions)} save_patched folders with llama.cpp's converter")
+        run_engine("llama.cpp", {"mode": "convert", "source": str(source), "outtype": "f32", "jobs": conversions},
+                   script="convert_gguf.py", log_dir=logs)
     if pending_vllm_rope:
         say(f"vLLM: rotary classes for {len(pending_vllm_rope)} exports")
         res = run_engine("vllm", {"mode": "rope", "cases": [c for *_, c in pending_vllm_rope]}, log_dir=logs)
@@ -312,12 +366,16 @@ data, windows, T, d, lengths, one line per engine (version and where it ran, or 
         res = run_engine(engine, {"mode": "logprobs", "jobs": [{k: v for k, v in j.items() if k != "ours"}
                                                                for _, j in jobs]}, log_dir=logs)
         for (row, job), got in zip(jobs, res["jobs"]):
+            row.engine_seconds = round(got.get("seconds", 0.0), 2)
+            if "error" in got:  # the engine refused to load it
+                row.notes = "; ".join(x for x in (row.notes, f"the engine refused to serve it: {got['error']}") if x)
+                continue
             for k, v in e2e_numbers(job["ours"], got["logprobs"]).items():
                 setattr(row, k, v)
-            row.engine_seconds = round(got.get("seconds", 0.0), 2)
         say(f"{ENGINES[engine]['label']}: done in {time.perf_counter() - start:.0f} s")
     meta = {"model": model, "data": data, "windows": windows, "train_length": train, "dim": dim,
             "lengths": list(lengths), "freeze_dynamic": freeze_dynamic, "end_to_end": end_to_end,
+            "baseline": baseline,
             "engines": [f"{versions.get(e, ENGINES[e]['label'])} ({engine_python(e)})" if installed[e] else
                         f"{ENGINES[e]['label']} not installed: re-implementation" for e in engines]}
     return rows, meta
@@ -338,7 +396,10 @@ def _fill_vllm_real(row: ParityRow, ours, got: dict, length: int, compare, versi
 
     source = f"vLLM {version} ModelConfig + get_rope ({got.get('class', '?')}.forward_native)"
     if "error" in got:
-        row.source, row.verdict, row.same = source, f"differs: vLLM refuses it: {got['error']}", False
+        error = got["error"]
+        if "Value error, " in error:  # pydantic's wrapping of vLLM's own sentence
+            error = error.split("Value error, ", 1)[1].split(" To allow", 1)[0]
+        row.source, row.verdict, row.same = source, f"differs: vLLM refuses it: {error}", False
         return
     cos, sin = torch.tensor(got["cos"], dtype=torch.float64), torch.tensor(got["sin"], dtype=torch.float64)
     if cos.shape[0] < 2:
@@ -372,7 +433,8 @@ def _convert_base(src: Path, dst: Path, logs: Path, say) -> Path:
     return dst
 
 
-_COLUMNS = ["engine", "strategy", "length", "verdict", "same", "max_abs_dlogp", "ppl_ropescale", "ppl_engine",
+_COLUMNS = ["engine", "exported_by", "strategy", "length", "verdict", "same", "max_abs_dlogp", "ppl_ropescale",
+            "ppl_engine",
             "nan_positions", "tokens", "max_rel_freq_diff", "max_angle_diff", "magnitude_ropescale",
             "magnitude_engine", "softmax_scale_ropescale", "softmax_scale_engine", "source", "export", "notes",
             "engine_seconds", "model", "data", "windows", "train_length"]
@@ -400,12 +462,14 @@ def markdown(rows: list[ParityRow], meta: dict) -> str:
             + (f"; end to end on `{meta['data']}`, {meta['windows']} window(s) per length, "
                "float32 both sides, llama.cpp with an f32 KV cache" if e2e else "")
             + f"; dynamic NTK {'frozen at L' if meta.get('freeze_dynamic', True) else 'not frozen'}.")
-    cols = ["engine", "strategy", "L", "verdict"]
+    by = any(r.exported_by != "ropescale" for r in rows)
+    cols = ["engine"] + (["exported by"] if by else []) + ["strategy", "L", "verdict"]
     cols += ["max \\|Δ log p\\|", "PPL ropescale", "PPL engine"] if e2e else []
     cols += ["max rel Δθ", "max Δangle (rad)", "magnitude (ours / engine)", "source"]
     lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        cells = [r.engine, f"`{r.strategy}`", str(r.length), r.verdict.replace("|", "\\|")]
+        cells = [r.engine] + ([r.exported_by] if by else []) + \
+            [f"`{r.strategy}`", str(r.length), r.verdict.replace("|", "\\|")]
         if e2e:
             cells += [_fmt(r.max_abs_dlogp, ".2g") + (f" ({r.nan_positions} NaN)" if r.nan_positions else ""),
                       _fmt(r.ppl_ropescale, ".5g"), _fmt(r.ppl_engine, ".5g")]
@@ -416,6 +480,11 @@ def markdown(rows: list[ParityRow], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _short(strategy: str, width: int = 26) -> str:
+    """A tick label: the strategy display, cut to ``width`` characters with an ellipsis."""
+    return strategy if len(strategy) <= width else strategy[: width - 1] + "…"
+
+
 def plot_parity(rows: list[ParityRow], path: Path, meta: dict) -> Path:
     """max |Δ log p| (end to end; else the largest angle difference) per strategy, one panel per
     engine, one marker series per length, log scale; refused cases drawn at the bottom as ×,
@@ -423,12 +492,13 @@ def plot_parity(rows: list[ParityRow], path: Path, meta: dict) -> Path:
     from ropescale.runs.plotting import legend, line_style, pyplot, save_figure
 
     plt = pyplot()
+    rows = [r for r in rows if r.exported_by == "ropescale"]
     e2e = any(r.tokens for r in rows)
     key, label = ("max_abs_dlogp", "max |Δ log p| (nats)") if e2e else ("max_angle_diff", "max angle difference (rad)")
     engines = list(dict.fromkeys(r.engine for r in rows))
     strategies = list(dict.fromkeys(r.strategy for r in rows))
     lengths = sorted({r.length for r in rows})
-    fig, axes = plt.subplots(1, len(engines), figsize=(max(6, 0.55 * len(strategies) + 2) * len(engines) / 1.4, 4.2),
+    fig, axes = plt.subplots(1, len(engines), figsize=(max(5, 0.42 * len(strategies) + 1.5) * len(engines), 4.8),
                              squeeze=False, sharey=True)
     finite = [getattr(r, key) for r in rows if getattr(r, key) is not None and math.isfinite(getattr(r, key))
               and getattr(r, key) > 0]
@@ -458,7 +528,8 @@ def plot_parity(rows: list[ParityRow], path: Path, meta: dict) -> Path:
         ax.set_yscale("log")
         ax.set_ylim(lo / 2, hi * 2)
         ax.set_xticks(range(len(strategies)))
-        ax.set_xticklabels(strategies, rotation=60, ha="right", fontsize=7)
+        ax.set_xticklabels([_short(s) for s in strategies], rotation=55, ha="right", rotation_mode="anchor",
+                           fontsize=7)
         ax.set_title(f"{ENGINES[engine]['label'] if engine in ENGINES else engine}", fontsize=10)
         ax.grid(True, axis="y", alpha=0.3)
         legend(ax, len(lengths))

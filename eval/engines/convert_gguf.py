@@ -4,9 +4,10 @@ llama.cpp environment (never imports ropescale) and does not copy the converter.
     python convert_gguf.py REQUEST.json RESULT.json
 
 Request: ``{"mode": "convert", "model": DIR, "out": FILE.gguf, "source": LLAMA_CPP_DIR,
-"outtype": "f32"}``; ``source`` is the ``vendor/llama.cpp`` folder of the llama-cpp-python sdist
-(its ``convert_hf_to_gguf.py``, ``conversion/`` and ``gguf-py``, imported from there). Result:
-``{"out": FILE, "pre": name}``.
+"outtype": "f32"}`` (or ``"jobs": [{"model": DIR, "out": FILE}, ...]`` for several in one process);
+``source`` is the ``vendor/llama.cpp`` folder of the llama-cpp-python sdist (its
+``convert_hf_to_gguf.py``, ``conversion/`` and ``gguf-py``, imported from there). Result:
+``{"out": FILE, "pre": name}`` (``{"jobs": [...]}`` for jobs).
 
 Why the mapping: the converter names a BPE tokenizer's pre-tokenizer by hashing how it splits a
 fixed string and refuses hashes it does not list — also a from-scratch vocabulary whose
@@ -33,14 +34,19 @@ def _byte_level(model_dir: Path) -> bool:
 
 
 def convert(request: dict) -> dict:
+    if "jobs" in request:
+        return {"jobs": [convert({k: v for k, v in {**request, **job}.items() if k != "jobs"})
+                         for job in request["jobs"]]}
     source = Path(request["source"]).resolve()
     model_dir = Path(request["model"]).resolve()
-    sys.path.insert(0, str(source))
-    sys.path.insert(1, str(source / "gguf-py"))
+    if str(source) not in sys.path:
+        sys.path.insert(0, str(source))
+        sys.path.insert(1, str(source / "gguf-py"))
     import convert_hf_to_gguf
     from conversion import base
 
-    original = base.TextModel.get_vocab_base_pre
+    original = getattr(base.TextModel, "_ropescale_original", base.TextModel.get_vocab_base_pre)
+    base.TextModel._ropescale_original = original
     chosen = {}
 
     def get_vocab_base_pre(self, tokenizer) -> str:

@@ -5,9 +5,10 @@
 Modes (``request["mode"]``):
 
 ``logprobs``: ``{"jobs": [{"model": DIR, "max_model_len": N, "ids": [[int, ...], ...],
-"hf_overrides": {...} | null}, ...]}`` → ``{"jobs": [{"logprobs": [[float, ...], ...], "seconds": s}, ...],
-"vllm": version}``. Each job is one ``LLM(model=DIR, dtype="float32",
-enforce_eager=True, max_model_len=N)``; each sequence of ids is a ``TokensPrompt`` (the same ids
+"hf_overrides": {...} | null}, ...]}`` → ``{"jobs": [{"logprobs": [[float, ...], ...], "seconds": s}
+| {"error": line}, ...], "vllm": version}`` (a job whose ``LLM(...)`` vLLM refuses is an ``error``;
+the next still runs). Each job is one ``LLM(model=DIR, dtype="float32", enforce_eager=True,
+max_model_len=N)``; each sequence of ids is a ``TokensPrompt`` (the same ids
 ropescale scores) with ``prompt_logprobs=0``; ``logprobs[k][j]`` is log p(ids[j+1] | ids[:j+1]) as
 vLLM computes it (a NaN stays NaN: vLLM past its cos/sin cache). Sets ``VLLM_CPU_KVCACHE_SPACE=1``,
 ``VLLM_CPU_OMP_THREADS_BIND=nobind`` and (here only: the prompt is L tokens and one more is
@@ -54,8 +55,13 @@ def logprobs(request: dict) -> dict:
     for job in request["jobs"]:
         start = time.perf_counter()
         kwargs = {"hf_overrides": job["hf_overrides"]} if job.get("hf_overrides") else {}
-        llm = LLM(model=job["model"], dtype="float32", max_model_len=int(job["max_model_len"]),
-                  enforce_eager=True, seed=0, **kwargs)
+        try:
+            llm = LLM(model=job["model"], dtype="float32", max_model_len=int(job["max_model_len"]),
+                      enforce_eager=True, seed=0, **kwargs)
+        except Exception as e:  # noqa: BLE001 — vLLM refusing a config is a result, the next job still runs
+            out.append({"error": f"{type(e).__name__}: {' '.join(str(e).split())[:400]}",
+                        "seconds": time.perf_counter() - start})
+            continue
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in job["ids"]]
         results = llm.generate(prompts, params, use_tqdm=False)

@@ -144,6 +144,20 @@ def test_refusals_are_rows_with_the_reason_never_same(tiny_model_dir, tmp_path, 
     assert rows[0].verdict.startswith("refused: llama.cpp:")
 
 
+def test_baseline_rows_show_what_save_patched_served_before(tiny_model_dir, tmp_path, no_engines):
+    """save_patched's config.json as vLLM's config (max_position_embeddings left at T): vLLM refuses
+    serving 2T of dynamic NTK; ropescale's export of the same patch is the same. The llama.cpp
+    baseline needs llama.cpp's converter, so without it there is no such row."""
+    rows, meta = _run(tiny_model_dir, tmp_path, "dynamic_ntk", engine_list=("vllm", "llama.cpp"), baseline=True)
+    assert [(r.engine, r.exported_by) for r in rows] == [
+        ("vllm", "ropescale"), ("llama.cpp", "ropescale"), ("vllm", "save_patched config.json as written")]
+    assert rows[0].verdict == rows[1].verdict == "same"
+    assert rows[2].same is False and rows[2].verdict.startswith("differs: vLLM refuses max_model_len 64 > 32")
+    assert meta["baseline"] is True
+    md = markdown(rows, meta)
+    assert "| exported by |" in md and "| vllm | save_patched config.json as written | `dynamic_ntk` |" in md
+
+
 def _vllm_table_result(theta: torch.Tensor, n: int, magnitude: float = 1.0, cache: int | None = None):
     cos, sin = _table(theta, n, magnitude)
     return {"vllm": "fake", "cases": [{"class": "FakeRotaryEmbedding", "cache_length": cache or n,
