@@ -123,8 +123,9 @@ def chunk_calls(s_q: int, s_k: int, chunk: int, offset: int, lo: int, hi: int | 
         qa, qb = max(c0, m * chunk - offset), min(s_k, (m + 1) * chunk - offset)
         if hi is None and lo >= 1:  # the staircase: chunk m − lo's keys at distance < lo·c
             ka, kb = max(0, (m - lo) * chunk - offset), min(s_k, (m - lo + 1) * chunk - offset)
-            if kb > ka and qa - (kb - 1) < lo * chunk:  # some pair closer than lo·c
-                calls.append(Call(qa - c0, qb - c0, ka, kb, band=(0, lo * chunk)))
+            rows_end = min(qb, kb - 1 + lo * chunk)  # rows from here see no key of it (a masked row would
+            if kb > ka and rows_end > qa:  # get lse 0 from the kernel, not −inf)
+                calls.append(Call(qa - c0, rows_end - c0, ka, kb, band=(0, lo * chunk)))
             continue
         ka = 0 if hi is None else max(0, (m - hi + 1) * chunk - offset)
         if lo == 0:  # earlier key chunks in full, then the own chunk causally

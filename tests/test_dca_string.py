@@ -7,13 +7,15 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import DynamicCache
 
 import ropescale
 from ropescale.flex_regions import flex_attention_path
 from ropescale.strategies import get_strategy
 from ropescale.strategies.truncation import dca, string
-from ropescale.truncated_attention import blocked_attention, fused_attention
+from ropescale.truncated_attention import blocked_attention, fused_attention, naive_attention
 from tests.families import family_model
 
 IDS = torch.randint(0, 256, (2, 100), generator=torch.Generator().manual_seed(11))
@@ -256,3 +258,24 @@ def test_string_below_its_offset_is_vanilla_up_to_its_factor():
         base = model(IDS[:, :40]).logits
         with ropescale.patch(model, "string", shifted_offset=60, local_window=3, attention_factor=1.0):
             torch.testing.assert_close(model(IDS[:, :40]).logits, base, rtol=0, atol=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 90), cached=st.integers(0, 89), chunk_size=st.integers(2, 30), local=st.integers(0, 29),
+       pad=st.integers(0, 10))
+def test_fused_kernel_equals_the_explicit_map_for_any_chunking(n, cached, chunk_size, local, pad):
+    """Property: for any lengths, cache split, chunking and left padding, the fused kernel equals
+    attention over the explicit position map (whose entries the tests above check against the
+    paper) — every row's last chunk position included."""
+    local = local % chunk_size
+    s_q, pad = max(1, n - cached), min(pad, n - 1)
+    gen = torch.Generator().manual_seed(n * 31 + chunk_size)
+    q = torch.randn(2, 2, s_q, 16, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 1, n, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    pos = torch.stack([torch.arange(n, dtype=torch.float64), torch.arange(n, dtype=torch.float64) - pad])
+    keep = torch.ones(2, 1, 1, n, dtype=torch.bool)
+    keep[1, ..., :pad] = False
+    inv = 1.0 / (10000 ** (torch.arange(0, 16, 2).double() / 16))
+    args = (q, k, v, pos[:, n - s_q :], pos, dca(chunk_size, local, 1.0, False, 32), inv, 1.0)
+    kw = {"scale": 0.3, "keep": keep if pad else None}
+    torch.testing.assert_close(fused_attention(*args, **kw), naive_attention(*args, **kw).double(), rtol=0, atol=1e-6)
