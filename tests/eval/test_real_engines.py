@@ -147,3 +147,37 @@ def test_vllm_end_to_end_matches_ropescale_for_one_export(tmp_path):
     rows = _rows("reference", ["yarn"], [512], "vllm", end_to_end=True, data="kjv-heldout", output=tmp_path)
     r = rows[0]
     assert r.verdict == "same" and r.nan_positions == 0 and r.max_abs_dlogp < 1e-3, r
+
+
+_REFUSAL_CASES = {  # rope_parameters of save_patched's config.json (max_position_embeddings left at T = 32)
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 1.0},
+    "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+}
+
+
+@needs_vllm
+@pytest.mark.parametrize("kind", [
+    "linear", "dynamic", "llama3",
+    pytest.param("yarn", marks=pytest.mark.xfail(strict=True, reason=(
+        "ropescale.serving.vllm._derived_max_len multiplies YaRN's factor into the longest max_model_len vLLM "
+        "accepts; vLLM 0.32.0's _get_and_verify_max_len (vllm/config/model.py) leaves YaRN's max_position_embeddings "
+        "unscaled and refuses 4T of save_patched's config"))),
+])
+def test_vllm_rope_says_when_vllm_refuses_a_length_as_vllm_does(tiny_model_dir, tmp_path, monkeypatch, kind):
+    """vLLM's own ModelConfig (no VLLM_ALLOW_LONG_MAX_MODEL_LEN) against vllm_rope's ``failure`` on the
+    configs save_patched writes, served at 4T = 128."""
+    from eval.parity import _link_model
+    from ropescale.serving.vllm import vllm_rope
+
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    config = {**json.loads((tiny_model_dir / "config.json").read_text()), "max_position_embeddings": 32,
+              "rope_parameters": {"rope_theta": 10000.0, **_REFUSAL_CASES[kind]}}
+    folder = _link_model(tiny_model_dir, tmp_path / kind, config)
+    got = engines.run_engine("vllm", {"mode": "rope", "cases": [{"model": str(folder), "max_model_len": 128,
+                                                                "length": 128}]})["cases"][0]
+    vllm_refuses = "max_model_len" in got.get("error", "")
+    mine = vllm_rope(config, 128).failure or ""
+    assert vllm_refuses == ("refuses max_model_len" in mine), (got.get("error"), mine)
