@@ -582,8 +582,8 @@ def reference_card(model, threads, plot) -> None:
               help="repeatable; parameters a sweep fills (factor …) follow each --length")
 @click.option("--length", "lengths", multiple=True, required=True, type=click.IntRange(min=2),
               help="served length L (tokens); repeatable")
-@click.option("--engine", "engine_list", default="vllm,llama.cpp", show_default=True,
-              help="comma-separated: vllm, llama.cpp")
+@click.option("--engine", "engine_list", default="transformers,vllm,llama.cpp", show_default=True,
+              help="comma-separated: transformers (in process), vllm, llama.cpp")
 @click.option("--end-to-end", is_flag=True,
               help="also score held-out text through the real engines (needs them installed: bench/engines/install.sh)")
 @click.option("--data", default="kjv-heldout", show_default=True, help="text for --end-to-end")
@@ -600,7 +600,7 @@ def reference_card(model, threads, plot) -> None:
 @click.option("--quiet", "-q", is_flag=True, help="no progress output")
 def parity(model, strategy_specs, lengths, engine_list, end_to_end, data, windows, freeze_dynamic, gguf_path,
            baseline, output, quiet) -> None:
-    """Per engine (vLLM, llama.cpp) × strategy × length: the frequencies, cos/sin magnitude and
+    """Per engine (plain transformers, vLLM, llama.cpp) × strategy × length: the frequencies, cos/sin magnitude and
     softmax scale the engine computes from ropescale's export against ropescale's, the largest
     angle difference up to L and a verdict — from the engine's own code where installed, from
     ropescale's re-implementation otherwise; with --end-to-end, held-out log-probabilities through

@@ -50,7 +50,7 @@ from .engines import ENGINES, engine_python, llama_cpp_source, require_engine, r
 __all__ = ["AS_WRITTEN", "ENGINE_NAMES", "ParityRow", "angle_table_diff", "e2e_numbers", "markdown", "plot_parity",
            "run_parity", "write_parity"]
 
-ENGINE_NAMES = tuple(ENGINES)  # "vllm", "llama.cpp"
+ENGINE_NAMES = ("transformers", *ENGINES)  # transformers in-process; "vllm", "llama.cpp" as subprocesses
 AS_WRITTEN = {"vllm": "save_patched config.json as written",
               "llama.cpp": "llama.cpp's converter on save_patched"}
 _LINKED = ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
@@ -195,16 +195,17 @@ data, windows, T, d, lengths, one line per engine (version and where it ran, or 
     from ropescale.strategies import get_strategy
 
     say = say or (lambda _m: None)
-    bad = [e for e in engines if e not in ENGINES]
+    bad = [e for e in engines if e not in ENGINE_NAMES]
     if bad or not engines:
-        raise InvalidInput(f"--engine {','.join(bad) or '(none)'}: choose from {', '.join(ENGINES)}")
+        raise InvalidInput(f"--engine {','.join(bad) or '(none)'}: choose from {', '.join(ENGINE_NAMES)}")
     if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in lengths):
         raise InvalidInput(f"lengths {lengths} must be whole numbers of tokens >= 2")
     if windows < 1:
         raise InvalidInput(f"windows={windows} must be >= 1")
     if end_to_end:
         for e in engines:
-            require_engine(e)  # EngineAbsent: one line naming how to install it
+            if e != "transformers":
+                require_engine(e)  # EngineAbsent: one line naming how to install it
     output = Path(output)
     exports, logs = output / "exports", output / "logs"
     rope_cfg = model_rope_config(model)
@@ -213,7 +214,7 @@ data, windows, T, d, lengths, one line per engine (version and where it ran, or 
     m, tok = load_model(model, device="cpu")
     unpatch(m)
     ids = _windows(tok, data, lengths, windows) if end_to_end else {}
-    installed = {e: engine_python(e) is not None for e in engines}
+    installed = {e: e == "transformers" or engine_python(e) is not None for e in engines}
     versions: dict[str, str] = {}
 
     rows: list[ParityRow] = []
@@ -239,6 +240,10 @@ data, windows, T, d, lengths, one line per engine (version and where it ran, or 
                     rows.append(row)
                     if ours is not None:
                         row.magnitude_ropescale, row.softmax_scale_ropescale = ours.magnitude, ours.softmax_scale
+                    if engine == "transformers":
+                        folder = exports / "transformers" / _slug(spec.display, length)
+                        _transformers_row(row, m, tok, ours, length, folder, ids.get(length), ours_lp, compare)
+                        continue
                     try:
                         if engine == "vllm":
                             from ropescale.serving.vllm import export_vllm
@@ -376,9 +381,53 @@ data, windows, T, d, lengths, one line per engine (version and where it ran, or 
     meta = {"model": model, "data": data, "windows": windows, "train_length": train, "dim": dim,
             "lengths": list(lengths), "freeze_dynamic": freeze_dynamic, "end_to_end": end_to_end,
             "baseline": baseline,
-            "engines": [f"{versions.get(e, ENGINES[e]['label'])} ({engine_python(e)})" if installed[e] else
-                        f"{ENGINES[e]['label']} not installed: re-implementation" for e in engines]}
+            "engines": [_engine_line(e, installed[e], versions) for e in engines]}
     return rows, meta
+
+
+def _engine_line(engine: str, installed: bool, versions: dict) -> str:
+    if engine == "transformers":
+        import transformers
+
+        return f"transformers {transformers.__version__} (in process)"
+    if not installed:
+        return f"{ENGINES[engine]['label']} not installed: re-implementation"
+    return f"{versions.get(engine, ENGINES[engine]['label'])} ({engine_python(engine)})"
+
+
+def _transformers_row(row: ParityRow, model, tokenizer, ours, length: int, folder: Path, windows, ours_lp,
+                      compare) -> None:
+    """A row for plain transformers: ``export_for(..., "transformers")`` loaded back with
+    ``AutoModelForCausalLM.from_pretrained`` (no ropescale), its own rotary module run at
+    positions 0 … L−1 (a dynamic type updates as in generation's first forward), its log-probs."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from ropescale.serving.export import export_for
+    from ropescale.serving.rope import EngineRope
+
+    result = export_for(model, "transformers", length, folder, tokenizer=tokenizer)
+    record = json.loads((folder / "ropescale.json").read_text(encoding="utf-8"))
+    if not record.get("native"):
+        row.source, row.same = "ropescale export", False
+        row.verdict = (f"refused: transformers: {row.strategy} has no transformers rope type; plain from_pretrained "
+                       "refuses the saved folder (load it with ropescale.load_model)")
+        return
+    source = f"transformers {transformers.__version__} from_pretrained + its rotary module"
+    plain = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    rotary = next(mod for mod in plain.modules() if hasattr(mod, "inv_freq"))
+    with torch.no_grad():
+        cos, sin = rotary(torch.zeros(1, length, 1), torch.arange(length)[None])
+    half = cos.shape[-1] // 2
+    cos, sin = cos[0, :, :half].double(), sin[0, :, :half].double()
+    theirs = EngineRope(torch.atan2(sin[1], cos[1]), float(torch.hypot(cos[0], sin[0]).mean()), 1.0, source)
+    _fill(row, ours, theirs, length, compare, source, angle=angle_table_diff(cos, sin, ours.inv_freq))
+    row.export = "; ".join(result.notes) or "config.json rope_parameters as saved"
+    if windows is not None:
+        start = time.perf_counter()
+        for k, v in e2e_numbers(ours_lp, _our_logprobs(plain, windows)).items():
+            setattr(row, k, v)
+        row.engine_seconds = round(time.perf_counter() - start, 2)
 
 
 def _fill(row: ParityRow, ours, theirs, length: int, compare, source: str, angle: float | None = None) -> None:
@@ -530,7 +579,7 @@ def plot_parity(rows: list[ParityRow], path: Path, meta: dict) -> Path:
         ax.set_xticks(range(len(strategies)))
         ax.set_xticklabels([_short(s) for s in strategies], rotation=55, ha="right", rotation_mode="anchor",
                            fontsize=7)
-        ax.set_title(f"{ENGINES[engine]['label'] if engine in ENGINES else engine}", fontsize=10)
+        ax.set_title(ENGINES[engine]["label"] if engine in ENGINES else engine, fontsize=10)
         ax.grid(True, axis="y", alpha=0.3)
         legend(ax, len(lengths))
     axes[0][0].set_ylabel(label)

@@ -218,6 +218,16 @@ def test_end_to_end_with_a_fake_engine_reports_its_nan_positions(tiny_model_dir,
     assert paths["plot"].stat().st_size > 1000
 
 
+def test_plain_transformers_rows_load_the_export_without_ropescale(tiny_model_dir, tmp_path, text_file):
+    rows, _ = run_parity(str(tiny_model_dir), [parse_strategy(s) for s in ("dynamic_ntk", "yarn", "rerope")], [64],
+                         engines=["transformers"], end_to_end=True, data=str(text_file), output=tmp_path / "o")
+    dyn, yarn, rerope = rows
+    assert dyn.verdict == yarn.verdict == "same" and dyn.source.startswith("transformers 5.")
+    assert yarn.magnitude_engine == pytest.approx(0.1 * math.log(2) + 1)
+    assert dyn.max_abs_dlogp < 1e-4 and yarn.max_abs_dlogp < 1e-4 and dyn.tokens == 63
+    assert rerope.verdict.startswith("refused: transformers: rerope") and rerope.same is False
+
+
 def test_markdown_names_model_and_settings_and_escapes_pipes():
     row = ParityRow("vllm", "yarn", 512, "src", "differs: a | b", same=False, max_rel_freq_diff=0.5)
     md = markdown([row], {"model": "m", "train_length": 128, "dim": 32, "lengths": [512], "engines": ["vLLM x"],
@@ -239,7 +249,7 @@ def test_cli_end_to_end_without_the_engine_is_one_line(tiny_model_dir, tmp_path,
 def test_cli_unknown_engine_is_one_line(tiny_model_dir, tmp_path, no_engines):
     res = CliRunner().invoke(main, ["parity", "--model", str(tiny_model_dir), "--strategy", "linear", "--length", "64",
                                     "--engine", "tgi", "-o", str(tmp_path / "o")])
-    assert res.exit_code == 1 and res.output.strip() == "Error: --engine tgi: choose from vllm, llama.cpp"
+    assert res.exit_code == 1 and res.output.strip() == "Error: --engine tgi: choose from transformers, vllm, llama.cpp"
 
 
 def test_cli_without_engines_writes_the_reports(tiny_model_dir, tmp_path, no_engines):
