@@ -49,6 +49,8 @@ VARIANTS = {
     "rerope": ("rerope", {"window": 64}, {}),
     "leaky_rerope": ("leaky_rerope", {"window": 64, "k": 16.0}, {}),
     "self_extend": ("self_extend", {"window": 64, "group_size": 8}, {}),
+    "string": ("string", {}, {}),  # the authors' defaults at T = 128: S = 42, W = 5
+    "dca": ("dca", {}, {}),  # ChunkLlama's defaults at T = 128: chunk_size 96, local_window 16 (chunks of 80)
     "rerope (blocked)": ("rerope", {"window": 64}, {"attention_path": "blocked"}),
     "rerope (flex)": ("rerope", {"window": 64}, {"attention_path": "flex"}),
     "rerope (naive)": ("rerope", {"window": 64}, {"attention_path": "naive"}),
