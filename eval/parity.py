@@ -45,7 +45,7 @@ import torch
 
 from ropescale.errors import InvalidInput
 
-from .engines import ENGINES, engine_python, llama_cpp_source, require_engine, run_engine
+from .engines import ENGINES, EngineFailed, engine_python, llama_cpp_source, require_engine, run_engine
 
 __all__ = ["AS_WRITTEN", "ENGINE_NAMES", "ParityRow", "angle_table_diff", "e2e_numbers", "markdown", "plot_parity",
            "run_parity", "write_parity"]
@@ -368,8 +368,14 @@ data, windows, T, d, lengths, one line per engine (version and where it ran, or 
             continue
         say(f"{ENGINES[engine]['label']}: end to end, {len(jobs)} exports × {windows} window(s) of held-out text")
         start = time.perf_counter()
-        res = run_engine(engine, {"mode": "logprobs", "jobs": [{k: v for k, v in j.items() if k != "ours"}
-                                                               for _, j in jobs]}, log_dir=logs)
+        try:
+            res = run_engine(engine, {"mode": "logprobs", "jobs": [{k: v for k, v in j.items() if k != "ours"}
+                                                                   for _, j in jobs]}, log_dir=logs)
+        except EngineFailed as e:  # the rotation rows stand; the end-to-end cells say why they are empty
+            say(str(e))
+            for row, _ in jobs:
+                row.notes = "; ".join(x for x in (row.notes, f"end to end failed: {e}") if x)
+            continue
         for (row, job), got in zip(jobs, res["jobs"]):
             row.engine_seconds = round(got.get("seconds", 0.0), 2)
             if "error" in got:  # the engine refused to load it

@@ -6,9 +6,9 @@ Modes (``request["mode"]``):
 
 ``logprobs``: ``{"jobs": [{"model": DIR, "max_model_len": N, "ids": [[int, ...], ...],
 "hf_overrides": {...} | null}, ...]}`` → ``{"jobs": [{"logprobs": [[float, ...], ...], "seconds": s}
-| {"error": line}, ...], "vllm": version}`` (a job whose ``LLM(...)`` vLLM refuses is an ``error``;
-the next still runs). Each job is one ``LLM(model=DIR, dtype="float32", enforce_eager=True,
-max_model_len=N)``; each sequence of ids is a ``TokensPrompt`` (the same ids
+| {"error": line}, ...], "vllm": version}`` (a job vLLM refuses to load, or whose engine dies
+while scoring, is an ``error``; the next still runs). Each job is one ``LLM(model=DIR,
+dtype="float32", enforce_eager=True, max_model_len=N)``; each sequence of ids is a ``TokensPrompt`` (the same ids
 ropescale scores) with ``prompt_logprobs=0``; ``logprobs[k][j]`` is log p(ids[j+1] | ids[:j+1]) as
 vLLM computes it (a NaN stays NaN: vLLM past its cos/sin cache). Sets ``VLLM_CPU_KVCACHE_SPACE=1``,
 ``VLLM_CPU_OMP_THREADS_BIND=nobind`` and (here only: the prompt is L tokens and one more is
@@ -64,7 +64,13 @@ def logprobs(request: dict) -> dict:
             continue
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in job["ids"]]
-        results = llm.generate(prompts, params, use_tqdm=False)
+        try:
+            results = llm.generate(prompts, params, use_tqdm=False)
+        except Exception as e:  # noqa: BLE001 — e.g. past LongRoPE's cache: its engine dies, the next job starts a new one
+            out.append({"error": f"{type(e).__name__}: {' '.join(str(e).split())[:400]}",
+                        "seconds": time.perf_counter() - start})
+            del llm
+            continue
         seqs = []
         for ids, r in zip(job["ids"], results):
             row = []
