@@ -541,10 +541,10 @@ def _short(strategy: str, width: int = 26) -> str:
 
 
 def plot_parity(rows: list[ParityRow], path: Path, meta: dict) -> Path:
-    """max |Δ log p| (end to end; else the largest angle difference) per strategy, one panel per
-    engine, one marker series per length, log scale; refused cases drawn at the bottom as ×,
-    NaN/∞ at the top as ▲."""
-    from ropescale.runs.plotting import legend, line_style, pyplot, save_figure
+    """max |Δ log p| (end to end; else the largest angle difference) per strategy, log scale: one
+    colour per engine, one marker per length, side by side; refused cases drawn at the bottom as
+    ×, NaN/∞ at the top as ▲. Only ropescale's own exports (not ``--baseline`` rows)."""
+    from ropescale.runs.plotting import pyplot, save_figure
 
     plt = pyplot()
     rows = [r for r in rows if r.exported_by == "ropescale"]
@@ -553,44 +553,45 @@ def plot_parity(rows: list[ParityRow], path: Path, meta: dict) -> Path:
     engines = list(dict.fromkeys(r.engine for r in rows))
     strategies = list(dict.fromkeys(r.strategy for r in rows))
     lengths = sorted({r.length for r in rows})
-    fig, axes = plt.subplots(1, len(engines), figsize=(max(5, 0.42 * len(strategies) + 1.5) * len(engines), 4.8),
-                             squeeze=False, sharey=True)
+    series = [(e, n) for e in engines for n in lengths]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(strategies) + 2.5), 4.8))
     finite = [getattr(r, key) for r in rows if getattr(r, key) is not None and math.isfinite(getattr(r, key))
               and getattr(r, key) > 0]
     lo = min(finite) / 10 if finite else 1e-8
     hi = max(finite) * 10 if finite else 1.0
-    for ax, engine in zip(axes[0], engines):
-        for j, length in enumerate(lengths):
-            style = line_style(j, len(lengths))
-            xs, ys, xr, xn = [], [], [], []
-            for i, s in enumerate(strategies):
-                r = next((r for r in rows if r.engine == engine and r.strategy == s and r.length == length), None)
-                if r is None:
-                    continue
-                x = i + (j - (len(lengths) - 1) / 2) * 0.18
-                v = getattr(r, key)
-                if r.verdict.startswith("refused"):
-                    xr.append(x)
-                elif v is None or not math.isfinite(v):
-                    xn.append(x)
-                else:
-                    xs.append(x)
-                    ys.append(max(v, lo))
-            ax.scatter(xs, ys, color=style["color"], marker=style["marker"], s=28,
-                       label=f"L = {length} ({length / meta['train_length']:g}T)")
-            ax.scatter(xr, [lo] * len(xr), color=style["color"], marker="x", s=36)
-            ax.scatter(xn, [hi] * len(xn), color=style["color"], marker="^", s=36)
-        ax.set_yscale("log")
-        ax.set_ylim(lo / 2, hi * 2)
-        ax.set_xticks(range(len(strategies)))
-        ax.set_xticklabels([_short(s) for s in strategies], rotation=55, ha="right", rotation_mode="anchor",
-                           fontsize=7)
-        ax.set_title(ENGINES[engine]["label"] if engine in ENGINES else engine, fontsize=10)
-        ax.grid(True, axis="y", alpha=0.3)
-        legend(ax, len(lengths))
-    axes[0][0].set_ylabel(label)
-    fig.suptitle(f"ropescale vs the engine — {meta['model']} (T = {meta['train_length']}); × refused, ▲ NaN/∞",
-                 fontsize=9)
+    colors = plt.get_cmap("tab10").colors
+    markers = "os^Dv"
+    width = 0.8 / max(1, len(series))
+    for k, (engine, length) in enumerate(series):
+        color, marker = colors[engines.index(engine) % 10], markers[lengths.index(length) % len(markers)]
+        xs, ys, xr, xn = [], [], [], []
+        for i, s in enumerate(strategies):
+            r = next((r for r in rows if r.engine == engine and r.strategy == s and r.length == length), None)
+            if r is None:
+                continue
+            x = i + (k - (len(series) - 1) / 2) * width
+            v = getattr(r, key)
+            if r.verdict.startswith("refused"):
+                xr.append(x)
+            elif v is None or not math.isfinite(v):
+                xn.append(x)
+            else:
+                xs.append(x)
+                ys.append(max(v, lo))
+        name = ENGINES[engine]["label"] if engine in ENGINES else engine
+        ax.scatter(xs, ys, color=color, marker=marker, s=26, label=f"{name}, L = {length} "
+                   f"({length / meta['train_length']:g}T)")
+        ax.scatter(xr, [lo] * len(xr), color=color, marker="x", s=30)
+        ax.scatter(xn, [hi] * len(xn), color=color, marker="^", s=30)
+    ax.set_yscale("log")
+    ax.set_ylim(lo / 2, hi * 2)
+    ax.set_xticks(range(len(strategies)))
+    ax.set_xticklabels([_short(s) for s in strategies], rotation=50, ha="right", rotation_mode="anchor", fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.set_ylabel(label)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    ax.set_title(f"ropescale's export served by each engine vs the patched model\n{meta['model']} "
+                 f"(T = {meta['train_length']}); × refused, ▲ NaN/∞", fontsize=9)
     save_figure(fig, path)
     return path
 
