@@ -309,8 +309,8 @@ data, windows, T, d, lengths, one line per engine (version and where it ran, or 
                     slug = _slug(spec.display, length)
                     folder = _link_model(src, exports / "as-written" / slug, written.to_dict())
                     for engine in engines:
-                        if engine == "llama.cpp" and not installed[engine]:
-                            continue  # the converter runs in llama.cpp's environment
+                        if engine not in AS_WRITTEN or (engine == "llama.cpp" and not installed[engine]):
+                            continue  # transformers: save_patched is its export; the converter needs llama.cpp
                         row = ParityRow(engine, spec.display, length, "", "", exported_by=AS_WRITTEN[engine],
                                         magnitude_ropescale=ours.magnitude, softmax_scale_ropescale=ours.softmax_scale)
                         rows.append(row)

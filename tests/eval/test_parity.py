@@ -148,9 +148,12 @@ def test_baseline_rows_show_what_save_patched_served_before(tiny_model_dir, tmp_
     """save_patched's config.json as vLLM's config (max_position_embeddings left at T): vLLM refuses
     serving 2T of dynamic NTK; ropescale's export of the same patch is the same. The llama.cpp
     baseline needs llama.cpp's converter, so without it there is no such row."""
-    rows, meta = _run(tiny_model_dir, tmp_path, "dynamic_ntk", engine_list=("vllm", "llama.cpp"), baseline=True)
+    rows, meta = _run(tiny_model_dir, tmp_path, "dynamic_ntk", engine_list=("transformers", "vllm", "llama.cpp"),
+                      baseline=True)
     assert [(r.engine, r.exported_by) for r in rows] == [
-        ("vllm", "ropescale"), ("llama.cpp", "ropescale"), ("vllm", "save_patched config.json as written")]
+        ("transformers", "ropescale"), ("vllm", "ropescale"), ("llama.cpp", "ropescale"),
+        ("vllm", "save_patched config.json as written")]
+    rows = rows[1:]
     assert rows[0].verdict == rows[1].verdict == "same"
     assert rows[2].same is False and rows[2].verdict.startswith("differs: vLLM refuses max_model_len 64 > 32")
     assert meta["baseline"] is True
