@@ -16,15 +16,16 @@ Calls by region shape (every decision from Python integers, so the host never wa
 * distance band lo ≤ i − j < hi: queries in blocks of B, each over the B + hi − lo − 1 keys it
   can see, read through a strided *view* of the keys (no copy) with one shared band mask; the
   first rows and the last partial block are separate small masked calls — ``band_calls``;
-* chunk region lo ≤ ⌊p_i/c⌋ − ⌊p_j/c⌋ < hi (p = position = slot + o): per query chunk, one full
-  call over the key chunks in range, plus a top-left causal call over its own chunk when lo = 0
-  — ``chunk_calls``; o is a Python integer per batch row, so rows with different left padding
-  are planned apart (``ropescale.truncated_attention``);
+* chunk region lo ≤ ⌊p_i/c⌋ − ⌊p_j/c⌋ < hi (p = position = slot + o): the whole query chunks
+  in one call with chunks as the kernel's batch (keys a strided view, one shared mask), partial
+  chunks apart; an unbounded one as a causal attention shifted by lo·c plus the staircase of
+  chunk m − lo — ``chunk_calls``; o is a Python integer per batch row, so rows with different
+  left padding are planned apart (``ropescale.truncated_attention``);
 * a sliding window W bounds distance regions (hi ← min(hi, W)).
 
 ReRoPE / Leaky ReRoPE / SelfExtend / STRING are two distance regions (near band, far causal):
 the causal triangle once plus a band of about (B + w)·n scores, close to one vanilla attention.
-Dual Chunk Attention is three chunk regions: the triangle once in about 3·n/c calls.
+Dual Chunk Attention is three chunk regions: the triangle once, in a handful of calls.
 
 Backward (``RegionAttention``) calls the kernel's backward per call with the *merged* output and
 LSE — the softmax gradient of each region given the global normaliser — and adds the parts;
@@ -109,31 +110,49 @@ def chunk_calls(s_q: int, s_k: int, chunk: int, offset: int, lo: int, hi: int | 
     """Calls covering lo ≤ ⌊p_i/c⌋ − ⌊p_j/c⌋ < hi (hi None: unbounded), i ≥ j, where p = slot +
     ``offset`` is a slot's position and c = ``chunk``; query slot i = s_k − s_q + t.
 
-    Bounded regions: per query chunk, a full call over the key chunks in range (plus a causal one
-    over its own chunk when lo = 0): c × (hi − lo)·c scores each. Unbounded (lo ≥ 1: DCA's
+    Bounded regions (DCA's intra- and successive-chunk ones): each query chunk sees key chunks
+    m − hi + 1 … m − lo, the same shape for every chunk, so the whole chunks are one call with
+    chunks as the kernel's batch (the keys a strided view, one shared mask: causal inside the own
+    chunk); partial chunks at either end are calls of their own. Unbounded (lo ≥ 1: DCA's
     inter-chunk region): every pair at distance ≥ lo·c is in it, so one shifted causal attention
-    (``causal_calls``) does the bulk — a few long calls, which the flash kernel runs far faster
-    than one short query block per chunk against all earlier keys — and per query chunk a small
-    masked call adds chunk m − lo's keys closer than lo·c."""
+    (``causal_calls``) does the bulk, and the staircase left — chunk m − lo's keys closer than
+    lo·c — is again one batched call over the whole chunks plus the partial ones."""
     c0, calls = s_k - s_q, []
     first, last = (c0 + offset) // chunk, (s_k - 1 + offset) // chunk
-    if hi is None and lo >= 1:
+    stair = hi is None and lo >= 1
+    if stair:
         calls += causal_calls(s_q, s_k, lo * chunk)
-    for m in range(first, last + 1):  # query chunk m: slots [m·c − offset, (m + 1)·c − offset)
-        qa, qb = max(c0, m * chunk - offset), min(s_k, (m + 1) * chunk - offset)
-        if hi is None and lo >= 1:  # the staircase: chunk m − lo's keys at distance < lo·c
-            ka, kb = max(0, (m - lo) * chunk - offset), min(s_k, (m - lo + 1) * chunk - offset)
+    elif hi is None:  # lo = 0, unbounded: every pair
+        return causal_calls(s_q, s_k, 0)
+    back = lo if stair else hi - 1  # the key window starts `back` chunks before the query chunk
+    width = chunk if stair else (hi - lo) * chunk
+    top = lo * chunk if stair else hi * chunk  # band (0, top): causal inside, all of the earlier chunks
+
+    def start(m: int) -> int:  # the slot where chunk m starts
+        return m * chunk - offset
+
+    whole = [m for m in range(first, last + 1) if start(m) >= c0 and start(m + 1) <= s_k and start(m - back) >= 0]
+    if len(whole) > 1:  # contiguous: one batched call
+        m0, m1 = whole[0], whole[-1] + 1
+        calls.append(Call(start(m0) - c0, start(m1) - c0, start(m0 - back), start(m1 - back) - chunk + width,
+                          band=(0, top), blocks=m1 - m0, width=width))
+    for m in range(first, last + 1):
+        if len(whole) > 1 and whole[0] <= m <= whole[-1]:
+            continue
+        qa, qb = max(c0, start(m)), min(s_k, start(m + 1))
+        if stair:  # the staircase: chunk m − lo's keys at distance < lo·c
+            ka, kb = max(0, start(m - lo)), min(s_k, start(m - lo + 1))
             rows_end = min(qb, kb - 1 + lo * chunk)  # rows from here see no key of it (a masked row would
             if kb > ka and rows_end > qa:  # get lse 0 from the kernel, not −inf)
                 calls.append(Call(qa - c0, rows_end - c0, ka, kb, band=(0, lo * chunk)))
             continue
-        ka = 0 if hi is None else max(0, (m - hi + 1) * chunk - offset)
+        ka = max(0, start(m - hi + 1))
         if lo == 0:  # earlier key chunks in full, then the own chunk causally
             if qa > ka:
                 calls.append(Call(qa - c0, qb - c0, ka, qa))
             calls.append(Call(qa - c0, qb - c0, qa, qb, causal=True))
         else:
-            kb = min(s_k, (m - lo + 1) * chunk - offset)
+            kb = min(s_k, start(m - lo + 1))
             if kb > ka:
                 calls.append(Call(qa - c0, qb - c0, ka, kb))
     return calls
@@ -148,9 +167,9 @@ def near_block(window: int) -> int:
 def _band_mask(call: Call, c0: int) -> torch.Tensor:
     """Bool visibility ``[rows, keys]`` of a band call (for blocked calls: of block 0)."""
     lo, hi = call.band
-    if call.blocks:
+    if call.blocks:  # block n's queries start c0 + t0 − j0 slots after its keys: the same for every block
         r = torch.arange((call.t1 - call.t0) // call.blocks)
-        dist = r[:, None] + (hi - 1) - torch.arange(call.width)[None, :]  # same for every block
+        dist = r[:, None] + (c0 + call.t0 - call.j0) - torch.arange(call.width)[None, :]
     else:
         dist = (c0 + torch.arange(call.t0, call.t1))[:, None] - torch.arange(call.j0, call.j1)[None, :]
     return (dist >= lo) & (dist < hi)
@@ -172,6 +191,16 @@ def _query_blocks(x: torch.Tensor, call: Call) -> torch.Tensor:
 
 def _additive(visible: torch.Tensor, dtype) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+
+
+@lru_cache(maxsize=64)
+def _band_rows(call: Call, c0: int) -> torch.Tensor | None:
+    """``[1, 1, B]`` bool: the rows of a blocked call's shared mask that see a key, or None when all
+    do (a row that sees none gets lse 0 from the kernel, not −inf)."""
+    lo, hi = call.band
+    shift = c0 + call.t0 - call.j0  # row r sees distances r + shift − width + 1 … r + shift
+    has = [r + shift >= lo and r + shift - call.width + 1 <= hi - 1 for r in range((call.t1 - call.t0) // call.blocks)]
+    return None if all(has) else torch.tensor(has)[None, None]  # decided in Python: no host read
 
 
 @lru_cache(maxsize=64)
@@ -226,7 +255,7 @@ def _forward_call(call: Call, plan: _Plan, q, k, v):
     keep, dtype = plan.keep, q.dtype
     if call.blocks:
         for bi in range(q.shape[0]):  # one batch row at a time: blocks are the kernel's batch
-            mask, has = _band_additive(call, plan.c0, dtype), None
+            mask, has = _band_additive(call, plan.c0, dtype), _band_rows(call, plan.c0)
             if keep is not None:
                 # [n, B, width]
                 vis = _band_mask(call, plan.c0)[None] & _windows(keep[bi][None, :, None], call)[:, 0, :, 0][:, None, :]

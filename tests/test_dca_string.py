@@ -266,7 +266,7 @@ def test_string_below_its_offset_is_vanilla_up_to_its_factor():
 def test_fused_kernel_equals_the_explicit_map_for_any_chunking(n, cached, chunk_size, local, pad):
     """Property: for any lengths, cache split, chunking and left padding, the fused kernel equals
     attention over the explicit position map (whose entries the tests above check against the
-    paper) — every row's last chunk position included."""
+    paper) — every row's last chunk position included. (The map path scores in float32: 1e-5.)"""
     local = local % chunk_size
     s_q, pad = max(1, n - cached), min(pad, n - 1)
     gen = torch.Generator().manual_seed(n * 31 + chunk_size)
@@ -278,4 +278,4 @@ def test_fused_kernel_equals_the_explicit_map_for_any_chunking(n, cached, chunk_
     inv = 1.0 / (10000 ** (torch.arange(0, 16, 2).double() / 16))
     args = (q, k, v, pos[:, n - s_q :], pos, dca(chunk_size, local, 1.0, False, 32), inv, 1.0)
     kw = {"scale": 0.3, "keep": keep if pad else None}
-    torch.testing.assert_close(fused_attention(*args, **kw), naive_attention(*args, **kw).double(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(fused_attention(*args, **kw), naive_attention(*args, **kw).double(), rtol=0, atol=1e-5)
