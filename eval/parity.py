@@ -542,8 +542,8 @@ def _short(strategy: str, width: int = 26) -> str:
 
 def plot_parity(rows: list[ParityRow], path: Path, meta: dict) -> Path:
     """max |Δ log p| (end to end; else the largest angle difference) per strategy, log scale: one
-    colour per engine, one marker per length, side by side; refused cases drawn at the bottom as
-    ×, NaN/∞ at the top as ▲. Only ropescale's own exports (not ``--baseline`` rows)."""
+    colour per engine, one marker per length, side by side; exactly 0 hollow at the floor, refused
+    cases below it as ×, NaN/∞ at the top as ▲. Only ropescale's own exports (not ``--baseline`` rows)."""
     from ropescale.runs.plotting import pyplot, save_figure
 
     plt = pyplot()
@@ -564,7 +564,7 @@ def plot_parity(rows: list[ParityRow], path: Path, meta: dict) -> Path:
     width = 0.8 / max(1, len(series))
     for k, (engine, length) in enumerate(series):
         color, marker = colors[engines.index(engine) % 10], markers[lengths.index(length) % len(markers)]
-        xs, ys, xr, xn = [], [], [], []
+        xs, ys, xr, xn, xz = [], [], [], [], []
         for i, s in enumerate(strategies):
             r = next((r for r in rows if r.engine == engine and r.strategy == s and r.length == length), None)
             if r is None:
@@ -575,23 +575,26 @@ def plot_parity(rows: list[ParityRow], path: Path, meta: dict) -> Path:
                 xr.append(x)
             elif v is None or not math.isfinite(v):
                 xn.append(x)
+            elif v <= 0:
+                xz.append(x)
             else:
                 xs.append(x)
                 ys.append(max(v, lo))
         name = ENGINES[engine]["label"] if engine in ENGINES else engine
         ax.scatter(xs, ys, color=color, marker=marker, s=26, label=f"{name}, L = {length} "
                    f"({length / meta['train_length']:g}T)")
-        ax.scatter(xr, [lo] * len(xr), color=color, marker="x", s=30)
+        ax.scatter(xz, [lo] * len(xz), facecolors="none", edgecolors=color, marker=marker, s=26)
+        ax.scatter(xr, [lo / 4] * len(xr), color=color, marker="x", s=30)
         ax.scatter(xn, [hi] * len(xn), color=color, marker="^", s=30)
     ax.set_yscale("log")
-    ax.set_ylim(lo / 2, hi * 2)
+    ax.set_ylim(lo / 8, hi * 2)
     ax.set_xticks(range(len(strategies)))
     ax.set_xticklabels([_short(s) for s in strategies], rotation=50, ha="right", rotation_mode="anchor", fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
     ax.set_ylabel(label)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     ax.set_title(f"ropescale's export served by each engine vs the patched model\n{meta['model']} "
-                 f"(T = {meta['train_length']}); × refused, ▲ NaN/∞", fontsize=9)
+                 f"(T = {meta['train_length']}); hollow: exactly 0, × refused, ▲ NaN/∞", fontsize=9)
     save_figure(fig, path)
     return path
 
