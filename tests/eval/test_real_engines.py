@@ -91,9 +91,11 @@ def test_the_converter_wrapper_maps_only_a_byte_level_pre_tokenizer(tmp_path, ti
     tok["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
         {"type": "Digits", "individual_digits": True}, tok["pre_tokenizer"]]}
     (other / "tokenizer.json").write_text(json.dumps(tok))
-    with pytest.raises(engines.EngineFailed, match="pre-tokenizer was not recognized"):
+    with pytest.raises(engines.EngineFailed):
         engines.run_engine("llama.cpp", {"mode": "convert", "model": str(other), "out": str(tmp_path / "b.gguf"),
-                                         "source": str(src)}, script="convert_gguf.py")
+                                         "source": str(src)}, script="convert_gguf.py", log_dir=tmp_path / "logs")
+    assert "BPE pre-tokenizer was not recognized" in (tmp_path / "logs" / "llama-convert.log").read_text()
+    assert not (tmp_path / "b.gguf").exists() or (tmp_path / "b.gguf").stat().st_size == 0
 
 
 @needs_vllm
