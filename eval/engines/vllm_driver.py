@@ -25,12 +25,14 @@ standardisation and its ``max_model_len`` check; a refusal is reported as ``erro
 ``get_rope`` gets what vLLM's Llama passes it: ``head_dim``, ``max_position_embeddings``,
 ``rope_parameters``. ``cos[m][i]`` = magnitude·cos(angle of pair i at position m); positions
 past what the module can rotate are reported as ``cache_length`` (and left out) instead of an
-error. ``{"error": line}`` for a case vLLM refuses.
+error; ``inv_freq`` [rad/token] is the angle at position 1, ``magnitude`` the mean cos/sin norm at
+position 0. ``{"error": line}`` for a case vLLM refuses.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -118,7 +120,10 @@ def rope(request: dict) -> dict:
         length = int(case["length"])
         n = length if cache_len is None else min(length, cache_len)
         cos, sin, n = _rotate(module, head, rot, n)
+        inv_freq = [math.atan2(s_, c_) for s_, c_ in zip(sin[1], cos[1])] if n > 1 else []
+        magnitude = float(sum(math.hypot(c_, s_) for c_, s_ in zip(cos[0], sin[0])) / len(cos[0])) if n else None
         out.append({"class": type(module).__name__, "cache_length": cache_len, "evaluated": n,
+                    "inv_freq": inv_freq, "magnitude": magnitude,
                     "max_position": int(case["max_position"]), "rope_parameters": case["rope_parameters"],
                     "use_long_rope": getattr(module, "use_long_rope", None), "cos": cos, "sin": sin})
     return {"cases": out, "vllm": vllm.__version__, "torch": torch.__version__}

@@ -183,3 +183,35 @@ def test_vllm_rope_says_when_vllm_refuses_a_length_as_vllm_does(tiny_model_dir, 
     vllm_refuses = "max_model_len" in got.get("error", "")
     mine = vllm_rope(config, 128).failure or ""
     assert vllm_refuses == ("refuses max_model_len" in mine), (got.get("error"), mine)
+
+
+@needs_vllm
+def test_vllm_rope_reimplementation_matches_vllm_reading_the_exported_folder(tiny_model_dir, tmp_path):
+    """ropescale.serving.vllm.vllm_rope against vLLM itself reading each exported config.json
+    (ModelConfig's rope standardisation, then get_rope): θ within 1e-5 relative, magnitude within 1e-6."""
+    import torch
+
+    from eval.parity import _link_model
+    from ropescale import load_model, patch, unpatch
+    from ropescale.serving.vllm import export_vllm, vllm_rope
+    from ropescale.strategies import get_strategy
+
+    m, _ = load_model(str(tiny_model_dir), device="cpu")
+    unpatch(m)
+    cases, mine = [], []
+    for text in FREQUENCY:
+        spec = parse_strategy(text)
+        for length in (64, 128):
+            params = get_strategy(spec.name).resolve(spec.params, length=length, train_length=32)
+            with patch(m, spec.name, **params) as handle:
+                export = export_vllm(handle, length, freeze_dynamic_at=length)
+            folder = _link_model(tiny_model_dir, tmp_path / f"{spec.name}-{len(cases)}", export.config)
+            cases.append({"model": str(folder), "max_model_len": export.max_model_len, "length": length})
+            mine.append((text, length, vllm_rope(export.config, export.max_model_len)))
+    got = engines.run_engine("vllm", {"mode": "rope", "cases": cases})["cases"]
+    for (text, length, rope), real in zip(mine, got):
+        assert "error" not in real, (text, length, real.get("error"))
+        theirs = torch.tensor(real["inv_freq"], dtype=torch.float64)
+        assert torch.allclose(theirs, rope.inv_freq, rtol=1e-5, atol=0), (text, length)
+        assert abs(real["magnitude"] - rope.magnitude) <= 1e-6, (text, length)
+        assert rope.failure is None and real["evaluated"] == length, (text, length, rope.failure)
