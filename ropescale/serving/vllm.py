@@ -128,16 +128,14 @@ def _inv_freq(base: float, rotary_dim: int) -> torch.Tensor:
 
 
 def _derived_max_len(text: dict[str, Any], rp: dict[str, Any]) -> float:
-    """vllm/config/model.py ``_get_and_verify_max_len``: the longest ``max_model_len`` vLLM accepts
-    without ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``: mpe, times ``factor`` unless the type is
-    su/longrope/llama3, YaRN from its ``original_max_position_embeddings``."""
+    """vllm/config/model.py ``_get_and_verify_max_len`` (v0.32.0): the longest ``max_model_len`` vLLM
+    accepts without ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``: mpe, times ``factor`` unless the type is
+    su/longrope/llama3/yarn/deepseek_yarn/deepseek_llama_scaling (YaRN's mpe is taken as already
+    scaled, as transformers' ``_compute_yarn_parameters`` assumes)."""
     derived = float(text.get("max_position_embeddings", 2048))
     kind = rp.get("rope_type", "default")
-    if kind not in ("su", "longrope", "llama3"):
-        factor = rp.get("factor", 1.0)
-        if kind == "yarn":
-            derived = rp["original_max_position_embeddings"]
-        derived *= factor
+    if kind not in ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling"):
+        derived *= rp.get("factor", 1.0) or 1.0
     return derived
 
 

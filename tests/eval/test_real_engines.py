@@ -162,11 +162,7 @@ _REFUSAL_CASES = {  # rope_parameters of save_patched's config.json (max_positio
 
 @needs_vllm
 @pytest.mark.parametrize("kind", [
-    "linear", "dynamic", "llama3",
-    pytest.param("yarn", marks=pytest.mark.xfail(strict=True, reason=(
-        "ropescale.serving.vllm._derived_max_len multiplies YaRN's factor into the longest max_model_len vLLM "
-        "accepts; vLLM 0.32.0's _get_and_verify_max_len (vllm/config/model.py) leaves YaRN's max_position_embeddings "
-        "unscaled and refuses 4T of save_patched's config"))),
+    "linear", "dynamic", "llama3", "yarn",
 ])
 def test_vllm_rope_says_when_vllm_refuses_a_length_as_vllm_does(tiny_model_dir, tmp_path, monkeypatch, kind):
     """vLLM's own ModelConfig (no VLLM_ALLOW_LONG_MAX_MODEL_LEN) against vllm_rope's ``failure`` on the
