@@ -1,5 +1,5 @@
-"""ropescale command line: strategies, tasks, eval, sweep, finetune, search, compare, patch, inspect,
-base-bound, lm-eval, plot and reference (train and card of the bundled model).
+"""ropescale command line: strategies, tasks, eval, sweep, finetune, search, compare, patch, parity,
+inspect, base-bound, lm-eval, plot and reference (train and card of the bundled model).
 
     ropescale strategies
     ropescale tasks
@@ -10,6 +10,8 @@ base-bound, lm-eval, plot and reference (train and card of the bundled model).
     ropescale finetune configs/finetune-pi.yaml [--set key=value ...] [--output DIR]
     ropescale search configs/search-yarn.yaml [--set key=value ...] [--output DIR] [-q]
     ropescale patch --model reference --strategy yarn:factor=4 --output runs/yarn4
+    ropescale patch --model reference --strategy yarn:factor=8 --target vllm --serve-length 1024 -o runs/y8
+    ropescale parity --model reference --strategy yarn --length 512 --end-to-end -o runs/parity
     ropescale compare runs/pi runs/yarn --length 512 -o compare.png [--before runs/base]
     ropescale inspect --model reference --strategy yarn --length 1024 -o runs/inspect
     ropescale base-bound [--dims 32,64,128] [--lengths 128,256,...]
