@@ -145,9 +145,9 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
             the frequencies (and, with ``"recompute"``, the prefix) change once per block.
         logn: also scale queries by max(1, ln(p+1)/ln(L_train)) (Su 2023), through the
             attention interface (``ropescale.attention``); works with any strategy.
-        attention_path: truncation rules only: ``"fused"`` (default: the two regions in fused
+        attention_path: truncation rules only: ``"fused"`` (default: the rule's regions in fused
             CPU kernels, about the cost of vanilla attention, with backward; on a non-CPU device
-            it runs ``"flex"``), ``"flex"`` (the two regions in FlexAttention, compiled on CUDA;
+            it runs ``"flex"``), ``"flex"`` (the regions in FlexAttention, compiled on CUDA;
             eager and unfused on the CPU, where torch has no FlexAttention backward, so training
             there runs ``"fused"``), ``"blocked"`` (a Python online softmax; also what
             ``"fused"`` uses for attention dropout, and on the CPU for soft-capping) or

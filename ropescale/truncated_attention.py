@@ -11,7 +11,7 @@ position distance for the positions transformers passes (contiguous per row; lef
 shifts them); chunk regions by position = slot + the row's offset (``slot_offsets``).
 
 ``fused_attention`` is the default path: each region in PyTorch's fused CPU flash kernel,
-merged by log-sum-exp, with a backward (``ropescale.two_region``); about the cost of one vanilla
+merged by log-sum-exp, with a backward (``ropescale.region_attention``); about the cost of one vanilla
 attention.
 
 On other devices ``ropescale.attention``'s ``fused`` path hands over to
@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import torch
 
+from ropescale.region_attention import RegionAttention, _Plan, band_calls, causal_calls, chunk_calls, near_block
 from ropescale.strategies.truncation import Region, RelativeRule
-from ropescale.two_region import RegionAttention, _Plan, band_calls, causal_calls, chunk_calls, near_block
 
 __all__ = ["blocked_attention", "fused_attention", "fused_route", "naive_attention", "rotate", "slot_offsets"]
 
@@ -140,7 +140,7 @@ def fused_route(device_type: str, *, softcap: float | None = None, dropout: floa
     """Which kernel ``fused_attention`` runs: ``"blocked"`` with attention dropout (any device);
     ``"flex"`` on any other non-CPU device (CUDA: compiled FlexAttention); on the CPU
     ``"blocked"`` for soft-capping, a per-query ``keep`` mask or a chunk rule (``by_chunk``)
-    under a sliding window, else ``"regions"`` (``ropescale.two_region``)."""
+    under a sliding window, else ``"regions"`` (``ropescale.region_attention``)."""
     if dropout:
         return "blocked"
     if device_type != "cpu":
@@ -159,7 +159,7 @@ def slot_offsets(q_pos: torch.Tensor, s_k: int) -> torch.Tensor:
 def fused_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling: float, *, keep=None,
                     scale: float, softcap: float | None = None, sliding_window: int | None = None,
                     interleaved: bool = False, dropout: float = 0.0, block: int = 512) -> torch.Tensor:
-    """The rule's regions in fused CPU flash kernels (``ropescale.two_region``), with backward.
+    """The rule's regions in fused CPU flash kernels (``ropescale.region_attention``), with backward.
     Where that kernel cannot follow (``fused_route`` other than ``"regions"``: soft-capping,
     attention dropout, a per-query ``keep`` mask, a chunk rule under a sliding window, or a device
     other than the CPU), ``blocked_attention``. The ``"fused"`` attention path
