@@ -209,8 +209,11 @@ def rewrite_gguf(src: str | os.PathLike, dst: str | os.PathLike, rope: GgufRope)
     drop = {f"{arch}.{k}" for k in ROPE_KEYS} | set(rope.kv)
     dst.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(dst, arch)
+    alignment = int(reader.alignment)
+    if alignment != gguf.GGUF_DEFAULT_ALIGNMENT:
+        writer.add_custom_alignment(alignment)  # pads the data as the copied general.alignment says
     for f in reader.fields.values():
-        if f.name == "general.architecture" or f.name.startswith("GGUF.") or f.name in drop:
+        if f.name in ("general.architecture", "general.alignment") or f.name.startswith("GGUF.") or f.name in drop:
             continue
         vtype = f.types[0]
         sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None

@@ -279,3 +279,33 @@ def test_longrope_type_serves_long_factors_below_the_window():
 
 def test_dynamic_ntk_dropped_by_the_converter_runs_vanilla():
     assert "frequencies differ" in _differs(patched("dynamic_ntk", factor=2.0), _kv(), {}, 256)
+
+
+def test_a_source_aligned_to_64_round_trips_with_identical_tensors(tmp_path):
+    src = tmp_path / "src64.gguf"
+    w = gguf.GGUFWriter(src, "llama")
+    w.add_custom_alignment(64)
+    w.add_context_length(T)
+    w.add_rope_dimension_count(D)
+    w.add_rope_freq_base(THETA)
+    w.add_key_value("tiny.u8", 7, V.UINT8)
+    w.add_tensor("a.weight", np.arange(3, dtype=np.float32))
+    w.add_tensor("b.weight", np.arange(5, dtype=np.float16))
+    w.add_tensor("rope_freqs.weight", np.ones(D // 2, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    out = rewrite_gguf(src, tmp_path / "model.gguf", gguf_rope(patched("linear", factor=4.0), 256))
+    before, after = gguf.GGUFReader(src), gguf.GGUFReader(out)
+    assert after.alignment == 64
+    assert [f.name for f in after.fields.values()].count("general.alignment") == 1
+    assert after.fields["general.alignment"].contents() == 64
+    assert after.fields["tiny.u8"].contents() == 7
+    kept = {t.name: t for t in before.tensors if t.name not in ROPE_TENSORS}
+    got = {t.name: t for t in after.tensors}
+    assert set(kept) <= set(got)
+    for name, t in kept.items():
+        assert got[name].tensor_type == t.tensor_type
+        assert np.array_equal(got[name].data, t.data), name
+        assert got[name].data_offset % 64 == 0
