@@ -38,8 +38,9 @@ s_k − s_q + t. Legend: b batch, n_h query heads, n_kv key/value heads, s_q que
 
 Sources: FlexAttention (Dong et al. 2024, "Flex Attention: A Programming Model for Generating
 Optimized Attention Kernels", arXiv:2412.05496); the LSE merge is flash attention's (Dao et al.
-2022, arXiv:2205.14135); the rules are ReRoPE / Leaky ReRoPE (github.com/bojone/rerope) and
-SelfExtend (Jin et al. 2024, arXiv:2401.01325).
+2022, arXiv:2205.14135); the rules are ReRoPE / Leaky ReRoPE (github.com/bojone/rerope),
+SelfExtend (Jin et al. 2024, arXiv:2401.01325), STRING (An et al. 2024, arXiv:2410.18745) and
+Dual Chunk Attention (An et al. 2024, arXiv:2402.17463).
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ def flex_attention_path(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, sca
                         scale: float, softcap: float | None = None, sliding_window: int | None = None,
                         interleaved: bool = False, dropout: float = 0.0, block: int = 512,
                         masks: BlockMaskCache | None = None) -> torch.Tensor:
-    """Exact attention under ``rule`` in two FlexAttention calls; returns ``[b, n_h, s_q, h_d]``
+    """Exact attention under ``rule`` in one FlexAttention call per region; returns ``[b, n_h, s_q, h_d]``
     in q's dtype (see the module docstring for shapes and the merge).
 
     ``masks``: the caller's block-mask cache (one per patched model, so the layers of a forward

@@ -11,8 +11,8 @@ merged exactly (the merge of online softmax):
 
 Calls by region shape (every decision from Python integers, so the host never waits):
 
-* distance region lo ≤ i − j (unbounded): a causal attention shifted by lo, one call (two under
-  a KV cache with a long prefix) — ``causal_calls``;
+* distance region lo ≤ i − j (unbounded): a causal attention shifted by lo, one call (two when
+  every query also sees a prefix of keys: s_k − s_q > lo) — ``causal_calls``;
 * distance band lo ≤ i − j < hi: queries in blocks of B, each over the B + hi − lo − 1 keys it
   can see, read through a strided *view* of the keys (no copy) with one shared band mask; the
   first rows and the last partial block are separate small masked calls — ``band_calls``;
@@ -76,7 +76,9 @@ class Call:
 def causal_calls(s_q: int, s_k: int, lo: int) -> list[Call]:
     """Calls covering i − j ≥ ``lo`` (query slot i = s_k − s_q + t, key slot j ≥ 0)."""
     c = s_k - s_q - lo  # row t sees keys j ≤ t + c
-    if c >= 0:  # every row sees keys [0, c]; row t ≥ 1 also [c + 1, c + t]: causal below the diagonal
+    if c == 0:  # row t sees keys [0, t]: one top-left causal call
+        return [Call(0, s_q, 0, s_q, causal=True)]
+    if c > 0:  # every row sees keys [0, c]; row t ≥ 1 also [c + 1, c + t]: causal below the diagonal
         calls = [Call(0, s_q, 0, c + 1)]
         if s_q > 1:
             calls.append(Call(1, s_q, c + 1, c + s_q, causal=True))

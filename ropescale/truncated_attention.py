@@ -173,6 +173,8 @@ def fused_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling
                                  softcap=softcap, sliding_window=sliding_window, interleaved=interleaved,
                                  dropout=dropout, block=block)
     s_q, s_k = q.shape[2], k.shape[2]
+    if keep is not None:  # one row per batch row: the kernels index keep by batch row
+        keep = keep.expand(q.shape[0], 1, keep.shape[-2], s_k)
     if not rule.by_chunk:
         plan = _plan(s_q, s_k, rule, sliding_window, scale, keep)
         return RegionAttention.apply(q, k, v, _Rotations(q_pos, k_pos, rule, inv_freq, scaling, interleaved), plan)
@@ -185,8 +187,8 @@ def fused_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling
         sel = slice(None) if len(rows) == len(offsets) else torch.tensor(rows)
         kp = None if keep is None else keep[sel]
         plan = _plan(s_q, s_k, rule, None, scale, kp, offset=o)
-        rot = _Rotations(q_pos[sel], k_pos[sel] if k_pos is not q_pos else q_pos[sel], rule, inv_freq, scaling,
-                         interleaved)
+        qp = q_pos[sel]
+        rot = _Rotations(qp, qp if k_pos is q_pos else k_pos[sel], rule, inv_freq, scaling, interleaved)
         outs.append(RegionAttention.apply(q[sel], k[sel], v[sel], rot, plan))
         order += rows
     if len(outs) == 1:
@@ -196,9 +198,11 @@ def fused_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling
 
 def _touches(region: Region, lo: int, hi: int) -> tuple[bool, bool]:
     """(may a block pair with slot distances in [lo, hi] hold pairs of ``region``, is it all in
-    it), from Python integers; chunk regions depend on positions: always maybe, never all."""
+    it), from Python integers. For a chunk region the chunk distance g of a pair at distance d is
+    within [⌈(d − c + 1)/c⌉, ⌊(d + c − 1)/c⌋] whatever the positions' offset."""
     if region.chunk:
-        return True, False
+        c = region.chunk
+        lo, hi = -(-(lo - c + 1) // c), (hi + c - 1) // c  # the chunk distances the block can hold
     top = region.hi if region.hi is not None else float("inf")
     return hi >= region.lo and lo < top, lo >= region.lo and hi < top
 

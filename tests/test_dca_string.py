@@ -279,3 +279,34 @@ def test_fused_kernel_equals_the_explicit_map_for_any_chunking(n, cached, chunk_
     args = (q, k, v, pos[:, n - s_q :], pos, dca(chunk_size, local, 1.0, False, 32), inv, 1.0)
     kw = {"scale": 0.3, "keep": keep if pad else None}
     torch.testing.assert_close(fused_attention(*args, **kw), naive_attention(*args, **kw).double(), rtol=0, atol=1e-5)
+
+
+def test_a_key_mask_with_batch_one_broadcasts_over_the_batch():
+    """``keep`` need only broadcast to [b, 1, s_q, s_k]: a [1, 1, 1, s_k] mask serves every row."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 2, 60, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    pos = torch.arange(60, dtype=torch.float64)[None].repeat(2, 1)
+    keep = torch.ones(1, 1, 1, 60, dtype=torch.bool)
+    keep[..., 7] = False
+    inv = 1.0 / (10000 ** (torch.arange(0, 16, 2).double() / 16))
+    for rule in (dca(5, 1, 1.0, False, 32), string(9, 2, None, 32)):
+        args = (q, k, v, pos, pos, rule, inv, 1.0)
+        torch.testing.assert_close(fused_attention(*args, scale=0.3, keep=keep),
+                                   naive_attention(*args, scale=0.3, keep=keep).double(), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_size,local", [(5, 1), (9, 3), (3, 1), (30, 2)])
+def test_blocked_path_skips_only_regions_a_block_cannot_hold(chunk_size, local):
+    """The blocked path decides per block pair which chunk regions it may hold from slot distances
+    alone; every block size still equals the explicit map, with left padding."""
+    gen = torch.Generator().manual_seed(chunk_size)
+    q, k, v = (torch.randn(2, 2, 70, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    pos = torch.stack([torch.arange(70, dtype=torch.float64), torch.arange(70, dtype=torch.float64) - 6])
+    keep = torch.ones(2, 1, 1, 70, dtype=torch.bool)
+    keep[1, ..., :6] = False
+    inv = 1.0 / (10000 ** (torch.arange(0, 16, 2).double() / 16))
+    args = (q, k, v, pos, pos, dca(chunk_size, local, 1.0, False, 32), inv, 1.0)
+    want = naive_attention(*args, scale=0.3, keep=keep).double()
+    for block in (1, 4, 16, 64):
+        torch.testing.assert_close(blocked_attention(*args, scale=0.3, keep=keep, block=block), want, rtol=0,
+                                   atol=1e-5)
