@@ -94,12 +94,14 @@ class GgufRope:
     kv: dict[str, tuple[Any, Any]]
     tensors: dict[str, np.ndarray]
     notes: list[str] = field(default_factory=list)
+    dim: int | None = None  # the model's rotary dim d (None: not checked against the GGUF)
+    base: float | None = None  # the model's rope_theta b, unpatched (None: not checked)
 
     def for_arch(self, arch: str) -> GgufRope:
         """The same metadata keyed for another architecture."""
         old = f"{self.arch}."
         kv = {f"{arch}.{k[len(old):]}" if k.startswith(old) else k: v for k, v in self.kv.items()}
-        return GgufRope(arch, kv, dict(self.tensors), list(self.notes))
+        return GgufRope(arch, kv, dict(self.tensors), list(self.notes), self.dim, self.base)
 
 
 def gguf_rope(model_or_handle, serve_length: int, *, freeze_dynamic_at: int | None = None,
@@ -160,7 +162,7 @@ def gguf_rope(model_or_handle, serve_length: int, *, freeze_dynamic_at: int | No
                      f"{'>' if long else '<='} T = {t}); ropescale switches per sequence length")
     else:
         raise ExportRefused(f"llama.cpp: no translation for transformers rope type {kind!r}")
-    return GgufRope(arch, kv, tensors, notes)
+    return GgufRope(arch, kv, tensors, notes, int(d), float(ctx["rope_theta"]))
 
 
 def _llama3_divisors(rp: dict[str, Any], d: int) -> np.ndarray:
@@ -206,6 +208,7 @@ def rewrite_gguf(src: str | os.PathLike, dst: str | os.PathLike, rope: GgufRope)
         raise InvalidInput(f"{src}: GGUF without general.architecture")
     arch = arch_field.contents()
     rope = rope.for_arch(arch)
+    _check_same_model(reader, arch, rope, src)
     drop = {f"{arch}.{k}" for k in ROPE_KEYS} | set(rope.kv)
     dst.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(dst, arch)
@@ -235,6 +238,21 @@ def rewrite_gguf(src: str | os.PathLike, dst: str | os.PathLike, rope: GgufRope)
         writer.write_tensor_data(arr)
     writer.close()
     return dst
+
+
+def _check_same_model(reader, arch: str, rope: GgufRope, src: Path) -> None:
+    """``ExportRefused`` when the GGUF's rotary dim or rope base is not the patched model's (a GGUF of
+    another model); keys absent from the GGUF are not checked."""
+    dim_field = reader.fields.get(f"{arch}.rope.dimension_count")
+    if rope.dim is not None and dim_field is not None and int(dim_field.contents()) != rope.dim:
+        raise ExportRefused(f"llama.cpp: {src} has {arch}.rope.dimension_count {int(dim_field.contents())} but the "
+                            f"patched model's rotary dim is {rope.dim}; give the GGUF of the same model")
+    base_field = reader.fields.get(f"{arch}.rope.freq_base")
+    if rope.base is not None and base_field is not None:
+        theirs = float(base_field.contents())
+        if abs(theirs - rope.base) > 1e-6 * abs(rope.base):
+            raise ExportRefused(f"llama.cpp: {src} has {arch}.rope.freq_base {theirs:g} but the patched model's "
+                                f"rope_theta is {rope.base:g}; give the GGUF of the same (unpatched) model")
 
 
 def read_gguf_rope(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:

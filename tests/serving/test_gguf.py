@@ -309,3 +309,21 @@ def test_a_source_aligned_to_64_round_trips_with_identical_tensors(tmp_path):
         assert got[name].tensor_type == t.tensor_type
         assert np.array_equal(got[name].data, t.data), name
         assert got[name].data_offset % 64 == 0
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"hidden_size": 32}, r"dimension_count 8 but the patched model's rotary dim is 16"),
+    ({"rope_theta": 500000.0}, r"freq_base 500000 but the patched model's rope_theta is 10000"),
+])
+def test_a_gguf_of_another_model_is_refused_before_writing(change, match, tmp_path):
+    config = tiny_llama_config()  # the GGUF's model: 32 hidden / 4 heads is rotary dim 8
+    if "hidden_size" in change:
+        config.hidden_size = change["hidden_size"]
+    else:
+        config.rope_parameters = {**config.rope_parameters, "rope_theta": change["rope_theta"]}
+    src = write_tiny_llama_gguf(tmp_path / "other.gguf", config)
+    out = tmp_path / "out" / "model.gguf"
+    with pytest.raises(ExportRefused, match=match) as err:
+        rewrite_gguf(src, out, gguf_rope(patched("linear", factor=4.0), 256))
+    assert "\n" not in str(err.value) and str(src) in str(err.value)
+    assert not out.parent.exists()
