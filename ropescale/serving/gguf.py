@@ -96,12 +96,13 @@ class GgufRope:
     notes: list[str] = field(default_factory=list)
     dim: int | None = None  # the model's rotary dim d (None: not checked against the GGUF)
     base: float | None = None  # the model's rope_theta b, unpatched (None: not checked)
+    rope_type: str | None = None  # the transformers rope type translated
 
     def for_arch(self, arch: str) -> GgufRope:
         """The same metadata keyed for another architecture."""
         old = f"{self.arch}."
         kv = {f"{arch}.{k[len(old):]}" if k.startswith(old) else k: v for k, v in self.kv.items()}
-        return GgufRope(arch, kv, dict(self.tensors), list(self.notes), self.dim, self.base)
+        return GgufRope(arch, kv, dict(self.tensors), list(self.notes), self.dim, self.base, self.rope_type)
 
 
 def gguf_rope(model_or_handle, serve_length: int, *, freeze_dynamic_at: int | None = None,
@@ -110,8 +111,9 @@ def gguf_rope(model_or_handle, serve_length: int, *, freeze_dynamic_at: int | No
 
     See the module docstring for the table. Raises ``ExportRefused`` ("llama.cpp: ...", one line)
     for relative rules (ReRoPE, Leaky ReRoPE, SelfExtend, DCA, STRING), log-n, ``dynamic_block``,
-    strategies without a transformers export hook, non-default YaRN betas, and dynamic NTK
-    without ``freeze_dynamic_at``; ``InvalidInput`` for an unpatched model or bad lengths;
+    strategies without a transformers export hook, non-default YaRN betas, dynamic NTK
+    without ``freeze_dynamic_at``, and ``rope_freqs`` (llama3, longrope) for an ``arch`` that loads
+    ``rope_factors_long/short`` instead (phi3, phimoe); ``InvalidInput`` for an unpatched model or bad lengths;
     ``GgufUnavailable`` without the ``gguf`` package.
     """
     gguf = _gguf()
@@ -162,7 +164,9 @@ def gguf_rope(model_or_handle, serve_length: int, *, freeze_dynamic_at: int | No
                      f"{'>' if long else '<='} T = {t}); ropescale switches per sequence length")
     else:
         raise ExportRefused(f"llama.cpp: no translation for transformers rope type {kind!r}")
-    return GgufRope(arch, kv, tensors, notes, int(d), float(ctx["rope_theta"]))
+    out = GgufRope(arch, kv, tensors, notes, int(d), float(ctx["rope_theta"]), kind)
+    _check_arch_reads_tensors(out)
+    return out
 
 
 def _llama3_divisors(rp: dict[str, Any], d: int) -> np.ndarray:
@@ -189,8 +193,11 @@ def rewrite_gguf(src: str | os.PathLike, dst: str | os.PathLike, rope: GgufRope)
     Every key of ``ROPE_KEYS`` (``{arch}.rope.freq_base``, ``rope.scaling.*`` but ``finetuned``) and
     tensor of ``ROPE_TENSORS`` in ``src`` is dropped and ``rope``'s written instead; every other key
     (value type and array item type kept) and tensor (type, shape and bytes) is copied. ``rope``
-    is re-keyed to ``src``'s architecture. Raises ``InvalidInput`` when ``src`` is missing, not a
-    GGUF, or the same file as ``dst``; ``GgufUnavailable`` without the ``gguf`` package.
+    is re-keyed to ``src``'s architecture. Raises ``ExportRefused`` (before writing anything) when
+    ``src``'s ``rope.dimension_count`` or ``rope.freq_base`` is not the patched model's rotary dim or
+    ``rope_theta`` (relative 1e-6), or its architecture ignores ``rope``'s ``rope_freqs``;
+    ``InvalidInput`` when ``src`` is missing, not a GGUF, or the same file as ``dst``;
+    ``GgufUnavailable`` without the ``gguf`` package.
     """
     gguf = _gguf()
     src, dst = Path(src), Path(dst)
@@ -208,6 +215,7 @@ def rewrite_gguf(src: str | os.PathLike, dst: str | os.PathLike, rope: GgufRope)
         raise InvalidInput(f"{src}: GGUF without general.architecture")
     arch = arch_field.contents()
     rope = rope.for_arch(arch)
+    _check_arch_reads_tensors(rope)
     _check_same_model(reader, arch, rope, src)
     drop = {f"{arch}.{k}" for k in ROPE_KEYS} | set(rope.kv)
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -238,6 +246,15 @@ def rewrite_gguf(src: str | os.PathLike, dst: str | os.PathLike, rope: GgufRope)
         writer.write_tensor_data(arr)
     writer.close()
     return dst
+
+
+def _check_arch_reads_tensors(rope: GgufRope) -> None:
+    """``ExportRefused`` for ``rope_freqs`` on an architecture whose llama.cpp graph loads
+    ``rope_factors_long/short`` instead (Phi-3 types): the runtime would ignore the factors."""
+    if rope.arch in _LONGROPE_ARCHS and "rope_freqs.weight" in rope.tensors:
+        raise ExportRefused(f"llama.cpp: the {rope.arch} architecture reads rope_factors_long/short, never "
+                            f"rope_freqs, so the {rope.rope_type or 'rope'} factors would be ignored; "
+                            f"{rope.rope_type or 'this rope'} cannot be exported for {rope.arch}")
 
 
 def _check_same_model(reader, arch: str, rope: GgufRope, src: Path) -> None:

@@ -327,3 +327,27 @@ def test_a_gguf_of_another_model_is_refused_before_writing(change, match, tmp_pa
         rewrite_gguf(src, out, gguf_rope(patched("linear", factor=4.0), 256))
     assert "\n" not in str(err.value) and str(src) in str(err.value)
     assert not out.parent.exists()
+
+
+@pytest.mark.parametrize("arch", ["phi3", "phimoe"])
+def test_longrope_is_refused_where_llama_cpp_reads_rope_factors_long_short(arch, tmp_path):
+    name, params = FREQUENCY["longrope"]
+    model = patched(name, **params)
+    match = f"^llama.cpp: the {arch} architecture reads rope_factors_long/short, never rope_freqs"
+    with pytest.raises(ExportRefused, match=match) as err:
+        gguf_rope(model, 256, arch=arch)
+    assert "\n" not in str(err.value)
+    src = tmp_path / f"{arch}.gguf"
+    w = gguf.GGUFWriter(src, arch)
+    w.add_context_length(T)
+    w.add_rope_dimension_count(D)
+    w.add_rope_freq_base(THETA)
+    w.add_tensor("a.weight", np.arange(3, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    out = tmp_path / "out" / "model.gguf"
+    with pytest.raises(ExportRefused, match=match):
+        rewrite_gguf(src, out, gguf_rope(model, 256))
+    assert not out.parent.exists()
