@@ -1,14 +1,16 @@
 """One call to write a patched model for an engine: ``export_for(model, target, serve_length, output)``.
 
 Targets: ``transformers`` (``ropescale.save_patched``, plus ``max_position_embeddings`` raised to the
-served length), ``vllm`` (that folder with vLLM's config.json and ``vllm.json``:
-``ropescale.serving.vllm``), ``gguf`` (``OUT/model.gguf``, an existing GGUF with its rope metadata
-rewritten: ``ropescale.serving.gguf``). Refusals happen before anything is written.
+served length; ⌈T·s⌉ for YaRN, the ratio transformers checks the factor against), ``vllm`` (that
+folder with vLLM's config.json and ``vllm.json``: ``ropescale.serving.vllm``), ``gguf``
+(``OUT/model.gguf``, an existing GGUF with its rope metadata rewritten: ``ropescale.serving.gguf``).
+Refusals happen before anything is written.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,9 +80,16 @@ def export_for(model, target: str, serve_length: int | None, output, *, tokenize
     if length is not None:
         config_file = path / "config.json"
         config = json.loads(config_file.read_text(encoding="utf-8"))
+        rp = config.get("rope_parameters") or {}
         if handle.strategy_obj.dynamic and handle.strategy != "longrope":
             notes.append("max_position_embeddings kept at the training window: transformers' dynamic rope reads it "
                          "as the window it rescales from")
+        elif rp.get("rope_type") == "yarn" and "original_max_position_embeddings" in rp:
+            # transformers warns on every load unless max_position_embeddings / T equals the factor
+            mpe = math.ceil(rp["original_max_position_embeddings"] * rp["factor"])
+            config["max_position_embeddings"] = mpe
+            config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+            notes.append(f"yarn: max_position_embeddings = ⌈T·s⌉ = {mpe} (transformers checks it against the factor)")
         elif "max_position_embeddings" in config and config["max_position_embeddings"] < length:
             config["max_position_embeddings"] = length
             config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")

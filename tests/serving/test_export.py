@@ -63,6 +63,31 @@ def test_transformers_target_raises_max_position_embeddings_to_the_served_length
     assert any("kept at the training window" in n for n in result.notes)
 
 
+def test_transformers_target_yarn_loads_without_the_implicit_factor_warning(loaded, tmp_path):
+    import logging
+
+    import transformers.utils.logging as hf_logging
+    from transformers import AutoModelForCausalLM
+
+    model, tok = loaded("yarn", factor=4.0)
+    result = export_for(model, "transformers", 100, tmp_path / "yarn", tokenizer=tok)  # L != T·s
+    assert json.loads((result.path / "config.json").read_text())["max_position_embeddings"] == T * 4
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    root = hf_logging.get_logger("transformers")
+    hf_logging.warning_once.cache_clear()  # warned once per process otherwise
+    root.addHandler(handler)
+    try:
+        plain = AutoModelForCausalLM.from_pretrained(result.path).eval()
+    finally:
+        root.removeHandler(handler)
+    assert not [r for r in records if "implicit factor" in r.getMessage()]
+    ids = torch.arange(1, 100)[None]
+    with torch.no_grad():
+        assert torch.equal(plain(ids).logits, model(ids).logits)
+
+
 def test_vllm_target_writes_the_config_vllm_json_and_the_patch_record(loaded, tmp_path):
     model, tok = loaded("ntk", factor=4.0)
     result = export_for(model, "vllm", 128, tmp_path / "ntk", tokenizer=tok)
