@@ -218,14 +218,16 @@ def enable_logn(model, original_max_position_embeddings: int):
 TRUNCATION = "ropescale_truncation"
 
 
-def _fused_path(q, k, v, q_pos, k_pos, rule, inv_freq, scaling, *, masks=None, **kw) -> torch.Tensor:
+def _fused_path(q, k, v, q_pos, k_pos, rule, inv_freq, scaling, *, masks=None, positions=None,
+                **kw) -> torch.Tensor:
     """The default path: the fused CPU kernels (``truncated_attention.fused_attention``) on the
     CPU, FlexAttention (``flex_regions``, with the model's block-mask cache ``masks``) on other
     devices, unless ``fused_route`` says blocked."""
     route = fused_route(q.device.type, softcap=kw.get("softcap"), dropout=kw.get("dropout", 0.0), keep=kw.get("keep"),
                         by_chunk=rule.by_chunk, sliding_window=kw.get("sliding_window"))
     if route == "flex":
-        return flex_attention_path(q, k, v, q_pos, k_pos, rule, inv_freq, scaling, masks=masks, **kw)
+        return flex_attention_path(q, k, v, q_pos, k_pos, rule, inv_freq, scaling, masks=masks, positions=positions,
+                                   **kw)
     return fused_attention(q, k, v, q_pos, k_pos, rule, inv_freq, scaling, **kw)
 
 
@@ -289,7 +291,8 @@ def _truncation_attention(module, query, key, value, attention_mask, scaling=Non
     inv_freq, att = state.freqs.get(layer_type, next(iter(state.freqs.values())))
     att = att * state.rule.attention_factor  # a rule's own cos/sin scale (STRING, DCA's temperature)
     fn = _PATHS[state.path]
-    extra = {"masks": state.masks} if state.path in ("fused", "flex") else {}  # the paths that may run FlexAttention
+    # the paths that may run FlexAttention: the model's mask cache, and the tensor chunk masks follow
+    extra = {"masks": state.masks, "positions": position_ids} if state.path in ("fused", "flex") else {}
     out = fn(query, key, value, q_pos, k_pos, state.rule, inv_freq.to(query.device), att,
              keep=_keep_mask(attention_mask), scale=scaling or query.shape[-1] ** -0.5, softcap=softcap,
              sliding_window=sliding_window, interleaved=state.interleaved, dropout=dropout, block=state.block,

@@ -115,23 +115,34 @@ def _region_mask_mod(c0: int, region: Region, sliding_window: int | None, keep3:
 
 class BlockMaskCache:
     """The block masks of the last call, owned by one patched model (``ropescale.attention`` keeps
-    one on its truncation state). Every layer of one forward passes the same lengths and the same
-    ``keep`` tensor, so the masks are built once per forward, not once per layer
-    (``create_block_mask`` evaluates the mask over all s_q × s_k pairs). Holds the last masks only
-    (a weak reference to ``keep``), so it never pins a forward's tensors beyond the next one."""
+    one on its truncation state). Every layer of one forward passes the same lengths, the same
+    ``keep`` tensor and the same ``position_ids``, so the masks are built once per forward, not once
+    per layer (``create_block_mask`` evaluates the mask over all s_q × s_k pairs). Holds the last
+    masks only (weak references to the tensors they were built from, with their versions), so it
+    never pins a forward's tensors beyond the next one."""
 
     def __init__(self):
-        self.key, self.keep_ref, self.keep_version, self.masks = None, None, None, None
+        self.key, self.refs, self.masks = None, (), None
 
-    def get(self, key: tuple, keep: torch.Tensor | None, build):
-        same_keep = (keep is None and self.keep_ref is None) or (
-            keep is not None and self.keep_ref is not None and self.keep_ref() is keep
-            and keep._version == self.keep_version)
-        if key != self.key or not same_keep:
+    @staticmethod
+    def _refs(tensors: tuple) -> tuple:
+        return tuple(None if t is None else (weakref.ref(t), t._version) for t in tensors)
+
+    def _same(self, tensors: tuple) -> bool:
+        if len(tensors) != len(self.refs):
+            return False
+        for t, ref in zip(tensors, self.refs, strict=True):
+            if (t is None) != (ref is None) or (t is not None and (ref[0]() is not t or t._version != ref[1])):
+                return False
+        return True
+
+    def get(self, key: tuple, keep: torch.Tensor | None, build, positions: torch.Tensor | None = None):
+        """The masks for ``key`` built from ``keep`` (and ``positions``, for masks that depend on
+        them): the cached ones when all are the same objects, unchanged; else ``build()``."""
+        tensors = (keep, positions)
+        if key != self.key or not self._same(tensors):
             self.masks = build()
-            self.key = key
-            self.keep_ref = None if keep is None else weakref.ref(keep)
-            self.keep_version = None if keep is None else keep._version
+            self.key, self.refs = key, self._refs(tensors)
         return self.masks
 
 
@@ -146,13 +157,16 @@ def _region_empty(region: Region, s_k: int, sliding_window: int | None) -> bool:
 
 def region_block_masks(b: int, s_q: int, s_k: int, rule: RelativeRule, sliding_window: int | None,
                        keep: torch.Tensor | None, device, tensor_type: type = torch.Tensor,
-                       cache: BlockMaskCache | None = None, offsets: torch.Tensor | None = None) -> list:
+                       cache: BlockMaskCache | None = None, offsets: torch.Tensor | None = None,
+                       positions: torch.Tensor | None = None) -> list:
     """One ``BlockMask`` per region of ``rule`` for queries at slots s_k − s_q + t, None for a
     distance region no pair reaches (or that the sliding window ends first). ``keep``: as the
-    path's; ``offsets`` ``[b]``: the position of key slot 0 per row (chunk rules; masks then
-    depend on it and are not cached). ``cache``: reuse the masks of the previous call when
-    nothing changed (None: build them). ``tensor_type`` (the queries' class) is part of the cache
-    key, so masks built from fake tensors (FakeTensorMode) never serve real ones."""
+    path's; ``offsets`` ``[b]``: the position of key slot 0 per row (chunk rules' masks depend on
+    it); ``positions``: the tensor the offsets come from (the model's ``position_ids``, the same
+    object in every layer of a forward) — chunk rules' masks are cached only with it. ``cache``:
+    reuse the masks of the previous call when nothing changed (None: build them).
+    ``tensor_type`` (the queries' class) is part of the cache key, so masks built from fake
+    tensors (FakeTensorMode) never serve real ones."""
     def build():
         keep3 = _keep3(keep, b, s_q, s_k)
         batch = None if keep3 is None and not rule.by_chunk else b
@@ -162,9 +176,10 @@ def region_block_masks(b: int, s_q: int, s_k: int, rule: RelativeRule, sliding_w
                            device=device)
                 for r in rule.regions]
 
-    if cache is None or rule.by_chunk:
+    if cache is None or (rule.by_chunk and positions is None):
         return build()
-    return cache.get((b, s_q, s_k, rule, sliding_window, str(device), tensor_type), keep, build)
+    return cache.get((b, s_q, s_k, rule, sliding_window, str(device), tensor_type), keep, build,
+                     positions if rule.by_chunk else None)
 
 
 @lru_cache(maxsize=16)
@@ -178,12 +193,13 @@ def _softcap_mod(softcap: float | None):
 def flex_attention_path(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling: float, *, keep=None,
                         scale: float, softcap: float | None = None, sliding_window: int | None = None,
                         interleaved: bool = False, dropout: float = 0.0, block: int = 512,
-                        masks: BlockMaskCache | None = None) -> torch.Tensor:
+                        masks: BlockMaskCache | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Exact attention under ``rule`` in one FlexAttention call per region; returns ``[b, n_h, s_q, h_d]``
     in q's dtype (see the module docstring for shapes and the merge).
 
     ``masks``: the caller's block-mask cache (one per patched model, so the layers of a forward
-    share their masks); None builds them for this call alone.
+    share their masks); None builds them for this call alone. ``positions``: the model's
+    ``position_ids`` tensor the positions came from, which lets chunk rules share masks too.
     ``scaling`` is the rotary ``attention_scaling`` (cos and sin are multiplied by it, as
     transformers does), ``scale`` the softmax scale, ``softcap`` c of tanh(s/c)·c (None: off),
     ``sliding_window`` W: keys at i − j ≥ W are invisible. ``dropout`` > 0 is handed to
@@ -202,7 +218,7 @@ def flex_attention_path(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, sca
     b, s_q, s_k = q.shape[0], q.shape[2], k.shape[2]
     offsets = slot_offsets(q_pos, s_k).long() if rule.by_chunk else None
     masks = region_block_masks(b, s_q, s_k, rule, sliding_window, keep, q.device, type(q), cache=masks,
-                               offsets=offsets)
+                               offsets=offsets, positions=positions)
     flex, score_mod = _flex_for(q.device), _softcap_mod(softcap)
     aux = AuxRequest(lse=True)
 

@@ -262,3 +262,25 @@ def test_block_masks_are_built_compiled_on_cuda():
     assert _mask_builder(torch.device("cpu")) is create_block_mask
     cuda = _mask_builder(torch.device("cuda"))
     assert cuda is not create_block_mask and cuda is _mask_builder(torch.device("cuda"))  # compiled once
+
+
+@pytest.mark.parametrize("strategy,params", [("dca", {"chunk_size": 24, "local_window": 4}), ("rerope", {"window": 8})])
+def test_masks_are_built_once_per_forward_for_chunk_rules_too(monkeypatch, strategy, params):
+    """Chunk rules' masks follow the positions: they are shared by the layers of one forward through
+    the model's position_ids (the same tensor in every layer) and rebuilt for the next forward;
+    distance rules' masks are kept while the shapes are."""
+    from ropescale import flex_regions
+
+    built = []
+    real = flex_regions.create_block_mask
+    monkeypatch.setattr(flex_regions, "create_block_mask", lambda *a, **kw: built.append(1) or real(*a, **kw))
+    model = family_model("llama")
+    assert model.config.num_hidden_layers > 1
+    regions = len(ropescale.strategies.get_strategy(strategy).compute(
+        {"original_max_position_embeddings": 32}, ropescale.strategies.get_strategy(strategy).validate(params)).regions)
+    with torch.no_grad(), ropescale.patch(model, strategy, attention_path="flex", **params):
+        before = len(built)  # patch() probes the routing with a forward of its own
+        model(IDS[:, :60])
+        assert len(built) - before == regions  # not regions × layers
+        model(IDS[:, :60])  # distance rules' masks depend on shapes alone; chunk rules' on the new positions
+        assert len(built) - before == (2 * regions if strategy == "dca" else regions)
