@@ -582,18 +582,18 @@ def reference_card(model, threads, plot) -> None:
 @click.option("--model", default="reference", show_default=True, help="bundled name, local path or hub id")
 @click.option("--strategy", "strategy_specs", multiple=True, required=True, metavar="NAME[:k=v,...]",
               help="repeatable; parameters a sweep fills (factor …) follow each --length")
-@click.option("--length", "lengths", multiple=True, required=True, type=click.IntRange(min=2),
+@click.option("--length", "lengths", multiple=True, required=True, type=int,
               help="served length L (tokens); repeatable")
 @click.option("--engine", "engine_list", default="transformers,vllm,llama.cpp", show_default=True,
               help="comma-separated: transformers (in process), vllm, llama.cpp")
 @click.option("--end-to-end", is_flag=True,
               help="also score held-out text through the real engines (needs them installed: bench/engines/install.sh)")
 @click.option("--data", default="kjv-heldout", show_default=True, help="text for --end-to-end")
-@click.option("--windows", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--windows", type=int, default=1, show_default=True,
               help="windows of L tokens per length for --end-to-end")
 @click.option("--freeze-dynamic/--no-freeze-dynamic", default=True, show_default=True,
               help="export dynamic NTK frozen at each L (engines serve one static rotation) or have it refused")
-@click.option("--gguf", "gguf_path", type=click.Path(dir_okay=False, exists=True),
+@click.option("--gguf", "gguf_path",
               help="base GGUF of the model to rewrite (default: llama.cpp's converter run on it)")
 @click.option("--baseline", is_flag=True,
               help="also rows for what was served before these exports: save_patched's config.json given to vLLM, "

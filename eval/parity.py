@@ -199,9 +199,12 @@ data, windows, T, d, lengths, one line per engine (version and where it ran, or 
     if bad or not engines:
         raise InvalidInput(f"--engine {','.join(bad) or '(none)'}: choose from {', '.join(ENGINE_NAMES)}")
     if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in lengths):
-        raise InvalidInput(f"lengths {lengths} must be whole numbers of tokens >= 2")
-    if windows < 1:
-        raise InvalidInput(f"windows={windows} must be >= 1")
+        raise InvalidInput(f"--length {', '.join(map(str, lengths)) or '(none)'}: lengths must be whole numbers "
+                           "of tokens >= 2")
+    if isinstance(windows, bool) or not isinstance(windows, int) or windows < 1:
+        raise InvalidInput(f"--windows {windows}: must be a whole number >= 1")
+    if gguf is not None and not Path(gguf).is_file():
+        raise InvalidInput(f"--gguf {gguf}: no such GGUF file")
     if end_to_end:
         for e in engines:
             if e != "transformers":

@@ -274,3 +274,15 @@ def test_the_engine_python_is_found_by_variable_then_prefix(tmp_path, monkeypatc
     monkeypatch.setenv("ROPESCALE_LLAMA_CPP_PYTHON", sys.executable)
     assert engines.engine_python("llama.cpp") == type(fake)(sys.executable)
     assert os.path.isfile(engines.engine_python("llama.cpp"))
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--length", "1"], "Error: --length 1: lengths must be whole numbers of tokens >= 2"),
+    (["--length", "64", "--windows", "0"], "Error: --windows 0: must be a whole number >= 1"),
+    (["--length", "64", "--gguf", "missing.gguf"], "Error: --gguf missing.gguf: no such GGUF file"),
+])
+def test_cli_bad_length_windows_or_gguf_is_one_line_exit_1(tiny_model_dir, tmp_path, no_engines, args, message):
+    res = CliRunner().invoke(main, ["parity", "--model", str(tiny_model_dir), "--strategy", "linear", *args,
+                                    "-o", str(tmp_path / "o")])
+    assert res.exit_code == 1 and res.output.strip() == message
+    assert not (tmp_path / "o").exists()
