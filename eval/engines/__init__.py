@@ -10,7 +10,7 @@ interpreters and runs the standalone drivers beside it (``vllm_driver.py``, ``ll
 Where an engine's Python is looked for (the first that exists):
     ``ROPESCALE_VLLM_PYTHON`` / ``ROPESCALE_LLAMA_CPP_PYTHON`` (a python executable);
     ``<root>/vllm/bin/python`` / ``<root>/llama/bin/python`` under ``ROPESCALE_ENGINES``, then
-    ``~/.cache/ropescale/engines``, then ``/work/engines`` (install.sh's default prefixes).
+    ``~/.cache/ropescale/engines`` (install.sh's default prefix).
 llama.cpp's own converter (``convert_hf_to_gguf.py`` from the llama-cpp-python sdist's
 ``vendor/llama.cpp``): ``ROPESCALE_LLAMA_CPP_SOURCE``, else ``<root>/llama/src/llama.cpp``.
 
@@ -62,8 +62,7 @@ class EngineFailed(RopescaleError, RuntimeError):
 
 
 def _roots() -> list[Path]:
-    roots = [os.environ.get("ROPESCALE_ENGINES"), str(Path.home() / ".cache" / "ropescale" / "engines"),
-             "/work/engines"]
+    roots = [os.environ.get("ROPESCALE_ENGINES"), str(Path.home() / ".cache" / "ropescale" / "engines")]
     return [Path(r) for r in roots if r]
 
 
