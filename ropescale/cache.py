@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from ropescale.compat import cache_from_kwargs
+
 __all__ = ["CacheWatch", "rerotate_cache", "rerotate_keys", "rotate_half"]
 
 
@@ -100,7 +102,7 @@ class CacheWatch:
                 base_model.register_forward_hook(self._post, with_kwargs=True)]
 
     def _pre(self, _module, args, kwargs):
-        cache = kwargs.get("past_key_values")
+        cache = cache_from_kwargs(kwargs)  # `cache` from transformers 5.24, `past_key_values` before
         self.cache = cache
         if cache is None or self.rotary.dynamic_cache != "recompute":
             return None

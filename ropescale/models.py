@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ropescale.compat import peft_wrapping
 from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.patching import PatchHandle, current_patch, patch, unpatch
 
@@ -301,7 +302,8 @@ def _load_adapter(name: str, path: str, base: str, **kwargs) -> tuple[Any, Any]:
     if saved.is_file():  # patch before the adapter, as training did
         _apply_record(model, json.loads(saved.read_text(encoding="utf-8")))
     try:
-        model = PeftModel.from_pretrained(model, path, is_trainable=False)
+        with peft_wrapping():
+            model = PeftModel.from_pretrained(model, path, is_trainable=False)
     except (OSError, ValueError, RuntimeError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelLoadError(f"{name}: cannot apply the LoRA adapter to {base} ({first})") from None

@@ -10,7 +10,16 @@ import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+from ropescale.compat import cache_kwarg  # noqa: E402
 from ropescale.models import REFERENCE_MODEL  # noqa: E402
+
+
+def with_cache(cache) -> dict:
+    """The KV cache as the installed transformers' models take it: ``{"cache": c}`` from 5.24,
+    ``{"past_key_values": c}`` before (``ropescale.compat.cache_kwarg``)."""
+    from transformers import LlamaForCausalLM
+
+    return {cache_kwarg(LlamaForCausalLM): cache}
 
 
 def tiny_llama_config(**rope):

@@ -13,6 +13,7 @@ from transformers.masking_utils import AttentionMaskInterface, flash_attention_m
 import ropescale
 import ropescale.attention
 from ropescale.attention import AttentionNotPluggableError, logn_factor, register_logn
+from tests.conftest import with_cache
 from tests.families import family_model
 
 IDS = torch.randint(0, 256, (2, 100), generator=torch.Generator().manual_seed(4))  # L_train = 64
@@ -71,9 +72,9 @@ def test_logn_cached_decoding_equals_full_forward():
     model = family_model("llama")
     with torch.no_grad(), ropescale.patch(model, "linear", factor=2.0, logn=True):
         cache = DynamicCache(config=model.config)
-        model(IDS[:, :60], past_key_values=cache, use_cache=True)
+        model(IDS[:, :60], **with_cache(cache), use_cache=True)
         for t in range(60, 80):
-            step = model(IDS[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+            step = model(IDS[:, t : t + 1], **with_cache(cache), use_cache=True).logits[:, -1]
             torch.testing.assert_close(step, model(IDS[:, : t + 1]).logits[:, -1], rtol=0, atol=1e-5)
 
 

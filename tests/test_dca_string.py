@@ -16,6 +16,7 @@ from ropescale.flex_regions import flex_attention_path
 from ropescale.strategies import get_strategy
 from ropescale.strategies.truncation import dca, string
 from ropescale.truncated_attention import blocked_attention, fused_attention, naive_attention
+from tests.conftest import with_cache
 from tests.families import family_model
 
 IDS = torch.randint(0, 256, (2, 100), generator=torch.Generator().manual_seed(11))
@@ -209,9 +210,9 @@ def test_cached_decoding_equals_full_forward_across_chunk_boundaries(family, str
     model = family_model(family)
     with torch.no_grad(), ropescale.patch(model, strategy, **params):
         cache = DynamicCache(config=model.config)
-        model(IDS[:, :70], past_key_values=cache, use_cache=True)
+        model(IDS[:, :70], **with_cache(cache), use_cache=True)
         for t in range(70, 85):
-            step = model(IDS[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+            step = model(IDS[:, t : t + 1], **with_cache(cache), use_cache=True).logits[:, -1]
             full = model(IDS[:, : t + 1]).logits[:, -1]
             torch.testing.assert_close(step, full, rtol=0, atol=1e-5)
 

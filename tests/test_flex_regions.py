@@ -19,6 +19,7 @@ from ropescale import flex_regions, truncated_attention
 from ropescale.flex_regions import BlockMaskCache, flex_attention_path, region_block_masks
 from ropescale.strategies.truncation import dca, leaky_rerope, rerope, self_extend, string
 from ropescale.truncated_attention import fused_attention, fused_route, naive_attention
+from tests.conftest import with_cache
 from tests.families import family_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -246,9 +247,9 @@ def test_tiny_llama_left_padding_and_cached_decoding_with_flex():
                                _logits(model, "leaky_rerope", "naive", IDS[:, :80], **kw), rtol=0, atol=1e-5)
     with torch.no_grad(), ropescale.patch(model, "self_extend", window=16, group_size=4, attention_path="flex"):
         cache = DynamicCache(config=model.config)
-        model(IDS[:, :70], past_key_values=cache, use_cache=True)
+        model(IDS[:, :70], **with_cache(cache), use_cache=True)
         for t in range(70, 75):
-            step = model(IDS[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+            step = model(IDS[:, t : t + 1], **with_cache(cache), use_cache=True).logits[:, -1]
             torch.testing.assert_close(step, model(IDS[:, : t + 1]).logits[:, -1], rtol=0, atol=1e-5)
 
 

@@ -13,6 +13,7 @@ import ropescale
 from ropescale.attention import AttentionNotPluggableError, logn_factor
 from ropescale.strategies.truncation import leaky_rerope, rerope, self_extend
 from ropescale.truncated_attention import _Rotations, blocked_attention, fused_attention, naive_attention
+from tests.conftest import with_cache
 from tests.families import family_model
 
 IDS = torch.randint(0, 256, (2, 100), generator=torch.Generator().manual_seed(5))
@@ -63,9 +64,9 @@ def test_cached_decoding_equals_full_forward(family, strategy, params):
     model = family_model(family)
     with torch.no_grad(), ropescale.patch(model, strategy, block_size=16, **params):
         cache = DynamicCache(config=model.config)
-        model(IDS[:, :70], past_key_values=cache, use_cache=True)
+        model(IDS[:, :70], **with_cache(cache), use_cache=True)
         for t in range(70, 85):
-            step = model(IDS[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+            step = model(IDS[:, t : t + 1], **with_cache(cache), use_cache=True).logits[:, -1]
             torch.testing.assert_close(step, logits(model, IDS[:, : t + 1])[:, -1], rtol=0, atol=1e-5)
 
 

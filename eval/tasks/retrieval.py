@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 import torch
 from pydantic import Field, field_validator, model_validator
 
+from ropescale.compat import cache_kwarg, output_cache
 from ropescale.runs.memory import PY_LIST_SLOT, Need, forward_bytes, kv_cache_bytes, model_dims
 
 from .base import Metric, Task, TaskOptions, progress
@@ -177,8 +178,8 @@ class RetrievalTask(Task):
             if strategy.dynamic:
                 scores = _candidate_scores_full(model, ex.prompt.ids, ex.candidates, device)
             else:
-                scores = _candidate_scores_cached(model, last, out.past_key_values, ex.candidates, device)
-            generated = _greedy(model, last, out.past_key_values,
+                scores = _candidate_scores_cached(model, last, output_cache(out), ex.candidates, device)
+            generated = _greedy(model, last, output_cache(out),
                                 len(ex.prompt.answer_ids) + self.options.greedy_extra_tokens)
             exact = type(self).match(self.tokenizer.decode(generated), ex.prompt.answer)
             rows.append((i, exact, bool(scores[0] > scores[1:].max())))
@@ -222,6 +223,7 @@ def _candidate_scores_cached(model, last: torch.Tensor, cache, candidates: list[
     if max(map(len, candidates)) == 1:
         return scores.cpu()
     rewind = _rewindable(cache)
+    name = cache_kwarg(model)
     rest = []
     for c in candidates:
         if len(c) == 1:
@@ -229,7 +231,7 @@ def _candidate_scores_cached(model, last: torch.Tensor, cache, candidates: list[
             continue
         ids = torch.tensor([c], device=device)  # [1, D]
         own = cache if rewind else copy.deepcopy(cache)
-        logp = model(input_ids=ids[:, :-1], past_key_values=own, use_cache=True).logits.float().log_softmax(-1)
+        logp = model(input_ids=ids[:, :-1], **{name: own}, use_cache=True).logits.float().log_softmax(-1)
         rest.append(logp[0].gather(-1, ids[0, 1:, None]).double().sum())  # log p(c_j | prompt, c_<j), j ≥ 1
         if rewind:
             cache.crop(-(len(c) - 1))
@@ -252,8 +254,9 @@ def _greedy(model, last: torch.Tensor, cache, n: int) -> list[int]:
     """``n`` greedy tokens continuing the prompt whose last log-probs are ``last`` (cache updated in place)."""
     tok = last.argmax()
     out = [tok]
+    name = cache_kwarg(model)
     for _ in range(n - 1):  # tokens stay on the device: one transfer at the end, no sync per step
-        logits = model(input_ids=tok.view(1, 1), past_key_values=cache, use_cache=True).logits
+        logits = model(input_ids=tok.view(1, 1), **{name: cache}, use_cache=True).logits
         tok = logits[0, -1].argmax()
         out.append(tok)
     return torch.stack(out).tolist()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ropescale.compat import peft_wrapping
 from ropescale.models import save_adapter, save_patched
 from ropescale.patching import current_patch
 from ropescale.runs.config import ConfigError
@@ -57,7 +58,8 @@ def apply_lora(model, lora: LoraSettings, source: str = "config"):
                         modules_to_save=save or None, task_type="CAUSAL_LM")
     handle = current_patch(model)
     try:
-        wrapped = get_peft_model(model, config)
+        with peft_wrapping():
+            wrapped = get_peft_model(model, config)
     except ValueError as e:
         first = " ".join(str(e).split())[:300]
         raise ConfigError(f"{source}: lora: {first}") from None

@@ -15,6 +15,7 @@ from eval.tasks.needle import Needle
 from eval.tasks.passkey import Passkey, PasskeyOptions
 from eval.tasks.retrieval import wilson
 from ropescale.runs.data import load_documents, tokenize_documents
+from tests.approx import nested_approx
 
 
 def test_tasks_are_found_by_module():
@@ -103,8 +104,8 @@ def test_passkey_end_to_end_on_a_tiny_model(tmp_path, tiny_model_dir):
         if r["strategy"] == "vanilla":  # the unpatched model: the harness's scores are the textbook ones
             overall, by_depth = expected_record(scored_by_hand(tiny_model_dir, task, r["length"], yarn_match),
                                                 [0.0, 1.0])
-            assert {k: r[k] for k in overall} == pytest.approx(overall)
-            assert [{k: d[k] for k in e} for d, e in zip(r["by_depth"], by_depth)] == pytest.approx(by_depth)
+            assert {k: r[k] for k in overall} == nested_approx(overall)
+            assert [{k: d[k] for k in e} for d, e in zip(r["by_depth"], by_depth)] == nested_approx(by_depth)
     # the same examples for every strategy: same prompts, so the same needle positions
     at64 = [r for r in records if r["length"] == 64]
     assert len({json.dumps([d["needle_token"] for d in r["by_depth"]]) for r in at64}) == 1
@@ -151,5 +152,5 @@ def test_needle_reads_the_data_source(tmp_path, tiny_model_dir, text_file):
     docs = tokenize_documents(tok, load_documents(cfg.data.spec()))
     task = Needle(cfg.options, tokenizer=tok, train_length=32, documents=docs)
     overall, by_depth = expected_record(scored_by_hand(tiny_model_dir, task, 160, lambda text, a: a in text), [0.5])
-    assert {k: r[k] for k in overall} == pytest.approx(overall)
-    assert [{k: d[k] for k in e} for d, e in zip(r["by_depth"], by_depth)] == pytest.approx(by_depth)
+    assert {k: r[k] for k in overall} == nested_approx(overall)
+    assert [{k: d[k] for k in e} for d, e in zip(r["by_depth"], by_depth)] == nested_approx(by_depth)

@@ -27,6 +27,7 @@ from eval.tasks.retrieval import contains_match
 from ropescale.models import REFERENCE_MODEL
 from ropescale.reference import kjv
 from ropescale.runs.data import DataError, load_documents, tokenize_documents
+from tests.approx import nested_approx
 from tests.eval.test_tasks import expected_record, scored_by_hand
 
 # --- RULER, as its authors wrote it -------------------------------------------------------------
@@ -325,6 +326,6 @@ def test_niah_multikey_end_to_end_on_a_tiny_model(tmp_path, tiny_model_dir, text
         overall, by_depth = expected_record(scored_by_hand(tiny_model_dir, t, 224, lambda text, a: a in text),
                                             [0.0, 1.0])
     r = records[0]
-    assert {k: r[k] for k in overall} == pytest.approx(overall)
-    assert [{k: d[k] for k in e} for d, e in zip(r["by_depth"], by_depth)] == pytest.approx(by_depth)
+    assert {k: r[k] for k in overall} == nested_approx(overall)
+    assert [{k: d[k] for k in e} for d, e in zip(r["by_depth"], by_depth)] == nested_approx(by_depth)
     assert (tmp_path / "depth_heatmap.png").stat().st_size > 0

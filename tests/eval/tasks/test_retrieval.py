@@ -17,6 +17,7 @@ from eval.tasks.retrieval import (
     summarise,
     wilson,
 )
+from ropescale.compat import output_cache
 
 
 @pytest.mark.parametrize("k,n,expected", [
@@ -92,7 +93,7 @@ def test_cached_candidates_equal_full_forwards_on_a_real_model(tiny_llama):
     with torch.no_grad():
         out = tiny_llama(input_ids=torch.tensor([prompt]), use_cache=True)
         last = out.logits[0, -1].float().log_softmax(-1)
-        cached = _candidate_scores_cached(tiny_llama, last, out.past_key_values, cands, "cpu")
+        cached = _candidate_scores_cached(tiny_llama, last, output_cache(out), cands, "cpu")
         full = _candidate_scores_full(tiny_llama, prompt, cands, "cpu")
         naive = []
         for c in cands:  # the textbook way: one sequence at a time
@@ -100,7 +101,7 @@ def test_cached_candidates_equal_full_forwards_on_a_real_model(tiny_llama):
             naive.append(sum(lp[len(prompt) - 1 + j, t].item() for j, t in enumerate(c)))
     assert cached.tolist() == pytest.approx(naive, abs=1e-4) and full.tolist() == pytest.approx(naive, abs=1e-4)
     # the cache the greedy decoder goes on with was not touched by the candidates
-    assert out.past_key_values.get_seq_length() == len(prompt)
+    assert output_cache(out).get_seq_length() == len(prompt)
 
 
 def test_summarise_per_depth():

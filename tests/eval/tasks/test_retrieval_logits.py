@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from eval.tasks.base import get_task
+from ropescale.compat import output_cache
 from ropescale.models import load_model
 from ropescale.strategies import get_strategy
 
@@ -61,11 +62,11 @@ def test_cached_candidates_leave_the_prompt_cache_as_it_was(family):
     candidates = [torch.randint(0, 256, (k,), generator=g).tolist() for k in (3, 1, 4, 3)]
     with torch.no_grad():
         out = model(input_ids=prompt, use_cache=True)
-        assert _rewindable(out.past_key_values) == (family == "llama")
-        before = [(layer.keys.clone(), layer.values.clone()) for layer in out.past_key_values.layers]
+        assert _rewindable(output_cache(out)) == (family == "llama")
+        before = [(layer.keys.clone(), layer.values.clone()) for layer in output_cache(out).layers]
         last = out.logits[0, -1].float().log_softmax(-1)
-        scores = _candidate_scores_cached(model, last, out.past_key_values, candidates, "cpu")
-        for layer, (k, v) in zip(out.past_key_values.layers, before):
+        scores = _candidate_scores_cached(model, last, output_cache(out), candidates, "cpu")
+        for layer, (k, v) in zip(output_cache(out).layers, before):
             assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
         for score, c in zip(scores, candidates):  # oracle: one full forward over prompt + candidate
             ids = torch.cat([prompt, torch.tensor([c])], 1)
