@@ -193,7 +193,8 @@ def _softcap_mod(softcap: float | None):
 def flex_attention_path(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling: float, *, keep=None,
                         scale: float, softcap: float | None = None, sliding_window: int | None = None,
                         interleaved: bool = False, dropout: float = 0.0, block: int = 512,
-                        masks: BlockMaskCache | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+                        masks: BlockMaskCache | None = None, positions: torch.Tensor | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Exact attention under ``rule`` in one FlexAttention call per region; returns ``[b, n_h, s_q, h_d]``
     in q's dtype (see the module docstring for shapes and the merge).
 
@@ -203,13 +204,14 @@ def flex_attention_path(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, sca
     ``scaling`` is the rotary ``attention_scaling`` (cos and sin are multiplied by it, as
     transformers does), ``scale`` the softmax scale, ``softcap`` c of tanh(s/c)·c (None: off),
     ``sliding_window`` W: keys at i − j ≥ W are invisible. ``dropout`` > 0 is handed to
-    ``blocked_attention`` (with ``block``, its block size [tokens]), as are gradients on MPS;
+    ``blocked_attention`` (with ``block``, its block size [tokens]), as are gradients on MPS; ``sinks``
+    ``[n_h]``: attention sinks (gpt-oss), one more logit per head in the merge, with no value;
     gradients on the CPU go to ``fused_attention``. Raises ``ValueError`` for a ``keep`` mask that does not broadcast to
     ``[b, 1, s_q, s_k]``.
     """
     args = (q, k, v, q_pos, k_pos, rule, inv_freq, scaling)
     kw = {"keep": keep, "scale": scale, "softcap": softcap, "sliding_window": sliding_window,
-          "interleaved": interleaved, "dropout": dropout, "block": block}
+          "interleaved": interleaved, "dropout": dropout, "block": block, "sinks": sinks}
     if dropout:
         return blocked_attention(*args, **kw)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -231,9 +233,12 @@ def flex_attention_path(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, sca
         return out, stats.lse  # [b, n_h, s_q, h_d], [b, n_h, s_q]
 
     parts = [region(r, mask) for r, mask in zip(rule.regions, masks, strict=True) if mask is not None]
-    if len(parts) == 1:  # flex already gives 0 on rows with no visible key
+    if len(parts) == 1 and sinks is None:  # flex already gives 0 on rows with no visible key
         return parts[0][0]
     acc = torch.promote_types(q.dtype, torch.float32)
+    if sinks is not None:  # one more part: the sink's logit, with a zero value
+        lse0 = parts[0][1]
+        parts = [*parts, (torch.zeros_like(parts[0][0]), sinks.to(lse0.dtype).view(1, -1, 1).expand_as(lse0))]
     lses = torch.stack([lse.to(acc) for _, lse in parts])  # [k, b, n_h, s_q]
     m = lses.amax(0).detach()  # the merge does not depend on m: no gradient needed
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows with no key: e^(−inf − 0) = 0

@@ -158,7 +158,8 @@ def slot_offsets(q_pos: torch.Tensor, s_k: int) -> torch.Tensor:
 
 def fused_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling: float, *, keep=None,
                     scale: float, softcap: float | None = None, sliding_window: int | None = None,
-                    interleaved: bool = False, dropout: float = 0.0, block: int = 512) -> torch.Tensor:
+                    interleaved: bool = False, dropout: float = 0.0, block: int = 512,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The rule's regions in fused CPU flash kernels (``ropescale.region_attention``), with backward.
     Where that kernel cannot follow (``fused_route`` other than ``"regions"``: soft-capping,
     attention dropout, a per-query ``keep`` mask, a chunk rule under a sliding window, or a device
@@ -171,13 +172,14 @@ def fused_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling
     if route != "regions":
         return blocked_attention(q, k, v, q_pos, k_pos, rule, inv_freq, scaling, keep=keep, scale=scale,
                                  softcap=softcap, sliding_window=sliding_window, interleaved=interleaved,
-                                 dropout=dropout, block=block)
+                                 dropout=dropout, block=block, sinks=sinks)
     s_q, s_k = q.shape[2], k.shape[2]
     if keep is not None:  # one row per batch row: the kernels index keep by batch row
         keep = keep.expand(q.shape[0], 1, keep.shape[-2], s_k)
     if not rule.by_chunk:
         plan = _plan(s_q, s_k, rule, sliding_window, scale, keep)
-        return RegionAttention.apply(q, k, v, _Rotations(q_pos, k_pos, rule, inv_freq, scaling, interleaved), plan)
+        return RegionAttention.apply(q, k, v, _Rotations(q_pos, k_pos, rule, inv_freq, scaling, interleaved), plan,
+                                     sinks)
     offsets = [round(o) for o in slot_offsets(q_pos, s_k).tolist()]
     groups: dict[int, list[int]] = {}
     for row, o in enumerate(offsets):
@@ -189,7 +191,7 @@ def fused_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling
         plan = _plan(s_q, s_k, rule, None, scale, kp, offset=o)
         qp = q_pos[sel]
         rot = _Rotations(qp, qp if k_pos is q_pos else k_pos[sel], rule, inv_freq, scaling, interleaved)
-        outs.append(RegionAttention.apply(q[sel], k[sel], v[sel], rot, plan))
+        outs.append(RegionAttention.apply(q[sel], k[sel], v[sel], rot, plan, sinks))
         order += rows
     if len(outs) == 1:
         return outs[0]
@@ -210,8 +212,9 @@ def _touches(region: Region, lo: int, hi: int) -> tuple[bool, bool]:
 def blocked_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling: float, *,
                       keep=None, scale: float, softcap: float | None = None,
                       sliding_window: int | None = None, interleaved: bool = False, dropout: float = 0.0,
-                      block: int = 512) -> torch.Tensor:
+                      block: int = 512, sinks: torch.Tensor | None = None) -> torch.Tensor:
     b, n_h, s_q, h_d = q.shape
+    h_v = v.shape[-1]
     n_kv, s_k = k.shape[1], k.shape[2]
     g, c0 = n_h // n_kv, s_k - s_q
 
@@ -233,7 +236,10 @@ def blocked_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scali
         qe = min(qs + block, s_q)
         m = torch.full((b, n_kv, g, qe - qs, 1), _NEG, dtype=torch.float32, device=q.device)
         l = torch.zeros_like(m)
-        acc = torch.zeros(b, n_kv, g, qe - qs, h_d, dtype=torch.float32, device=q.device)
+        if sinks is not None:  # the sink: one more logit in every row's normaliser, with no value
+            m = sinks.float().view(1, n_kv, g, 1, 1).expand_as(m)
+            l = torch.ones_like(m)
+        acc = torch.zeros(b, n_kv, g, qe - qs, h_v, dtype=torch.float32, device=q.device)
         first = max(0, c0 + qs - sliding_window + 1) if sliding_window else 0
         for ks in range(first // block * block, c0 + qe, block):
             ke = min(ks + block, s_k)
@@ -270,12 +276,13 @@ def blocked_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scali
             acc = acc * alpha + p @ v[..., ks:ke, :].float()
             m = m_new
         rows.append((acc / l.clamp_min(1e-30)).to(q.dtype))  # fully masked rows → 0
-    return torch.cat(rows, -2).view(b, n_h, s_q, h_d)
+    return torch.cat(rows, -2).view(b, n_h, s_q, h_v)
 
 
 def naive_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling: float, *,
                     keep=None, scale: float, softcap: float | None = None,
-                    sliding_window: int | None = None, interleaved: bool = False, **_) -> torch.Tensor:
+                    sliding_window: int | None = None, interleaved: bool = False, sinks: torch.Tensor | None = None,
+                    **_) -> torch.Tensor:
     n_h, s_q = q.shape[1], q.shape[2]
     n_kv, s_k = k.shape[1], k.shape[2]
     d = 2 * inv_freq.numel()
@@ -296,4 +303,7 @@ def naive_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling
     if keep is not None:
         vis = vis & keep
     s = s.masked_fill(~vis, float("-inf"))
+    if sinks is not None:  # attention sinks (gpt-oss): one more logit per head, whose value is 0
+        sink = sinks.float().view(1, n_h, 1, 1).expand(s.shape[0], n_h, s_q, 1)
+        return torch.softmax(torch.cat((s, sink), -1), -1)[..., :-1] @ v
     return torch.nan_to_num(torch.softmax(s, -1)) @ v  # fully masked rows → 0

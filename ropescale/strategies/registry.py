@@ -11,6 +11,8 @@ Context arguments (units in brackets):
     original_max_position_embeddings: training window L_train [tokens].
     seq_len: current sequence length L [tokens]; naming it makes the strategy *dynamic*
         (recomputed per forward from ``max(position_ids) + 1``).
+    model_inv_freq, model_attention_scaling: the loaded model's own ``inv_freq`` ``[d/2]`` and cos/sin
+        scale, as shipped (``native``); absent where only a config was read.
 
 Parameters are checked by ``Strategy.validate`` (no target length) or ``Strategy.resolve``
 (target length L and training window T: the one rule filling ``auto`` parameters, ``auto_value``).
@@ -54,7 +56,8 @@ __all__ = [
     "strategy_names",
 ]
 
-CONTEXT_ARGS = ("dim", "rope_theta", "original_max_position_embeddings", "seq_len")
+CONTEXT_ARGS = ("dim", "rope_theta", "original_max_position_embeddings", "seq_len", "model_inv_freq",
+                "model_attention_scaling")
 _REQUIRED = object()
 
 StrategyKind = Literal["frequency", "attention"]
@@ -200,6 +203,12 @@ class Strategy:
     check: Callable[[dict], None] | None = None
     needs: tuple[str, ...] = field(default=())
     export: Exporter | None = None
+    softmax: Callable[[dict], float] | None = None  # validated params → softmax-scale multiplier (1: none)
+
+    def softmax_scale(self, params: dict[str, Any]) -> float:
+        """The factor the strategy multiplies attention's softmax scale by (DeepSeek's YaRN
+        ``mscale_all_dim``: its square), 1.0 for every strategy without one."""
+        return 1.0 if self.softmax is None else float(self.softmax(params))
 
     @property
     def dynamic(self) -> bool:
@@ -281,9 +290,10 @@ REGISTRY: Registry[Strategy] = Registry("strategy", "strategies", UnknownStrateg
 
 def register(name: str, *, params: tuple[Param, ...] = (), source: str,
              kind: StrategyKind = "frequency", check: Callable[[dict], None] | None = None,
-             export: Exporter | None = None):
+             export: Exporter | None = None, softmax: Callable[[dict], float] | None = None):
     """Decorator adding a strategy function to ``REGISTRY`` under ``name``; ``export`` is its
-    transformers ``rope_parameters`` writer (``Exporter``), if transformers can express it.
+    transformers ``rope_parameters`` writer (``Exporter``), if transformers can express it;
+    ``softmax`` (validated params → float) a factor on attention's softmax scale, where the strategy has one.
     Raises ``TypeError`` for an unknown ``kind`` or a signature that does not match ``params``."""
     if kind not in STRATEGY_KINDS:
         raise TypeError(f"{name}: kind={kind!r}; choose one of {', '.join(STRATEGY_KINDS)}")
@@ -295,7 +305,7 @@ def register(name: str, *, params: tuple[Param, ...] = (), source: str,
         own = set(sig) - set(needs)
         if own != declared:
             raise TypeError(f"{name}: signature parameters {sorted(own)} != declared {sorted(declared)}")
-        REGISTRY.add(name, Strategy(name, fn, params, source, kind, check, needs, export))
+        REGISTRY.add(name, Strategy(name, fn, params, source, kind, check, needs, export, softmax))
         return fn
 
     return deco
