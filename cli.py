@@ -305,7 +305,8 @@ def search(config, overrides, output, quiet) -> None:
 @click.option("--gguf", "gguf_path", type=click.Path(dir_okay=False),
               help="gguf target: the unpatched model's GGUF to rewrite (llama.cpp's converter output)")
 @click.option("--freeze-dynamic-at", type=int,
-              help="dynamic NTK: serve it static at this length (vllm default: the serve length)")
+              help="dynamic NTK, vllm and gguf targets: serve it static at this length (vllm default: the serve "
+                   "length)")
 def patch_cmd(model, strategy_spec, output, original_max_position_embeddings, layer_types,
               dynamic_cache, dynamic_block, target, serve_length, gguf_path, freeze_dynamic_at) -> None:
     """Save a patched model for an engine. transformers: strategies it implements are written into
@@ -322,6 +323,13 @@ def patch_cmd(model, strategy_spec, output, original_max_position_embeddings, la
     if target == "gguf" and not gguf_path:
         raise InvalidInput("--target gguf rewrites an existing GGUF: give the unpatched model's with --gguf BASE.gguf")
     spec = _strategy(strategy_spec)
+    from ropescale.models import resolve_model
+    from ropescale.serving.export import check_export
+
+    source = Path(resolve_model(model))
+    # what needs no model is refused before loading it (export_for checks it all again)
+    check_export(target, serve_length, output, gguf=gguf_path, freeze_dynamic_at=freeze_dynamic_at,
+                 source=source if source.is_dir() else None)
     m, tok = ropescale.load_model(model, device="cpu")
     ropescale.unpatch(m)
     ropescale.patch(m, spec.name, original_max_position_embeddings=original_max_position_embeddings,
