@@ -50,7 +50,7 @@ def cell_id(experiment: str, spec: StrategySpec, length: int) -> str:
     """Stable id of a cell: the experiment's identity hash (task, options, model weights, data
     tokens, dtype, library versions: ``ropescale.runs.manifest``) with the strategy and length, hashed."""
     key = {"experiment": experiment, "strategy": spec.name, "params": spec.params, "logn": spec.logn,
-           "length": length}
+           **({"temperature": spec.temperature} if spec.temperature else {}), "length": length}
     return hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -125,7 +125,8 @@ def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec
     t0 = time.perf_counter()
     share = list(range(state.process_index, len(examples), state.num_processes))
     try:
-        with patch(model, spec.name, original_max_position_embeddings=train_len, logn=spec.logn, **params):
+        with patch(model, spec.name, original_max_position_embeddings=train_len, logn=spec.logn,
+                   temperature=spec.temperature, **params):
             part = task.measure(model, examples, share, length=length, strategy=strat, device=device,
                                 desc=f"{spec.display} @ {length}" if progress else None)
     except (RuntimeError, MemoryError) as e:
@@ -140,7 +141,8 @@ def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec
     result = task.combine(parts, examples, length=length, strategy=strat)
     seconds = time.perf_counter() - t0
     return {"task": cfg.task, "strategy": spec.display, "name": spec.name, "params": params, "logn": spec.logn,
-            "length": length, "train_length": train_len, "model": cfg.model,
+            **({"temperature": spec.temperature} if spec.temperature else {}), "length": length,
+            "train_length": train_len, "model": cfg.model,
             "data": cfg.data.spec().describe() if task.uses_data else None, "options": cfg.options.key(),
             "dtype": cfg.dtype, "device": str(device), **result, **({"note": note} if note else {}),
             "seconds": round(seconds, 3)}

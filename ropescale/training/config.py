@@ -474,7 +474,7 @@ class ResolvedRun(BaseModel):
     def strategy_spec(self, cfg: FinetuneConfig) -> StrategySpec:
         """The strategy with every parameter fixed (how the harness must evaluate the result)."""
         return StrategySpec(name=cfg.strategy.name, params=self.params, logn=cfg.strategy.logn,
-                            label=cfg.strategy.label)
+                            temperature=cfg.strategy.temperature, label=cfg.strategy.label)
 
 
 def resolve(cfg: FinetuneConfig, source: str = "config") -> ResolvedRun:

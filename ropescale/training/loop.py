@@ -129,7 +129,8 @@ def enable_checkpointing(model, source: str = "config") -> None:
 
 def _patch_for_training(model, cfg: FinetuneConfig, run: ResolvedRun):
     unpatch(model)  # a patch saved with the model would stack under this one
-    kwargs: dict[str, Any] = {"original_max_position_embeddings": run.train_length, "logn": cfg.strategy.logn}
+    kwargs: dict[str, Any] = {"original_max_position_embeddings": run.train_length, "logn": cfg.strategy.logn,
+                              "temperature": cfg.strategy.temperature}
     if cfg.attention_path:
         kwargs["attention_path"] = cfg.attention_path
     handle = patch(model, cfg.strategy.name, **kwargs, **run.params)
