@@ -69,7 +69,37 @@ def test_missing_peft_is_one_line(write, tmp_path, monkeypatch):  # noqa: F811
 
 def test_unknown_target_module_is_one_line(write, tmp_path):  # noqa: F811
     one_line_error(cli(write(lora={"target_modules": ["qkv_proj"]}, eval=None), "-q", "-o", tmp_path / "out"),
-                   "lora: Target modules {'qkv_proj'} not found in the base model")
+                   "lora.target_modules: 'qkv_proj' matches no layer of the model",
+                   "its linear layers: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_target_among_others_that_matches_nothing_is_refused():
+    """PEFT refuses targets only when none matches; one misspelled among good ones was dropped
+    without a word (LoRA on q_proj only)."""
+    model = build(LlamaForCausalLM, tiny_llama_config())
+    with pytest.raises(ConfigError, match="lora.target_modules: 'v_prj' matches no layer"):
+        apply_lora(model, LoraSettings(target_modules=["q_proj", "v_prj"]))
+
+
+def test_the_rank_is_bounded_by_the_target_layers_smallest_dimension():
+    """tiny_llama_config: hidden 64, 4 heads of head_dim 16, 2 KV heads — q_proj and o_proj are
+    [64, 64], k_proj and v_proj [32, 64]: B A has rank at most 32 on the default targets, 64 on
+    q_proj alone. r = 10^9 went to the allocator."""
+    for targets, bound in [(None, 32), (["q_proj"], 64)]:
+        model = build(LlamaForCausalLM, tiny_llama_config())
+        wrapped = apply_lora(model, LoraSettings(r=bound, target_modules=targets))  # at the bound: trains
+        assert {p.shape[0] for n, p in wrapped.named_parameters() if "lora_A" in n} == {bound}
+        for r in (bound + 1, 10 ** 9):
+            with pytest.raises(ConfigError, match=f"lora.r: rank {r} is above the smallest dimension of the target "
+                                                  f"layers .*; use r <= {bound}$"):
+                apply_lora(build(LlamaForCausalLM, tiny_llama_config()), LoraSettings(r=r, target_modules=targets))
+
+
+def test_modules_to_save_that_match_nothing_are_refused():
+    model = build(LlamaForCausalLM, tiny_llama_config())
+    with pytest.raises(ConfigError, match="lora.modules_to_save: 'nrom' matches no module of the model"):
+        apply_lora(model, LoraSettings(modules_to_save=["nrom"]))
 
 
 def test_lora_plus_trains_what_longlora_trains():
