@@ -360,7 +360,11 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, prepared: _
                                   fused=True)
     scheduler = get_scheduler(_SCHEDULES[cfg.schedule], optimizer, num_warmup_steps=cfg.warmup,
                               num_training_steps=cfg.steps)
-    loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=False)
+    # its own generator: each iterator draws a base seed from the loader's generator, which would otherwise be the
+    # global RNG — the uninterrupted run draws it before step 1, a resumed one after restoring the checkpoint's RNG
+    # state, so dropout (LoRA's) drew other masks from there on than the uninterrupted run
+    loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=False,
+                        generator=torch.Generator().manual_seed(cfg.seed))
     model, optimizer, loader = acc.prepare(model, optimizer, loader)
     acc.register_for_checkpointing(scheduler)  # stepped by hand: once per optimiser step
 

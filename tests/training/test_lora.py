@@ -255,13 +255,79 @@ def test_bf16_on_cpu_with_checkpointing_and_lora(tmp_path, tiny_run):
 
 
 def test_a_killed_lora_run_resumes_to_the_same_adapter(tmp_path, tiny_run):
-    raw = tiny_run(strategy="yarn", steps=4, lr=1e-2, eval=None, checkpoint_every=2,
-                   gradient_checkpointing=True, lora={"trainable_embeddings_norms": True, "save": "adapter"})
+    """With LoRA dropout: the resumed run draws the masks the uninterrupted one draws (the data
+    loader's seed draw took one number from the global RNG after the checkpoint's state was
+    restored, so the masks from step 3 on differed)."""
+    raw = tiny_run(strategy="yarn", steps=4, lr=1e-2, eval=None, checkpoint_every=2, gradient_checkpointing=True,
+                   lora={"trainable_embeddings_norms": True, "save": "adapter", "dropout": 0.1})
     finetune(build_finetune_config(raw), tmp_path / "straight", progress=False)
     assert finetune(build_finetune_config(raw), tmp_path / "killed", progress=False, stop_after=3)["model"] is None
     assert finetune(build_finetune_config(raw), tmp_path / "killed", progress=False)["resumed_from"] == 2
     a, b = (load_file(tmp_path / run / "model" / "adapter_model.safetensors") for run in ("straight", "killed"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+KILLABLE = """
+import pathlib, sys, time
+from ropescale.training import loop
+
+real, calls = loop.causal_lm_loss, []
+
+
+def loss(*a, **k):  # one call per optimiser step (grad_accum 1): step 4 waits to be killed
+    calls.append(1)
+    if len(calls) == 4:
+        pathlib.Path(sys.argv[1]).write_text("in step 4")
+        time.sleep(600)
+    return real(*a, **k)
+
+
+loop.causal_lm_loss = loss
+from cli import main
+
+main(sys.argv[2:])
+"""
+
+
+def test_a_lora_run_killed_with_sigkill_resumes_to_the_uninterrupted_adapter(tmp_path, tiny_run):
+    """A real ``kill -9`` (no handler runs) in step 4 of a LoRA+ run checkpointed at step 2: the
+    rerun resumes from step 2 and saves the adapter the uninterrupted run saves, bit for bit."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    raw = tiny_run(strategy="yarn", steps=4, lr=1e-2, eval=None, checkpoint_every=2,
+                   lora={"trainable_embeddings_norms": True, "save": "adapter", "dropout": 0.1})
+    cfg, marker, killed = tmp_path / "ft.yaml", tmp_path / "marker", tmp_path / "killed"
+    cfg.write_text(json.dumps(raw))
+    (tmp_path / "killable.py").write_text(KILLABLE)
+    # as many threads as this process trains with: the same reductions, bit-exact results
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(torch.get_num_threads()),
+           "PYTHONPATH": str(root)}
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "killable.py"), str(marker), "finetune", str(cfg), "-q",
+                             "-o", str(killed)], env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert marker.exists(), proc.communicate(timeout=5)[1].decode()[-3000:]
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert not (killed / "model").exists() and (killed / "checkpoints" / "step-000002").is_dir()
+    assert [r["step"] for r in read_log(killed)] == [1, 2, 3]
+    resumed = finetune(build_finetune_config(raw), killed, progress=False)
+    assert resumed["resumed_from"] == 2 and resumed["steps"] == 4
+    finetune(build_finetune_config(raw), tmp_path / "straight", progress=False)
+    a, b = (load_file(tmp_path / run / "model" / "adapter_model.safetensors") for run in ("straight", "killed"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert read_log(killed) == [{**r, "tokens_per_s": x["tokens_per_s"]} if "loss" in r else r
+                                for r, x in zip(read_log(tmp_path / "straight"), read_log(killed))]
 
 
 def test_two_processes_train_lora_with_checkpointing_as_one_does(tmp_path, tiny_run):
