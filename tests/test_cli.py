@@ -155,12 +155,50 @@ def test_base_bound_prints_the_table(run):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--dims", "33"], "Error: Invalid value for '--dims': '33': each must be an even number >= 2; got 33"),
+    (["--dims", "33"], "Error: Invalid value for '--dims': '33': each must be an even number from 2 to 65536; got 33"),
     (["--lengths", "64,x"], "Error: Invalid value for '--lengths': '64,x': expected comma-separated whole numbers"),
+    # went to the allocator: a [L, d/2] table of 10^11 rows, or of 5·10^5 columns
+    (["--lengths", "100000000000"],
+     "Error: Invalid value for '--lengths': '100000000000': each must be from 2 to 16777216; got 100000000000"),
+    (["--dims", "16,1000000"],
+     "Error: Invalid value for '--dims': '16,1000000': each must be an even number from 2 to 65536; got 1000000"),
 ])
 def test_base_bound_refuses_bad_numbers(run, args, message):
     res = run("base-bound", *args)
     assert res.exit_code == 2 and res.output.splitlines()[-1] == message
+
+
+def test_base_bound_refuses_a_table_beyond_memory_before_computing(run):
+    res = run("base-bound", "--dims", "65536", "--lengths", "16777216")  # 2^24 × 2^15 pairs, float64
+    assert res.exit_code == 1 and len(res.output.splitlines()) == 1
+    assert res.output.startswith("Error: base-bound at L = 16777216 tokens, d = 65536 needs about 16,384 GiB")
+
+
+def test_base_bound_marks_a_cell_no_base_reaches_and_prints_the_rest(run):
+    """d = 2 has one pair, θ_0 = b^0 = 1 for every base: B(m) = cos m, and cos 2 < 0 — no base keeps
+    B(m) >= 0 for m < L >= 3. One such cell refused the whole table."""
+    import math
+
+    from ropescale.geometry import smallest_base
+
+    assert math.cos(2) < 0
+    res = run("base-bound", "--dims", "2,16", "--lengths", "64,128")
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert lines[:4] == ["| L | d = 2 | d = 16 |", "|---:|---:|---:|",
+                         f"| 64 | — | {smallest_base(16, 64):.3g} |", f"| 128 | — | {smallest_base(16, 128):.3g} |"]
+    assert lines[4] == "" and lines[5].startswith("—: no base up to 1e+12 keeps B(m) >= 0 for every m < L at this d")
+
+
+def test_base_bound_table_checks_its_numbers_too():
+    from eval.inspect import base_bound_table
+    from ropescale.errors import InvalidInput
+
+    for dims, lengths, match in [([3], [64], "dims: 3: a rotary dim d is an even number from 2 to 2"),
+                                 ([16], [10 ** 11], "lengths: 100000000000: a length L is from 2 to 2"),
+                                 ([16], [], "lengths: none given")]:
+        with pytest.raises(InvalidInput, match=match):
+            base_bound_table(dims, lengths)
 
 
 def test_reference_train_help_shows_the_recipe_mixes(run):
@@ -186,3 +224,4 @@ def test_reference_commands_refuse_bad_input_in_one_line(run, tmp_path, args, me
     assert res.exit_code == 1
     assert res.output.splitlines() == ["Error: " + message.format(tmp=tmp_path)]
     assert not (tmp_path / "m").exists()
+
