@@ -481,10 +481,12 @@ def compare(runs, length, output, title, at, before) -> None:
     steps in one figure, and Markdown tables (PPL by step; each run's last evaluation with the
     first step reaching the first run's final PPL); with --before, the harness's perplexity and
     passkey results of each run's strategy on the base model next to the fine-tuned model's."""
-    read_runs, compare_runs = harness("compare", "read_runs", "compare")
+    read_runs, compare_runs, RunsArgumentError = harness("compare", "read_runs", "compare", "RunsArgumentError")
+    check_figure, = harness("writable", "check_figure")
+    check_figure(output, f"-o {output}")  # a figure it cannot save or write: one line, before reading the runs
     try:  # what the arguments name must be there: usage errors (exit 2), as click's own
         records = read_runs(list(runs), length, list(before))
-    except InvalidInput as e:
+    except RunsArgumentError as e:  # what is in the files (a log line that is not a record): exit 1, one line
         raise click.UsageError(str(e)) from None
     click.echo(compare_runs(records, list(runs), length, output, title=title, at=at, before=list(before)))
     click.echo(f"\nfigure: {output}")

@@ -65,7 +65,10 @@ def check_figure(path: str | Path, what: str) -> Path:
         raise InvalidInput(f"{what}: {got}; use one of {', '.join('.' + f for f in formats)}")
     if path.is_dir():
         raise InvalidInput(f"{what}: a folder; name the figure file")
-    check_folder(path.parent, what)
+    base = _nearest_existing(path.parent)
+    if not base.is_dir():
+        raise InvalidInput(f"{what}: a part of the path ({base}) is a file, not a folder")
+    _probe(base, what)
     if path.exists():
         try:
             with path.open("ab"):
