@@ -277,10 +277,20 @@ def _check_options(model: nn.Module, strat: Strategy, *, original_max_position_e
                          "call unpatch() first")
     found = find_rotary_modules(model)
     if not found:
+        cfg = _config_of(model, model)
+        rope_config = getattr(cfg, "rotary_dim", None) or hasattr(cfg, "rotary_value")  # GPT-J, CodeGen; RoFormer
+        table = next((m for m in model.modules() if type(m).__name__.endswith(("RotaryEmbedding",
+                                                                                "SinusoidalPositionalEmbedding"))
+                      and (m._buffers or rope_config)), None)
+        if table is not None and (rope_config or type(table).__name__.endswith("RotaryEmbedding")):
+            raise NoRotaryEmbeddingError(
+                f"{type(model).__name__} applies RoPE from a precomputed sinusoidal table ({type(table).__name__}), "
+                "not from an "
+                "`inv_freq` buffer; ropescale changes RoPE through the frequencies and cannot patch this family")
         raise NoRotaryEmbeddingError(
             f"{type(model).__name__} has no rotary embedding: no submodule holds an `inv_freq` "
-            "(or `<layer_type>_inv_freq`) buffer; models with learned, ALiBi or sinusoidal "
-            "positions cannot be patched")
+            "(or `<layer_type>_inv_freq`) buffer; models with learned or ALiBi positions, or none, cannot be "
+            "patched")
     _refuse_inapplicable(strat, layer_types=layer_types, dynamic_cache=dynamic_cache, dynamic_block=dynamic_block,
                          attention_path=attention_path, block_size=block_size)
     return found
