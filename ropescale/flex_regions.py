@@ -21,6 +21,9 @@ refuses it, and we never select it), so gradients through the merge are exact.
 
 Where it runs: on CUDA through ``torch.compile(flex_attention)`` (compiled once, lazily), the
 fused block-sparse kernel; this is what ``fused_attention`` dispatches to on any non-CPU device.
+Inputs of at most ``EAGER_SCORES`` scores (b·n_h·s_q·s_k: the patch's 2-token routing check,
+one-token decoding steps) run eagerly there too: each such shape would otherwise be a compilation
+and a dynamo cache entry of its own (dynamo specialises sizes 1 and single blocks).
 On the CPU ``flex_attention`` runs eagerly and unfused (it materialises each call's scores:
 for tests and short inputs). torch refuses FlexAttention backward on the CPU
 ("FlexAttention does not support backward on CPU. Please set the input requires_grad to False or
@@ -57,6 +60,7 @@ from ropescale.truncated_attention import blocked_attention, fused_attention, ro
 __all__ = ["NO_FLEX_BACKWARD", "BlockMaskCache", "flex_attention_path", "region_block_masks"]
 
 NO_FLEX_BACKWARD = {"cpu", "mps"}  # device types where torch refuses FlexAttention backward
+EAGER_SCORES = 1 << 24  # b·n_h·s_q·s_k up to which CUDA runs the eager functions (≤ 64 MB of float32 scores)
 
 
 @cache
@@ -68,8 +72,8 @@ def _compiled(fn, backend="inductor"):
 
 
 def _compiles(device: torch.device, scores: int | None) -> bool:
-    """Whether the compiled functions run: on CUDA."""
-    return device.type == "cuda"
+    """Whether the compiled functions run: on CUDA, for more than ``EAGER_SCORES`` scores (None: any)."""
+    return device.type == "cuda" and (scores is None or scores > EAGER_SCORES)
 
 
 def _flex_for(device: torch.device, scores: int | None = None):

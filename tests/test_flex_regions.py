@@ -323,6 +323,7 @@ def test_compiled_path_compiles_once_for_every_region_rule_window_and_cache_offs
     torch silently runs the eager, unfused kernel on the GPU). The masks are built without
     autograd, so a forward with gradients compiles no new builder. Outputs equal the oracle's
     (the numbers are read when the kernel runs, not baked into the first compilation)."""
+    monkeypatch.setattr(flex_regions, "EAGER_SCORES", 0)  # these small inputs take the compiled path
     rules = [rerope(8), leaky_rerope(12, 3.0, None, 64), self_extend(3, 10), string(12, 3, None, 64), rerope(20)]
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 40, 16, generator=g)
@@ -347,6 +348,7 @@ def test_compiled_path_compiles_once_for_every_region_rule_window_and_cache_offs
 def test_compiled_chunk_rule_shares_its_graph_across_regions_and_offsets(compiled_on_cpu, monkeypatch):
     """DCA's three chunk regions, other chunk sizes and other row offsets (left padding) reuse one
     compiled mask builder and kernel per shape; the outputs equal the oracle's."""
+    monkeypatch.setattr(flex_regions, "EAGER_SCORES", 0)
     g = torch.Generator().manual_seed(1)
     q = torch.randn(2, 4, 48, 16, generator=g)
     k, v = (torch.randn(2, 2, 48, 16, generator=g) for _ in range(2))
@@ -361,3 +363,21 @@ def test_compiled_chunk_rule_shares_its_graph_across_regions_and_offsets(compile
             _assert_close_rel([out], [naive_attention(q, k, v, p, p, rule, INV, 1.0, scale=0.3)])
     assert compiled_on_cpu == warm
 
+
+def test_small_inputs_run_eagerly_where_the_path_compiles(compiled_on_cpu, monkeypatch):
+    """The patch's 2-token routing check and inputs of at most EAGER_SCORES scores compile nothing
+    (each would be a compilation and a dynamo cache entry of its own); above it the compiled
+    functions run. Both give the oracle's outputs."""
+    model = family_model("llama")
+    with torch.no_grad(), ropescale.patch(model, "rerope", window=8, attention_path="flex"):
+        assert compiled_on_cpu == {"create_block_mask": 0, "flex_attention": 0}
+    args, kw = _case("plain", torch.float32)  # b·n_h·s_q·s_k = 1·4·40·40 = 6400
+    args = tuple(a.detach() for a in args)
+    with torch.no_grad():
+        out = flex_attention_path(*args, rerope(8), INV, 1.0, **kw)
+        assert compiled_on_cpu == {"create_block_mask": 0, "flex_attention": 0}
+        monkeypatch.setattr(flex_regions, "EAGER_SCORES", 6399)
+        compiled = flex_attention_path(*args, rerope(8), INV, 1.0, **kw)
+    assert compiled_on_cpu["create_block_mask"] >= 1 and compiled_on_cpu["flex_attention"] >= 1
+    ref = naive_attention(*args, rerope(8), INV, 1.0, **kw)
+    _assert_close_rel([out, compiled], [ref, ref])
