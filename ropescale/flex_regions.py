@@ -48,7 +48,9 @@ Dual Chunk Attention (An et al. 2024, arXiv:2402.17463).
 
 from __future__ import annotations
 
+import warnings
 import weakref
+from contextlib import contextmanager, nullcontext
 from functools import cache, lru_cache
 
 import torch
@@ -88,6 +90,15 @@ def _mask_builder(device: torch.device, scores: int | None = None):
     is fused into the per-block reduction (torch's advice since 2.6). Eager elsewhere (tests, short
     inputs)."""
     return _compiled(create_block_mask) if _compiles(device, scores) else create_block_mask
+
+
+@contextmanager
+def _quiet_eager():
+    """Around an eager FlexAttention call made on purpose: without torch's "called without
+    torch.compile" warning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        yield
 
 
 def _keep3(keep: torch.Tensor | None, b: int, s_q: int, s_k: int) -> torch.Tensor | None:
@@ -253,13 +264,17 @@ def flex_attention_path(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, sca
                                offsets=offsets, positions=positions, scores=scores)
     flex, score_mod = _flex_for(q.device, scores), _softcap_mod(softcap)
     aux = AuxRequest(lse=True)
+    # eager by choice where the device compiles (a few scores): torch's warning that the eager
+    # function materialises the scores is about exactly what was chosen, so it is not shown
+    quiet = _quiet_eager if flex is flex_attention and _compiles(q.device, None) else nullcontext
 
     def region(r: Region, mask):  # rotated q [b, n_h, s_q, h_d], k [b, n_kv, s_k, h_d]
         q_at = q_pos if r.q_at is None else r.q_at(q_pos)
         k_at = k_pos if r.k_at is None else r.k_at(k_pos)
-        out, stats = flex(rotate(q, q_at, inv_freq, scaling, interleaved),
-                          rotate(k, k_at, inv_freq, scaling, interleaved),
-                          v, score_mod=score_mod, block_mask=mask, scale=scale, enable_gqa=True, return_aux=aux)
+        with quiet():
+            out, stats = flex(rotate(q, q_at, inv_freq, scaling, interleaved),
+                              rotate(k, k_at, inv_freq, scaling, interleaved),
+                              v, score_mod=score_mod, block_mask=mask, scale=scale, enable_gqa=True, return_aux=aux)
         return out, stats.lse  # [b, n_h, s_q, h_d], [b, n_h, s_q]
 
     parts = [region(r, mask) for r, mask in zip(rule.regions, masks, strict=True) if mask is not None]

@@ -366,11 +366,18 @@ def test_compiled_chunk_rule_shares_its_graph_across_regions_and_offsets(compile
 
 def test_small_inputs_run_eagerly_where_the_path_compiles(compiled_on_cpu, monkeypatch):
     """The patch's 2-token routing check and inputs of at most EAGER_SCORES scores compile nothing
-    (each would be a compilation and a dynamo cache entry of its own); above it the compiled
-    functions run. Both give the oracle's outputs."""
+    (each would be a compilation and a dynamo cache entry of its own), without torch's warning
+    about eager FlexAttention; above it the compiled functions run. Both give the oracle's
+    outputs."""
     model = family_model("llama")
-    with torch.no_grad(), ropescale.patch(model, "rerope", window=8, attention_path="flex"):
-        assert compiled_on_cpu == {"create_block_mask": 0, "flex_attention": 0}
+    monkeypatch.setattr(torch_flex, "_WARNINGS_SHOWN", set())  # torch warns once per process
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with torch.no_grad(), ropescale.patch(model, "rerope", window=8, attention_path="flex"):
+            model(IDS[:, :5])
+    assert compiled_on_cpu == {"create_block_mask": 0, "flex_attention": 0}
+    # eager on purpose: torch's warning about calling it uncompiled is not shown
+    assert not [w for w in seen if "without torch.compile" in str(w.message)]
     args, kw = _case("plain", torch.float32)  # b·n_h·s_q·s_k = 1·4·40·40 = 6400
     args = tuple(a.detach() for a in args)
     with torch.no_grad():
