@@ -234,7 +234,8 @@ def run_case(case: str, shape: str, length: int, device: str, limit_gb: float, l
     out = subprocess.run(args, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         tail = (out.stderr.strip().splitlines() or ["killed"])[-1]
-        return {"error": (f"does not fit in {limit_gb:g} GiB" if "memory" in tail.lower() or out.returncode < 0
+        room = f"{limit_gb:g} GiB" if device == "cpu" else "the GPU"  # the cap is the CPU's only
+        return {"error": (f"does not fit in {room}" if "memory" in tail.lower() or out.returncode < 0
                           else tail[:80])}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
