@@ -28,14 +28,15 @@ a. ``oracle``: each relative rule (rerope, leaky_rerope, self_extend, string, dc
    the gradients of q, k, v, max |error| relative to the oracle's max |value|.
 b. ``memory``: perplexity of one window (``ppl``), one passkey example (``passkey``: prefill,
    candidates, greedy answer) and one LoRA + activation-checkpointing optimiser step (``lora``)
-   at ``--lengths``, vanilla RoPE with SDPA, the model built with 1 and with 2 decoder layers.
+   at ``--lengths``, vanilla RoPE with SDPA, the model built with 2 and with 3 decoder layers.
    Peak = ``torch.cuda.max_memory_allocated`` in this process, ``base`` = the allocation just
    before the case (weights, …); the floor is ``bench/memory.py``'s (``floor_bytes``). Every
    term that grows with depth grows linearly — the weights, the KV cache (passkey), the
    checkpointed layer inputs (lora), LoRA's parameters and moments — and everything else (one
    layer's activations, one LM-head chunk) is held once, so the shape's depth D is reached as
-   X(D) = X(1) + (D − 1)·(X(2) − X(1)) for peak and base; the floor is recomputed at depth D. If
-   time is left, the longest length is also run with 3 layers and compared with X(1) + 2·(X(2) − X(1)).
+   X(D) = X(2) + (D − 2)·(X(3) − X(2)) for peak and base (the first layer carries one-time allocations);
+   the floor is recomputed at depth D. If time is left, the longest length is also run with 4 layers and
+   compared with X(2) + 2·(X(3) − X(2)).
 c. ``verdicts``: the harness's memory estimate (``Task.memory``: perplexity, passkey) at depth D
    against what was measured: the estimate is meant to be a lower bound of the measured Δ = peak
    − base; ``check_fits`` is called on the device with the missing layers' bytes held in a
@@ -440,15 +441,20 @@ def _lora(model):
     return model, opt, "peft.get_peft_model directly (no pydantic: the recipe's defaults r 8, alpha 16, q k v o)"
 
 
+MEM_DEPTHS = (2, 3)  # the slope is taken between these depths; one more checks it
+
+
 def section_memory(check: Check, args) -> None:
-    """1 and 2 layers (then 3 at the longest length, time permitting) × cases × lengths."""
+    """2 and 3 layers (then 4 at the longest length, time permitting) × cases × lengths: the first layer
+    carries one-time allocations (measured on an H100: +1.4 GiB from 1 to 2 layers for a perplexity window
+    at 128k, +0.4 GiB — the weights — from 2 to 3), so the slope is taken past it."""
     depth = SHAPES[args.shape]["num_hidden_layers"]
     dtype = getattr(torch, SHAPES[args.shape]["dtype"])
     lengths = args.lengths
-    for layers in (1, 2, 3):
-        todo = lengths if layers < 3 else lengths[-1:]
-        if layers == 3 and check.left() < 240:  # leave the cost section (d) its time
-            check.data["notes"].append("memory: no 3-layer linearity check (budget)")
+    for layers in (*MEM_DEPTHS, MEM_DEPTHS[1] + 1):
+        todo = lengths if layers in MEM_DEPTHS else lengths[-1:]
+        if layers not in MEM_DEPTHS and check.left() < 240:  # leave the cost section (d) its time
+            check.data["notes"].append("memory: no linearity check at a third depth (budget)")
             break
         holder: dict = {}
 
@@ -490,26 +496,28 @@ def section_memory(check: Check, args) -> None:
 
 
 def extrapolate(check: Check, depth: int, dtype) -> None:
-    """X(D) = X(1) + (D − 1)·(X(2) − X(1)) for base, peak (and reserved); the floor at depth D."""
+    """X(D) = X(a) + (D − a)·(X(b) − X(a))/(b − a) for base, peak (and reserved), (a, b) = ``MEM_DEPTHS``;
+    the floor at depth D."""
+    a, b = MEM_DEPTHS
     rows = {(r["case"], r["length"], r["layers"]): r for r in check.rows("memory") if "peak" in r}
     cfg = _config(check, depth)
     out = check.data["sections"]["memory at depth"] = []
     for (case, n, layers), one in sorted(rows.items()):
-        two = rows.get((case, n, 2))
-        if layers != 1 or two is None:
+        two = rows.get((case, n, b))
+        if layers != a or two is None:
             continue
         e = {"case": case, "length": n, "depth": depth}
         for key in ("base", "peak", "reserved"):
             if one.get(key) is not None and two.get(key) is not None:
-                e[f"{key}_per_layer"] = two[key] - one[key]
-                e[key] = one[key] + (depth - 1) * (two[key] - one[key])
+                e[f"{key}_per_layer"] = (two[key] - one[key]) / (b - a)
+                e[key] = one[key] + (depth - a) * e[f"{key}_per_layer"]
         weights = _weights_at(check, depth)
-        trainable = one["trainable"] + (depth - 1) * (two["trainable"] - one["trainable"])
+        trainable = one["trainable"] + (depth - a) * (two["trainable"] - one["trainable"]) / (b - a)
         e["floor"] = e["base"] + floor_bytes(case, cfg, n, dtype, weights, trainable)
         e["peak/floor"] = e["peak"] / e["floor"]
-        three = rows.get((case, n, 3))
+        three = rows.get((case, n, b + 1))
         if three is not None:
-            e["3-layer error MiB"] = (three["peak"] - (one["peak"] + 2 * (two["peak"] - one["peak"]))) / MiB
+            e["3-layer error MiB"] = (three["peak"] - (one["peak"] + (b + 1 - a) * e["peak_per_layer"])) / MiB
         out.append(e)
     check.save()
 
@@ -525,8 +533,9 @@ def _config(check: Check, depth: int):
 
 
 def _weights_at(check: Check, depth: int) -> int:
+    a, b = MEM_DEPTHS
     w = {r["layers"]: r["weights"] for r in check.rows("memory build") if "weights" in r}
-    return w[1] + (depth - 1) * (w[2] - w[1]) if 1 in w and 2 in w else 0
+    return w[a] + (depth - a) * (w[b] - w[a]) // (b - a) if a in w and b in w else 0
 
 
 def section_verdicts(check: Check, args) -> None:
@@ -715,8 +724,8 @@ def render(data: dict) -> str:
         lines.append("")
     if S.get("memory at depth"):
         depth = S["memory at depth"][0]["depth"]
-        lines += [f"### memory at {depth} layers: X({depth}) = X(1) + {depth - 1}·(X(2) − X(1)) (GiB)", "",
-                  "| case | length | base | floor | peak | peak/floor | per layer MiB | reserved | 3-layer check MiB |",
+        lines += [f"### memory at {depth} layers: X({depth}) = X(2) + {depth - 2}·(X(3) − X(2)) (GiB)", "",
+                  "| case | length | base | floor | peak | peak/floor | per layer MiB | reserved | 4-layer check MiB |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in S["memory at depth"]:
             three = r.get("3-layer error MiB")

@@ -299,7 +299,7 @@ def naive_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling
     rotary = (A * angle.cos()[:, None] + B * angle.sin()[:, None]).sum(-1) * scaling**2
     s = (rotary + q[..., d:] @ k[..., d:].transpose(-1, -2)) * scale  # [b, n_h, s_q, s_k]
     s = _softcap(s, softcap)
-    vis = _visible(torch.arange(s_k - s_q, s_k), torch.arange(s_k), sliding_window)
+    vis = _visible(torch.arange(s_k - s_q, s_k, device=q.device), torch.arange(s_k, device=q.device), sliding_window)
     if keep is not None:
         vis = vis & keep
     s = s.masked_fill(~vis, float("-inf"))
