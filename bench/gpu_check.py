@@ -574,7 +574,7 @@ def section_verdicts(check: Check, args) -> None:
                 if args.device != "cuda":
                     return r
                 weights = _weights_at(check, depth)
-                ballast_bytes = max(0, (m["base"] if m else weights) - torch.cuda.memory_allocated())
+                ballast_bytes = int(max(0, (m["base"] if m else weights) - torch.cuda.memory_allocated()))
                 ballast = torch.empty(ballast_bytes, dtype=torch.uint8, device="cuda")  # the 32-layer model's bytes
                 try:
                     check_fits(need, "cuda")
