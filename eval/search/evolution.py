@@ -83,8 +83,8 @@ import numpy as np
 
 from ropescale.errors import InvalidInput
 
-__all__ = ["DEFAULTS", "START_TOKEN_GRID", "VARIANTS", "EvolutionResult", "run_evolution", "split_over_processes",
-           "yarn_init_factors"]
+__all__ = ["DEFAULTS", "START_TOKEN_GRID", "VARIANTS", "EvolutionResult", "check_options", "run_evolution",
+           "split_over_processes", "yarn_init_factors"]
 
 DEFAULTS: dict[str, Any] = {
     "population": 64,  # population_size
@@ -363,6 +363,38 @@ def split_over_processes(objective: Callable[[list[float], int], float], state=N
     return evaluate_batch
 
 
+def check_options(*, population: int | None = None, iterations: int | None = None, elite: int | None = None,
+                  mutation_prob: float | None = None, crossover_prob: float | None = None, variant: str = "dim_mono",
+                  seed: int = 0, budget: int | None = None, search_start_tokens: bool = False,
+                  max_start_tokens: int | None = 0) -> dict[str, Any]:
+    """``run_evolution``'s hyper-parameters checked (no model needed: a search config checks them
+    before it claims its folder) and resolved: ``population``, ``iterations``, ``elite``,
+    ``mutation_prob``, ``crossover_prob`` (None → ``DEFAULTS``), ``variant``, ``seed``, ``budget``
+    and ``start_grid`` (the start-tokens values searched; empty unless ``search_start_tokens``).
+    Raises ``InvalidInput`` (one line) naming the first bad one: a bool or a float where a whole
+    number is needed, a probability outside [0, 1] (or NaN), ``elite`` ≥ ``population``."""
+    if variant not in VARIANTS:
+        _fail(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
+    pop = _check_int("population", DEFAULTS["population"] if population is None else population, 2)
+    iters = _check_int("iterations", DEFAULTS["iterations"] if iterations is None else iterations, 0)
+    n_elite = _check_int("elite", DEFAULTS["elite"] if elite is None else elite, 1)
+    if n_elite >= pop:
+        _fail(f"elite={n_elite} must be below population={pop} (the rest are the children)")
+    p_mut = _check_prob("mutation_prob", DEFAULTS["mutation_prob"] if mutation_prob is None else mutation_prob)
+    p_cross = _check_prob("crossover_prob", DEFAULTS["crossover_prob"] if crossover_prob is None else crossover_prob)
+    seed = _check_int("seed", seed, 0)
+    if budget is not None:
+        budget = _check_int("budget", budget, 1)
+    start_grid: tuple[int, ...] = ()
+    if search_start_tokens:
+        max_start_tokens = _check_int("max_start_tokens", max_start_tokens, 1)
+        start_grid = tuple(g for g in START_TOKEN_GRID if g <= max_start_tokens)
+    elif max_start_tokens not in (0, None):
+        _check_int("max_start_tokens", max_start_tokens, 0)
+    return {"population": pop, "iterations": iters, "elite": n_elite, "mutation_prob": p_mut,
+            "crossover_prob": p_cross, "variant": variant, "seed": seed, "budget": budget, "start_grid": start_grid}
+
+
 def run_evolution(objective: Callable[[list[float], int], float], *, dim: int, scale: float,
                   yarn_factors: list[float] | None = None, population: int | None = None,
                   iterations: int | None = None, mutation_prob: float | None = None,
@@ -396,30 +428,18 @@ def run_evolution(objective: Callable[[list[float], int], float], *, dim: int, s
 
     Raises ``InvalidInput`` (one line) for bad arguments or a journal from other settings.
     """
-    if variant not in VARIANTS:
-        _fail(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
     dim = _check_int("dim", dim, 4)
     if dim % 2:
         _fail(f"dim={dim} must be even (the rotary dim: two coordinates per pair)")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale < 1:
         _fail(f"scale={scale!r} must be a finite number ≥ 1")
     scale = float(scale)
-    pop = _check_int("population", DEFAULTS["population"] if population is None else population, 2)
-    iters = _check_int("iterations", DEFAULTS["iterations"] if iterations is None else iterations, 0)
-    n_elite = _check_int("elite", DEFAULTS["elite"] if elite is None else elite, 1)
-    if n_elite >= pop:
-        _fail(f"elite={n_elite} must be below population={pop} (the rest are the children)")
-    p_mut = _check_prob("mutation_prob", DEFAULTS["mutation_prob"] if mutation_prob is None else mutation_prob)
-    p_cross = _check_prob("crossover_prob", DEFAULTS["crossover_prob"] if crossover_prob is None else crossover_prob)
-    seed = _check_int("seed", seed, 0)
-    if budget is not None:
-        budget = _check_int("budget", budget, 1)
-    start_grid: tuple[int, ...] = ()
-    if search_start_tokens:
-        max_start_tokens = _check_int("max_start_tokens", max_start_tokens, 1)
-        start_grid = tuple(g for g in START_TOKEN_GRID if g <= max_start_tokens)
-    elif max_start_tokens not in (0, None):
-        _check_int("max_start_tokens", max_start_tokens, 0)
+    opts = check_options(population=population, iterations=iterations, elite=elite, mutation_prob=mutation_prob,
+                         crossover_prob=crossover_prob, variant=variant, seed=seed, budget=budget,
+                         search_start_tokens=search_start_tokens, max_start_tokens=max_start_tokens)
+    pop, iters, n_elite = opts["population"], opts["iterations"], opts["elite"]
+    p_mut, p_cross, seed, budget = opts["mutation_prob"], opts["crossover_prob"], opts["seed"], opts["budget"]
+    start_grid: tuple[int, ...] = opts["start_grid"]
     n = dim // 2
     if yarn_factors is None:
         init = np.full(n, scale)
