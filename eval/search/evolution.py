@@ -84,7 +84,7 @@ import numpy as np
 from ropescale.errors import InvalidInput
 
 __all__ = ["DEFAULTS", "START_TOKEN_GRID", "VARIANTS", "EvolutionResult", "check_options", "run_evolution",
-           "split_over_processes", "yarn_init_factors"]
+           "split_over_processes", "yarn_init_factors", "yarn_ramp64"]
 
 DEFAULTS: dict[str, Any] = {
     "population": 64,  # population_size
@@ -127,23 +127,38 @@ class EvolutionResult:
     stop: str = "iterations"
 
 
+def yarn_ramp64(dim: int, rope_theta: float, original_max_position_embeddings: int, beta_fast: float = 32.0,
+                beta_slow: float = 1.0) -> np.ndarray:
+    """YaRN's interpolation ramp per rotary pair, in float64: ``[d/2]``, 0 = extrapolated (fast
+    pairs), 1 = interpolated (slow pairs).
+
+    jquesnelle/yarn ``find_correction_range`` / ``linear_ramp_mask``: the correction dim for r
+    rotations in the training window is fcd(r) = d·ln(L/(2π·r)) / (2·ln b); low = ⌊fcd(β_fast)⌋,
+    high = ⌈fcd(β_slow)⌉, both clamped to [0, d − 1] (high = low + 0.001 when equal); ramp_i =
+    clamp((i − low) / (high − low), 0, 1) for pairs i = 0 … d/2 − 1 (d: rotary dim, b: rope_theta,
+    L: original_max_position_embeddings [tokens])."""
+    def fcd(rotations: float) -> float:
+        return dim * math.log(original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(rope_theta))
+
+    low = max(math.floor(fcd(beta_fast)), 0)
+    high = min(math.ceil(fcd(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # their guard against a zero-width ramp
+    return np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+
+
 def yarn_init_factors(dim: int, rope_theta: float, original_max_position_embeddings: int, scale: float,
                       beta_fast: float = 32.0, beta_slow: float = 1.0) -> list[float]:
-    """Their initial factors: 1 + (s − 1)·ramp_i, ramp_i YaRN's interpolation ramp (0 = extrapolate).
+    """Their initial factors, per rotary pair: 1 + (s − 1)·ramp_i (``[d/2]``), ramp_i YaRN's
+    interpolation ramp (``yarn_ramp64``, float64; 0 = extrapolate), s = ``scale``.
 
-    ``search.py`` builds ``inv_freq_mask = 1 − ramp`` and takes s·(1 − mask) + 1·mask; the ramp is
-    read back from ropescale's ``yarn_ramp`` (same correction-dim bounds, floored/ceiled).
-    """
-    from ropescale.strategies.by_parts import yarn_ramp
-    from ropescale.strategies.frequency import rope_inv_freq
-
+    ``search.py`` builds ``inv_freq_mask = 1 − ramp`` and takes s·(1 − mask) + 1·mask, in float64
+    here (the initial individual is the search's first candidate, and every value of the grid the
+    operators draw from is a multiple of 0.01 away from 1: float32 noise would shift it)."""
     if scale <= 1:
         return [1.0] * (dim // 2)
-    theta = rope_inv_freq(dim, rope_theta).double()
-    inv = yarn_ramp(dim, rope_theta, original_max_position_embeddings, scale, beta_fast, beta_slow).double()
-    ramp = ((1 - inv / theta) / (1 - 1 / scale)).clamp(0, 1).numpy()
-    ramp = np.round(ramp, 6)  # float32 noise of yarn_ramp
-    return np.maximum.accumulate(1.0 + (scale - 1.0) * ramp).tolist()
+    ramp = yarn_ramp64(dim, rope_theta, original_max_position_embeddings, beta_fast, beta_slow)
+    return (1.0 + (scale - 1.0) * ramp).tolist()
 
 
 # ---------------------------------------------------------------- operators (pure, rng passed in)
