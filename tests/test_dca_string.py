@@ -311,3 +311,24 @@ def test_blocked_path_skips_only_regions_a_block_cannot_hold(chunk_size, local):
     for block in (1, 4, 16, 64):
         torch.testing.assert_close(blocked_attention(*args, scale=0.3, keep=keep, block=block), want, rtol=0,
                                    atol=1e-5)
+
+
+def test_patch_takes_numpy_numbers_and_refuses_non_finite_ones_in_one_line():
+    """``ropescale.patch(model, "dca", chunk_size=...)``: numpy integers are whole numbers (main
+    refused them as "must be a number"), inf and nan one line naming the parameter and its range
+    (main: OverflowError / a bare "cannot convert float NaN to integer")."""
+    import numpy as np
+
+    from ropescale.errors import InvalidInput
+
+    model = family_model("llama")
+    with torch.no_grad():
+        with ropescale.patch(model, "dca", chunk_size=24, local_window=4):
+            want = model(IDS[:, :50]).logits
+        with ropescale.patch(model, "dca", chunk_size=np.int64(24), local_window=np.int32(4)) as handle:
+            torch.testing.assert_close(model(IDS[:, :50]).logits, want, rtol=0, atol=0)
+            assert handle.params["chunk_size"] == 24 and type(handle.params["chunk_size"]) is int
+    for bad, shown in ((float("inf"), "inf"), (float("nan"), "nan"), (np.float64("-inf"), "-inf")):
+        with pytest.raises(InvalidInput) as e:
+            ropescale.patch(model, "dca", chunk_size=bad)
+        assert str(e.value) == f"dca: parameter chunk_size={shown} must be a finite whole number; allowed: >= 2"

@@ -145,12 +145,22 @@ def self_extend(group_size: int, window: int) -> RelativeRule:
     return _two(window, lambda i: torch.floor(i / group_size) + shift, lambda j: torch.floor(j / group_size))
 
 
+def _string_pair(s: int, w: int) -> None:
+    if not 0 <= w < s:
+        raise InvalidInput(f"string: local_window={w} must be below shifted_offset={s} (both in tokens)")
+
+
+def _string_check(p: dict) -> None:
+    """W < S when both are given (without a training window; ``resolve`` checks the defaults)."""
+    if p["shifted_offset"] is not None and p["local_window"] is not None:
+        _string_pair(p["shifted_offset"], p["local_window"])
+
+
 def _string_defaults(shifted_offset: int | None, local_window: int | None,
                      original_max_position_embeddings: int) -> tuple[int, int]:
     s = int(0.33 * original_max_position_embeddings) if shifted_offset is None else shifted_offset
     w = min(128, s // 8) if local_window is None else local_window
-    if not 0 <= w < s:
-        raise InvalidInput(f"string: local_window={w} must be below shifted_offset={s} (both in tokens)")
+    _string_pair(s, w)
     return s, w
 
 
@@ -161,7 +171,7 @@ def _string_defaults(shifted_offset: int | None, local_window: int | None,
           help="W: where shifted distances restart [tokens]; default min(128, S // 8) (the authors use 128)"),
     Param("attention_factor", None, low=0.0, low_open=True,
           help="cos/sin scale in every region; default 0.1·ln 2 + 1, the authors'"),
-), source="An et al. 2024, Why Does the Effective Context Length of LLMs Fall Short? (STRING), "
+), check=_string_check, source="An et al. 2024, Why Does the Effective Context Length of LLMs Fall Short? (STRING), "
           "arXiv:2410.18745 (github.com/HKUNLP/STRING string_for_llama.py @ 216cc2f)")
 def string(shifted_offset: int | None, local_window: int | None, attention_factor: float | None,
            original_max_position_embeddings: int) -> RelativeRule:
@@ -181,13 +191,23 @@ def string(shifted_offset: int | None, local_window: int | None, attention_facto
     return _two(s, lambda i: i - (s - w), None, factor)
 
 
+def _dca_pair(size: int, local: int) -> None:
+    if not 0 <= local < size:
+        raise InvalidInput(f"dca: local_window={local} must be below chunk_size={size} (both in tokens)")
+
+
+def _dca_check(p: dict) -> None:
+    """local_window < chunk_size when both are given (``resolve`` checks the T-derived defaults)."""
+    if p["chunk_size"] is not None and p["local_window"] is not None:
+        _dca_pair(p["chunk_size"], p["local_window"])
+
+
 def _dca_sizes(chunk_size: int | None, local_window: int | None,
                original_max_position_embeddings: int) -> tuple[int, int]:
     t = original_max_position_embeddings
     size = t * 3 // 4 if chunk_size is None else chunk_size
     local = t // 8 if local_window is None else local_window
-    if not 0 <= local < size:
-        raise InvalidInput(f"dca: local_window={local} must be below chunk_size={size} (both in tokens)")
+    _dca_pair(size, local)
     return size, local
 
 
@@ -200,7 +220,7 @@ def _dca_sizes(chunk_size: int | None, local_window: int | None,
           help="s = L / L_train for the temperature; a sweep uses max(1, L / L_train)"),
     Param("vllm_temperature", False, kind=bool,
           help="vLLM's temperature max(1, 0.1·ln s + 1) instead of ChunkLlama's 0.05·ln s + 1"),
-), source="An et al. 2024, Training-Free Long-Context Scaling of Large Language Models (Dual Chunk "
+), check=_dca_check, source="An et al. 2024, Training-Free Long-Context Scaling of Large Language Models (Dual Chunk "
           "Attention), arXiv:2402.17463 (github.com/HKUNLP/ChunkLlama chunkllama_attn_replace.py @ 847ae71); "
           "vLLM 0.10 dual_chunk_rope.py / DualChunkFlashAttention (Qwen2.5-1M)")
 def dca(chunk_size: int | None, local_window: int | None, scale: float, vllm_temperature: bool,
