@@ -27,7 +27,8 @@ O(n·block): never an n × n matrix. Out of place and decided from Python intege
 differentiates it and the host never waits.
 
 ``naive_attention`` is the oracle the tests use: the explicit matrix p(i, j), and scores
-Σ_f A_f cos(p θ_f) + B_f sin(p θ_f) from the rotation identity, then an eager softmax. O(n²·d).
+Σ_f A_f cos(p θ_f) + B_f sin(p θ_f) from the rotation identity, then an eager softmax, all in
+float64 (the rule's exact value, not another float32 rounding of it). O(n²·d) time, O(n²) memory.
 """
 
 from __future__ import annotations
@@ -276,24 +277,32 @@ def blocked_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scali
 def naive_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling: float, *,
                     keep=None, scale: float, softcap: float | None = None,
                     sliding_window: int | None = None, interleaved: bool = False, **_) -> torch.Tensor:
+    """The oracle: the rule's explicit matrix p(i, j) ``[b, s_q, s_k]`` and the rotation identity
+    R(a)q · R(b)k = Σ_f A_f cos(p θ_f) + B_f sin(p θ_f) with p = a − b, then an eager softmax —
+    computed in float64 whatever the inputs' dtype (positions, p, the angles p·θ_f, scores,
+    softmax), so it is the rule's exact value for the given q, k, v to float64 precision, not
+    one more float32 rounding of it; returned in q's dtype. The scores accumulate one rotary pair
+    at a time: O(b·n_h·s_q·s_k) memory, O(n²·d) time. Shapes and arguments as the module doc."""
+    dtype = q.dtype
     n_h, s_q = q.shape[1], q.shape[2]
     n_kv, s_k = k.shape[1], k.shape[2]
     d = 2 * inv_freq.numel()
-    k = k.repeat_interleave(n_h // n_kv, dim=1).float()  # [b, n_h, s_k, h_d]
-    v = v.repeat_interleave(n_h // n_kv, dim=1).float()
-    q = q.float()
-    p = rule.relative_positions(q_pos.float(), k_pos.float())  # [b, s_q, s_k]
-    angle = p[..., None] * inv_freq.float()  # [b, s_q, s_k, d/2]
+    q = q.double()
+    k = k.repeat_interleave(n_h // n_kv, dim=1).double()  # [b, n_h, s_k, h_d]
+    v = v.repeat_interleave(n_h // n_kv, dim=1).double()
+    theta = inv_freq.double()
     q1, q2 = _pairs(q, d, interleaved)  # [b, n_h, s_q, d/2]
-    k1, k2 = _pairs(k, d, interleaved)
-    # R(a)q · R(b)k with a − b = p: Σ_f (q1 k1 + q2 k2) cos(pθ_f) + (q1 k2 − q2 k1) sin(pθ_f)
-    A = torch.einsum("bhif,bhjf->bhijf", q1, k1) + torch.einsum("bhif,bhjf->bhijf", q2, k2)
-    B = torch.einsum("bhif,bhjf->bhijf", q1, k2) - torch.einsum("bhif,bhjf->bhijf", q2, k1)
-    rotary = (A * angle.cos()[:, None] + B * angle.sin()[:, None]).sum(-1) * scaling**2
-    s = (rotary + q[..., d:] @ k[..., d:].transpose(-1, -2)) * scale  # [b, n_h, s_q, s_k]
-    s = _softcap(s, softcap)
+    k1, k2 = _pairs(k, d, interleaved)  # [b, n_h, s_k, d/2]
+    p = rule.relative_positions(q_pos.double(), k_pos.double())[:, None]  # [b, 1, s_q, s_k]
+    s = q[..., d:] @ k[..., d:].transpose(-1, -2)  # channels past d do not rotate: [b, n_h, s_q, s_k]
+    for f in range(d // 2):  # pair f: A_f = q1 k1 + q2 k2, B_f = q1 k2 − q2 k1, each [b, n_h, s_q, s_k]
+        a1, a2 = q1[..., f, None], q2[..., f, None]  # [b, n_h, s_q, 1]
+        b1, b2 = k1[..., None, :, f], k2[..., None, :, f]  # [b, n_h, 1, s_k]
+        angle = p * theta[f]
+        s = s + ((a1 * b1 + a2 * b2) * angle.cos() + (a1 * b2 - a2 * b1) * angle.sin()) * scaling**2
+    s = _softcap(s * scale, softcap)
     vis = _visible(torch.arange(s_k - s_q, s_k), torch.arange(s_k), sliding_window)
     if keep is not None:
         vis = vis & keep
     s = s.masked_fill(~vis, float("-inf"))
-    return torch.nan_to_num(torch.softmax(s, -1)) @ v  # fully masked rows → 0
+    return (torch.nan_to_num(torch.softmax(s, -1)) @ v).to(dtype)  # fully masked rows → 0
