@@ -166,7 +166,9 @@ def fused_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling
     other than the CPU), ``blocked_attention``. The ``"fused"`` attention path
     (``ropescale.attention``) sends other devices to FlexAttention (``ropescale.flex_regions``)
     before this. Chunk rules read each row's position offset (a CPU tensor: no device wait) and
-    plan rows with different offsets (left padding) apart."""
+    plan rows with different offsets (left padding) apart. A prefill's extra regions
+    (``RelativeRule.for_call``) are regions of their own here, merged like the others."""
+    rule = rule.for_call(q.shape[2], k.shape[2])
     route = fused_route(q.device.type, softcap=softcap, dropout=dropout, keep=keep, by_chunk=rule.by_chunk,
                         sliding_window=sliding_window)
     if route != "regions":
@@ -215,6 +217,9 @@ def blocked_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scali
     b, n_h, s_q, h_d = q.shape
     n_kv, s_k = k.shape[1], k.shape[2]
     g, c0 = n_h // n_kv, s_k - s_q
+    rule = rule.for_call(s_q, s_k)
+    n_part = len(rule.partition)  # regions from here are a prefill's pairs counted again
+    extra = []  # (scores, inside) of those regions in one block pair
 
     def grouped(x):  # [b, n_h, s, h_d] → [b, n_kv, g, s, h_d]
         return x.view(b, n_kv, g, x.shape[2], h_d)
@@ -242,33 +247,43 @@ def blocked_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scali
             lo, hi = c0 + qs - (ke - 1), c0 + qe - 1 - ks
             dist = q_slot[qs:qe, None] - k_slot[None, ks:ke]  # [Bq, Bk]
             s = None
-            for r, region in enumerate(rule.regions):
+            for r, region in enumerate(rule.regions):  # the partition first, then a prefill's extra regions
                 maybe, whole = _touches(region, lo, hi)
                 if not maybe:
                     continue
                 part = qs_r[r][..., qs:qe, :] @ ks_r[r][..., ks:ke, :].transpose(-1, -2)  # [b, n_kv, g, Bq, Bk]
-                if whole:
+                if whole and r < n_part:
                     s = part
-                    break
+                    if n_part == len(rule.regions):
+                        break
+                    continue
                 if region.chunk:
                     inside = region.contains(q_at[..., qs:qe, :], k_at[..., ks:ke])  # [b, 1, 1, Bq, Bk]
                 else:
                     inside = (dist >= region.lo) & (dist < region.hi) if region.hi is not None else dist >= region.lo
-                s = torch.where(inside, part, torch.zeros_like(part) if s is None else s)
+                if r < n_part:
+                    s = torch.where(inside, part, torch.zeros_like(part) if s is None else s)
+                else:  # counted again: more columns of scores, over the same values
+                    extra.append((part, inside))
             s = _softcap(s.float() * scale, softcap)  # [b, n_kv, g, Bq, Bk]
+            vis = (dist >= 0) & (dist < sliding_window) if sliding_window else dist >= 0
+            if keep is not None:
+                blk = keep[..., ks:ke] if keep.shape[-2] == 1 else keep[..., qs:qe, ks:ke]
+                vis = vis & blk[:, :, None]  # [b, 1, 1, Bq, Bk]
             if lo < 0 or (sliding_window and hi >= sliding_window) or keep is not None:  # masks only where needed
-                vis = (dist >= 0) & (dist < sliding_window) if sliding_window else dist >= 0
-                if keep is not None:
-                    blk = keep[..., ks:ke] if keep.shape[-2] == 1 else keep[..., qs:qe, ks:ke]
-                    vis = vis & blk[:, :, None]  # [b, 1, 1, Bq, Bk]
                 s = s.masked_fill(~vis, float("-inf"))
+            vb = v[..., ks:ke, :].float()
+            for part, inside in extra:
+                part = _softcap(part.float() * scale, softcap).masked_fill(~(vis & inside), float("-inf"))
+                s, vb = torch.cat((s, part), -1), torch.cat((vb, v[..., ks:ke, :].float()), -2)
+            extra.clear()
             m_new = torch.maximum(m, s.amax(-1, keepdim=True))
             p = (s - m_new).exp()
             alpha = (m - m_new).exp()
             l = l * alpha + p.sum(-1, keepdim=True)
             if dropout:  # on the weights, not the normaliser: softmax first, then dropout
                 p = torch.nn.functional.dropout(p, dropout)
-            acc = acc * alpha + p @ v[..., ks:ke, :].float()
+            acc = acc * alpha + p @ vb
             m = m_new
         rows.append((acc / l.clamp_min(1e-30)).to(q.dtype))  # fully masked rows → 0
     return torch.cat(rows, -2).view(b, n_h, s_q, h_d)
@@ -282,10 +297,13 @@ def naive_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling
     computed in float64 whatever the inputs' dtype (positions, p, the angles p·θ_f, scores,
     softmax), so it is the rule's exact value for the given q, k, v to float64 precision, not
     one more float32 rounding of it; returned in q's dtype. The scores accumulate one rotary pair
-    at a time: O(b·n_h·s_q·s_k) memory, O(n²·d) time. Shapes and arguments as the module doc."""
+    at a time: O(b·n_h·s_q·s_k) memory, O(n²·d) time. A prefill's extra regions
+    (``RelativeRule.for_call``) add their pairs as further softmax entries with their own p.
+    Shapes and arguments as the module doc."""
     dtype = q.dtype
     n_h, s_q = q.shape[1], q.shape[2]
     n_kv, s_k = k.shape[1], k.shape[2]
+    rule = rule.for_call(s_q, s_k)
     d = 2 * inv_freq.numel()
     q = q.double()
     k = k.repeat_interleave(n_h // n_kv, dim=1).double()  # [b, n_h, s_k, h_d]
@@ -293,16 +311,28 @@ def naive_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling
     theta = inv_freq.double()
     q1, q2 = _pairs(q, d, interleaved)  # [b, n_h, s_q, d/2]
     k1, k2 = _pairs(k, d, interleaved)  # [b, n_h, s_k, d/2]
-    p = rule.relative_positions(q_pos.double(), k_pos.double())[:, None]  # [b, 1, s_q, s_k]
-    s = q[..., d:] @ k[..., d:].transpose(-1, -2)  # channels past d do not rotate: [b, n_h, s_q, s_k]
-    for f in range(d // 2):  # pair f: A_f = q1 k1 + q2 k2, B_f = q1 k2 − q2 k1, each [b, n_h, s_q, s_k]
-        a1, a2 = q1[..., f, None], q2[..., f, None]  # [b, n_h, s_q, 1]
-        b1, b2 = k1[..., None, :, f], k2[..., None, :, f]  # [b, n_h, 1, s_k]
-        angle = p * theta[f]
-        s = s + ((a1 * b1 + a2 * b2) * angle.cos() + (a1 * b2 - a2 * b1) * angle.sin()) * scaling**2
-    s = _softcap(s * scale, softcap)
-    vis = _visible(torch.arange(s_k - s_q, s_k), torch.arange(s_k), sliding_window)
+    plain = q[..., d:] @ k[..., d:].transpose(-1, -2)  # channels past d do not rotate: [b, n_h, s_q, s_k]
+
+    def scores(p: torch.Tensor) -> torch.Tensor:  # p [b, s_q, s_k] → scaled, soft-capped scores [b, n_h, s_q, s_k]
+        s = plain
+        for f in range(d // 2):  # pair f: A_f = q1 k1 + q2 k2, B_f = q1 k2 − q2 k1, each [b, n_h, s_q, s_k]
+            a1, a2 = q1[..., f, None], q2[..., f, None]  # [b, n_h, s_q, 1]
+            b1, b2 = k1[..., None, :, f], k2[..., None, :, f]  # [b, n_h, 1, s_k]
+            angle = p[:, None] * theta[f]  # [b, 1, s_q, s_k]
+            s = s + ((a1 * b1 + a2 * b2) * angle.cos() + (a1 * b2 - a2 * b1) * angle.sin()) * scaling**2
+        return _softcap(s * scale, softcap)
+
+    qp, kp = q_pos.double(), k_pos.double()
+    vis = _visible(torch.arange(s_k - s_q, s_k), torch.arange(s_k), sliding_window)  # [s_q, s_k]
     if keep is not None:
         vis = vis & keep
-    s = s.masked_fill(~vis, float("-inf"))
+    parts = [scores(rule.relative_positions(qp, kp)).masked_fill(~vis, float("-inf"))]
+    for region in rule.regions[len(rule.partition):]:  # a prefill's pairs counted again
+        i, j = qp[:, :, None], kp[:, None, :]
+        p = ((qp if region.q_at is None else region.q_at(qp))[:, :, None]
+             - (kp if region.k_at is None else region.k_at(kp))[:, None, :])  # [b, s_q, s_k]
+        inside = (region.contains(i, j) & (j <= i))[:, None]  # [b, 1, s_q, s_k]
+        parts.append(scores(p).masked_fill(~(vis & inside), float("-inf")))
+    s = torch.cat(parts, -1)  # [b, n_h, s_q, s_k · (1 + extra)]
+    v = torch.cat([v] * len(parts), -2)
     return (torch.nan_to_num(torch.softmax(s, -1)) @ v).to(dtype)  # fully masked rows → 0

@@ -152,7 +152,8 @@ class Param:
     L, ``"half_train"`` → T // 2. Without a length (``Strategy.validate``) the ``default``
     applies, and a parameter without one is required. ``log``: the parameter's natural scale is
     logarithmic (a ratio, a base, a length in tokens), so a parameter search samples it uniformly
-    in log(value) (``ropescale_eval.search.space``); it changes no check.
+    in log(value) (``ropescale_eval.search.space``); it changes no check. A ``kind=str``
+    parameter takes one of its ``choices`` (names: never searched).
     """
 
     name: str
@@ -165,10 +166,13 @@ class Param:
     auto: AutoKind | None = None
     help: str = ""
     log: bool = False
+    choices: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.auto is not None and self.auto not in AUTO_KINDS:
             raise TypeError(f"parameter {self.name}: auto={self.auto!r}; choose one of {', '.join(AUTO_KINDS)}")
+        if (self.kind is str) != bool(self.choices):
+            raise TypeError(f"parameter {self.name}: a str parameter names its choices, and only it")
 
     @property
     def required(self) -> bool:
@@ -182,6 +186,8 @@ class Param:
         return None if self.auto is None else _AUTO_TEXT[self.auto]
 
     def range_text(self) -> str:
+        if self.choices:
+            return "one of " + ", ".join(self.choices)
         parts = []
         if self.low is not None:
             parts.append(f"{'>' if self.low_open else '>='} {self.low:g}")
@@ -204,6 +210,10 @@ class Param:
             if not _is_bool(value):
                 raise InvalidInput(f"{where} must be true or false")
             return bool(value)
+        if self.kind is str:  # one of a few names
+            if not isinstance(value, str) or value not in self.choices:
+                raise InvalidInput(f"{where} is not a choice; allowed: {self.range_text()}")
+            return value
         if self.kind is list:  # a list of numbers, each within the range
             if not isinstance(value, (list, tuple)) or not value:
                 raise InvalidInput(f"{where} must be a non-empty list of numbers")
