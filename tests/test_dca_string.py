@@ -267,7 +267,8 @@ def test_string_below_its_offset_is_vanilla_up_to_its_factor():
 def test_fused_kernel_equals_the_explicit_map_for_any_chunking(n, cached, chunk_size, local, pad):
     """Property: for any lengths, cache split, chunking and left padding, the fused kernel equals
     attention over the explicit position map (whose entries the tests above check against the
-    paper) — every row's last chunk position included. (The map path scores in float32: 1e-5.)"""
+    paper) — every row's last chunk position included. (The kernel's angles are
+    float32, as transformers computes them; the map path is exact in float64: 1e-5.)"""
     local = local % chunk_size
     s_q, pad = max(1, n - cached), min(pad, n - 1)
     gen = torch.Generator().manual_seed(n * 31 + chunk_size)

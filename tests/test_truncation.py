@@ -251,8 +251,9 @@ def _float64_oracle(q, k, v, q_pos, k_pos, rule, inv, scaling, *, keep, scale, s
     (45, 10, 40, "rerope", 70, 0, False, True),
 ])
 def test_fused_kernel_in_float64_with_gradients(s_k, cached, window, rule, sliding, pad, gqa, interleaved):
-    """float64 in: forward and backward run in float64 — equal to the naive path (which scores in
-    float32) at its precision, and to the regions spelled out in float64 at float64 precision."""
+    """float64 in: forward and backward run in float64 — equal to the naive path (exact in float64;
+    the kernel's angles are float32, as transformers computes them) to 1e-5, and to the regions
+    spelled out with the kernel's tables in float64 at float64 precision."""
     s_q = max(1, s_k - cached)
     rule = {"rerope": rerope(window), "leaky": leaky_rerope(window, 3.0, None, 64),
             "self_extend": self_extend(3, window)}[rule]

@@ -215,6 +215,8 @@ class Param:
                 raise InvalidInput(f"{where} is not a choice; allowed: {self.range_text()}")
             return value
         if self.kind is list:  # a list of numbers, each within the range
+            if isinstance(value, np.ndarray) and value.ndim == 1:
+                value = list(value)
             if not isinstance(value, (list, tuple)) or not value:
                 raise InvalidInput(f"{where} must be a non-empty list of numbers")
             item = Param(self.name, kind=float, low=self.low, high=self.high,

@@ -119,3 +119,13 @@ def test_bool_parameters_take_numpy_booleans_and_refuse_numbers():
 def test_lengths_take_numpy_integers():
     got = get_strategy("yarn").resolve({}, length=np.int64(512), train_length=np.int32(128))
     assert got["factor"] == 4.0 and type(got["factor"]) is float
+
+
+def test_factor_lists_take_numpy_arrays_and_refuse_non_finite_entries():
+    got = get_strategy("longrope").validate({"short_factor": np.array([1.0, 2.5], dtype=np.float32),
+                                             "long_factor": [np.int64(3)], "factor": 2})
+    assert got["short_factor"] == [1.0, 2.5] and got["long_factor"] == [3.0]
+    assert all(type(x) is float for x in got["short_factor"] + got["long_factor"])
+    with pytest.raises(InvalidInput, match=r"^longrope: parameter long_factor=nan must be a finite number; "
+                                           r"allowed: > 0$"):
+        get_strategy("longrope").validate({"short_factor": [1.0], "long_factor": [1.0, float("nan")], "factor": 2})
