@@ -140,9 +140,9 @@ def inspect(cfg: RotaryConfig, strategies: list[StrategySpec], length: int, outp
     if bad:
         raise InvalidInput(f"pairs {bad} out of range: this model has {cfg.dim // 2} rotary pairs "
                            f"(0 … {cfg.dim // 2 - 1})")
+    rows = [_strategy_summary(s, cfg, length, pairs) for s in strategies]  # every strategy checked: nothing written yet
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
-    rows = [_strategy_summary(s, cfg, length, pairs) for s in strategies]
     b_min = geo.smallest_base(cfg.dim, length)
     summary = {"source": cfg.source, "dim": cfg.dim, "rope_theta": cfg.rope_theta, "train_length": cfg.train_length,
                "length": length, "pairs": pairs, "smallest_base_for_length": b_min,

@@ -251,6 +251,7 @@ def flex_attention_path(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, sca
     gradients on the CPU go to ``fused_attention``. Raises ``ValueError`` for a ``keep`` mask that does not broadcast to
     ``[b, 1, s_q, s_k]``.
     """
+    rule = rule.for_call(q.shape[2], k.shape[2])  # a prefill's extra regions: calls of their own, merged
     args = (q, k, v, q_pos, k_pos, rule, inv_freq, scaling)
     kw = {"keep": keep, "scale": scale, "softcap": softcap, "sliding_window": sliding_window,
           "interleaved": interleaved, "dropout": dropout, "block": block, "sinks": sinks}

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -46,6 +47,9 @@ class StrategySpec(BaseModel):
         if rule is not None and self.logn:
             raise ValueError("logn and temperature: name one query temperature")
         strat.validate(self.params, partial=True)  # auto parameters left out are filled per length (resolve)
+        # numpy numbers (accepted as numbers) as the Python ones they hold: displays, cell ids and manifests
+        # (JSON) read them as written in Python
+        object.__setattr__(self, "params", {k: _plain(v) for k, v in self.params.items()})
         return self
 
     @property
@@ -55,6 +59,13 @@ class StrategySpec(BaseModel):
         return (self.name + (":" + ",".join(f"{k}={v}" for k, v in self.params.items()) if self.params else "")
                 + ("+logn" if self.logn else "")
                 + (f"+{parse_temperature(self.temperature).spec()}" if self.temperature else ""))
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars (also inside lists) as the Python values they hold; anything else unchanged."""
+    if isinstance(value, np.generic):
+        return value.item()
+    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
 def parse_strategy(entry: Any) -> StrategySpec:
