@@ -84,8 +84,8 @@ UNPATCH_ATTN = (
     "unpatch restores one attention implementation everywhere: enable_truncation saves model.config."
     "_attn_implementation (GOT-OCR2's top config: eager) and set_attn_implementation puts it on every sub-config, "
     "while the text model ran sdpa (ropescale/attention.py enable_truncation/restore)")
-NOT_STANDALONE = ("not a standalone causal LM: a draft model that reads the target's shared_kv_states "
-                  "(models/gemma4/modeling_gemma4.py, Gemma4Assistant); the census builds models alone")
+NOT_STANDALONE = ("not a standalone causal LM: a draft model whose forward needs the target model's "
+                  "shared_kv_states (models/{name}/modeling_{name}.py:{line}); the census builds models alone{also}")
 NEEDS_TIMM = "needs the timm package for its vision tower (TimmWrapperModel), not installed in CI"
 NOT_BUILDABLE = "the census cannot build it from its config class: {why}"
 
@@ -204,8 +204,10 @@ KNOWN: dict[str, dict[str, str]] = {
     "got_ocr2": {"unpatch": UNPATCH_ATTN},
     # types the census does not build
     "gemma3n": {"build": NEEDS_TIMM},
-    "gemma4_assistant": {"build": NOT_STANDALONE},
-    "gemma4_unified_assistant": {"build": NOT_STANDALONE},
+    "gemma4_assistant": {"build": NOT_STANDALONE.format(
+        name="gemma4_assistant", line=166, also="; its class default config fails its own validation, "
+        "hidden_size_per_layer_input must be 0 (configuration_gemma4_assistant.py:86)")},
+    "gemma4_unified_assistant": {"build": NOT_STANDALONE.format(name="gemma4_unified_assistant", line=173, also="")},
     "mamba2": {"build": NOT_BUILDABLE.format(why="the forward fails in repeat_interleave (its grouped SSM heads "
                                                  "need more than the generic shrink; no RoPE, so no override)")},
     "musicgen": {"build": NOT_BUILDABLE.format(why="the causal LM reads num_codebooks rows of ids per sequence "
