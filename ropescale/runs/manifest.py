@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 import ropescale
-from ropescale.errors import RopescaleError
+from ropescale.errors import OutputError, RopescaleError
 from ropescale.models import weights_fingerprint
 
 __all__ = [
@@ -53,10 +53,6 @@ class ExperimentMismatchError(RopescaleError, ValueError):
 
 class FolderBusyError(RopescaleError, ValueError):
     """Another run is writing the folder."""
-
-
-class OutputError(RopescaleError, ValueError):
-    """The results folder cannot be used."""
 
 
 def prepare_output(output: Path) -> Path:
