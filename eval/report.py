@@ -87,7 +87,8 @@ def markdown_report(records: list[dict]) -> str:
     for m in task_of(records).metrics:
         better = "higher" if m.higher_is_better else "lower"
         parts += [f"**{m.label}** ({better} is better)", "", markdown_table(records, m)]
-    return "\n".join(parts)
+    extra = task_of(records).report(records)
+    return "\n".join(parts + ([extra] if extra else []))
 
 
 def write_reports(records: list[dict], output: str | Path) -> dict[str, Path]:
