@@ -34,7 +34,7 @@ def plot_metric(records: list[dict], key: str, label: str, path: Path, *, ci: st
     names = strategies_of(records)
     for ax, (k, lab, ci_key) in zip(axes[0], panels):
         for i, s in enumerate(names):
-            rows = sorted((r for r in records if r["strategy"] == s), key=lambda r: r["length"])
+            rows = sorted((r for r in records if r["strategy"] == s and r[k] is not None), key=lambda r: r["length"])
             x, y = [r["length"] for r in rows], [r[k] for r in rows]
             style = line_style(i, len(names))
             if ci_key:

@@ -69,6 +69,8 @@ def markdown_table(records: list[dict], metric=None) -> str:
     cells = {(r["strategy"], r["length"]): r for r in records}
 
     def show(r: dict) -> str:
+        if r[metric.key] is None:  # a cell with no value (a RULER length no task fits)
+            return "—"
         text = metric.fmt.format(r[metric.key])
         ci = r.get(metric.key + "_ci")
         return text + (f" ({metric.fmt.format(ci[0])}–{metric.fmt.format(ci[1])})" if ci else "")

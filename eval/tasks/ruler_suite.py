@@ -6,7 +6,8 @@ shares, ``ruler_base.RulerOptions``; task settings at RULER's defaults). Every t
 from its own generator and the sample cache, so a sweep of many strategies generates them once,
 and a second run not at all. A task whose prompts cannot fit a length (RULER's templates and
 haystack steps are long: at 1024 tokens and below many cannot) is refused at that length, in one
-line naming why, and left out of that length's average; a length no task fits is refused.
+line naming why, and left out of that length's average; a length no task fits has no average
+(``score`` None, every task under ``refused``).
 
 Record: ``score`` = the mean of the task scores at that length (RULER's average; ``tasks_scored``
 says over how many), ``scores`` = ``{task: score}``, ``refused`` = ``{task: reason}``, and per
@@ -87,8 +88,6 @@ class RulerSuite(Task):
                 refused[name] = str(e)
                 logging.getLogger("ropescale").warning("ruler @ %d: %s refused: %s", length, name, e)
         self.refused[length] = refused
-        if not out:
-            raise PromptError(f"ruler: no task fits length {length} ({'; '.join(refused.values())})")
         return out
 
     def memory(self, length: int, model) -> Need | None:
@@ -122,7 +121,7 @@ class RulerSuite(Task):
             scores[name] = rec["score"]
             per_task[name] = {k: rec[k] for k in ("samples", "nulls", "tokens_to_generate", "prompt_tokens_max",
                                                   "generation", "predictions")}
-        avg = round(sum(scores.values()) / len(scores), 2)
+        avg = round(sum(scores.values()) / len(scores), 2) if scores else None  # no task fits this length
         first = next(iter(self.tasks.values()))
         return {"score": avg, "tasks_scored": len(scores), "tasks": list(self.tasks), "scores": scores,
                 "refused": self.refused.get(length, {}), "per_task": per_task,
@@ -145,7 +144,8 @@ class RulerSuite(Task):
                 if s in rows:
                     r = rows[s]
                     cells = [f"{r['scores'][t]:.1f}" if t in r["scores"] else "—" for t in tasks]
-                    parts.append(f"| {s} | {r['score']:.1f} | " + " | ".join(cells) + " |")
+                    avg = "—" if r["score"] is None else f"{r['score']:.1f}"
+                    parts.append(f"| {s} | {avg} | " + " | ".join(cells) + " |")
             refused = next(iter(rows.values()))["refused"]
             if refused:
                 parts.append("")

@@ -70,7 +70,7 @@ def test_cache_reuses_and_extends(tmp_path):
     s1, st1 = cached_samples(key, 3, make(3), directory=tmp_path)
     s2, st2 = cached_samples(key, 2, make(2), directory=tmp_path)  # fewer: a prefix of the stored ones
     s3, st3 = cached_samples(key, 4, make(4), directory=tmp_path)  # more: made again, stored
-    s4, st4 = cached_samples({**key, "length": 65}, 1, make(1), directory=tmp_path)
+    _, st4 = cached_samples({**key, "length": 65}, 1, make(1), directory=tmp_path)
     assert made == [3, 4, 1]
     assert (st1.cached, st2.cached, st3.cached, st4.cached) == (False, True, False, False)
     assert s2 == s1[:2] and len(s3) == 4
@@ -138,12 +138,13 @@ def test_a_task_end_to_end_on_a_tiny_model(tmp_path, tiny_model_dir):
 
 
 def test_the_suite_end_to_end(tmp_path, tiny_model_dir, text_file):
-    cfg = build_config({"task": "ruler", "model": str(tiny_model_dir), "data": str(text_file), "lengths": [256, 512],
+    cfg = build_config({"task": "ruler", "model": str(tiny_model_dir), "data": str(text_file), "lengths": [128, 256, 512],
                         "strategies": ["vanilla", "ntk"], "device": "cpu",
-                        "ruler": {"tasks": ["niah_single_1", "fwe"], "num_samples": 1}})
+                        "ruler": {"tasks": ["niah_single_1", "fwe"], "num_samples": 1, "tokens_to_generate": 8}})
     records = run_sweep(cfg, tmp_path / "run", progress=False)
     by = {(r["strategy"], r["length"]): r for r in records}
-    short, long_ = by[("vanilla", 256)], by[("vanilla", 512)]
+    none, short, long_ = by[("vanilla", 128)], by[("vanilla", 256)], by[("vanilla", 512)]
+    assert none["score"] is None and none["tasks_scored"] == 0 and set(none["refused"]) == {"niah_single_1", "fwe"}
     assert list(short["scores"]) == ["fwe"] and "niah_single_1" in short["refused"] and short["tasks_scored"] == 1
     assert short["score"] == short["scores"]["fwe"]
     assert set(long_["scores"]) == {"niah_single_1", "fwe"} and not long_["refused"]
@@ -151,6 +152,7 @@ def test_the_suite_end_to_end(tmp_path, tiny_model_dir, text_file):
     assert long_["per_task"]["fwe"]["generation"]["cached"] is False
     md = (tmp_path / "run" / "results.md").read_text()
     assert "| strategy | average | niah_single_1 | fwe |" in md and "Refused at this length: niah_single_1" in md
+    assert "| vanilla | — | — | — |" in md
     assert (tmp_path / "run" / "task_heatmap.png").stat().st_size > 0
     assert (tmp_path / "run" / "score_vs_length.png").stat().st_size > 0
     # a second run (another folder) reads every sample from the cache
