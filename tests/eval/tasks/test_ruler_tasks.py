@@ -138,8 +138,8 @@ def test_a_task_end_to_end_on_a_tiny_model(tmp_path, tiny_model_dir):
 
 
 def test_the_suite_end_to_end(tmp_path, tiny_model_dir, text_file):
-    cfg = build_config({"task": "ruler", "model": str(tiny_model_dir), "data": str(text_file), "lengths": [128, 256, 512],
-                        "strategies": ["vanilla", "ntk"], "device": "cpu",
+    cfg = build_config({"task": "ruler", "model": str(tiny_model_dir), "data": str(text_file),
+                        "lengths": [128, 256, 512], "strategies": ["vanilla", "ntk"], "device": "cpu",
                         "ruler": {"tasks": ["niah_single_1", "fwe"], "num_samples": 1, "tokens_to_generate": 8}})
     records = run_sweep(cfg, tmp_path / "run", progress=False)
     by = {(r["strategy"], r["length"]): r for r in records}
