@@ -61,6 +61,9 @@ class SearchConfig(BaseModel):
     max_windows: int = Field(4, ge=1, description="windows per length per candidate")
     retrieval_weight: float = Field(0.0, ge=0, description="weight of the passkey answer's mean NLL per token")
     retrieval_trials: int = Field(4, ge=1, description="passkey prompts per candidate (at the longest length)")
+    needle_weight: float = Field(0.0, ge=0, description="weight of LongRoPE2's needle-driven term: the mean NLL per "
+                                                        "answer token of needles planted in the search text")
+    needle_trials: int = Field(4, ge=1, description="needle prompts per candidate (at the longest length)")
     epsilon: float = Field(0.05, ge=0, description="constraint: PPL at T ≤ (1 + ε) × vanilla's")
     evolution: dict[str, Any] = Field(default_factory=dict, description=(
         "method evolution: LongRoPE's hyper-parameters (population, iterations, elite, mutation_prob, "

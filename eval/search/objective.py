@@ -38,6 +38,7 @@ from ropescale.runs.windows import make_windows
 from ropescale.strategies import get_strategy
 
 from .config import SearchConfig
+from .needle_objective import answer_nll, needle_examples
 
 __all__ = ["RETRIEVAL_SEED", "Measurement", "SearchObjective", "spec_params"]
 
@@ -57,6 +58,7 @@ class Measurement:
     constraint: float
     retrieval_nll: float | None
     seconds: float
+    needle_nll: float | None = None  # LongRoPE2's needle-driven term (eval.search.needle_objective)
 
     def row(self) -> dict:
         """Flat columns for ``trials.csv``."""
@@ -96,6 +98,8 @@ class SearchObjective:
                         for L in sorted({*cfg.lengths, self.train_length})}
         self.weights = dict(zip(cfg.lengths, cfg.weights()))
         self.passkeys = self._passkeys() if cfg.retrieval_weight > 0 else []
+        self.needles = needle_examples(self.tokenizer, self.docs, length=max(cfg.lengths), trials=cfg.needle_trials,
+                                       train_length=self.train_length) if cfg.needle_weight > 0 else []
         self.vanilla_ppl_train = math.exp(self._nll(self.train_length))
         self.evaluations = 0
 
@@ -146,11 +150,14 @@ class SearchObjective:
             nll = {L: self._nll(L) for L in self.cfg.lengths}
             ppl_train = math.exp(self._nll(self.train_length))
             retrieval = self._retrieval_nll() if self.passkeys else None
+            needle = answer_nll(self.model, self.needles, self.device) if self.needles else None
         self.evaluations += 1
         objective = sum(self.weights[L] * nll[L] for L in self.cfg.lengths)
         if retrieval is not None:
             objective += self.cfg.retrieval_weight * retrieval
+        if needle is not None:
+            objective += self.cfg.needle_weight * needle
         constraint = ppl_train / ((1 + self.cfg.epsilon) * self.vanilla_ppl_train) - 1
         return params, Measurement(objective=objective, nll=nll, ppl={L: math.exp(v) for L, v in nll.items()},
                                    ppl_train=ppl_train, constraint=constraint, retrieval_nll=retrieval,
-                                   seconds=round(time.perf_counter() - t0, 3))
+                                   seconds=round(time.perf_counter() - t0, 3), needle_nll=needle)

@@ -151,6 +151,8 @@ def _rows(study) -> list[dict]:
         row["feasible"] = None if a.get("constraint") is None else a["constraint"] <= 0
         row.update({k: v for k, v in a.items() if k.startswith("ppl@")})
         row.update({k: a.get(k) for k in ("ppl_train", "retrieval_nll", "seconds", "invalid")})
+        if a.get("needle_nll") is not None:  # LongRoPE2's needle term, when the search has it
+            row["needle_nll"] = a["needle_nll"]
         rows.append(row)
     return rows
 
