@@ -23,7 +23,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 
 from ropescale.runs.memory import Need
 
@@ -52,6 +52,10 @@ class RulerSuiteOptions(RulerOptions):
                 raise ValueError(str(e)) from None
             if not (isinstance(task, type) and issubclass(task, RulerTask)):
                 raise ValueError(f"{name} is not a RULER task")
+            try:
+                task.Options()  # a task's own checks (qa offline without its data)
+            except ValidationError as e:
+                raise ValueError(f"{name}: {e.errors()[0]['msg'].removeprefix('Value error, ')}") from None
             if task.name not in out:
                 out.append(task.name)
         return out
