@@ -50,7 +50,7 @@ class QaTask(RulerTask):
         super().__init_subclass__(**kw)
         opts = cls.__dict__.get("Options")
         if opts is None and cls.__dict__.get("name"):
-            dataset, name = cls.dataset, cls.name
+            dataset = cls.dataset
 
             class Options(QaOptions):
                 @model_validator(mode="after")

@@ -54,11 +54,11 @@ def ruler_read_hotpotqa(data):
     return total_qas, total_docs
 
 
-def ruler_generate(QAS, DOCS, TOKENIZER, max_seq_length, num_samples, random_seed, tokens_to_generate=32):  # noqa: N803
+def ruler_generate(QAS, DOCS, TOKENIZER, max_seq_length, num_samples, random_seed, tokens_to_generate=32):
     """qa.py's generate_input_output and generate_samples, globals made arguments."""
     random.seed(random_seed)
     np.random.seed(random_seed)
-    DOCUMENT_PROMPT = "Document {i}:\n{document}"  # noqa: N806
+    DOCUMENT_PROMPT = "Document {i}:\n{document}"
 
     def generate_input_output(index, num_docs):
         curr_q = QAS[index]['query']
@@ -68,7 +68,8 @@ def ruler_generate(QAS, DOCS, TOKENIZER, max_seq_length, num_samples, random_see
         if num_docs < len(DOCS):
             if (num_docs - len(curr_docs)) > len(curr_more):
                 addition_docs = [i for i, d in enumerate(DOCS) if i not in curr_docs + curr_more]
-                all_docs = curr_docs + curr_more + random.sample(addition_docs, max(0, num_docs - len(curr_docs) - len(curr_more)))
+                all_docs = curr_docs + curr_more + random.sample(
+                    addition_docs, max(0, num_docs - len(curr_docs) - len(curr_more)))
             else:
                 all_docs = curr_docs + random.sample(curr_more, num_docs - len(curr_docs))
             all_docs = [DOCS[idx] for idx in all_docs]
@@ -118,7 +119,7 @@ def ruler_generate(QAS, DOCS, TOKENIZER, max_seq_length, num_samples, random_see
 
 def squad_json():
     rng = random.Random(3)
-    words = "river stone light field north wind bread salt iron cedar gate morning".split()
+    words = ["river", "stone", "light", "field", "north", "wind", "bread", "salt", "iron", "cedar", "gate", "morning"]
     data = []
     for a in range(6):
         paragraphs = []
@@ -134,7 +135,7 @@ def squad_json():
 
 def hotpot_json():
     rng = random.Random(4)
-    words = "valley tower harbor king song lamp field road".split()
+    words = ["valley", "tower", "harbor", "king", "song", "lamp", "field", "road"]
     return [{"question": f"Which {i}?", "answer": f"ans{i}",
              "context": [[f"T{i}-{j}", [" ".join(rng.choice(words) for _ in range(12)) + ".", f" Fact {i}{j}."]]
                          for j in range(4)]} for i in range(8)]
