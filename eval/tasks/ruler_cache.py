@@ -6,7 +6,8 @@ samples (``ruler_spec.RulerSample.to_json``); it is read and written under a fil
 (``filelock``), so processes of a data-parallel run (or two runs at once) generate each entry
 once and the others wait and read it. RULER's generators draw their size search before any sample,
 so the first k samples of a run of n are the samples of a run of k: an entry with at least the
-samples asked for answers, a shorter one is replaced.
+samples asked for answers, a shorter one is replaced. A length no sample fits (``PromptError``,
+found after RULER's retries) is stored as refused and refused again from the cache.
 
 Where: ``$ROPESCALE_CACHE/ruler`` (default ``~/.cache/ropescale/ruler``).
 """
@@ -25,6 +26,7 @@ from typing import Any
 
 from filelock import FileLock
 
+from .prompts import PromptError
 from .ruler_spec import RulerSample
 
 __all__ = ["CacheStats", "cache_dir", "cached_samples", "key_digest", "tokenizer_fingerprint"]
@@ -75,17 +77,28 @@ def cached_samples(key: dict[str, Any], num_samples: int, make: Callable[[], lis
     path = directory / f"{key_digest(key)}.json.gz"
     with FileLock(str(path) + ".lock"):
         if path.exists():
+            refused = None
             try:
                 with gzip.open(path, "rt", encoding="utf-8") as f:
                     doc = json.load(f)
-                if doc.get("key") == json.loads(json.dumps(key)) and len(doc["samples"]) >= num_samples:
-                    samples = [RulerSample.from_json(s) for s in doc["samples"][:num_samples]]
-                    return samples, CacheStats(True, time.perf_counter() - t0, str(path))
+                if doc.get("key") == json.loads(json.dumps(key)):
+                    refused = doc.get("refused")  # a length nothing fits
+                    if refused is None and len(doc["samples"]) >= num_samples:
+                        samples = [RulerSample.from_json(s) for s in doc["samples"][:num_samples]]
+                        return samples, CacheStats(True, time.perf_counter() - t0, str(path))
             except (OSError, ValueError, KeyError, TypeError):  # a torn or foreign file: made again below
                 pass
-        samples = make()
+            if isinstance(refused, str):
+                raise PromptError(refused)
+        try:
+            samples = make()
+            doc = {"key": key, "samples": [s.to_json() for s in samples]}
+        except PromptError as e:  # refusing takes RULER's retries: the refusal is stored too
+            samples, doc = None, {"key": key, "refused": str(e)}
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         with gzip.open(tmp, "wt", encoding="utf-8") as f:
-            json.dump({"key": key, "samples": [s.to_json() for s in samples]}, f, separators=(",", ":"))
+            json.dump(doc, f, separators=(",", ":"))
         os.replace(tmp, path)
+        if samples is None:
+            raise PromptError(doc["refused"])
     return samples[:num_samples], CacheStats(False, time.perf_counter() - t0, str(path))

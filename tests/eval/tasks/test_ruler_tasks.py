@@ -77,6 +77,15 @@ def test_cache_reuses_and_extends(tmp_path):
     (tmp_path / st1.path.split("/")[-1]).write_text("torn")  # a torn file is made again, not an error
     assert cached_samples(key, 1, make(1), directory=tmp_path)[1].cached is False
 
+    def refuse():
+        made.append("refused")
+        raise PromptError("x at 64 tokens: no example fits")
+
+    for _ in range(2):  # the refusal is stored: the second one comes from the cache
+        with pytest.raises(PromptError, match="^x at 64 tokens: no example fits$"):
+            cached_samples({**key, "length": 66}, 1, refuse, directory=tmp_path)
+    assert made.count("refused") == 1
+
 
 def test_examples_come_from_the_cache_the_second_time(tok, tmp_path):
     cls = get_task("niah_single_1")
