@@ -78,7 +78,7 @@ def generate_cwe(*, count: Callable[[str], int], template: str, max_seq_length: 
         text, answer = input_output(size)
         length = count(text) + tokens_to_generate
         if length > max_seq_length:
-            raise TooLong(f"{length} tokens with the generation budget, more than {max_seq_length}")
+            raise TooLong(length, max_seq_length)
         return text, answer, length
 
     family = FAMILIES["common_words_extraction"]

@@ -133,7 +133,7 @@ def generate_niah(cfg: NiahConfig, *, count: Callable[[str], int], template: str
         text, answer = gen.input_output(size)
         length = count(text) + tokens_to_generate
         if length > max_seq_length:
-            raise TooLong(f"{length} tokens with the generation budget, more than {max_seq_length}")
+            raise TooLong(length, max_seq_length)
         return text, answer, length
 
     family = FAMILIES["niah"]

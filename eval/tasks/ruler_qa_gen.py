@@ -104,7 +104,7 @@ def generate_qa(qas: list[dict], docs: list[str], *, count: Callable[[str], int]
             text, answer = input_output(index + pre_samples, size)
             length = count(text) + tokens_to_generate
             if length > max_seq_length:
-                raise TooLong(f"{length} tokens with the generation budget, more than {max_seq_length}")
+                raise TooLong(length, max_seq_length)
             return text, answer, length
 
         text, answer, length = shrink_until_fits(attempt, num_docs, incremental,

@@ -17,7 +17,8 @@ from typing import Any, Literal
 
 from .prompts import PromptError
 
-__all__ = ["FAMILIES", "MAX_RETRIES", "Family", "RulerSample", "binary_search", "join_template", "postprocess_pred",
+__all__ = ["FAMILIES", "HOPELESS_AFTER", "MAX_RETRIES", "Family", "RulerSample", "binary_search", "join_template",
+           "postprocess_pred",
            "shrink_until_fits", "string_match_all", "string_match_part"]
 
 
@@ -60,7 +61,9 @@ FAMILIES: dict[str, Family] = {
         " Answer:", 32, "string_match_part"),
 }
 
-MAX_RETRIES = 100  # fresh draws at the smallest size before a length is refused (RULER retries forever)
+MAX_RETRIES = 20000  # fresh draws at the smallest size before a length is refused (RULER retries forever; its
+# niah_multiquery at 1024 tokens on the bundled tokenizer, seed 42, needs thousands)
+HOPELESS_AFTER, HOPELESS_MARGIN = 100, 0.05  # …or this many, when even the shortest is > 5% over
 
 
 @dataclass(frozen=True)
@@ -120,14 +123,24 @@ def binary_search(total_tokens: Callable[[int], int], lower: int, upper: int, ma
 
 
 class TooLong(Exception):
-    """A drawn example is longer than its budget."""
+    """A drawn example of ``total`` tokens (with the generation budget) is longer than ``limit``."""
+
+    def __init__(self, total: int = 0, limit: int = 0):
+        super().__init__(total, limit)
+        self.total, self.limit = total, limit
+
+    def __str__(self) -> str:
+        return f"{self.total} tokens with the generation budget, more than {self.limit}"
 
 
 def shrink_until_fits(attempt: Callable[[int], Any], size: int, incremental: int, *, what: str) -> Any:
     """RULER's per-sample loop: ``attempt(size)``; on failure (too long, or a draw impossible at
     this size) retry ``incremental`` smaller, and at the smallest size retry with fresh draws —
-    where RULER loops forever, ``PromptError`` after ``MAX_RETRIES`` draws."""
-    tries = 0
+    where RULER loops until a draw fits, forever if none can. ``PromptError`` after
+    ``MAX_RETRIES`` draws at the smallest size, or after ``HOPELESS_AFTER`` when even the shortest
+    draw so far is over the limit by more than ``HOPELESS_MARGIN`` (draws differ only in their keys
+    and values, a few tokens)."""
+    tries, best = 0, None
     while True:
         try:
             return attempt(size)
@@ -138,13 +151,13 @@ def shrink_until_fits(attempt: Callable[[int], Any], size: int, incremental: int
                 size -= incremental
                 continue
             tries += 1
-            if tries >= MAX_RETRIES:
-                raise PromptError(f"{what}: no example fits ({MAX_RETRIES} draws at the smallest haystack, "
-                                  f"size {size}, were all too long){_reason(e)}") from None
-
-
-def _reason(e: Exception) -> str:
-    return f": {e}" if isinstance(e, TooLong) and str(e) else ""
+            if isinstance(e, TooLong):
+                best = e if best is None or e.total < best.total else best
+            hopeless = (best is not None and tries >= HOPELESS_AFTER
+                        and best.total > best.limit * (1 + HOPELESS_MARGIN))
+            if tries >= MAX_RETRIES or hopeless:
+                raise PromptError(f"{what}: no example fits ({tries} draws at the smallest haystack, size {size}, "
+                                  f"were all too long)" + (f": the shortest {best}" if best else "")) from None
 
 
 def postprocess_pred(pred: str) -> str:

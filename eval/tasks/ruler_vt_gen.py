@@ -124,7 +124,7 @@ def _run(gen: _VT, count: Callable[[str], int], *, num_samples: int, max_seq_len
             text = text[:cutoff] + gen.randomize_icl(icl_text) + "\n" + text[cutoff:]
         length = count(text) + ttg
         if length > max_seq_length:
-            raise TooLong(f"{length} tokens with the generation budget, more than {max_seq_length}")
+            raise TooLong(length, max_seq_length)
         return text, answer, length
 
     out = []

@@ -9,6 +9,7 @@ import pytest
 
 from eval.tasks.prompts import PromptError
 from eval.tasks.ruler_spec import (
+    HOPELESS_AFTER,
     MAX_RETRIES,
     TooLong,
     postprocess_pred,
@@ -88,11 +89,19 @@ def test_punkt_splits_as_nltk_english():
 def test_shrink_until_fits_refuses_where_ruler_loops_forever():
     calls = []
 
-    def never(size):
+    def never(size, total=1000):
         calls.append(size)
-        raise TooLong("too long")
+        raise TooLong(total, 100)
 
-    with pytest.raises(PromptError, match="no example fits"):
-        shrink_until_fits(never, 20, 5, what="x")
-    assert calls[:4] == [20, 15, 10, 5] and len(calls) == 3 + MAX_RETRIES
-    assert shrink_until_fits(lambda s: s if s <= 10 else (_ for _ in ()).throw(TooLong()), 20, 5, what="x") == 10
+    with pytest.raises(PromptError, match=r"^x: no example fits \(100 draws at the smallest haystack, size 5, were all "
+                                          r"too long\): the shortest 1000 tokens with the generation budget, more "
+                                          r"than 100$"):
+        shrink_until_fits(never, 20, 5, what="x")  # hopeless: 10× over
+    assert calls[:4] == [20, 15, 10, 5] and len(calls) == 3 + HOPELESS_AFTER
+    calls.clear()
+    with pytest.raises(PromptError, match=rf"^x: no example fits \({MAX_RETRIES} draws"):
+        shrink_until_fits(lambda s: never(s, 103), 5, 5, what="x")  # close: RULER's full patience
+    assert len(calls) == MAX_RETRIES
+    draws = iter([104] * 300 + [99])  # the 301st draw at the smallest size fits, as RULER would find it
+    assert shrink_until_fits(lambda s: s if (t := next(draws)) <= 100 else never(s, t), 5, 5, what="x") == 5
+    assert shrink_until_fits(lambda s: s if s <= 10 else never(s), 20, 5, what="x") == 10
