@@ -104,8 +104,8 @@ def test_lengths_that_cannot_hold_a_prompt_are_refused(tok):
                                           r"generation budget of 128 tokens"):
         t.examples(128)
     with pytest.raises(PromptError, match=r"^niah_single_1 at 256 tokens: no example fits \(100 draws at the "
-                                          r"smallest haystack, size 5, were all too long\): the shortest \d+ tokens with the "
-                                          r"generation budget, more than 256$"):
+                                          r"smallest haystack, size 5, were all too long\): the shortest \d+ "
+                                          r"tokens with the generation budget, more than 256$"):
         t.examples(256)
     fwe = get_task("fwe")(get_task("fwe").Options(num_samples=1, cache=False), tokenizer=tok, train_length=128)
     with pytest.raises(PromptError, match=r"^fwe at 128 tokens: a vocabulary of 1 coded words"):
