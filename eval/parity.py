@@ -44,6 +44,8 @@ from typing import Any
 import torch
 
 from ropescale.errors import InvalidInput
+from ropescale.serving.output import check_output
+from ropescale.serving.rope import MAX_LENGTH
 
 from .engines import ENGINES, EngineFailed, engine_python, llama_cpp_source, require_engine, run_engine
 
@@ -201,6 +203,10 @@ data, windows, T, d, lengths, one line per engine (version and where it ran, or 
     if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in lengths):
         raise InvalidInput(f"--length {', '.join(map(str, lengths)) or '(none)'}: lengths must be whole numbers "
                            "of tokens >= 2")
+    big = [n for n in lengths if n > MAX_LENGTH]
+    if big:  # before the transformers row allocates cos/sin for every position
+        raise InvalidInput(f"--length {big[0]}: beyond any model: RoPE angles come from float32 positions, exact only "
+                           f"up to 2^24 = {MAX_LENGTH} tokens; use lengths of at most {MAX_LENGTH}")
     if isinstance(windows, bool) or not isinstance(windows, int) or windows < 1:
         raise InvalidInput(f"--windows {windows}: must be a whole number >= 1")
     if gguf is not None and not Path(gguf).is_file():
@@ -209,7 +215,7 @@ data, windows, T, d, lengths, one line per engine (version and where it ran, or 
         for e in engines:
             if e != "transformers":
                 require_engine(e)  # EngineAbsent: one line naming how to install it
-    output = Path(output)
+    output = check_output(output)
     exports, logs = output / "exports", output / "logs"
     rope_cfg = model_rope_config(model)
     train, dim = rope_cfg.original_max_position_embeddings, rope_cfg.dim
@@ -231,13 +237,15 @@ data, windows, T, d, lengths, one line per engine (version and where it ran, or 
         strat = get_strategy(spec.name)
         for length in lengths:
             params = strat.resolve(spec.params, length=length, train_length=train)
-            with patch(m, spec.name, original_max_position_embeddings=train, logn=spec.logn, **params) as handle:
+            with patch(m, spec.name, original_max_position_embeddings=train, logn=spec.logn,
+                       temperature=spec.temperature, **params) as handle:
                 try:
                     ours = ropescale_rope(handle, length)
                 except InvalidInput as e:  # a relative rule: no single inv_freq
                     ours, why = None, str(e)
                 ours_lp = _our_logprobs(m, ids[length]) if end_to_end and ours is not None else None
-                freeze = length if (freeze_dynamic and strat.dynamic) else None
+                # only dynamic NTK has a static form; the engines refuse the other dynamic rules themselves
+                freeze = length if (freeze_dynamic and spec.name == "dynamic_ntk") else None
                 for engine in engines:
                     row = ParityRow(engine, spec.display, length, "", "")
                     rows.append(row)
@@ -352,7 +360,8 @@ data, windows, T, d, lengths, one line per engine (version and where it ran, or 
         say(f"vLLM: rotary classes for {len(pending_vllm_rope)} exports")
         res = run_engine("vllm", {"mode": "rope", "cases": [c for *_, c in pending_vllm_rope]}, log_dir=logs)
         versions["vllm"] = f"vLLM {res.get('vllm', '?')}"
-        for (row, ours, _exp, case), got in zip(pending_vllm_rope, res["cases"]):
+        for (row, ours, _exp, case), got in zip(pending_vllm_rope, _answers(res, "cases", "vllm", [
+                _case(r) for r, *_ in pending_vllm_rope], ("error", "cos", "sin", "evaluated"))):
             _fill_vllm_real(row, ours, got, case["length"], compare, res.get("vllm", "?"))
     if pending_llama_rope:
         say(f"llama.cpp: runtime metadata of {len(pending_llama_rope)} GGUFs")
@@ -361,7 +370,8 @@ data, windows, T, d, lengths, one line per engine (version and where it ran, or 
         versions["llama.cpp"] = f"llama-cpp-python {res.get('llama_cpp', '?')}"
         from ropescale.serving.gguf import llama_cpp_rope, read_gguf_rope
 
-        for (row, ours, path, length), got in zip(pending_llama_rope, res["cases"]):
+        for (row, ours, path, length), got in zip(pending_llama_rope, _answers(res, "cases", "llama.cpp", [
+                _case(r) for r, *_ in pending_llama_rope], ("meta",))):
             kv = {k: _json_value(v) for k, v in got["meta"].items()}
             _, tensors = read_gguf_rope(path)
             _fill(row, ours, llama_cpp_rope(kv, tensors, length, dim), length, compare,
@@ -374,12 +384,13 @@ data, windows, T, d, lengths, one line per engine (version and where it ran, or 
         try:
             res = run_engine(engine, {"mode": "logprobs", "jobs": [{k: v for k, v in j.items() if k != "ours"}
                                                                    for _, j in jobs]}, log_dir=logs)
+            answers = _answers(res, "jobs", engine, [_case(r) for r, _ in jobs], ("error", "logprobs"))
         except EngineFailed as e:  # the rotation rows stand; the end-to-end cells say why they are empty
             say(str(e))
             for row, _ in jobs:
                 row.notes = "; ".join(x for x in (row.notes, f"end to end failed: {e}") if x)
             continue
-        for (row, job), got in zip(jobs, res["jobs"]):
+        for (row, job), got in zip(jobs, answers):
             row.engine_seconds = round(got.get("seconds", 0.0), 2)
             if "error" in got:  # the engine refused to load it
                 row.notes = "; ".join(x for x in (row.notes, f"the engine refused to serve it: {got['error']}") if x)
@@ -392,6 +403,33 @@ data, windows, T, d, lengths, one line per engine (version and where it ran, or 
             "baseline": baseline,
             "engines": [_engine_line(e, installed[e], versions) for e in engines]}
     return rows, meta
+
+
+def _case(row: ParityRow) -> str:
+    """A case's name in messages: strategy@L, and how it was exported when not by ropescale."""
+    return f"{row.strategy}@{row.length}" + ("" if row.exported_by == "ropescale" else f" ({row.exported_by})")
+
+
+def _answers(result: dict, key: str, engine: str, asked: list[str], needs: tuple[str, ...]) -> list[dict]:
+    """The driver's ``result[key]``: one answer per case asked (``asked``: their names, in order),
+    each a dict holding one of ``needs`` (the first an alternative to the others when it is
+    ``"error"``). ``EngineFailed`` (one line naming the driver and the cases without an answer)
+    otherwise: a short answer would leave rows without a verdict."""
+    label = f"{ENGINES[engine]['label']} driver ({ENGINES[engine]['driver']})"
+    got = result.get(key)
+    if not isinstance(got, list):
+        raise EngineFailed(f"{label} answered no {key!r} list; asked for {len(asked)}: {', '.join(asked)}")
+    if len(got) != len(asked):
+        missing = asked[len(got):]
+        raise EngineFailed(f"{label} answered {len(got)} of the {len(asked)} {key} asked"
+                           + (f"; no answer for {', '.join(missing)}" if missing else " (more than asked)"))
+    alternatives = needs[:1] if needs[0] == "error" else ()
+    required = needs[1:] if alternatives else needs
+    for name, answer in zip(asked, got):
+        if not isinstance(answer, dict) or not (any(k in answer for k in alternatives)
+                                                or all(k in answer for k in required)):
+            raise EngineFailed(f"{label} answered {name} without {' and '.join(required)}: {str(answer)[:120]}")
+    return got
 
 
 def _engine_line(engine: str, installed: bool, versions: dict) -> str:

@@ -37,7 +37,6 @@ import sys
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, prepare_padding_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -46,6 +45,7 @@ from transformers.utils.generic import is_flash_attention_requested
 from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.flex_regions import BlockMaskCache, flex_attention_path
 from ropescale.strategies.truncation import RelativeRule
+from ropescale.temperature import Temperature
 from ropescale.truncated_attention import blocked_attention, fused_attention, fused_route, naive_attention
 
 __all__ = [
@@ -53,7 +53,6 @@ __all__ = [
     "LOGN_PREFIX",
     "TRUNCATION",
     "AttentionNotPluggableError",
-    "IdentityRotary",
     "check_routed",
     "enable_logn",
     "enable_truncation",
@@ -118,11 +117,13 @@ def _base_attention(module, base: str):
 
 @dataclass
 class _LogN:
-    """Per-model log-n state, set on every submodule while log-n is on."""
+    """Per-model query-temperature state, set on every submodule while it is on (log-n or another
+    ``ropescale.temperature`` rule)."""
 
     train: int  # L_train [tokens]
     base: str  # the wrapped attention implementation's name
     calls: int = 0  # attention calls that went through the wrapper (check_routed)
+    rule: Temperature = field(default_factory=lambda: Temperature("logn"))
 
 
 class _ConfigAs:
@@ -159,7 +160,7 @@ def _logn_attention(module, query, key, value, attention_mask, **kwargs):
     if position_ids is None:
         raise RuntimeError(f"log-n scaling needs position_ids in the attention call; "
                            f"{type(module).__name__} does not pass them")
-    scale = logn_factor(position_ids, state.train).to(query.dtype)  # [b, s_q]
+    scale = state.rule.factor(position_ids, state.train).to(query.dtype)  # [b, s_q]
     query = query * scale[:, None, :, None]  # [b, n_h, s_q, h_d]
     fn = _base_attention(module, state.base)
     layer = _LayerAs(module, state.base) if _is_flash(state.base) else module
@@ -182,7 +183,7 @@ def register_logn(base: str) -> str:
     return name
 
 
-def enable_logn(model, original_max_position_embeddings: int):
+def enable_logn(model, original_max_position_embeddings: int, rule: Temperature | None = None):
     """Switch ``model`` to log-n-scaled attention around whatever attention it uses; returns a
     function that switches it back.
 
@@ -191,7 +192,7 @@ def enable_logn(model, original_max_position_embeddings: int):
     """
     current = model.config._attn_implementation
     name = register_logn(current)
-    state = _LogN(int(original_max_position_embeddings), current)
+    state = _LogN(int(original_max_position_embeddings), current, rule=rule or Temperature("logn"))
     _set_on_modules(model, _LOGN_ATTR, state)
     if _is_flash(current):
         # set_attn_implementation would try to load a flash kernel named ropescale_logn_flash_…;
@@ -239,28 +240,15 @@ ATTENTION_PATHS = tuple(_PATHS)
 @dataclass
 class _Truncation:
     rule: RelativeRule
-    freqs: dict  # layer type (None: all) → (inv_freq [d/2], attention_scaling)
-    interleaved: bool
+    layers: dict  # attention module → (LayerRope, inv_freq [d/2] × the layer's sign); absent: no RoPE
     path: str  # a key of _PATHS: "fused", "flex", "blocked" or "naive"
     block: int
-    logn: int | None  # L_train when log-n scaling is on
+    logn: int | None  # L_train when a query temperature is on
+    temperature: Temperature | None = None  # which one (None with logn set: log-n)
+    base: str = "sdpa"  # the model's own attention, which layers without RoPE keep
     calls: int = 0  # attention calls that reached the rule (check_routed)
     masks: BlockMaskCache = field(default_factory=BlockMaskCache)  # FlexAttention masks, shared by the layers
-
-
-class IdentityRotary(nn.Module):
-    """Rotary module returning cos = 1, sin = 0 ``[b, s, d]``: RoPE becomes a no-op, so attention
-    receives (and the cache stores) un-rotated q and k. ``dims`` maps layer type → d."""
-
-    def __init__(self, dims: dict, keep_float32: bool):
-        super().__init__()
-        self.dims, self.keep_float32 = dims, keep_float32
-
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type=None):
-        d = self.dims[layer_type if layer_type in self.dims else next(iter(self.dims))]
-        dtype = torch.float32 if self.keep_float32 else x.dtype
-        ones = torch.ones(*position_ids.shape, d, dtype=dtype, device=x.device)  # [b, s, d]
-        return ones, torch.zeros_like(ones)
+    position_ids: torch.Tensor | None = None  # the rotary modules' positions of the current forward
 
 
 def _keep_mask(attention_mask):
@@ -270,14 +258,46 @@ def _keep_mask(attention_mask):
     return attention_mask > torch.finfo(attention_mask.dtype).min / 2
 
 
+def _text_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """``[b, s]`` positions from what a rotary module or the attention was given: 1-D positions as they
+    are; M-RoPE's ``[k, b, s]`` axes when they all agree (text), else ``InvalidInput``."""
+    if position_ids.dim() == 2:
+        return position_ids
+    if not bool((position_ids == position_ids[:1]).all()):
+        raise InvalidInput("relative-position rules act on one position per token; these inputs carry multi-axis "
+                           "(M-RoPE) positions that differ between axes (images, video): text only")
+    return position_ids[0]
+
+
+def _key_padding(keep):
+    """A ``[b, 1, s_q, s_k]`` keep-mask (a base's causal mask) → ``[b, 1, 1, s_k]``: key j is a real token
+    when some query sees it (the causal and sliding-window parts are the kernel's own)."""
+    if keep is None or keep.shape[-2] == 1:
+        return keep
+    return keep.any(-2, keepdim=True)
+
+
 def _truncation_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                           softcap=None, sliding_window=None, **kwargs):
     state = getattr(module, _TRUNCATION_ATTR)
     state.calls += 1
+    layer = state.layers.get(module)
+    if layer is None:  # a layer without RoPE: the model's own attention, exactly as unpatched
+        if state.logn and kwargs.get("position_ids") is not None:  # a query temperature acts in every layer
+            rule = state.temperature or Temperature("logn")
+            scale = rule.factor(_text_positions(kwargs["position_ids"]), state.logn).to(query.dtype)
+            query = query * scale[:, None, :, None]  # [b, n_h, s_q, h_d]
+        fn = _base_attention(module, state.base)
+        return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap,
+                  sliding_window=sliding_window, **kwargs)
+    info, inv_freq = layer
     position_ids = kwargs.get("position_ids")
+    if position_ids is None:  # the attention gets none: the positions the rotary module was called with
+        position_ids = state.position_ids
     if position_ids is None:
-        raise RuntimeError(f"truncation rules need position_ids in the attention call; "
-                           f"{type(module).__name__} does not pass them")
+        raise InvalidInput(f"{type(module).__name__} passes no position_ids to attention and its rotary module was not "
+                           "called with any: relative-position rules cannot place its tokens")
+    position_ids = _text_positions(position_ids)
     b, s_k = query.shape[0], key.shape[2]
     q_pos = position_ids.expand(b, -1).float()  # [b, s_q]
     if s_k == q_pos.shape[1]:  # no cache: the keys are the queries
@@ -286,18 +306,26 @@ def _truncation_attention(module, query, key, value, attention_mask, scaling=Non
         offset = (s_k - 1) - q_pos[:, -1:]  # slot of the last key minus its position
         k_pos = torch.arange(s_k, device=query.device).float()[None] - offset  # [b, s_k]
     if state.logn:
-        query = query * logn_factor(q_pos, state.logn).to(query.dtype)[:, None, :, None]
-    layer_type = getattr(module, "layer_type", None)
-    inv_freq, att = state.freqs.get(layer_type, next(iter(state.freqs.values())))
-    att = att * state.rule.attention_factor  # a rule's own cos/sin scale (STRING, DCA's temperature)
+        rule = state.temperature or Temperature("logn")
+        query = query * rule.factor(q_pos, state.logn).to(query.dtype)[:, None, :, None]
+    if info.start:  # rotary channels first (DeepSeek's MLA keeps them last): the same order for q and k
+        d, e = info.start, info.start + info.dim
+        query = torch.cat((query[..., d:e], query[..., :d], query[..., e:]), -1)  # [b, n_h, s_q, h_d]
+        key = torch.cat((key[..., d:e], key[..., :d], key[..., e:]), -1)  # [b, n_kv, s_k, h_d]
+    v_dim = value.shape[-1]
+    if v_dim != query.shape[-1]:  # MLA: values narrower (or wider) than q/k: zero-padded, cut after
+        width = max(v_dim, query.shape[-1])
+        pad = lambda x: torch.nn.functional.pad(x, (0, width - x.shape[-1])) if x.shape[-1] < width else x
+        query, key, value = pad(query), pad(key), pad(value)
     fn = _PATHS[state.path]
     # the paths that may run FlexAttention: the model's mask cache, and the tensor chunk masks follow
     extra = {"masks": state.masks, "positions": position_ids} if state.path in ("fused", "flex") else {}
-    out = fn(query, key, value, q_pos, k_pos, state.rule, inv_freq.to(query.device), att,
-             keep=_keep_mask(attention_mask), scale=scaling or query.shape[-1] ** -0.5, softcap=softcap,
-             sliding_window=sliding_window, interleaved=state.interleaved, dropout=dropout, block=state.block,
-             **extra)
-    return out.transpose(1, 2).contiguous(), None  # [b, s_q, n_h, h_d]
+    out = fn(query, key, value, q_pos, k_pos, state.rule, inv_freq.to(query.device), state.rule.attention_factor,
+             keep=_key_padding(_keep_mask(attention_mask)), scale=scaling or info.head_dim ** -0.5, softcap=softcap,
+             sliding_window=sliding_window, interleaved=info.interleaved, dropout=dropout, block=state.block,
+             sinks=kwargs.get("s_aux"), **extra)
+    out = out[..., :v_dim]
+    return out.transpose(1, 2).contiguous(), None  # [b, s_q, n_h, h_v]
 
 
 def _padding_only_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, **_):
@@ -311,26 +339,51 @@ def _padding_only_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     return None if bool(padding.all()) else padding[:, None, None, :]
 
 
-def enable_truncation(model, rule: RelativeRule, freqs: dict, *, interleaved: bool, path: str,
-                      block: int, logn: int | None):
-    """Route ``model``'s attention through the truncation rule; returns the undo function.
+def _base_for_nope(model) -> str:
+    current = model.config._attn_implementation or "sdpa"
+    return "sdpa" if _is_flash(current) or current.startswith(("ropescale_", TRUNCATION)) else current
 
-    The caller has already made the rotary module an ``IdentityRotary``. Raises
-    ``AttentionNotPluggableError`` when the model's layers bypass the interface.
+
+def enable_truncation(model, rule: RelativeRule, layers: dict, rotaries: list, *, path: str, block: int,
+                      logn: int | None, without_rope: bool = False, temperature: Temperature | None = None):
+    """Route ``model``'s attention through the relative rule; returns the undo function.
+
+    ``layers``: attention module → (``LayerRope``, its ``inv_freq`` × sign) for every layer that
+    rotates; the others (``without_rope``: there are some) keep the model's own attention function and
+    mask, bit for bit. ``rotaries``:
+    the rotary modules, whose calls give the positions to layers that get none. The caller has
+    already set their frequencies to zero. Raises ``AttentionNotPluggableError`` when the model's
+    layers bypass the interface.
     """
-    AttentionInterface.register(TRUNCATION, _truncation_attention)  # on first use, not at import
-    AttentionMaskInterface.register(TRUNCATION, _padding_only_mask)
     current = model.config._attn_implementation
-    state = _Truncation(rule, freqs, interleaved, path, block, logn)
+    base = _base_for_nope(model)
+    name = f"{TRUNCATION}_{base}" if without_rope else TRUNCATION
+    AttentionInterface.register(name, _truncation_attention)  # on first use, not at import
+    if not without_rope:
+        AttentionMaskInterface.register(name, _padding_only_mask)
+    else:  # layers without RoPE must see exactly the mask their own attention builds
+        mask = AttentionMaskInterface._global_mapping.get(base)
+        if mask is not None:
+            AttentionMaskInterface.register(name, mask)
+    state = _Truncation(rule, layers, path, block, logn, temperature, base)
     _set_on_modules(model, _TRUNCATION_ATTR, state)
-    model.set_attn_implementation(TRUNCATION)
+
+    def positions(_module, args, kwargs):
+        pos = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
+        if pos is not None:
+            state.position_ids = pos
+
+    hooks = [r.register_forward_pre_hook(positions, with_kwargs=True) for r in rotaries]
+    model.set_attn_implementation(name)
 
     def restore() -> None:
+        for h in hooks:
+            h.remove()
         model.set_attn_implementation(current)
         _clear_on_modules(model, _TRUNCATION_ATTR)
 
     try:
-        check_routed(model, TRUNCATION, state)
+        check_routed(model, name, state)
     except Exception:
         restore()
         raise

@@ -37,9 +37,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rerotate_keys(keys: torch.Tensor, positions: torch.Tensor, old: tuple[torch.Tensor, float],
-                  new: tuple[torch.Tensor, float]) -> torch.Tensor:
+                  new: tuple[torch.Tensor, float], *, start: int = 0, interleaved: bool = False,
+                  sign: int = 1) -> torch.Tensor:
     """Keys ``[b, n_kv, s, h_d]`` rotated at ``positions`` ``[b, s]`` with ``old``
-    ``(inv_freq, attention_scaling)`` → as if rotated with ``new``. Returns a new tensor."""
+    ``(inv_freq, attention_scaling)`` → as if rotated with ``new``. The rotary channels are
+    [start, start + d) in halves (or ``interleaved``) pairs, turned by sign·p·θ (the layer's
+    ``ropescale.layer_rope.LayerRope``). Returns a new tensor."""
     old_freq, old_scale = old
     new_freq, new_scale = new
     d = 2 * new_freq.numel()
@@ -47,31 +50,38 @@ def rerotate_keys(keys: torch.Tensor, positions: torch.Tensor, old: tuple[torch.
     a_new = pos * new_freq.to(keys.device).float()  # [b, s, d/2], as the rotary forward computes it
     a_old = pos * old_freq.to(keys.device).float()
     cos = a_new.cos() * a_old.cos() + a_new.sin() * a_old.sin()  # cos(a_new − a_old)
-    sin = a_new.sin() * a_old.cos() - a_new.cos() * a_old.sin()  # sin(a_new − a_old)
-    cos = torch.cat((cos, cos), dim=-1)[:, None]  # [b, 1, s, d]
-    sin = torch.cat((sin, sin), dim=-1)[:, None]
+    sin = (a_new.sin() * a_old.cos() - a_new.cos() * a_old.sin()) * sign  # sin(σ(a_new − a_old))
     ratio = new_scale / old_scale
-    rot = keys[..., :d].float()
-    rot = (rot * cos + rotate_half(rot) * sin) * ratio
-    return torch.cat((rot.to(keys.dtype), keys[..., d:]), dim=-1)
+    rot = keys[..., start : start + d].float()
+    if interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+    else:
+        x1, x2 = rot[..., : d // 2], rot[..., d // 2 :]
+    cos, sin = cos[:, None], sin[:, None]  # [b, 1, s, d/2]
+    r1, r2 = (x1 * cos - x2 * sin) * ratio, (x2 * cos + x1 * sin) * ratio
+    rot = torch.stack((r1, r2), -1).flatten(-2) if interleaved else torch.cat((r1, r2), -1)
+    return torch.cat((keys[..., :start], rot.to(keys.dtype), keys[..., start + d :]), dim=-1)
 
 
 @torch.no_grad()
 def rerotate_cache(cache, positions: torch.Tensor, old: tuple[torch.Tensor, float],
-                   new: tuple[torch.Tensor, float], layers: list[int] | None = None) -> None:
-    """Re-rotate the keys of every (or the listed) cache layer in place.
+                   new: tuple[torch.Tensor, float], layers: list) -> None:
+    """Re-rotate in place the cached keys of ``layers`` (``LayerRope`` of the layers using these
+    frequencies; layers without RoPE are never listed).
 
     ``positions`` ``[b, s_total]`` are the positions of all tokens cached so far; a layer that
     keeps fewer (sliding window) holds the most recent ones.
     """
-    for i, layer in enumerate(cache.layers):
-        if layers is not None and i not in layers:
+    for info in layers:
+        if info.index >= len(cache.layers):
             continue
+        layer = cache.layers[info.index]
         keys = getattr(layer, "keys", None)
         if keys is None or keys.numel() == 0:
             continue
         n = keys.shape[-2]
-        layer.keys = rerotate_keys(keys, positions[:, -n:], old, new)
+        layer.keys = rerotate_keys(keys, positions[:, -n:], old, new, start=info.start,
+                                   interleaved=info.interleaved, sign=info.sign)
 
 
 class CacheWatch:

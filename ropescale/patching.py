@@ -13,27 +13,30 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from ropescale.errors import InvalidInput
+from ropescale.layer_rope import LayerRope, RotarySite, probe_layers
 from ropescale.rotary import (
+    FrequencyPatch,
     NoRotaryEmbeddingError,
-    ScaledRotaryEmbedding,
     _buffer,
     _config_of,
     _Entry,
     attention_scaling_of,
     find_rotary_modules,
     layer_types_of,
-    probe_layout,
     rope_context,
+    rotary_sites,
 )
 from ropescale.strategies import Strategy, get_strategy
+from ropescale.temperature import Temperature, parse_temperature
 
 __all__ = [
+    "LayerRope",
     "NoRotaryEmbeddingError",
     "PatchHandle",
-    "ScaledRotaryEmbedding",
     "current_patch",
     "find_rotary_modules",
     "layer_types_of",
@@ -47,7 +50,11 @@ _HANDLE_ATTR = "_ropescale_patch"
 
 @dataclass
 class PatchHandle:
-    """What ``patch`` changed; ``unpatch()`` (or leaving the ``with`` block) restores it."""
+    """What ``patch`` changed; ``unpatch()`` (or leaving the ``with`` block) restores it.
+
+    ``layers``: what each attention layer does with positions, read from the model
+    (``ropescale.layer_rope.probe_layers``; None when its attention is not observable); ``report()``
+    says per layer what the patch did there."""
 
     model: nn.Module
     strategy: str
@@ -56,13 +63,17 @@ class PatchHandle:
     layer_types: list[str | None] = field(default_factory=list)
     contexts: dict[str | None, dict[str, Any]] = field(default_factory=dict)  # per patched layer type
     options: dict[str, Any] = field(default_factory=dict)
-    _swaps: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list, repr=False)
+    layers: list[LayerRope] | None = None
+    sites: dict[RotarySite, dict[str, Any]] = field(default_factory=dict)  # patched frequency sets → context
+    temperature: Temperature | None = None  # the query temperature on top (log-n or another rule)
+    _frequencies: list[FrequencyPatch] = field(default_factory=list, repr=False)
     _hooks: list = field(default_factory=list, repr=False)
     _restore: list = field(default_factory=list, repr=False)
+    _active: bool = field(default=False, repr=False)
 
     @property
     def active(self) -> bool:
-        return bool(self._swaps)
+        return self._active
 
     @property
     def strategy_obj(self) -> Strategy:
@@ -74,23 +85,50 @@ class PatchHandle:
         self._hooks.clear()
         while self._restore:
             self._restore.pop()()
-        for parent, attr, original in reversed(self._swaps):
-            setattr(parent, attr, original)
-        self._swaps.clear()
+        for f in reversed(self._frequencies):
+            f.restore()
+        self._frequencies.clear()
+        self._active = False
         if getattr(self.model, _HANDLE_ATTR, None) is self:
             delattr(self.model, _HANDLE_ATTR)
 
     def train_at(self, length: int | None) -> None:
         """Train toward target length ``length`` [tokens]: in training mode, dynamic strategies use
-        L = max(``length``, max(position_ids) + 1) (``ScaledRotaryEmbedding.set_training_length``);
+        L = max(``length``, max(position_ids) + 1) (``FrequencyPatch.set_training_length``);
         None undoes it. Static strategies and truncation rules do not depend on L: no effect. Raises
         ``InvalidInput`` for a length that is not a whole number >= 1, ``RuntimeError`` after unpatch."""
         if not self.active:
             raise RuntimeError("this patch has been undone; patch the model again")
-        for parent, attr, _ in self._swaps:
-            rotary = getattr(parent, attr)
-            if isinstance(rotary, ScaledRotaryEmbedding):
-                rotary.set_training_length(length)
+        for f in self._frequencies:
+            f.set_training_length(length)
+
+    def report(self) -> list[dict[str, Any]]:
+        """Per attention layer: ``layer`` (cache index), ``module``, ``rope`` (``"rope"``, ``"none"``,
+        ``"unknown"``), ``frequencies`` (the rotary module and layer type it uses), ``rope_type`` (as the
+        model's config has it), ``rope_theta``, ``rotary_dim`` [channels], ``channels`` ([start, end)),
+        ``layout`` (``halves``/``interleaved``, ``mirrored`` for sign −1), ``original_max_position_embeddings``
+        [tokens] and ``applied`` (the strategy, ``kept`` for an unpatched layer type, ``no RoPE, untouched``).
+        Empty when the model's attention could not be observed."""
+        rows = []
+        for info in self.layers or []:
+            row: dict[str, Any] = {"layer": info.index, "module": info.name, "rope": info.kind}
+            if info.kind == "none":
+                row["applied"] = "no RoPE, untouched"
+            elif info.kind == "unknown":
+                row["applied"] = "unknown rotation: refused for relative rules"
+            else:
+                ctx = self.sites.get(info.site) or _site_context(self.model, info.site)
+                rp = layer_rope_parameters_of(self.model, info.site)
+                row |= {"frequencies": str(info.site), "rope_type": rp.get("rope_type", "default"),
+                        "rope_theta": ctx.get("rope_theta"), "rotary_dim": info.dim,
+                        "channels": [info.start, info.start + info.dim],
+                        "layout": ("interleaved" if info.interleaved else "halves")
+                        + (", mirrored" if info.sign < 0 else ""),
+                        "original_max_position_embeddings": ctx.get("original_max_position_embeddings"),
+                        "applied": self.strategy if info.site in self.sites or self.strategy_obj.kind == "attention"
+                        else "kept"}
+            rows.append(row)
+        return rows
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready record of the patch (how ``ropescale.save_patched`` stores it)."""
@@ -105,6 +143,25 @@ class PatchHandle:
 
     def __exit__(self, *exc) -> None:
         self.unpatch()
+
+
+def _site_context(model: nn.Module, site: RotarySite) -> dict[str, Any]:
+    modules = dict(model.named_modules())
+    try:
+        return rope_context(model, modules[site.module_name], site.layer_type)
+    except (KeyError, NoRotaryEmbeddingError):
+        return {}
+
+
+def layer_rope_parameters_of(model: nn.Module, site: RotarySite) -> dict[str, Any]:
+    """The config's ``rope_parameters`` of the layer type a frequency set belongs to ({} if none)."""
+    from ropescale.rope_config import layer_rope_parameters
+
+    modules = dict(model.named_modules())
+    try:
+        return layer_rope_parameters(_config_of(model, modules[site.module_name]), site.layer_type)
+    except (KeyError, ValueError):
+        return {}
 
 
 def current_patch(model: nn.Module) -> PatchHandle | None:
@@ -129,7 +186,7 @@ DYNAMIC_CACHE_MODES = ("recompute", "rerotate")
 def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: int | None = None,
           layer_types: list[str] | None = None, dynamic_cache: str = "recompute",
           dynamic_block: int = 1, logn: bool = False, attention_path: str = "fused",
-          block_size: int = 512, **params: Any) -> PatchHandle:
+          block_size: int = 512, temperature: Any = None, **params: Any) -> PatchHandle:
     """Apply ``strategy`` to the rotary embedding of ``model`` in place.
 
     Args:
@@ -145,6 +202,9 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
             the frequencies (and, with ``"recompute"``, the prefix) change once per block.
         logn: also scale queries by max(1, ln(p+1)/ln(L_train)) (Su 2023), through the
             attention interface (``ropescale.attention``); works with any strategy.
+        temperature: another query-temperature rule instead of log-n (``ropescale.temperature``):
+            ``"llama4"`` (Llama 4's stepped one), ``"beta:beta=0.1"`` (Mistral's ``llama_4_scaling_beta``),
+            ``"logn"``, a mapping, or None. Exact under the KV cache like log-n.
         attention_path: truncation rules only: ``"fused"`` (default: the rule's regions in fused
             CPU kernels, about the cost of vanilla attention, with backward; on a non-CPU device
             it runs ``"flex"``), ``"flex"`` (the regions in FlexAttention, compiled on CUDA;
@@ -167,11 +227,17 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
     """
     strat = get_strategy(strategy)
     params = strat.validate(params)
+    rule = parse_temperature(temperature)
+    if rule is not None and logn:
+        raise InvalidInput(f"logn=True and temperature={temperature!r}: name one query temperature")
+    if rule is not None:
+        logn = True  # the option that routes attention through the temperature wrapper
     found = _check_options(model, strat, original_max_position_embeddings=original_max_position_embeddings,
                            layer_types=layer_types, dynamic_cache=dynamic_cache, dynamic_block=dynamic_block,
                            logn=logn, attention_path=attention_path, block_size=block_size)
-    modules = dict(model.named_modules())
-    handle = PatchHandle(model, strategy, params, {})
+    modules, sites = rotary_sites(model)
+    handle = PatchHandle(model, strategy, params, {}, layers=probe_layers(model, modules, sites))
+    handle.temperature = rule or (Temperature("logn") if logn else None)
     if strat.kind == "attention":
         return _patch_attention(model, handle, strat, found, modules, original_max_position_embeddings,
                                 logn, attention_path, block_size)
@@ -211,20 +277,62 @@ def _check_options(model: nn.Module, strat: Strategy, *, original_max_position_e
                          "call unpatch() first")
     found = find_rotary_modules(model)
     if not found:
+        cfg = _config_of(model, model)
+        rope_config = getattr(cfg, "rotary_dim", None) or hasattr(cfg, "rotary_value")  # GPT-J, CodeGen; RoFormer
+        table = next((m for m in model.modules() if type(m).__name__.endswith(("RotaryEmbedding",
+                                                                                "SinusoidalPositionalEmbedding"))
+                      and (m._buffers or rope_config)), None)
+        if table is not None and (rope_config or type(table).__name__.endswith("RotaryEmbedding")):
+            raise NoRotaryEmbeddingError(
+                f"{type(model).__name__} applies RoPE from a precomputed sinusoidal table ({type(table).__name__}), "
+                "not from an "
+                "`inv_freq` buffer; ropescale changes RoPE through the frequencies and cannot patch this family")
         raise NoRotaryEmbeddingError(
             f"{type(model).__name__} has no rotary embedding: no submodule holds an `inv_freq` "
-            "(or `<layer_type>_inv_freq`) buffer; models with learned, ALiBi or sinusoidal "
-            "positions cannot be patched")
+            "(or `<layer_type>_inv_freq`) buffer; models with learned or ALiBi positions, or none, cannot be "
+            "patched")
     _refuse_inapplicable(strat, layer_types=layer_types, dynamic_cache=dynamic_cache, dynamic_block=dynamic_block,
                          attention_path=attention_path, block_size=block_size)
     return found
 
 
+def _layers_of(handle: PatchHandle, site: RotarySite) -> list[LayerRope]:
+    return [info for info in handle.layers or [] if info.kind == "rope" and info.site == site]
+
+
+def _decoder(model: nn.Module, parent: nn.Module) -> nn.Module:
+    """The module whose forward takes the tokens and the KV cache: the model's decoder where it
+    names one, else the module holding the rotary module."""
+    get = getattr(model, "get_decoder", None)
+    try:
+        decoder = get() if callable(get) else None
+    except (AttributeError, NotImplementedError, TypeError, ValueError):
+        decoder = None
+    return decoder if isinstance(decoder, nn.Module) and decoder is not model else parent
+
+
+class _Watched:
+    """Every patched rotary module as one for the KV-cache watch: the model recomputes its prefix
+    once when any of them would change its frequencies."""
+
+    def __init__(self, frequencies: list[FrequencyPatch], dynamic_cache: str):
+        self.frequencies, self.dynamic_cache = frequencies, dynamic_cache
+
+    def would_change(self, seq_len: int) -> bool:
+        return any(f.would_change(seq_len) for f in self.frequencies)
+
+
 def _patch_frequency(model: nn.Module, handle: PatchHandle, strat: Strategy, found, modules, train_override,
                      layer_types, dynamic_cache: str, dynamic_block: int, logn: bool) -> PatchHandle:
-    """Frequency strategies: each rotary module replaced by a ``ScaledRotaryEmbedding`` (chosen
-    layer types driven by ``strat``, the others kept), plus log-n scaling in attention."""
+    """Frequency strategies: each rotary module's own buffers swapped for the strategy's (chosen
+    layer types; the others kept), plus log-n scaling in attention."""
+    from ropescale.cache import CacheWatch
+
     params = handle.params
+    if strat.dynamic and dynamic_cache == "rerotate" and handle.layers is None:
+        raise InvalidInput("dynamic_cache='rerotate' re-rotates the cached keys of the layers that rotate; this "
+                           "model's attention cannot be observed (it bypasses transformers' AttentionInterface): "
+                           "use 'recompute'")
     try:
         for name, module in found:
             available = layer_types_of(module)
@@ -232,49 +340,98 @@ def _patch_frequency(model: nn.Module, handle: PatchHandle, strat: Strategy, fou
             unknown = [t for t in chosen if t not in available]
             if unknown:
                 raise InvalidInput(f"layer_types {unknown} not in this model's rotary module; it has {available}")
-            entries = {}
-            for lt in available:
-                if lt not in chosen:  # kept as the model computes it
-                    entries[lt] = _Entry(getattr(module, _buffer(lt)).clone(), attention_scaling_of(module, lt))
-                    continue
+            entries, cache_layers = {}, {}
+            for lt in chosen:
                 context = rope_context(model, module, lt)
                 if train_override is not None:
                     context["original_max_position_embeddings"] = int(train_override)
                 if context["original_max_position_embeddings"] is None and any(
                         k in strat.needs for k in ("original_max_position_embeddings", "seq_len")):
                     raise InvalidInput(f"{strat.name} needs original_max_position_embeddings; the config has none")
-                start = {**context, "seq_len": context["original_max_position_embeddings"]}
-                inv_freq, scaling = strat.compute(start, params)
-                device = getattr(module, _buffer(lt)).device
-                entries[lt] = _Entry(inv_freq.to(device), scaling, strat, params, context,
-                                     start["seq_len"] if strat.dynamic else None, dynamic_block)
+                start = {**context, "seq_len": context["original_max_position_embeddings"],
+                         "model_inv_freq": getattr(module, _buffer(lt)).detach(),  # native's: as shipped
+                         "model_attention_scaling": attention_scaling_of(module, lt)}
+                zero = getattr(module, _buffer(lt)).detach() == 0  # pairs the model leaves unrotated (p-RoPE)
+                entry = _Entry(getattr(module, _buffer(lt)), attention_scaling_of(module, lt), strat, params, context,
+                               start["seq_len"] if strat.dynamic else None, dynamic_block, zero)
+                entry.inv_freq, entry.attention_scaling = entry._compute(start["seq_len"] or 1) if strat.dynamic \
+                    else _static(strat, start, params, zero)
+                if strat.name != "native":  # the model as shipped: its buffers and updates stay its own
+                    entries[lt] = entry
+                site = RotarySite(name, lt)
+                cache_layers[lt] = _layers_of(handle, site)
+                handle.sites[site] = context
                 handle.context = context
                 handle.contexts[lt] = context
-            cfg = _config_of(model, module)
-            keeps_float32, interleaved = probe_layout(module, available[0])
-            if interleaved and strat.dynamic and dynamic_cache == "rerotate":
-                raise InvalidInput("dynamic_cache='rerotate' supports the rotate-half layout only; "
-                                 f"{type(module).__name__} interleaves: use 'recompute'")
-            replacement = ScaledRotaryEmbedding(entries, keeps_float32, getattr(cfg, "layer_types", None),
-                                                dynamic_cache, interleaved)
-            parent_name, _, attr = name.rpartition(".")
-            parent = modules[parent_name]
-            setattr(parent, attr, replacement)
-            handle._swaps.append((parent, attr, module))
+            frequencies = FrequencyPatch(module, entries, dynamic_cache, cache_layers)
+            frequencies.apply()
+            handle._frequencies.append(frequencies)
+            for lt in chosen:
+                _rescale_softmax(model, handle, strat, RotarySite(name, lt), modules)
+            handle._active = True
             handle.layer_types = chosen
-            if strat.dynamic:
-                handle._hooks += replacement.watch_cache(parent)
-                handle.options = {"dynamic_cache": dynamic_cache, "dynamic_block": dynamic_block}
+        dynamic = [f for f in handle._frequencies if f.dynamic]
+        if dynamic:
+            name, module = found[0]
+            parent = modules[name.rpartition(".")[0]] if "." in name else model
+            watch = CacheWatch(_Watched(dynamic, dynamic_cache))
+            handle._hooks += watch.attach(_decoder(model, parent))
+            for f in dynamic:
+                f.use_watch(watch)
+            handle.options = {"dynamic_cache": dynamic_cache, "dynamic_block": dynamic_block}
         if logn:
             from ropescale.attention import enable_logn
 
-            handle._restore.append(enable_logn(model, handle.context["original_max_position_embeddings"]))
-            handle.options["logn"] = True
+            handle._restore.append(enable_logn(model, handle.context["original_max_position_embeddings"],
+                                               handle.temperature))
+            handle.options |= _temperature_options(handle.temperature)
     except Exception:
         handle.unpatch()
         raise
     setattr(model, _HANDLE_ATTR, handle)
     return handle
+
+
+def native_softmax_scale(rope_parameters: dict[str, Any]) -> float:
+    """The factor a model's attention multiplies its softmax scale by, as its config ships it: DeepSeek's
+    families (``yarn_apply_mscale``) use mscale(s, ``mscale_all_dim``)² under any scaled rope type, else 1."""
+    from ropescale.strategies.by_parts import yarn_get_mscale
+
+    if rope_parameters.get("rope_type", "default") == "default" or not rope_parameters.get("mscale_all_dim"):
+        return 1.0
+    return yarn_get_mscale(float(rope_parameters["factor"]), float(rope_parameters["mscale_all_dim"])) ** 2
+
+
+def _rescale_softmax(model, handle: PatchHandle, strat: Strategy, site: RotarySite, modules) -> None:
+    """Attention's softmax scale of the layers rotating with ``site``: the model's own factor (DeepSeek's
+    mscale²) replaced by the strategy's (``Strategy.softmax_scale``; ``native`` keeps the model's), so
+    ``vanilla`` is the unscaled model and ``yarn`` with ``mscale_all_dim`` equals transformers' own."""
+    native = native_softmax_scale(layer_rope_parameters_of(model, site))
+    ours = native if strat.name == "native" else strat.softmax_scale(handle.params)
+    if ours == native:
+        return
+    if handle.layers is None:
+        raise InvalidInput(f"{strat.name} changes the attention softmax scale this model's config sets "
+                           f"(mscale_all_dim), but its attention layers cannot be observed to rescale them")
+    saved = []
+    for info in _layers_of(handle, site):
+        attn = modules.get(info.name)
+        if attn is not None and isinstance(getattr(attn, "scaling", None), float):
+            saved.append((attn, attn.scaling))
+            attn.scaling = attn.scaling / native * ours
+
+    def restore() -> None:
+        for attn, value in saved:
+            attn.scaling = value
+
+    handle._restore.append(restore)
+
+
+def _static(strat: Strategy, context: dict[str, Any], params: dict[str, Any], zero) -> tuple:
+    from ropescale.rotary import keep_zero
+
+    inv_freq, scaling = strat.compute(context, params)
+    return keep_zero(inv_freq, zero), scaling
 
 
 def _refuse_inapplicable(strat: Strategy, **options: Any) -> None:
@@ -296,37 +453,65 @@ def _refuse_inapplicable(strat: Strategy, **options: Any) -> None:
 
 def _patch_attention(model, handle: PatchHandle, strat: Strategy, found, modules, train_override,
                      logn: bool, path: str, block: int) -> PatchHandle:
-    """Truncation rules: identity rotary module + the rule inside attention."""
-    from ropescale.attention import IdentityRotary, enable_truncation
+    """Relative rules: every rotary module's frequencies set to zero (RoPE becomes the identity, times
+    each module's own attention factor, in whatever format the model consumes), and the rule applied
+    inside the attention of each layer that rotates — with that layer's own frequencies, channels,
+    pairing and sign, as ``probe_layers`` read them; layers without RoPE keep the model's attention."""
+    from ropescale.attention import AttentionNotPluggableError, enable_truncation
 
-    if len(found) != 1:
-        raise NoRotaryEmbeddingError(f"expected one rotary module, found {len(found)}: {[n for n, _ in found]}")
-    (name, module), = found
-    available = layer_types_of(module)
-    context = rope_context(model, module, available[0])
+    if handle.layers is None:
+        raise AttentionNotPluggableError(
+            f"{type(model).__name__} does not route attention through transformers' AttentionInterface (its layers "
+            "could not be observed), so ropescale cannot tell which layers rotate and how; relative-position rules "
+            "apply inside attention and cannot be used on it")
+    unknown = [info for info in handle.layers if info.kind == "unknown"]
+    if unknown:
+        raise NoRotaryEmbeddingError(
+            f"{type(model).__name__}: layer {unknown[0].index} ({unknown[0].name}) rotates q and k in a way "
+            "ropescale does not recognise (no frequency set, channel range, pairing and sign of the model "
+            f"reproduces it); {strat.name} cannot be applied")
+    rotating = [info for info in handle.layers if info.kind == "rope"]
+    if not rotating:
+        raise NoRotaryEmbeddingError(f"{type(model).__name__}: no attention layer rotates q and k; "
+                                     f"{strat.name} has nothing to act on")
+    primary = next((i.site for i in rotating if i.site.layer_type == "full_attention"), rotating[0].site)
+    context = rope_context(model, modules[primary.module_name], primary.layer_type)
     if train_override is not None:
         context["original_max_position_embeddings"] = int(train_override)
     rule = strat.compute(context, handle.params)
-    freqs = {lt: (getattr(module, _buffer(lt)).detach().clone(), attention_scaling_of(module, lt))
-             for lt in available}
-    keeps_float32, interleaved = probe_layout(module, available[0])
-    identity = IdentityRotary({lt: 2 * f.numel() for lt, (f, _) in freqs.items()}, keeps_float32)
-    parent_name, _, attr = name.rpartition(".")
-    parent = modules[parent_name]
-    setattr(parent, attr, identity)
-    handle._swaps.append((parent, attr, module))
+    by_module = {}
+    for info in rotating:
+        module = modules[info.site.module_name]
+        inv_freq = getattr(module, _buffer(info.site.layer_type)).detach().clone() * info.sign  # [d/2]
+        by_module[modules[info.name]] = (info, inv_freq)
     handle.context, handle.layer_types, handle.contexts = context, [None], {None: context}
+    handle.sites = {info.site: context for info in rotating}
     try:
+        for _, module in found:  # RoPE as the identity: zero frequencies, the modules' own scale kept
+            entries = {lt: _Entry(torch.zeros_like(getattr(module, _buffer(lt))), attention_scaling_of(module, lt))
+                       for lt in layer_types_of(module)}
+            frequencies = FrequencyPatch(module, entries)
+            frequencies.apply()
+            handle._frequencies.append(frequencies)
+        handle._active = True
+        rotaries = [m for _, m in found]
         handle._restore.append(enable_truncation(
-            model, rule, freqs, interleaved=interleaved, path=path, block=block,
-            logn=context["original_max_position_embeddings"] if logn else None))
+            model, rule, by_module, rotaries, path=path, block=block,
+            logn=context["original_max_position_embeddings"] if logn else None,
+            without_rope=any(info.kind == "none" for info in handle.layers), temperature=handle.temperature))
     except Exception:
         handle.unpatch()
         raise
     if logn:
-        handle.options["logn"] = True
+        handle.options |= _temperature_options(handle.temperature)
     setattr(model, _HANDLE_ATTR, handle)
     return handle
+
+
+def _temperature_options(rule: Temperature) -> dict[str, Any]:
+    """How a handle records its query temperature: ``logn: true`` (the long-standing record), plus
+    ``temperature`` for another rule."""
+    return {"logn": True} if rule.kind == "logn" and not rule.params else {"temperature": rule.spec()}
 
 
 def unpatch(model: nn.Module) -> None:

@@ -326,29 +326,37 @@ def _backward_call(call: Call, plan: _Plan, g, q, k, v, out, lse, dq, dk, dv):
 
 
 class RegionAttention(torch.autograd.Function):
-    """out = softmax over all regions, from un-rotated q ``[b, n_h, s_q, h_d]``, k, v
-    ``[b, n_kv, s_k, h_d]``; ``rot(x, side, region, inverse=False)`` rotates x ``[b, h, s, h_d]``
+    """out = softmax over all regions, from un-rotated q ``[b, n_h, s_q, h_d]``, k ``[b, n_kv, s_k, h_d]``,
+    v ``[b, n_kv, s_k, h_v]``; ``rot(x, side, region, inverse=False)`` rotates x ``[b, h, s, h_d]``
     as region ``region`` places its queries (``side`` "q") or keys ("k"), or applies the inverse
-    rotation. Returns ``[b, n_h, s_q, h_d]`` in q's dtype."""
+    rotation. ``sinks`` ``[n_h]`` (or None): attention sinks (gpt-oss), one more logit per head in every
+    row's normaliser, with no value — merged like one more region (out 0, LSE = the sink), so the
+    backward's global normaliser includes it; its gradient is −Σ_rows e^(sink − lse)·(g · out).
+    Returns ``[b, n_h, s_q, h_v]`` in q's dtype."""
 
     @staticmethod
-    def forward(ctx, q, k, v, rot, plan: _Plan):
-        b, n_h, s_q, h_d = q.shape
+    def forward(ctx, q, k, v, rot, plan: _Plan, sinks=None):
+        b, n_h, s_q, _ = q.shape
         acc = _accumulate_dtype(q.dtype)
-        out = torch.zeros(b, n_h, s_q, h_d, dtype=acc, device=q.device)  # rows no call reaches: 0
+        out = torch.zeros(b, n_h, s_q, v.shape[-1], dtype=acc, device=q.device)  # rows no call reaches: 0
         lse = torch.full((b, n_h, s_q), float("-inf"), dtype=acc, device=q.device)
         covered = []
         for region, calls in plan.parts:  # rotated copies live one region at a time
             if calls:
                 _run(calls, plan, rot(q, "q", region), rot(k, "k", region), v, out, lse, covered)
+        if sinks is not None:
+            sink = sinks.to(acc).view(1, n_h, 1).expand_as(lse)
+            new = torch.logaddexp(lse, sink)
+            out.mul_((lse - new).exp_()[..., None])
+            lse = new
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.rot, ctx.plan = rot, plan
         return out
 
     @staticmethod
     def backward(ctx, g):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         rot, plan = ctx.rot, ctx.plan
         lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # no key: probabilities exp(s − ∞) = 0
         g = g.contiguous()
@@ -364,4 +372,8 @@ class RegionAttention(torch.autograd.Function):
                 _backward_call(call, plan, g, qr, kr, v, out, lse, dq_r, dk_r, dv)
             dq += rot(dq_r, "q", region, inverse=True)  # the gradient of a rotation is the inverse rotation
             dk += rot(dk_r, "k", region, inverse=True)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[5]:
+            p_sink = (sinks.to(acc).view(1, -1, 1) - lse).exp()  # [b, n_h, s_q]
+            dsinks = -(p_sink * (g.to(acc) * out.to(acc)).sum(-1)).sum((0, 2)).to(sinks.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, dsinks

@@ -1,18 +1,21 @@
-"""The model's rotary module: how ropescale finds it, reads it, and replaces it.
+"""The model's rotary modules: how ropescale finds them, reads them, and changes their frequencies.
 
-transformers 5.x models hold one rotary module (``model.model.rotary_emb`` and kin) that the
-base model calls once per forward to build ``(cos, sin)`` for every layer. We find it
-generically — any submodule with an ``inv_freq`` buffer, or ``{layer_type}_inv_freq`` buffers
-for models with per-layer-type frequencies (Gemma 3) — learn its output layout by calling a copy
-of it, and replace it with ``ScaledRotaryEmbedding``, driven by a frequency strategy.
+transformers 5.x models hold their rotary modules (``model.model.rotary_emb`` and kin; several in
+some families, one per layer in others) with an ``inv_freq`` buffer — or ``{layer_type}_inv_freq``
+buffers for per-layer-type frequencies (Gemma 3) — and an ``attention_scaling`` factor, from which
+their forward builds whatever the model's attention consumes: cos/sin in halves or interleaved
+layout, half-width cos/sin (gpt-oss), complex ``freqs_cis`` (Llama 4, DeepSeek-V2), M-RoPE sections
+over 3-axis positions (Qwen 3.5), proportional RoPE with zero-frequency pairs (Gemma 4).
+ropescale never rebuilds that output: a frequency strategy swaps the module's own buffers in place
+(``FrequencyPatch``) and the module goes on producing its own format, so every contract the model
+has holds by construction and code that reads the module's attributes keeps working. Pairs whose
+frequency the model sets to zero stay zero under every strategy.
 
-Shapes: b = batch, s = sequence length, d = rotary dim (``2 · len(inv_freq)``, smaller than
-``head_dim`` for partial-rotary models, which we honour by reading d from the module).
+Shapes: b = batch, s = sequence length, d = rotary dim (``2 · len(inv_freq)``).
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,17 +24,18 @@ from torch import nn
 
 from ropescale.cache import CacheWatch, rerotate_cache
 from ropescale.errors import InvalidInput, RopescaleError
+from ropescale.layer_rope import LayerRope, RotarySite
 from ropescale.rope_config import NoRopeConfigError, rope_config_of
 from ropescale.strategies import Strategy
 
 __all__ = [
+    "FrequencyPatch",
     "NoRotaryEmbeddingError",
-    "ScaledRotaryEmbedding",
     "attention_scaling_of",
     "find_rotary_modules",
     "layer_types_of",
-    "probe_layout",
     "rope_context",
+    "rotary_sites",
 ]
 
 _SKIP = ("original", "long")  # `*_original_inv_freq`, `*_long_inv_freq` are bookkeeping buffers
@@ -55,14 +59,23 @@ def find_rotary_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if layer_types_of(m)]
 
 
+def rotary_sites(model: nn.Module) -> tuple[dict[str, nn.Module], list[RotarySite]]:
+    """The model's named modules and every frequency set of its rotary modules."""
+    modules = dict(model.named_modules())
+    return modules, [RotarySite(n, lt) for n, m in find_rotary_modules(model) for lt in layer_types_of(m)]
+
+
 def _buffer(layer_type: str | None) -> str:
     return "inv_freq" if layer_type is None else f"{layer_type}_inv_freq"
 
 
+def _scaling_attr(layer_type: str | None) -> str:
+    return "attention_scaling" if layer_type is None else f"{layer_type}_attention_scaling"
+
+
 def attention_scaling_of(module: nn.Module, layer_type: str | None) -> float:
     """The cos/sin scale the original module applies (``attention_scaling`` or per layer type)."""
-    name = "attention_scaling" if layer_type is None else f"{layer_type}_attention_scaling"
-    value = getattr(module, name, None)
+    value = getattr(module, _scaling_attr(layer_type), None)
     return 1.0 if value is None else float(value)
 
 
@@ -94,7 +107,10 @@ def rope_context(model: nn.Module, module: nn.Module, layer_type: str | None = N
 
 @dataclass
 class _Entry:
-    """Frequencies of one layer type: from a strategy (maybe dynamic) or kept from the model."""
+    """Frequencies of one layer type: from a strategy (maybe dynamic) or kept from the model.
+
+    ``zero``: ``[d/2]`` bool, the pairs the model itself leaves unrotated (proportional RoPE's
+    zero frequencies); they stay zero whatever the strategy computes."""
 
     inv_freq: torch.Tensor
     attention_scaling: float
@@ -103,6 +119,7 @@ class _Entry:
     context: dict[str, Any] = field(default_factory=dict)
     cached_len: int | None = None
     block: int = 1
+    zero: torch.Tensor | None = None
     _memo: tuple | None = None  # (length, result): would_change and update ask for the same length
 
     @property
@@ -112,7 +129,8 @@ class _Entry:
     def _compute(self, seq_len: int) -> tuple[torch.Tensor, float]:
         length = -(-seq_len // self.block) * self.block  # rounded up to whole blocks
         if self._memo is None or self._memo[0] != length:
-            self._memo = (length, self.strategy.compute({**self.context, "seq_len": length}, self.params))
+            inv_freq, scaling = self.strategy.compute({**self.context, "seq_len": length}, self.params)
+            self._memo = (length, (keep_zero(inv_freq, self.zero), scaling))
         inv_freq, scaling = self._memo[1]
         return inv_freq.to(self.inv_freq.device), scaling  # wherever the buffer lives now
 
@@ -133,64 +151,108 @@ class _Entry:
         return old if changed else None
 
 
-class ScaledRotaryEmbedding(nn.Module):
-    """Drop-in rotary module: ``forward(x, position_ids, layer_type=None) -> (cos, sin)``.
+def keep_zero(inv_freq: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    """``inv_freq`` ``[d/2]`` with the pairs ``zero`` marks set to 0 (the model's unrotated pairs)."""
+    if zero is None or not bool(zero.any()):
+        return inv_freq
+    return torch.where(zero.to(inv_freq.device), torch.zeros_like(inv_freq), inv_freq)
 
-    ``x`` only gives dtype and device; ``position_ids`` ``[b, s]`` int. Returns ``cos``, ``sin``
-    ``[b, s, d]`` built as ``cat(freqs, freqs)`` (the rotate-half layout of the Llama lineage) or
-    interleaved pairs, whichever the original module produced, times the attention factor, in
-    ``x.dtype`` (float32 where the original module kept float32, as OLMo's does).
 
-    Dynamic strategies recompute the frequencies from ``L = max(position_ids) + 1`` (rounded up
-    to a multiple of ``dynamic_block``) on each forward: one scale for the whole forward, as
-    transformers' ``dynamic`` type does; each layer type's entry is brought up to L when it is
-    asked for, whatever order the base model asks in. Static strategies never read
+def _call_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor | None, str | None]:
+    """``(position_ids, layer_type)`` of a rotary module's call ``forward(x, position_ids, layer_type=None)``."""
+    position_ids = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
+    layer_type = kwargs.get("layer_type", args[2] if len(args) > 2 else None)
+    return position_ids, layer_type
+
+
+class FrequencyPatch:
+    """One rotary module's frequencies while a frequency strategy is on: its ``inv_freq`` and
+    ``attention_scaling`` (per layer type where it has several) swapped in place by ``apply`` and
+    put back, the very tensors, by ``restore``; the module's own ``rope_type`` reads ``default``
+    meanwhile, so transformers' ``dynamic_rope_update`` does not overwrite them.
+
+    Dynamic strategies recompute the frequencies from L = max(position_ids) + 1 (rounded up to a
+    multiple of ``dynamic_block``) in a forward pre-hook on the module: one scale for the whole
+    model forward, as transformers' ``dynamic`` type does; each layer type's entry is brought up to
+    L when it is asked for, whatever order the base model asks in. Static strategies never read
     ``position_ids``' values (no host-device sync). In training mode with ``training_length`` set
-    (``set_training_length``; ``PatchHandle.train_at``), they use L = max(``training_length``, max(position_ids) + 1)
-    instead: the target length the model is being trained for, whatever the positions of one
-    batch reach (PoSE's skipped positions reach L only sometimes). Under a KV cache
-    (``ropescale.cache``), ``dynamic_cache`` says what happens to cached tokens when the
-    frequencies change: ``"recompute"`` re-runs the prefix (exact: equals a full forward),
-    ``"rerotate"`` only re-rotates cached keys (cheap; exact in layer 0, deeper layers keep
-    hidden states computed under the old scale).
+    (``set_training_length``; ``PatchHandle.train_at``), dynamic strategies use L =
+    max(``training_length``, max(position_ids) + 1) — the target length being trained for, whatever
+    the positions of one batch reach (PoSE's skipped positions reach it only sometimes). Under a KV
+    cache (``ropescale.cache``), ``dynamic_cache`` says what happens to cached tokens when the
+    frequencies change: ``"recompute"`` re-runs the prefix (exact), ``"rerotate"`` re-rotates cached
+    keys of the layers that use these frequencies (``cache_layers``: layer type → the layers' ``LayerRope``),
+    exact in layer 0 only.
     """
 
-    def __init__(self, entries: dict[str | None, _Entry], keep_float32: bool,
-                 layer_of_cache: list[str | None] | None, dynamic_cache: str = "recompute",
-                 interleaved: bool = False):
-        super().__init__()
+    def __init__(self, module: nn.Module, entries: dict[str | None, _Entry], dynamic_cache: str = "recompute",
+                 cache_layers: dict[str | None, list[LayerRope]] | None = None):
+        self.module = module
         self.entries = entries
-        self.keep_float32 = keep_float32
-        self.interleaved = interleaved
         self.dynamic_cache = dynamic_cache
-        self.layer_of_cache = layer_of_cache  # layer type of each decoder layer (cache index)
-        for lt, e in entries.items():
-            self.register_buffer(_buffer(lt), e.inv_freq, persistent=False)
-        self.watch: CacheWatch | None = None  # the KV cache of each forward (dynamic strategies)
-        self._positions: torch.Tensor | None = None  # [b, s_cached] positions of cached keys
-        self.training_length: int | None = None  # dynamic strategies' L in training mode [tokens]
-        self._forward_positions: torch.Tensor | None = None  # position_ids of the current forward
-        self._served: set[str | None] = set()  # layer types already asked for in the current forward
-        self._seq_len: int | None = None  # dynamic strategies' L for the current forward [tokens]
-        self._cached_positions: torch.Tensor | None = None  # positions of keys cached before this forward
+        self.cache_layers = cache_layers or {}
+        self.watch: CacheWatch | None = None
+        self.training_length: int | None = None
+        self._saved: list[tuple[str, Any, bool]] = []  # (name, original, was a buffer)
+        self._hooks: list = []
+        self._positions: torch.Tensor | None = None  # [b, s_cached] positions of cached keys (rerotate)
+        self._forward_positions: torch.Tensor | None = None
+        self._served: set[str | None] = set()
+        self._seq_len: int | None = None
+        self._cached_positions: torch.Tensor | None = None
+
+    @property
+    def dynamic(self) -> bool:
+        return any(e.dynamic for e in self.entries.values())
+
+    def _set(self, layer_type: str | None, entry: _Entry) -> None:
+        buf = self.module._buffers[_buffer(layer_type)]
+        self.module._buffers[_buffer(layer_type)] = entry.inv_freq.to(device=buf.device, dtype=buf.dtype)
+        setattr(self.module, _scaling_attr(layer_type), entry.attention_scaling)
+
+    def apply(self) -> None:
+        """Swap the strategy's frequencies in (the originals are kept, to the tensor)."""
+        m = self.module
+        for lt in self.entries:
+            self._saved.append((_buffer(lt), m._buffers[_buffer(lt)], True))
+            self._saved.append((_scaling_attr(lt), m.__dict__.get(_scaling_attr(lt), _ABSENT), False))
+        if "rope_type" in m.__dict__:
+            rt = m.__dict__["rope_type"]
+            self._saved.append(("rope_type", rt, False))
+            m.rope_type = {k: "default" for k in rt} if isinstance(rt, dict) else "default"
+        for lt, e in self.entries.items():
+            self._set(lt, e)
+        if self.dynamic:
+            self._hooks.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+
+    def restore(self) -> None:
+        """Put the module's own buffers and attributes back, moved to where the module lives now."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        for name, value, is_buffer in reversed(self._saved):
+            if is_buffer:
+                now = self.module._buffers[name]
+                self.module._buffers[name] = value.to(device=now.device) if value.device != now.device else value
+            elif value is _ABSENT:
+                self.module.__dict__.pop(name, None)
+            else:
+                setattr(self.module, name, value)
+        self._saved.clear()
 
     def set_training_length(self, length: int | None) -> None:
-        """Dynamic strategies' L in training mode: at least ``length`` [tokens] (the target length
-        being trained for), whatever one batch's positions reach; None: from the positions only.
-        Raises ``InvalidInput`` unless ``length`` is None or a whole number >= 1."""
+        """Dynamic strategies' L in training mode: at least ``length`` [tokens]; None: from the
+        positions only. Raises ``InvalidInput`` unless ``length`` is None or a whole number >= 1."""
         if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
             raise InvalidInput(f"training length {length!r} must be a whole number of tokens >= 1 (or None)")
         self.training_length = length
 
-    def watch_cache(self, base_model) -> list:
-        """Follow the KV cache of every forward of ``base_model`` (the module calling this one),
-        for dynamic strategies (``ropescale.cache.CacheWatch``); returns the hook handles."""
-        self.watch = CacheWatch(self)
-        return self.watch.attach(base_model)
+    def use_watch(self, watch: CacheWatch) -> None:
+        """Read the KV cache of each forward from ``watch`` (one ``ropescale.cache.CacheWatch`` per model)."""
+        self.watch = watch
 
     @property
     def cache(self):
-        """The KV cache of the forward running now, or None."""
         return self.watch.cache if self.watch is not None else None
 
     def would_change(self, seq_len: int) -> bool:
@@ -207,13 +269,9 @@ class ScaledRotaryEmbedding(nn.Module):
         return before
 
     def _new_forward(self, position_ids: torch.Tensor, layer_type: str | None) -> bool:
-        """Whether this call starts a model forward.
-
-        The base model asks once per layer type per forward, in an order of its own (Gemma 3
-        iterates a ``set``: the order changes with ``PYTHONHASHSEED``), all with the same
-        ``position_ids`` tensor. A call starts a new forward when it brings other
-        ``position_ids`` or asks again for a layer type already served in the current one.
-        """
+        """Whether this call starts a model forward: the base model asks once per layer type per
+        forward, in an order of its own, with the same ``position_ids`` tensor; a call starts a new
+        forward when it brings other ``position_ids`` or asks again for a type already served."""
         if self._forward_positions is position_ids and layer_type not in self._served:
             self._served.add(layer_type)
             return False
@@ -221,65 +279,29 @@ class ScaledRotaryEmbedding(nn.Module):
         return True
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None):
+    def _pre(self, module, args, kwargs):
+        position_ids, layer_type = _call_args(args, kwargs)
+        if position_ids is None or layer_type not in self.entries:
+            return None
         for lt, e in self.entries.items():  # the buffers are the truth: they follow model.to(device)
-            e.inv_freq = self._buffers[_buffer(lt)]
-        entry = self.entries[layer_type]
-        dynamic = any(e.dynamic for e in self.entries.values())
-        if self._new_forward(position_ids, layer_type) and dynamic:  # once per model forward
-            tracking = self.dynamic_cache == "rerotate"
-            self._cached_positions = self._track(position_ids) if tracking else None
+            e.inv_freq = module._buffers[_buffer(lt)]
+        if self._new_forward(position_ids, layer_type):  # once per model forward
+            self._cached_positions = self._track(position_ids) if self.dynamic_cache == "rerotate" else None
             seq_len = int(position_ids.max()) + 1  # a host-device sync: dynamic strategies only
-            if self.training and self.training_length:
+            if module.training and self.training_length:
                 seq_len = max(seq_len, self.training_length)
             self._seq_len = seq_len
-        # the entry asked for, whenever its length is stale for this forward — whichever type comes first
+        entry = self.entries[layer_type]
         if entry.dynamic and (old := entry.update(self._seq_len)) is not None:
-            setattr(self, _buffer(layer_type), entry.inv_freq)
+            self._set(layer_type, entry)
             if self._cached_positions is not None:
-                layers = [i for i, t in enumerate(self.layer_of_cache or []) if t == layer_type] \
-                    if layer_type is not None else None
                 rerotate_cache(self.cache, self._cached_positions, old, (entry.inv_freq, entry.attention_scaling),
-                               layers)
-        freqs = position_ids[..., None].float() * entry.inv_freq.to(device=x.device, dtype=torch.float)  # [b, s, d/2]
-        if self.interleaved:
-            emb = freqs.repeat_interleave(2, dim=-1)  # [b, s, d]: θ0 θ0 θ1 θ1 …
-        else:
-            emb = torch.cat((freqs, freqs), dim=-1)  # [b, s, d]: θ0 θ1 … θ0 θ1 …
-        cos = emb.cos() * entry.attention_scaling
-        sin = emb.sin() * entry.attention_scaling
-        if self.keep_float32:
-            return cos, sin
-        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+                               self.cache_layers.get(layer_type, []))
+        return None
 
-    def extra_repr(self) -> str:
+    def describe(self) -> str:
         return ", ".join(f"{lt or 'all'}: {e.strategy.name if e.strategy else 'kept'}"
                          for lt, e in self.entries.items())
 
 
-def probe_layout(module: nn.Module, layer_type: str | None) -> tuple[bool, bool]:
-    """How the original module lays out its output, learned by calling a copy of it.
-
-    Returns ``(keeps_float32, interleaved)``: whether cos/sin stay float32 for a bf16 input
-    (OLMo) and whether frequencies are interleaved (θ0 θ0 θ1 θ1 …, Cohere/GLM style) rather than
-    split in halves (θ0 θ1 … θ0 θ1 …, every family of the Llama lineage). Raises
-    ``NoRotaryEmbeddingError`` for any other layout.
-    """
-    probe = copy.deepcopy(module)
-    dev = getattr(probe, _buffer(layer_type)).device
-    pos = torch.arange(1, 9, device=dev)[None]  # [1, 8]
-
-    def call(dtype):
-        x = torch.zeros(1, 8, 1, dtype=dtype, device=dev)
-        with torch.no_grad():
-            return (probe(x, pos) if layer_type is None else probe(x, pos, layer_type))[0]
-
-    keeps_float32 = call(torch.bfloat16).dtype == torch.float32
-    cos = call(torch.float32)[0].float()  # [8, d]
-    half = cos.shape[-1] // 2
-    if half == 1 or torch.equal(cos[:, :half], cos[:, half:]):
-        return keeps_float32, False
-    if torch.equal(cos[:, 0::2], cos[:, 1::2]):
-        return keeps_float32, True
-    raise NoRotaryEmbeddingError(f"{type(module).__name__} returns cos/sin in a layout ropescale does "
-                                 "not recognise (neither halves nor interleaved pairs)")
+_ABSENT = object()

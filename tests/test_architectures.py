@@ -73,9 +73,11 @@ def test_matches_transformers_builtin(family, strategy):
 
 def test_gemma3_patches_full_attention_by_default_and_both_on_request():
     model = family_model("gemma3")
+    sliding = model.model.rotary_emb.sliding_attention_inv_freq
     with ropescale.patch(model, "linear", factor=4.0) as h:
         assert h.layer_types == ["full_attention"]
-        assert "sliding_attention: kept" in repr(model.model.rotary_emb)
+        assert model.model.rotary_emb.sliding_attention_inv_freq is sliding  # kept, to the tensor
+        assert {r["applied"] for r in h.report() if r["frequencies"].endswith("[sliding_attention]")} == {"kept"}
     cfg = family_config("gemma3", rope_type="linear", factor=4.0)
     cfg.rope_parameters["sliding_attention"] = {**cfg.rope_parameters["sliding_attention"],
                                                 "rope_type": "linear", "factor": 4.0}

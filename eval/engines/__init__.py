@@ -16,13 +16,15 @@ llama.cpp's own converter (``convert_hf_to_gguf.py`` from the llama-cpp-python s
 
 Errors: ``EngineAbsent`` (one line naming the variable to set and the install script) when an
 engine is not installed; ``EngineFailed`` (one line: the driver's last error line, the log kept
-in a file) when a driver exits non-zero.
+in a file) when a driver exits non-zero, or leaves a result that is not a JSON object (torn:
+the file kept and named).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -163,6 +165,19 @@ def run_engine(engine: str, request: dict[str, Any], *, script: str | None = Non
                 kept.write_text(text, encoding="utf-8")
             raise EngineFailed(f"{_known(engine)['label']} driver failed (exit {proc.returncode}): "
                                f"{_last_error(text)} (log: {kept})")
-        out = json.loads(res.read_text(encoding="utf-8"))
+        try:
+            out = json.loads(res.read_text(encoding="utf-8"))
+        except (ValueError, OSError) as e:  # torn (the driver killed mid-write, a full disk) or not JSON
+            out, why = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        else:
+            why = None if isinstance(out, dict) else f"a JSON {type(out).__name__}, not an object"
+        if why is not None:  # the temporary folder goes: keep what the driver wrote (and its log)
+            keep = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="ropescale-engine-"))
+            kept = keep / f"{log_path.stem}.result.json"
+            shutil.copyfile(res, kept)
+            if log_dir is None:
+                log_path = Path(shutil.copy(log_path, keep))
+            raise EngineFailed(f"{_known(engine)['label']} driver {driver.name} left an unreadable result "
+                               f"({why}): {kept} (log: {log_path})")
     out["seconds"] = seconds
     return out

@@ -10,7 +10,7 @@ length (``EngineRope``); ``compare`` gives the verdict.
     export_for(model, "vllm", 1024, "out/yarn-vllm", tokenizer=tok)
 """
 
-from ropescale.serving.export import TARGETS, ExportResult, export_for
+from ropescale.serving.export import TARGETS, ExportResult, check_export, export_for
 from ropescale.serving.gguf import (
     GgufRope,
     GgufUnavailable,
@@ -23,5 +23,5 @@ from ropescale.serving.rope import EngineRope, ExportRefused, Verdict, compare, 
 from ropescale.serving.vllm import VllmExport, export_vllm, vllm_rope
 
 __all__ = ["TARGETS", "EngineRope", "ExportRefused", "ExportResult", "GgufRope", "GgufUnavailable", "Verdict",
-           "VllmExport", "compare", "export_for", "export_vllm", "gguf_rope", "llama_cpp_rope", "read_gguf_rope",
-           "rewrite_gguf", "ropescale_rope", "vllm_rope"]
+           "VllmExport", "check_export", "compare", "export_for", "export_vllm", "gguf_rope", "llama_cpp_rope",
+           "read_gguf_rope", "rewrite_gguf", "ropescale_rope", "vllm_rope"]

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from ropescale.errors import InvalidInput, RopescaleError
+from ropescale.serving.output import same_path, staged
 from ropescale.serving.plan import served_rope_parameters
 from ropescale.serving.rope import EngineRope, ExportRefused, check_length, patch_handle
 
@@ -193,42 +194,70 @@ def rewrite_gguf(src: str | os.PathLike, dst: str | os.PathLike, rope: GgufRope)
     Every key of ``ROPE_KEYS`` (``{arch}.rope.freq_base``, ``rope.scaling.*`` but ``finetuned``) and
     tensor of ``ROPE_TENSORS`` in ``src`` is dropped and ``rope``'s written instead; every other key
     (value type and array item type kept) and tensor (type, shape and bytes) is copied. ``rope``
-    is re-keyed to ``src``'s architecture. Raises ``ExportRefused`` (before writing anything) when
+    is re-keyed to ``src``'s architecture. The copy is written into a staging folder and renamed
+    to ``dst`` once complete (``ropescale.serving.output.staged``): a failed write (a full disk)
+    leaves no ``dst``, nor the folders made for it.
+    Raises ``ExportRefused`` (before writing anything) when
     ``src``'s ``rope.dimension_count`` or ``rope.freq_base`` is not the patched model's rotary dim or
     ``rope_theta`` (relative 1e-6), or its architecture ignores ``rope``'s ``rope_freqs``;
-    ``InvalidInput`` when ``src`` is missing, not a GGUF, or the same file as ``dst``;
+    ``InvalidInput`` when ``src`` is missing, not a GGUF (cut short or corrupted included), or the
+    same file as ``dst``; ``OutputError`` when ``dst`` cannot be written (``ropescale.serving.output``);
     ``GgufUnavailable`` without the ``gguf`` package.
     """
     gguf = _gguf()
     src, dst = Path(src), Path(dst)
     if not src.is_file():
         raise InvalidInput(f"{src}: no such GGUF file")
-    if dst.exists() and dst.resolve() == src.resolve():
+    if same_path(dst, src):  # any spelling, symlinks, hard links
         raise InvalidInput(f"{dst}: writing over the source GGUF; choose another output path")
-    try:
-        reader = gguf.GGUFReader(src)
-    except (ValueError, OSError) as e:
-        raise InvalidInput(f"{src}: not a readable GGUF ({str(e).splitlines()[0] if str(e) else type(e).__name__})") \
-            from None
-    arch_field = reader.fields.get("general.architecture")
-    if arch_field is None:
+    reader, fields = _read_gguf(gguf, src)
+    arch = fields.get("general.architecture", (None, None))[1]
+    if arch is None:
         raise InvalidInput(f"{src}: GGUF without general.architecture")
-    arch = arch_field.contents()
     rope = rope.for_arch(arch)
     _check_arch_reads_tensors(rope)
-    _check_same_model(reader, arch, rope, src)
+    _check_same_model(fields, arch, rope, src)
     drop = {f"{arch}.{k}" for k in ROPE_KEYS} | set(rope.kv)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(dst, arch)
+    with staged(dst.parent, what=f"output {dst}") as stage:
+        _write(gguf, reader, fields, drop, rope, stage / dst.name, arch)
+    return dst
+
+
+# what gguf-py's reader raises for a file that is not a GGUF, cut short or corrupted (measured on
+# every truncation of a small GGUF and on random byte flips: ValueError — UnicodeDecodeError and
+# unknown enum values included —, IndexError; OSError for an unreadable or empty file)
+_READ_ERRORS = (ValueError, IndexError, KeyError, OverflowError, OSError)
+
+
+def _read_gguf(gguf, path: Path):
+    """``(reader, fields)``: gguf-py's reader of ``path`` and every field read (name → ``(field,
+    contents)``) and every tensor's data located; ``InvalidInput`` (one line) when ``path`` is not
+    a readable GGUF."""
+    try:
+        reader = gguf.GGUFReader(path)
+        fields = {f.name: (f, f.contents()) for f in reader.fields.values()}
+        for t in reader.tensors:
+            _ = t.data.shape, t.data.dtype
+    except _READ_ERRORS as e:
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise InvalidInput(f"{path}: not a readable GGUF (cut short, corrupted or not a GGUF: {type(e).__name__}"
+                           + (f": {first[:160]}" if first else "") + ")") from None
+    return reader, fields
+
+
+def _write(gguf, reader, fields: dict, drop: set, rope: GgufRope, path: Path, arch: str) -> None:
+    """``path``: the GGUF of ``reader`` (its ``fields``) without the keys ``drop`` and the rope
+    tensors, with ``rope``'s keys and tensors."""
+    writer = gguf.GGUFWriter(path, arch)
     alignment = int(reader.alignment)
     if alignment != gguf.GGUF_DEFAULT_ALIGNMENT:
         writer.add_custom_alignment(alignment)  # pads the data as the copied general.alignment says
-    for f in reader.fields.values():
-        if f.name in ("general.architecture", "general.alignment") or f.name.startswith("GGUF.") or f.name in drop:
+    for name, (f, contents) in fields.items():
+        if name in ("general.architecture", "general.alignment") or name.startswith("GGUF.") or name in drop:
             continue
         vtype = f.types[0]
         sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(f.name, f.contents(), vtype, sub_type=sub)
+        writer.add_key_value(name, contents, vtype, sub_type=sub)
     for key, (value, vtype) in rope.kv.items():
         writer.add_key_value(key, value, vtype)
     kept = [t for t in reader.tensors if t.name not in ROPE_TENSORS]
@@ -237,15 +266,16 @@ def rewrite_gguf(src: str | os.PathLike, dst: str | os.PathLike, rope: GgufRope)
     new = {name: np.ascontiguousarray(arr, dtype=np.float32) for name, arr in rope.tensors.items()}
     for name, arr in new.items():
         writer.add_tensor_info(name, arr.shape, arr.dtype, arr.nbytes, gguf.GGMLQuantizationType.F32)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for t in kept:
-        writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
-    for arr in new.values():
-        writer.write_tensor_data(arr)
-    writer.close()
-    return dst
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for t in kept:
+            writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+        for arr in new.values():
+            writer.write_tensor_data(arr)
+    finally:
+        writer.close()
 
 
 def _check_arch_reads_tensors(rope: GgufRope) -> None:
@@ -257,16 +287,21 @@ def _check_arch_reads_tensors(rope: GgufRope) -> None:
                             f"{rope.rope_type or 'this rope'} cannot be exported for {rope.arch}")
 
 
-def _check_same_model(reader, arch: str, rope: GgufRope, src: Path) -> None:
+def _check_same_model(fields: dict, arch: str, rope: GgufRope, src: Path) -> None:
     """``ExportRefused`` when the GGUF's rotary dim or rope base is not the patched model's (a GGUF of
-    another model); keys absent from the GGUF are not checked."""
-    dim_field = reader.fields.get(f"{arch}.rope.dimension_count")
-    if rope.dim is not None and dim_field is not None and int(dim_field.contents()) != rope.dim:
-        raise ExportRefused(f"llama.cpp: {src} has {arch}.rope.dimension_count {int(dim_field.contents())} but the "
+    another model); keys absent from the GGUF are not checked. ``fields``: ``_read_gguf``'s."""
+    dim = fields.get(f"{arch}.rope.dimension_count", (None, None))[1]
+    base = fields.get(f"{arch}.rope.freq_base", (None, None))[1]
+    try:
+        dim, base = (None if dim is None else int(dim)), (None if base is None else float(base))
+    except (TypeError, ValueError):
+        raise InvalidInput(f"{src}: {arch}.rope.dimension_count / freq_base are not numbers (a corrupted GGUF)") \
+            from None
+    if rope.dim is not None and dim is not None and dim != rope.dim:
+        raise ExportRefused(f"llama.cpp: {src} has {arch}.rope.dimension_count {int(dim)} but the "
                             f"patched model's rotary dim is {rope.dim}; give the GGUF of the same model")
-    base_field = reader.fields.get(f"{arch}.rope.freq_base")
-    if rope.base is not None and base_field is not None:
-        theirs = float(base_field.contents())
+    if rope.base is not None and base is not None:
+        theirs = base
         if abs(theirs - rope.base) > 1e-6 * abs(rope.base):
             raise ExportRefused(f"llama.cpp: {src} has {arch}.rope.freq_base {theirs:g} but the patched model's "
                                 f"rope_theta is {rope.base:g}; give the GGUF of the same (unpatched) model")
@@ -275,17 +310,15 @@ def _check_same_model(reader, arch: str, rope: GgufRope, src: Path) -> None:
 def read_gguf_rope(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """``(kv, tensors)`` of a GGUF for ``llama_cpp_rope``: every scalar/string key (arrays left out)
     and the rope tensors (``ROPE_TENSORS``) as float32 arrays. Raises ``InvalidInput`` for a file
-    that is missing or not a GGUF; ``GgufUnavailable`` without the ``gguf`` package."""
+    that is missing or not a GGUF (cut short or corrupted included); ``GgufUnavailable`` without
+    the ``gguf`` package."""
     gguf = _gguf()
     path = Path(path)
     if not path.is_file():
         raise InvalidInput(f"{path}: no such GGUF file")
-    try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, OSError) as e:
-        raise InvalidInput(f"{path}: not a readable GGUF ({type(e).__name__})") from None
-    kv = {f.name: f.contents() for f in reader.fields.values()
-          if f.types and f.types[0] != gguf.GGUFValueType.ARRAY and not f.name.startswith("GGUF.")}
+    reader, fields = _read_gguf(gguf, path)
+    kv = {name: contents for name, (f, contents) in fields.items()
+          if f.types and f.types[0] != gguf.GGUFValueType.ARRAY and not name.startswith("GGUF.")}
     tensors = {t.name: np.array(t.data, dtype=np.float32) for t in reader.tensors if t.name in ROPE_TENSORS}
     return kv, tensors
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ropescale.errors import InvalidInput
 from ropescale.export import native_rope_parameters
 from ropescale.patching import PatchHandle
 from ropescale.rope_config import text_config
 from ropescale.serving.rope import ExportRefused, check_length
 
-__all__ = ["ServedRope", "served_rope_parameters"]
+__all__ = ["ServedRope", "check_freeze", "served_rope_parameters", "static_equivalent"]
 
 
 @dataclass
@@ -49,18 +50,19 @@ def served_rope_parameters(handle: PatchHandle, engine: str, serve_length: int, 
     Raises ``ExportRefused`` ("<engine>: ...") for relative-position rules (ReRoPE, Leaky ReRoPE,
     SelfExtend, DCA, STRING …), log-n, ``dynamic_block`` ≠ 1, per-layer-type patches, strategies
     without a transformers export hook, and dynamic strategies other than ``dynamic_ntk``;
-    ``InvalidInput`` for bad lengths.
+    ``InvalidInput`` for bad lengths and for ``freeze_dynamic_at`` with any strategy but
+    ``dynamic_ntk`` (``check_freeze``).
     """
     serve_length = check_length(serve_length)
-    if freeze_dynamic_at is not None:
-        freeze_dynamic_at = check_length(freeze_dynamic_at, "freeze_dynamic_at")
+    freeze_dynamic_at = check_freeze(handle, freeze_dynamic_at)
     strat = handle.strategy_obj
     name = strat.name
     if strat.kind != "frequency":
         raise ExportRefused(f"{engine}: {name} is a relative-position rule applied inside attention; {engine} has no "
                             "setting for it (serve it with ropescale.load_model)")
-    if handle.options.get("logn"):
-        raise ExportRefused(f"{engine}: log-n query scaling (logn=true) has no {engine} setting; export without it")
+    if handle.options.get("logn") or handle.options.get("temperature"):
+        raise ExportRefused(f"{engine}: query temperature ({handle.options.get('temperature') or 'logn=true'}) has no "
+                            f"{engine} setting; export without it")
     if handle.options.get("dynamic_block", 1) != 1:
         raise ExportRefused(f"{engine}: dynamic_block={handle.options['dynamic_block']} has no {engine} setting")
     if handle.layer_types != [None]:
@@ -98,3 +100,30 @@ def _frozen_dynamic(rp: dict[str, Any], ctx: dict[str, Any], at: int) -> dict[st
     out = {k: v for k, v in rp.items() if k not in ("rope_type", "factor")}
     theta = b if at <= t else b * (s * at / t - (s - 1)) ** (d / (d - 2))
     return out | {"rope_type": "default", "rope_theta": theta}
+
+
+def check_freeze(handle: PatchHandle, freeze_dynamic_at: int | None) -> int | None:
+    """``freeze_dynamic_at`` checked: None, or a length F [tokens] (``check_length``) for a
+    ``dynamic_ntk`` patch. ``InvalidInput`` (one line) for F with any other strategy — static
+    ones do not depend on the length, LongRoPE picks its factor set from the served length and
+    the other dynamic rules have no static form — instead of ignoring it."""
+    if freeze_dynamic_at is None:
+        return None
+    at = check_length(freeze_dynamic_at, "freeze_dynamic_at")
+    strat = handle.strategy_obj
+    if strat.name != "dynamic_ntk":
+        why = (f"{strat.name} is static: its rotation does not depend on the length" if not strat.dynamic else
+               "longrope picks its short or long factors from the served length" if strat.name == "longrope" else
+               f"{strat.name} has no static form to freeze")
+        raise InvalidInput(f"freeze_dynamic_at={at} (--freeze-dynamic-at) applies to dynamic_ntk only; {why}; "
+                           "leave it out")
+    return at
+
+
+def static_equivalent(handle: PatchHandle, at: int) -> str:
+    """The static strategy spec that rotates as the ``dynamic_ntk`` patch ``handle`` does at
+    sequence length F = ``at``: ``vanilla`` for F ≤ T, else ``ntk:factor=s'`` with
+    s' = s·F/T − (s − 1), since NTK's base b·s'^(d/(d−2)) is then dynamic NTK's at F."""
+    t = handle.contexts.get(None, handle.context)["original_max_position_embeddings"]
+    s = float(handle.params["factor"])
+    return "vanilla" if at <= t else f"ntk:factor={s * at / t - (s - 1)!r}"

@@ -19,9 +19,12 @@ import torch
 from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.patching import PatchHandle, current_patch
 
-__all__ = ["FREQ_TOL", "MAGNITUDE_TOL", "EngineRope", "ExportRefused", "Verdict", "check_length", "compare",
-           "patch_handle", "ropescale_rope"]
+__all__ = ["FREQ_TOL", "MAGNITUDE_TOL", "MAX_LENGTH", "EngineRope", "ExportRefused", "Verdict", "check_length",
+           "compare", "patch_handle", "ropescale_rope"]
 
+# the longest length served, exported or compared [tokens]: RoPE angles come from float32 positions,
+# exact integers only up to 2^24 (the harness's lengths have the same bound: eval.config.MAX_LENGTH)
+MAX_LENGTH = 1 << 24
 FREQ_TOL = 1e-5  # largest relative frequency difference called "same" (float32 arithmetic on both sides)
 MAGNITUDE_TOL = 1e-6  # largest cos/sin magnitude difference called "same"
 
@@ -74,9 +77,13 @@ class Verdict:
 
 
 def check_length(value, name: str = "serve_length") -> int:
-    """``value`` as a whole number of tokens >= 2; ``InvalidInput`` (one line) otherwise."""
+    """``value`` as a whole number of tokens in [2, ``MAX_LENGTH`` = 2^24]; ``InvalidInput`` (one
+    line) otherwise."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 2:
         raise InvalidInput(f"{name}={value!r} must be a whole number of tokens >= 2")
+    if value > MAX_LENGTH:
+        raise InvalidInput(f"{name}={value} tokens is beyond any model: RoPE angles come from float32 positions, "
+                           f"exact only up to 2^24 = {MAX_LENGTH} tokens; use a length of at most {MAX_LENGTH}")
     return value
 
 

@@ -1,6 +1,6 @@
 """Rotary strategies and their registry. Importing this package registers them all."""
 
-from ropescale.strategies import by_parts, frequency, truncation  # noqa: F401  (registers them)
+from ropescale.strategies import by_parts, cope, frequency, truncation  # noqa: F401  (registers them)
 from ropescale.strategies.registry import (
     REGISTRY,
     Param,

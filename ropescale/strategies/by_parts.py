@@ -35,38 +35,61 @@ def _beta_check(name: str):
 
 
 def yarn_ramp(dim: int, rope_theta: float, original_max_position_embeddings: int, factor: float,
-              beta_fast: float, beta_slow: float) -> torch.Tensor:
+              beta_fast: float, beta_slow: float, truncate: bool = True) -> torch.Tensor:
     """NTK-by-parts ``inv_freq`` ``[d/2]``: θ_i·(1 − ramp_i) + (θ_i/s)·ramp_i.
 
     With the correction dim fcd(r) = d·ln(L_train / (2π·r)) / (2·ln b), low = ⌊fcd(beta_fast)⌋ and
-    high = ⌈fcd(beta_slow)⌉ clamped to [0, d−1], ramp_i = clamp((i − low)/(high − low), 0, 1):
-    fast pairs (many rotations in L_train) keep θ_i, slow pairs are interpolated to θ_i/s.
+    high = ⌈fcd(beta_slow)⌉ (not rounded when ``truncate`` is False, as gpt-oss ships it) clamped to
+    [0, d−1], ramp_i = clamp((i − low)/(high − low), 0, 1): fast pairs (many rotations in L_train) keep
+    θ_i, slow pairs are interpolated to θ_i/s.
     """
     theta = rope_inv_freq(dim, rope_theta)
 
     def fcd(rotations: float) -> float:
         return dim * math.log(original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(rope_theta))
 
-    low = max(math.floor(fcd(beta_fast)), 0)
-    high = min(math.ceil(fcd(beta_slow)), dim - 1)
+    low, high = fcd(beta_fast), fcd(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp (as the reference code does)
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     return (theta / factor) * ramp + theta * (1 - ramp)
 
 
-def _yarn_attention(factor: float) -> float:
-    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+def yarn_get_mscale(factor: float, mscale: float = 1.0) -> float:
+    """0.1·mscale·ln(s) + 1 for s > 1, else 1 (YaRN's temperature; DeepSeek's ``yarn_get_mscale``)."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def _export_yarn(params: dict, context: dict, base: dict, max_position_embeddings: int | None) -> dict:
     """transformers ``yarn`` with the attention factor written out and ``truncate`` (ropescale's
-    ramp bounds are floored/ceiled) so no default can drift."""
-    attention = params["attention_factor"]
-    return {"rope_type": "yarn", "factor": params["factor"], "beta_fast": params["beta_fast"],
-            "beta_slow": params["beta_slow"],
-            "attention_factor": float(_yarn_attention(params["factor"]) if attention is None else attention),
-            "original_max_position_embeddings": context["original_max_position_embeddings"], "truncate": True}
+    ramp bounds are floored/ceiled unless ``truncate`` is off) so no default can drift; DeepSeek's
+    ``mscale_all_dim`` where set (its attention reads it for the softmax scale)."""
+    out = {"rope_type": "yarn", "factor": params["factor"], "beta_fast": params["beta_fast"],
+           "beta_slow": params["beta_slow"], "attention_factor": float(_yarn_factor(params)),
+           "original_max_position_embeddings": context["original_max_position_embeddings"],
+           "truncate": params["truncate"]}
+    if params.get("mscale_all_dim"):
+        out |= {"mscale": params["mscale"] or 1.0, "mscale_all_dim": params["mscale_all_dim"]}
+    return out
+
+
+def _yarn_factor(params: dict) -> float:
+    """The cos/sin scale: ``attention_factor``, else mscale(s, mscale)/mscale(s, mscale_all_dim) when both
+    are set (DeepSeek), else 0.1·ln(s) + 1 — transformers' ``_compute_yarn_parameters``."""
+    if params.get("attention_factor") is not None:
+        return params["attention_factor"]
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        return yarn_get_mscale(params["factor"], params["mscale"]) / yarn_get_mscale(params["factor"],
+                                                                                    params["mscale_all_dim"])
+    return yarn_get_mscale(params["factor"])
+
+
+def _yarn_softmax(params: dict) -> float:
+    """DeepSeek's attention multiplies its softmax scale by mscale(s, mscale_all_dim)² (``yarn_apply_mscale``)."""
+    return yarn_get_mscale(params["factor"], params["mscale_all_dim"]) ** 2 if params.get("mscale_all_dim") else 1.0
 
 
 def _export_llama3(params: dict, context: dict, base: dict, max_position_embeddings: int | None) -> dict:
@@ -100,19 +123,32 @@ def ntk_by_parts(dim: int, rope_theta: float, original_max_position_embeddings: 
                                      beta_fast, beta_slow), 1.0)
 
 
-@register("yarn", params=(FACTOR, *_BETAS, _ATTENTION_FACTOR), check=_beta_check("yarn"), export=_export_yarn,
-          source="Peng et al. 2023, YaRN, arXiv:2309.00071 (github.com/jquesnelle/yarn)")
+_YARN_EXTRA = (
+    Param("truncate", True, kind=bool, help="round the ramp bounds to whole pairs (gpt-oss ships false)"),
+    Param("mscale", None, low=0.0, low_open=True, help="DeepSeek: numerator mscale of the cos/sin factor"),
+    Param("mscale_all_dim", None, low=0.0, low_open=True,
+          help="DeepSeek: denominator mscale of the cos/sin factor; its square scales the softmax"),
+)
+
+
+@register("yarn", params=(FACTOR, *_BETAS, _ATTENTION_FACTOR, *_YARN_EXTRA), check=_beta_check("yarn"),
+          export=_export_yarn, softmax=_yarn_softmax,
+          source="Peng et al. 2023, YaRN, arXiv:2309.00071 (github.com/jquesnelle/yarn); truncate, mscale, "
+                 "mscale_all_dim as transformers' _compute_yarn_parameters and DeepSeek-V2/V3 (yarn_get_mscale)")
 def yarn(dim: int, rope_theta: float, original_max_position_embeddings: int, factor: float,
-         beta_fast: float, beta_slow: float, attention_factor: float | None) -> RopeFrequencies:
+         beta_fast: float, beta_slow: float, attention_factor: float | None, truncate: bool = True,
+         mscale: float | None = None, mscale_all_dim: float | None = None) -> RopeFrequencies:
     """YaRN: NTK-by-parts interpolation ramp plus attention temperature 0.1·ln(s) + 1.
 
     ``inv_freq`` is ``yarn_ramp`` (fast pairs extrapolate, slow pairs interpolate); cos and sin
-    are multiplied by the attention factor (1 when s ≤ 1), so logits scale by its square.
+    are multiplied by the attention factor (1 when s ≤ 1), so logits scale by its square. With
+    ``mscale`` and ``mscale_all_dim`` (DeepSeek) the factor is mscale(s, mscale)/mscale(s, mscale_all_dim)
+    and attention's softmax scale is multiplied by mscale(s, mscale_all_dim)².
     """
-    inv_freq = yarn_ramp(dim, rope_theta, original_max_position_embeddings, factor, beta_fast, beta_slow)
-    if attention_factor is None:
-        attention_factor = _yarn_attention(factor)
-    return RopeFrequencies(inv_freq, float(attention_factor))
+    inv_freq = yarn_ramp(dim, rope_theta, original_max_position_embeddings, factor, beta_fast, beta_slow, truncate)
+    params = {"factor": factor, "attention_factor": attention_factor, "mscale": mscale,
+              "mscale_all_dim": mscale_all_dim}
+    return RopeFrequencies(inv_freq, float(_yarn_factor(params)))
 
 
 @register("dynamic_yarn", params=_BETAS, check=_beta_check("dynamic_yarn"),

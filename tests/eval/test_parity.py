@@ -26,10 +26,10 @@ def no_engines(monkeypatch, tmp_path):
     monkeypatch.setenv("ROPESCALE_LLAMA_CPP_PYTHON", str(tmp_path / "no-such-python"))
 
 
-def _fake_engine(tmp_path, monkeypatch, result: dict | None, exit_code: int = 0, engine="vllm"):
-    """An 'engine python' that ignores the driver and writes ``result`` (or fails)."""
-    out = tmp_path / "fake-result.json"
-    out.write_text(json.dumps(result or {}))
+def _fake_engine(tmp_path, monkeypatch, result: dict | None, exit_code: int = 0, engine="vllm", raw=None):
+    """An 'engine python' that ignores the driver and writes ``result`` (or the text ``raw``; or fails)."""
+    out = tmp_path / f"fake-{engine}-result.json"
+    out.write_text(json.dumps(result or {}) if raw is None else raw)
     script = tmp_path / f"fake-{engine}-python"
     body = (f'cp "{out}" "$3"\n' if exit_code == 0 else
             f'echo "RuntimeError: the engine fell over" >&2\nexit {exit_code}\n')
@@ -286,3 +286,87 @@ def test_cli_bad_length_windows_or_gguf_is_one_line_exit_1(tiny_model_dir, tmp_p
                                     "-o", str(tmp_path / "o")])
     assert res.exit_code == 1 and res.output.strip() == message
     assert not (tmp_path / "o").exists()
+
+
+# --- hostile engines and lengths (issue 26): one line, exit 1, no report --------------------------
+
+def test_cli_a_length_past_2_24_is_refused_before_any_work(tiny_model_dir, tmp_path, no_engines):
+    res = CliRunner().invoke(main, ["parity", "--model", str(tiny_model_dir), "--strategy", "linear", "--length",
+                                    str(2 ** 24 + 1), "--engine", "vllm,llama.cpp", "-o", str(tmp_path / "o")])
+    assert res.exit_code == 1
+    assert res.output.strip() == ("Error: --length 16777217: beyond any model: RoPE angles come from float32 "
+                                  "positions, exact only up to 2^24 = 16777216 tokens; use lengths of at most 16777216")
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_a_torn_driver_result_is_one_line_naming_the_driver_and_the_kept_file(tiny_model_dir, tmp_path,
+                                                                                  monkeypatch):
+    torn = '{"vllm": "fake", "cases": [{"class": "RotaryEmbedding", "cos": [[1.0, 0.99'
+    _fake_engine(tmp_path, monkeypatch, None, raw=torn)
+    out = tmp_path / "o"
+    res = CliRunner().invoke(main, ["parity", "--model", str(tiny_model_dir), "--strategy", "linear", "--length", "64",
+                                    "--engine", "vllm", "-o", str(out)])
+    assert res.exit_code == 1, res.output
+    kept = out / "logs" / "vllm-rope.result.json"
+    with pytest.raises(json.JSONDecodeError) as why:  # what Python's json says of the torn text
+        json.loads(torn)
+    assert res.output.strip().splitlines()[-1] == (f"Error: vLLM driver vllm_driver.py left an unreadable result "
+                                                   f"(JSONDecodeError: {why.value}): {kept} (log: "
+                                                   f"{out / 'logs' / 'vllm-rope.log'})")
+    assert kept.read_text() == torn and not (out / "parity.md").exists()
+
+
+def test_run_engine_a_result_that_is_no_json_object_is_one_line(tmp_path, monkeypatch):
+    _fake_engine(tmp_path, monkeypatch, None, raw="[1, 2]")
+    with pytest.raises(engines.EngineFailed, match="^vLLM driver vllm_driver.py left an unreadable result "
+                                                   r"\(a JSON list, not an object\): .*vllm-rope.result.json"):
+        engines.run_engine("vllm", {"mode": "rope", "cases": []})
+
+
+def _gguf_of(model_dir, path):
+    from transformers import AutoConfig
+
+    from tests.serving.tiny_gguf import write_tiny_llama_gguf
+
+    return write_tiny_llama_gguf(path, AutoConfig.from_pretrained(model_dir))
+
+
+@pytest.mark.parametrize(("engine", "answer", "message"), [
+    ("vllm", "one", "vLLM driver (vllm_driver.py) answered 1 of the 2 cases asked; no answer for yarn@64"),
+    ("vllm", "none", "vLLM driver (vllm_driver.py) answered 0 of the 2 cases asked; no answer for linear@64, yarn@64"),
+    ("vllm", "no list", "vLLM driver (vllm_driver.py) answered no 'cases' list; asked for 2: linear@64, yarn@64"),
+    ("vllm", "no table", "vLLM driver (vllm_driver.py) answered linear@64 without cos and sin and evaluated: "
+                         "{'class': 'RotaryEmbedding'}"),
+    ("llama.cpp", "none", "llama.cpp driver (llama_cpp_driver.py) answered 0 of the 2 cases asked; no answer for "
+                          "linear@64, yarn@64"),
+])
+def test_cli_a_driver_answering_fewer_cases_than_asked_is_refused_naming_them(tiny_model_dir, tmp_path, monkeypatch,
+                                                                              no_engines, engine, answer, message):
+    from ropescale.strategies.frequency import rope_inv_freq
+
+    one = _vllm_table_result(rope_inv_freq(16, 10000.0).double() / 2, 64)["cases"] if engine == "vllm" else \
+        [{"meta": {}}]
+    cases = {"one": one, "none": [], "no table": [{"class": "RotaryEmbedding"}] * 2}.get(answer)
+    _fake_engine(tmp_path, monkeypatch, {engine.replace(".", "_"): "fake", **({} if cases is None else
+                                                                              {"cases": cases})}, engine=engine)
+    gguf = ["--gguf", str(_gguf_of(tiny_model_dir, tmp_path / "base.gguf"))] if engine == "llama.cpp" else []
+    out = tmp_path / "o"
+    res = CliRunner().invoke(main, ["parity", "--model", str(tiny_model_dir), "--strategy", "linear", "--strategy",
+                                    "yarn", "--length", "64", "--engine", engine, *gguf, "-o", str(out)])
+    assert res.exit_code == 1, res.output
+    assert res.output.strip().splitlines()[-1] == f"Error: {message}"  # after the "Loading weights" bar
+    assert not (out / "parity.md").exists()
+
+
+def test_end_to_end_answers_missing_say_so_in_every_row(tiny_model_dir, tmp_path, monkeypatch, text_file):
+    """A short end-to-end answer is a failed end to end (as a driver that dies): the rotation rows
+    stand, each end-to-end cell empty with the reason, never a row silently without numbers."""
+    from ropescale.strategies.frequency import rope_inv_freq
+
+    result = _vllm_table_result(rope_inv_freq(16, 10000.0).double() / 2, 64)
+    result["jobs"] = []
+    _fake_engine(tmp_path, monkeypatch, result)
+    rows, _ = _run(tiny_model_dir, tmp_path, "linear", end_to_end=True, data=str(text_file))
+    assert rows[0].verdict == "same" and rows[0].max_abs_dlogp is None
+    assert rows[0].notes.endswith("end to end failed: vLLM driver (vllm_driver.py) answered 0 of the 1 jobs asked; "
+                                  "no answer for linear@64")

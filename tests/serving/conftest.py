@@ -1,3 +1,8 @@
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -45,3 +50,27 @@ def make_patched():
 def vanilla_inv_freq(base: float = THETA, d: int = D) -> torch.Tensor:
     """θ_i = b^(−2i/d), float64 [d/2]."""
     return torch.tensor([base ** (-2 * i / d) for i in range(d // 2)], dtype=torch.float64)
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``mount(size, read_only=False)``: a new tmpfs of ``size`` (``"300k"``) under ``tmp_path`` — a
+    real full disk or read-only file system —, unmounted afterwards. Skips where it cannot be
+    mounted (not Linux, not root, no mount permission in a container)."""
+    mounted = []
+
+    def mount(size: str, read_only: bool = False):
+        if not sys.platform.startswith("linux") or os.geteuid() != 0 or shutil.which("mount") is None:
+            pytest.skip("mounting a tmpfs needs root on Linux")
+        point = tmp_path / f"tmpfs-{len(mounted)}"
+        point.mkdir()
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}" + (",ro" if read_only else ""), "tmpfs",
+                              str(point)], capture_output=True, text=True)
+        if res.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in reversed(mounted):
+        subprocess.run(["umount", str(point)], check=False)

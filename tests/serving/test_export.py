@@ -2,6 +2,7 @@
 anything is written."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from click.testing import CliRunner
 
 import ropescale
 from cli import main
-from ropescale.errors import InvalidInput
+from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.serving import (
     ExportRefused,
     compare,
@@ -154,3 +155,281 @@ def test_cli_refusals_are_one_line(run, tmp_path, tiny_model_dir, base_gguf, arg
     assert res.exit_code == 1
     last = res.output.rstrip("\n").split("\n")[-1]  # after any "Loading weights" progress bar
     assert last.startswith(message), res.output
+
+
+# ---- hostile input: refused in one line before anything is written (issue 26) --------------------
+
+MAX = 1 << 24  # 2^24: float32 positions are exact integers up to here
+
+
+def _last(res) -> str:
+    """The CLI's last line (after any "Loading weights" progress bar)."""
+    return res.output.rstrip("\n").split("\n")[-1]
+
+
+def _serving(target, base_gguf) -> tuple:
+    """The options a target needs besides the strategy."""
+    return {"transformers": (), "vllm": ("--serve-length", 128),
+            "gguf": ("--serve-length", 128, "--gguf", base_gguf)}[target]
+
+
+def _leftovers(folder):
+    """Staging folders or write probes left anywhere under ``folder``."""
+    return [p for p in folder.rglob("*") if "ropescale-export" in p.name or "ropescale-write-test" in p.name]
+
+
+@pytest.mark.parametrize("target", ["transformers", "vllm", "gguf"])
+def test_freeze_dynamic_at_with_a_static_strategy_is_refused(run, tmp_path, tiny_model_dir, base_gguf, target):
+    out = tmp_path / "x"
+    res = run("patch", "--model", tiny_model_dir, "--strategy", "yarn:factor=4", "--target", target,
+              *_serving(target, base_gguf), "--freeze-dynamic-at", 64, "-o", out)
+    assert res.exit_code == 1, res.output
+    assert _last(res) == ("Error: freeze_dynamic_at=64 (--freeze-dynamic-at) applies to dynamic_ntk only; yarn is "
+                          "static: its rotation does not depend on the length; leave it out")
+    assert not out.exists()
+
+
+def test_freeze_dynamic_at_with_longrope_is_refused(loaded, tmp_path):
+    model, tok = loaded("longrope", factor=4.0, short_factor=[1.0] * (D // 2), long_factor=[2.0] * (D // 2))
+    with pytest.raises(InvalidInput, match="^freeze_dynamic_at=64 .* longrope picks its short or long factors"):
+        export_for(model, "vllm", 128, tmp_path / "x", tokenizer=tok, freeze_dynamic_at=64)
+    assert not (tmp_path / "x").exists()
+
+
+def test_freeze_dynamic_at_with_the_transformers_target_names_the_static_strategy(run, loaded, tmp_path,
+                                                                                  tiny_model_dir):
+    """transformers serves dynamic NTK dynamically (exact unfrozen): a frozen config.json would
+    contradict ropescale.json, so it is refused, naming the static strategy with F's rotation."""
+    out = tmp_path / "x"
+    res = run("patch", "--model", tiny_model_dir, "--strategy", "dynamic_ntk:factor=2", "--freeze-dynamic-at", 64,
+              "-o", out)
+    assert res.exit_code == 1, res.output
+    assert _last(res).startswith("Error: freeze_dynamic_at=64 (--freeze-dynamic-at) is for the engines that serve "
+                                 "one static rotation (vllm, gguf)")
+    assert _last(res).endswith("patch ntk:factor=3.0 instead")  # s·F/T − (s − 1) = 2·64/32 − 1
+    res = run("patch", "--model", tiny_model_dir, "--strategy", "dynamic_ntk:factor=2", "--freeze-dynamic-at", T,
+              "-o", out)
+    assert res.exit_code == 1 and _last(res).endswith("patch vanilla instead")  # F <= T: dynamic NTK is vanilla
+    assert not out.exists()
+    # what the message names rotates as dynamic NTK does at F: ropescale's two strategies agree
+    dynamic, ntk = loaded("dynamic_ntk", factor=2.0)[0], loaded("ntk", factor=3.0)[0]
+    assert torch.allclose(ropescale_rope(dynamic, 64).inv_freq, ropescale_rope(ntk, 64).inv_freq, rtol=1e-12, atol=0)
+    assert not torch.allclose(ropescale_rope(dynamic, 63).inv_freq, ropescale_rope(ntk, 63).inv_freq, rtol=1e-6)
+
+
+@pytest.mark.parametrize("target", ["transformers", "vllm"])
+def test_a_gguf_given_to_a_folder_target_is_refused(run, tmp_path, tiny_model_dir, base_gguf, target):
+    out = tmp_path / "x"
+    res = run("patch", "--model", tiny_model_dir, "--strategy", "ntk:factor=4", "--target", target, "--serve-length",
+              128, "--gguf", base_gguf, "-o", out)
+    assert res.exit_code == 1, res.output
+    assert _last(res) == (f"Error: a GGUF to rewrite (--gguf {base_gguf}) is read by the gguf target only; the "
+                          f"{target} target writes a model folder from the weights: leave --gguf out, or use "
+                          "--target gguf")
+    assert not out.exists()
+
+
+@pytest.fixture
+def model_copy(tmp_path, tiny_model_dir):
+    """A model folder of this test's own (a failing test may write into it)."""
+    import shutil
+
+    return shutil.copytree(tiny_model_dir, tmp_path / "model")
+
+
+@pytest.mark.parametrize("spelling", ["same", "dots", "output_symlink", "model_symlink"])
+@pytest.mark.parametrize("target", ["transformers", "vllm", "gguf"])
+def test_the_model_folder_as_output_is_refused_for_every_target(run, tmp_path, model_copy, base_gguf, target,
+                                                                spelling):
+    before = {p.name: p.read_bytes() for p in model_copy.iterdir()}
+    link = tmp_path / "link"
+    link.symlink_to(model_copy, target_is_directory=True)
+    model, out = {"same": (model_copy, model_copy), "dots": (model_copy, model_copy / ".." / "model" / "."),
+                  "output_symlink": (model_copy, link), "model_symlink": (link, model_copy)}[spelling]
+    res = run("patch", "--model", model, "--strategy", "ntk:factor=4", "--target", target,
+              *_serving(target, base_gguf), "-o", out)
+    assert res.exit_code == 1, res.output
+    assert _last(res) == (f"Error: output {out} is the model's own folder {model}: exporting there would overwrite "
+                          "its config.json; choose another folder")
+    assert {p.name: p.read_bytes() for p in model_copy.iterdir()} == before
+
+
+def test_export_for_refuses_the_folder_the_model_was_loaded_from(tmp_path, model_copy):
+    model, tok = ropescale.load_model(str(model_copy), device="cpu")
+    ropescale.patch(model, "ntk", factor=4.0)
+    (tmp_path / "link").symlink_to(model_copy, target_is_directory=True)
+    with pytest.raises(RopescaleError, match="is the model's own folder"):
+        export_for(model, "vllm", 128, tmp_path / "link", tokenizer=tok)
+    assert "ntk" not in (model_copy / "config.json").read_text() and not (model_copy / "vllm.json").exists()
+
+
+@pytest.mark.parametrize("flag", ["--serve-length", "--freeze-dynamic-at"])
+@pytest.mark.parametrize("target", ["transformers", "vllm", "gguf"])
+def test_lengths_past_2_24_are_refused_for_every_target(run, tmp_path, tiny_model_dir, base_gguf, target, flag):
+    out = tmp_path / "x"
+    args = ["--serve-length", MAX + 1 if flag == "--serve-length" else 128,
+            *(["--gguf", base_gguf] if target == "gguf" else []),
+            *(["--freeze-dynamic-at", MAX + 1] if flag == "--freeze-dynamic-at" else [])]
+    res = run("patch", "--model", tiny_model_dir, "--strategy", "dynamic_ntk:factor=2", "--target", target, *args,
+              "-o", out)
+    assert res.exit_code == 1, res.output
+    name = flag[2:].replace("-", "_")
+    assert _last(res) == (f"Error: {name}={MAX + 1} tokens is beyond any model: RoPE angles come from float32 "
+                          "positions, exact only up to 2^24 = 16777216 tokens; use a length of at most 16777216")
+    assert not out.exists()
+
+
+def test_the_length_bound_is_2_24_inclusive_and_the_harness_s(loaded):
+    from eval.config import MAX_LENGTH as HARNESS_MAX
+    from ropescale.serving import export_vllm
+    from ropescale.serving.rope import MAX_LENGTH
+
+    assert MAX_LENGTH == HARNESS_MAX == 2 ** 24
+    model, _ = loaded("ntk", factor=4.0)
+    assert export_vllm(model, MAX).max_model_len == MAX
+    with pytest.raises(InvalidInput, match="beyond any model"):
+        export_vllm(model, MAX + 1)
+    with pytest.raises(InvalidInput, match="beyond any model"):
+        vllm_rope({"num_attention_heads": 2, "hidden_size": 32}, 10 ** 12)
+
+
+@pytest.mark.parametrize("target", ["transformers", "vllm", "gguf"])
+def test_export_for_into_an_existing_file_is_one_line(loaded, tmp_path, base_gguf, target):
+    model, tok = loaded("ntk", factor=4.0)
+    taken = tmp_path / "taken"
+    taken.write_text("mine")
+    kwargs = {"tokenizer": tok} if target != "gguf" else {"gguf": base_gguf}
+    with pytest.raises(RopescaleError, match=f"^output {taken} is a file, not a folder$"):
+        export_for(model, target, 128, taken, **kwargs)
+    with pytest.raises(RopescaleError, match=f"^output {taken / 'sub'}: {taken} is a file, not a folder$"):
+        export_for(model, target, 128, taken / "sub", **kwargs)
+    assert taken.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+@pytest.mark.parametrize("target", ["transformers", "vllm", "gguf"])
+def test_a_read_only_output_is_refused_before_the_model_loads(run, tmp_path, tiny_model_dir, base_gguf, tmpfs,
+                                                             target):
+    ro = tmpfs("64k", read_only=True)
+    res = run("patch", "--model", tiny_model_dir, "--strategy", "ntk:factor=4", "--target", target,
+              *_serving(target, base_gguf), "-o", ro / "x")
+    assert res.exit_code == 1, res.output
+    assert res.output == f"Error: output {ro / 'x'}: cannot write in {ro} (Read-only file system)\n"  # no loading
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root writes whatever the permissions")
+@pytest.mark.parametrize("target", ["transformers", "vllm", "gguf"])
+def test_a_folder_without_write_permission_is_refused(run, tmp_path, tiny_model_dir, base_gguf, target):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    try:
+        res = run("patch", "--model", tiny_model_dir, "--strategy", "ntk:factor=4", "--target", target,
+                  *_serving(target, base_gguf), "-o", locked / "x")
+    finally:
+        locked.chmod(0o755)
+    assert res.exit_code == 1, res.output
+    assert res.output == f"Error: output {locked / 'x'}: cannot write in {locked} (Permission denied)\n"
+
+
+def _full_at_second_tensor(monkeypatch):
+    """gguf's writer hits a full disk after the first tensor's data (ENOSPC, as the OS says it)."""
+    import errno
+
+    import gguf
+
+    real, calls = gguf.GGUFWriter.write_tensor_data, []
+
+    def write(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", write)
+    return calls
+
+
+def _full_weights(monkeypatch):
+    """safetensors hits a full disk writing the weights: part of the file written, then its error."""
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
+
+    def save_file(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 4096)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", save_file)
+
+
+FULL = "could not be written (no space left on the device); it is left as it was, nothing half-written"
+
+
+@pytest.mark.parametrize("target", ["transformers", "vllm", "gguf"])
+def test_a_full_disk_leaves_no_half_written_export(run, tmp_path, tiny_model_dir, base_gguf, monkeypatch, target):
+    _full_at_second_tensor(monkeypatch) if target == "gguf" else _full_weights(monkeypatch)
+    out = tmp_path / "new" / "x"
+    res = run("patch", "--model", tiny_model_dir, "--strategy", "ntk:factor=4", "--target", target,
+              *_serving(target, base_gguf), "-o", out)
+    assert res.exit_code == 1, res.output
+    assert _last(res) == f"Error: output {out / 'model.gguf' if target == 'gguf' else out}: {FULL}"
+    assert not (tmp_path / "new").exists()  # nor the parent made for it
+
+
+@pytest.mark.parametrize("target", ["transformers", "vllm", "gguf"])
+def test_a_full_disk_leaves_an_existing_export_as_it_was(run, tmp_path, tiny_model_dir, base_gguf, monkeypatch,
+                                                         target):
+    out = tmp_path / "x"
+    res = run("patch", "--model", tiny_model_dir, "--strategy", "linear:factor=2", "--target", target,
+              *_serving(target, base_gguf), "-o", out)
+    assert res.exit_code == 0, res.output
+    (out / "mine.txt").write_text("kept")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    _full_at_second_tensor(monkeypatch) if target == "gguf" else _full_weights(monkeypatch)
+    res = run("patch", "--model", tiny_model_dir, "--strategy", "ntk:factor=4", "--target", target,
+              *_serving(target, base_gguf), "-o", out)
+    assert res.exit_code == 1 and FULL in _last(res), res.output
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+@pytest.mark.parametrize(("target", "size"), [("transformers", "800k"), ("vllm", "800k"), ("gguf", "300k")])
+def test_a_real_full_disk_leaves_nothing(run, tmp_path, tiny_model_dir, base_gguf, tmpfs, target, size):
+    """A tmpfs smaller than the export (weights 1.1 MB, GGUF 0.6 MB): the OS's own ENOSPC, through
+    safetensors' and gguf's writers; afterwards the file system is as empty as before."""
+    import shutil
+
+    disk = tmpfs(size)
+    out = disk / "x"
+    res = run("patch", "--model", tiny_model_dir, "--strategy", "ntk:factor=4", "--target", target,
+              *_serving(target, base_gguf), "-o", out)
+    assert res.exit_code == 1, res.output
+    assert _last(res) == f"Error: output {out / 'model.gguf' if target == 'gguf' else out}: {FULL}"
+    assert list(disk.iterdir()) == [] and shutil.disk_usage(disk).used == 0
+
+
+def test_an_export_into_an_existing_folder_replaces_its_files_and_keeps_the_others(run, tmp_path, tiny_model_dir):
+    out = tmp_path / "x"
+    assert run("patch", "--model", tiny_model_dir, "--strategy", "linear:factor=2", "-o", out).exit_code == 0
+    mode = out.stat().st_mode & 0o777
+    umask = os.umask(0)
+    os.umask(umask)
+    assert mode == 0o777 & ~umask  # a folder as mkdir makes it, not a temporary folder's 0700
+    (out / "mine.txt").write_text("kept")
+    assert run("patch", "--model", tiny_model_dir, "--strategy", "ntk:factor=4", "-o", out).exit_code == 0
+    assert json.loads((out / "ropescale.json").read_text())["strategy"] == "ntk"
+    assert (out / "mine.txt").read_text() == "kept" and not _leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("cut", [4, 100])  # gguf-py: IndexError in the counts, ValueError in the key/values
+def test_cli_a_gguf_cut_short_is_one_line(run, tmp_path, tiny_model_dir, base_gguf, cut):
+    short = tmp_path / "short.gguf"
+    short.write_bytes(base_gguf.read_bytes()[:cut])
+    res = run("patch", "--model", tiny_model_dir, "--strategy", "ntk:factor=4", "--target", "gguf", "--serve-length",
+              128, "--gguf", short, "-o", tmp_path / "x")
+    assert res.exit_code == 1, res.output
+    assert _last(res).startswith(f"Error: {short}: not a readable GGUF (cut short, corrupted or not a GGUF: ")
+    assert not (tmp_path / "x").exists()
+    res = run("parity", "--model", tiny_model_dir, "--strategy", "ntk:factor=4", "--length", 64, "--engine",
+              "llama.cpp", "--gguf", short, "-o", tmp_path / "p")
+    assert res.exit_code == 1, res.output
+    assert _last(res).startswith(f"Error: {short}: not a readable GGUF (cut short, corrupted or not a GGUF: ")
+    assert not (tmp_path / "p").exists()

@@ -148,6 +148,29 @@ def test_bad_files_are_one_line_errors(tmp_path, base_gguf):
         rewrite_gguf(base_gguf, base_gguf, rope)
 
 
+def _cuts(size: int) -> list[int]:
+    """Lengths to cut a GGUF of ``size`` bytes at: every one inside the magic, version and counts
+    (24 bytes) and the first key, then about fifty through the key/values, tensor infos and data."""
+    return sorted(set(range(0, 40)) | set(range(40, size, max(1, size // 47))))
+
+
+def test_a_gguf_cut_short_anywhere_is_one_line(tmp_path, base_gguf):
+    """gguf-py's reader raises IndexError inside the header and ValueError elsewhere: each a
+    one-line InvalidInput from both readers, and nothing written."""
+    import re
+
+    data = base_gguf.read_bytes()
+    rope = gguf_rope(patched("vanilla"), 256)
+    cut, out = tmp_path / "cut.gguf", tmp_path / "out" / "model.gguf"
+    for n in _cuts(len(data)):
+        cut.write_bytes(data[:n])
+        for read in (lambda: rewrite_gguf(cut, out, rope), lambda: read_gguf_rope(cut)):
+            with pytest.raises(InvalidInput, match=f"^{re.escape(str(cut))}: not a readable GGUF") as err:
+                read()
+            assert "\n" not in str(err.value), n
+    assert not out.parent.exists()
+
+
 # ---- llama_cpp_rope against llama.cpp's formulas, written out from its source ---------------------
 
 def _kv(**rope):

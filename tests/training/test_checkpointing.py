@@ -10,7 +10,6 @@ import torch
 from transformers import LlamaForCausalLM
 
 import ropescale
-from ropescale.rotary import ScaledRotaryEmbedding
 from ropescale.training import build_finetune_config, finetune
 from ropescale.training.loop import causal_lm_loss, enable_checkpointing
 from ropescale.training.pose import sample_pose
@@ -51,7 +50,7 @@ def test_same_loss_and_gradients_with_and_without_checkpointing(case, chunk_size
     model = build(LlamaForCausalLM, tiny_llama_config())
     with ropescale.patch(model, strategy, **kwargs):
         if strategy == "dynamic_ntk":
-            next(m for m in model.modules() if isinstance(m, ScaledRotaryEmbedding)).set_training_length(256)
+            ropescale.current_patch(model).train_at(256)
         loss, expected = loss_and_grads(model, batch, checkpointing=False, chunk_size=chunk_size)
         calls = []
         hook = model.model.layers[0].self_attn.register_forward_hook(lambda *a: calls.append(1))

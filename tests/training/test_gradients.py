@@ -10,7 +10,6 @@ from transformers import LlamaForCausalLM
 
 import ropescale
 from ropescale.attention import logn_factor
-from ropescale.rotary import ScaledRotaryEmbedding
 from ropescale.training.loop import causal_lm_loss
 from tests.conftest import build, tiny_llama_config
 
@@ -83,8 +82,7 @@ def test_dynamic_strategy_trains_at_the_target_length():
     with ropescale.patch(static, "ntk", factor=4.0):
         expected = grads(static, batch)
     with ropescale.patch(model, "dynamic_ntk"):
-        rotary = next(m for m in model.modules() if isinstance(m, ScaledRotaryEmbedding))
-        rotary.set_training_length(256)  # L = 4T
+        ropescale.current_patch(model).train_at(256)  # L = 4T
         assert_same_grads(grads(model, batch), expected)
         model.eval()
         with torch.no_grad():

@@ -1,0 +1,294 @@
+"""What each attention layer does with positions, read from the model itself.
+
+Which layers rotate q and k, with which of the model's frequency sets, over which channels, in
+which pairing and with which sign, is not written anywhere a patcher can read: NoPE layers
+(Llama 4, SmolLM3, Cohere 2's global layers), rotary channels at the end of the head (DeepSeek's
+MLA), interleaving decided in attention from halves-layout cos/sin (GLM, Ernie 4.5), a mirrored
+``rotate_half`` (NanoChat) all look the same from the rotary module. So ``probe_layers`` *watches*
+each layer: one forward of a single token per batch row, through a recording attention function,
+once with every rotary module's frequencies set to zero (RoPE becomes the identity, times the
+module's own attention factor) and once as the model is, at position p. With one token, attention
+over a single key returns its value whatever the score, and q and k of one position turn by the
+same angle, so the two forwards carry identical hidden states into every layer: the difference
+between the two queries (keys) a layer hands to attention is exactly its rotation. Each
+candidate contract — a frequency set of the model, the channels [start, start + d), halves or
+interleaved pairs, sign ±1 — is replayed on the identity-run q and k and kept when it reproduces
+the model's (checked at two positions). A layer whose q and k do not change is a layer without
+RoPE.
+
+Shapes: b batch, h heads, s tokens, h_d q/k head dim, h_v value head dim, d rotary channels.
+Rotation (pair (x1, x2) of frequency θ at position p, sign σ): x1 cos(σpθ) − x2 sin(σpθ),
+x2 cos(σpθ) + x1 sin(σpθ) — Su et al. 2021 (arXiv:2104.09864); transformers' ``rotate_half``
+(σ = +1, halves), GLM's (interleaved), NanoChat's (σ = −1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = ["LayerRope", "RotarySite", "probe_layers", "rotate_pairs"]
+
+PROBE = "ropescale_probe"
+_PROBE_ATTR = "_ropescale_probe"
+_POSITIONS = (3, 7)  # the contract must hold at both
+
+
+@dataclass(frozen=True)
+class RotarySite:
+    """One set of frequencies of the model: rotary module ``module_name`` (qualified name) and its
+    layer type (``None`` for a module with one set; Gemma 3's ``sliding_attention``, …)."""
+
+    module_name: str
+    layer_type: str | None = None
+
+    def __str__(self) -> str:
+        return self.module_name + (f"[{self.layer_type}]" if self.layer_type else "")
+
+
+@dataclass(frozen=True)
+class LayerRope:
+    """What one attention layer does with positions.
+
+    index: the layer's cache index (``layer_idx``, else call order); name: its qualified module name;
+    kind: ``"rope"`` (it rotates q and k as described below), ``"none"`` (no RoPE: q and k do not
+    depend on positions) or ``"unknown"`` (it rotates, but no contract ropescale knows reproduces it);
+    site: the frequency set it rotates with (``"rope"`` only); start, dim: the rotary
+    channels [start, start + dim) of each q/k head; interleaved: pairs (2i, 2i+1) instead of (i, i + d/2);
+    sign: +1 (the Llama lineage) or −1 (a mirrored ``rotate_half``); head_dim, v_head_dim: q/k and value
+    head dims (they differ under MLA); passes_position_ids: whether the model hands ``position_ids`` to
+    the attention function (else ropescale takes them from the rotary module's call).
+    """
+
+    index: int
+    name: str
+    kind: str
+    site: RotarySite | None = None
+    start: int = 0
+    dim: int = 0
+    interleaved: bool = False
+    sign: int = 1
+    head_dim: int = 0
+    v_head_dim: int = 0
+    passes_position_ids: bool = True
+
+    @property
+    def rotates(self) -> bool:
+        """Whether q and k depend on positions in this layer (``"rope"`` or ``"unknown"``)."""
+        return self.kind != "none"
+
+
+def rotate_pairs(x: torch.Tensor, angles: torch.Tensor, *, start: int, interleaved: bool,
+                 scale: float = 1.0) -> torch.Tensor:
+    """Rotate channels [start, start + d) of ``x`` ``[..., s, h_d]`` by ``angles`` ``[..., s, d/2]``
+    (radians, σ·p·θ per pair), in float32, times ``scale``; other channels pass through unchanged.
+    Returns x's dtype."""
+    d = 2 * angles.shape[-1]
+    rot = x[..., start : start + d].float()
+    if interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+    else:
+        x1, x2 = rot[..., : d // 2], rot[..., d // 2 :]
+    cos, sin = angles.cos() * scale, angles.sin() * scale
+    r1, r2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    out = torch.stack((r1, r2), -1).flatten(-2) if interleaved else torch.cat((r1, r2), -1)
+    return torch.cat((x[..., :start], out.to(x.dtype), x[..., start + d :]), -1)
+
+
+@dataclass
+class _Recorder:
+    """Per-probe state on every submodule: the attention calls seen (module → q, k, v, kwargs keys)."""
+
+    base: str
+    calls: dict = field(default_factory=dict)
+    order: list = field(default_factory=list)
+
+
+def _record(module, query, key, value, attention_mask, **kwargs):
+    from ropescale.attention import _base_attention  # the model's own implementation runs the forward
+
+    rec = getattr(module, _PROBE_ATTR)
+    if module not in rec.calls:
+        rec.calls[module] = (query.detach().clone(), key.detach().clone(), value.shape[-1],
+                             kwargs.get("position_ids") is not None)
+        rec.order.append(module)
+    return _base_attention(module, rec.base)(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(PROBE, _record)
+    mask = AttentionMaskInterface._global_mapping.get("sdpa")
+    if mask is not None:
+        AttentionMaskInterface.register(PROBE, mask)
+
+
+@contextlib.contextmanager
+def _static_rope_types(modules: dict[str, nn.Module], sites: list[RotarySite]):
+    """Each rotary module's ``rope_type`` reads ``default`` meanwhile: transformers' ``dynamic_rope_update``
+    would otherwise replace the buffers the probe sets (a dynamic model resets them for short inputs)."""
+    saved = []
+    for name in dict.fromkeys(site.module_name for site in sites):
+        module = modules[name]
+        if "rope_type" in module.__dict__:
+            rt = module.__dict__["rope_type"]
+            saved.append((module, rt))
+            module.rope_type = {k: "default" for k in rt} if isinstance(rt, dict) else "default"
+    try:
+        yield
+    finally:
+        for module, rt in saved:
+            module.rope_type = rt
+
+
+@contextlib.contextmanager
+def _frequencies_zeroed(modules: dict[str, nn.Module], sites: list[RotarySite]):
+    """Every site's ``inv_freq`` set to zeros (cos = attention factor, sin = 0: RoPE is the identity
+    up to the module's own scale), restored after."""
+    saved = []
+    for site in sites:
+        module = modules[site.module_name]
+        name = "inv_freq" if site.layer_type is None else f"{site.layer_type}_inv_freq"
+        buf = module._buffers[name]
+        saved.append((module, name, buf))
+        module._buffers[name] = torch.zeros_like(buf)
+    try:
+        yield
+    finally:
+        for module, name, buf in saved:
+            module._buffers[name] = buf
+
+
+def _forward(model, recorder: _Recorder, position: int) -> dict:
+    recorder.calls, recorder.order = {}, []
+    device = next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
+    vocab = getattr(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config,
+                    "vocab_size", 8) or 8
+    ids = torch.tensor([[1 % vocab], [2 % vocab]], device=device)  # [b=2, s=1]
+    pos = torch.full_like(ids, position)
+    with torch.no_grad():
+        model(input_ids=ids, position_ids=pos, use_cache=False)
+    return dict(recorder.calls)
+
+
+def _site_tables(model, modules, sites) -> dict[RotarySite, torch.Tensor]:
+    out = {}
+    for site in sites:
+        name = "inv_freq" if site.layer_type is None else f"{site.layer_type}_inv_freq"
+        out[site] = modules[site.module_name]._buffers[name].detach().float()
+    return out
+
+
+def _match(q0: torch.Tensor, q1: torch.Tensor, angles_of, head_dim: int, tables) -> tuple | None:
+    """The first contract (site, start, interleaved, sign) that turns q0 into q1 at every probed
+    position (``angles_of(inv_freq, sign, p)`` → ``[d/2]`` angles)."""
+    for site, inv_freq in tables.items():
+        d = 2 * inv_freq.numel()
+        if d > head_dim:
+            continue
+        for start in dict.fromkeys((0, head_dim - d)):
+            for interleaved in (False, True):
+                for sign in (1, -1):
+                    if all(_close(rotate_pairs(q0[p], angles_of(inv_freq, sign, p), start=start,
+                                               interleaved=interleaved), q1[p]) for p in _POSITIONS):
+                        return site, start, d, interleaved, sign
+    return None
+
+
+_REL_TOL = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a ≈ b relative to b's largest entry, at the rounding of b's dtype."""
+    tol = _REL_TOL.get(b.dtype, 1e-4) * max(float(b.abs().max()), 1e-6)
+    return bool((a.float() - b.float()).abs().max() <= tol)
+
+
+def _switch_back(model, name: str | None) -> None:
+    """Back to the model's implementation: through the config setter for a flash-named one (whose
+    ``set_attn_implementation`` would look for a kernel of that name), else the public setter."""
+    from transformers.utils.generic import is_flash_attention_requested
+
+    if name and is_flash_attention_requested(requested_attention_implementation=name):
+        model.config._attn_implementation = name
+    else:
+        model.set_attn_implementation(name)
+
+
+def probe_layers(model: nn.Module, modules: dict[str, nn.Module], sites: list[RotarySite]) -> list[LayerRope] | None:
+    """Each attention layer's ``LayerRope``, in call order, or None when the model's attention does
+    not go through transformers' ``AttentionInterface`` (no layer reached the recording function) or
+    the probe forward itself fails (the reason is then unknown: callers refuse what needs it).
+
+    ``modules``: the model's named modules; ``sites``: every frequency set of the model's rotary
+    modules. Runs 1 + 2·2 forwards of one token per batch row; the model is left as it was.
+    """
+    can_set = getattr(model, "_can_set_attn_implementation", None)
+    if callable(can_set) and not can_set():  # attention written in the modeling file (Falcon): nothing to watch
+        return None
+    _register()
+    current = model.config._attn_implementation
+    base = current if current and current != PROBE else "sdpa"
+    recorder = _Recorder(base)
+    tagged = list(model.modules())
+    training = [m.training for m in tagged]  # the probe runs in eval mode: dropout would move q and k
+    for m in tagged:
+        setattr(m, _PROBE_ATTR, recorder)
+        m.training = False
+    runs = {}
+    try:
+        model.set_attn_implementation(PROBE)
+        try:
+            with _static_rope_types(modules, sites):
+                for p in _POSITIONS:
+                    with _frequencies_zeroed(modules, sites):
+                        runs[("id", p)] = _forward(model, recorder, p)
+                    runs[("model", p)] = _forward(model, recorder, p)
+        finally:
+            _switch_back(model, current)
+    except Exception:  # noqa: BLE001 — a model the probe cannot drive: nothing is known about its layers
+        return None
+    finally:
+        for m, was in zip(tagged, training):
+            m.training = was
+            if _PROBE_ATTR in m.__dict__:
+                delattr(m, _PROBE_ATTR)
+    order = recorder.order
+    if not order or any(set(r) != set(order) for r in runs.values()):
+        return None
+    names = {m: n for n, m in model.named_modules()}
+    tables = _site_tables(model, modules, sites)
+
+    def angles_of(inv_freq, sign, p):
+        return (torch.tensor(float(p)) * inv_freq) * sign  # [d/2], float32 as the rotary modules compute
+
+    layers = []
+    for i, module in enumerate(order):
+        q0 = {p: runs[("id", p)][module][0] for p in _POSITIONS}
+        q1 = {p: runs[("model", p)][module][0] for p in _POSITIONS}
+        k0 = {p: runs[("id", p)][module][1] for p in _POSITIONS}
+        k1 = {p: runs[("model", p)][module][1] for p in _POSITIONS}
+        _, _, v_dim, passes = runs[("model", _POSITIONS[0])][module]
+        head_dim = q0[_POSITIONS[0]].shape[-1]
+        index = getattr(module, "layer_idx", None)
+        index = i if not isinstance(index, int) else index
+        if all(torch.equal(q0[p], q1[p]) and torch.equal(k0[p], k1[p]) for p in _POSITIONS):
+            layers.append(LayerRope(index, names.get(module, "?"), "none", head_dim=head_dim, v_head_dim=v_dim,
+                                    passes_position_ids=passes))
+            continue
+        found = _match(q0, q1, angles_of, head_dim, tables)
+        if found is not None and _match(k0, k1, angles_of, head_dim, {found[0]: tables[found[0]]}) is None:
+            found = None
+        if found is None:
+            layers.append(LayerRope(index, names.get(module, "?"), "unknown", head_dim=head_dim, v_head_dim=v_dim,
+                                    passes_position_ids=passes))
+            continue
+        site, start, d, interleaved, sign = found
+        layers.append(LayerRope(index, names.get(module, "?"), "rope", site, start, d, interleaved, sign, head_dim,
+                                v_dim, passes))
+    return layers
