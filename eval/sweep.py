@@ -208,7 +208,7 @@ def _check_memory(task: Task, model, lengths: list[int], device) -> None:
 
 def _headline(task: type[Task], record: dict) -> str:
     m = task.metrics[0]
-    return f"{m.label} {m.fmt.format(record[m.key])}"
+    return f"{m.label} {'—' if record[m.key] is None else m.fmt.format(record[m.key])}"
 
 
 def run_sweep(cfg: EvalConfig, output: str | Path, *, progress: bool = True) -> list[dict]:
