@@ -233,8 +233,24 @@ def run_sweep(cfg: EvalConfig, output: str | Path, *, progress: bool = True) -> 
     if train_len:  # every cell's parameters, before the folder, the manifest or the first cell
         resolve_cells(cfg, train_len)
     output = prepare_output(Path(output))
-    with folder_lock(output) if state.is_main_process else nullcontext():
-        return _run_locked(cfg, output, progress and state.is_main_process, state)
+    try:
+        with folder_lock(output) if state.is_main_process else nullcontext():
+            return _run_locked(cfg, output, progress and state.is_main_process, state)
+    finally:
+        _leave(state)
+
+
+def _leave(state) -> None:
+    """A launched run closes its process group before interpreter shutdown (a gloo group left open
+    can abort at exit: "terminate called without an active exception") and resets accelerate's
+    state, so that a later run in the process sets up its own group."""
+    if state.num_processes > 1:
+        import torch.distributed as dist
+        from accelerate.state import PartialState as _State
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        _State._reset_state()
 
 
 def _run_locked(cfg: EvalConfig, output: Path, progress: bool, state) -> list[dict]:
