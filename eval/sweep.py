@@ -263,7 +263,9 @@ def _run_locked(cfg: EvalConfig, output: Path, progress: bool, state) -> list[di
     env = environment()
     ident = identity(cfg, data=data_fingerprint(docs), weights=model_fingerprint(cfg.model),
                      versions={k: env[k] for k in ("ropescale", "torch", "transformers")})
-    experiment = check_manifest(output, ident, cfg.model_dump(mode="json"), state)
+    # checked now, claimed (written) once the model loads and every length's examples are built: a
+    # config refused on the way leaves the folder free for the corrected rerun
+    experiment = check_manifest(output, ident, cfg.model_dump(mode="json"), state, write=False)
     done = {r["cell"]: r for r in read_results(results_path) if "cell" in r}
     cells = [(length, spec, cell_id(experiment, spec, length)) for length in cfg.lengths for spec in cfg.strategies]
     todo = [c for c in cells if c[2] not in done]
@@ -285,6 +287,8 @@ def _run_locked(cfg: EvalConfig, output: Path, progress: bool, state) -> list[di
         _check_memory(task, model, lengths, None if cfg.device_map else device)
         # build every length's examples first: data or lengths that cannot work fail before any cell runs
         examples = {length: task.examples(length) for length in lengths}
+    check_manifest(output, ident, cfg.model_dump(mode="json"), state)
+    if todo:
         with _append_safely(results_path) if state.is_main_process else nullcontext() as sink:
             for length, spec, cid in todo:
                 record = {"schema": SCHEMA_VERSION, "cell": cid, "experiment": experiment,
