@@ -108,9 +108,21 @@ def training_window(config, layer_type: str | None = None) -> int | None:
     return None if orig is None else int(orig)
 
 
-def _config_dim(text, rp: dict[str, Any]) -> int:
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+def _config_dim(text, rp: dict[str, Any], layer_type: str | None = None) -> int:
+    """The rotary dim from the config: head_dim (the first ``layer_type`` layer's own where the
+    config sets it per layer: Gemma 4's global layers are wider) × partial_rotary_factor."""
+    per_layer, types = getattr(text, "per_layer_config", None), getattr(text, "layer_types", None)
+    if per_layer is not None and types and layer_type in types:
+        text = per_layer[list(types).index(layer_type)]
+    try:
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    except AttributeError:
+        raise NoRopeConfigError(f"{type(text).__name__} names no head_dim, hidden_size or num_attention_heads at its "
+                                "top level (its sub-models have their own): the rotary dim cannot be read from the "
+                                "config; load the model (patching reads it from the rotary module)") from None
     factor = rp.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", None)) or 1.0
+    if rp.get("rope_type") == "proportional":  # Gemma 4: every pair is in the exponent θ^(-2i/head_dim); the
+        factor = 1.0  # pairs past partial_rotary_factor have frequency 0 (as the loaded module's inv_freq)
     dim = int(head_dim * factor)
     return dim - dim % 2
 
@@ -127,5 +139,6 @@ def rope_config_of(config, layer_type: str | None = None, *, dim: int | None = N
     if theta is None:
         raise NoRopeConfigError(f"{type(text).__name__} has no rope_theta (looked in config.rope_parameters and "
                                 "config.rope_theta): not a RoPE model")
-    return RopeConfig(int(dim) if dim is not None else _config_dim(text, rp), float(theta),
-                      training_window(text, layer_type), rp, config_layer_type(text, layer_type))
+    chosen = config_layer_type(text, layer_type)
+    return RopeConfig(int(dim) if dim is not None else _config_dim(text, rp, chosen), float(theta),
+                      training_window(text, layer_type), rp, chosen)

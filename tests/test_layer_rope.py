@@ -165,3 +165,32 @@ def test_a_model_whose_attention_cannot_be_observed_refuses_relative_rules_only(
         assert h.layers is None and h.report() == []
     with pytest.raises(AttentionNotPluggableError, match="could not be observed"):
         ropescale.patch(model, "rerope", window=4)
+
+
+@pytest.mark.parametrize("name", ["gemma4_text", "qwen3_5_text"])
+def test_the_report_on_gemma4_and_qwen3_5_follows_their_configs(name):
+    """Gemma 4: θ and rope type per layer type, proportional RoPE on the global layers at their own
+    global_head_dim; Qwen3.5: Gated DeltaNet layers hold no attention to report, its full-attention
+    layers rotate partial_rotary_factor · head_dim channels. The oracle is each config, built by the
+    census's tiny builder."""
+    from tests.census.build import build as census_build
+    from tests.census.build import text_config
+    from tests.census.run import types
+
+    model = census_build(types()[name])
+    tc = text_config(model.config)
+    kinds = list(dict.fromkeys(tc.layer_types))
+    with ropescale.patch(model, "yarn", factor=2.0, **({"layer_types": kinds} if name == "gemma4_text" else {})) as h:
+        rows = h.report()
+    attention = [i for i, t in enumerate(tc.layer_types) if t != "linear_attention"]
+    assert [r["layer"] for r in rows] == attention
+    for r in rows:
+        lt = tc.layer_types[r["layer"]]
+        rp = tc.rope_parameters[lt] if name == "gemma4_text" else tc.rope_parameters
+        assert (r["rope"], r["applied"]) == ("rope", "yarn")
+        assert r["rope_type"] == rp["rope_type"] and r["rope_theta"] == rp["rope_theta"]
+        if name == "gemma4_text":  # global layers: their own head size, proportional (zero pairs kept)
+            assert r["rotary_dim"] == tc.per_layer_config[r["layer"]].head_dim
+            assert (r["rope_type"] == "proportional") == (lt == "full_attention")
+        else:
+            assert r["rotary_dim"] == int(tc.head_dim * rp["partial_rotary_factor"])

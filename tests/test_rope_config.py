@@ -132,3 +132,19 @@ def test_a_local_attention_only_model_takes_its_window_as_t():
                                     num_attention_heads=2, num_key_value_heads=1, attention_window_size=24)
     assert not hasattr(config, "max_position_embeddings")
     assert rope_config_of(config).original_max_position_embeddings == 24
+
+
+def test_gemma4_per_layer_head_dim_and_blt_read_without_a_traceback():
+    """Gemma 4 sets head_dim per layer (its global layers are wider, proportional RoPE over the whole
+    width); transformers refuses config.head_dim on it. BLT names no head size at its top level."""
+    from tests.census.build import build, tiny_config
+    from tests.census.run import types
+
+    model = build(types()["gemma4_text"])
+    cfg = model.config
+    (rotary,) = [m for n, m in model.named_modules() if n.endswith("rotary_emb")]
+    for lt in ("sliding_attention", "full_attention"):
+        # the oracle: the loaded rotary module's own inv_freq has d/2 entries
+        assert rope_config_of(cfg, lt).dim == 2 * getattr(rotary, f"{lt}_inv_freq").numel()
+    with pytest.raises(NoRopeConfigError, match="BltConfig names no head_dim"):
+        rope_config_of(tiny_config(types()["blt"]))
