@@ -1,0 +1,121 @@
+"""The documentation stays whole: a short README, every page of docs/ in the site's nav, no relative link
+to a file that is not there, and the generated reference pages equal to what the code generates.
+
+Static reads only (no mkdocs import): `mkdocs build --strict` itself runs in CI (`.ci/run`), where it
+also checks anchors and the API pages' docstrings.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+README_MAX_LINES = 300
+# the README's test command, which CI (.ci/run) runs as written: it may not drift from the README
+TEST_COMMAND = 'pip install -c constraints.txt ".[test]" && ruff check . && python -m pytest'
+
+_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+_FENCE = re.compile(r"^\s*(```|~~~)")
+
+
+def relative_links(text: str) -> list[str]:
+    """Targets of the Markdown links and images in ``text`` that point into the repository: outside
+    fenced code and inline code, not URLs (``scheme:``), not a bare ``#anchor``; anchors dropped."""
+    out, fence = [], False
+    for line in text.split("\n"):
+        if _FENCE.match(line):
+            fence = not fence
+            continue
+        if fence:
+            continue
+        line = re.sub(r"`[^`]*`", "", line)
+        for target in _LINK.findall(line):
+            if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", target) or target.startswith("#"):
+                continue
+            out.append(target.split("#", 1)[0])
+    return out
+
+
+def broken_links(md: Path) -> list[str]:
+    return [t for t in relative_links(md.read_text()) if not (md.parent / t).exists()]
+
+
+def nav_pages(nav) -> list[str]:
+    """Every page file named in a mkdocs ``nav`` (nested lists of ``{title: page or [...]}``)."""
+    if isinstance(nav, str):
+        return [nav]
+    if isinstance(nav, list):
+        return [p for item in nav for p in nav_pages(item)]
+    if isinstance(nav, dict):
+        return [p for v in nav.values() for p in nav_pages(v)]
+    return []
+
+
+def _mkdocs() -> dict:
+    return yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+
+
+def test_the_readme_is_short():
+    n = len((ROOT / "README.md").read_text().splitlines())
+    assert n <= README_MAX_LINES, f"README.md has {n} lines; the site (docs/) holds the details"
+
+
+def test_the_readme_keeps_the_test_command_ci_runs():
+    assert TEST_COMMAND in (ROOT / "README.md").read_text()
+    assert TEST_COMMAND.split(" && ", 1)[1] in (ROOT / ".ci" / "run").read_text()
+
+
+def test_every_docs_page_is_in_the_nav_and_every_nav_page_exists():
+    config = _mkdocs()
+    assert config.get("docs_dir", "docs") == "docs" and config.get("strict") is True
+    nav = nav_pages(config["nav"])
+    pages = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md"))
+    assert sorted(set(pages) - set(nav)) == [], "pages in docs/ missing from mkdocs.yml's nav"
+    assert sorted(set(nav) - set(pages)) == [], "nav entries with no page in docs/"
+    assert len(nav) == len(set(nav)), "a page listed twice in the nav"
+
+
+@pytest.mark.parametrize("md", [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted(DOCS.rglob("*.md"))],
+                         ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_relative_links_point_to_files_that_exist(md):
+    assert broken_links(md) == []
+
+
+def test_the_site_pages_link_only_inside_docs():
+    """mkdocs cannot serve a link out of docs/ (``../README.md``): strict mode fails on it."""
+    for md in DOCS.rglob("*.md"):
+        outside = [t for t in relative_links(md.read_text())
+                   if not (md.parent / t).resolve().is_relative_to(DOCS)]
+        assert outside == [], f"{md.relative_to(ROOT)} links out of docs/: {outside}"
+
+
+def test_the_link_checks_see_a_violation(tmp_path):
+    """The checker on made-up pages: it can fail, and it skips what is not a file link."""
+    (tmp_path / "there.md").write_text("# there\n")
+    page = tmp_path / "page.md"
+    page.write_text("[ok](there.md#a) [gone](missing.md) ![img](gone.png) [web](https://x.org/a.md)\n"
+                    "[anchor](#local) `[code](nope.md)`\n```\n[fenced](nope2.md)\n```\n")
+    assert broken_links(page) == ["missing.md", "gone.png"]
+    assert nav_pages([{"A": "a.md"}, {"B": [{"C": "c.md"}, "d.md"]}]) == ["a.md", "c.md", "d.md"]
+
+
+def test_the_generated_reference_pages_are_current():
+    """docs/cli-reference.md and docs/strategy-parameters.md equal what docs/gen_reference.py writes
+    from the click app and the strategy registry now (rerun it after changing either)."""
+    spec = importlib.util.spec_from_file_location("gen_reference", DOCS / "gen_reference.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    for name, build in gen.PAGES.items():
+        assert (DOCS / name).read_text() == build(), f"docs/{name} is stale: run python docs/gen_reference.py"
+
+
+def test_ci_builds_the_site_strictly():
+    run = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r"^mkdocs build --strict", run, re.M), ".ci/run must build the docs site strictly"
+    assert re.search(r'^python -m pip install -q "\.\[docs\]"', run, re.M)
