@@ -241,7 +241,7 @@ class NiahMultikey(RetrievalTask):
         distinct = set(sentences)
         if len(distinct) < MIN_SENTENCES:
             sample = max(distinct, key=len)
-            raise DataError(f"{source}: the niah_multikey haystack needs real text, but it has only {len(distinct)} "
+            raise DataError(f"{source}: the {self.name} haystack needs real text, but it has only {len(distinct)} "
                             f"distinct sentence{'s' * (len(distinct) != 1)} ({len(sentences)} in all, e.g. "
                             f"{sample[:60]!r}); a few lines repeated are passkey's filler (use task: passkey) — give "
                             f"a text with at least {MIN_SENTENCES} distinct sentences")

@@ -123,8 +123,19 @@ class RulerTask(Task):
     def essay_text(self) -> str:
         """The data source's documents as one text (``DataError`` when empty)."""
         text = "\n".join(self.tokenizer.decode(d.tolist()) for d in self.documents or [])
+        source = self.source or "the data source"
         if not text.strip():
-            raise DataError(f"{self.source or 'the data source'}: no text for the essay haystack")
+            raise DataError(f"{source}: no text for the essay haystack")
+        from .needle import MIN_SENTENCES
+        from .niah_multikey import split_sentences
+
+        sentences = split_sentences(text)
+        distinct = set(sentences)
+        if len(distinct) < MIN_SENTENCES:  # as needle: a few lines tiled are passkey's filler, not an essay
+            raise DataError(f"{source}: the {self.name} essay haystack needs real text, but it has only "
+                            f"{len(distinct)} distinct sentence{'s' * (len(distinct) != 1)} ({len(sentences)} in "
+                            f"all, e.g. {max(distinct, key=len)[:60]!r}); a few lines repeated are passkey's filler "
+                            f"(use task: passkey) — give a text with at least {MIN_SENTENCES} distinct sentences")
         return text
 
     @cached_property

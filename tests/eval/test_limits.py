@@ -116,7 +116,8 @@ def test_niah_multikey_refuses_a_haystack_needle_refuses(tmp_path, tiny_model_di
     common = {"model": str(tiny_model_dir), "data": str(path), "lengths": [224], "strategies": ["vanilla"],
               "device": "cpu"}
     for task, options in (("needle", {"trials": 1, "depths": [0.5], "digits": 4, "candidates": 3}),
-                          ("niah_multikey", {"trials": 1, "depths": [0.5], "keys": 2, "digits": 4, "candidates": 3})):
+                          ("niah_multikey_depths",  # the depth-grid task ("niah_multikey" is now RULER's)
+                           {"trials": 1, "depths": [0.5], "keys": 2, "digits": 4, "candidates": 3})):
         cfg = build_config({**common, "task": task, task: options})
         with pytest.raises(DataError, match=rf"^{path}: the {task} haystack needs real text, but it has only \d "
                                             r"distinct sentences? \(\d+ in all, e.g. .*\); a few lines repeated are "
@@ -124,6 +125,11 @@ def test_niah_multikey_refuses_a_haystack_needle_refuses(tmp_path, tiny_model_di
                                             r"distinct sentences$"):
             run_sweep(cfg, tmp_path / task, progress=False)
         assert not (tmp_path / task / "results.jsonl").exists()
+    cfg = build_config({**common, "task": "niah_multikey", "lengths": [1024]})  # RULER's niah_multikey_1: an essay
+    with pytest.raises(DataError, match=rf"^{path}: the niah_multikey_1 essay haystack needs real text, but it has "
+                                        r"only \d distinct sentences? \(\d+ in all"):
+        run_sweep(cfg, tmp_path / "ruler", progress=False)
+    assert not (tmp_path / "ruler" / "manifest.json").exists()
 
 
 def test_needle_warns_when_the_haystack_repeats_its_text(tmp_path, tiny_model_dir, haystack, caplog):
