@@ -1,6 +1,7 @@
 """ropescale — swap the rotary position embedding of a Hugging Face causal LM and measure
 how far past its training window it still models text."""
 
+from ropescale.errors import RopescaleError, UnknownNameError
 from ropescale.models import load_model, save_patched
 from ropescale.patching import (
     NoRotaryEmbeddingError,
@@ -13,9 +14,11 @@ from ropescale.patching import (
 from ropescale.serving import export_for
 from ropescale.strategies import (
     REGISTRY,
+    Param,
     RopeFrequencies,
     UnknownStrategyError,
     get_strategy,
+    register,
     strategy_names,
 )
 
@@ -23,8 +26,11 @@ __version__ = "0.1.0"
 __all__ = [
     "REGISTRY",
     "NoRotaryEmbeddingError",
+    "Param",
     "PatchHandle",
     "RopeFrequencies",
+    "RopescaleError",
+    "UnknownNameError",
     "UnknownStrategyError",
     "__version__",
     "current_patch",
@@ -33,6 +39,7 @@ __all__ = [
     "get_strategy",
     "load_model",
     "patch",
+    "register",
     "save_patched",
     "strategy_names",
     "unpatch",

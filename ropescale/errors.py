@@ -11,7 +11,7 @@ those goes on working.
 
 from __future__ import annotations
 
-__all__ = ["InvalidInput", "OutputError", "RopescaleError"]
+__all__ = ["InvalidInput", "OutputError", "RopescaleError", "UnknownNameError"]
 
 
 class RopescaleError(Exception):
@@ -24,3 +24,13 @@ class InvalidInput(RopescaleError, ValueError):
 
 class OutputError(RopescaleError, ValueError):
     """A results or export folder cannot be used (not writable, a file, a full disk)."""
+
+
+class UnknownNameError(RopescaleError):
+    """No registry entry holds the name (a strategy, an evaluation task, a training recipe): the one
+    base of ``UnknownStrategyError``, ``UnknownTaskError`` and ``UnknownRecipeError``, each of which
+    also keeps its built-in base (``KeyError``, ``KeyError``, ``ValueError``). The message names the
+    close match and the known names."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""

@@ -3,33 +3,55 @@ training recipes — each added by its own module, looked up by name with a one-
 
 A ``Registry`` is a dict (name → entry) that refuses a name given twice (``ValueError``: a
 programming mistake, two modules claiming one name) and answers an unknown name with its
-``error`` type, a close match and the known names. With ``package`` set, every module of that
-package (but those starting with ``_`` and those in ``skip``) is imported on first lookup, so a
-new entry is one module dropped in the folder: it registers itself on import.
+``error`` type (an ``UnknownNameError``), a close match and the known names. Entries are found
+two ways, both on first lookup (``names``, ``lookup``; ``discover`` does it at once):
+
+- with ``package`` set, every module of that package (but those starting with ``_`` and those in
+  ``skip``) is imported, so a new entry is one module dropped in the folder: it registers itself
+  on import;
+- with ``plugins`` set (an entry-point group: ``ropescale.strategies``, ``ropescale.tasks``,
+  ``ropescale.recipes``), every ``importlib.metadata`` entry point of that group is loaded, so an
+  installed package adds entries without touching ropescale: importing its module registers them
+  with the usual decorator or base class. A plugin that fails to load is skipped with one
+  ``PluginWarning`` line naming the plugin and the error; ropescale goes on without it.
+
+A plugin package declares, in its ``pyproject.toml``::
+
+    [project.entry-points."ropescale.strategies"]
+    my_strategies = "my_package.strategies"   # the module that registers them
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.metadata
 import pkgutil
+import warnings
 from typing import Generic, TypeVar
 
-__all__ = ["Registry"]
+__all__ = ["PluginWarning", "Registry"]
 
 T = TypeVar("T")
 
 
+class PluginWarning(UserWarning):
+    """An entry-point plugin could not be loaded (it is skipped)."""
+
+
 class Registry(dict, Generic[T]):
     """``kind`` names one entry ("strategy"), ``plural`` several ("strategies"); ``error`` is
-    raised for an unknown name (a ``RopescaleError`` subclass, one line)."""
+    raised for an unknown name (an ``UnknownNameError`` subclass, one line); ``package`` is the
+    package whose modules are imported and ``plugins`` the entry-point group loaded on first
+    lookup (see the module docstring)."""
 
     def __init__(self, kind: str, plural: str, error: type[Exception], *, package: str | None = None,
-                 skip: tuple[str, ...] = ()):
+                 skip: tuple[str, ...] = (), plugins: str | None = None):
         super().__init__()
         self.kind, self.plural, self.error = kind, plural, error
-        self.package, self.skip = package, skip
-        self._discovered = package is None
+        self.package, self.skip, self.plugins = package, skip, plugins
+        self._imported = package is None
+        self._plugged = plugins is None
 
     def add(self, name: str, entry: T) -> T:
         """Register ``entry`` under ``name``; ``ValueError`` when another entry holds the name."""
@@ -39,14 +61,35 @@ class Registry(dict, Generic[T]):
         return entry
 
     def discover(self) -> None:
+        """Import every module of ``package``, then load every plugin of the ``plugins`` group, once."""
+        self.import_package()
+        self.load_plugins()
+
+    def import_package(self) -> None:
         """Import every module of ``package`` once (each registers its entries)."""
-        if self._discovered:
+        if self._imported:
             return
-        self._discovered = True
+        self._imported = True
         pkg = importlib.import_module(self.package)
         for mod in pkgutil.iter_modules(pkg.__path__):
             if not mod.name.startswith("_") and mod.name not in self.skip:
                 importlib.import_module(f"{self.package}.{mod.name}")
+
+    def load_plugins(self) -> None:
+        """Load every entry point of the ``plugins`` group once (importing its module registers
+        its entries). One that fails — an import error, a name already registered, any exception
+        — is skipped with one ``PluginWarning`` line naming it and the error."""
+        if self._plugged:
+            return
+        self._plugged = True
+        for ep in importlib.metadata.entry_points(group=self.plugins):
+            try:
+                ep.load()
+            except Exception as e:  # noqa: BLE001  (any failure of a plugin skips it, never stops ropescale)
+                error = " ".join(f"{type(e).__name__}: {e}".split())  # one line
+                # warn_explicit with line 0 of a pseudo-file: the warning prints as one line, no source line
+                warnings.warn_explicit(f"{self.plugins} plugin {ep.name!r} ({ep.value}) not loaded: {error}",
+                                       PluginWarning, filename=f"<plugin {ep.name}>", lineno=0)
 
     def names(self) -> list[str]:
         self.discover()

@@ -11,7 +11,8 @@ cell's identity (strategy, length, model, data, …) and appends the record to `
 
 Adding a task is one module (a ``Task`` subclass with ``name``, ``Options``, ``metrics``,
 ``examples``, ``measure``, ``combine`` and optionally ``plots``) plus its tests. ``combine``
-must give the same numbers however the examples were split.
+must give the same numbers however the examples were split. An installed package adds tasks through
+the entry-point group ``ropescale.tasks`` (its module defines ``Task`` subclasses; ``ropescale.registry``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, ClassVar, Union, get_args, get_origin
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
-from ropescale.errors import RopescaleError
+from ropescale.errors import UnknownNameError
 from ropescale.registry import Registry
 from ropescale.runs.memory import Need
 from ropescale.strategies import Strategy
@@ -86,13 +87,12 @@ class Metric(BaseModel):
     fmt: str = "{:.2f}"
 
 
-class UnknownTaskError(RopescaleError, KeyError):
-    def __str__(self) -> str:
-        return str(self.args[0])
+class UnknownTaskError(UnknownNameError, KeyError):
+    """No task of that name (the message lists the known ones)."""
 
 
 TASKS: Registry[type[Task]] = Registry("task", "tasks", UnknownTaskError, package=__package__,
-                                        skip=("base", "prompts"))
+                                        skip=("base", "prompts"), plugins="ropescale.tasks")
 
 
 class Task:

@@ -1,6 +1,8 @@
-"""Rotary strategies and their registry. Importing this package registers them all."""
+"""Rotary strategies and their registry. Importing this package registers them all: every module
+here (but ``registry``) is imported and registers its strategies with ``register`` — a new strategy
+module edits nothing else — and installed plugins (entry-point group ``ropescale.strategies``) are
+loaded on the first lookup (``strategy_names``, ``get_strategy``; ``ropescale.registry``)."""
 
-from ropescale.strategies import by_parts, cope, frequency, truncation  # noqa: F401  (registers them)
 from ropescale.strategies.registry import (
     REGISTRY,
     Param,
@@ -11,6 +13,8 @@ from ropescale.strategies.registry import (
     register,
     strategy_names,
 )
+
+REGISTRY.import_package()  # the bundled strategies, registered on import as they always were
 
 __all__ = ["REGISTRY", "Param", "RopeFrequencies", "Strategy", "UnknownStrategyError",
            "get_strategy", "register", "strategy_names"]

@@ -18,7 +18,7 @@ Parameters are checked by ``Strategy.validate`` (no target length) or ``Strategy
 (target length L and training window T: the one rule filling ``auto`` parameters, ``auto_value``).
 ``register(..., export=fn)`` declares how transformers expresses a strategy (``Exporter``).
 
-Raises ``UnknownStrategyError`` (a ``KeyError``) for an unknown name, with the known names
+Raises ``UnknownStrategyError`` (an ``UnknownNameError`` and a ``KeyError``) for an unknown name, with the known names
 and a close match, and ``InvalidInput`` (a ``ValueError``) naming the parameter, the bad value and the allowed
 range for bad parameters. This mirrors ``transformers.modeling_rope_utils`` with real
 errors instead of warnings.
@@ -37,7 +37,7 @@ from typing import Any, Literal, NamedTuple, get_args
 import numpy as np
 import torch
 
-from ropescale.errors import InvalidInput, RopescaleError
+from ropescale.errors import InvalidInput, UnknownNameError
 from ropescale.registry import Registry
 
 __all__ = [
@@ -140,9 +140,8 @@ class RopeFrequencies(NamedTuple):
     attention_factor: float
 
 
-class UnknownStrategyError(RopescaleError, KeyError):
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return str(self.args[0])
+class UnknownStrategyError(UnknownNameError, KeyError):
+    """No strategy of that name (the message lists the known ones)."""
 
 
 @dataclass(frozen=True)
@@ -354,7 +353,10 @@ class Strategy:
         return self.fn(**{k: context[k] for k in self.needs}, **params)
 
 
-REGISTRY: Registry[Strategy] = Registry("strategy", "strategies", UnknownStrategyError)
+# every module of ropescale.strategies but this one registers strategies (imported when the package is),
+# and installed plugins of the entry-point group ropescale.strategies do on the first lookup
+REGISTRY: Registry[Strategy] = Registry("strategy", "strategies", UnknownStrategyError, package="ropescale.strategies",
+                                        skip=("registry",), plugins="ropescale.strategies")
 
 
 def register(name: str, *, params: tuple[Param, ...] = (), source: str,

@@ -15,7 +15,8 @@ A recipe is a ``Recipe`` subclass with
   with ``sharding``).
 
 Adding a recipe is adding one module to this package: modules are imported on the first lookup
-(``get_recipe`` / ``recipe_names``), as ``eval.tasks`` discovers its tasks. Bundled: ``full`` (all
+(``get_recipe`` / ``recipe_names``), as ``eval.tasks`` discovers its tasks; an installed package adds
+one through the entry-point group ``ropescale.recipes`` (``ropescale.registry``). Bundled: ``full`` (all
 weights, the default), ``lora`` (PEFT LoRA, also the ``lora:`` config section), ``longlora``
 (LongLoRA's LoRA+, Chen et al. 2023, arXiv:2309.12307).
 """
@@ -30,13 +31,13 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ropescale.errors import RopescaleError
+from ropescale.errors import UnknownNameError
 from ropescale.registry import Registry
 
 __all__ = ["Recipe", "RecipeOptions", "UnknownRecipeError", "build_recipe", "get_recipe", "recipe_names"]
 
 
-class UnknownRecipeError(RopescaleError, ValueError):
+class UnknownRecipeError(UnknownNameError, ValueError):
     """No recipe of that name (the message lists the known ones)."""
 
 
@@ -75,7 +76,8 @@ class Recipe:
         raise NotImplementedError
 
 
-RECIPES: Registry[type[Recipe]] = Registry("recipe", "recipes", UnknownRecipeError, package=__name__)
+RECIPES: Registry[type[Recipe]] = Registry("recipe", "recipes", UnknownRecipeError, package=__name__,
+                                           plugins="ropescale.recipes")
 
 
 def recipe_names() -> list[str]:

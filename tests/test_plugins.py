@@ -1,0 +1,162 @@
+"""Plugins: an installed package adds a strategy, a task and a recipe through importlib.metadata entry
+points (groups ``ropescale.strategies``, ``ropescale.tasks``, ``ropescale.recipes``) without touching
+ropescale; a broken one is skipped with one warning line. And the registries' shared face: one base of
+the unknown-name errors, ``register`` and ``Param`` exported from ``ropescale``.
+
+The plugin is built in ``tmp_path`` as an installed distribution looks to ``importlib.metadata``: a
+package beside a ``*.dist-info`` folder holding ``METADATA`` and ``entry_points.txt``, put on
+``PYTHONPATH`` of a fresh interpreter (the registries are loaded once per process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pkgutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import ropescale
+from eval.tasks import UnknownTaskError, get_task
+from ropescale.errors import RopescaleError, UnknownNameError
+from ropescale.strategies import REGISTRY, UnknownStrategyError, get_strategy
+from ropescale.training.recipes import UnknownRecipeError, get_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+
+STRATEGIES = '''
+import torch
+
+import ropescale
+
+
+@ropescale.register("plugin_shift", params=(ropescale.Param("shift", 1.0, low=1.0),), source="a test plugin")
+def plugin_shift(dim: int, rope_theta: float, shift: float) -> ropescale.RopeFrequencies:
+    """The RoPE base multiplied by shift (a test plugin)."""
+    i = torch.arange(0, dim, 2, dtype=torch.float64)
+    return ropescale.RopeFrequencies((1.0 / (rope_theta * shift) ** (i / dim)).float(), 1.0)
+'''
+
+# in a checkout the harness is the package `eval` (`python cli.py`); installed, `ropescale_eval`
+TASKS = '''
+from eval.tasks import Metric, Task
+
+
+class PluginProbe(Task):
+    """A probe from a test plugin."""
+
+    name = "plugin_probe"
+    metrics = (Metric(key="probe", label="probe", higher_is_better=True),)
+'''
+
+RECIPES = '''
+from ropescale.training.recipes import Recipe
+
+
+class PluginRecipe(Recipe):
+    name = "plugin_recipe"
+
+    def prepare(self, model, cfg, source="config"):
+        return model
+'''
+
+
+def _distribution(site: Path, name: str, entry_points: str) -> None:
+    """A minimal installed distribution ``name`` 1.0 in ``site`` with these entry points."""
+    info = site / f"{name}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n", encoding="utf-8")
+    (info / "entry_points.txt").write_text(textwrap.dedent(entry_points), encoding="utf-8")
+
+
+def _run(site: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
+    env.pop("PYTHONWARNINGS", None)
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_plugin_package_adds_a_strategy_a_task_and_a_recipe(tmp_path):
+    pkg = tmp_path / "rs_plugin"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("", encoding="utf-8")
+    for module, text in (("strategies", STRATEGIES), ("tasks", TASKS), ("recipes", RECIPES)):
+        (pkg / f"{module}.py").write_text(text, encoding="utf-8")
+    _distribution(tmp_path, "rs_plugin", """\
+        [ropescale.strategies]
+        shift = rs_plugin.strategies
+
+        [ropescale.tasks]
+        probe = rs_plugin.tasks
+
+        [ropescale.recipes]
+        noop = rs_plugin.recipes
+        """)
+    probe = textwrap.dedent("""\
+        import json, sys
+        from eval.tasks import task_names
+        from ropescale import get_strategy, strategy_names
+        from ropescale.training.recipes import recipe_names
+        names = {"strategies": strategy_names(), "tasks": task_names(), "recipes": recipe_names()}
+        freqs = get_strategy("plugin_shift").compute({"dim": 8, "rope_theta": 100.0}, {"shift": 4.0})
+        names["inv_freq"] = freqs.inv_freq.tolist()
+        print(json.dumps(names))
+        """)
+    done = _run(tmp_path, "-c", probe)
+    assert done.returncode == 0, done.stderr
+    assert "Warning" not in done.stderr, done.stderr
+    got = json.loads(done.stdout)
+    assert "plugin_shift" in got["strategies"] and "yarn" in got["strategies"]
+    assert "plugin_probe" in got["tasks"] and "passkey" in got["tasks"]
+    assert "plugin_recipe" in got["recipes"] and "lora" in got["recipes"]
+    # the plugin's function is what runs: (100 · 4)^(−2i/8), i = 0 … 3, written out
+    assert got["inv_freq"] == pytest.approx([400.0 ** -(2 * i / 8) for i in range(4)], rel=1e-6)
+
+    listed = _run(tmp_path, "cli.py", "strategies")
+    assert listed.returncode == 0, listed.stderr
+    assert "plugin_shift" in listed.stdout and "a test plugin" in listed.stdout
+
+
+def test_a_broken_plugin_is_one_warning_line_and_ropescale_still_works(tmp_path):
+    (tmp_path / "rs_broken.py").write_text("import rs_no_such_module\n", encoding="utf-8")
+    _distribution(tmp_path, "rs_broken", """\
+        [ropescale.strategies]
+        broken = rs_broken
+        """)
+    done = _run(tmp_path, "cli.py", "strategies")
+    assert done.returncode == 0, done.stderr
+    assert "yarn" in done.stdout  # the bundled strategies are all there
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr  # no traceback
+    assert "PluginWarning" in lines[0] and "'broken'" in lines[0] and "rs_broken" in lines[0]
+    assert "ModuleNotFoundError: No module named 'rs_no_such_module'" in lines[0]
+
+
+@pytest.mark.parametrize(("lookup", "error", "builtin"), [
+    (get_strategy, UnknownStrategyError, KeyError),
+    (get_task, UnknownTaskError, KeyError),
+    (get_recipe, UnknownRecipeError, ValueError),
+])
+def test_unknown_names_share_one_base(lookup, error, builtin):
+    with pytest.raises(UnknownNameError) as caught:
+        lookup("no_such_name")
+    err = caught.value
+    assert type(err) is error and isinstance(err, builtin) and isinstance(err, RopescaleError)
+    assert str(err).startswith("unknown ") and "'no_such_name'" in str(err)  # one line, not KeyError's repr
+    assert "\n" not in str(err)
+
+
+def test_register_and_param_are_exported():
+    from ropescale.strategies import Param, register
+
+    assert ropescale.register is register and ropescale.Param is Param
+    assert {"register", "Param", "UnknownNameError"} <= set(ropescale.__all__)
+
+
+def test_every_strategy_module_is_discovered():
+    """Each module of ropescale.strategies (but the registry) registers strategies on import."""
+    modules = {f"ropescale.strategies.{m.name}" for m in pkgutil.iter_modules(ropescale.strategies.__path__)}
+    assert {s.fn.__module__ for s in REGISTRY.values()} == modules - {"ropescale.strategies.registry"}
