@@ -10,8 +10,8 @@ inspect, base-bound, lm-eval, plot and reference (train and card of the bundled 
     ropescale finetune configs/finetune-pi.yaml [--set key=value ...] [--output DIR]
     ropescale search configs/search-yarn.yaml [--set key=value ...] [--output DIR] [-q]
     ropescale patch --model reference --strategy yarn:factor=4 --output runs/yarn4
-    ropescale patch --model reference --strategy yarn:factor=8 --target vllm --serve-length 1024 -o runs/y8
-    ropescale parity --model reference --strategy yarn --length 512 --end-to-end -o runs/parity
+    ropescale patch --model reference --strategy yarn:factor=8 --engine vllm --serve-length 1024 -o runs/y8
+    ropescale parity --model reference --strategy yarn --lengths 512 --end-to-end -o runs/parity
     ropescale compare runs/pi runs/yarn --length 512 -o compare.png [--before runs/base]
     ropescale inspect --model reference --strategy yarn --length 1024 -o runs/inspect
     ropescale base-bound [--dims 32,64,128] [--lengths 128,256,...]
@@ -35,7 +35,7 @@ import math
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import click
 
@@ -91,6 +91,73 @@ class RopescaleGroup(click.Group):
         traceback.print_exc(file=sys.stderr)
         click.echo(f"\n{BUG_REPORT}", err=True)
         ctx.exit(BUG_EXIT)
+
+
+class VocabOption(click.Option):
+    """An option with old spellings kept working: ``deprecated`` names parse as the option does
+    (same value, same ``multiple``), are left out of ``--help`` and of error hints, and print a
+    one-line deprecation note on stderr when used (``VocabCommand``). The one vocabulary the CLI
+    uses is checked by tests/test_cli_vocabulary.py."""
+
+    def __init__(self, param_decls, *, deprecated: tuple[str, ...] = (), **kwargs):
+        self.deprecated_names = tuple(deprecated)
+        super().__init__([*param_decls, *self.deprecated_names], **kwargs)
+
+    def _current(self, method, ctx):
+        saved = self.opts
+        self.opts = [o for o in saved if o not in self.deprecated_names]
+        try:
+            return method(ctx)
+        finally:
+            self.opts = saved
+
+    def get_help_record(self, ctx):
+        return self._current(super().get_help_record, ctx)
+
+    def get_error_hint(self, ctx):
+        return self._current(super().get_error_hint, ctx)
+
+    def current_name(self) -> str:
+        """The spelling to use: the first long name that is not deprecated."""
+        return next(o for o in self.opts if o.startswith("--") and o not in self.deprecated_names)
+
+
+class VocabCommand(click.Command):
+    """A command whose ``VocabOption`` old spellings are noted on stderr when used."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        old = {name: p for p in self.params if isinstance(p, VocabOption) for name in p.deprecated_names}
+        for arg in args:
+            if arg == "--":
+                break
+            name = arg.split("=", 1)[0]
+            if name in old:
+                click.echo(f"Warning: {name} is deprecated; use {old[name].current_name()}", err=True)
+        return super().parse_args(ctx, args)
+
+
+RopescaleGroup.command_class = VocabCommand
+RopescaleGroup.group_class = type  # `reference`'s subcommands get the same classes
+
+
+class EngineChoice(click.Choice):
+    """The serving engines by one name each (``transformers``, ``vllm``, ``llama.cpp``); ``gguf``,
+    the file format ``patch --target`` used to name llama.cpp by, still parses, with a note."""
+
+    OLD: ClassVar[dict[str, str]] = {"gguf": "llama.cpp"}
+
+    def __init__(self) -> None:
+        super().__init__(["transformers", "vllm", "llama.cpp"])
+
+    def convert(self, value, param, ctx):
+        if value in self.OLD:
+            click.echo(f"Warning: engine {value!r} is deprecated; use {self.OLD[value]!r}", err=True)
+            value = self.OLD[value]
+        return super().convert(value, param, ctx)
+
+
+# the library's export targets by engine (ropescale.serving.export.TARGETS names llama.cpp's by its file format)
+EXPORT_TARGET = {"transformers": "transformers", "vllm": "vllm", "llama.cpp": "gguf"}
 
 
 def _strategy(spec: str):
@@ -149,6 +216,25 @@ def _lengths(ctx, param, value):
         return [int(x) for x in value.split(",") if x.strip()]
     except ValueError:
         raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+
+
+def _length_list(ctx, param, values):
+    """A repeatable option of comma-separated lengths (``--lengths 512,1024 --lengths 2048``) → ints."""
+    out = []
+    for value in values:
+        out += _lengths(ctx, param, value)
+    return out
+
+
+# the one spelling of the training window T (the field's term); the CLI's error lines name it
+T_FLAG = "--original-max-position-embeddings"
+
+
+def _no_progress_bars() -> None:
+    """``-q`` on commands whose only progress output is transformers' loading bars."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def _common_options(fn):
@@ -267,17 +353,21 @@ def finetune(config, overrides, output, model, strategy_spec, data, length, step
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="override a config key (budget=40, fixed.factor=8, search.beta_fast=[4,64])")
 @click.option("--output", "-o", type=click.Path(file_okay=False), help="search folder (default: output: in the config)")
+@click.option("--device", help="auto, cpu, cuda ... (default: device: in the config)")
 @click.option("--quiet", "-q", is_flag=True, help="no progress output")
-def search(config, overrides, output, quiet) -> None:
+def search(config, overrides, output, device, quiet) -> None:
     """Search a strategy's numeric parameters for a model and target length(s) on a search split
     (Optuna TPE or CMA-ES; resumable; several processes may share a folder); writes best.json,
     trials.csv, results.md and search.png."""
-    from ropescale.runs.config import ConfigError
+    from ropescale.runs.config import ConfigError, apply_overrides, read_yaml
 
-    load_search_config, = harness("search.config", "load_search_config")
+    build_search_config, = harness("search.config", "build_search_config")
     run_search, = harness("search.run", "run_search")
 
-    cfg = load_search_config(config, list(overrides))
+    raw = read_yaml(config)
+    if device is not None:
+        raw = {**raw, "device": device}
+    cfg = build_search_config(apply_overrides(raw, list(overrides)), str(config))
     out = output or cfg.output
     if not out:
         raise ConfigError(f"{config}: output: no search folder; give --output DIR or set output:")
@@ -313,29 +403,34 @@ def _layer_table(rows: list[dict]) -> str:
               show_default=True, help="dynamic strategies under the KV cache: exact or approximate")
 @click.option("--dynamic-block", type=int, default=1, show_default=True,
               help="dynamic strategies change scale once per this many tokens")
-@click.option("--target", type=click.Choice(["transformers", "vllm", "gguf"]), default="transformers",
+@click.option("--engine", cls=VocabOption, deprecated=("--target",), type=EngineChoice(), default="transformers",
               show_default=True, help="the engine to serve it with")
-@click.option("--serve-length", type=int, help="length to serve (tokens); required for vllm and gguf")
+@click.option("--serve-length", type=int, help="length to serve (tokens); required for vllm and llama.cpp")
 @click.option("--gguf", "gguf_path", type=click.Path(dir_okay=False),
-              help="gguf target: the unpatched model's GGUF to rewrite (llama.cpp's converter output)")
+              help="llama.cpp: the unpatched model's GGUF to rewrite (llama.cpp's converter output)")
 @click.option("--freeze-dynamic-at", type=int,
-              help="dynamic NTK, vllm and gguf targets: serve it static at this length (vllm default: the serve "
+              help="dynamic NTK, vllm and llama.cpp: serve it static at this length (vllm default: the serve "
                    "length)")
+@click.option("--device", default="cpu", show_default=True, help="where to load the model: cpu, cuda, cuda:1 ...")
+@click.option("--quiet", "-q", is_flag=True, help="no progress output (transformers' loading bars)")
 def patch_cmd(model, strategy_spec, output, dry_run, original_max_position_embeddings, layer_types,
-              dynamic_cache, dynamic_block, target, serve_length, gguf_path, freeze_dynamic_at) -> None:
+              dynamic_cache, dynamic_block, engine, serve_length, gguf_path, freeze_dynamic_at, device,
+              quiet) -> None:
     """Save a patched model for an engine. transformers: strategies it implements are written into
     config.json (plain from_pretrained reproduces them), others need ropescale.load_model. vllm: the
     folder with the config.json vLLM computes the same rotation from, and vllm.json (max_model_len,
-    hf_overrides). gguf: OUT/model.gguf, the --gguf file with its rope metadata rewritten.
+    hf_overrides). llama.cpp: OUT/model.gguf, the --gguf file with its rope metadata rewritten.
     What an engine cannot express is refused with the reason. --dry-run prints, per attention layer,
     the rope type, θ, rotary dim, layout, T and the rule applied (or "no RoPE, untouched")."""
     import json
 
     import ropescale
 
+    if quiet:
+        _no_progress_bars()
     if dry_run:
         spec = _strategy(strategy_spec)
-        m, _ = ropescale.load_model(model, device="cpu")
+        m, _ = ropescale.load_model(model, device=device)
         ropescale.unpatch(m)
         handle = ropescale.patch(m, spec.name, original_max_position_embeddings=original_max_position_embeddings,
                                  layer_types=layer_types.split(",") if layer_types else None,
@@ -346,10 +441,12 @@ def patch_cmd(model, strategy_spec, output, dry_run, original_max_position_embed
         return
     if output is None:
         raise InvalidInput("patch needs --output (the folder to write), or --dry-run")
-    if target != "transformers" and serve_length is None:
-        raise InvalidInput(f"--target {target} needs --serve-length (the length to serve, tokens)")
-    if target == "gguf" and not gguf_path:
-        raise InvalidInput("--target gguf rewrites an existing GGUF: give the unpatched model's with --gguf BASE.gguf")
+    if engine != "transformers" and serve_length is None:
+        raise InvalidInput(f"--engine {engine} needs --serve-length (the length to serve, tokens)")
+    if engine == "llama.cpp" and not gguf_path:
+        raise InvalidInput("--engine llama.cpp rewrites an existing GGUF: give the unpatched model's with "
+                           "--gguf BASE.gguf")
+    target = EXPORT_TARGET[engine]
     spec = _strategy(strategy_spec)
     from ropescale.models import resolve_model
     from ropescale.serving.export import check_export
@@ -358,7 +455,7 @@ def patch_cmd(model, strategy_spec, output, dry_run, original_max_position_embed
     # what needs no model is refused before loading it (export_for checks it all again)
     check_export(target, serve_length, output, gguf=gguf_path, freeze_dynamic_at=freeze_dynamic_at,
                  source=source if source.is_dir() else None)
-    m, tok = ropescale.load_model(model, device="cpu")
+    m, tok = ropescale.load_model(model, device=device)
     ropescale.unpatch(m)
     ropescale.patch(m, spec.name, original_max_position_embeddings=original_max_position_embeddings,
                     layer_types=layer_types.split(",") if layer_types else None,
@@ -366,7 +463,7 @@ def patch_cmd(model, strategy_spec, output, dry_run, original_max_position_embed
                     **spec.params)
     result = ropescale.export_for(m, target, serve_length, output, tokenizer=tok, gguf=gguf_path,
                                   freeze_dynamic_at=freeze_dynamic_at)
-    click.echo(f"saved {spec.display} patch of {model} for {target} to {result.path}")
+    click.echo(f"saved {spec.display} patch of {model} for {engine} to {result.path}")
     for note in result.notes:
         click.echo(f"  {note}")
     if target == "transformers":
@@ -382,7 +479,8 @@ def patch_cmd(model, strategy_spec, output, dry_run, original_max_position_embed
 @click.option("--model", help="bundled name, local path or hub id (its config gives d, rope_theta and T)")
 @click.option("--head-dim", type=int, help="without --model: rotary dim d")
 @click.option("--rope-theta", type=float, help="without --model: RoPE base b")
-@click.option("--training-length", type=int, help="without --model: training window T (tokens)")
+@click.option("--original-max-position-embeddings", "training_length", cls=VocabOption,
+              deprecated=("--training-length",), type=int, help="without --model: training window T (tokens)")
 @click.option("--strategy", "strategy_specs", multiple=True, required=True, metavar="NAME[:k=v,...]",
               help="repeatable; parameters a sweep fills (factor, n_max, window) follow --length")
 @click.option("--length", type=int, required=True, help="target length L (tokens)")
@@ -392,8 +490,10 @@ def patch_cmd(model, strategy_spec, output, dry_run, original_max_position_embed
                                                 "L tokens (loads the model's weights; frequency strategies)")
 @click.option("--data", default="kjv-heldout", show_default=True, help="text for --attention")
 @click.option("--output", "-o", required=True, type=click.Path(file_okay=False))
+@click.option("--device", default="cpu", show_default=True, help="where --attention loads the model: cpu, cuda ...")
+@click.option("--quiet", "-q", is_flag=True, help="no progress output (transformers' loading bars)")
 def inspect(model, head_dim, rope_theta, training_length, strategy_specs, length, pairs, attention, data,
-            output) -> None:
+            output, device, quiet) -> None:
     """Draw what each strategy does to the rotary geometry: wavelengths per pair, rotation angles
     and aliasing, long-range decay, the base bound; writes PNGs and summary.json."""
     import torch
@@ -405,18 +505,18 @@ def inspect(model, head_dim, rope_theta, training_length, strategy_specs, length
     specs = [_strategy(s) for s in strategy_specs]
     if model:
         bare = [f for f, v in (("--head-dim", head_dim), ("--rope-theta", rope_theta),
-                               ("--training-length", training_length)) if v is not None]
+                               (T_FLAG, training_length)) if v is not None]
         if bare:
             raise InvalidInput(f"{', '.join(bare)} describe a bare configuration; with --model the model's own "
                                "config is used: give one or the other")
         cfg = rotary_config_of_model(model)
     else:
         missing = [f for f, v in (("--head-dim", head_dim), ("--rope-theta", rope_theta),
-                                  ("--training-length", training_length)) if v is None]
+                                  (T_FLAG, training_length)) if v is None]
         if missing:
             raise InvalidInput(f"give --model, or a bare configuration: missing {', '.join(missing)}")
         if head_dim < 2 or head_dim % 2 or not (math.isfinite(rope_theta) and rope_theta > 1) or training_length < 2:
-            raise InvalidInput("--head-dim must be even and >= 2, --rope-theta finite and > 1, --training-length >= 2")
+            raise InvalidInput(f"--head-dim must be even and >= 2, --rope-theta finite and > 1, {T_FLAG} >= 2")
         cfg = RotaryConfig(head_dim, rope_theta, training_length, rope_inv_freq(head_dim, rope_theta).double(),
                            f"d={head_dim}, b={rope_theta:g}, T={training_length}")
     extra = None
@@ -432,7 +532,9 @@ def inspect(model, head_dim, rope_theta, training_length, strategy_specs, length
         from ropescale import load_model, unpatch
         from ropescale.runs.data import DataSpec, load_documents, tokenize_documents
 
-        m, tok = load_model(model, device="cpu")
+        if quiet:
+            _no_progress_bars()
+        m, tok = load_model(model, device=device)
         unpatch(m)
         stream = torch.cat(tokenize_documents(tok, load_documents(DataSpec(data))))
         if stream.numel() < length:
@@ -517,13 +619,11 @@ def compare(runs, length, output, title, at, before) -> None:
     steps in one figure, and Markdown tables (PPL by step; each run's last evaluation with the
     first step reaching the first run's final PPL); with --before, the harness's perplexity and
     passkey results of each run's strategy on the base model next to the fine-tuned model's."""
-    read_runs, compare_runs, RunsArgumentError = harness("compare", "read_runs", "compare", "RunsArgumentError")
+    read_runs, compare_runs = harness("compare", "read_runs", "compare")
     check_figure, = harness("writable", "check_figure")
     check_figure(output, f"-o {output}")  # a figure it cannot save or write: one line, before reading the runs
-    try:  # what the arguments name must be there: usage errors (exit 2), as click's own
-        records = read_runs(list(runs), length, list(before))
-    except RunsArgumentError as e:  # what is in the files (a log line that is not a record): exit 1, one line
-        raise click.UsageError(str(e)) from None
+    # a folder that is not a run, a length it has no PPL at: InvalidInput, one line and exit 1 as everywhere
+    records = read_runs(list(runs), length, list(before))
     click.echo(compare_runs(records, list(runs), length, output, title=title, at=at, before=list(before)))
     click.echo(f"\nfigure: {output}")
 
@@ -547,10 +647,12 @@ def lm_eval_cmd(args) -> None:
 
 
 @main.command()
-@click.argument("results", type=click.Path(exists=True, dir_okay=False))
+@click.argument("results", type=click.Path(dir_okay=False))
 @click.option("--output", "-o", type=click.Path(file_okay=False), help="default: beside RESULTS")
 def plot(results, output) -> None:
     """Rebuild results.csv/md and the plots from a results.jsonl."""
+    if not Path(results).is_file():  # the user's input, as on every command: one line, exit 1 (not click's 2)
+        raise InvalidInput(f"{results}: no such results file (a results.jsonl `ropescale eval` wrote)")
     write_reports, = harness("report", "write_reports")
     read_results, = harness("sweep", "read_results")
 
@@ -575,7 +677,8 @@ def reference() -> None:
               help="model folder to write")
 @click.option("--steps", type=click.IntRange(min=1), default=1500, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True)
-@click.option("--window", type=click.IntRange(min=2), default=128, show_default=True, help="training window T (tokens)")
+@click.option("--original-max-position-embeddings", "window", cls=VocabOption, deprecated=("--window",),
+              type=click.IntRange(min=2), default=128, show_default=True, help="training window T (tokens)")
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=2e-3, show_default=True)
 @click.option("--warmup", type=click.IntRange(min=0), default=100, show_default=True)
 @click.option("--vocab-size", type=click.IntRange(min=260), default=4096, show_default=True)
@@ -621,10 +724,11 @@ def reference_card(model, threads, plot) -> None:
 @main.command()
 @click.option("--model", default="reference", show_default=True, help="bundled name, local path or hub id")
 @click.option("--strategy", "strategy_specs", multiple=True, required=True, metavar="NAME[:k=v,...]",
-              help="repeatable; parameters a sweep fills (factor …) follow each --length")
-@click.option("--length", "lengths", multiple=True, required=True, type=int,
-              help="served length L (tokens); repeatable")
-@click.option("--engine", "engine_list", default="transformers,vllm,llama.cpp", show_default=True,
+              help="repeatable; parameters a sweep fills (factor …) follow each of --lengths")
+@click.option("--lengths", "lengths", cls=VocabOption, deprecated=("--length",), multiple=True, required=True,
+              callback=_length_list, help="served lengths L in tokens, comma-separated (e.g. 512,1024); repeatable")
+@click.option("--engines", "engine_list", cls=VocabOption, deprecated=("--engine",),
+              default="transformers,vllm,llama.cpp", show_default=True,
               help="comma-separated: transformers (in process), vllm, llama.cpp")
 @click.option("--end-to-end", is_flag=True,
               help="also score held-out text through the real engines (needs them installed: bench/engines/install.sh)")
@@ -639,9 +743,11 @@ def reference_card(model, threads, plot) -> None:
               help="also rows for what was served before these exports: save_patched's config.json given to vLLM, "
                    "llama.cpp's converter run on it")
 @click.option("--output", "-o", required=True, type=click.Path(file_okay=False))
+@click.option("--device", default="cpu", show_default=True,
+              help="where the in-process transformers model runs: cpu, cuda ...")
 @click.option("--quiet", "-q", is_flag=True, help="no progress output")
 def parity(model, strategy_specs, lengths, engine_list, end_to_end, data, windows, freeze_dynamic, gguf_path,
-           baseline, output, quiet) -> None:
+           baseline, output, device, quiet) -> None:
     """Per engine (plain transformers, vLLM, llama.cpp) × strategy × length: the frequencies, cos/sin magnitude and
     softmax scale the engine computes from ropescale's export against ropescale's, the largest
     angle difference up to L and a verdict — from the engine's own code where installed, from
@@ -658,7 +764,7 @@ def parity(model, strategy_specs, lengths, engine_list, end_to_end, data, window
             say(engine_status(e))
     rows, meta = run_parity(model, specs, list(lengths), engines=engines, end_to_end=end_to_end, data=data,
                             windows=windows, output=output, freeze_dynamic=freeze_dynamic, gguf=gguf_path,
-                            baseline=baseline, say=say)
+                            baseline=baseline, say=say, device=device)
     paths = write_parity(rows, output, meta)
     for r in rows:
         e2e = "" if r.max_abs_dlogp is None else f"  max|Δlog p| {r.max_abs_dlogp:.2g}"

@@ -24,7 +24,7 @@ __all__ = ["RunsArgumentError", "before_after", "by_step_table", "compare", "fin
 
 class RunsArgumentError(InvalidInput):
     """What the arguments name is not there (a folder without its log or results, a length not
-    evaluated, a folder given twice): ``ropescale compare`` shows it as a usage error."""
+    evaluated, a folder given twice): ``ropescale compare`` refuses it in one line, exit 1."""
 
 
 def plot_runs(runs: dict[str, list[dict]], length: int, path: Path, *, title: str = "",

@@ -160,7 +160,7 @@ def _windows(tokenizer, data: str, lengths: list[int], windows: int) -> dict[int
 def _our_logprobs(model, windows: list[list[int]]) -> list[list[float]]:
     out = []
     for ids in windows:
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=model.device)
         logits = model(x).logits[0].double()
         logp = torch.log_softmax(logits, -1)[:-1].gather(1, x[0, 1:, None])[:, 0]
         out.append(logp.tolist())
@@ -180,7 +180,7 @@ def _slug(strategy: str, length: int) -> str:
 def run_parity(model: str, specs: list, lengths: list[int], *, engines: list[str], end_to_end: bool = False,
                data: str = "kjv-heldout", windows: int = 1, output: str | Path,
                freeze_dynamic: bool = True, gguf: str | None = None, baseline: bool = False,
-               say: Callable[[str], None] | None = None) -> tuple[list[ParityRow], dict]:
+               say: Callable[[str], None] | None = None, device: str = "cpu") -> tuple[list[ParityRow], dict]:
     """``(rows, meta)``: the parity rows of ``specs`` (``StrategySpec``) × ``lengths`` [tokens] × ``engines`` (see
     the module docstring); writes nothing but the exports and logs (``write_parity`` writes the
     report). ``freeze_dynamic``: dynamic NTK is exported frozen at each L (both engines serve one
@@ -189,7 +189,7 @@ def run_parity(model: str, specs: list, lengths: list[int], *, engines: list[str
     L tokens per length for ``end_to_end``. ``baseline``: also rows for what a user served before this
 export existed (``AS_WRITTEN``; the issue's known non-parities), for strategies transformers
 expresses; the llama.cpp ones need llama.cpp installed (its converter). ``say``: progress lines
-(None: quiet). ``meta``: model,
+(None: quiet). ``device``: where the in-process transformers model runs. ``meta``: model,
 data, windows, T, d, lengths, one line per engine (version and where it ran, or that it was absent)."""
     from ropescale import load_model, patch, unpatch
     from ropescale.models import model_rope_config, resolve_model
@@ -199,13 +199,13 @@ data, windows, T, d, lengths, one line per engine (version and where it ran, or 
     say = say or (lambda _m: None)
     bad = [e for e in engines if e not in ENGINE_NAMES]
     if bad or not engines:
-        raise InvalidInput(f"--engine {','.join(bad) or '(none)'}: choose from {', '.join(ENGINE_NAMES)}")
+        raise InvalidInput(f"--engines {','.join(bad) or '(none)'}: choose from {', '.join(ENGINE_NAMES)}")
     if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in lengths):
-        raise InvalidInput(f"--length {', '.join(map(str, lengths)) or '(none)'}: lengths must be whole numbers "
+        raise InvalidInput(f"--lengths {', '.join(map(str, lengths)) or '(none)'}: lengths must be whole numbers "
                            "of tokens >= 2")
     big = [n for n in lengths if n > MAX_LENGTH]
     if big:  # before the transformers row allocates cos/sin for every position
-        raise InvalidInput(f"--length {big[0]}: beyond any model: RoPE angles come from float32 positions, exact only "
+        raise InvalidInput(f"--lengths {big[0]}: beyond any model: RoPE angles come from float32 positions, exact only "
                            f"up to 2^24 = {MAX_LENGTH} tokens; use lengths of at most {MAX_LENGTH}")
     if isinstance(windows, bool) or not isinstance(windows, int) or windows < 1:
         raise InvalidInput(f"--windows {windows}: must be a whole number >= 1")
@@ -220,7 +220,7 @@ data, windows, T, d, lengths, one line per engine (version and where it ran, or 
     rope_cfg = model_rope_config(model)
     train, dim = rope_cfg.original_max_position_embeddings, rope_cfg.dim
     src = Path(resolve_model(model))
-    m, tok = load_model(model, device="cpu")
+    m, tok = load_model(model, device=device)
     unpatch(m)
     ids = _windows(tok, data, lengths, windows) if end_to_end else {}
     installed = {e: e == "transformers" or engine_python(e) is not None for e in engines}

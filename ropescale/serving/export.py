@@ -58,7 +58,7 @@ def check_export(target: str, serve_length: int | None, output, *, gguf=None, fr
         raise InvalidInput(f"unknown export target {target!r}; choose one of {', '.join(TARGETS)}")
     if gguf is not None and target != "gguf":
         raise InvalidInput(f"a GGUF to rewrite (--gguf {gguf}) is read by the gguf target only; the {target} target "
-                           "writes a model folder from the weights: leave --gguf out, or use --target gguf")
+                           "writes a model folder from the weights: leave --gguf out, or use --engine llama.cpp")
     if target == "gguf" and gguf is None:
         raise InvalidInput("the gguf target rewrites an existing GGUF: give the base model's (--gguf BASE.gguf)")
     length = None if serve_length is None and target == "transformers" else check_length(serve_length)

@@ -35,7 +35,7 @@ def test_bundled_model_at_8t(tmp_path):
 
 
 def test_bare_configuration_and_attention(tmp_path):
-    res = run("--head-dim", 64, "--rope-theta", 10000, "--training-length", 256, "--strategy", "yarn",
+    res = run("--head-dim", 64, "--rope-theta", 10000, "--original-max-position-embeddings", 256, "--strategy", "yarn",
               "--length", 512, "--pair", 0, "--pair", 5, "-o", tmp_path / "bare")
     assert res.exit_code == 0, res.output
     s = json.loads((tmp_path / "bare" / "summary.json").read_text())
@@ -69,11 +69,11 @@ def test_bad_input_is_one_line(tmp_path, args, message):
 @pytest.mark.parametrize("theta", ["nan", "inf", "-inf"])
 def test_a_non_finite_rope_theta_is_refused(tmp_path, theta):
     # nan passed the `> 1` check (every comparison with nan is false) and ended in a traceback; inf wrote plots
-    res = run("--head-dim", 64, "--rope-theta", theta, "--training-length", 256, "--strategy", "yarn",
+    res = run("--head-dim", 64, "--rope-theta", theta, "--original-max-position-embeddings", 256, "--strategy", "yarn",
               "--length", 1024, "-o", tmp_path)
     assert res.exit_code == 1
     assert res.output == ("Error: --head-dim must be even and >= 2, --rope-theta finite and > 1, "
-                          "--training-length >= 2\n")
+                          "--original-max-position-embeddings >= 2\n")
     assert not any(tmp_path.iterdir())
 
 
@@ -85,7 +85,8 @@ def test_lengths_that_cannot_run_are_refused_before_allocating(tmp_path):
         assert res.output == (f"Error: length {length} is beyond any model: RoPE angles come from float32 positions,"
                               " exact only up to 2^24 = 16777216 tokens; use a length of at most 16777216\n")
     # within 2^24 but larger than this machine: the estimate is named, nothing is allocated
-    res = run("--head-dim", 256, "--rope-theta", 500000, "--training-length", 8192, "--strategy", "yarn",
+    res = run("--head-dim", 256, "--rope-theta", 500000, "--original-max-position-embeddings", 8192,
+              "--strategy", "yarn",
               "--length", 16_000_000, "-o", tmp_path / "m")
     assert res.exit_code == 1 and res.output.startswith(
         "Error: inspect at L = 16000000 tokens, d = 256 needs about 61.0 GiB (angle tables 61.0 GiB); this machine has")
@@ -138,7 +139,7 @@ def test_relative_rule_map_is_the_full_matrix_on_a_grid():
                                                       "dim 64 needs 32"),
 ])
 def test_hostile_strategy_parameters_are_one_line_and_write_nothing(tmp_path, strategy, message):
-    res = run("--head-dim", 64, "--rope-theta", 10000, "--training-length", 256, "--strategy", "yarn",
+    res = run("--head-dim", 64, "--rope-theta", 10000, "--original-max-position-embeddings", 256, "--strategy", "yarn",
               "--strategy", strategy, "--length", 1024, "-o", tmp_path / "out")
     assert res.output == f"Error: {message}\n" and res.exit_code == 1
     assert not (tmp_path / "out").exists()

@@ -242,22 +242,23 @@ def test_markdown_names_model_and_settings_and_escapes_pipes():
 # --- the CLI -------------------------------------------------------------------------------------
 
 def test_cli_end_to_end_without_the_engine_is_one_line(tiny_model_dir, tmp_path, no_engines):
-    res = CliRunner().invoke(main, ["parity", "--model", str(tiny_model_dir), "--strategy", "linear", "--length", "64",
-                                    "--engine", "vllm", "--end-to-end", "-o", str(tmp_path / "o")])
+    res = CliRunner().invoke(main, ["parity", "--model", str(tiny_model_dir), "--strategy", "linear", "--lengths", "64",
+                                    "--engines", "vllm", "--end-to-end", "-o", str(tmp_path / "o")])
     assert res.exit_code == 1
     lines = res.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: vLLM is not installed") and "install.sh" in lines[0]
 
 
 def test_cli_unknown_engine_is_one_line(tiny_model_dir, tmp_path, no_engines):
-    res = CliRunner().invoke(main, ["parity", "--model", str(tiny_model_dir), "--strategy", "linear", "--length", "64",
-                                    "--engine", "tgi", "-o", str(tmp_path / "o")])
-    assert res.exit_code == 1 and res.output.strip() == "Error: --engine tgi: choose from transformers, vllm, llama.cpp"
+    res = CliRunner().invoke(main, ["parity", "--model", str(tiny_model_dir), "--strategy", "linear", "--lengths", "64",
+                                    "--engines", "tgi", "-o", str(tmp_path / "o")])
+    assert res.exit_code == 1
+    assert res.output.strip() == "Error: --engines tgi: choose from transformers, vllm, llama.cpp"
 
 
 def test_cli_without_engines_writes_the_reports(tiny_model_dir, tmp_path, no_engines):
     res = CliRunner().invoke(main, ["parity", "--model", str(tiny_model_dir), "--strategy", "yarn", "--strategy",
-                                    "self_extend", "--length", "64", "-o", str(tmp_path / "o")])
+                                    "self_extend", "--lengths", "64", "-o", str(tmp_path / "o")])
     assert res.exit_code == 0, res.output
     assert "vllm      yarn" in res.output and "refused: vLLM: self_extend" in res.output
     assert sorted(p.name for p in (tmp_path / "o").glob("parity.*")) == \
@@ -277,9 +278,9 @@ def test_the_engine_python_is_found_by_variable_then_prefix(tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--length", "1"], "Error: --length 1: lengths must be whole numbers of tokens >= 2"),
-    (["--length", "64", "--windows", "0"], "Error: --windows 0: must be a whole number >= 1"),
-    (["--length", "64", "--gguf", "missing.gguf"], "Error: --gguf missing.gguf: no such GGUF file"),
+    (["--lengths", "1"], "Error: --lengths 1: lengths must be whole numbers of tokens >= 2"),
+    (["--lengths", "64", "--windows", "0"], "Error: --windows 0: must be a whole number >= 1"),
+    (["--lengths", "64", "--gguf", "missing.gguf"], "Error: --gguf missing.gguf: no such GGUF file"),
 ])
 def test_cli_bad_length_windows_or_gguf_is_one_line_exit_1(tiny_model_dir, tmp_path, no_engines, args, message):
     res = CliRunner().invoke(main, ["parity", "--model", str(tiny_model_dir), "--strategy", "linear", *args,
@@ -291,10 +292,10 @@ def test_cli_bad_length_windows_or_gguf_is_one_line_exit_1(tiny_model_dir, tmp_p
 # --- hostile engines and lengths (issue 26): one line, exit 1, no report --------------------------
 
 def test_cli_a_length_past_2_24_is_refused_before_any_work(tiny_model_dir, tmp_path, no_engines):
-    res = CliRunner().invoke(main, ["parity", "--model", str(tiny_model_dir), "--strategy", "linear", "--length",
-                                    str(2 ** 24 + 1), "--engine", "vllm,llama.cpp", "-o", str(tmp_path / "o")])
+    res = CliRunner().invoke(main, ["parity", "--model", str(tiny_model_dir), "--strategy", "linear", "--lengths",
+                                    str(2 ** 24 + 1), "--engines", "vllm,llama.cpp", "-o", str(tmp_path / "o")])
     assert res.exit_code == 1
-    assert res.output.strip() == ("Error: --length 16777217: beyond any model: RoPE angles come from float32 "
+    assert res.output.strip() == ("Error: --lengths 16777217: beyond any model: RoPE angles come from float32 "
                                   "positions, exact only up to 2^24 = 16777216 tokens; use lengths of at most 16777216")
     assert not (tmp_path / "o").exists()
 

@@ -1,4 +1,4 @@
-"""export_for and `ropescale patch --target`: the files each engine is given, and refusals before
+"""export_for and `ropescale patch --engine`: the files each engine is given, and refusals before
 anything is written."""
 
 import json
@@ -128,7 +128,7 @@ def test_refusals_and_bad_input_write_nothing(loaded, tmp_path, base_gguf):
 
 
 def test_cli_patch_target_vllm_prints_the_serve_line(run, tmp_path, tiny_model_dir):
-    res = run("patch", "--model", tiny_model_dir, "--strategy", "llama3:factor=4", "--target", "vllm",
+    res = run("patch", "--model", tiny_model_dir, "--strategy", "llama3:factor=4", "--engine", "vllm",
               "--serve-length", "128", "-o", tmp_path / "l3")
     assert res.exit_code == 0, res.output
     assert f"vllm serve {tmp_path / 'l3'} --max-model-len 128" in res.output
@@ -136,18 +136,18 @@ def test_cli_patch_target_vllm_prints_the_serve_line(run, tmp_path, tiny_model_d
 
 
 def test_cli_patch_target_gguf(run, tmp_path, tiny_model_dir, base_gguf):
-    res = run("patch", "--model", tiny_model_dir, "--strategy", "dynamic_ntk:factor=2", "--target", "gguf",
+    res = run("patch", "--model", tiny_model_dir, "--strategy", "dynamic_ntk:factor=2", "--engine", "llama.cpp",
               "--serve-length", "128", "--gguf", base_gguf, "--freeze-dynamic-at", "96", "-o", tmp_path / "g")
     assert res.exit_code == 0, res.output
     assert "frozen at 96" in res.output and (tmp_path / "g" / "model.gguf").is_file()
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (("--strategy", "rerope:window=8", "--target", "vllm", "--serve-length", "128"), "Error: vLLM: rerope is a"),
-    (("--strategy", "yarn:factor=4,beta_fast=16", "--target", "gguf", "--serve-length", "128", "--gguf", "BASE"),
+    (("--strategy", "rerope:window=8", "--engine", "vllm", "--serve-length", "128"), "Error: vLLM: rerope is a"),
+    (("--strategy", "yarn:factor=4,beta_fast=16", "--engine", "llama.cpp", "--serve-length", "128", "--gguf", "BASE"),
      "Error: llama.cpp: the llama architecture never reads"),
-    (("--strategy", "vanilla", "--target", "vllm"), "Error: --target vllm needs --serve-length"),
-    (("--strategy", "vanilla", "--target", "gguf", "--serve-length", "64"), "Error: --target gguf rewrites"),
+    (("--strategy", "vanilla", "--engine", "vllm"), "Error: --engine vllm needs --serve-length"),
+    (("--strategy", "vanilla", "--engine", "llama.cpp", "--serve-length", "64"), "Error: --engine llama.cpp rewrites"),
 ])
 def test_cli_refusals_are_one_line(run, tmp_path, tiny_model_dir, base_gguf, args, message):
     args = tuple(str(base_gguf) if a == "BASE" else a for a in args)
@@ -167,6 +167,10 @@ def _last(res) -> str:
     return res.output.rstrip("\n").split("\n")[-1]
 
 
+# the library's export target → the engine `ropescale patch --engine` names it by
+ENGINE = {"transformers": "transformers", "vllm": "vllm", "gguf": "llama.cpp"}
+
+
 def _serving(target, base_gguf) -> tuple:
     """The options a target needs besides the strategy."""
     return {"transformers": (), "vllm": ("--serve-length", 128),
@@ -181,7 +185,7 @@ def _leftovers(folder):
 @pytest.mark.parametrize("target", ["transformers", "vllm", "gguf"])
 def test_freeze_dynamic_at_with_a_static_strategy_is_refused(run, tmp_path, tiny_model_dir, base_gguf, target):
     out = tmp_path / "x"
-    res = run("patch", "--model", tiny_model_dir, "--strategy", "yarn:factor=4", "--target", target,
+    res = run("patch", "--model", tiny_model_dir, "--strategy", "yarn:factor=4", "--engine", ENGINE[target],
               *_serving(target, base_gguf), "--freeze-dynamic-at", 64, "-o", out)
     assert res.exit_code == 1, res.output
     assert _last(res) == ("Error: freeze_dynamic_at=64 (--freeze-dynamic-at) applies to dynamic_ntk only; yarn is "
@@ -220,12 +224,12 @@ def test_freeze_dynamic_at_with_the_transformers_target_names_the_static_strateg
 @pytest.mark.parametrize("target", ["transformers", "vllm"])
 def test_a_gguf_given_to_a_folder_target_is_refused(run, tmp_path, tiny_model_dir, base_gguf, target):
     out = tmp_path / "x"
-    res = run("patch", "--model", tiny_model_dir, "--strategy", "ntk:factor=4", "--target", target, "--serve-length",
-              128, "--gguf", base_gguf, "-o", out)
+    res = run("patch", "--model", tiny_model_dir, "--strategy", "ntk:factor=4", "--engine", ENGINE[target],
+              "--serve-length", 128, "--gguf", base_gguf, "-o", out)
     assert res.exit_code == 1, res.output
     assert _last(res) == (f"Error: a GGUF to rewrite (--gguf {base_gguf}) is read by the gguf target only; the "
                           f"{target} target writes a model folder from the weights: leave --gguf out, or use "
-                          "--target gguf")
+                          "--engine llama.cpp")
     assert not out.exists()
 
 
@@ -246,7 +250,7 @@ def test_the_model_folder_as_output_is_refused_for_every_target(run, tmp_path, m
     link.symlink_to(model_copy, target_is_directory=True)
     model, out = {"same": (model_copy, model_copy), "dots": (model_copy, model_copy / ".." / "model" / "."),
                   "output_symlink": (model_copy, link), "model_symlink": (link, model_copy)}[spelling]
-    res = run("patch", "--model", model, "--strategy", "ntk:factor=4", "--target", target,
+    res = run("patch", "--model", model, "--strategy", "ntk:factor=4", "--engine", ENGINE[target],
               *_serving(target, base_gguf), "-o", out)
     assert res.exit_code == 1, res.output
     assert _last(res) == (f"Error: output {out} is the model's own folder {model}: exporting there would overwrite "
@@ -270,8 +274,8 @@ def test_lengths_past_2_24_are_refused_for_every_target(run, tmp_path, tiny_mode
     args = ["--serve-length", MAX + 1 if flag == "--serve-length" else 128,
             *(["--gguf", base_gguf] if target == "gguf" else []),
             *(["--freeze-dynamic-at", MAX + 1] if flag == "--freeze-dynamic-at" else [])]
-    res = run("patch", "--model", tiny_model_dir, "--strategy", "dynamic_ntk:factor=2", "--target", target, *args,
-              "-o", out)
+    res = run("patch", "--model", tiny_model_dir, "--strategy", "dynamic_ntk:factor=2", "--engine", ENGINE[target],
+              *args, "-o", out)
     assert res.exit_code == 1, res.output
     name = flag[2:].replace("-", "_")
     assert _last(res) == (f"Error: {name}={MAX + 1} tokens is beyond any model: RoPE angles come from float32 "
@@ -310,7 +314,7 @@ def test_export_for_into_an_existing_file_is_one_line(loaded, tmp_path, base_ggu
 def test_a_read_only_output_is_refused_before_the_model_loads(run, tmp_path, tiny_model_dir, base_gguf, tmpfs,
                                                              target):
     ro = tmpfs("64k", read_only=True)
-    res = run("patch", "--model", tiny_model_dir, "--strategy", "ntk:factor=4", "--target", target,
+    res = run("patch", "--model", tiny_model_dir, "--strategy", "ntk:factor=4", "--engine", ENGINE[target],
               *_serving(target, base_gguf), "-o", ro / "x")
     assert res.exit_code == 1, res.output
     assert res.output == f"Error: output {ro / 'x'}: cannot write in {ro} (Read-only file system)\n"  # no loading
@@ -322,7 +326,7 @@ def test_a_folder_without_write_permission_is_refused(run, tmp_path, tiny_model_
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o555)
     try:
-        res = run("patch", "--model", tiny_model_dir, "--strategy", "ntk:factor=4", "--target", target,
+        res = run("patch", "--model", tiny_model_dir, "--strategy", "ntk:factor=4", "--engine", ENGINE[target],
                   *_serving(target, base_gguf), "-o", locked / "x")
     finally:
         locked.chmod(0o755)
@@ -368,7 +372,7 @@ FULL = "could not be written (no space left on the device); it is left as it was
 def test_a_full_disk_leaves_no_half_written_export(run, tmp_path, tiny_model_dir, base_gguf, monkeypatch, target):
     _full_at_second_tensor(monkeypatch) if target == "gguf" else _full_weights(monkeypatch)
     out = tmp_path / "new" / "x"
-    res = run("patch", "--model", tiny_model_dir, "--strategy", "ntk:factor=4", "--target", target,
+    res = run("patch", "--model", tiny_model_dir, "--strategy", "ntk:factor=4", "--engine", ENGINE[target],
               *_serving(target, base_gguf), "-o", out)
     assert res.exit_code == 1, res.output
     assert _last(res) == f"Error: output {out / 'model.gguf' if target == 'gguf' else out}: {FULL}"
@@ -379,13 +383,13 @@ def test_a_full_disk_leaves_no_half_written_export(run, tmp_path, tiny_model_dir
 def test_a_full_disk_leaves_an_existing_export_as_it_was(run, tmp_path, tiny_model_dir, base_gguf, monkeypatch,
                                                          target):
     out = tmp_path / "x"
-    res = run("patch", "--model", tiny_model_dir, "--strategy", "linear:factor=2", "--target", target,
+    res = run("patch", "--model", tiny_model_dir, "--strategy", "linear:factor=2", "--engine", ENGINE[target],
               *_serving(target, base_gguf), "-o", out)
     assert res.exit_code == 0, res.output
     (out / "mine.txt").write_text("kept")
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     _full_at_second_tensor(monkeypatch) if target == "gguf" else _full_weights(monkeypatch)
-    res = run("patch", "--model", tiny_model_dir, "--strategy", "ntk:factor=4", "--target", target,
+    res = run("patch", "--model", tiny_model_dir, "--strategy", "ntk:factor=4", "--engine", ENGINE[target],
               *_serving(target, base_gguf), "-o", out)
     assert res.exit_code == 1 and FULL in _last(res), res.output
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -399,7 +403,7 @@ def test_a_real_full_disk_leaves_nothing(run, tmp_path, tiny_model_dir, base_ggu
 
     disk = tmpfs(size)
     out = disk / "x"
-    res = run("patch", "--model", tiny_model_dir, "--strategy", "ntk:factor=4", "--target", target,
+    res = run("patch", "--model", tiny_model_dir, "--strategy", "ntk:factor=4", "--engine", ENGINE[target],
               *_serving(target, base_gguf), "-o", out)
     assert res.exit_code == 1, res.output
     assert _last(res) == f"Error: output {out / 'model.gguf' if target == 'gguf' else out}: {FULL}"
@@ -423,12 +427,12 @@ def test_an_export_into_an_existing_folder_replaces_its_files_and_keeps_the_othe
 def test_cli_a_gguf_cut_short_is_one_line(run, tmp_path, tiny_model_dir, base_gguf, cut):
     short = tmp_path / "short.gguf"
     short.write_bytes(base_gguf.read_bytes()[:cut])
-    res = run("patch", "--model", tiny_model_dir, "--strategy", "ntk:factor=4", "--target", "gguf", "--serve-length",
-              128, "--gguf", short, "-o", tmp_path / "x")
+    res = run("patch", "--model", tiny_model_dir, "--strategy", "ntk:factor=4", "--engine", "llama.cpp",
+              "--serve-length", 128, "--gguf", short, "-o", tmp_path / "x")
     assert res.exit_code == 1, res.output
     assert _last(res).startswith(f"Error: {short}: not a readable GGUF (cut short, corrupted or not a GGUF: ")
     assert not (tmp_path / "x").exists()
-    res = run("parity", "--model", tiny_model_dir, "--strategy", "ntk:factor=4", "--length", 64, "--engine",
+    res = run("parity", "--model", tiny_model_dir, "--strategy", "ntk:factor=4", "--lengths", 64, "--engines",
               "llama.cpp", "--gguf", short, "-o", tmp_path / "p")
     assert res.exit_code == 1, res.output
     assert _last(res).startswith(f"Error: {short}: not a readable GGUF (cut short, corrupted or not a GGUF: ")
