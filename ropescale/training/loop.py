@@ -44,7 +44,7 @@ import json
 import math
 import shutil
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -197,8 +197,13 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
     AcceleratorState._reset_state()
     # cpu=True also makes processes started by torchrun (`accelerate launch --multi_gpu` on a machine
     # without GPUs) one gloo group; without it each would train alone and write the same files
-    acc = Accelerator(cpu=device.type == "cpu", mixed_precision=cfg.mixed_precision,
-                      gradient_accumulation_steps=cfg.grad_accum, fsdp_plugin=plugin)
+    acc = Accelerator(cpu=device.type == "cpu", mixed_precision=cfg.mixed_precision, fsdp_plugin=plugin,
+                      gradient_accumulation_plugin=_accumulation(cfg))
+    sp_size = cfg.parallelism.sequence
+    if sp_size > 1 and acc.num_processes % sp_size:
+        raise ConfigError(f"{source}: parallelism.sequence: {sp_size} does not divide the {acc.num_processes} "
+                          f"launched process(es); launch a multiple of {sp_size} "
+                          f"(accelerate launch --multi_gpu --num_processes {sp_size} ...)")
     if cfg.mixed_precision == "fp16" and acc.device.type == "cpu":
         raise ConfigError(f"{source}: mixed_precision: fp16 needs a CUDA device; on CPU use bf16 or no")
     if plugin is not None and acc.num_processes > 1 and acc.distributed_type.value != "FSDP":
@@ -210,6 +215,32 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
     acc.wait_for_everyone()
     with folder_lock(output) if acc.is_main_process else nullcontext(), _loading_bars(progress and acc.is_main_process):
         return _run_locked(cfg, run, output, acc, progress and acc.is_main_process, stop_after, after)
+
+
+def _accumulation(cfg: FinetuneConfig):
+    """accelerate's accumulation settings: ``grad_accum`` micro-steps per optimiser step, × P under
+    sequence parallelism (each batch read becomes P micro-batches, one per process of the group:
+    ``SequenceParallel.shard``) — and then synchronised by count alone, since the loader's end is
+    reached P − 1 micro-batches before the last one runs."""
+    from accelerate.utils import GradientAccumulationPlugin
+
+    sp = cfg.parallelism.sequence
+    return GradientAccumulationPlugin(num_steps=cfg.grad_accum * sp, sync_with_dataloader=sp == 1)
+
+
+def _sequence_parallel(model, cfg: FinetuneConfig, run: ResolvedRun, acc, source: str):
+    """``SequenceParallel`` around the patched model's attention (None when off); its attention
+    implementation checked first (``ConfigError``)."""
+    if cfg.parallelism.sequence == 1:
+        return None
+    from ropescale.rope_config import text_config
+    from ropescale.training.sequence_parallel import SequenceParallel, check_sequence_parallel
+
+    config = text_config(model.config)
+    check_sequence_parallel(cfg.parallelism.sequence, config=config, kind=run.kind, window=run.window,
+                            pose=cfg.pose.enabled, attn_implementation=model.config._attn_implementation,
+                            source=source)
+    return SequenceParallel(model, cfg.parallelism.sequence, micro_batch_size=cfg.batch_size)
 
 
 @contextmanager
@@ -245,7 +276,8 @@ def _run_locked(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, progre
         say(f"{output}: already trained ({summary['steps']} steps); model in {output / MODEL_DIR}")
     else:
         set_seed(cfg.seed)
-        summary = _train(cfg, run, output, acc, tokenizer, stream, env, progress, stop_after, say)
+        with ExitStack() as cleanup:  # sequence parallelism's attention wrapper is removed when training ends
+            summary = _train(cfg, run, output, acc, tokenizer, stream, env, progress, stop_after, say, cleanup)
         if summary is None:
             return {"stopped_at": stop_after, "model": None}
     evaluations = (after.run(cfg, run, output / MODEL_DIR, output, progress=progress, say=say)
@@ -255,7 +287,7 @@ def _run_locked(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, progre
 
 
 def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, stream, env, progress: bool,
-           stop_after: int | None, say) -> dict[str, Any] | None:
+           stop_after: int | None, say, cleanup: ExitStack) -> dict[str, Any] | None:
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
     from transformers import get_scheduler
@@ -271,6 +303,9 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, 
     recipe = cfg.training_recipe()
     model = recipe.prepare(model, cfg)  # what trains: all weights, LoRA, ... (ropescale.training.recipes)
     model.train()
+    sp = _sequence_parallel(model, cfg, run, acc, "config")
+    if sp is not None:
+        cleanup.callback(sp.close)
     trainable = [p for p in model.parameters() if p.requires_grad]
     counts = {"trainable_parameters": sum(p.numel() for p in trainable),
               "parameters": sum(p.numel() for p in model.parameters())}
@@ -297,6 +332,8 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, 
     log.keep_through(start if done else -1)
     acc.wait_for_everyone()
     batches = acc.skip_first_batches(loader, start * cfg.grad_accum) if start else loader
+    if sp is not None:  # each batch read → P micro-batches of the group's shards
+        batches = sp.shard(batches, acc.device)
     inner = acc.unwrap_model(model)
     sharded = acc.distributed_type.value == "FSDP"
     # the chunked head runs lm_head outside the model's forward, where FSDP's parameters are sharded
@@ -325,7 +362,10 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, 
     for batch in batches:
         with acc.accumulate(model):
             with acc.autocast():  # the chunked head runs outside the model's forward, under the same precision
-                loss = causal_lm_loss(model, batch, chunk_size=chunk_size, head=head)
+                if sp is None:
+                    loss = causal_lm_loss(model, batch, chunk_size=chunk_size, head=head)
+                else:  # this process's share of the window's loss, × P: the group's gradients add up
+                    loss = sp.loss(model, batch, chunk_size=chunk_size, head=head) * sp.backward_scale
             acc.backward(loss)
             losses.append(loss.detach().float())
             grad_norm = None
@@ -378,6 +418,8 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, 
                "original_max_position_embeddings": run.train_length, "window": run.window, "steps": step,
                "tokens": step * tokens_per_step, "final_loss": loss_value, "ppl": last_ppl,
                "resumed_from": start, "train_seconds": round(train_s, 1), "processes": acc.num_processes,
+               "parallelism": {"data": acc.num_processes // cfg.parallelism.sequence,
+                               "sequence": cfg.parallelism.sequence, "sharded": sharded},
                **counts, "config": cfg.model_dump(mode="json"), "env": env}
     state_dict = acc.get_state_dict(model) if sharded else None  # gathered: every process takes part
     if acc.is_main_process:
