@@ -165,7 +165,8 @@ def _common_options(fn):
         click.option("--lengths", callback=_lengths, help="comma-separated lengths in tokens, e.g. 128,256,512"),
         click.option("--device", help="auto, cpu, cuda, cuda:1 ..."),
         click.option("--device-map", help="auto: spread a model larger than one GPU over this node's devices"),
-        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"])),
+        click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+                     help="auto (default): bfloat16 on a GPU that supports it, float32 on the CPU"),
         click.option("--quiet", "-q", is_flag=True, help="no progress output"),
     ]):
         fn = opt(fn)

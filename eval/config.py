@@ -43,7 +43,24 @@ __all__ = [
     "load_config",
     "parse_strategy",
     "read_yaml",
+    "resolved_dtype",
 ]
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def resolved_dtype(dtype: str, device) -> str:
+    """The weights' dtype a run uses: ``auto`` → ``bfloat16`` on a CUDA device that supports it
+    (Ampere and later), ``float32`` elsewhere (CPU, MPS, older GPUs); any other name as given.
+    Runs record the resolved name (identity, manifest, records), so a default ``auto`` run on the
+    CPU is the same experiment as an explicit ``float32`` one."""
+    import torch
+
+    if dtype != "auto":
+        return dtype
+    device = torch.device(device)
+    return "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
 
 
 MAX_LENGTH = 1 << 24  # float32 holds every integer position up to here; memory is checked before a run
@@ -64,7 +81,9 @@ class EvalConfig(BaseModel):
     # declared base, which has no fields and would dump as {}
     options: SerializeAsAny[TaskOptions] = Field(default_factory=TaskOptions, description="the task's options")
     original_max_position_embeddings: int | None = Field(None, ge=2)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weights' dtype; auto: bfloat16 on a GPU that supports it, float32 on the CPU "
+                            "(recorded resolved)")
     device: str = "auto"
     device_map: str | None = Field(None, description="auto / balanced / sequential: spread a model larger than "
                                                       "one GPU over this node's devices (accelerate)")

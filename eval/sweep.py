@@ -36,7 +36,7 @@ from ropescale.runs.manifest import (
 from ropescale.runs.memory import InsufficientMemoryError, check_fits
 from ropescale.strategies import get_strategy
 
-from .config import EvalConfig, StrategySpec
+from .config import EvalConfig, StrategySpec, resolved_dtype
 from .report import write_reports
 from .schema import SCHEMA_VERSION, Record
 from .tasks.base import Task, get_task
@@ -206,6 +206,7 @@ def _run_locked(cfg: EvalConfig, output: Path, progress: bool, state) -> list[di
     task_cls = get_task(cfg.task)
     # a device that is not there fails before any work; launched processes take their own
     device = state.device if state.num_processes > 1 and cfg.device == "auto" else resolve_device(cfg.device)
+    cfg = cfg.model_copy(update={"dtype": resolved_dtype(cfg.dtype, device)})  # recorded resolved
     tokenizer = load_tokenizer(cfg.model)
     docs = tokenize_documents(tokenizer, load_documents(cfg.data.spec())) if task_cls.uses_data else None
     env = environment()

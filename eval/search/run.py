@@ -53,6 +53,12 @@ def run_search(cfg: SearchConfig, output: str | Path, *, progress: bool = True) 
 
     Raises ``ConfigError`` (one line) for a method that is not available, and the manifest's
     errors for a folder holding another search or busy being written."""
+    from ropescale.models import resolve_device
+
+    from ..config import resolved_dtype
+
+    # dtype auto recorded resolved (identity, manifest): the same experiment as its explicit name
+    cfg = cfg.model_copy(update={"dtype": resolved_dtype(cfg.dtype, resolve_device(cfg.device))})
     output = prepare_output(Path(output))
     if cfg.method == "evolution":
         from .longrope import run_longrope_search
