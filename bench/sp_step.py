@@ -54,8 +54,12 @@ def _model(args):
 
         cfg = LlamaConfig(**SHAPE_8B, attn_implementation="sdpa")
         torch.manual_seed(0)
-        with torch.device(args.device_name):
-            model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+        torch.set_default_dtype(torch.bfloat16)  # built in bf16: never a float32 copy of 8B weights
+        try:
+            with torch.device(args.device_name):
+                model = LlamaForCausalLM(cfg)
+        finally:
+            torch.set_default_dtype(torch.float32)
         return model
     from ropescale.models import load_model
 

@@ -314,8 +314,9 @@ class FinetuneConfig(BaseModel):
                                "full (default), lora, longlora, ... (ropescale.training.recipes)")
     lora: LoraSettings | None = Field(None, description="train LoRA adapters (PEFT) instead of all the weights: "
                                                         "the lora recipe with these options")
-    sharding: str | None = Field(None, description="'fsdp' (accelerate's FSDP, FULL_SHARD) or an FSDP plugin "
-                                                   "config file; needs CUDA devices")
+    sharding: str | None = Field(None, description="'fsdp' (FSDP2, FULL_SHARD per decoder layer: accelerate's on "
+                                                   "GPUs, torch's fully_shard on CPU processes) or an accelerate FSDP "
+                                                   "plugin config file (GPUs)")
     parallelism: Parallelism = Field(default_factory=Parallelism,
                                      description="sequence: processes per sequence-parallel group (Ulysses)")
     output: str | None = None
@@ -397,7 +398,7 @@ class FinetuneConfig(BaseModel):
                              f"{MAX_WINDOWS} (their indices overflow)")
         if self.mixed_precision == "fp16" and self.device == "cpu":
             raise ValueError("mixed_precision: fp16 needs a CUDA device; on CPU use bf16 or no")
-        if self.sharding is not None and self.device == "cpu":
+        if self.sharding is not None and self.device == "cpu" and self.sharding != "fsdp":
             raise ValueError(SHARDING_ON_CPU)
         if self.parallelism.sequence > 1:
             from ropescale.training.sequence_parallel import deepspeed_available
@@ -438,9 +439,9 @@ class FinetuneConfig(BaseModel):
         return out
 
 
-SHARDING_ON_CPU = ("sharding: needs CUDA devices: accelerate 1.15 shards (FSDP) only on GPUs; on CPU it falls back "
-                   "to plain data parallelism without a word (every process holds the whole model), so the run "
-                   "would not fit where sharding is needed; leave sharding out on CPU")
+SHARDING_ON_CPU = ("sharding: an FSDP plugin file is accelerate's, which shards only on GPUs (on CPU processes it "
+                   "falls back to plain data parallelism without a word); on the CPU ropescale shards with torch's "
+                   "fully_shard: use sharding: fsdp")
 
 _SECTIONS = {"pose": PoseConfig, "eval": EvalDuringTraining, "data": DataConfig, "lora": LoraSettings,
              "recipe": RecipeSpec, "parallelism": Parallelism}

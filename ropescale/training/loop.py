@@ -23,8 +23,10 @@ truncation rules alike); the loss from ``ropescale.lm_head`` (the LM head over c
 ``loss_chunk_size`` positions, recomputed in backward: never the ``[b, s, V]`` logits); the
 ``lora`` / ``longlora`` recipes (PEFT adapters on a frozen base model, applied by the recipe's
 ``prepare`` *after* the patch, which stays active inside the PEFT wrapper; LongLoRA's embeddings
-and norms through ``modules_to_save``); ``sharding``
-(accelerate's FSDP on CUDA devices).
+and norms through ``modules_to_save``); ``sharding`` (FSDP2: accelerate's on CUDA devices, torch's
+``fully_shard`` on CPU processes — ``ropescale.training.sharding``, the chunked loss inside the
+sharded forward); ``parallelism.sequence`` (DeepSpeed's Ulysses around the patched attention:
+``ropescale.training.sequence_parallel``).
 
 The output folder holds one run (as a harness results folder holds one experiment):
 ``manifest.json`` (the run's identity: config, weights and data fingerprints, processes,
@@ -64,6 +66,7 @@ from ropescale.training.data import TrainingWindows, load_stream
 from ropescale.training.heldout import HeldOut
 from ropescale.training.pose import PoseSampler
 from ropescale.training.report import LOG, TrainingLog, plot_training, read_log
+from ropescale.training.sharding import full_state_dict, load_sharded, save_sharded, shard_model
 
 __all__ = [
     "CHECKPOINTS",
@@ -183,9 +186,9 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     plugin = None
-    if cfg.sharding is not None:
-        if device.type != "cuda":
-            raise ConfigError(f"{source}: {SHARDING_ON_CPU}")
+    if cfg.sharding is not None and device.type == "cpu" and cfg.sharding != "fsdp":
+        raise ConfigError(f"{source}: {SHARDING_ON_CPU}")
+    if cfg.sharding is not None and device.type != "cpu":  # CPU: torch's fully_shard (ropescale.training.sharding)
         from accelerate.utils import FullyShardedDataParallelPlugin
 
         plugin = FullyShardedDataParallelPlugin(**fsdp_plugin_kwargs(cfg.sharding, source))
@@ -206,6 +209,9 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
                           f"(accelerate launch --multi_gpu --num_processes {sp_size} ...)")
     if cfg.mixed_precision == "fp16" and acc.device.type == "cpu":
         raise ConfigError(f"{source}: mixed_precision: fp16 needs a CUDA device; on CPU use bf16 or no")
+    if cfg.sharding is not None and device.type == "cpu" and acc.num_processes == 1:
+        raise ConfigError(f"{source}: sharding: one process holds the whole model either way; launch several "
+                          "(accelerate launch --multi_gpu --num_processes N ...) or leave sharding out")
     if plugin is not None and acc.num_processes > 1 and acc.distributed_type.value != "FSDP":
         raise ConfigError(f"{source}: sharding: accelerate set up {acc.distributed_type.value}, not FSDP, for "
                           f"{acc.num_processes} processes; launch with `accelerate launch --multi_gpu`")
@@ -306,13 +312,17 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, 
     sp = _sequence_parallel(model, cfg, run, acc, "config")
     if sp is not None:
         cleanup.callback(sp.close)
+    # FSDP2 by torch's fully_shard where accelerate does not shard (CPU processes); model: the root unit
+    own_fsdp = cfg.sharding is not None and acc.device.type == "cpu"
+    if own_fsdp:
+        model = shard_model(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     counts = {"trainable_parameters": sum(p.numel() for p in trainable),
               "parameters": sum(p.numel() for p in model.parameters())}
     # fused: one kernel over all parameters, no temporaries (foreach allocates a copy of every
     # parameter's size in the step — tens of GB at 8B; the CPU loop one of the largest parameter's)
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay,
-                                  fused=True)
+                                  fused=not own_fsdp)  # fused takes no DTensor shards
     scheduler = get_scheduler(_SCHEDULES[cfg.schedule], optimizer, num_warmup_steps=cfg.warmup,
                               num_training_steps=cfg.steps)
     pose = (PoseSampler(run.window, cfg.length, cfg.pose.chunks, cfg.pose.content, cfg.pose.sampling)
@@ -320,7 +330,10 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, 
     examples = cfg.steps * cfg.grad_accum * cfg.batch_size * acc.num_processes
     dataset = TrainingWindows(stream, pose.span if pose else cfg.length, examples, cfg.seed, pose)
     loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=False)
-    model, optimizer, loader = acc.prepare(model, optimizer, loader)
+    if own_fsdp:  # model and optimiser states sharded: saved by save_sharded, not by accelerate's main process
+        loader = acc.prepare(loader)
+    else:
+        model, optimizer, loader = acc.prepare(model, optimizer, loader)
     acc.register_for_checkpointing(scheduler)  # stepped by hand: once per optimiser step
 
     log = TrainingLog(output / LOG, enabled=acc.is_main_process)
@@ -328,23 +341,27 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, 
     start = done[-1][0] if done else 0
     if done:
         acc.load_state(str(done[-1][1]))
+        if own_fsdp:
+            load_sharded(model, optimizer, done[-1][1])
         say(f"resuming from {done[-1][1]} (step {start} of {cfg.steps})")
     log.keep_through(start if done else -1)
     acc.wait_for_everyone()
     batches = acc.skip_first_batches(loader, start * cfg.grad_accum) if start else loader
     if sp is not None:  # each batch read → P micro-batches of the group's shards
         batches = sp.shard(batches, acc.device)
-    inner = acc.unwrap_model(model)
-    sharded = acc.distributed_type.value == "FSDP"
-    # the chunked head runs lm_head outside the model's forward, where FSDP's parameters are sharded
-    chunk_size = 0 if sharded else cfg.loss_chunk_size
-    head = OutputHead(model) if chunk_size != 0 else None  # checked on the first step only
+    inner = model.model if own_fsdp else acc.unwrap_model(model)
+    sharded = own_fsdp or acc.distributed_type.value == "FSDP"
+    # accelerate's FSDP: the chunked head would run lm_head outside the model's forward, where its parameters are
+    # sharded; ropescale's runs the loss inside the root unit's forward (ShardedModel)
+    chunk_size = 0 if sharded and not own_fsdp else cfg.loss_chunk_size
+    head = OutputHead(inner if own_fsdp else model) if chunk_size != 0 else None  # checked on the first step only
+    in_forward = model if own_fsdp else (lambda fn, *a, **k: fn(model, *a, **k))  # ShardedModel(fn) runs fn inside
     label = cfg.strategy.display + (" + PoSE" if cfg.pose.enabled else "") + recipe.label
     tokens_per_step = cfg.batch_size * cfg.grad_accum * acc.num_processes * run.window
 
     def evaluate(step: int) -> dict[str, float]:
         if sharded:  # every process runs every window through the sharded model, so its collectives line up
-            ppl = heldout.perplexity(model, device=acc.device)
+            ppl = in_forward(lambda m: heldout.perplexity(m, device=acc.device))
         else:
             ppl = heldout.perplexity(inner, device=acc.device, process_index=acc.process_index,
                                      num_processes=acc.num_processes)
@@ -363,18 +380,19 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, 
         with acc.accumulate(model):
             with acc.autocast():  # the chunked head runs outside the model's forward, under the same precision
                 if sp is None:
-                    loss = causal_lm_loss(model, batch, chunk_size=chunk_size, head=head)
+                    loss = in_forward(causal_lm_loss, batch, chunk_size=chunk_size, head=head)
                 else:  # this process's share of the window's loss, × P: the group's gradients add up
-                    loss = sp.loss(model, batch, chunk_size=chunk_size, head=head) * sp.backward_scale
+                    loss = in_forward(sp.loss, batch, chunk_size=chunk_size, head=head) * sp.backward_scale
             acc.backward(loss)
             losses.append(loss.detach().float())
             grad_norm = None
             if acc.sync_gradients and cfg.max_grad_norm:
                 grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-            optimizer.step()
-            if acc.sync_gradients:
+                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2
+            if acc.sync_gradients:  # accelerate's prepared optimiser skips the others itself; a sharded one is not
+                optimizer.step()
                 scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad(set_to_none=True)
         if not acc.sync_gradients:
             continue
         step += 1
@@ -401,7 +419,8 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, 
                 bar.write(f"step {step}/{cfg.steps}: loss {loss_value:.3f}, {record['tokens_per_s']:.0f} tok/s, "
                           "held-out PPL " + ", ".join(f"{k}: {v:.2f}" for k, v in last_ppl.items()))
         if step % cfg.checkpoint_every == 0 and step < cfg.steps:
-            save_checkpoint(acc, output, step, cfg.keep_checkpoints)
+            save_checkpoint(acc, output, step, cfg.keep_checkpoints,
+                            extra=(lambda folder: save_sharded(model, optimizer, folder)) if own_fsdp else None)
             if acc.is_main_process:
                 plot_training(read_log(output / LOG), output / "loss.png", f"{label}, L = {cfg.length}")
         if stop_after is not None and step >= stop_after:
@@ -421,7 +440,8 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, 
                "parallelism": {"data": acc.num_processes // cfg.parallelism.sequence,
                                "sequence": cfg.parallelism.sequence, "sharded": sharded},
                **counts, "config": cfg.model_dump(mode="json"), "env": env}
-    state_dict = acc.get_state_dict(model) if sharded else None  # gathered: every process takes part
+    # gathered: every process takes part
+    state_dict = full_state_dict(model) if own_fsdp else acc.get_state_dict(model) if sharded else None
     if acc.is_main_process:
         inner.eval()
         recipe.save(inner, tokenizer, output / MODEL_DIR, state_dict=state_dict)
