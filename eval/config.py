@@ -29,6 +29,7 @@ from ropescale.runs.config import (
     read_yaml,
 )
 
+from .engines.vllm_eval import ENGINES, VllmOptions
 from .tasks.base import TaskOptions, get_task, task_names
 from .tasks.perplexity import LEGACY_KEYS
 
@@ -88,6 +89,10 @@ class EvalConfig(BaseModel):
     device_map: str | None = Field(None, description="auto / balanced / sequential: spread a model larger than "
                                                       "one GPU over this node's devices (accelerate)")
     threads: int | None = Field(None, ge=1, description="torch threads (at most this machine's CPU count)")
+    engine: Literal[ENGINES] = Field("transformers", description="what scores the cells: transformers (in this "
+                                     "process) or vllm (serving what `patch --target vllm` writes; eval.engines)")
+    vllm: VllmOptions = Field(default_factory=VllmOptions, description="engine: vllm's tensor_parallel_size, "
+                              "data_parallel_size, max_model_len, parity_tolerance")
     output: str | None = None
 
     @model_validator(mode="before")
@@ -184,7 +189,8 @@ def _explain(err: ValidationError, source: str, task: str) -> ConfigError:
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             field = str(e["loc"][-1])
-            known = _top_level_keys(task) if len(e["loc"]) == 1 else list(DataConfig.model_fields)
+            section = {"vllm": VllmOptions}.get(str(e["loc"][0]), DataConfig)
+            known = _top_level_keys(task) if len(e["loc"]) == 1 else list(section.model_fields)
             hint = difflib.get_close_matches(field, known, n=1)
             msg = f"unknown key; allowed: {', '.join(known)}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
         lines.append(f"{source}: {key}: {msg}" if e["loc"] else f"{source}: {msg}")

@@ -37,6 +37,7 @@ from ropescale.runs.memory import InsufficientMemoryError, check_fits
 from ropescale.strategies import get_strategy
 
 from .config import EvalConfig, StrategySpec, resolved_dtype
+from .engines.vllm_eval import check_engine, engine_version, score_cell_vllm
 from .report import write_reports
 from .schema import SCHEMA_VERSION, Record
 from .tasks.base import Task, get_task
@@ -112,7 +113,7 @@ def _training_window(cfg: EvalConfig, model) -> int:
 
 
 def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec, length: int, train_len: int,
-                device, progress: bool, state) -> dict:
+                device, progress: bool, state, output: Path) -> dict:
     """Patch, measure this process's share of the examples, gather the parts, combine, unpatch;
     the cell's record (without id and environment)."""
     strat = get_strategy(spec.name)
@@ -124,10 +125,14 @@ def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec
         logging.getLogger("ropescale").warning("%s @ %d: %s", spec.display, length, note)
     t0 = time.perf_counter()
     share = list(range(state.process_index, len(examples), state.num_processes))
+    engine = {"engine": "transformers", "engine_version": engine_version("transformers")}
     try:
-        with patch(model, spec.name, original_max_position_embeddings=train_len, logn=spec.logn, **params):
-            part = task.measure(model, examples, share, length=length, strategy=strat, device=device,
-                                desc=f"{spec.display} @ {length}" if progress else None)
+        if cfg.engine == "vllm":  # the patch's export served by vLLM; its first example checked against ours
+            result = score_cell_vllm(cfg, task, model, examples, spec, params, length, train_len, device, output)
+            engine = {}
+        else:
+            result = _measure(cfg, task, model, examples, share, spec, strat, params, length, train_len, device,
+                              progress, state)
     except (RuntimeError, MemoryError) as e:
         if not _out_of_memory(e):
             raise
@@ -136,14 +141,23 @@ def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec
             f"{spec.display} @ {length}: out of memory on {device} ({first}); the cells finished before it are "
             f"saved, so a rerun resumes: drop length {length} and longer from lengths, or use a device with more "
             "memory") from None
-    parts = gather_object([part]) if state.num_processes > 1 else [part]
-    result = task.combine(parts, examples, length=length, strategy=strat)
     seconds = time.perf_counter() - t0
     return {"task": cfg.task, "strategy": spec.display, "name": spec.name, "params": params, "logn": spec.logn,
             "length": length, "train_length": train_len, "model": cfg.model,
             "data": cfg.data.spec().describe() if task.uses_data else None, "options": cfg.options.key(),
-            "dtype": cfg.dtype, "device": str(device), **result, **({"note": note} if note else {}),
+            "dtype": cfg.dtype, "device": str(device), **engine, **result, **({"note": note} if note else {}),
             "seconds": round(seconds, 3)}
+
+
+def _measure(cfg: EvalConfig, task: Task, model, examples, share: list[int], spec: StrategySpec, strat, params: dict,
+             length: int, train_len: int, device, progress: bool, state) -> dict:
+    """The transformers engine: this process's share measured on the patched model, the parts
+    gathered and combined."""
+    with patch(model, spec.name, original_max_position_embeddings=train_len, logn=spec.logn, **params):
+        part = task.measure(model, examples, share, length=length, strategy=strat, device=device,
+                            desc=f"{spec.display} @ {length}" if progress else None)
+    parts = gather_object([part]) if state.num_processes > 1 else [part]
+    return task.combine(parts, examples, length=length, strategy=strat)
 
 
 def _out_of_memory(err: BaseException) -> bool:
@@ -196,6 +210,8 @@ def run_sweep(cfg: EvalConfig, output: str | Path, *, progress: bool = True) -> 
     # cpu=True makes processes started by torchrun (`accelerate launch --multi_gpu` on a machine
     # without GPUs) one gloo group; without it each would measure every example and write alone
     state = PartialState(cpu=resolve_device(cfg.device).type == "cpu")
+    if cfg.engine == "vllm":  # what vLLM cannot do is refused before anything loads or is written
+        check_engine(cfg, processes=state.num_processes)
     output = prepare_output(Path(output))
     with folder_lock(output) if state.is_main_process else nullcontext():
         return _run_locked(cfg, output, progress and state.is_main_process, state)
@@ -212,6 +228,8 @@ def _run_locked(cfg: EvalConfig, output: Path, progress: bool, state) -> list[di
     env = environment()
     ident = identity(cfg, data=data_fingerprint(docs), weights=model_fingerprint(cfg.model),
                      versions={k: env[k] for k in ("ropescale", "torch", "transformers")})
+    if cfg.engine != "transformers":  # another engine's cells are another experiment (folders before it resume)
+        ident["engine"] = cfg.engine
     experiment = check_manifest(output, ident, cfg.model_dump(mode="json"), state)
     done = {r["cell"]: r for r in read_results(results_path) if "cell" in r}
     cells = [(length, spec, cell_id(experiment, spec, length)) for length in cfg.lengths for spec in cfg.strategies]
@@ -237,7 +255,7 @@ def _run_locked(cfg: EvalConfig, output: Path, progress: bool, state) -> list[di
             for length, spec, cid in todo:
                 record = {"schema": SCHEMA_VERSION, "cell": cid, "experiment": experiment,
                           **_score_cell(cfg, task, model, examples[length], spec, length, train_len, device,
-                                        progress, state), "env": env}
+                                        progress, state, output), "env": env}
                 if sink is not None:
                     sink.write(json.dumps(record) + "\n")
                     sink.flush()  # written as it completes: a rerun resumes from here
