@@ -431,8 +431,8 @@ def inspect(model, head_dim, rope_theta, training_length, strategy_specs, length
     click.echo(f"written to {output}/: {', '.join(summary['files'])}, summary.json")
 
 
-def _ints(low: int, *, even: bool = False):
-    """A click callback: comma-separated whole numbers, each >= ``low`` (and even)."""
+def _ints(low: int, *, high: int | None = None, even: bool = False):
+    """A click callback: comma-separated whole numbers, each >= ``low`` (and <= ``high``, even)."""
 
     def parse(ctx, param, value):
         if value is None:
@@ -441,9 +441,10 @@ def _ints(low: int, *, even: bool = False):
             out = [int(x) for x in value.split(",") if x.strip()]
         except ValueError:
             raise click.BadParameter(f"{value!r}: expected comma-separated whole numbers") from None
-        bad = [n for n in out if n < low or (even and n % 2)]
+        bad = [n for n in out if n < low or (high is not None and n > high) or (even and n % 2)]
         if not out or bad:
-            raise click.BadParameter(f"{value!r}: each must be {'an even number ' if even else ''}>= {low}"
+            limit = f"from {low} to {high}" if high is not None else f">= {low}"
+            raise click.BadParameter(f"{value!r}: each must be {'an even number ' if even else ''}{limit}"
                                      + (f"; got {', '.join(map(str, bad))}" if bad else ""))
         return out
 
@@ -455,15 +456,16 @@ BASE_BOUND_LENGTHS = "128,256,512,1024,2048,4096,8192,16384,32768"
 
 
 @main.command("base-bound")
-@click.option("--dims", default=BASE_BOUND_DIMS, show_default=True, callback=_ints(2, even=True),
-              help="rotary (head) dims d, comma-separated")
-@click.option("--lengths", default=BASE_BOUND_LENGTHS, show_default=True, callback=_ints(2),
-              help="context lengths L in tokens, comma-separated")
+@click.option("--dims", default=BASE_BOUND_DIMS, show_default=True, callback=_ints(2, high=1 << 16, even=True),
+              help="rotary (head) dims d, comma-separated (even, up to 2^16)")
+@click.option("--lengths", default=BASE_BOUND_LENGTHS, show_default=True, callback=_ints(2, high=1 << 24),
+              help="context lengths L in tokens, comma-separated (up to 2^24)")
 def base_bound(dims, lengths) -> None:
     """Print the base-bound table (Markdown): the smallest vanilla RoPE base keeping B(m) >= 0
     for every m < L, per head dim d and length L (Men et al., arXiv:2405.14591), with their
-    power-law fit beside it when d = 128 is asked for. The defaults give the README's table (minutes
-    on a CPU: each entry is a certified search over every m < L)."""
+    power-law fit beside it when d = 128 is asked for; a cell no base reaches (d = 2) is "—", with a
+    note. The defaults give the README's table (minutes on a CPU: each entry is a certified search
+    over every m < L)."""
     base_bound_table, = harness("inspect", "base_bound_table")
     click.echo(base_bound_table(dims, lengths, paper_fit=128 in dims), nl=False)
 
@@ -492,10 +494,12 @@ def compare(runs, length, output, title, at, before) -> None:
     steps in one figure, and Markdown tables (PPL by step; each run's last evaluation with the
     first step reaching the first run's final PPL); with --before, the harness's perplexity and
     passkey results of each run's strategy on the base model next to the fine-tuned model's."""
-    read_runs, compare_runs = harness("compare", "read_runs", "compare")
+    read_runs, compare_runs, RunsArgumentError = harness("compare", "read_runs", "compare", "RunsArgumentError")
+    check_figure, = harness("writable", "check_figure")
+    check_figure(output, f"-o {output}")  # a figure it cannot save or write: one line, before reading the runs
     try:  # what the arguments name must be there: usage errors (exit 2), as click's own
         records = read_runs(list(runs), length, list(before))
-    except InvalidInput as e:
+    except RunsArgumentError as e:  # what is in the files (a log line that is not a record): exit 1, one line
         raise click.UsageError(str(e)) from None
     click.echo(compare_runs(records, list(runs), length, output, title=title, at=at, before=list(before)))
     click.echo(f"\nfigure: {output}")

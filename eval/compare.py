@@ -16,8 +16,15 @@ from ropescale.runs.plotting import pyplot
 from ropescale.training.report import LOG, eval_curve, read_log, steps_to_reach
 
 from .sweep import read_results
+from .writable import check_figure
 
-__all__ = ["before_after", "by_step_table", "compare", "final_table", "plot_runs", "read_runs"]
+__all__ = ["RunsArgumentError", "before_after", "by_step_table", "compare", "final_table", "plot_runs", "read_runs",
+           "run_labels"]
+
+
+class RunsArgumentError(InvalidInput):
+    """What the arguments name is not there (a folder without its log or results, a length not
+    evaluated, a folder given twice): ``ropescale compare`` shows it as a usage error."""
 
 
 def plot_runs(runs: dict[str, list[dict]], length: int, path: Path, *, title: str = "",
@@ -77,11 +84,33 @@ def final_table(runs: dict[str, list[dict]], length: int, target: float, target_
     return "\n".join(out)
 
 
-def _label(run: Path) -> str:
-    summary = run / "model" / "finetune.json"
-    if summary.is_file():
-        return json.loads(summary.read_text(encoding="utf-8")).get("label") or run.name
-    return run.name
+def _summary(run: Path) -> dict | None:
+    """``RUN/model/finetune.json`` (None: not trained to the end); ``InvalidInput`` when unreadable."""
+    path = run / "model" / "finetune.json"
+    if not path.is_file():
+        return None
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidInput(f"{path}: not JSON ({e}); a fine-tuning run's summary") from None
+    if not isinstance(summary, dict):
+        raise InvalidInput(f"{path}: a JSON {type(summary).__name__}, not a fine-tuning run's summary (an object)")
+    return summary
+
+
+def run_labels(runs: list[Path]) -> dict[Path, str]:
+    """Each run folder's label: its ``finetune.json`` label, else the folder's name; runs that
+    share one are told apart by the folder as given (``yarn + LoRA (runs/a)``) — their logs
+    were merged into one line and one row. Raises ``InvalidInput`` for a folder given twice."""
+    seen: dict[Path, Path] = {}
+    for run in runs:
+        key = run.resolve()
+        if key in seen:
+            raise RunsArgumentError(f"{run}: given twice (as {seen[key]} too); name each run once")
+        seen[key] = run
+    base = {run: ((_summary(run) or {}).get("label") or run.name) for run in runs}
+    counts = {label: list(base.values()).count(label) for label in base.values()}
+    return {run: f"{label} ({run})" if counts[label] > 1 else label for run, label in base.items()}
 
 
 def _key(record: dict) -> tuple:
@@ -92,10 +121,12 @@ def _harness_records(folder: Path, task: str) -> list[dict]:
     return [r for r in read_results(folder / "results.jsonl") if r["task"] == task]
 
 
-def before_after(runs: list[Path], before: list[Path], task: str, metric: str) -> str:
+def before_after(runs: list[Path], before: list[Path], task: str, metric: str,
+                 labels: dict[Path, str] | None = None) -> str:
     """Markdown table: ``metric`` of the harness ``task`` per length, for each run's strategy on
     the base model (found in the ``before`` harness folders by strategy and parameters) and for
-    the fine-tuned model (``RUN/eval/<task>``)."""
+    the fine-tuned model (``RUN/eval/<task>``). ``labels``: each run's row label (``run_labels``;
+    default: the label in its ``finetune.json``)."""
     base, base_models = {}, set()
     for folder in before:
         for r in _harness_records(folder, task):
@@ -106,11 +137,12 @@ def before_after(runs: list[Path], before: list[Path], task: str, metric: str) -
         after = _harness_records(run / "eval" / task, task)
         if not after:
             continue
-        summary = json.loads((run / "model" / "finetune.json").read_text(encoding="utf-8"))
+        summary = _summary(run) or {}
+        label = (labels or {}).get(run) or summary.get("label") or run.name
         caption = caption or after[0]
         found = base.get(_key(after[0]), {})
-        rows.append((f"{summary['label'].split(' + ')[0]}, no fine-tuning", found))
-        rows.append((f"{summary['label']}, fine-tuned {summary['steps']} steps", {r["length"]: r for r in after}))
+        rows.append((f"{(summary.get('label') or run.name).split(' + ')[0]}, no fine-tuning", found))
+        rows.append((f"{label}, fine-tuned {summary.get('steps', '?')} steps", {r["length"]: r for r in after}))
         lengths |= {r["length"] for r in after}
     lengths = sorted(lengths)
     fmt = (lambda r: f"{r[metric]:.2f}") if task == "perplexity" else (
@@ -135,21 +167,25 @@ DEFAULT_AT = (0, 50, 100, 200, 400, 1000)
 def read_runs(runs: list[Path], length: int, before: list[Path] = ()) -> dict[str, list[dict]]:
     """The training logs of the run folders (``label → log records``), after checking what
     ``compare`` needs: every run folder has a ``log.jsonl``, every ``before`` folder a
-    ``results.jsonl``, and every run a held-out PPL at ``length``. Raises ``InvalidInput`` in
-    one line naming the folder or the length."""
+    ``results.jsonl``, and every run a held-out PPL at ``length``. Runs that share a label are
+    told apart by their folder (``run_labels``). Raises ``RunsArgumentError`` (naming the folder
+    or the length) or ``InvalidInput`` (the ``file:line`` of a log line that is not a record, a
+    summary that is not JSON) in one line."""
     records = {}
-    for run in map(Path, runs):
+    runs = list(map(Path, runs))
+    for run, label in run_labels(runs).items():
         log = read_log(run)
         if not log:
-            raise InvalidInput(f"{run}: no {LOG} (a fine-tuning output folder)")
-        records[_label(run)] = log
+            raise RunsArgumentError(f"{run}: no {LOG} (a fine-tuning output folder)")
+        records[label] = log
     for folder in map(Path, before):
         if not (folder / "results.jsonl").is_file():
-            raise InvalidInput(f"--before {folder}: no results.jsonl (a harness results folder)")
+            raise RunsArgumentError(f"--before {folder}: no results.jsonl (a harness results folder)")
     for label, log in records.items():
         if not eval_curve(log, length):
             evaluated = sorted({int(k) for r in log if "ppl" in r for k in r["ppl"]})
-            raise InvalidInput(f"--length {length}: {label} has no held-out PPL at it; evaluated: {evaluated}")
+            raise RunsArgumentError(f"--length {length}: {label} has no held-out PPL at it; evaluated: "
+                                    f"{evaluated}")
     return records
 
 
@@ -159,14 +195,17 @@ def compare(records: dict[str, list[dict]], runs: list[Path], length: int, outpu
     vs steps of each run into ``output`` and returns the Markdown tables — PPL by step at ``at``,
     each run's last evaluation with the first step at which it reaches the first run's final PPL;
     with ``before``, the harness's perplexity and passkey results of each run's strategy on the
-    base model next to the fine-tuned model's."""
+    base model next to the fine-tuned model's. Raises ``InvalidInput`` (one line) for an
+    ``output`` matplotlib cannot save (its extension) or write (its folder), before drawing."""
+    check_figure(output, f"-o {output}")
     plot_runs(records, length, output, title=title)
     first_label, first = next(iter(records.items()))
     target = eval_curve(first, length)[-1][1]
     parts = [by_step_table(records, length, list(at)), final_table(records, length, target, first_label)]
     if before:
         for task, metric in (("perplexity", "ppl"), ("passkey", "accuracy"), ("passkey", "candidate_accuracy")):
-            table = before_after([Path(r) for r in runs], [Path(b) for b in before], task, metric)
+            table = before_after([Path(r) for r in runs], [Path(b) for b in before], task, metric,
+                                 labels=run_labels([Path(r) for r in runs]))
             if table.count("\n") > 2:
                 parts.append(table)
     return "\n\n".join(parts)

@@ -140,9 +140,9 @@ def inspect(cfg: RotaryConfig, strategies: list[StrategySpec], length: int, outp
     if bad:
         raise InvalidInput(f"pairs {bad} out of range: this model has {cfg.dim // 2} rotary pairs "
                            f"(0 … {cfg.dim // 2 - 1})")
+    rows = [_strategy_summary(s, cfg, length, pairs) for s in strategies]  # every strategy checked: nothing written yet
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
-    rows = [_strategy_summary(s, cfg, length, pairs) for s in strategies]
     b_min = geo.smallest_base(cfg.dim, length)
     summary = {"source": cfg.source, "dim": cfg.dim, "rope_theta": cfg.rope_theta, "train_length": cfg.train_length,
                "length": length, "pairs": pairs, "smallest_base_for_length": b_min,
@@ -164,12 +164,47 @@ def inspect(cfg: RotaryConfig, strategies: list[StrategySpec], length: int, outp
     return summary
 
 
+MAX_DIM = 1 << 16  # rotary dims d: the largest models' heads are 256 wide
+BASE_CEILING = 1e12  # the largest base searched
+
+
+def check_base_bound(dims: list[int], lengths: list[int]) -> None:
+    """Every head dim an even number in [2, ``MAX_DIM``], every length in [2, ``MAX_LENGTH``], and
+    the largest cell's tables (``inspect_bytes``) within this machine's free memory. Raises
+    ``InvalidInput`` (``InsufficientMemoryError``) in one line, before anything is computed."""
+    bad = [d for d in dims if not (isinstance(d, int) and 2 <= d <= MAX_DIM and d % 2 == 0)]
+    if bad or not dims:
+        raise InvalidInput(f"dims: {', '.join(map(str, bad)) or 'none given'}: a rotary dim d is an even number "
+                           f"from 2 to 2^16 = {MAX_DIM}")
+    bad = [n for n in lengths if not (isinstance(n, int) and 2 <= n <= MAX_LENGTH)]
+    if bad or not lengths:
+        raise InvalidInput(f"lengths: {', '.join(map(str, bad)) or 'none given'}: a length L is from 2 to 2^24 = "
+                           f"{MAX_LENGTH} tokens (RoPE angles come from float32 positions, exact only up to there)")
+    d, n = max(dims), max(lengths)
+    check_fits(Need(f"base-bound at L = {n} tokens, d = {d}", host={"B(m) tables": inspect_bytes(d, n)}), "cpu",
+               hint="ask for fewer tokens or a smaller d")
+
+
 def base_bound_table(dims: list[int], lengths: list[int], paper_fit: bool = True) -> str:
     """Markdown: the smallest vanilla base keeping B(m) ≥ 0 for m < L, per head dim d and L;
-    beside d = 128 the power law Men et al. fit to their own values (Fig. 1: 0.0424·L^1.628)."""
+    beside d = 128 the power law Men et al. fit to their own values (Fig. 1: 0.0424·L^1.628).
+    A cell no base reaches (d = 2: B(m) = cos m whatever the base, negative from m = 2) is
+    "—", explained under the table. Raises ``InvalidInput`` for dims or lengths out of range or
+    too large for memory (``check_base_bound``)."""
+    check_base_bound(dims, lengths)
     head = "| L | " + " | ".join(f"d = {d}" for d in dims) + (" | paper's fit, d = 128 |" if paper_fit else " |")
     rows = [head, "|---:|" + "---:|" * (len(dims) + int(paper_fit))]
+    none_passes = False
     for n in lengths:
-        vals = [f"{geo.smallest_base(d, n):.3g}" for d in dims]
+        vals = []
+        for d in dims:
+            try:
+                vals.append(f"{geo.smallest_base(d, n, high=BASE_CEILING):.3g}")
+            except InvalidInput:  # no base up to the search's ceiling keeps B(m) >= 0
+                vals.append("—")
+                none_passes = True
         rows.append(f"| {n} | " + " | ".join(vals) + (f" | {0.0424 * n ** 1.628:.3g} |" if paper_fit else " |"))
+    if none_passes:
+        rows += ["", f"—: no base up to {BASE_CEILING:g} keeps B(m) >= 0 for every m < L at this d (at d = 2, "
+                     "B(m) = cos m for every base: negative from m = 2)."]
     return "\n".join(rows) + "\n"

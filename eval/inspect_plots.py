@@ -183,7 +183,7 @@ def attention_stats(model, ids: torch.Tensor, spec) -> dict:
     before = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:
-        with patch(model, strat.name, logn=spec.logn, **params):
+        with patch(model, strat.name, logn=spec.logn, temperature=spec.temperature, **params):
             att = model(input_ids=ids, output_attentions=True, use_cache=False).attentions
     finally:
         model.set_attn_implementation(before)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import glob
 import inspect
 import io
 import logging
@@ -42,7 +43,7 @@ import ropescale
 from ropescale.errors import RopescaleError
 from ropescale.strategies import get_strategy
 
-__all__ = ["ModelArgsError", "RopescaleLM", "check_model_args", "main"]
+__all__ = ["ModelArgsError", "RopescaleLM", "check_model_args", "check_tasks", "main"]
 
 _PATCH_OPTIONS = ("original_max_position_embeddings", "layer_types", "dynamic_cache", "dynamic_block", "logn",
                   "attention_path", "block_size")
@@ -153,9 +154,44 @@ class RopescaleLM(HFLM):
         super().__init__(pretrained=model, tokenizer=tokenizer, max_length=max_length, device=device, **kwargs)
 
 
+def _task_list(tasks) -> list[str]:
+    """``--tasks`` as lm-eval reads it (``EvaluatorConfig.process_tasks``): comma-separated names."""
+    return tasks.split(",") if isinstance(tasks, str) else [t for task in tasks for t in task.split(",")]
+
+
+def check_tasks(tasks, task_manager) -> None:
+    """Every ``--tasks`` entry names what lm-eval can run (``process_tasks``'s rules): a task, group
+    or tag lm-eval knows (or a pattern matching some), YAML files that exist, or — alone — a folder
+    of YAML files. ``task_manager``: lm-eval's ``TaskManager``, or a function making one (called
+    only when there are names to look up: it indexes every task YAML, seconds). Raises
+    ``ModelArgsError`` in one line naming the unknown ones with their closest names (lm-eval
+    raised ``ValueError: Tasks not found`` with a traceback)."""
+    names = _task_list(tasks)
+    if len(names) == 1 and Path(names[0]).is_dir():
+        return  # a folder of task YAML files (or a registered task of that name)
+    files = [n for n in names if n.endswith(".yaml") and not glob.glob(str(Path(n).absolute()))]
+    if files:
+        raise ModelArgsError(f"--tasks: no YAML file matches {', '.join(files)}")
+    names = [n for n in names if not n.endswith(".yaml")]
+    if not names:
+        return
+    manager = task_manager() if callable(task_manager) else task_manager
+    unknown = [n for n in names if not manager.match_tasks([n])]
+    if unknown:
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, manager.all_tasks, n=3)
+            hints.append(f"{name}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+        raise ModelArgsError(f"--tasks: no lm-eval task, group or tag named {'; '.join(hints)}; `ropescale lm-eval "
+                             "ls tasks` lists them (--include_path DIR adds your own)")
+
+
 def _check_run(namespace) -> None:
-    """What ``lm-eval run`` would refuse late or with a traceback, refused before it loads anything."""
+    """What ``lm-eval run`` would refuse late or with a traceback, refused before it loads anything.
+    ``--tasks`` are checked against a ``TaskManager`` built as lm-eval's run builds its own (it
+    indexes every task YAML: a few seconds, done twice for a run that goes on)."""
     from lm_eval.config.evaluate_config import EvaluatorConfig
+    from lm_eval.tasks import TaskManager
 
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # it prints a --config's settings; lm-eval does again
@@ -172,12 +208,14 @@ def _check_run(namespace) -> None:
                                      "YAML files)")
     if cfg.model == "ropescale":
         check_model_args(dict(cfg.model_args or {}))
+    check_tasks(cfg.tasks, lambda: TaskManager(include_path=cfg.include_path, metadata=cfg.metadata or {}))
 
 
 def main(argv: list[str] | None = None) -> None:
     """lm-eval's command line with the ``ropescale`` model registered. Raises ``ModelArgsError``
-    (one line) for no arguments, bad ``model_args``, a missing ``--include_path`` or arguments
-    lm-eval's configuration refuses, before lm-eval loads a task or the model."""
+    (one line) for no arguments, bad ``model_args``, a missing ``--include_path``, ``--tasks``
+    lm-eval does not know (with the closest names) or arguments lm-eval's configuration refuses,
+    before lm-eval loads a task or the model."""
     from lm_eval._cli import HarnessCLI
     from lm_eval.utils import setup_logging
 

@@ -237,7 +237,8 @@ data, windows, T, d, lengths, one line per engine (version and where it ran, or 
         strat = get_strategy(spec.name)
         for length in lengths:
             params = strat.resolve(spec.params, length=length, train_length=train)
-            with patch(m, spec.name, original_max_position_embeddings=train, logn=spec.logn, **params) as handle:
+            with patch(m, spec.name, original_max_position_embeddings=train, logn=spec.logn,
+                       temperature=spec.temperature, **params) as handle:
                 try:
                     ours = ropescale_rope(handle, length)
                 except InvalidInput as e:  # a relative rule: no single inv_freq

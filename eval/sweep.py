@@ -22,7 +22,7 @@ from accelerate.utils import gather_object
 from pydantic import ValidationError
 
 from ropescale.errors import InvalidInput, RopescaleError
-from ropescale.models import load_model, load_tokenizer, model_fingerprint, resolve_device
+from ropescale.models import load_model, load_tokenizer, model_fingerprint, model_training_length, resolve_device
 from ropescale.patching import NoRotaryEmbeddingError, find_rotary_modules, patch, rope_context, unpatch
 from ropescale.runs.data import load_documents, tokenize_documents
 from ropescale.runs.manifest import (
@@ -42,7 +42,7 @@ from .report import write_reports
 from .schema import SCHEMA_VERSION, Record
 from .tasks.base import Task, get_task
 
-__all__ = ["ResultsFileError", "cell_id", "read_results", "run_sweep"]
+__all__ = ["ResultsFileError", "cell_id", "read_results", "resolve_cells", "run_sweep"]
 
 RESULTS = "results.jsonl"
 
@@ -51,7 +51,7 @@ def cell_id(experiment: str, spec: StrategySpec, length: int) -> str:
     """Stable id of a cell: the experiment's identity hash (task, options, model weights, data
     tokens, dtype, library versions: ``ropescale.runs.manifest``) with the strategy and length, hashed."""
     key = {"experiment": experiment, "strategy": spec.name, "params": spec.params, "logn": spec.logn,
-           "length": length}
+           **({"temperature": spec.temperature} if spec.temperature else {}), "length": length}
     return hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -112,6 +112,36 @@ def _training_window(cfg: EvalConfig, model) -> int:
     return train_len
 
 
+def resolve_cells(cfg: EvalConfig, train_length: int) -> dict[tuple[str, int], dict]:
+    """Every cell's strategy parameters, ``{(strategy display name, length): params}``, checked in
+    full before any cell runs: ``Strategy.resolve`` at each length L for the training window T =
+    ``train_length`` — the auto-filled ones (``factor`` = max(1, L / T), DCA's ``scale``) and the
+    cross-checks a strategy makes with the window (DCA's local_window < chunk_size, STRING's
+    W < S, with their T-derived defaults). Raises ``InvalidInput`` in one line naming the cell."""
+    out = {}
+    for length in cfg.lengths:
+        for spec in cfg.strategies:
+            try:
+                out[spec.display, length] = get_strategy(spec.name).resolve(spec.params, length=length,
+                                                                            train_length=train_length)
+            except ValueError as e:
+                raise InvalidInput(f"strategy {spec.display} at length {length} (training window T = "
+                                   f"{train_length}): {' '.join(str(e).split())}") from None
+    return out
+
+
+def _configured_window(cfg: EvalConfig) -> int | None:
+    """T as the run will use it, read before anything is written: the config's, else the model
+    config's (no weights loaded); None when the model config cannot be read here (loading the
+    model reports that)."""
+    if cfg.original_max_position_embeddings:
+        return cfg.original_max_position_embeddings
+    try:
+        return model_training_length(cfg.model)
+    except (RopescaleError, ValueError, OSError):
+        return None
+
+
 def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec, length: int, train_len: int,
                 device, progress: bool, state, output: Path) -> dict:
     """Patch, measure this process's share of the examples, gather the parts, combine, unpatch;
@@ -143,7 +173,8 @@ def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec
             "memory") from None
     seconds = time.perf_counter() - t0
     return {"task": cfg.task, "strategy": spec.display, "name": spec.name, "params": params, "logn": spec.logn,
-            "length": length, "train_length": train_len, "model": cfg.model,
+            **({"temperature": spec.temperature} if spec.temperature else {}), "length": length,
+            "train_length": train_len, "model": cfg.model,
             "data": cfg.data.spec().describe() if task.uses_data else None, "options": cfg.options.key(),
             "dtype": cfg.dtype, "device": str(device), **engine, **result, **({"note": note} if note else {}),
             "seconds": round(seconds, 3)}
@@ -153,7 +184,8 @@ def _measure(cfg: EvalConfig, task: Task, model, examples, share: list[int], spe
              length: int, train_len: int, device, progress: bool, state) -> dict:
     """The transformers engine: this process's share measured on the patched model, the parts
     gathered and combined."""
-    with patch(model, spec.name, original_max_position_embeddings=train_len, logn=spec.logn, **params):
+    with patch(model, spec.name, original_max_position_embeddings=train_len, logn=spec.logn,
+               temperature=spec.temperature, **params):
         part = task.measure(model, examples, share, length=length, strategy=strat, device=device,
                             desc=f"{spec.display} @ {length}" if progress else None)
     parts = gather_object([part]) if state.num_processes > 1 else [part]
@@ -201,9 +233,10 @@ def run_sweep(cfg: EvalConfig, output: str | Path, *, progress: bool = True) -> 
     process measures its share of each cell's examples, the parts are gathered, and only the main
     process writes: the records equal a single-process run's.
 
-    Raises ``ropescale.runs.data.DataError`` / ``ValueError`` subclasses (too-short data, a length that
-    cannot hold the task's prompts) before any cell runs, ``NoRotaryEmbeddingError`` for a
-    model without RoPE, and ``ValueError`` for strategy parameters that fail at a given length.
+    Raises ``InvalidInput`` for strategy parameters that fail at any of the lengths
+    (``resolve_cells``) before the output folder is created, ``ropescale.runs.data.DataError`` /
+    ``ValueError`` subclasses (too-short data, a length that cannot hold the task's prompts) before
+    any cell runs, and ``NoRotaryEmbeddingError`` for a model without RoPE.
     """
     from accelerate import PartialState
 
@@ -212,6 +245,9 @@ def run_sweep(cfg: EvalConfig, output: str | Path, *, progress: bool = True) -> 
     state = PartialState(cpu=resolve_device(cfg.device).type == "cpu")
     if cfg.engine == "vllm":  # what vLLM cannot do is refused before anything loads or is written
         check_engine(cfg, processes=state.num_processes)
+    train_len = _configured_window(cfg)
+    if train_len:  # every cell's parameters, before the folder, the manifest or the first cell
+        resolve_cells(cfg, train_len)
     output = prepare_output(Path(output))
     with folder_lock(output) if state.is_main_process else nullcontext():
         return _run_locked(cfg, output, progress and state.is_main_process, state)
@@ -245,6 +281,7 @@ def _run_locked(cfg: EvalConfig, output: Path, progress: bool, state) -> list[di
             device = model.get_input_embeddings().weight.device  # inputs go where the embeddings are
         unpatch(model)  # a patch saved with the model would stack under the sweep's strategies
         train_len = _training_window(cfg, model)
+        resolve_cells(cfg, train_len)  # the loaded model's T: every cell again, before the first runs
         task = task_cls(cfg.options, tokenizer=tokenizer, train_length=train_len, documents=docs,
                         source=cfg.data.spec().describe() if task_cls.uses_data else None)
         lengths = sorted({c[0] for c in todo})

@@ -45,6 +45,7 @@ from transformers.utils.generic import is_flash_attention_requested
 from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.flex_regions import BlockMaskCache, flex_attention_path
 from ropescale.strategies.truncation import RelativeRule
+from ropescale.temperature import Temperature
 from ropescale.truncated_attention import blocked_attention, fused_attention, fused_route, naive_attention
 
 __all__ = [
@@ -116,11 +117,13 @@ def _base_attention(module, base: str):
 
 @dataclass
 class _LogN:
-    """Per-model log-n state, set on every submodule while log-n is on."""
+    """Per-model query-temperature state, set on every submodule while it is on (log-n or another
+    ``ropescale.temperature`` rule)."""
 
     train: int  # L_train [tokens]
     base: str  # the wrapped attention implementation's name
     calls: int = 0  # attention calls that went through the wrapper (check_routed)
+    rule: Temperature = field(default_factory=lambda: Temperature("logn"))
 
 
 class _ConfigAs:
@@ -157,7 +160,7 @@ def _logn_attention(module, query, key, value, attention_mask, **kwargs):
     if position_ids is None:
         raise RuntimeError(f"log-n scaling needs position_ids in the attention call; "
                            f"{type(module).__name__} does not pass them")
-    scale = logn_factor(position_ids, state.train).to(query.dtype)  # [b, s_q]
+    scale = state.rule.factor(position_ids, state.train).to(query.dtype)  # [b, s_q]
     query = query * scale[:, None, :, None]  # [b, n_h, s_q, h_d]
     fn = _base_attention(module, state.base)
     layer = _LayerAs(module, state.base) if _is_flash(state.base) else module
@@ -180,7 +183,7 @@ def register_logn(base: str) -> str:
     return name
 
 
-def enable_logn(model, original_max_position_embeddings: int):
+def enable_logn(model, original_max_position_embeddings: int, rule: Temperature | None = None):
     """Switch ``model`` to log-n-scaled attention around whatever attention it uses; returns a
     function that switches it back.
 
@@ -189,7 +192,7 @@ def enable_logn(model, original_max_position_embeddings: int):
     """
     current = model.config._attn_implementation
     name = register_logn(current)
-    state = _LogN(int(original_max_position_embeddings), current)
+    state = _LogN(int(original_max_position_embeddings), current, rule=rule or Temperature("logn"))
     _set_on_modules(model, _LOGN_ATTR, state)
     if _is_flash(current):
         # set_attn_implementation would try to load a flash kernel named ropescale_logn_flash_…;
@@ -240,7 +243,8 @@ class _Truncation:
     layers: dict  # attention module → (LayerRope, inv_freq [d/2] × the layer's sign); absent: no RoPE
     path: str  # a key of _PATHS: "fused", "flex", "blocked" or "naive"
     block: int
-    logn: int | None  # L_train when log-n scaling is on
+    logn: int | None  # L_train when a query temperature is on
+    temperature: Temperature | None = None  # which one (None with logn set: log-n)
     base: str = "sdpa"  # the model's own attention, which layers without RoPE keep
     calls: int = 0  # attention calls that reached the rule (check_routed)
     masks: BlockMaskCache = field(default_factory=BlockMaskCache)  # FlexAttention masks, shared by the layers
@@ -279,6 +283,10 @@ def _truncation_attention(module, query, key, value, attention_mask, scaling=Non
     state.calls += 1
     layer = state.layers.get(module)
     if layer is None:  # a layer without RoPE: the model's own attention, exactly as unpatched
+        if state.logn and kwargs.get("position_ids") is not None:  # a query temperature acts in every layer
+            rule = state.temperature or Temperature("logn")
+            scale = rule.factor(_text_positions(kwargs["position_ids"]), state.logn).to(query.dtype)
+            query = query * scale[:, None, :, None]  # [b, n_h, s_q, h_d]
         fn = _base_attention(module, state.base)
         return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap,
                   sliding_window=sliding_window, **kwargs)
@@ -298,7 +306,8 @@ def _truncation_attention(module, query, key, value, attention_mask, scaling=Non
         offset = (s_k - 1) - q_pos[:, -1:]  # slot of the last key minus its position
         k_pos = torch.arange(s_k, device=query.device).float()[None] - offset  # [b, s_k]
     if state.logn:
-        query = query * logn_factor(q_pos, state.logn).to(query.dtype)[:, None, :, None]
+        rule = state.temperature or Temperature("logn")
+        query = query * rule.factor(q_pos, state.logn).to(query.dtype)[:, None, :, None]
     if info.start:  # rotary channels first (DeepSeek's MLA keeps them last): the same order for q and k
         d, e = info.start, info.start + info.dim
         query = torch.cat((query[..., d:e], query[..., :d], query[..., e:]), -1)  # [b, n_h, s_q, h_d]
@@ -336,7 +345,7 @@ def _base_for_nope(model) -> str:
 
 
 def enable_truncation(model, rule: RelativeRule, layers: dict, rotaries: list, *, path: str, block: int,
-                      logn: int | None, without_rope: bool = False):
+                      logn: int | None, without_rope: bool = False, temperature: Temperature | None = None):
     """Route ``model``'s attention through the relative rule; returns the undo function.
 
     ``layers``: attention module → (``LayerRope``, its ``inv_freq`` × sign) for every layer that
@@ -356,7 +365,7 @@ def enable_truncation(model, rule: RelativeRule, layers: dict, rotaries: list, *
         mask = AttentionMaskInterface._global_mapping.get(base)
         if mask is not None:
             AttentionMaskInterface.register(name, mask)
-    state = _Truncation(rule, layers, path, block, logn, base)
+    state = _Truncation(rule, layers, path, block, logn, temperature, base)
     _set_on_modules(model, _TRUNCATION_ATTR, state)
 
     def positions(_module, args, kwargs):

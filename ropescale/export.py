@@ -29,7 +29,7 @@ def native_rope_parameters(handle: PatchHandle, base: dict[str, Any], max_positi
     strategy's ``export`` hook, from that type's own context: Gemma 3's sliding and full layers
     have different ``rope_theta``), or None when transformers cannot express it (no hook, the
     hook says so, or a ``dynamic_block``/``logn`` option transformers has no equivalent for)."""
-    if handle.options.get("dynamic_block", 1) != 1 or handle.options.get("logn"):
+    if handle.options.get("dynamic_block", 1) != 1 or handle.options.get("logn") or handle.options.get("temperature"):
         return None
     export = handle.strategy_obj.export
     if export is None:

@@ -21,6 +21,9 @@ refuses it, and we never select it), so gradients through the merge are exact.
 
 Where it runs: on CUDA through ``torch.compile(flex_attention)`` (compiled once, lazily), the
 fused block-sparse kernel; this is what ``fused_attention`` dispatches to on any non-CPU device.
+Inputs of at most ``EAGER_SCORES`` scores (b·n_h·s_q·s_k: the patch's 2-token routing check,
+one-token decoding steps) run eagerly there too: each such shape would otherwise be a compilation
+and a dynamo cache entry of its own (dynamo specialises sizes 1 and single blocks).
 On the CPU ``flex_attention`` runs eagerly and unfused (it materialises each call's scores:
 for tests and short inputs). torch refuses FlexAttention backward on the CPU
 ("FlexAttention does not support backward on CPU. Please set the input requires_grad to False or
@@ -45,7 +48,9 @@ Dual Chunk Attention (An et al. 2024, arXiv:2402.17463).
 
 from __future__ import annotations
 
+import warnings
 import weakref
+from contextlib import contextmanager, nullcontext
 from functools import cache, lru_cache
 
 import torch
@@ -57,25 +62,43 @@ from ropescale.truncated_attention import blocked_attention, fused_attention, ro
 __all__ = ["NO_FLEX_BACKWARD", "BlockMaskCache", "flex_attention_path", "region_block_masks"]
 
 NO_FLEX_BACKWARD = {"cpu", "mps"}  # device types where torch refuses FlexAttention backward
+EAGER_SCORES = 1 << 24  # b·n_h·s_q·s_k up to which CUDA runs the eager functions (≤ 64 MB of float32 scores)
 
 
 @cache
-def _compiled(fn):
-    """``torch.compile(fn)``, once per process: a cache of compiled *functions* (no data), shared by
-    every model as torch's own compile cache is, so it lives here rather than on a patch."""
-    return torch.compile(fn)
+def _compiled(fn, backend="inductor"):
+    """``torch.compile(fn, backend=backend)``, once per process: a cache of compiled *functions*
+    (no data), shared by every model as torch's own compile cache is, so it lives here rather than
+    on a patch. (The tests pass a counting backend to see how often dynamo compiles.)"""
+    return torch.compile(fn, backend=backend)
 
 
-def _flex_for(device: torch.device):
-    """The compiled kernel on CUDA (compiled once per process), the eager function elsewhere."""
-    return _compiled(flex_attention) if device.type == "cuda" else flex_attention
+def _compiles(device: torch.device, scores: int | None) -> bool:
+    """Whether the compiled functions run: on CUDA, for more than ``EAGER_SCORES`` scores (None: any)."""
+    return device.type == "cuda" and (scores is None or scores > EAGER_SCORES)
 
 
-def _mask_builder(device: torch.device):
-    """``create_block_mask`` compiled on CUDA: eagerly it evaluates the mask over all s_q × s_k
-    pairs at once (16 G booleans at 128k tokens); compiled, the evaluation is fused into the
-    per-block reduction (torch's advice since 2.6). Eager elsewhere (tests, short inputs)."""
-    return _compiled(create_block_mask) if device.type == "cuda" else create_block_mask
+def _flex_for(device: torch.device, scores: int | None = None):
+    """The compiled kernel on CUDA (compiled once per process) for inputs of more than
+    ``EAGER_SCORES`` scores; the eager function elsewhere and for smaller inputs."""
+    return _compiled(flex_attention) if _compiles(device, scores) else flex_attention
+
+
+def _mask_builder(device: torch.device, scores: int | None = None):
+    """``create_block_mask`` compiled on CUDA (as ``_flex_for`` decides): eagerly it evaluates the
+    mask over all s_q × s_k pairs at once (16 G booleans at 128k tokens); compiled, the evaluation
+    is fused into the per-block reduction (torch's advice since 2.6). Eager elsewhere (tests, short
+    inputs)."""
+    return _compiled(create_block_mask) if _compiles(device, scores) else create_block_mask
+
+
+@contextmanager
+def _quiet_eager():
+    """Around an eager FlexAttention call made on purpose: without torch's "called without
+    torch.compile" warning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        yield
 
 
 def _keep3(keep: torch.Tensor | None, b: int, s_q: int, s_k: int) -> torch.Tensor | None:
@@ -88,22 +111,39 @@ def _keep3(keep: torch.Tensor | None, b: int, s_q: int, s_k: int) -> torch.Tenso
 
 
 def _region_mask_mod(c0: int, region: Region, sliding_window: int | None, keep3: torch.Tensor | None,
-                     offsets: torch.Tensor | None):
+                     offsets: torch.Tensor | None, device):
     """mask_mod(b, h, t, j): (c0 + t, j) in ``region`` (chunks from ``offsets[b]``, the position of
-    slot 0), i − j ≥ 0 and < the sliding window, and keep3[b, t or 0, j]."""
-    def inside(b, h, t, j):
-        dist = t + c0 - j
-        vis = dist >= 0
-        if sliding_window:
-            vis = vis & (dist < sliding_window)
-        if region.chunk:
+    slot 0), i − j ≥ 0 and < the sliding window, and keep3[b, t or 0, j].
+
+    Every number is a 0-d int64 tensor on ``device``, not a Python int: the compiled
+    ``create_block_mask`` and the compiled kernel (which evaluates the mask on its partial blocks)
+    take captured tensors as inputs, whereas a Python number in the closure is a guard — one
+    compilation per region, per rule's window, per cache offset c0, and past dynamo's
+    ``recompile_limit`` (8 per function) torch runs the function eagerly: the unfused kernel, which
+    materialises the scores. So all distance regions share one compiled graph, all chunk regions
+    another (times the ``keep`` kind, dtype and grad mode: ``tests/test_flex_regions.py`` counts them)."""
+    def number(x: int) -> torch.Tensor:  # a fill kernel on the device: no host-to-device copy
+        return torch.full((), x, dtype=torch.int64, device=device)
+
+    never = 2**62  # an unbounded region or no sliding window: a bound no pair reaches
+    start, lo = number(c0), number(region.lo)
+    hi, window = number(never if region.hi is None else region.hi), number(sliding_window or never)
+
+    if region.chunk:
+        chunk = number(region.chunk)
+
+        def g(b, t, j):  # chunk distance, from the row's positions
             o = offsets[b]
-            g = torch.div(t + c0 + o, region.chunk, rounding_mode="floor") - torch.div(j + o, region.chunk,
-                                                                                       rounding_mode="floor")
-        else:
-            g = dist
-        vis = vis & (g >= region.lo)
-        return vis & (g < region.hi) if region.hi is not None else vis
+            return (torch.div(t + start + o, chunk, rounding_mode="floor")
+                    - torch.div(j + o, chunk, rounding_mode="floor"))
+    else:
+        def g(b, t, j):  # slot distance
+            return t + start - j
+
+    def inside(b, h, t, j):
+        dist = t + start - j
+        rel = g(b, t, j)
+        return (dist >= 0) & (dist < window) & (rel >= lo) & (rel < hi)
 
     if keep3 is None:
         return inside
@@ -158,7 +198,7 @@ def _region_empty(region: Region, s_k: int, sliding_window: int | None) -> bool:
 def region_block_masks(b: int, s_q: int, s_k: int, rule: RelativeRule, sliding_window: int | None,
                        keep: torch.Tensor | None, device, tensor_type: type = torch.Tensor,
                        cache: BlockMaskCache | None = None, offsets: torch.Tensor | None = None,
-                       positions: torch.Tensor | None = None) -> list:
+                       positions: torch.Tensor | None = None, scores: int | None = None) -> list:
     """One ``BlockMask`` per region of ``rule`` for queries at slots s_k − s_q + t, None for a
     distance region no pair reaches (or that the sliding window ends first). ``keep``: as the
     path's; ``offsets`` ``[b]``: the position of key slot 0 per row (chunk rules' masks depend on
@@ -166,19 +206,21 @@ def region_block_masks(b: int, s_q: int, s_k: int, rule: RelativeRule, sliding_w
     object in every layer of a forward) — chunk rules' masks are cached only with it. ``cache``:
     reuse the masks of the previous call when nothing changed (None: build them).
     ``tensor_type`` (the queries' class) is part of the cache key, so masks built from fake
-    tensors (FakeTensorMode) never serve real ones."""
+    tensors (FakeTensorMode) never serve real ones. ``scores``: b·n_h·s_q·s_k of the attention the
+    masks serve (``_mask_builder``: compiled or eager on CUDA; None: compiled there)."""
     def build():
         keep3 = _keep3(keep, b, s_q, s_k)
         batch = None if keep3 is None and not rule.by_chunk else b
-        build_mask = _mask_builder(torch.device(device))
-        return [None if _region_empty(r, s_k, sliding_window) else
-                build_mask(_region_mask_mod(s_k - s_q, r, sliding_window, keep3, offsets), batch, None, s_q, s_k,
-                           device=device)
-                for r in rule.regions]
+        build_mask = _mask_builder(torch.device(device), scores)
+        with torch.no_grad():  # masks are never differentiated: one compiled builder for both grad modes
+            return [None if _region_empty(r, s_k, sliding_window) else
+                    build_mask(_region_mask_mod(s_k - s_q, r, sliding_window, keep3, offsets, device), batch, None,
+                               s_q, s_k, device=device)
+                    for r in rule.regions]
 
     if cache is None or (rule.by_chunk and positions is None):
         return build()
-    return cache.get((b, s_q, s_k, rule, sliding_window, str(device), tensor_type), keep, build,
+    return cache.get((b, s_q, s_k, rule, sliding_window, str(device), tensor_type, scores), keep, build,
                      positions if rule.by_chunk else None)
 
 
@@ -209,6 +251,7 @@ def flex_attention_path(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, sca
     gradients on the CPU go to ``fused_attention``. Raises ``ValueError`` for a ``keep`` mask that does not broadcast to
     ``[b, 1, s_q, s_k]``.
     """
+    rule = rule.for_call(q.shape[2], k.shape[2])  # a prefill's extra regions: calls of their own, merged
     args = (q, k, v, q_pos, k_pos, rule, inv_freq, scaling)
     kw = {"keep": keep, "scale": scale, "softcap": softcap, "sliding_window": sliding_window,
           "interleaved": interleaved, "dropout": dropout, "block": block, "sinks": sinks}
@@ -219,17 +262,22 @@ def flex_attention_path(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, sca
         return (fused_attention if q.device.type == "cpu" else blocked_attention)(*args, **kw)
     b, s_q, s_k = q.shape[0], q.shape[2], k.shape[2]
     offsets = slot_offsets(q_pos, s_k).long() if rule.by_chunk else None
+    scores = b * q.shape[1] * s_q * s_k
     masks = region_block_masks(b, s_q, s_k, rule, sliding_window, keep, q.device, type(q), cache=masks,
-                               offsets=offsets, positions=positions)
-    flex, score_mod = _flex_for(q.device), _softcap_mod(softcap)
+                               offsets=offsets, positions=positions, scores=scores)
+    flex, score_mod = _flex_for(q.device, scores), _softcap_mod(softcap)
     aux = AuxRequest(lse=True)
+    # eager by choice where the device compiles (a few scores): torch's warning that the eager
+    # function materialises the scores is about exactly what was chosen, so it is not shown
+    quiet = _quiet_eager if flex is flex_attention and _compiles(q.device, None) else nullcontext
 
     def region(r: Region, mask):  # rotated q [b, n_h, s_q, h_d], k [b, n_kv, s_k, h_d]
         q_at = q_pos if r.q_at is None else r.q_at(q_pos)
         k_at = k_pos if r.k_at is None else r.k_at(k_pos)
-        out, stats = flex(rotate(q, q_at, inv_freq, scaling, interleaved),
-                          rotate(k, k_at, inv_freq, scaling, interleaved),
-                          v, score_mod=score_mod, block_mask=mask, scale=scale, enable_gqa=True, return_aux=aux)
+        with quiet():
+            out, stats = flex(rotate(q, q_at, inv_freq, scaling, interleaved),
+                              rotate(k, k_at, inv_freq, scaling, interleaved),
+                              v, score_mod=score_mod, block_mask=mask, scale=scale, enable_gqa=True, return_aux=aux)
         return out, stats.lse  # [b, n_h, s_q, h_d], [b, n_h, s_q]
 
     parts = [region(r, mask) for r, mask in zip(rule.regions, masks, strict=True) if mask is not None]

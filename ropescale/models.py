@@ -279,7 +279,7 @@ def _apply_record(model, record: dict[str, Any]) -> PatchHandle:
     return patch(model, record["strategy"],
                  original_max_position_embeddings=record.get("original_max_position_embeddings"),
                  layer_types=record.get("layer_types"),
-                 **{k: record[k] for k in ("dynamic_cache", "dynamic_block", "logn") if k in record},
+                 **{k: record[k] for k in ("dynamic_cache", "dynamic_block", "logn", "temperature") if k in record},
                  **record.get("params", {}))
 
 

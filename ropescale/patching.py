@@ -31,6 +31,7 @@ from ropescale.rotary import (
     rotary_sites,
 )
 from ropescale.strategies import Strategy, get_strategy
+from ropescale.temperature import Temperature, parse_temperature
 
 __all__ = [
     "LayerRope",
@@ -64,6 +65,7 @@ class PatchHandle:
     options: dict[str, Any] = field(default_factory=dict)
     layers: list[LayerRope] | None = None
     sites: dict[RotarySite, dict[str, Any]] = field(default_factory=dict)  # patched frequency sets → context
+    temperature: Temperature | None = None  # the query temperature on top (log-n or another rule)
     _frequencies: list[FrequencyPatch] = field(default_factory=list, repr=False)
     _hooks: list = field(default_factory=list, repr=False)
     _restore: list = field(default_factory=list, repr=False)
@@ -184,7 +186,7 @@ DYNAMIC_CACHE_MODES = ("recompute", "rerotate")
 def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: int | None = None,
           layer_types: list[str] | None = None, dynamic_cache: str = "recompute",
           dynamic_block: int = 1, logn: bool = False, attention_path: str = "fused",
-          block_size: int = 512, **params: Any) -> PatchHandle:
+          block_size: int = 512, temperature: Any = None, **params: Any) -> PatchHandle:
     """Apply ``strategy`` to the rotary embedding of ``model`` in place.
 
     Args:
@@ -200,6 +202,9 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
             the frequencies (and, with ``"recompute"``, the prefix) change once per block.
         logn: also scale queries by max(1, ln(p+1)/ln(L_train)) (Su 2023), through the
             attention interface (``ropescale.attention``); works with any strategy.
+        temperature: another query-temperature rule instead of log-n (``ropescale.temperature``):
+            ``"llama4"`` (Llama 4's stepped one), ``"beta:beta=0.1"`` (Mistral's ``llama_4_scaling_beta``),
+            ``"logn"``, a mapping, or None. Exact under the KV cache like log-n.
         attention_path: truncation rules only: ``"fused"`` (default: the rule's regions in fused
             CPU kernels, about the cost of vanilla attention, with backward; on a non-CPU device
             it runs ``"flex"``), ``"flex"`` (the regions in FlexAttention, compiled on CUDA;
@@ -222,11 +227,17 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
     """
     strat = get_strategy(strategy)
     params = strat.validate(params)
+    rule = parse_temperature(temperature)
+    if rule is not None and logn:
+        raise InvalidInput(f"logn=True and temperature={temperature!r}: name one query temperature")
+    if rule is not None:
+        logn = True  # the option that routes attention through the temperature wrapper
     found = _check_options(model, strat, original_max_position_embeddings=original_max_position_embeddings,
                            layer_types=layer_types, dynamic_cache=dynamic_cache, dynamic_block=dynamic_block,
                            logn=logn, attention_path=attention_path, block_size=block_size)
     modules, sites = rotary_sites(model)
     handle = PatchHandle(model, strategy, params, {}, layers=probe_layers(model, modules, sites))
+    handle.temperature = rule or (Temperature("logn") if logn else None)
     if strat.kind == "attention":
         return _patch_attention(model, handle, strat, found, modules, original_max_position_embeddings,
                                 logn, attention_path, block_size)
@@ -266,10 +277,20 @@ def _check_options(model: nn.Module, strat: Strategy, *, original_max_position_e
                          "call unpatch() first")
     found = find_rotary_modules(model)
     if not found:
+        cfg = _config_of(model, model)
+        rope_config = getattr(cfg, "rotary_dim", None) or hasattr(cfg, "rotary_value")  # GPT-J, CodeGen; RoFormer
+        table = next((m for m in model.modules() if type(m).__name__.endswith(("RotaryEmbedding",
+                                                                                "SinusoidalPositionalEmbedding"))
+                      and (m._buffers or rope_config)), None)
+        if table is not None and (rope_config or type(table).__name__.endswith("RotaryEmbedding")):
+            raise NoRotaryEmbeddingError(
+                f"{type(model).__name__} applies RoPE from a precomputed sinusoidal table ({type(table).__name__}), "
+                "not from an "
+                "`inv_freq` buffer; ropescale changes RoPE through the frequencies and cannot patch this family")
         raise NoRotaryEmbeddingError(
             f"{type(model).__name__} has no rotary embedding: no submodule holds an `inv_freq` "
-            "(or `<layer_type>_inv_freq`) buffer; models with learned, ALiBi or sinusoidal "
-            "positions cannot be patched")
+            "(or `<layer_type>_inv_freq`) buffer; models with learned or ALiBi positions, or none, cannot be "
+            "patched")
     _refuse_inapplicable(strat, layer_types=layer_types, dynamic_cache=dynamic_cache, dynamic_block=dynamic_block,
                          attention_path=attention_path, block_size=block_size)
     return found
@@ -361,8 +382,9 @@ def _patch_frequency(model: nn.Module, handle: PatchHandle, strat: Strategy, fou
         if logn:
             from ropescale.attention import enable_logn
 
-            handle._restore.append(enable_logn(model, handle.context["original_max_position_embeddings"]))
-            handle.options["logn"] = True
+            handle._restore.append(enable_logn(model, handle.context["original_max_position_embeddings"],
+                                               handle.temperature))
+            handle.options |= _temperature_options(handle.temperature)
     except Exception:
         handle.unpatch()
         raise
@@ -476,14 +498,20 @@ def _patch_attention(model, handle: PatchHandle, strat: Strategy, found, modules
         handle._restore.append(enable_truncation(
             model, rule, by_module, rotaries, path=path, block=block,
             logn=context["original_max_position_embeddings"] if logn else None,
-            without_rope=any(info.kind == "none" for info in handle.layers)))
+            without_rope=any(info.kind == "none" for info in handle.layers), temperature=handle.temperature))
     except Exception:
         handle.unpatch()
         raise
     if logn:
-        handle.options["logn"] = True
+        handle.options |= _temperature_options(handle.temperature)
     setattr(model, _HANDLE_ATTR, handle)
     return handle
+
+
+def _temperature_options(rule: Temperature) -> dict[str, Any]:
+    """How a handle records its query temperature: ``logn: true`` (the long-standing record), plus
+    ``temperature`` for another rule."""
+    return {"logn": True} if rule.kind == "logn" and not rule.params else {"temperature": rule.spec()}
 
 
 def unpatch(model: nn.Module) -> None:

@@ -27,7 +27,8 @@ O(n·block): never an n × n matrix. Out of place and decided from Python intege
 differentiates it and the host never waits.
 
 ``naive_attention`` is the oracle the tests use: the explicit matrix p(i, j), and scores
-Σ_f A_f cos(p θ_f) + B_f sin(p θ_f) from the rotation identity, then an eager softmax. O(n²·d).
+Σ_f A_f cos(p θ_f) + B_f sin(p θ_f) from the rotation identity, then an eager softmax, all in
+float64 (the rule's exact value, not another float32 rounding of it). O(n²·d) time, O(n²) memory.
 """
 
 from __future__ import annotations
@@ -166,7 +167,9 @@ def fused_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling
     other than the CPU), ``blocked_attention``. The ``"fused"`` attention path
     (``ropescale.attention``) sends other devices to FlexAttention (``ropescale.flex_regions``)
     before this. Chunk rules read each row's position offset (a CPU tensor: no device wait) and
-    plan rows with different offsets (left padding) apart."""
+    plan rows with different offsets (left padding) apart. A prefill's extra regions
+    (``RelativeRule.for_call``) are regions of their own here, merged like the others."""
+    rule = rule.for_call(q.shape[2], k.shape[2])
     route = fused_route(q.device.type, softcap=softcap, dropout=dropout, keep=keep, by_chunk=rule.by_chunk,
                         sliding_window=sliding_window)
     if route != "regions":
@@ -217,6 +220,9 @@ def blocked_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scali
     h_v = v.shape[-1]
     n_kv, s_k = k.shape[1], k.shape[2]
     g, c0 = n_h // n_kv, s_k - s_q
+    rule = rule.for_call(s_q, s_k)
+    n_part = len(rule.partition)  # regions from here are a prefill's pairs counted again
+    extra = []  # (scores, inside) of those regions in one block pair
 
     def grouped(x):  # [b, n_h, s, h_d] → [b, n_kv, g, s, h_d]
         return x.view(b, n_kv, g, x.shape[2], h_d)
@@ -247,33 +253,43 @@ def blocked_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scali
             lo, hi = c0 + qs - (ke - 1), c0 + qe - 1 - ks
             dist = q_slot[qs:qe, None] - k_slot[None, ks:ke]  # [Bq, Bk]
             s = None
-            for r, region in enumerate(rule.regions):
+            for r, region in enumerate(rule.regions):  # the partition first, then a prefill's extra regions
                 maybe, whole = _touches(region, lo, hi)
                 if not maybe:
                     continue
                 part = qs_r[r][..., qs:qe, :] @ ks_r[r][..., ks:ke, :].transpose(-1, -2)  # [b, n_kv, g, Bq, Bk]
-                if whole:
+                if whole and r < n_part:
                     s = part
-                    break
+                    if n_part == len(rule.regions):
+                        break
+                    continue
                 if region.chunk:
                     inside = region.contains(q_at[..., qs:qe, :], k_at[..., ks:ke])  # [b, 1, 1, Bq, Bk]
                 else:
                     inside = (dist >= region.lo) & (dist < region.hi) if region.hi is not None else dist >= region.lo
-                s = torch.where(inside, part, torch.zeros_like(part) if s is None else s)
+                if r < n_part:
+                    s = torch.where(inside, part, torch.zeros_like(part) if s is None else s)
+                else:  # counted again: more columns of scores, over the same values
+                    extra.append((part, inside))
             s = _softcap(s.float() * scale, softcap)  # [b, n_kv, g, Bq, Bk]
+            vis = (dist >= 0) & (dist < sliding_window) if sliding_window else dist >= 0
+            if keep is not None:
+                blk = keep[..., ks:ke] if keep.shape[-2] == 1 else keep[..., qs:qe, ks:ke]
+                vis = vis & blk[:, :, None]  # [b, 1, 1, Bq, Bk]
             if lo < 0 or (sliding_window and hi >= sliding_window) or keep is not None:  # masks only where needed
-                vis = (dist >= 0) & (dist < sliding_window) if sliding_window else dist >= 0
-                if keep is not None:
-                    blk = keep[..., ks:ke] if keep.shape[-2] == 1 else keep[..., qs:qe, ks:ke]
-                    vis = vis & blk[:, :, None]  # [b, 1, 1, Bq, Bk]
                 s = s.masked_fill(~vis, float("-inf"))
+            vb = v[..., ks:ke, :].float()
+            for part, inside in extra:
+                part = _softcap(part.float() * scale, softcap).masked_fill(~(vis & inside), float("-inf"))
+                s, vb = torch.cat((s, part), -1), torch.cat((vb, v[..., ks:ke, :].float()), -2)
+            extra.clear()
             m_new = torch.maximum(m, s.amax(-1, keepdim=True))
             p = (s - m_new).exp()
             alpha = (m - m_new).exp()
             l = l * alpha + p.sum(-1, keepdim=True)
             if dropout:  # on the weights, not the normaliser: softmax first, then dropout
                 p = torch.nn.functional.dropout(p, dropout)
-            acc = acc * alpha + p @ v[..., ks:ke, :].float()
+            acc = acc * alpha + p @ vb
             m = m_new
         rows.append((acc / l.clamp_min(1e-30)).to(q.dtype))  # fully masked rows → 0
     return torch.cat(rows, -2).view(b, n_h, s_q, h_v)
@@ -283,27 +299,52 @@ def naive_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling
                     keep=None, scale: float, softcap: float | None = None,
                     sliding_window: int | None = None, interleaved: bool = False, sinks: torch.Tensor | None = None,
                     **_) -> torch.Tensor:
+    """The oracle: the rule's explicit matrix p(i, j) ``[b, s_q, s_k]`` and the rotation identity
+    R(a)q · R(b)k = Σ_f A_f cos(p θ_f) + B_f sin(p θ_f) with p = a − b, then an eager softmax —
+    computed in float64 whatever the inputs' dtype (positions, p, the angles p·θ_f, scores,
+    softmax), so it is the rule's exact value for the given q, k, v to float64 precision, not
+    one more float32 rounding of it; returned in q's dtype. The scores accumulate one rotary pair
+    at a time: O(b·n_h·s_q·s_k) memory, O(n²·d) time. A prefill's extra regions
+    (``RelativeRule.for_call``) add their pairs as further softmax entries with their own p;
+    ``sinks`` ``[n_h]`` (gpt-oss) one more entry per head whose value is 0.
+    Shapes and arguments as the module doc."""
+    dtype = q.dtype
     n_h, s_q = q.shape[1], q.shape[2]
     n_kv, s_k = k.shape[1], k.shape[2]
+    rule = rule.for_call(s_q, s_k)
     d = 2 * inv_freq.numel()
-    k = k.repeat_interleave(n_h // n_kv, dim=1).float()  # [b, n_h, s_k, h_d]
-    v = v.repeat_interleave(n_h // n_kv, dim=1).float()
-    q = q.float()
-    p = rule.relative_positions(q_pos.float(), k_pos.float())  # [b, s_q, s_k]
-    angle = p[..., None] * inv_freq.float()  # [b, s_q, s_k, d/2]
+    q = q.double()
+    k = k.repeat_interleave(n_h // n_kv, dim=1).double()  # [b, n_h, s_k, h_d]
+    v = v.repeat_interleave(n_h // n_kv, dim=1).double()
+    theta = inv_freq.double()
     q1, q2 = _pairs(q, d, interleaved)  # [b, n_h, s_q, d/2]
-    k1, k2 = _pairs(k, d, interleaved)
-    # R(a)q · R(b)k with a − b = p: Σ_f (q1 k1 + q2 k2) cos(pθ_f) + (q1 k2 − q2 k1) sin(pθ_f)
-    A = torch.einsum("bhif,bhjf->bhijf", q1, k1) + torch.einsum("bhif,bhjf->bhijf", q2, k2)
-    B = torch.einsum("bhif,bhjf->bhijf", q1, k2) - torch.einsum("bhif,bhjf->bhijf", q2, k1)
-    rotary = (A * angle.cos()[:, None] + B * angle.sin()[:, None]).sum(-1) * scaling**2
-    s = (rotary + q[..., d:] @ k[..., d:].transpose(-1, -2)) * scale  # [b, n_h, s_q, s_k]
-    s = _softcap(s, softcap)
-    vis = _visible(torch.arange(s_k - s_q, s_k), torch.arange(s_k), sliding_window)
+    k1, k2 = _pairs(k, d, interleaved)  # [b, n_h, s_k, d/2]
+    plain = q[..., d:] @ k[..., d:].transpose(-1, -2)  # channels past d do not rotate: [b, n_h, s_q, s_k]
+
+    def scores(p: torch.Tensor) -> torch.Tensor:  # p [b, s_q, s_k] → scaled, soft-capped scores [b, n_h, s_q, s_k]
+        s = plain
+        for f in range(d // 2):  # pair f: A_f = q1 k1 + q2 k2, B_f = q1 k2 − q2 k1, each [b, n_h, s_q, s_k]
+            a1, a2 = q1[..., f, None], q2[..., f, None]  # [b, n_h, s_q, 1]
+            b1, b2 = k1[..., None, :, f], k2[..., None, :, f]  # [b, n_h, 1, s_k]
+            angle = p[:, None] * theta[f]  # [b, 1, s_q, s_k]
+            s = s + ((a1 * b1 + a2 * b2) * angle.cos() + (a1 * b2 - a2 * b1) * angle.sin()) * scaling**2
+        return _softcap(s * scale, softcap)
+
+    qp, kp = q_pos.double(), k_pos.double()
+    vis = _visible(torch.arange(s_k - s_q, s_k, device=q.device), torch.arange(s_k, device=q.device),
+                   sliding_window)  # [s_q, s_k], on the inputs' device
     if keep is not None:
         vis = vis & keep
-    s = s.masked_fill(~vis, float("-inf"))
+    parts = [scores(rule.relative_positions(qp, kp)).masked_fill(~vis, float("-inf"))]
+    for region in rule.regions[len(rule.partition):]:  # a prefill's pairs counted again
+        i, j = qp[:, :, None], kp[:, None, :]
+        p = ((qp if region.q_at is None else region.q_at(qp))[:, :, None]
+             - (kp if region.k_at is None else region.k_at(kp))[:, None, :])  # [b, s_q, s_k]
+        inside = (region.contains(i, j) & (j <= i))[:, None]  # [b, 1, s_q, s_k]
+        parts.append(scores(p).masked_fill(~(vis & inside), float("-inf")))
+    s = torch.cat(parts, -1)  # [b, n_h, s_q, s_k · (1 + extra)]
+    v = torch.cat([v] * len(parts), -2)
     if sinks is not None:  # attention sinks (gpt-oss): one more logit per head, whose value is 0
-        sink = sinks.float().view(1, n_h, 1, 1).expand(s.shape[0], n_h, s_q, 1)
-        return torch.softmax(torch.cat((s, sink), -1), -1)[..., :-1] @ v
-    return torch.nan_to_num(torch.softmax(s, -1)) @ v  # fully masked rows → 0
+        sink = sinks.double().view(1, n_h, 1, 1).expand(s.shape[0], n_h, s_q, 1)
+        return (torch.softmax(torch.cat((s, sink), -1), -1)[..., :-1] @ v).to(dtype)
+    return (torch.nan_to_num(torch.softmax(s, -1)) @ v).to(dtype)  # fully masked rows → 0

@@ -155,12 +155,50 @@ def test_base_bound_prints_the_table(run):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--dims", "33"], "Error: Invalid value for '--dims': '33': each must be an even number >= 2; got 33"),
+    (["--dims", "33"], "Error: Invalid value for '--dims': '33': each must be an even number from 2 to 65536; got 33"),
     (["--lengths", "64,x"], "Error: Invalid value for '--lengths': '64,x': expected comma-separated whole numbers"),
+    # went to the allocator: a [L, d/2] table of 10^11 rows, or of 5·10^5 columns
+    (["--lengths", "100000000000"],
+     "Error: Invalid value for '--lengths': '100000000000': each must be from 2 to 16777216; got 100000000000"),
+    (["--dims", "16,1000000"],
+     "Error: Invalid value for '--dims': '16,1000000': each must be an even number from 2 to 65536; got 1000000"),
 ])
 def test_base_bound_refuses_bad_numbers(run, args, message):
     res = run("base-bound", *args)
     assert res.exit_code == 2 and res.output.splitlines()[-1] == message
+
+
+def test_base_bound_refuses_a_table_beyond_memory_before_computing(run):
+    res = run("base-bound", "--dims", "65536", "--lengths", "16777216")  # 2^24 × 2^15 pairs, float64
+    assert res.exit_code == 1 and len(res.output.splitlines()) == 1
+    assert res.output.startswith("Error: base-bound at L = 16777216 tokens, d = 65536 needs about 16,384 GiB")
+
+
+def test_base_bound_marks_a_cell_no_base_reaches_and_prints_the_rest(run):
+    """d = 2 has one pair, θ_0 = b^0 = 1 for every base: B(m) = cos m, and cos 2 < 0 — no base keeps
+    B(m) >= 0 for m < L >= 3. One such cell refused the whole table."""
+    import math
+
+    from ropescale.geometry import smallest_base
+
+    assert math.cos(2) < 0
+    res = run("base-bound", "--dims", "2,16", "--lengths", "64,128")
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert lines[:4] == ["| L | d = 2 | d = 16 |", "|---:|---:|---:|",
+                         f"| 64 | — | {smallest_base(16, 64):.3g} |", f"| 128 | — | {smallest_base(16, 128):.3g} |"]
+    assert lines[4] == "" and lines[5].startswith("—: no base up to 1e+12 keeps B(m) >= 0 for every m < L at this d")
+
+
+def test_base_bound_table_checks_its_numbers_too():
+    from eval.inspect import base_bound_table
+    from ropescale.errors import InvalidInput
+
+    for dims, lengths, match in [([3], [64], "dims: 3: a rotary dim d is an even number from 2 to 2"),
+                                 ([16], [10 ** 11], "lengths: 100000000000: a length L is from 2 to 2"),
+                                 ([16], [], "lengths: none given")]:
+        with pytest.raises(InvalidInput, match=match):
+            base_bound_table(dims, lengths)
 
 
 def test_reference_train_help_shows_the_recipe_mixes(run):
@@ -186,3 +224,70 @@ def test_reference_commands_refuse_bad_input_in_one_line(run, tmp_path, args, me
     assert res.exit_code == 1
     assert res.output.splitlines() == ["Error: " + message.format(tmp=tmp_path)]
     assert not (tmp_path / "m").exists()
+
+
+def _cores() -> int:
+    import os
+
+    return os.cpu_count() or 1
+
+
+@pytest.mark.parametrize("args,message", [
+    (["-o", "{tmp}/file/m"], "--output {tmp}/file/m: a part of the path ({tmp}/file) is a file, not a folder"),
+    (["-o", "{tmp}/m", "--threads", "{many}"],
+     "--threads: {many} threads on a machine with {cores} CPU cores; use at most {cores}"),
+])
+def test_reference_train_refuses_its_output_and_threads_before_training(run, tmp_path, monkeypatch, args, message):
+    """The output folder was checked only after training (a read-only --output lost the trained
+    model), and --threads 64 was taken on 2 cores."""
+    import eval.reference.train as ref
+
+    monkeypatch.setattr(ref, "train_tokenizer", lambda *a, **k: pytest.fail("training started"))
+    (tmp_path / "file").write_text("")
+    fmt = {"tmp": tmp_path, "many": _cores() + 1, "cores": _cores()}
+    res = run("reference", "train", *[a.format(**fmt) for a in args])
+    assert res.exit_code == 1 and res.output.splitlines() == ["Error: " + message.format(**fmt)]
+    assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "geteuid") or __import__("os").geteuid() == 0,
+                    reason="root writes in read-only folders")
+def test_reference_train_refuses_a_read_only_output_before_training(run, tmp_path, monkeypatch):
+    import eval.reference.train as ref
+
+    monkeypatch.setattr(ref, "train_tokenizer", lambda *a, **k: pytest.fail("training started"))
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro").chmod(0o555)
+    try:
+        res = run("reference", "train", "-o", tmp_path / "ro" / "m")
+    finally:
+        (tmp_path / "ro").chmod(0o755)
+    assert res.exit_code == 1 and "cannot write in" in res.output and len(res.output.splitlines()) == 1
+
+
+@pytest.mark.parametrize("content,args,message", [
+    ("{{not json", [], "--model {m}: {m}/training.json is not JSON (Expecting property name enclosed in double "
+                       "quotes: line 1 column 2 (char 1))"),
+    ("[1, 2]", [], "--model {m}: {m}/training.json: the file is not a mapping of the training record but a list"),
+    ('{{"seed": 0}}', [], "--model {m}: {m}/training.json lacks steps, batch_size, window,"),
+    ("TRAINED", ["--threads", "{many}"], "--threads: {many} threads on a machine with {cores} CPU cores"),
+    ("TRAINED", ["--plot", "{m}/curves.txt"],
+     "--plot {m}/curves.txt: the extension .txt is not a figure format; use one of "),
+])
+def test_reference_card_refuses_before_measuring(run, tmp_path, monkeypatch, content, args, message):
+    """A training.json that is not JSON ended in a traceback (after the model was loaded); keys it
+    lacks, after three minutes of measuring."""
+    import eval.reference.card as card
+    from ropescale.models import REFERENCE_MODEL
+
+    monkeypatch.setattr(card, "measure", lambda *a, **k: pytest.fail("measuring started"))
+    m = tmp_path / "m"
+    m.mkdir()
+    bundled = (REFERENCE_MODEL / "training.json").read_text()  # a valid record
+    (m / "training.json").write_text(bundled if content == "TRAINED" else content.format())
+    fmt = {"m": m, "many": _cores() + 1, "cores": _cores()}
+    res = run("reference", "card", "--model", m, *[a.format(**fmt) for a in args])
+    assert res.exit_code == 1, res.output
+    lines = res.output.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: " + message.format(**fmt)), lines
+    assert "--plot" not in args or (".png" in lines[0] and ".pdf" in lines[0])

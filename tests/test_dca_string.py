@@ -267,7 +267,8 @@ def test_string_below_its_offset_is_vanilla_up_to_its_factor():
 def test_fused_kernel_equals_the_explicit_map_for_any_chunking(n, cached, chunk_size, local, pad):
     """Property: for any lengths, cache split, chunking and left padding, the fused kernel equals
     attention over the explicit position map (whose entries the tests above check against the
-    paper) — every row's last chunk position included. (The map path scores in float32: 1e-5.)"""
+    paper) — every row's last chunk position included. (The kernel's angles are
+    float32, as transformers computes them; the map path is exact in float64: 1e-5.)"""
     local = local % chunk_size
     s_q, pad = max(1, n - cached), min(pad, n - 1)
     gen = torch.Generator().manual_seed(n * 31 + chunk_size)
@@ -311,3 +312,196 @@ def test_blocked_path_skips_only_regions_a_block_cannot_hold(chunk_size, local):
     for block in (1, 4, 16, 64):
         torch.testing.assert_close(blocked_attention(*args, scale=0.3, keep=keep, block=block), want, rtol=0,
                                    atol=1e-5)
+
+
+# --- STRING's prefill as the authors run it ---------------------------------------------------
+
+def _rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), -1)
+
+
+def _flash(q, k, v, allowed, scale):
+    """flash_attn_func written out: out and lse of softmax(q kᵀ · scale) over ``allowed`` [s_q, s_k]."""
+    s = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+def authors_string(q, k, v, S, W, inv, factor, scale, decode=False):
+    """HKUNLP/STRING string_for_llama.py @ 216cc2f, ``forward`` with its ``string_flash_forward``
+    (prefill) or its flash-decoding branch (``decode``: the last query over a cache of all keys),
+    flash_attn written out in torch. q, k, v ``[b, h, L, d]`` un-rotated (one head group); the
+    RotaryEmbedding's cos/sin cache is ``attention_factor · cos(t θ)`` (and sin) for t < L."""
+    L = k.shape[2]
+    freqs = torch.outer(torch.arange(L, dtype=torch.float64), inv.double())
+    emb = torch.cat((freqs, freqs), -1)
+    cos_cached, sin_cached = factor * emb.cos(), factor * emb.sin()
+
+    def apply_rotary_pos_emb(x, position_ids):
+        return x * cos_cached[position_ids] + _rotate_half(x) * sin_cached[position_ids]
+
+    position_ids = torch.arange(L)
+    key_states = apply_rotary_pos_emb(k, position_ids)
+    if decode:  # has_kv_cache: the query at L − 1; diag = the last S keys, shifted = the rest
+        query_states_1 = apply_rotary_pos_emb(q, position_ids[-1:])
+        query_states_2 = apply_rotary_pos_emb(q, position_ids[-1:] - S + W)
+        shifted_size = L - S
+        out1, lse1 = _flash(query_states_1, key_states[:, :, shifted_size:], v[:, :, shifted_size:],
+                            torch.ones(1, S, dtype=torch.bool), scale)
+        out2, lse2 = _flash(query_states_2, key_states[:, :, :shifted_size], v[:, :, :shifted_size],
+                            torch.ones(1, shifted_size, dtype=torch.bool), scale)
+        gap21 = 1 / (1 + torch.exp(lse2 - lse1))
+        gap12 = 1 / (1 + torch.exp(lse1 - lse2))
+        return out1 * gap21[..., None] + out2 * gap12[..., None]
+    query_states_1 = apply_rotary_pos_emb(q, position_ids)
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None]
+    # flash_attn_func(causal=True, window_size=[S, 0]): keys j with i − S ≤ j ≤ i, both ends included
+    diag_out, diag_lse = _flash(query_states_1, key_states, v, (j <= i) & (j >= i - S), scale)
+    triangle_len = L - S
+    if triangle_len <= 0:  # theirs: < 0; at L = S their [-0:] slice hands flash-attn no keys (no pair is that far)
+        return diag_out
+    # the shifted queries are position_ids − diag_size + local_window; their last triangle_len rows
+    # against the first triangle_len keys, causal (equal lengths: row a sees keys b ≤ a)
+    query_states_2 = apply_rotary_pos_emb(q[:, :, -triangle_len:], position_ids[-triangle_len:] - S + W)
+    a, b_ = torch.arange(triangle_len)[:, None], torch.arange(triangle_len)[None]
+    shifted_out, shifted_lse = _flash(query_states_2, key_states[:, :, :triangle_len], v[:, :, :triangle_len],
+                                      b_ <= a, scale)
+    head = diag_out[:, :, :S]
+    lse_gap = 1 / (1 + torch.exp(diag_lse[:, :, S:] - shifted_lse))
+    lse_gap_re = 1 / (1 + torch.exp(shifted_lse - diag_lse[:, :, S:]))
+    tail = diag_out[:, :, S:] * lse_gap_re[..., None] + shifted_out * lse_gap[..., None]
+    return torch.cat((head, tail), 2)
+
+
+@pytest.mark.parametrize("path", ["fused", "blocked", "naive", "flex"])
+@pytest.mark.parametrize("L,S,W", [(50, 17, 5), (40, 12, 3), (17, 17, 5), (12, 17, 5)])
+def test_string_authors_prefill_equals_their_code(path, L, S, W):
+    """``prefill="authors"``: every path equals the authors' prefill (keys at distance exactly S
+    counted twice, at p = S and at p = W); their decoding counts each key once, and so does a
+    cached call here. The default (the paper) differs from their prefill exactly there."""
+    gen = torch.Generator().manual_seed(L + S)
+    q, k, v = (torch.randn(1, 2, L, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    inv = (1.0 / (100 ** (torch.arange(0, 16, 2) / 16))).float().double()  # float32-exact
+    pos = torch.arange(L, dtype=torch.float64)[None]
+    authors = string(S, W, None, 64, prefill="authors")
+    fn = {"fused": fused_attention, "blocked": blocked_attention, "naive": naive_attention,
+          "flex": flex_attention_path}[path]
+    kw = {"scale": 16**-0.5, "block": 8}
+    f = authors.attention_factor
+    with torch.no_grad():
+        got = fn(q, k, v, pos, pos, authors, inv, f, **kw)
+        torch.testing.assert_close(got, authors_string(q, k, v, S, W, inv, f, 16**-0.5), rtol=1e-6, atol=1e-6)
+        paper = fn(q, k, v, pos, pos, string(S, W, None, 64), inv, f, **kw)
+        assert torch.equal(got[:, :, :S], paper[:, :, :S]) or torch.allclose(got[:, :, :S], paper[:, :, :S])
+        if L > S:  # from query S on, the doubled key changes the output
+            assert (got[:, :, S:] - paper[:, :, S:]).abs().amax(-1).min() > 1e-4
+            step = fn(q[:, :, -1:], k, v, pos[:, -1:], pos, authors, inv, f, **kw)  # decoding over a cache
+            torch.testing.assert_close(step, authors_string(q[:, :, -1:], k, v, S, W, inv, f, 16**-0.5, decode=True),
+                                       rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(step, paper[:, :, -1:], rtol=1e-6, atol=1e-6)
+
+
+def test_string_prefill_option_is_validated_and_patches_a_model():
+    assert get_strategy("string").validate({})["prefill"] == "paper"
+    with pytest.raises(ValueError, match=r"^string: parameter prefill='author' is not a choice; allowed: one of "
+                                         r"paper, authors$"):
+        get_strategy("string").validate({"prefill": "author"})
+    model = family_model("llama")
+    ids = IDS[:, :60]
+    with torch.no_grad():
+        out = {}
+        for path in ("fused", "naive"):
+            with ropescale.patch(model, "string", shifted_offset=20, local_window=3, prefill="authors",
+                                 attention_path=path):
+                out[path] = model(ids).logits
+        with ropescale.patch(model, "string", shifted_offset=20, local_window=3):
+            paper = model(ids).logits
+    torch.testing.assert_close(out["fused"], out["naive"], rtol=0, atol=1e-5)
+    assert not torch.allclose(out["fused"][:, 20:], paper[:, 20:], atol=1e-4)
+    torch.testing.assert_close(out["fused"][:, :20], paper[:, :20], rtol=0, atol=1e-5)
+
+
+# --- vLLM's Dual Chunk Attention temperature --------------------------------------------------
+
+def vllm_dca(q, k, v, chunk_size, local_size, original_max_position_embeddings, softmax_scale, *,
+             key_lengths, query_length=None):
+    """vLLM's Dual Chunk Attention written out (vllm-project/vllm @ cff7e054, the V0 backend removed
+    in 0.11): ``rotary_embedding/dual_chunk_rope.py`` places queries at pos % c (intra),
+    min(pos % c + c, chunk_size) (succ), ``qc_cache[c − 1]`` = min(2c − 1, chunk_size) (inter) and
+    keys at pos % c, c = chunk_size − local_size; ``attention/backends/dual_chunk_flash_attn.py``
+    multiplies each key by σ(n) = max(1, 0.1·ln(n / T) + 1) of the sequence length n when it is
+    stored (``key[...].mul_(scaling_factor)``), then in prefill (``query_length`` None) multiplies
+    the softmax scale by σ of the prompt length, in decoding the query by σ of the current length
+    (``query * scaling_factor``). ``key_lengths`` [L]: the length n each key was stored at.
+    q ``[h, s_q, d]`` (the last s_q positions), k, v ``[h, L, d]``, one head group."""
+    L, s_q, d = k.shape[1], q.shape[1], q.shape[-1]
+    c = chunk_size - local_size
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+
+    def sigma(n):
+        return max(1.0, 0.1 * math.log(n / original_max_position_embeddings) + 1.0)
+
+    def rot(x, t):  # neox style: x ``[h, s, d]`` at positions t ``[s]``
+        ang = t.double()[:, None] * inv
+        cos, sin = torch.cat((ang.cos(), ang.cos()), -1), torch.cat((ang.sin(), ang.sin()), -1)
+        return x * cos + _rotate_half(x) * sin
+
+    pos = torch.arange(L - s_q, L)
+    q_intra, q_succ = rot(q, pos % c), rot(q, (pos % c + c).clamp(max=chunk_size))
+    q_inter = rot(q, torch.full_like(pos, min(2 * c - 1, chunk_size)))
+    keys = rot(k, torch.arange(L) % c) * torch.tensor([sigma(n) for n in key_lengths], dtype=torch.float64)[:, None]
+    if query_length is None:
+        scale = softmax_scale * sigma(L)
+    else:
+        scale = softmax_scale
+        q_intra, q_succ, q_inter = (x * sigma(query_length) for x in (q_intra, q_succ, q_inter))
+    gap = pos[:, None] // c - torch.arange(L)[None] // c  # [s_q, L]
+    s = torch.where(gap == 0, q_intra @ keys.transpose(-1, -2),
+                    torch.where(gap == 1, q_succ @ keys.transpose(-1, -2), q_inter @ keys.transpose(-1, -2)))
+    s = (s * scale).masked_fill(torch.arange(L)[None] > pos[:, None], float("-inf"))
+    return torch.softmax(s, -1) @ v  # the per-chunk flash calls merged by their lse: one softmax
+
+
+def test_vllm_temperature_squares_in_prefill_and_in_decoding():
+    """``vllm_temperature``: logits × σ², as vLLM's prefill (keys × σ, softmax scale × σ) and its
+    decoding (keys × σ when stored, the query × σ) both do — not once in decoding. With scale
+    s = L / T ropescale equals vLLM's prefill exactly, and a decoding step whose cached keys were
+    stored at the same σ (vLLM's σ follows each step's length; ropescale's ``scale`` is fixed)."""
+    T, L, chunk_size, local = 16, 60, 12, 2
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, L, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    inv = 1.0 / (10000 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16))
+    pos = torch.arange(L, dtype=torch.float64)[None]
+    rule = dca(chunk_size, local, L / T, True, T)
+    sigma = 0.1 * math.log(L / T) + 1
+    assert rule.attention_factor == pytest.approx(sigma)
+    with torch.no_grad():
+        ours = fused_attention(q, k, v, pos, pos, rule, inv, rule.attention_factor, scale=0.25)
+        theirs = vllm_dca(q[0], k[0], v[0], chunk_size, local, T, 0.25, key_lengths=[L] * L)
+        torch.testing.assert_close(ours[0], theirs, rtol=1e-6, atol=1e-6)
+        step = fused_attention(q[:, :, -1:], k, v, pos[:, -1:], pos, rule, inv, rule.attention_factor, scale=0.25)
+        theirs = vllm_dca(q[0, :, -1:], k[0], v[0], chunk_size, local, T, 0.25, key_lengths=[L] * L, query_length=L)
+        torch.testing.assert_close(step[0], theirs, rtol=1e-6, atol=1e-6)
+        once = fused_attention(q[:, :, -1:], k, v, pos[:, -1:], pos, rule, inv, math.sqrt(sigma), scale=0.25)
+        assert (once[0] - theirs).abs().max() > 1e-3  # σ applied once would be another attention
+
+
+def test_patch_takes_numpy_numbers_and_refuses_non_finite_ones_in_one_line():
+    """``ropescale.patch(model, "dca", chunk_size=...)``: numpy integers are whole numbers (main
+    refused them as "must be a number"), inf and nan one line naming the parameter and its range
+    (main: OverflowError / a bare "cannot convert float NaN to integer")."""
+    import numpy as np
+
+    from ropescale.errors import InvalidInput
+
+    model = family_model("llama")
+    with torch.no_grad():
+        with ropescale.patch(model, "dca", chunk_size=24, local_window=4):
+            want = model(IDS[:, :50]).logits
+        with ropescale.patch(model, "dca", chunk_size=np.int64(24), local_window=np.int32(4)) as handle:
+            torch.testing.assert_close(model(IDS[:, :50]).logits, want, rtol=0, atol=0)
+            assert handle.params["chunk_size"] == 24 and type(handle.params["chunk_size"]) is int
+    for bad, shown in ((float("inf"), "inf"), (float("nan"), "nan"), (np.float64("-inf"), "-inf")):
+        with pytest.raises(InvalidInput) as e:
+            ropescale.patch(model, "dca", chunk_size=bad)
+        assert str(e.value) == f"dca: parameter chunk_size={shown} must be a finite whole number; allowed: >= 2"

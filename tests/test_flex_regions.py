@@ -285,3 +285,106 @@ def test_masks_are_built_once_per_forward_for_chunk_rules_too(monkeypatch, strat
         assert len(built) - before == regions  # not regions × layers
         model(IDS[:, :60])  # distance rules' masks depend on shapes alone; chunk rules' on the new positions
         assert len(built) - before == (2 * regions if strategy == "dca" else regions)
+
+
+@pytest.fixture
+def compiled_on_cpu(monkeypatch):
+    """The CUDA configuration on the CPU: the path decides compiled or eager as on CUDA
+    (``flex_regions._compiles`` with the device taken for CUDA), ``torch.compile`` through
+    ``flex_regions._compiled`` with a backend that counts dynamo's compilations per function and
+    then runs the captured graph eagerly (the CPU inductor kernel has no LSE), and dynamo's
+    recompile limit made a hard error instead of its silent fall-back to the eager, unfused
+    function."""
+    import torch._dynamo
+
+    counts = {"create_block_mask": 0, "flex_attention": 0}
+
+    def counting(name):
+        def backend(gm, example_inputs):
+            counts[name] += 1
+            return gm.forward
+        return backend
+
+    backends = {torch_flex.create_block_mask: counting("create_block_mask"),
+                torch_flex.flex_attention: counting("flex_attention")}
+    real_compiled, real_compiles = flex_regions._compiled, flex_regions._compiles
+    monkeypatch.setattr(flex_regions, "_compiled", lambda fn, backend="inductor": real_compiled(fn, backends[fn]))
+    monkeypatch.setattr(flex_regions, "_compiles", lambda device, scores: real_compiles(torch.device("cuda"), scores))
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        yield counts
+    torch._dynamo.reset()
+
+
+def test_compiled_path_compiles_once_for_every_region_rule_window_and_cache_offset(compiled_on_cpu, monkeypatch):
+    """Regions, rules, windows and cache offsets differ only in numbers, which the mask carries as
+    tensors: once the shapes have been compiled, another region or rule compiles nothing (a number
+    in the mask's closure is a dynamo guard: one compilation each, and past the recompile limit
+    torch silently runs the eager, unfused kernel on the GPU). The masks are built without
+    autograd, so a forward with gradients compiles no new builder. Outputs equal the oracle's
+    (the numbers are read when the kernel runs, not baked into the first compilation)."""
+    monkeypatch.setattr(flex_regions, "EAGER_SCORES", 0)  # these small inputs take the compiled path
+    rules = [rerope(8), leaky_rerope(12, 3.0, None, 64), self_extend(3, 10), string(12, 3, None, 64), rerope(20)]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 40, 16, generator=g)
+    k, v = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(2))
+    pos = torch.arange(40.0)[None]
+    shapes = [(q, k, v, pos, pos), (q[:, :, -13:], k, v, pos[:, -13:], pos),  # a forward; a KV-cache split
+              (q[:, :, -12:], k, v, pos[:, -12:], pos)]  # the next step of it (another c0)
+    with torch.no_grad():
+        for args in shapes:  # compile each shape kind once
+            flex_attention_path(*args, rules[0], INV, 1.0, scale=0.3)
+        warm = dict(compiled_on_cpu)
+        for rule in rules[1:]:
+            for args in shapes:
+                out = flex_attention_path(*args, rule, INV, 1.0, scale=0.3)
+                _assert_close_rel([out], [naive_attention(*args, rule, INV, 1.0, scale=0.3)])
+        assert compiled_on_cpu == warm
+    with torch.enable_grad():  # a training forward builds its masks as inference does
+        flex_attention_path(*shapes[0], rules[1], INV, 1.0, scale=0.3)
+    assert compiled_on_cpu["create_block_mask"] == warm["create_block_mask"]
+
+
+def test_compiled_chunk_rule_shares_its_graph_across_regions_and_offsets(compiled_on_cpu, monkeypatch):
+    """DCA's three chunk regions, other chunk sizes and other row offsets (left padding) reuse one
+    compiled mask builder and kernel per shape; the outputs equal the oracle's."""
+    monkeypatch.setattr(flex_regions, "EAGER_SCORES", 0)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 48, 16, generator=g)
+    k, v = (torch.randn(2, 2, 48, 16, generator=g) for _ in range(2))
+    pos = torch.arange(48.0)[None].repeat(2, 1)
+    with torch.no_grad():
+        flex_attention_path(q, k, v, pos, pos, dca(14, 3, 2.0, False, 16), INV, 1.0, scale=0.3)
+        warm = dict(compiled_on_cpu)
+        for rule, shift in ((dca(14, 3, 2.0, False, 16), 5), (dca(20, 4, 1.0, False, 16), 0),
+                            (dca(9, 2, 1.0, True, 16), 3)):
+            p = pos - torch.tensor([[0.0], [shift]])  # row 1 starts `shift` positions earlier
+            out = flex_attention_path(q, k, v, p, p, rule, INV, 1.0, scale=0.3)
+            _assert_close_rel([out], [naive_attention(q, k, v, p, p, rule, INV, 1.0, scale=0.3)])
+    assert compiled_on_cpu == warm
+
+
+def test_small_inputs_run_eagerly_where_the_path_compiles(compiled_on_cpu, monkeypatch):
+    """The patch's 2-token routing check and inputs of at most EAGER_SCORES scores compile nothing
+    (each would be a compilation and a dynamo cache entry of its own), without torch's warning
+    about eager FlexAttention; above it the compiled functions run. Both give the oracle's
+    outputs."""
+    model = family_model("llama")
+    monkeypatch.setattr(torch_flex, "_WARNINGS_SHOWN", set())  # torch warns once per process
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with torch.no_grad(), ropescale.patch(model, "rerope", window=8, attention_path="flex"):
+            model(IDS[:, :5])
+    assert compiled_on_cpu == {"create_block_mask": 0, "flex_attention": 0}
+    # eager on purpose: torch's warning about calling it uncompiled is not shown
+    assert not [w for w in seen if "without torch.compile" in str(w.message)]
+    args, kw = _case("plain", torch.float32)  # b·n_h·s_q·s_k = 1·4·40·40 = 6400
+    args = tuple(a.detach() for a in args)
+    with torch.no_grad():
+        out = flex_attention_path(*args, rerope(8), INV, 1.0, **kw)
+        assert compiled_on_cpu == {"create_block_mask": 0, "flex_attention": 0}
+        monkeypatch.setattr(flex_regions, "EAGER_SCORES", 6399)
+        compiled = flex_attention_path(*args, rerope(8), INV, 1.0, **kw)
+    assert compiled_on_cpu["create_block_mask"] >= 1 and compiled_on_cpu["flex_attention"] >= 1
+    ref = naive_attention(*args, rerope(8), INV, 1.0, **kw)
+    _assert_close_rel([out, compiled], [ref, ref])

@@ -251,8 +251,9 @@ def _float64_oracle(q, k, v, q_pos, k_pos, rule, inv, scaling, *, keep, scale, s
     (45, 10, 40, "rerope", 70, 0, False, True),
 ])
 def test_fused_kernel_in_float64_with_gradients(s_k, cached, window, rule, sliding, pad, gqa, interleaved):
-    """float64 in: forward and backward run in float64 — equal to the naive path (which scores in
-    float32) at its precision, and to the regions spelled out in float64 at float64 precision."""
+    """float64 in: forward and backward run in float64 — equal to the naive path (exact in float64;
+    the kernel's angles are float32, as transformers computes them) to 1e-5, and to the regions
+    spelled out with the kernel's tables in float64 at float64 precision."""
     s_q = max(1, s_k - cached)
     rule = {"rerope": rerope(window), "leaky": leaky_rerope(window, 3.0, None, 64),
             "self_extend": self_extend(3, window)}[rule]
@@ -276,3 +277,61 @@ def test_fused_kernel_in_float64_with_gradients(s_k, cached, window, rule, slidi
     exact = _float64_oracle(*args, **kw)
     torch.testing.assert_close(out, exact, rtol=0, atol=1e-12)
     _close_grads(got, torch.autograd.grad(exact, (q, k, v), grad), rtol=1e-12)
+
+
+def _exact_attention(q, k, v, q_pos, k_pos, pair, inv, scaling, scale):
+    """softmax over j ≤ i of R(a)q_i · R(b)k_j · scale with (a, b) = pair(i, j) from Python floats,
+    every rotation, score and the softmax in float64 (rotate-half layout, cos/sin × ``scaling``)."""
+    q, k, v = q.double(), k.double(), v.double()
+    d = 2 * inv.numel()
+
+    def rot(x, t):  # x [..., h_d] at position t (a Python float)
+        ang = t * inv.double()
+        cos, sin = ang.cos() * scaling, ang.sin() * scaling
+        x1, x2 = x[..., : d // 2], x[..., d // 2 : d]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., d:]), -1)
+
+    s_q, s_k = q.shape[2], k.shape[2]
+    s = torch.full((q.shape[0], q.shape[1], s_q, s_k), float("-inf"), dtype=torch.float64)
+    for t in range(s_q):
+        for j in range(s_k - s_q + t + 1):
+            a, b = pair(q_pos[0, t].item(), k_pos[0, j].item())
+            s[:, :, t, j] = (rot(q[:, :, t], a) * rot(k[:, :, j], b)).sum(-1) * scale
+    return torch.softmax(s, -1) @ v
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.float64, 1e-12)])
+def test_naive_oracle_is_exact_far_into_a_sequence(dtype, atol):
+    """The oracle computes positions, p, the angles p·θ and the softmax in float64: deep in a
+    sequence (positions near 30 000, Leaky ReRoPE's far positions i/k) it equals the rule written
+    out with Python floats to float64 precision, returned in the inputs' dtype. (It scored in
+    float32 before: p = i/k − j/k from float32 positions was off by about 1e-3, and so were the
+    angles p·θ of large p.)"""
+    w, kk = 8, 3.0
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=gen, dtype=dtype) for _ in range(3))
+    pos = (torch.arange(40, dtype=dtype) + 29_983)[None]
+    inv = 1.0 / (10000 ** (torch.arange(0, 12, 2).float() / 12))  # 12 of 16 channels rotate
+
+    def pair(i, j):  # Leaky ReRoPE: q at i, k at j near; q at i/k + w(1 − 1/k), k at j/k far
+        return (i, j) if i - j < w else (i / kk + w * (1 - 1 / kk), j / kk)
+
+    out = naive_attention(q, k, v, pos, pos, leaky_rerope(w, kk, None, 64), inv, 1.1, scale=0.3)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), _exact_attention(q, k, v, pos, pos, pair, inv, 1.1, 0.3),
+                               rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_naive_path_runs_models_in_any_dtype(dtype):
+    """The naive path returns the model's dtype (it returned float32, so a float64 or bfloat16
+    model's o_proj refused its output: "expected m1 and m2 to have the same dtype")."""
+    model = family_model("llama").to(dtype)
+    with torch.no_grad():
+        with ropescale.patch(model, "rerope", window=8, attention_path="naive"):
+            slow = logits(model, IDS[:, :40])
+        with ropescale.patch(model, "rerope", window=8):
+            fast = logits(model, IDS[:, :40])
+    assert slow.dtype == dtype
+    tol = 1e-6 if dtype == torch.float64 else 0.1
+    torch.testing.assert_close(slow, fast, rtol=0, atol=tol)

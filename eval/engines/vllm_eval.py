@@ -26,8 +26,9 @@ and the engine's start-up and scoring seconds.
 
 Refused before anything loads (``check_engine``, one ``ConfigError`` line): vLLM not installed
 (how to install it), a task without vLLM scoring, strategies vLLM cannot express (relative
-rules, log-n, strategies without a transformers rope type, dynamic ones but dynamic NTK —
-frozen at L, the one scale the transformers engine uses per window — and LongRoPE; perplexity's
+rules, a query temperature — log-n or another rule —, strategies without a transformers rope
+type, dynamic ones but dynamic NTK — frozen at L, the one scale the transformers engine uses
+per window — and LongRoPE; perplexity's
 ``dynamic_block``), a ``max_model_len`` shorter than a cell needs, several launched processes
 (vLLM parallelises itself). What depends on the loaded model — YaRN's cos/sin cache shorter than
 a retrieval prompt plus its answer, per-layer-type patches — is refused at its cell, in one line.
@@ -177,8 +178,8 @@ def check_engine(cfg, source: str = "config", processes: int = 1) -> None:
         why = None
         if strat.kind != "frequency":
             why = "a relative-position rule applied inside attention; vLLM has no setting for it"
-        elif spec.logn:
-            why = "log-n query scaling has no vLLM setting"
+        elif spec.logn or spec.temperature:
+            why = "a query temperature (log-n or another rule) has no vLLM setting"
         elif strat.export is None:
             why = "no transformers rope type to translate, so vLLM cannot express it"
         elif strat.dynamic and spec.name not in ("dynamic_ntk", "longrope"):
@@ -250,7 +251,8 @@ def score_cell_vllm(cfg, task, model, examples, spec, params: dict, length: int,
     reqs, parity_index = requests_for(task, examples)
     serve = max(len(r["ids"]) + r["max_tokens"] - 1 for r in reqs)  # the positions vLLM rotates
     slug = "".join(c if c.isalnum() or c in "._=-" else "_" for c in spec.display)[:48] + f"@{length}"
-    with patch(model, spec.name, original_max_position_embeddings=train_len, logn=spec.logn, **params) as handle:
+    with patch(model, spec.name, original_max_position_embeddings=train_len, logn=spec.logn,
+               temperature=spec.temperature, **params) as handle:
         try:  # dynamic NTK: the one scale the transformers engine uses for a whole window of L
             exp = export_vllm(handle, serve, freeze_dynamic_at=length if spec.name == "dynamic_ntk" else None)
         except ExportRefused as e:

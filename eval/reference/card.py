@@ -18,7 +18,8 @@ import torch
 from ropescale.errors import InvalidInput
 from ropescale.reference import kjv
 
-from .train import copy_probe, token_stream
+from ..writable import check_figure, check_folder
+from .train import check_cores, copy_probe, token_stream
 
 PASSKEY_TRIALS = 20
 
@@ -150,15 +151,50 @@ def plot_training(summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
+# what the card and the curves read of training.json (a stage-2 model's stage 1 under "stage1")
+SUMMARY_KEYS = ("seed", "steps", "batch_size", "window", "lr", "warmup", "mix", "answer_end", "parameters",
+                "train_tokens", "heldout_tokens", "train_seconds", "threads", "torch", "probe_every", "log", "probes")
+STAGE1_KEYS = ("seed", "steps", "batch_size", "lr", "warmup", "mix", "train_seconds", "log", "probes")
+
+
+def read_summary(model: Path) -> dict:
+    """``training.json`` of the model folder ``model``, checked for what the card reads. Raises
+    ``InvalidInput`` in one line (no such file, not JSON, not a mapping, keys missing)."""
+    path = model / "training.json"
+    hint = "(a model folder `ropescale reference train` wrote)"
+    if not path.is_file():
+        raise InvalidInput(f"--model {model}: no training.json {hint}")
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidInput(f"--model {model}: {path} is not JSON ({e}) {hint}") from None
+    stage1 = summary.get("stage1") if isinstance(summary, dict) else None
+    for part, keys, where in ((summary, SUMMARY_KEYS, ""), (stage1, STAGE1_KEYS, "stage1.")):
+        if part is None and where:
+            continue
+        if not isinstance(part, dict):
+            raise InvalidInput(f"--model {model}: {path}: {where or 'the file '}is not a mapping of the training "
+                               f"record but a {type(part).__name__} {hint}")
+        missing = [k for k in keys if k not in part]
+        if missing:
+            raise InvalidInput(f"--model {model}: {path} lacks {', '.join(where + k for k in missing)} {hint}")
+    return summary
+
+
 def write_card(model: Path, *, threads: int = 2, plot: Path | None = None) -> dict:
     """Measure the model in folder ``model`` (``measure``), store the figures under ``card`` in its
     ``training.json``, write its card (``README.md``), draw the training curves into ``plot`` if
-    given, and return the figures (``ropescale reference card``)."""
+    given, and return the figures (``ropescale reference card``). Raises ``InvalidInput`` (one
+    line) before measuring for a ``training.json`` that is missing or not the training record,
+    more threads than CPU cores, a model folder that cannot be written, or a ``plot`` file
+    matplotlib cannot save there."""
     model = Path(model)
-    if not (model / "training.json").is_file():
-        raise InvalidInput(f"--model {model}: no training.json (a model folder `ropescale reference train` wrote)")
+    summary = read_summary(model)
+    check_cores(threads)
+    check_folder(model, f"--model {model}")  # training.json and README.md are written there
+    if plot:
+        check_figure(plot, f"--plot {plot}")
     torch.set_num_threads(threads)
-    summary = json.loads((model / "training.json").read_text(encoding="utf-8"))
     summary["card"] = measure(model)
     (model / "training.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     (model / "README.md").write_text(model_card(summary, summary["card"], kjv.split("train"), kjv.split("heldout")),

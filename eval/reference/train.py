@@ -54,9 +54,11 @@ from transformers import (
 
 from ropescale.errors import InvalidInput
 from ropescale.reference import kjv
+from ropescale.runs.config import check_threads
 
 from ..tasks import needle, passkey
 from ..tasks.prompts import cycle_units, random_key, sentence_units
+from ..writable import check_folder
 
 EOT = "<|endoftext|>"
 DEFAULT_MIX = {"kjv": 0.45, "passkey": 0.15, "needle": 0.1, "repeat": 0.15, "random": 0.15}
@@ -206,6 +208,14 @@ def _parse_mix(text: str, option: str = "--mix") -> dict[str, float]:
     return {k: v / total for k, v in mix.items()}
 
 
+def check_cores(threads: int) -> None:
+    """``--threads`` at most this machine's CPU cores (``InvalidInput`` in one line)."""
+    try:
+        check_threads(threads)
+    except ValueError as e:
+        raise InvalidInput(f"--threads: {e}") from None
+
+
 def train(output: Path, *, steps: int = 1500, batch_size: int = 32, window: int = 128, lr: float = 2e-3,
           warmup: int = 100, vocab_size: int = 4096, mix: str | None = None, copy_mix: str | None = None,
           copy_phase_max: int = 600, probe_every: int = 50, answer_end: str = ".", init: Path | None = None,
@@ -213,7 +223,9 @@ def train(output: Path, *, steps: int = 1500, batch_size: int = 32, window: int 
     """Train the reference model into ``output`` (``ropescale reference train``; the options are
     the CLI's) and return the summary written to ``training.json``. ``mix``/``copy_mix``:
     ``"kind=share,..."`` (None: ``DEFAULT_MIX`` / ``COPY_MIX``); ``init``: a model folder to start
-    from (a second stage, no copy phase)."""
+    from (a second stage, no copy phase). Raises ``InvalidInput`` (one line) before any work for
+    a bad mix, an ``init`` that is no model folder, more threads than CPU cores or an output
+    folder that cannot be written."""
     args = SimpleNamespace(output=Path(output), steps=steps, batch_size=batch_size, window=window, lr=lr,
                            warmup=warmup, vocab_size=vocab_size, copy_phase_max=copy_phase_max,
                            probe_every=probe_every, answer_end=answer_end, init=Path(init) if init else None,
@@ -222,6 +234,8 @@ def train(output: Path, *, steps: int = 1500, batch_size: int = 32, window: int 
     copy_mix = _parse_mix(mix_text(COPY_MIX) if copy_mix is None else copy_mix, "--copy-mix")
     if args.init and not (args.init / "config.json").is_file():
         raise InvalidInput(f"--init {args.init}: no config.json (a model folder `ropescale reference train` wrote)")
+    check_cores(args.threads)
+    check_folder(args.output, f"--output {args.output}")  # before training, not after (the model would be lost)
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)

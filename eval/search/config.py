@@ -12,32 +12,68 @@
     method: tpe                  # tpe | cmaes | evolution
     budget: 20                   # finished trials, counted over resumes
     seed: 0
-    max_windows: 4               # windows per length per candidate
+    max_windows: 4               # windows per length per candidate, evenly spaced over the split
     retrieval_weight: 0          # > 0: adds the passkey answer's log-likelihood term
     epsilon: 0.05                # constraint: PPL at T ≤ (1 + ε) × vanilla's
     heldout: kjv-heldout         # the reported eval data, refused as the search split
     output: runs/search-yarn
 
-Every error is one ``ConfigError`` line naming the key.
+Every error is one ``ConfigError`` line naming the key, raised before anything is read or written:
+numbers are strict (``budget: true`` or ``"4"`` is refused, not read as 1 or 4), weights finite,
+≥ 0, not all zero, with a finite sum; ``evolution:`` checked as ``run_evolution`` checks it; the
+search split never the held-out data, whatever its spelling (``same_data``).
 """
 
 from __future__ import annotations
 
 import difflib
-from typing import Any, Literal
+import math
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 
 from ropescale.runs.config import ConfigError, DataConfig, apply_overrides, check_threads, read_yaml
+from ropescale.runs.data import KJV_SPLITS, DataSpec
 from ropescale.strategies import get_strategy
 
 from ..config import MAX_LENGTH
 from .space import Dimension, search_space
 
-__all__ = ["EVOLUTION_KEYS", "METHODS", "SearchConfig", "build_search_config", "load_search_config"]
+__all__ = ["EVOLUTION_KEYS", "METHODS", "SearchConfig", "build_search_config", "load_search_config", "same_data"]
 
 METHODS = ("tpe", "cmaes", "evolution")
 EVOLUTION_KEYS = ("population", "iterations", "elite", "mutation_prob", "crossover_prob", "variant")
+
+Int = Annotated[int, Strict()]  # true, 4.0 and "4" refused: a bool is no count
+Real = Annotated[float, Strict(), Field(allow_inf_nan=False)]  # an int or a float, finite; no bool, no string
+
+
+def _source(spec: DataSpec) -> tuple:
+    """What names ``spec``'s documents, whatever the spelling: a bundled split's name, a local
+    path resolved (symlinks, ``..``, ``~``), else a hub dataset's id, config and split (without
+    a slice such as ``test[:100]``), case-folded."""
+    if spec.source in KJV_SPLITS:
+        return ("bundled", spec.source)
+    path = Path(os.path.expanduser(spec.source))
+    if path.exists():
+        return ("path", path.resolve())
+    split = spec.split.split("[")[0].strip().casefold()
+    return ("hub", spec.source.strip().strip("/").casefold(), (spec.config or "").casefold(), split)
+
+
+def same_data(search: DataSpec, heldout: DataSpec) -> bool:
+    """Whether the search split can hold held-out documents: the same source however spelled
+    (``_source``; ``max_documents`` ignored, a prefix of the data is the data), the same file
+    through a hard link, or one local path inside the other (a folder holding the file)."""
+    a, b = _source(search), _source(heldout)
+    if a == b:
+        return True
+    if a[0] == b[0] == "path":
+        pa, pb = a[1], b[1]
+        return os.path.samefile(pa, pb) or pa.is_relative_to(pb) or pb.is_relative_to(pa)
+    return False
 
 
 class SearchConfig(BaseModel):
@@ -53,24 +89,24 @@ class SearchConfig(BaseModel):
     strategy: str
     search: list[str] | dict[str, Any] | None = None
     fixed: dict[str, Any] = Field(default_factory=dict)
-    lengths: list[int] = Field(min_length=1, description="target lengths L [tokens]")
-    length_weights: list[float] | None = Field(None, description="weight of each length's NLL; default equal")
+    lengths: list[Int] = Field(min_length=1, description="target lengths L [tokens]")
+    length_weights: list[Real] | None = Field(None, description="weight of each length's NLL; default equal")
     method: str = "tpe"
-    budget: int = Field(20, description="finished trials (candidates evaluated), counted over resumes")
-    seed: int = 0
-    max_windows: int = Field(4, ge=1, description="windows per length per candidate")
-    retrieval_weight: float = Field(0.0, ge=0, description="weight of the passkey answer's mean NLL per token")
-    retrieval_trials: int = Field(4, ge=1, description="passkey prompts per candidate (at the longest length)")
-    epsilon: float = Field(0.05, ge=0, description="constraint: PPL at T ≤ (1 + ε) × vanilla's")
+    budget: Int = Field(20, description="finished trials (candidates evaluated), counted over resumes")
+    seed: Int = 0
+    max_windows: Int = Field(4, ge=1, description="windows per length per candidate, evenly spaced over the split")
+    retrieval_weight: Real = Field(0.0, ge=0, description="weight of the passkey answer's mean NLL per token")
+    retrieval_trials: Int = Field(4, ge=1, description="passkey prompts per candidate (at the longest length)")
+    epsilon: Real = Field(0.05, ge=0, description="constraint: PPL at T ≤ (1 + ε) × vanilla's")
     evolution: dict[str, Any] = Field(default_factory=dict, description=(
         "method evolution: LongRoPE's hyper-parameters (population, iterations, elite, mutation_prob, "
         "crossover_prob, variant); left out: the authors' defaults"))
-    original_max_position_embeddings: int | None = Field(None, ge=2)
+    original_max_position_embeddings: Int | None = Field(None, ge=2)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="weights' dtype; auto: bfloat16 on a GPU that supports it, float32 on the CPU "
                             "(recorded resolved)")
     device: str = "auto"
-    threads: int | None = Field(None, ge=1)
+    threads: Int | None = Field(None, ge=1)
     output: str | None = None
 
     @field_validator("data", "heldout", mode="before")
@@ -117,13 +153,18 @@ class SearchConfig(BaseModel):
         except KeyError as e:
             raise ValueError(f"strategy: {e}") from None
         if self.length_weights is not None:
-            if len(self.length_weights) != len(self.lengths):
-                raise ValueError(f"length_weights: {len(self.length_weights)} weights for {len(self.lengths)} lengths")
-            if any(w < 0 for w in self.length_weights) or not sum(self.length_weights) > 0:
-                raise ValueError("length_weights: weights must be ≥ 0 with a positive sum")
-        if self.heldout is not None and self.heldout.spec().describe() == self.data.spec().describe():
-            raise ValueError(f"data: the search split {self.data.spec().describe()!r} is the held-out data results "
-                             "are reported on; search on another split (kjv-train on the bundled model)")
+            w = self.length_weights
+            if len(w) != len(self.lengths):
+                raise ValueError(f"length_weights: {len(w)} weights for {len(self.lengths)} lengths")
+            if any(x < 0 for x in w) or not sum(w) > 0:
+                raise ValueError(f"length_weights: {w} — weights must be ≥ 0, not all zero")
+            if not math.isfinite(sum(w)):  # [1e308, 1e308]: each normalised weight would be 0
+                raise ValueError(f"length_weights: {w} sum to more than a float holds; give them on a smaller "
+                                 "scale (only their ratios matter)")
+        if self.heldout is not None and same_data(self.data.spec(), self.heldout.spec()):
+            raise ValueError(f"data: the search split {self.data.spec().describe()!r} is (or holds) the held-out data "
+                             f"{self.heldout.spec().describe()!r} results are reported on; search on another split "
+                             "(kjv-train on the bundled model)")
         if self.method == "evolution":
             self._check_evolution()
         else:
@@ -145,6 +186,14 @@ class SearchConfig(BaseModel):
         if extra:
             raise ValueError(f"fixed: {sorted(extra)[0]} is searched by method evolution; fix only short_factor, "
                              "attention_factor or factor")
+        try:  # the checks run_evolution makes, before the manifest claims the folder
+            from .evolution import check_options
+        except ImportError:
+            return  # reported by run_search: this version has no evolution
+        try:
+            check_options(seed=self.seed, budget=self.budget, **self.evolution)
+        except ValueError as e:
+            raise ValueError(f"evolution: {str(e).removeprefix('run_evolution: ')}") from None
 
     def space(self) -> list[Dimension]:
         """The searched dimensions (``eval.search.space.search_space``)."""
@@ -169,6 +218,8 @@ def build_search_config(raw: Any, source: str = "config") -> SearchConfig:
         for err in e.errors():
             key = ".".join(map(str, err["loc"]))
             msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] in ("int_type", "float_type", "finite_number"):  # strict: say what was given
+                msg += f", got {err['input']!r}"
             if err["type"] == "extra_forbidden":
                 hint = difflib.get_close_matches(str(err["loc"][-1]), list(SearchConfig.model_fields), n=1)
                 msg = "unknown key" + (f" (did you mean {hint[0]!r}?)" if hint else "")

@@ -83,8 +83,8 @@ import numpy as np
 
 from ropescale.errors import InvalidInput
 
-__all__ = ["DEFAULTS", "START_TOKEN_GRID", "VARIANTS", "EvolutionResult", "run_evolution", "split_over_processes",
-           "yarn_init_factors"]
+__all__ = ["DEFAULTS", "START_TOKEN_GRID", "VARIANTS", "EvolutionResult", "check_options", "run_evolution",
+           "split_over_processes", "yarn_init_factors", "yarn_ramp64"]
 
 DEFAULTS: dict[str, Any] = {
     "population": 64,  # population_size
@@ -127,23 +127,38 @@ class EvolutionResult:
     stop: str = "iterations"
 
 
+def yarn_ramp64(dim: int, rope_theta: float, original_max_position_embeddings: int, beta_fast: float = 32.0,
+                beta_slow: float = 1.0) -> np.ndarray:
+    """YaRN's interpolation ramp per rotary pair, in float64: ``[d/2]``, 0 = extrapolated (fast
+    pairs), 1 = interpolated (slow pairs).
+
+    jquesnelle/yarn ``find_correction_range`` / ``linear_ramp_mask``: the correction dim for r
+    rotations in the training window is fcd(r) = d·ln(L/(2π·r)) / (2·ln b); low = ⌊fcd(β_fast)⌋,
+    high = ⌈fcd(β_slow)⌉, both clamped to [0, d − 1] (high = low + 0.001 when equal); ramp_i =
+    clamp((i − low) / (high − low), 0, 1) for pairs i = 0 … d/2 − 1 (d: rotary dim, b: rope_theta,
+    L: original_max_position_embeddings [tokens])."""
+    def fcd(rotations: float) -> float:
+        return dim * math.log(original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(rope_theta))
+
+    low = max(math.floor(fcd(beta_fast)), 0)
+    high = min(math.ceil(fcd(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # their guard against a zero-width ramp
+    return np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+
+
 def yarn_init_factors(dim: int, rope_theta: float, original_max_position_embeddings: int, scale: float,
                       beta_fast: float = 32.0, beta_slow: float = 1.0) -> list[float]:
-    """Their initial factors: 1 + (s − 1)·ramp_i, ramp_i YaRN's interpolation ramp (0 = extrapolate).
+    """Their initial factors, per rotary pair: 1 + (s − 1)·ramp_i (``[d/2]``), ramp_i YaRN's
+    interpolation ramp (``yarn_ramp64``, float64; 0 = extrapolate), s = ``scale``.
 
-    ``search.py`` builds ``inv_freq_mask = 1 − ramp`` and takes s·(1 − mask) + 1·mask; the ramp is
-    read back from ropescale's ``yarn_ramp`` (same correction-dim bounds, floored/ceiled).
-    """
-    from ropescale.strategies.by_parts import yarn_ramp
-    from ropescale.strategies.frequency import rope_inv_freq
-
+    ``search.py`` builds ``inv_freq_mask = 1 − ramp`` and takes s·(1 − mask) + 1·mask, in float64
+    here (the initial individual is the search's first candidate, and every value of the grid the
+    operators draw from is a multiple of 0.01 away from 1: float32 noise would shift it)."""
     if scale <= 1:
         return [1.0] * (dim // 2)
-    theta = rope_inv_freq(dim, rope_theta).double()
-    inv = yarn_ramp(dim, rope_theta, original_max_position_embeddings, scale, beta_fast, beta_slow).double()
-    ramp = ((1 - inv / theta) / (1 - 1 / scale)).clamp(0, 1).numpy()
-    ramp = np.round(ramp, 6)  # float32 noise of yarn_ramp
-    return np.maximum.accumulate(1.0 + (scale - 1.0) * ramp).tolist()
+    ramp = yarn_ramp64(dim, rope_theta, original_max_position_embeddings, beta_fast, beta_slow)
+    return (1.0 + (scale - 1.0) * ramp).tolist()
 
 
 # ---------------------------------------------------------------- operators (pure, rng passed in)
@@ -363,6 +378,38 @@ def split_over_processes(objective: Callable[[list[float], int], float], state=N
     return evaluate_batch
 
 
+def check_options(*, population: int | None = None, iterations: int | None = None, elite: int | None = None,
+                  mutation_prob: float | None = None, crossover_prob: float | None = None, variant: str = "dim_mono",
+                  seed: int = 0, budget: int | None = None, search_start_tokens: bool = False,
+                  max_start_tokens: int | None = 0) -> dict[str, Any]:
+    """``run_evolution``'s hyper-parameters checked (no model needed: a search config checks them
+    before it claims its folder) and resolved: ``population``, ``iterations``, ``elite``,
+    ``mutation_prob``, ``crossover_prob`` (None → ``DEFAULTS``), ``variant``, ``seed``, ``budget``
+    and ``start_grid`` (the start-tokens values searched; empty unless ``search_start_tokens``).
+    Raises ``InvalidInput`` (one line) naming the first bad one: a bool or a float where a whole
+    number is needed, a probability outside [0, 1] (or NaN), ``elite`` ≥ ``population``."""
+    if variant not in VARIANTS:
+        _fail(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
+    pop = _check_int("population", DEFAULTS["population"] if population is None else population, 2)
+    iters = _check_int("iterations", DEFAULTS["iterations"] if iterations is None else iterations, 0)
+    n_elite = _check_int("elite", DEFAULTS["elite"] if elite is None else elite, 1)
+    if n_elite >= pop:
+        _fail(f"elite={n_elite} must be below population={pop} (the rest are the children)")
+    p_mut = _check_prob("mutation_prob", DEFAULTS["mutation_prob"] if mutation_prob is None else mutation_prob)
+    p_cross = _check_prob("crossover_prob", DEFAULTS["crossover_prob"] if crossover_prob is None else crossover_prob)
+    seed = _check_int("seed", seed, 0)
+    if budget is not None:
+        budget = _check_int("budget", budget, 1)
+    start_grid: tuple[int, ...] = ()
+    if search_start_tokens:
+        max_start_tokens = _check_int("max_start_tokens", max_start_tokens, 1)
+        start_grid = tuple(g for g in START_TOKEN_GRID if g <= max_start_tokens)
+    elif max_start_tokens not in (0, None):
+        _check_int("max_start_tokens", max_start_tokens, 0)
+    return {"population": pop, "iterations": iters, "elite": n_elite, "mutation_prob": p_mut,
+            "crossover_prob": p_cross, "variant": variant, "seed": seed, "budget": budget, "start_grid": start_grid}
+
+
 def run_evolution(objective: Callable[[list[float], int], float], *, dim: int, scale: float,
                   yarn_factors: list[float] | None = None, population: int | None = None,
                   iterations: int | None = None, mutation_prob: float | None = None,
@@ -396,30 +443,18 @@ def run_evolution(objective: Callable[[list[float], int], float], *, dim: int, s
 
     Raises ``InvalidInput`` (one line) for bad arguments or a journal from other settings.
     """
-    if variant not in VARIANTS:
-        _fail(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
     dim = _check_int("dim", dim, 4)
     if dim % 2:
         _fail(f"dim={dim} must be even (the rotary dim: two coordinates per pair)")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale < 1:
         _fail(f"scale={scale!r} must be a finite number ≥ 1")
     scale = float(scale)
-    pop = _check_int("population", DEFAULTS["population"] if population is None else population, 2)
-    iters = _check_int("iterations", DEFAULTS["iterations"] if iterations is None else iterations, 0)
-    n_elite = _check_int("elite", DEFAULTS["elite"] if elite is None else elite, 1)
-    if n_elite >= pop:
-        _fail(f"elite={n_elite} must be below population={pop} (the rest are the children)")
-    p_mut = _check_prob("mutation_prob", DEFAULTS["mutation_prob"] if mutation_prob is None else mutation_prob)
-    p_cross = _check_prob("crossover_prob", DEFAULTS["crossover_prob"] if crossover_prob is None else crossover_prob)
-    seed = _check_int("seed", seed, 0)
-    if budget is not None:
-        budget = _check_int("budget", budget, 1)
-    start_grid: tuple[int, ...] = ()
-    if search_start_tokens:
-        max_start_tokens = _check_int("max_start_tokens", max_start_tokens, 1)
-        start_grid = tuple(g for g in START_TOKEN_GRID if g <= max_start_tokens)
-    elif max_start_tokens not in (0, None):
-        _check_int("max_start_tokens", max_start_tokens, 0)
+    opts = check_options(population=population, iterations=iterations, elite=elite, mutation_prob=mutation_prob,
+                         crossover_prob=crossover_prob, variant=variant, seed=seed, budget=budget,
+                         search_start_tokens=search_start_tokens, max_start_tokens=max_start_tokens)
+    pop, iters, n_elite = opts["population"], opts["iterations"], opts["elite"]
+    p_mut, p_cross, seed, budget = opts["mutation_prob"], opts["crossover_prob"], opts["seed"], opts["budget"]
+    start_grid: tuple[int, ...] = opts["start_grid"]
     n = dim // 2
     if yarn_factors is None:
         init = np.full(n, scale)

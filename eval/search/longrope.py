@@ -16,6 +16,7 @@ Outputs as the tuner's (``best.json``, ``trials.csv`` — one row per evaluation
 from __future__ import annotations
 
 import json
+import math
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -23,13 +24,23 @@ from ropescale.models import resolve_device
 from ropescale.patching import find_rotary_modules
 from ropescale.rotary import rope_context
 from ropescale.runs.config import ConfigError
-from ropescale.runs.manifest import check_manifest, folder_lock
+from ropescale.runs.manifest import check_manifest, folder_lock, prepare_output
 from ropescale.runs.plotting import pyplot, save_figure
-from ropescale.strategies.by_parts import yarn_ramp
-from ropescale.strategies.frequency import rope_inv_freq
 
 from .config import SearchConfig
-from .report import BEST, PLOT, REPORT, TRIALS, fmt, identity, plot_objective, spec_string, write_csv
+from .report import (
+    BEST,
+    PLOT,
+    REPORT,
+    TRIALS,
+    fmt,
+    identity,
+    plot_objective,
+    replacing,
+    spec_string,
+    write_csv,
+    write_text,
+)
 from .tuner import PENALTY
 
 __all__ = ["FACTORS_PLOT", "JOURNAL", "run_longrope_search"]
@@ -39,29 +50,35 @@ JOURNAL, FACTORS_PLOT = "evolution.jsonl", "factors.png"
 
 def run_longrope_search(cfg: SearchConfig, output: Path, *, progress: bool = True) -> dict:
     """Run (or resume) the evolutionary search of ``cfg`` (strategy longrope) into ``output``;
-    returns the ``best.json`` mapping. ``cfg.budget`` caps the evaluations."""
+    returns the ``best.json`` mapping. ``cfg.budget`` caps the evaluations.
+
+    The model and data are loaded and checked before the folder is touched (a model without RoPE,
+    data too short: one line, nothing written). Raises ``SearchFailed`` when no evaluation gave a
+    finite value."""
     try:
-        from .evolution import run_evolution, split_over_processes, yarn_init_factors
+        from .evolution import run_evolution, split_over_processes, yarn_init_factors, yarn_ramp64
     except ImportError:
         raise ConfigError("method: evolution (LongRoPE's search) is not available in this version; "
                           "use tpe or cmaes") from None
     from accelerate import PartialState
 
     from .objective import SearchObjective
+    from .run import SearchFailed
 
     # under `accelerate launch` every process runs this same search; each generation's candidates
     # are split over them (split_over_processes) and the main process alone writes the folder
     state = PartialState(cpu=resolve_device(cfg.device).type == "cpu")
     main = state.is_main_process
     progress = progress and main
+    objective = SearchObjective(cfg, progress=progress)
+    ctx = rope_context(objective.model, find_rotary_modules(objective.model)[0][1])
+    dim, theta, train = ctx["dim"], ctx["rope_theta"], objective.train_length
+    scale = max(1.0, max(cfg.lengths) / train)
+    short = cfg.fixed.get("short_factor", [1.0] * (dim // 2))
+    yarn = yarn_init_factors(dim, theta, train, scale)
+    output = prepare_output(output)
     with folder_lock(output) if main else nullcontext():
-        check_manifest(output, identity(cfg), cfg.model_dump(mode="json"), state)
-        objective = SearchObjective(cfg, progress=progress)
-        ctx = rope_context(objective.model, find_rotary_modules(objective.model)[0][1])
-        dim, theta, train = ctx["dim"], ctx["rope_theta"], objective.train_length
-        scale = max(1.0, max(cfg.lengths) / train)
-        short = cfg.fixed.get("short_factor", [1.0] * (dim // 2))
-        yarn = yarn_init_factors(dim, theta, train, scale)
+        check_manifest(output, identity(cfg, objective.docs), cfg.model_dump(mode="json"), state)
 
         def score(factors, start_tokens: int) -> float:
             _, m = objective({"long_factor": [float(f) for f in factors], "short_factor": short})
@@ -71,6 +88,10 @@ def run_longrope_search(cfg: SearchConfig, output: Path, *, progress: bool = Tru
         result = run_evolution(score, dim=dim, scale=scale, yarn_factors=yarn, seed=cfg.seed,
                                journal=output / JOURNAL, budget=cfg.budget, progress=progress,
                                evaluate_batch=batch, write_journal=main, **cfg.evolution)
+        if not math.isfinite(result.value):
+            raise SearchFailed(f"no usable evaluation in {result.evaluations}: every candidate's objective was "
+                               f"not a finite number (the journal {output / JOURNAL} has each value); check the "
+                               "model in float32 (dtype) and the lengths")
         params, m = objective({"long_factor": [float(f) for f in result.factors], "short_factor": short})
         best = {"strategy": "longrope", "params": params, "spec": spec_string("longrope", params),
                 "objective": m.objective, "feasible": m.constraint <= 0, "trial": _best_index(result),
@@ -79,17 +100,17 @@ def run_longrope_search(cfg: SearchConfig, output: Path, *, progress: bool = Tru
         if not main:
             _leave(state)
             return best
-        (output / BEST).write_text(json.dumps(best, indent=1) + "\n", encoding="utf-8")
         rows = [{"trial": i, "generation": h["generation"], "origin": h["origin"], "objective": h["value"],
                  "feasible": None, "factors": json.dumps(h["factors"])} for i, h in enumerate(result.history)]
         write_csv(rows, output / TRIALS)
         plot_objective(rows, output / PLOT, cfg)
-        # YaRN's own per-pair factors θ_i / θ'_i (its defaults), beside LongRoPE's initial individual
-        vanilla = rope_inv_freq(dim, theta).double()
-        yarn_own = (vanilla / yarn_ramp(dim, theta, train, scale, 32.0, 1.0).double()).tolist()
+        # YaRN's own per-pair factors θ_i / θ'_i (its defaults: θ'_i = θ_i · (ramp_i / s + 1 − ramp_i)),
+        # beside LongRoPE's initial individual
+        ramp = yarn_ramp64(dim, theta, train)
+        yarn_own = (1.0 / (ramp / scale + 1.0 - ramp)).tolist()
         _plot_factors(result.factors, yarn, yarn_own, output / FACTORS_PLOT, cfg)
-        (output / REPORT).write_text(_markdown(cfg, best, rows, objective.vanilla_ppl_train, train),
-                                     encoding="utf-8")
+        write_text(output / REPORT, _markdown(cfg, best, rows, objective.vanilla_ppl_train, train))
+        write_text(output / BEST, json.dumps(best, indent=1) + "\n")  # last: it marks the search done
     _leave(state)
     return best
 
@@ -123,14 +144,16 @@ def _plot_factors(found: list[float], init: list[float], yarn_own: list[float], 
     ax.set_ylabel("rescale factor θ_i / θ'_i")
     ax.set_title(f"longrope on {cfg.model}: searched factors at {max(cfg.lengths)} tokens", fontsize=10)
     ax.legend(fontsize=8)
-    save_figure(fig, path)
+    with replacing(path) as tmp:
+        save_figure(fig, tmp)
 
 
 def _markdown(cfg: SearchConfig, best: dict, rows: list[dict], vanilla: float, train: int) -> str:
     lines = [
         f"# Parameter search: longrope (LongRoPE evolution) on {cfg.model}", "",
-        f"- model: `{cfg.model}`; search data: `{cfg.data.spec().describe()}` (first {cfg.max_windows} windows per "
-        f"length); held-out data kept out: `{cfg.heldout.spec().describe() if cfg.heldout else '—'}`",
+        f"- model: `{cfg.model}`; search data: `{cfg.data.spec().describe()}` ({cfg.max_windows} windows per "
+        f"length, evenly spaced over the split); held-out data kept out: "
+        f"`{cfg.heldout.spec().describe() if cfg.heldout else '—'}`",
         f"- evolution {json.dumps(cfg.evolution) or 'defaults'}, seed {cfg.seed}, budget {cfg.budget}; "
         f"{best['evaluations']} evaluations (stop: {best['stop']}); LongRoPE's default is 64 + 40 × 32 = 1,344",
         f"- target lengths: {', '.join(map(str, cfg.lengths))}; T = {train}",

@@ -5,8 +5,10 @@ length, so one spec serves every length) the objective [nats per token] is
 
     J(θ) = Σ_L w_L · NLL_L(θ)  +  r · NLL_answer(θ)
 
-- NLL_L: token-weighted mean next-token NLL of the first ``max_windows`` chunk windows of L tokens
-  of the **search split** (``ropescale.runs.scoring.score_windows``); exp(NLL_L) is the PPL at L.
+- NLL_L: token-weighted mean next-token NLL of ``max_windows`` chunk windows of L tokens of the
+  **search split**, evenly spaced over all its windows (``ropescale.runs.windows.cap_windows``: the
+  same rule as ``eval``'s; the first ``max_windows`` would all come from the split's first
+  document) (``ropescale.runs.scoring.score_windows``); exp(NLL_L) is the PPL at L.
   w_L: ``length_weights`` normalised to sum 1 (equal by default).
 - NLL_answer (only when r = ``retrieval_weight`` > 0): the passkey answer's mean NLL per answer
   token after ``retrieval_trials`` passkey prompts of the longest length (the passkey task's
@@ -17,8 +19,11 @@ length, so one spec serves every length) the objective [nats per token] is
   c ≤ 0. It is reported with every trial; the tuner uses it as an Optuna constraint (TPE) or a
   penalty (CMA-ES) — see ``eval.search.tuner``.
 
-The model is loaded once; every candidate is patched in and removed in place
-(``ropescale.patch``), as a sweep's cell is.
+The model is loaded once, and checked with the data before any trial: a model without a rotary
+embedding, data too short for a length (or for T), a search split holding a held-out document are
+one-line errors (``ConfigError``), refusing the whole search. Then every candidate is patched in
+and removed in place (``ropescale.patch``), as a sweep's cell is; a candidate whose parameters the
+strategy refuses raises ``eval.search.tuner.Refused`` (that trial is pruned, the search goes on).
 """
 
 from __future__ import annotations
@@ -26,18 +31,20 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
 from ropescale.models import load_model, load_tokenizer, resolve_device
 from ropescale.patching import find_rotary_modules, patch, rope_context, unpatch
 from ropescale.runs.config import ConfigError
-from ropescale.runs.data import load_documents, tokenize_documents
+from ropescale.runs.data import KJV_SPLITS, load_documents, tokenize_documents
 from ropescale.runs.scoring import score_windows
-from ropescale.runs.windows import make_windows
+from ropescale.runs.windows import WindowError, make_windows
 from ropescale.strategies import get_strategy
 
-from .config import SearchConfig
+from .config import SearchConfig, same_data
+from .tuner import Refused
 
 __all__ = ["RETRIEVAL_SEED", "Measurement", "SearchObjective", "spec_params"]
 
@@ -65,6 +72,21 @@ class Measurement:
         return out
 
 
+def _check_disjoint(cfg: SearchConfig, texts: list[str]) -> None:
+    """``ConfigError`` when a document of the held-out data is also a search document (a copy of
+    the held-out file under another name). Checked for held-out data on this machine (the bundled
+    splits, local paths); a hub dataset is compared by id only (``same_data``)."""
+    held = cfg.heldout.spec() if cfg.heldout is not None else None
+    if held is None or same_data(cfg.data.spec(), held):  # the latter refused by the config already
+        return
+    if held.source not in KJV_SPLITS and not Path(held.source).exists():
+        return
+    shared = set(texts) & set(load_documents(held))
+    if shared:
+        raise ConfigError(f"data: {cfg.data.spec().describe()} holds {len(shared)} document(s) of the held-out data "
+                          f"{held.describe()} results are reported on; search on other documents")
+
+
 def spec_params(strategy: str, fixed: dict, sampled: dict, *, length: int, train_length: int) -> dict:
     """The parameters a candidate is applied with and written as (``best.json``): the fixed ones,
     ``auto`` ones the user left out filled for target ``length`` (``factor`` = max(1, L / T)), and
@@ -79,7 +101,11 @@ def spec_params(strategy: str, fixed: dict, sampled: dict, *, length: int, train
 
 class SearchObjective:
     """The objective of ``cfg`` on its model, loaded once. ``objective(sampled)`` →
-    ``(params, Measurement)``."""
+    ``(params, Measurement)``.
+
+    Raises (one line, before any trial): ``ConfigError`` for a model without a rotary embedding or
+    a training window, data too short for a length or for T, a search split that holds a held-out
+    document; the loaders' own errors (``DataError``, a model that cannot be loaded)."""
 
     def __init__(self, cfg: SearchConfig, *, progress: bool = False):
         self.cfg = cfg
@@ -87,22 +113,31 @@ class SearchObjective:
             torch.set_num_threads(cfg.threads)
         self.device = resolve_device(cfg.device)
         tokenizer = load_tokenizer(cfg.model)
-        self.docs = tokenize_documents(tokenizer, load_documents(cfg.data.spec()))
+        texts = load_documents(cfg.data.spec())
+        _check_disjoint(cfg, texts)
+        self.docs = tokenize_documents(tokenizer, texts)
         self.model, self.tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=str(self.device))
         unpatch(self.model)  # a patch saved with the model would stack under the candidates
-        self.train_length = cfg.original_max_position_embeddings or self._train_window()
+        self.train_length = self._train_window()
         sizes = [len(d) for d in self.docs]
-        self.windows = {L: make_windows(sizes, L, max_windows=cfg.max_windows)
-                        for L in sorted({*cfg.lengths, self.train_length})}
+        try:
+            self.windows = {L: make_windows(sizes, L, max_windows=cfg.max_windows)
+                            for L in sorted({*cfg.lengths, self.train_length})}
+        except WindowError as e:
+            raise ConfigError(f"data: {cfg.data.spec().describe()}: {e}") from None
         self.weights = dict(zip(cfg.lengths, cfg.weights()))
         self.passkeys = self._passkeys() if cfg.retrieval_weight > 0 else []
         self.vanilla_ppl_train = math.exp(self._nll(self.train_length))
         self.evaluations = 0
 
     def _train_window(self) -> int:
+        """T: ``original_max_position_embeddings`` from the config, else the model's; a model
+        without a rotary embedding is refused either way (nothing to search)."""
         rotary = find_rotary_modules(self.model)
         if not rotary:
             raise ConfigError(f"model: {self.cfg.model} has no rotary embedding (no `inv_freq` buffer) to search")
+        if self.cfg.original_max_position_embeddings:
+            return self.cfg.original_max_position_embeddings
         t = rope_context(self.model, rotary[0][1])["original_max_position_embeddings"]
         if not t:
             raise ConfigError(f"model: {self.cfg.model} has no max_position_embeddings; set "
@@ -140,7 +175,12 @@ class SearchObjective:
                            train_length=self.train_length)
 
     def __call__(self, sampled: dict) -> tuple[dict, Measurement]:
-        params = self.params(sampled)
+        """Patch the candidate in, score it, patch it out. ``Refused`` when the strategy refuses
+        its parameters (``spec_params``); any other error is not the candidate's and propagates."""
+        try:
+            params = self.params(sampled)
+        except ValueError as e:
+            raise Refused(str(e)) from None
         t0 = time.perf_counter()
         with patch(self.model, self.cfg.strategy, original_max_position_embeddings=self.train_length, **params):
             nll = {L: self._nll(L) for L in self.cfg.lengths}

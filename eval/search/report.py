@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import csv
 import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ropescale.models import model_fingerprint
-from ropescale.runs.manifest import environment
+from ropescale.runs.manifest import OutputError, environment
 from ropescale.runs.plotting import pyplot, save_figure
 
 from .config import SearchConfig
 
 __all__ = ["BEST", "PARETO", "PLOT", "REPORT", "STUDY", "TRIALS", "fmt", "identity", "pareto_front",
-           "perplexity_term", "plot_objective", "plot_pareto", "spec_string", "write_csv"]
+           "perplexity_term", "plot_objective", "plot_pareto", "replacing", "spec_string", "write_csv", "write_text"]
 
 STUDY, BEST, TRIALS, REPORT, PLOT = "study.db", "best.json", "trials.csv", "results.md", "search.png"
 PARETO = "pareto.png"
@@ -26,13 +29,16 @@ def spec_string(strategy: str, params: dict) -> str:
     return strategy + (":" + ",".join(f"{k}={v!r}" for k, v in params.items()) if params else "")
 
 
-def identity(cfg: SearchConfig) -> dict:
+def identity(cfg: SearchConfig, docs=None) -> dict:
+    """What makes two searches the same (``manifest.json``); ``docs``: the search split's tokenized
+    documents when already loaded (``SearchObjective.docs``)."""
     from ropescale.models import load_tokenizer
     from ropescale.runs.data import load_documents, tokenize_documents
     from ropescale.runs.manifest import data_fingerprint
 
     env = environment()
-    docs = tokenize_documents(load_tokenizer(cfg.model), load_documents(cfg.data.spec()))
+    if docs is None:
+        docs = tokenize_documents(load_tokenizer(cfg.model), load_documents(cfg.data.spec()))
     keep = ("strategy", "search", "fixed", "lengths", "length_weights", "method", "seed", "max_windows",
             "retrieval_weight", "retrieval_trials", "epsilon", "original_max_position_embeddings", "dtype",
             "evolution")
@@ -42,9 +48,34 @@ def identity(cfg: SearchConfig) -> dict:
             "versions": {k: env[k] for k in ("ropescale", "torch", "transformers")}}
 
 
+@contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """A temporary path beside ``path`` to write, moved onto ``path`` when the block ends (an
+    atomic rename): a run killed while writing leaves the old file or none, never a cut one.
+    ``OutputError`` (one line) when the folder cannot take it (a full disk)."""
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")  # one writer at a time: the folder's lock
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"cannot write {path} ({e.strerror or e}); free space or use another output folder, "
+                          "then rerun the same command: the search resumes") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text(path: Path, text: str) -> None:
+    """``text`` into ``path`` (UTF-8), atomically (``replacing``)."""
+    with replacing(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
 def write_csv(rows: list[dict], path: Path) -> None:
+    """``rows`` as CSV (columns: every key, in order of first appearance), atomically."""
     columns = list(dict.fromkeys(k for r in rows for k in r))
-    with path.open("w", newline="", encoding="utf-8") as f:
+    with replacing(path) as tmp, tmp.open("w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=columns)
         w.writeheader()
         w.writerows(rows)
@@ -81,7 +112,8 @@ def plot_objective(rows: list[dict], path: Path, cfg: SearchConfig) -> None:
     ax.set_ylabel("objective J [nats/token]")
     ax.set_title(f"{cfg.strategy} on {cfg.model}: {cfg.method} search", fontsize=10)
     ax.legend(fontsize=8)
-    save_figure(fig, path)
+    with replacing(path) as tmp:
+        save_figure(fig, tmp)
 
 
 def pareto_front(points) -> list[int]:
@@ -139,5 +171,6 @@ def plot_pareto(rows: list[dict], path: Path, cfg: SearchConfig, best: int | Non
     ax.set_ylabel("passkey answer NLL [nats/token, log scale]")
     ax.set_title(f"{cfg.strategy} on {cfg.model}: {len(done)} trials, both minimised", fontsize=10)
     ax.legend(fontsize=8)
-    save_figure(fig, path)
+    with replacing(path) as tmp:
+        save_figure(fig, tmp)
     return [done[i]["trial"] for i in front]

@@ -4,14 +4,18 @@ The folder holds one search (``manifest.json``: model and weights, search data a
 strategy, space, fixed values, lengths and weights, method, seed, windows, objective settings,
 versions; a rerun with another identity is refused in one line — the budget is not part of it,
 so raising it extends a search). The study itself is ``study.db`` (Optuna, SQLite: resumable,
-shareable by several ``ropescale search`` processes; ``eval.search.tuner``). When the run ends:
+shareable by several ``ropescale search`` processes, whose asks ``study.db.lock`` serialises;
+killed anywhere, a rerun resumes to the uninterrupted result; ``eval.search.tuner``). The model
+and data are loaded and checked before the folder is touched. When the run ends (each file
+replaced atomically, ``best.json`` last):
 
 - ``best.json``: ``{"strategy": NAME, "params": {...}, "spec": "NAME:k=v,...", ...}`` —
   ``ropescale.patch(model, best["strategy"], **best["params"])`` applies it, and ``spec`` is a
   strategy entry ``eval`` / ``sweep`` / ``finetune`` accept and ``ropescale patch --strategy SPEC``
   exports (transformers-native ``config.json`` for yarn, longrope, ntk, linear, dynamic_ntk,
   llama3; the others — rerope, self_extend, ntk_by_parts, … — need ``ropescale.load_model``);
-- ``trials.csv``: every trial (state, parameters, objective, constraint, PPL per length, PPL at T);
+- ``trials.csv``: every finished trial (its index, state — complete, refused by the strategy, or
+  failed: a non-finite objective —, parameters, objective, constraint, PPL per length, PPL at T);
 - ``results.md``: the settings and the trials table; ``search.png``: objective vs trial and the
   best so far;
 - ``pareto.png`` (only with ``retrieval_weight`` > 0, when each trial has two objectives: the
@@ -25,7 +29,7 @@ import json
 from contextlib import contextmanager
 from pathlib import Path
 
-from ropescale.runs.config import ConfigError
+from ropescale.errors import RopescaleError
 from ropescale.runs.manifest import LOCK, FolderBusyError, check_manifest, prepare_output
 
 from .config import SearchConfig
@@ -42,61 +46,67 @@ from .report import (
     plot_pareto,
     spec_string,
     write_csv,
+    write_text,
 )
-from .tuner import Outcome, best_trial, optuna, run_study
+from .tuner import FAILED, INVALID, Outcome, best_trial, open_study, optuna, run_study, storage_errors, trial_index
 
-__all__ = ["run_search", "write_outputs"]
+__all__ = ["SearchFailed", "run_search", "write_outputs"]
+
+
+class SearchFailed(RopescaleError):
+    """No trial of the search could be used: each was refused by the strategy or measured a
+    non-finite objective."""
 
 
 def run_search(cfg: SearchConfig, output: str | Path, *, progress: bool = True) -> dict:
     """Run (or resume) ``cfg``'s search into ``output``; returns the ``best.json`` mapping.
 
-    Raises ``ConfigError`` (one line) for a method that is not available, and the manifest's
-    errors for a folder holding another search or busy being written."""
+    The model and the search data are loaded and checked first — a model without RoPE, data too
+    short for a length, a method that is not available: one-line ``RopescaleError``, nothing
+    written. Then the manifest's errors for a folder holding another search or busy being written,
+    ``StudyError`` for a ``study.db`` that cannot be used, and ``SearchFailed`` when every trial
+    was refused or failed."""
     from ropescale.models import resolve_device
 
     from ..config import resolved_dtype
 
     # dtype auto recorded resolved (identity, manifest): the same experiment as its explicit name
     cfg = cfg.model_copy(update={"dtype": resolved_dtype(cfg.dtype, resolve_device(cfg.device))})
-    output = prepare_output(Path(output))
     if cfg.method == "evolution":
         from .longrope import run_longrope_search
 
-        return run_longrope_search(cfg, output, progress=progress)
-    ident = identity(cfg)
+        return run_longrope_search(cfg, Path(output), progress=progress)
+    from .objective import SearchObjective
+
+    objective = SearchObjective(cfg, progress=progress)  # user errors refuse the whole search here
+    output = prepare_output(Path(output))
+    ident = identity(cfg, objective.docs)
+    storage = f"sqlite:///{(output / STUDY).resolve()}"
     with _briefly_locked(output):  # held while checking: processes sharing the study run unlocked
         experiment = check_manifest(output, ident, cfg.model_dump(mode="json"))
-    storage = f"sqlite:///{(output / STUDY).resolve()}"
-    state: dict = {}
+        open_study(storage, experiment)  # created once, under the lock, by whichever process comes first
 
     def evaluate(sampled: dict) -> Outcome:
-        if "objective" not in state:  # the model is loaded only when a trial is left to run
-            from .objective import SearchObjective
-
-            state["objective"] = SearchObjective(cfg, progress=progress)
-            state["study"].set_user_attr("vanilla_ppl_train", state["objective"].vanilla_ppl_train)
-            state["study"].set_user_attr("train_length", state["objective"].train_length)
-        params, m = state["objective"](sampled)
+        params, m = objective(sampled)
         return Outcome(m.objective, m.constraint, attrs={"spec": params, **m.row()})
 
-    def report(trial) -> None:
+    def report(trial, index: int) -> None:
         if not progress:
             return
-        if trial.user_attrs.get("invalid"):
-            print(f"trial {trial.number:>4}: refused ({trial.user_attrs['invalid']})", flush=True)
-            return
         a = trial.user_attrs
+        if INVALID in a or FAILED in a:
+            what = f"refused ({a[INVALID]})" if INVALID in a else f"failed ({a[FAILED]})"
+            print(f"trial {index:>4}: {what}", flush=True)
+            return
         ppl = ", ".join(f"{k} {v:.2f}" for k, v in a.items() if k.startswith("ppl@"))
-        print(f"trial {trial.number:>4}: J {a['objective']:.4f} ({ppl}; PPL@T {a['ppl_train']:.2f}, "
+        print(f"trial {index:>4}: J {a['objective']:.4f} ({ppl}; PPL@T {a['ppl_train']:.2f}, "
               f"c {a['constraint']:+.3f}) {a['seconds']:.1f}s  {json.dumps(trial.params)}", flush=True)
 
-    opt = optuna()
-    state["study"] = opt.create_study(storage=storage, study_name=experiment, direction="minimize",
-                                      load_if_exists=True)
     study = run_study(cfg.space(), evaluate, storage=storage, study_name=experiment, method=cfg.method,
                       seed=cfg.seed, budget=cfg.budget, report=report)
-    with _briefly_locked(output):
+    with _briefly_locked(output), storage_errors(storage):
+        study.set_user_attr("vanilla_ppl_train", objective.vanilla_ppl_train)
+        study.set_user_attr("train_length", objective.train_length)
         return write_outputs(cfg, study, output)
 
 
@@ -120,24 +130,40 @@ def _briefly_locked(output: Path, wait: float = 120.0):
 
 
 def write_outputs(cfg: SearchConfig, study, output: Path) -> dict:
-    """``best.json``, ``trials.csv``, ``results.md``, ``search.png`` (and ``pareto.png`` with the
-    retrieval term) from the study."""
+    """``trials.csv``, ``results.md``, ``search.png`` (and ``pareto.png`` with the retrieval
+    term), then ``best.json``, from the study; each file replaced atomically. ``SearchFailed``
+    (one line; ``trials.csv`` written) when no trial is complete."""
+    rows = _rows(study)
     best, feasible = best_trial(study)
     if best is None:
-        raise ConfigError(f"no candidate could be evaluated: every trial was refused by {cfg.strategy} "
-                          f"(see {output / TRIALS}); narrow the ranges under search:")
+        write_csv(rows, output / TRIALS)
+        raise SearchFailed(_no_trial(cfg, rows, output / TRIALS))
     params = best.user_attrs["spec"]
+    index = trial_index(study.get_trials(deepcopy=False))
     result = {"strategy": cfg.strategy, "params": params, "spec": spec_string(cfg.strategy, params),
-              "objective": best.user_attrs["objective"], "feasible": feasible, "trial": best.number,
+              "objective": best.user_attrs["objective"], "feasible": feasible, "trial": index[best.number],
               "ppl": {k[4:]: v for k, v in best.user_attrs.items() if k.startswith("ppl@")},
               "ppl_train": best.user_attrs["ppl_train"], "evaluations": _evaluations(study)}
-    (output / BEST).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    rows = _rows(study)
     write_csv(rows, output / TRIALS)
-    front = plot_pareto(rows, output / PARETO, cfg, best.number) if cfg.retrieval_weight > 0 else None
-    (output / REPORT).write_text(_markdown(cfg, study, result, rows, front), encoding="utf-8")
+    front = plot_pareto(rows, output / PARETO, cfg, result["trial"]) if cfg.retrieval_weight > 0 else None
+    write_text(output / REPORT, _markdown(cfg, study, result, rows, front))
     plot_objective(rows, output / PLOT, cfg)
+    write_text(output / BEST, json.dumps(result, indent=1) + "\n")  # last: it marks the search done
     return result
+
+
+def _no_trial(cfg: SearchConfig, rows: list[dict], table: Path) -> str:
+    """The one line of a search none of whose trials could be used."""
+    refused = [r for r in rows if r["state"] == "refused"]
+    failed = [r for r in rows if r["state"] == "failed"]
+    parts = []
+    if failed:
+        parts.append(f"{len(failed)} measured a non-finite objective (first: {failed[0]['failed']})")
+    if refused:
+        parts.append(f"{len(refused)} refused by {cfg.strategy} (first: {refused[0]['invalid']})")
+    advice = ("narrow the ranges under search: or change fixed:" if refused and not failed
+              else "check the model in float32 (dtype), the lengths and the ranges under search:")
+    return f"no usable trial in {len(rows)}: " + "; ".join(parts) + f"; see {table}; {advice}"
 
 
 def _evaluations(study) -> int:
@@ -146,17 +172,22 @@ def _evaluations(study) -> int:
 
 
 def _rows(study) -> list[dict]:
+    """One row per finished trial, numbered by its index (``trial_index``: killed and redone trials
+    are not rows); state ``complete``, ``refused`` (by the strategy) or ``failed`` (non-finite)."""
     states = optuna().trial.TrialState
+    trials = study.get_trials(deepcopy=False)
+    index = trial_index(trials)
     rows = []
-    for t in study.get_trials(deepcopy=False):
+    for t in trials:
         if t.state not in (states.COMPLETE, states.PRUNED):
             continue
         a = t.user_attrs
-        row = {"trial": t.number, "state": t.state.name.lower(), **t.params}
+        state = "complete" if t.state == states.COMPLETE else "refused" if INVALID in a else "failed"
+        row = {"trial": index[t.number], "state": state, **t.params}
         row.update({k: a.get(k) for k in ("objective", "constraint")})
         row["feasible"] = None if a.get("constraint") is None else a["constraint"] <= 0
         row.update({k: v for k, v in a.items() if k.startswith("ppl@")})
-        row.update({k: a.get(k) for k in ("ppl_train", "retrieval_nll", "seconds", "invalid")})
+        row.update({k: a.get(k) for k in ("ppl_train", "retrieval_nll", "seconds", INVALID, FAILED)})
         rows.append(row)
     return rows
 
@@ -167,8 +198,9 @@ def _markdown(cfg: SearchConfig, study, best: dict, rows: list[dict], front: lis
     lengths = ", ".join(f"{L} (weight {w:.2g})" for L, w in zip(cfg.lengths, cfg.weights()))
     lines = [
         f"# Parameter search: {cfg.strategy} on {cfg.model}", "",
-        f"- model: `{cfg.model}`; search data: `{cfg.data.spec().describe()}` (first {cfg.max_windows} "
-        f"windows per length); held-out data kept out: `{cfg.heldout.spec().describe() if cfg.heldout else '—'}`",
+        f"- model: `{cfg.model}`; search data: `{cfg.data.spec().describe()}` ({cfg.max_windows} windows "
+        f"per length, evenly spaced over the split); held-out data kept out: "
+        f"`{cfg.heldout.spec().describe() if cfg.heldout else '—'}`",
         f"- method: {cfg.method}, seed {cfg.seed}, budget {cfg.budget} trials; {best['evaluations']} candidates "
         "evaluated",
         f"- target lengths: {lengths}; training window T = {train}",
@@ -184,7 +216,7 @@ def _markdown(cfg: SearchConfig, study, best: dict, rows: list[dict], front: lis
     if front is not None:
         lines += [f"Pareto front of (perplexity term, passkey answer NLL), both minimised ({PARETO}): trials "
                   + ", ".join(map(str, front)), ""]
-    columns = list(dict.fromkeys(k for r in rows for k in r if k != "invalid"))
+    columns = list(dict.fromkeys(k for r in rows for k in r if k not in (INVALID, FAILED)))
     lines.append("| " + " | ".join(columns) + " |")
     lines.append("|" + "---|" * len(columns))
     for r in rows:

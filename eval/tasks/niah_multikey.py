@@ -59,7 +59,7 @@ from pydantic import Field, model_validator
 
 from ropescale.runs.data import DataError
 
-from .needle import HEADER, NEEDLE, QUESTION, WORDS
+from .needle import HEADER, MIN_SENTENCES, NEEDLE, QUESTION, WORDS
 from .prompts import Prompt, PromptError, continuation, cycle_units, distractor_keys, encode, random_key
 from .retrieval import Example, RetrievalOptions, RetrievalTask, contains_match
 
@@ -229,13 +229,22 @@ class NiahMultikey(RetrievalTask):
 
     @cached_property
     def units(self) -> list[tuple[str, list[int]]]:
-        """The data source's sentences (``DataError`` when it has no text); repeated from the
-        start when a prompt needs more, as RULER repeats its essays."""
+        """The data source's sentences; repeated from the start when a prompt needs more, as RULER
+        repeats its essays. ``DataError`` when it has no text, or — as ``needle`` — fewer than
+        ``MIN_SENTENCES`` distinct sentences (a few lines tiled are passkey's filler, not a haystack
+        of real text: the task would not measure what it says)."""
+        source = getattr(self, "source", None) or "the data source"
         text = " ".join(self.tokenizer.decode(d.tolist()) for d in self.documents or [])
         sentences = split_sentences(text)
         if not sentences:
-            raise DataError(f"{getattr(self, 'source', None) or 'the data source'}: no text for the "
-                            "niah_multikey haystack")
+            raise DataError(f"{source}: no text for the niah_multikey haystack")
+        distinct = set(sentences)
+        if len(distinct) < MIN_SENTENCES:
+            sample = max(distinct, key=len)
+            raise DataError(f"{source}: the niah_multikey haystack needs real text, but it has only {len(distinct)} "
+                            f"distinct sentence{'s' * (len(distinct) != 1)} ({len(sentences)} in all, e.g. "
+                            f"{sample[:60]!r}); a few lines repeated are passkey's filler (use task: passkey) — give "
+                            f"a text with at least {MIN_SENTENCES} distinct sentences")
         return sentence_pairs(self.tokenizer, sentences)
 
     def make_prompt(self, length: int, depth: float, rng: random.Random) -> MultikeyPrompt:

@@ -12,12 +12,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.runs.data import DataSpec
 from ropescale.strategies import get_strategy
+from ropescale.temperature import parse_temperature
 
 __all__ = ["ConfigError", "DataConfig", "StrategySpec", "apply_overrides", "check_threads", "parse_strategy",
            "read_yaml"]
@@ -33,6 +35,7 @@ class StrategySpec(BaseModel):
     params: dict[str, Any] = Field(default_factory=dict)
     label: str | None = None
     logn: bool = False  # log-n query scaling on top of the strategy
+    temperature: str | dict | None = None  # another query temperature (ropescale.temperature) instead
 
     @model_validator(mode="after")
     def _check(self) -> StrategySpec:
@@ -40,7 +43,13 @@ class StrategySpec(BaseModel):
             strat = get_strategy(self.name)
         except KeyError as e:  # unknown name: the message lists the known ones
             raise ValueError(str(e)) from None
+        rule = parse_temperature(self.temperature)
+        if rule is not None and self.logn:
+            raise ValueError("logn and temperature: name one query temperature")
         strat.validate(self.params, partial=True)  # auto parameters left out are filled per length (resolve)
+        # numpy numbers (accepted as numbers) as the Python ones they hold: displays, cell ids and manifests
+        # (JSON) read them as written in Python
+        object.__setattr__(self, "params", {k: _plain(v) for k, v in self.params.items()})
         return self
 
     @property
@@ -48,13 +57,22 @@ class StrategySpec(BaseModel):
         if self.label:
             return self.label
         return (self.name + (":" + ",".join(f"{k}={v}" for k, v in self.params.items()) if self.params else "")
-                + ("+logn" if self.logn else ""))
+                + ("+logn" if self.logn else "")
+                + (f"+{parse_temperature(self.temperature).spec()}" if self.temperature else ""))
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars (also inside lists) as the Python values they hold; anything else unchanged."""
+    if isinstance(value, np.generic):
+        return value.item()
+    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
 def parse_strategy(entry: Any) -> StrategySpec:
     """``"yarn"``, ``"yarn:factor=4,logn=true"`` or ``{"name": "yarn", "factor": 4}`` → ``StrategySpec``.
 
-    ``logn`` is not a strategy parameter but an option any strategy takes (log-n query scaling).
+    ``logn`` and ``temperature`` are not strategy parameters but options any strategy takes (log-n query
+    scaling; another ``ropescale.temperature`` rule, e.g. ``yarn:temperature={kind: beta, beta: 0.1}``).
     Raises ``ValueError`` with one line (unknown name with the known ones, bad parameter and its range).
     """
     try:
@@ -109,15 +127,16 @@ def _parse_strategy(entry: Any) -> StrategySpec:
             if not eq:
                 raise ValueError(f"strategy {entry!r}: expected key=value, got {item!r}")
             params[key.strip()] = _value(value, f"strategy {entry!r}")
-        logn = params.pop("logn", False)
-        return StrategySpec(name=name.strip(), params=params, logn=logn)
+        logn, temperature = params.pop("logn", False), params.pop("temperature", None)
+        return StrategySpec(name=name.strip(), params=params, logn=logn, temperature=temperature)
     if isinstance(entry, dict):
         entry = dict(entry)
         if "name" not in entry:
             raise ValueError(f"strategy entry {entry} has no 'name'")
         name, label, logn = entry.pop("name"), entry.pop("label", None), entry.pop("logn", False)
+        temperature = entry.pop("temperature", None)
         params = entry.pop("params", {}) | entry
-        return StrategySpec(name=name, params=params, label=label, logn=logn)
+        return StrategySpec(name=name, params=params, label=label, logn=logn, temperature=temperature)
     raise ValueError(f"strategy entry must be a name or a mapping, got {entry!r}")
 
 

@@ -146,10 +146,12 @@ def _check_manifest(output: Path, ident: dict[str, Any], config: dict[str, Any],
     elif (output / "results.jsonl").exists() and (output / "results.jsonl").stat().st_size:
         raise ExperimentMismatchError(f"{output} holds results without a manifest (written before ropescale "
                                       "recorded one), so they cannot be matched to this run; use a new folder")
-    if write:
-        path.write_text(json.dumps({"identity": ident, "identity_hash": digest, "config": config,
-                                    "processes": processes, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
-                                   indent=1) + "\n", encoding="utf-8")
+    if write:  # beside it, then renamed over it: a run killed while writing leaves the old manifest, never a cut one
+        tmp = path.with_name(f".{MANIFEST}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"identity": ident, "identity_hash": digest, "config": config,
+                                   "processes": processes, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+                                  indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
     return digest
 
 

@@ -60,8 +60,9 @@ def served_rope_parameters(handle: PatchHandle, engine: str, serve_length: int, 
     if strat.kind != "frequency":
         raise ExportRefused(f"{engine}: {name} is a relative-position rule applied inside attention; {engine} has no "
                             "setting for it (serve it with ropescale.load_model)")
-    if handle.options.get("logn"):
-        raise ExportRefused(f"{engine}: log-n query scaling (logn=true) has no {engine} setting; export without it")
+    if handle.options.get("logn") or handle.options.get("temperature"):
+        raise ExportRefused(f"{engine}: query temperature ({handle.options.get('temperature') or 'logn=true'}) has no "
+                            f"{engine} setting; export without it")
     if handle.options.get("dynamic_block", 1) != 1:
         raise ExportRefused(f"{engine}: dynamic_block={handle.options['dynamic_block']} has no {engine} setting")
     if handle.layer_types != [None]:

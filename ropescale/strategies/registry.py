@@ -29,10 +29,12 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, get_args
 
+import numpy as np
 import torch
 
 from ropescale.errors import InvalidInput, RopescaleError
@@ -90,10 +92,41 @@ def auto_value(auto: str, *, length: int, train_length: int) -> float | int:
     raise InvalidInput(f"unknown auto kind {auto!r}; known: {', '.join(AUTO_KINDS)}")
 
 
+def _plain(value: Any) -> Any:
+    """A numpy scalar as the Python value it holds (``numpy.int64(16)`` → 16), for messages and
+    results; anything else unchanged."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _is_bool(value: Any) -> bool:
+    """Python's and numpy's booleans (``numpy.bool_`` is no ``bool`` subclass)."""
+    return isinstance(value, (bool, np.bool_))
+
+
+_WHOLE_MAX = 2**53  # every whole number up to here is exact as a float (positions, angles)
+
+
+def _whole(value: Any) -> int | None:
+    """``value`` as a Python int when it is a whole number of magnitude at most 2^53: a Python or
+    numpy integer, or a float with an integral value (16.0: what YAML, JSON and float-valued
+    searches write for 16); None for anything else (bools, 16.5, inf, nan, strings, 10^400)."""
+    if _is_bool(value) or not isinstance(value, numbers.Real):
+        return None
+    if isinstance(value, numbers.Integral):
+        whole = int(value)
+    else:
+        number = float(value)
+        if not (math.isfinite(number) and number.is_integer()):
+            return None
+        whole = int(number)
+    return whole if abs(whole) <= _WHOLE_MAX else None
+
+
 def _check_length(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
-        raise InvalidInput(f"{name}={value!r} must be a whole number of tokens >= 2")
-    return value
+    whole = _whole(value)
+    if whole is None or whole < 2:
+        raise InvalidInput(f"{name}={_plain(value)!r} must be a whole number of tokens >= 2")
+    return whole
 
 
 class RopeFrequencies(NamedTuple):
@@ -122,7 +155,8 @@ class Param:
     L, ``"half_train"`` → T // 2. Without a length (``Strategy.validate``) the ``default``
     applies, and a parameter without one is required. ``log``: the parameter's natural scale is
     logarithmic (a ratio, a base, a length in tokens), so a parameter search samples it uniformly
-    in log(value) (``ropescale_eval.search.space``); it changes no check.
+    in log(value) (``ropescale_eval.search.space``); it changes no check. A ``kind=str``
+    parameter takes one of its ``choices`` (names: never searched).
     """
 
     name: str
@@ -135,10 +169,13 @@ class Param:
     auto: AutoKind | None = None
     help: str = ""
     log: bool = False
+    choices: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.auto is not None and self.auto not in AUTO_KINDS:
             raise TypeError(f"parameter {self.name}: auto={self.auto!r}; choose one of {', '.join(AUTO_KINDS)}")
+        if (self.kind is str) != bool(self.choices):
+            raise TypeError(f"parameter {self.name}: a str parameter names its choices, and only it")
 
     @property
     def required(self) -> bool:
@@ -152,6 +189,8 @@ class Param:
         return None if self.auto is None else _AUTO_TEXT[self.auto]
 
     def range_text(self) -> str:
+        if self.choices:
+            return "one of " + ", ".join(self.choices)
         parts = []
         if self.low is not None:
             parts.append(f"{'>' if self.low_open else '>='} {self.low:g}")
@@ -160,32 +199,55 @@ class Param:
         return " and ".join(parts) or "any value"
 
     def check(self, strategy: str, value: Any) -> Any:
-        where = f"{strategy}: parameter {self.name}={value!r}"
+        """``value`` checked and as a plain Python value (int, float, bool or list of floats).
+
+        Numbers may be Python's or numpy's (``numpy.int64(16)``, ``numpy.float32(2)``); booleans
+        are never numbers. An ``int`` parameter takes a whole number, also written as a float
+        with an integral value (16.0: what YAML, JSON and float-valued searches write), and
+        refuses 16.5. NaN and ±inf are refused everywhere. Raises ``InvalidInput`` in one line
+        naming the strategy, the parameter, the value and the allowed range."""
+        shown = repr(_plain(value))
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+        where = f"{strategy}: parameter {self.name}={shown}"
         if self.kind is bool:
-            if not isinstance(value, bool):
+            if not _is_bool(value):
                 raise InvalidInput(f"{where} must be true or false")
+            return bool(value)
+        if self.kind is str:  # one of a few names
+            if not isinstance(value, str) or value not in self.choices:
+                raise InvalidInput(f"{where} is not a choice; allowed: {self.range_text()}")
             return value
         if self.kind is list:  # a list of numbers, each within the range
+            if isinstance(value, np.ndarray) and value.ndim == 1:
+                value = list(value)
             if not isinstance(value, (list, tuple)) or not value:
                 raise InvalidInput(f"{where} must be a non-empty list of numbers")
             item = Param(self.name, kind=float, low=self.low, high=self.high,
                          low_open=self.low_open, high_open=self.high_open)
             return [item.check(strategy, v) for v in value]
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise InvalidInput(f"{where} must be a number ({self.kind.__name__})")
+        allowed = f"allowed: {self.range_text()}"
+        what = "a whole number" if self.kind is int else "a number"
+        if _is_bool(value) or not isinstance(value, numbers.Real):
+            raise InvalidInput(f"{where} must be {what} ({self.kind.__name__}); {allowed}")
         if self.kind is int:
-            if float(value) != int(value):
-                raise InvalidInput(f"{where} must be a whole number")
-            value = int(value)
+            number = _whole(value)
+            if number is None:
+                if isinstance(value, numbers.Integral) or (math.isfinite(float(value)) and float(value).is_integer()):
+                    raise InvalidInput(f"{where} is too large: whole numbers must be at most 2^53; {allowed}")
+                finite = math.isfinite(float(value))
+                raise InvalidInput(f"{where} must be {'a whole' if finite else 'a finite whole'} number; {allowed}")
         else:
-            value = float(value)
-        if not math.isfinite(value):
-            raise InvalidInput(f"{where} must be finite")
-        too_low = self.low is not None and (value <= self.low if self.low_open else value < self.low)
-        too_high = self.high is not None and (value >= self.high if self.high_open else value > self.high)
+            try:
+                number = float(value)
+            except OverflowError:  # a Python int beyond float range
+                number = math.inf
+            if not math.isfinite(number):
+                raise InvalidInput(f"{where} must be a finite number; {allowed}")
+        too_low = self.low is not None and (number <= self.low if self.low_open else number < self.low)
+        too_high = self.high is not None and (number >= self.high if self.high_open else number > self.high)
         if too_low or too_high:
-            raise InvalidInput(f"{where} is out of range; allowed: {self.range_text()}")
-        return value
+            raise InvalidInput(f"{where} is out of range; {allowed}")
+        return number
 
 
 @dataclass(frozen=True)
@@ -236,13 +298,20 @@ class Strategy:
         """Checked parameters for a run at target length L = ``length`` [tokens] on a model
         trained on T = ``train_length`` tokens: those the user gave, ``auto`` ones left out filled
         by ``auto_value`` (e.g. ``factor`` = max(1, L / T)), then defaults. The one auto-fill rule
-        every sweep, inspection and training run uses. Raises ``ValueError`` (one line) for bad
-        parameters or lengths that are not whole numbers >= 2."""
+        every sweep, inspection and training run uses, and the strategy's full validation for that
+        run: an attention rule is also built once with T, so the checks its function makes with
+        the window (DCA's local_window < chunk_size and STRING's W < S with their T-derived
+        defaults, Leaky ReRoPE's room below T) fail here, before any work — call it for every
+        (strategy, length) before the first one runs. Raises ``InvalidInput`` (a ``ValueError``;
+        one line) for bad parameters or lengths that are not whole numbers >= 2."""
         length = _check_length("length", length)
         train_length = _check_length("train_length", train_length)
         fill = {p.name: auto_value(p.auto, length=length, train_length=train_length)
                 for p in self.params if p.auto}
-        return self._checked(params, fill=fill, partial=False)
+        out = self._checked(params, fill=fill, partial=False)
+        if self.kind == "attention" and set(self.needs) <= {"original_max_position_embeddings"}:
+            self.compute({"original_max_position_embeddings": train_length}, out)  # a rule: no tensors built
+        return out
 
     def _checked(self, params: dict[str, Any], *, fill: dict[str, Any], partial: bool) -> dict:
         if not isinstance(params, dict):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -58,10 +59,35 @@ class RelativeRule:
 
     ``attention_factor`` multiplies cos and sin in every region (attention logits × its square),
     as YaRN's does; 1 for most rules.
+
+    ``prefill_extra``: regions whose pairs are counted *again*, on top of the partition, in a
+    prefill — an attention call whose keys are exactly its queries (s_q = s_k) — and not when
+    keys come from a cache: the key enters the softmax twice, once with each region's p (the
+    authors' STRING prefill, ``string(prefill="authors")``). ``for_call`` gives the rule one call
+    applies: there the extra regions are the last ``extra`` of ``regions``.
     """
 
     regions: tuple[Region, ...]
     attention_factor: float = 1.0
+    prefill_extra: tuple[Region, ...] = ()
+    extra: int = 0
+
+    @property
+    def partition(self) -> tuple[Region, ...]:
+        """The regions that partition j ≤ i (all but the last ``extra``)."""
+        return self.regions[: len(self.regions) - self.extra]
+
+    def for_call(self, s_q: int, s_k: int) -> RelativeRule:
+        """The rule an attention call of ``s_q`` queries over ``s_k`` keys applies: in a prefill
+        (s_q = s_k) with ``prefill_extra``, the partition followed by those regions (``extra`` of
+        them, counted on top); otherwise this rule. The same object for every prefill call."""
+        if not self.prefill_extra or s_q != s_k:
+            return self
+        return self._prefill
+
+    @cached_property
+    def _prefill(self) -> RelativeRule:
+        return RelativeRule(self.regions + self.prefill_extra, self.attention_factor, (), len(self.prefill_extra))
 
     @property
     def window(self) -> int | None:
@@ -74,14 +100,14 @@ class RelativeRule:
     @property
     def by_chunk(self) -> bool:
         """True when a region is selected by chunk (its pieces depend on absolute positions)."""
-        return any(r.chunk for r in self.regions)
+        return any(r.chunk for r in self.regions + self.prefill_extra)
 
     def relative_positions(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """The explicit matrix p ``[b, s_q, s_k]`` (for the naive reference path, inspection and
-        tests); pairs with j > i get i − j."""
+        """The explicit matrix p ``[b, s_q, s_k]`` of the partition (for the naive reference
+        path, inspection and tests); pairs with j > i get i − j."""
         i, j = q_pos[:, :, None], k_pos[:, None, :]
         p = i - j
-        for r in self.regions:
+        for r in self.partition:
             here = _at(r.q_at, q_pos)[:, :, None] - _at(r.k_at, k_pos)[:, None, :]
             p = torch.where(r.contains(i, j) & (j <= i), here, p)
         return p
@@ -145,12 +171,22 @@ def self_extend(group_size: int, window: int) -> RelativeRule:
     return _two(window, lambda i: torch.floor(i / group_size) + shift, lambda j: torch.floor(j / group_size))
 
 
+def _string_pair(s: int, w: int) -> None:
+    if not 0 <= w < s:
+        raise InvalidInput(f"string: local_window={w} must be below shifted_offset={s} (both in tokens)")
+
+
+def _string_check(p: dict) -> None:
+    """W < S when both are given (without a training window; ``resolve`` checks the defaults)."""
+    if p["shifted_offset"] is not None and p["local_window"] is not None:
+        _string_pair(p["shifted_offset"], p["local_window"])
+
+
 def _string_defaults(shifted_offset: int | None, local_window: int | None,
                      original_max_position_embeddings: int) -> tuple[int, int]:
     s = int(0.33 * original_max_position_embeddings) if shifted_offset is None else shifted_offset
     w = min(128, s // 8) if local_window is None else local_window
-    if not 0 <= w < s:
-        raise InvalidInput(f"string: local_window={w} must be below shifted_offset={s} (both in tokens)")
+    _string_pair(s, w)
     return s, w
 
 
@@ -161,24 +197,44 @@ def _string_defaults(shifted_offset: int | None, local_window: int | None,
           help="W: where shifted distances restart [tokens]; default min(128, S // 8) (the authors use 128)"),
     Param("attention_factor", None, low=0.0, low_open=True,
           help="cos/sin scale in every region; default 0.1·ln 2 + 1, the authors'"),
-), source="An et al. 2024, Why Does the Effective Context Length of LLMs Fall Short? (STRING), "
+    Param("prefill", "paper", kind=str, choices=("paper", "authors"),
+          help="paper: each key once; authors: a prefill counts keys at distance exactly S twice, as "
+               "string_flash_forward does (RULER numbers published with STRING)"),
+), check=_string_check, source="An et al. 2024, Why Does the Effective Context Length of LLMs Fall Short? (STRING), "
           "arXiv:2410.18745 (github.com/HKUNLP/STRING string_for_llama.py @ 216cc2f)")
 def string(shifted_offset: int | None, local_window: int | None, attention_factor: float | None,
-           original_max_position_embeddings: int) -> RelativeRule:
+           original_max_position_embeddings: int, prefill: str = "paper") -> RelativeRule:
     """STRING: p(i, j) = i − j for i − j < S, else i − j − S + W: the S largest, rarely trained
     distances are dropped and the well-trained ones from W on overwrite them.
 
     Near queries and keys at their positions; far queries at i − S + W, keys at j. cos and sin are
     multiplied by ``attention_factor`` everywhere (the authors' 0.1·ln 2 + 1 ≈ 1.069, so logits
-    × 1.143). The authors' prefill (``string_flash_forward``) counts the keys at distance exactly
-    S twice — in its window ``[S, 0]``, inclusive, and in its shifted triangle —, their decoding
-    does not; ropescale follows the paper's formula and their decoding (each key once).
+    × 1.143). ``prefill="paper"`` (default) counts each key once, as the paper's formula and the
+    authors' decoding do. ``prefill="authors"`` follows the authors' prefill
+    (``string_flash_forward``): its window ``[S, 0]`` is inclusive and its shifted triangle
+    starts at S, so in a forward whose keys are its queries the key at distance exactly S enters
+    the softmax twice — at p = S and at p = W (``RelativeRule.prefill_extra``) —, while cached
+    decoding counts it once, as theirs; use it to reproduce RULER numbers published with STRING.
     ``local_window`` defaults to 128 as the authors', capped at S // 8 so that models with short
     windows keep W well below S. Raises ``InvalidInput`` unless 0 ≤ W < S.
     """
     s, w = _string_defaults(shifted_offset, local_window, original_max_position_embeddings)
     factor = 0.1 * math.log(2) + 1 if attention_factor is None else attention_factor
-    return _two(s, lambda i: i - (s - w), None, factor)
+    rule = _two(s, lambda i: i - (s - w), None, factor)
+    if prefill == "authors":
+        return RelativeRule(rule.regions, factor, prefill_extra=(Region(s, s + 1),))
+    return rule
+
+
+def _dca_pair(size: int, local: int) -> None:
+    if not 0 <= local < size:
+        raise InvalidInput(f"dca: local_window={local} must be below chunk_size={size} (both in tokens)")
+
+
+def _dca_check(p: dict) -> None:
+    """local_window < chunk_size when both are given (``resolve`` checks the T-derived defaults)."""
+    if p["chunk_size"] is not None and p["local_window"] is not None:
+        _dca_pair(p["chunk_size"], p["local_window"])
 
 
 def _dca_sizes(chunk_size: int | None, local_window: int | None,
@@ -186,8 +242,7 @@ def _dca_sizes(chunk_size: int | None, local_window: int | None,
     t = original_max_position_embeddings
     size = t * 3 // 4 if chunk_size is None else chunk_size
     local = t // 8 if local_window is None else local_window
-    if not 0 <= local < size:
-        raise InvalidInput(f"dca: local_window={local} must be below chunk_size={size} (both in tokens)")
+    _dca_pair(size, local)
     return size, local
 
 
@@ -200,9 +255,10 @@ def _dca_sizes(chunk_size: int | None, local_window: int | None,
           help="s = L / L_train for the temperature; a sweep uses max(1, L / L_train)"),
     Param("vllm_temperature", False, kind=bool,
           help="vLLM's temperature max(1, 0.1·ln s + 1) instead of ChunkLlama's 0.05·ln s + 1"),
-), source="An et al. 2024, Training-Free Long-Context Scaling of Large Language Models (Dual Chunk "
+), check=_dca_check, source="An et al. 2024, Training-Free Long-Context Scaling of Large Language Models (Dual Chunk "
           "Attention), arXiv:2402.17463 (github.com/HKUNLP/ChunkLlama chunkllama_attn_replace.py @ 847ae71); "
-          "vLLM 0.10 dual_chunk_rope.py / DualChunkFlashAttention (Qwen2.5-1M)")
+          "vLLM (Qwen2.5-1M) rotary_embedding/dual_chunk_rope.py @ 07b1349 and "
+          "attention/backends/dual_chunk_flash_attn.py @ cff7e05 (removed in 0.11)")
 def dca(chunk_size: int | None, local_window: int | None, scale: float, vllm_temperature: bool,
         original_max_position_embeddings: int) -> RelativeRule:
     """Dual Chunk Attention: positions are cut into chunks of c = chunk_size − local_window; keys
@@ -213,9 +269,13 @@ def dca(chunk_size: int | None, local_window: int | None, scale: float, vllm_tem
     while i mod c + c ≤ chunk_size.
 
     Temperature: cos and sin × 0.05·ln s + 1 (ChunkLlama's ``get_mscale``, s = ``scale``, 1 when
-    s ≤ 1), or with ``vllm_temperature`` × max(1, 0.1·ln s + 1): vLLM multiplies keys and, in
-    prefill, the softmax scale by it (logits × its square, as here); its decoding applies it
-    once. Defaults: ChunkLlama's ``replace_with_chunkllama`` at 847ae71 (chunk_size = 3T/4,
+    s ≤ 1), or with ``vllm_temperature`` × σ = max(1, 0.1·ln s + 1), logits × σ² as vLLM's: it
+    multiplies each key by σ when storing it, then the softmax scale (prefill) or the query
+    (decoding) by σ — squared in both (vllm-project/vllm @ cff7e054,
+    ``attention/backends/dual_chunk_flash_attn.py``); vLLM takes σ from the sequence's length at
+    each step (a cached key keeps the σ it was stored with), ropescale from ``scale``.
+
+    Defaults: ChunkLlama's ``replace_with_chunkllama`` at 847ae71 (chunk_size = 3T/4,
     local_window = T/8; T/16 in commits before d304027). Raises ``InvalidInput`` unless
     0 ≤ local_window < chunk_size.
     """

@@ -499,12 +499,28 @@ class ResolvedRun(BaseModel):
     def strategy_spec(self, cfg: FinetuneConfig) -> StrategySpec:
         """The strategy with every parameter fixed (how the harness must evaluate the result)."""
         return StrategySpec(name=cfg.strategy.name, params=self.params, logn=cfg.strategy.logn,
-                            label=cfg.strategy.label)
+                            temperature=cfg.strategy.temperature, label=cfg.strategy.label)
+
+
+def _dry_compute(strat, params: dict[str, Any], model: str, train_length: int, length: int) -> None:
+    """The strategy computed once for the model's rotary sizes (d, b from its config), T and L, as
+    the patch will: a parameter only these refuse (dca's ``local_window`` ≥ ``chunk_size``) fails
+    here, before any folder is claimed or weights loaded. Raises ``ValueError`` in one line."""
+    from ropescale.models import model_rope_config
+
+    try:
+        context = model_rope_config(model).context()
+    except ValueError:  # no RoPE config: the patch says so once the model is loaded
+        context = {}
+    context.update(original_max_position_embeddings=train_length, seq_len=length)
+    if all(context.get(k) is not None for k in strat.needs):
+        strat.compute(context, params)
 
 
 def resolve(cfg: FinetuneConfig, source: str = "config") -> ResolvedRun:
     """Fill what depends on the model (T) and check it: PoSE needs ``length`` > T and at most T
-    chunks. Raises ``ConfigError`` (one line) or ``ModelLoadError`` for a model that cannot be read."""
+    chunks; the strategy's parameters, filled for L, are computed once for the model's sizes.
+    Raises ``ConfigError`` (one line) or ``ModelLoadError`` for a model that cannot be read."""
     from ropescale.models import model_training_length
     from ropescale.strategies import get_strategy
 
@@ -520,6 +536,7 @@ def resolve(cfg: FinetuneConfig, source: str = "config") -> ResolvedRun:
     strat = get_strategy(cfg.strategy.name)
     try:
         params = strat.resolve(cfg.strategy.params, length=L, train_length=T)
+        _dry_compute(strat, params, cfg.model, T, L)
     except ValueError as e:
         raise ConfigError(f"{source}: strategy: {e}") from None
     lengths = list(cfg.eval.lengths) if cfg.eval and cfg.eval.lengths else []

@@ -47,6 +47,7 @@ import math
 import shutil
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -57,6 +58,7 @@ from ropescale.lm_head import OutputHead
 from ropescale.lm_head import causal_lm_loss as chunked_lm_loss
 from ropescale.models import load_model, load_tokenizer, model_fingerprint, resolve_device
 from ropescale.patching import patch, unpatch
+from ropescale.rotary import NoRotaryEmbeddingError
 from ropescale.runs.config import ConfigError
 from ropescale.runs.manifest import check_manifest, data_fingerprint, environment, folder_lock, prepare_output
 from ropescale.training.checkpoints import CHECKPOINTS, CheckpointWriteError, save_checkpoint
@@ -132,7 +134,8 @@ def enable_checkpointing(model, source: str = "config") -> None:
 
 def _patch_for_training(model, cfg: FinetuneConfig, run: ResolvedRun):
     unpatch(model)  # a patch saved with the model would stack under this one
-    kwargs: dict[str, Any] = {"original_max_position_embeddings": run.train_length, "logn": cfg.strategy.logn}
+    kwargs: dict[str, Any] = {"original_max_position_embeddings": run.train_length, "logn": cfg.strategy.logn,
+                              "temperature": cfg.strategy.temperature}
     if cfg.attention_path:
         kwargs["attention_path"] = cfg.attention_path
     handle = patch(model, cfg.strategy.name, **kwargs, **run.params)
@@ -162,14 +165,24 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
     ``stop_after``: stop after this many steps as a killed run would (no model saved; the
     checkpoints stay) — for tests and time-boxed runs.
 
-    Raises (one-line messages): ``ConfigError`` (PoSE length ≤ T, a bad strategy parameter or
-    evaluation entry), ``OutputError`` (output not writable),
-    ``ropescale.runs.manifest.ExperimentMismatchError`` (the folder holds another run),
-    ``ropescale.runs.manifest.FolderBusyError`` (another run holds it), ``ropescale.models.ModelLoadError``,
-    ``ConfigError`` also for ``sharding`` without CUDA devices (accelerate 1.15 does not shard on
-    CPU) and LoRA target modules the model does not have,
+    Every refusal of the input comes before ``output`` is claimed (created, locked, its manifest
+    written): the data is read and the model loaded, patched and wrapped by its recipe first, so a
+    corrected rerun into the same folder is not refused as another experiment. Only the folder's
+    own state (another run in it, or running) and what happens while training come after.
+
+    Raises (one-line messages): ``ConfigError`` (PoSE length ≤ T, a bad strategy parameter — also
+    one only the model's sizes refuse, such as dca's ``local_window`` ≥ ``chunk_size`` — or
+    evaluation entry), ``OutputError`` (output not writable), ``ropescale.models.ModelLoadError``,
+    ``ConfigError`` also for ``sharding`` other than ``fsdp`` without CUDA devices (accelerate 1.15
+    does not shard on CPU; ``fsdp`` there is torch's ``fully_shard``) or in one CPU process,
+    ``parallelism.sequence`` the launched processes, the model's heads or its attention cannot
+    take, LoRA target modules the model does not have, a LoRA rank above the target layers'
+    smallest dimension, LongLoRA ``trainable_params`` in no parameter name,
     ``ropescale.runs.data.DataError`` / ``ropescale.runs.windows.WindowError`` (data too short or unreadable),
-    ``ValueError`` (device, patch), ``CheckpointWriteError`` (an ``OutputError``: a checkpoint
+    ``ValueError`` (device, patch); once the folder is claimed
+    ``ropescale.runs.manifest.ExperimentMismatchError`` (the folder holds another run),
+    ``ropescale.runs.manifest.FolderBusyError`` (another run holds it),
+    ``CheckpointWriteError`` (an ``OutputError``: a checkpoint
     could not be written, a full disk; a rerun resumes from the last complete one),
     ``NonFiniteLossError`` (a ``ValueError``: the training loss became inf or NaN at a step; no
     model saved, the checkpoints kept).
@@ -193,8 +206,8 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
 
         plugin = FullyShardedDataParallelPlugin(**fsdp_plugin_kwargs(cfg.sharding, source))
     # accelerate keeps one AcceleratorState per process and refuses another mixed precision in it; a
-    # process running several fine-tunings (tests, notebooks) starts each afresh — the distributed
-    # group (PartialState) is kept
+    # process running several fine-tunings (tests, notebooks) starts each afresh (a launched run closes its
+    # process group when it ends, ``_leave``; the next one sets up its own)
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state()
@@ -202,6 +215,18 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
     # without GPUs) one gloo group; without it each would train alone and write the same files
     acc = Accelerator(cpu=device.type == "cpu", mixed_precision=cfg.mixed_precision, fsdp_plugin=plugin,
                       gradient_accumulation_plugin=_accumulation(cfg))
+    try:
+        summary = _claim_and_run(cfg, run, Path(output), acc, progress and acc.is_main_process, stop_after, after,
+                                 source, plugin is not None)
+    except BaseException:
+        _leave(acc, together=False)
+        raise
+    _leave(acc)
+    return summary
+
+
+def _claim_and_run(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, progress: bool, stop_after: int | None,
+                   after: AfterTraining | None, source: str, sharding: bool) -> dict[str, Any]:
     sp_size = cfg.parallelism.sequence
     if sp_size > 1 and acc.num_processes % sp_size:
         raise ConfigError(f"{source}: parallelism.sequence: {sp_size} does not divide the {acc.num_processes} "
@@ -209,18 +234,21 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
                           f"(accelerate launch --multi_gpu --num_processes {sp_size} ...)")
     if cfg.mixed_precision == "fp16" and acc.device.type == "cpu":
         raise ConfigError(f"{source}: mixed_precision: fp16 needs a CUDA device; on CPU use bf16 or no")
-    if cfg.sharding is not None and device.type == "cpu" and acc.num_processes == 1:
+    if cfg.sharding is not None and acc.device.type == "cpu" and acc.num_processes == 1:
         raise ConfigError(f"{source}: sharding: one process holds the whole model either way; launch several "
                           "(accelerate launch --multi_gpu --num_processes N ...) or leave sharding out")
-    if plugin is not None and acc.num_processes > 1 and acc.distributed_type.value != "FSDP":
+    if sharding and acc.num_processes > 1 and acc.distributed_type.value != "FSDP":
         raise ConfigError(f"{source}: sharding: accelerate set up {acc.distributed_type.value}, not FSDP, for "
                           f"{acc.num_processes} processes; launch with `accelerate launch --multi_gpu`")
-    output = Path(output)
-    if acc.is_main_process:
-        prepare_output(output)
-    acc.wait_for_everyone()
-    with folder_lock(output) if acc.is_main_process else nullcontext(), _loading_bars(progress and acc.is_main_process):
-        return _run_locked(cfg, run, output, acc, progress and acc.is_main_process, stop_after, after)
+    with _loading_bars(progress):
+        # everything that can refuse the run does so here, before the folder is claimed (created, locked, its
+        # manifest written): a refused run leaves nothing behind, and the corrected rerun is not "another experiment"
+        prepared = _prepare(cfg, run, acc, source, trained=(output / MODEL_DIR / SUMMARY).is_file())
+        if acc.is_main_process:
+            prepare_output(output)
+        acc.wait_for_everyone()
+        with folder_lock(output) if acc.is_main_process else nullcontext():
+            return _run_locked(cfg, run, output, acc, progress, stop_after, after, prepared, source)
 
 
 def _accumulation(cfg: FinetuneConfig):
@@ -234,18 +262,26 @@ def _accumulation(cfg: FinetuneConfig):
     return GradientAccumulationPlugin(num_steps=cfg.grad_accum * sp, sync_with_dataloader=sp == 1)
 
 
-def _sequence_parallel(model, cfg: FinetuneConfig, run: ResolvedRun, acc, source: str):
-    """``SequenceParallel`` around the patched model's attention (None when off); its attention
-    implementation checked first (``ConfigError``)."""
+def _check_sequence_parallel(model, cfg: FinetuneConfig, run: ResolvedRun, source: str) -> None:
+    """The loaded model's side of ``check_sequence_parallel`` (its heads, layer types and attention
+    implementation; ``ConfigError``), before the run's folder is claimed."""
+    if cfg.parallelism.sequence == 1:
+        return
+    from ropescale.rope_config import text_config
+    from ropescale.training.sequence_parallel import check_sequence_parallel
+
+    check_sequence_parallel(cfg.parallelism.sequence, config=text_config(model.config), kind=run.kind,
+                            window=run.window, pose=cfg.pose.enabled,
+                            attn_implementation=model.config._attn_implementation, source=source)
+
+
+def _sequence_parallel(model, cfg: FinetuneConfig):
+    """``SequenceParallel`` around the patched model's attention (None when off; checked by
+    ``_check_sequence_parallel`` in ``_prepare``)."""
     if cfg.parallelism.sequence == 1:
         return None
-    from ropescale.rope_config import text_config
-    from ropescale.training.sequence_parallel import SequenceParallel, check_sequence_parallel
+    from ropescale.training.sequence_parallel import SequenceParallel
 
-    config = text_config(model.config)
-    check_sequence_parallel(cfg.parallelism.sequence, config=config, kind=run.kind, window=run.window,
-                            pose=cfg.pose.enabled, attn_implementation=model.config._attn_implementation,
-                            source=source)
     return SequenceParallel(model, cfg.parallelism.sequence, micro_batch_size=cfg.batch_size)
 
 
@@ -264,12 +300,75 @@ def _loading_bars(show: bool):
             hf_logging.enable_progress_bar()
 
 
-def _run_locked(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, progress: bool,
-                stop_after: int | None, after: AfterTraining | None) -> dict[str, Any]:
+@dataclass
+class _Prepared:
+    """What a run needs, built (and so checked) before its folder is claimed: the tokenizer, the
+    training stream and — unless the folder already holds the trained model — the held-out windows,
+    the training windows and the patched model wrapped by its recipe."""
+
+    tokenizer: Any
+    stream: torch.Tensor
+    heldout: HeldOut | None = None
+    dataset: TrainingWindows | None = None
+    model: Any = None
+    recipe: Any = None
+
+
+def _prepare(cfg: FinetuneConfig, run: ResolvedRun, acc, source: str, *, trained: bool) -> _Prepared:
+    """Read the data and build the model to train: the data source and its windows (``DataError``,
+    ``WindowError``), the model (``ModelLoadError``), the strategy patched onto it at the target
+    length (``ConfigError``: a parameter the model's sizes refuse), activation checkpointing and
+    the recipe's wrapping (``ConfigError``: LoRA targets the model lacks, a rank above the target
+    layers' sizes, LongLoRA's ``trainable_params`` matching nothing). ``trained``: the folder holds
+    the saved model already — only the tokenizer and the stream (the run's identity) are read."""
     from accelerate.utils import set_seed
 
     tokenizer = load_tokenizer(cfg.model)
     stream, _ = load_stream(cfg.data.spec(), tokenizer)
+    if trained:
+        return _Prepared(tokenizer, stream)
+    heldout = (HeldOut(tokenizer, cfg.eval.data, run.eval_lengths, max_windows=cfg.eval.max_windows,
+                       batch_size=cfg.eval.batch_size) if cfg.eval else None)
+    pose = (PoseSampler(run.window, cfg.length, cfg.pose.chunks, cfg.pose.content, cfg.pose.sampling)
+            if cfg.pose.enabled else None)
+    examples = cfg.steps * cfg.grad_accum * cfg.batch_size * acc.num_processes
+    dataset = TrainingWindows(stream, pose.span if pose else cfg.length, examples, cfg.seed, pose)
+    set_seed(cfg.seed)  # before the model: a recipe's initialisation (LoRA's A) draws from it
+    model, _ = load_model(cfg.model, device="cpu")
+    if hasattr(model, "merge_and_unload") and hasattr(model, "peft_config"):  # a saved adapter as the base
+        model = model.merge_and_unload()
+    try:
+        _patch_for_training(model, cfg, run)
+    except NoRotaryEmbeddingError:
+        raise
+    except ValueError as e:  # InvalidInput too: a parameter this model's sizes refuse
+        raise ConfigError(f"{source}: strategy: {' '.join(str(e).split())}") from None
+    if cfg.gradient_checkpointing:  # before PEFT: the decoder layers are the base model's
+        enable_checkpointing(model, source)
+    recipe = cfg.training_recipe()
+    model = recipe.prepare(model, cfg, source)  # what trains: all weights, LoRA, ... (ropescale.training.recipes)
+    _check_sequence_parallel(model, cfg, run, source)
+    return _Prepared(tokenizer, stream, heldout, dataset, model, recipe)
+
+
+def _leave(acc, *, together: bool = True) -> None:
+    """A launched run's process group is closed before interpreter shutdown (a gloo group left
+    open can abort at exit: "terminate called without an active exception"), after all processes
+    are done (``together``; a run stopped by an error closes its own end only); the accelerate
+    state is reset so that a later run in the process sets up its group afresh."""
+    if acc.num_processes > 1:
+        from accelerate.state import AcceleratorState
+
+        if together:
+            acc.wait_for_everyone()
+        acc.end_training()  # destroy_process_group
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _run_locked(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, progress: bool,
+                stop_after: int | None, after: AfterTraining | None, prepared: _Prepared,
+                source: str) -> dict[str, Any]:
+    stream = prepared.stream
     env = environment()
     ident = {**_flat(cfg.identity()), "weights": model_fingerprint(cfg.model),
              "data_tokens": data_fingerprint([stream]), "processes": acc.num_processes,
@@ -281,9 +380,10 @@ def _run_locked(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, progre
         summary = json.loads(summary_path.read_text(encoding="utf-8"))
         say(f"{output}: already trained ({summary['steps']} steps); model in {output / MODEL_DIR}")
     else:
-        set_seed(cfg.seed)
+        if prepared.model is None:  # the saved model was there when checked, and is not now
+            prepared = _prepare(cfg, run, acc, source, trained=False)
         with ExitStack() as cleanup:  # sequence parallelism's attention wrapper is removed when training ends
-            summary = _train(cfg, run, output, acc, tokenizer, stream, env, progress, stop_after, say, cleanup)
+            summary = _train(cfg, run, output, acc, prepared, env, progress, stop_after, say, cleanup)
         if summary is None:
             return {"stopped_at": stop_after, "model": None}
     evaluations = (after.run(cfg, run, output / MODEL_DIR, output, progress=progress, say=say)
@@ -292,24 +392,16 @@ def _run_locked(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, progre
             "main_process": acc.is_main_process}
 
 
-def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, stream, env, progress: bool,
+def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, prepared: _Prepared, env, progress: bool,
            stop_after: int | None, say, cleanup: ExitStack) -> dict[str, Any] | None:
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
     from transformers import get_scheduler
 
-    heldout = (HeldOut(tokenizer, cfg.eval.data, run.eval_lengths, max_windows=cfg.eval.max_windows,
-                       batch_size=cfg.eval.batch_size) if cfg.eval else None)
-    model, _ = load_model(cfg.model, device="cpu")
-    if hasattr(model, "merge_and_unload") and hasattr(model, "peft_config"):  # a saved adapter as the base
-        model = model.merge_and_unload()
-    _patch_for_training(model, cfg, run)
-    if cfg.gradient_checkpointing:  # before PEFT: the decoder layers are the base model's
-        enable_checkpointing(model)
-    recipe = cfg.training_recipe()
-    model = recipe.prepare(model, cfg)  # what trains: all weights, LoRA, ... (ropescale.training.recipes)
+    tokenizer, heldout, dataset = prepared.tokenizer, prepared.heldout, prepared.dataset
+    model, recipe = prepared.model, prepared.recipe
     model.train()
-    sp = _sequence_parallel(model, cfg, run, acc, "config")
+    sp = _sequence_parallel(model, cfg)
     if sp is not None:
         cleanup.callback(sp.close)
     # FSDP2 by torch's fully_shard where accelerate does not shard (CPU processes); model: the root unit
@@ -325,11 +417,11 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, tokenizer, 
                                   fused=not own_fsdp)  # fused takes no DTensor shards
     scheduler = get_scheduler(_SCHEDULES[cfg.schedule], optimizer, num_warmup_steps=cfg.warmup,
                               num_training_steps=cfg.steps)
-    pose = (PoseSampler(run.window, cfg.length, cfg.pose.chunks, cfg.pose.content, cfg.pose.sampling)
-            if cfg.pose.enabled else None)
-    examples = cfg.steps * cfg.grad_accum * cfg.batch_size * acc.num_processes
-    dataset = TrainingWindows(stream, pose.span if pose else cfg.length, examples, cfg.seed, pose)
-    loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=False)
+    # its own generator: each iterator draws a base seed from the loader's generator, which would otherwise be the
+    # global RNG — the uninterrupted run draws it before step 1, a resumed one after restoring the checkpoint's RNG
+    # state, so dropout (LoRA's) drew other masks from there on than the uninterrupted run
+    loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=False,
+                        generator=torch.Generator().manual_seed(cfg.seed))
     if own_fsdp:  # model and optimiser states sharded: saved by save_sharded, not by accelerate's main process
         loader = acc.prepare(loader)
     else:

@@ -17,7 +17,7 @@ from ropescale.patching import current_patch
 from ropescale.runs.config import ConfigError
 from ropescale.training.config import DEFAULT_LORA_TARGETS, LoraSettings
 
-__all__ = ["apply_lora", "embedding_and_norm_modules", "save_trained"]
+__all__ = ["apply_lora", "check_lora", "embedding_and_norm_modules", "lora_targets", "save_trained"]
 
 
 def embedding_and_norm_modules(model) -> list[str]:
@@ -36,7 +36,61 @@ def embedding_and_norm_modules(model) -> list[str]:
     return out
 
 
-def apply_lora(model, lora: LoraSettings, source: str = "config"):
+def _names(names: list[str]) -> str:
+    return ", ".join(map(repr, names)) + (" matches" if len(names) == 1 else " match")
+
+
+def lora_targets(model, targets: list[str] | None) -> dict[str, torch.nn.Module]:
+    """``{name: module}`` of the layers PEFT gives LoRA for ``targets`` (its own matching,
+    ``check_target_module_exists``: a module whose name is a target or ends with ``.target``;
+    None: PEFT's default targets for the architecture, ``{}`` when it has none)."""
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+    if targets is None:
+        targets = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(getattr(model.config, "model_type", None))
+        if targets is None:
+            return {}
+    config = LoraConfig(target_modules=targets)
+    return {n: m for n, m in model.named_modules() if n and check_target_module_exists(config, n)}
+
+
+def check_lora(model, lora: LoraSettings, targets: list[str] | None, key: str = "lora",
+               source: str = "config") -> None:
+    """What PEFT would take without a word or hand to the allocator, refused in one line
+    (``ConfigError`` naming ``key``): a target that matches no module (PEFT refuses only when none
+    matches, and drops the others without a word), a rank ``r`` above the smallest dimension of a
+    target layer's weight (``B A`` of rank r cannot exceed min(out, in) there; ``r: 10^9``
+    allocated ``[r, in]`` matrices), ``modules_to_save`` names that match no module (PEFT matches a
+    name by the end of the module's: ``norm`` matches ``model.norm``)."""
+    if targets is not None:
+        missing = [t for t in targets if not lora_targets(model, [t])]
+        if missing:
+            linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                              if isinstance(m, torch.nn.Linear)})
+            raise ConfigError(f"{source}: {key}.target_modules: {_names(missing)} no layer of "
+                              f"the model (a name matches the end of a module's: q_proj matches "
+                              f"model.layers.0.self_attn.q_proj); its linear layers: {', '.join(linears)}")
+    layers = {n: m.weight.shape for n, m in lora_targets(model, targets).items()
+              if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2}
+    if layers:
+        name, shape = min(layers.items(), key=lambda x: min(x[1]))
+        bound = min(shape)
+        if lora.r > bound:
+            raise ConfigError(f"{source}: {key}.r: rank {lora.r} is above the smallest dimension of the target "
+                              f"layers ({name}: weight {list(shape)}); a LoRA update B A there has rank at most "
+                              f"{bound}; use r <= {bound}")
+    modules = [n for n, _ in model.named_modules() if n]
+    missing = [m for m in lora.modules_to_save if not any(n.endswith(m) for n in modules)]
+    if missing:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n in modules if not n.rsplit(".", 1)[-1].isdigit()})
+        raise ConfigError(f"{source}: {key}.modules_to_save: {_names(missing)} no module of the "
+                          f"model (a name matches the end of a module's; its module names end in: "
+                          f"{', '.join(leaves)})")
+
+
+def apply_lora(model, lora: LoraSettings, source: str = "config", key: str = "lora"):
     """Wrap a (patched) causal LM in PEFT's LoRA: the base weights frozen, LoRA matrices on
     ``lora.target_modules`` (default ``q_proj, k_proj, v_proj, o_proj`` when the model has them,
     else PEFT's default for the architecture), ``modules_to_save`` (plus, with
@@ -44,13 +98,15 @@ def apply_lora(model, lora: LoraSettings, source: str = "config"):
     the adapter. The ropescale patch (rotary module swapped, attention function set) is left as it
     is and stays active inside the wrapper; ``current_patch`` reaches it through PEFT.
 
-    Returns the ``PeftModel``. Raises ``ConfigError`` (one line) for target modules the model
-    does not have."""
+    Returns the ``PeftModel``. Raises ``ConfigError`` (one line naming ``key``) for target
+    modules the model does not have, a rank above the target layers' smallest dimension and
+    ``modules_to_save`` matching no module (``check_lora``), before anything is allocated."""
     from peft import LoraConfig, get_peft_model
 
     leaves = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     targets = list(lora.target_modules) if lora.target_modules else (
         list(DEFAULT_LORA_TARGETS) if set(DEFAULT_LORA_TARGETS) <= leaves else None)
+    check_lora(model, lora, targets, key, source)
     save = list(lora.modules_to_save)
     if lora.trainable_embeddings_norms:
         save += [n for n in embedding_and_norm_modules(model) if n not in save]
@@ -62,7 +118,7 @@ def apply_lora(model, lora: LoraSettings, source: str = "config"):
             wrapped = get_peft_model(model, config)
     except ValueError as e:
         first = " ".join(str(e).split())[:300]
-        raise ConfigError(f"{source}: lora: {first}") from None
+        raise ConfigError(f"{source}: {key}: {first}") from None
     if current_patch(wrapped) is not handle:  # the patch must survive the wrapping
         raise RuntimeError("the ropescale patch is not reachable through the PEFT model")
     return wrapped

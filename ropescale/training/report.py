@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ropescale.errors import InvalidInput
 from ropescale.runs.plotting import pyplot
 
 __all__ = ["LOG", "TrainingLog", "eval_curve", "plot_training", "read_log", "steps_to_reach"]
@@ -23,19 +24,44 @@ __all__ = ["LOG", "TrainingLog", "eval_curve", "plot_training", "read_log", "ste
 LOG = "log.jsonl"
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _record_error(record) -> str | None:
+    """What makes a decoded line not a log record (None: it is one)."""
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not a record (a JSON object)"
+    step = record.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return f"step {step!r} is not a step number (a whole number >= 0)"
+    if "loss" in record and not _number(record["loss"]):
+        return f"loss {record['loss']!r} is not a number"
+    ppl = record.get("ppl")
+    if "ppl" in record and not (isinstance(ppl, dict) and all(k.isdigit() and _number(v) for k, v in ppl.items())):
+        return f"ppl {ppl!r} is not a mapping of lengths to perplexities"
+    return None
+
+
 def read_log(path: str | Path) -> list[dict]:
-    """Records of a ``log.jsonl`` (a torn last line from a killed run is skipped)."""
+    """Records of a ``log.jsonl`` (a torn line from a killed run — not JSON — is skipped).
+    Raises ``InvalidInput`` naming the file and line for a line that is JSON but not a record (not
+    an object, no step number, a loss or perplexities that are not numbers)."""
     path = Path(path)
     if path.is_dir():
         path = path / LOG
     if not path.is_file():
         return []
     out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         try:
-            out.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        error = _record_error(record)
+        if error:
+            raise InvalidInput(f"{path}: line {number} is not a training log record ({error})")
+        out.append(record)
     return out
 
 

@@ -88,3 +88,84 @@ def test_comparison_cli_refuses_bad_input_in_one_line(tmp_path, args, message):
     assert lines[0] == "Usage: main compare [OPTIONS] RUNS..." and "Traceback" not in res.output
     assert lines[-1] == "Error: " + message.format(tmp=tmp_path)
     assert not (tmp_path / "f.png").exists()
+
+
+def _run(folder, log=LOG, label=None):
+    import json
+
+    folder.mkdir(parents=True)
+    for r in log:
+        TrainingLog(folder / "log.jsonl").write(r)
+    if label:
+        (folder / "model").mkdir()
+        (folder / "model" / "finetune.json").write_text(json.dumps({"label": label, "steps": 100}))
+    return folder
+
+
+def one_line(res, message):
+    assert res.exit_code == 1, res.output
+    assert res.output.splitlines() == ["Error: " + message], res.output
+
+
+@pytest.mark.parametrize("name,message", [
+    ("f.txt", "-o {out}: the extension .txt is not a figure format; use one of "),
+    ("f", "-o {out}: no file extension; use one of "),
+    ("file/f.png", "-o {out}: a part of the path ({tmp}/file) is a file, not a folder"),
+])
+def test_an_output_it_cannot_save_is_one_line_before_reading_the_runs(tmp_path, name, message):
+    """`-o fig.txt` and `-o` under a file ended in matplotlib's or pathlib's traceback, after the
+    runs were read."""
+    (tmp_path / "file").write_text("")
+    out = tmp_path / name
+    res = cli(tmp_path / "no-such-run", "--length", 512, "-o", out)  # refused before the run is looked for
+    assert res.exit_code == 1 and len(res.output.splitlines()) == 1, res.output
+    assert res.output.startswith("Error: " + message.format(out=out, tmp=tmp_path))
+    assert name != "f.txt" or (".png" in res.output and ".pdf" in res.output and ".svg" in res.output)
+
+
+@pytest.mark.skipif(__import__("os").geteuid() == 0, reason="root writes in read-only folders")
+def test_an_output_in_a_read_only_folder_is_one_line(tmp_path):
+    run = _run(tmp_path / "run")
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro").chmod(0o555)
+    try:
+        res = cli(run, "--length", 512, "-o", tmp_path / "ro" / "f.png")
+    finally:
+        (tmp_path / "ro").chmod(0o755)
+    assert res.exit_code == 1 and len(res.output.splitlines()) == 1 and "cannot write in" in res.output
+
+
+@pytest.mark.parametrize("line,message", [
+    ("[1, 2]", "a JSON list, not a record (a JSON object)"),
+    ('"step"', "a JSON str, not a record (a JSON object)"),
+    ('{"loss": 3.0}', "step None is not a step number (a whole number >= 0)"),
+    ('{"step": 7, "ppl": 5}', "ppl 5 is not a mapping of lengths to perplexities"),
+    ('{"step": 7, "ppl": {"512": "low"}}', "ppl {'512': 'low'} is not a mapping of lengths to perplexities"),
+])
+def test_a_log_line_that_is_json_but_not_a_record_is_one_line_naming_file_and_line(tmp_path, line, message):
+    """`[1, 2]` in log.jsonl crashed compare (a list has no "ppl"); a torn line (not JSON) is still
+    skipped."""
+    run = _run(tmp_path / "run")
+    lines = (run / "log.jsonl").read_text().splitlines()
+    (run / "log.jsonl").write_text("\n".join([*lines[:2], line, *lines[2:]]) + "\n" + '{"step": 10')
+    res = cli(run, "--length", 512, "-o", tmp_path / "f.png")
+    one_line(res, f"{run / 'log.jsonl'}: line 3 is not a training log record ({message})")
+    assert not (tmp_path / "f.png").exists()
+
+
+def test_two_runs_with_one_label_are_told_apart_by_their_folder(tmp_path):
+    """Two runs with one label (the same strategy trained twice) were merged: one line, one row."""
+    other = [{**r, "ppl": {k: v + 1 for k, v in r["ppl"].items()}} if "ppl" in r else r for r in LOG]
+    a, b = _run(tmp_path / "a" / "run", LOG, "yarn"), _run(tmp_path / "b" / "run", other, "yarn")
+    c = _run(tmp_path / "c", LOG, "pi")
+    res = cli(a, b, c, "--length", 512, "--at", "0,100", "-o", tmp_path / "f.png")
+    assert res.exit_code == 0, res.output
+    assert res.output.splitlines()[4:7] == [f"| yarn ({a}) | 70.00 | 39.50 |", f"| yarn ({b}) | 71.00 | 40.50 |",
+                                            "| pi | 70.00 | 39.50 |"]
+
+
+def test_a_run_given_twice_is_refused(tmp_path):
+    run = _run(tmp_path / "run")
+    res = cli(run, tmp_path / "." / "run", "--length", 512, "-o", tmp_path / "f.png")
+    assert res.exit_code == 2 and res.output.splitlines()[-1] == (
+        f"Error: {tmp_path / '.' / 'run'}: given twice (as {run} too); name each run once")

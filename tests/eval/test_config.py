@@ -116,3 +116,19 @@ def test_a_utf8_config_reads_under_an_ascii_locale(tmp_path):
     code = f"from eval.config import load_config; print(ascii(load_config({str(p)!r}).strategies[0].display))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=os.getcwd())
     assert out.returncode == 0 and out.stdout.strip() == ascii("π-ß-線形"), out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("entry,message", [
+    ("{name: dca, chunk_size: .inf}", "dca: parameter chunk_size=inf must be a finite whole number; allowed: >= 2"),
+    ("{name: dca, params: {local_window: .NaN}}", "dca: parameter local_window=nan must be a finite whole number; "
+                                                  "allowed: >= 0"),
+    ("'dca:chunk_size=-.inf'", "dca: parameter chunk_size=-inf must be a finite whole number; allowed: >= 2"),
+    ("'yarn:factor=.nan'", "yarn: parameter factor=nan must be a finite number; allowed: >= 1"),
+    ("{name: dca, chunk_size: 16, local_window: 16}",
+     "dca: local_window=16 must be below chunk_size=16 (both in tokens)"),
+])
+def test_non_finite_and_contradicting_parameters_in_yaml_are_one_line(tmp_path, entry, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, f"model: reference\nlengths: [128]\nstrategies:\n  - vanilla\n  - {entry}\n"))
+    assert "\n" not in str(e.value) and str(e.value).startswith(f"{tmp_path / 'c.yaml'}: strategies: entry 1 (")
+    assert str(e.value).endswith(message)

@@ -30,7 +30,10 @@ def _cfg(model, data, **kw):
 @pytest.mark.parametrize("overrides,fragment", [
     ({"strategies": ["yarn", "rerope"]}, "strategies: rerope: a relative-position rule applied inside attention; "
                                          "vLLM has no setting for it (engine: vllm; use engine: transformers)"),
-    ({"strategies": ["yarn:logn=true"]}, "log-n query scaling has no vLLM setting"),
+    ({"strategies": ["yarn:logn=true"]},
+     "strategies: yarn+logn: a query temperature (log-n or another rule) has no vLLM setting"),
+    ({"strategies": [{"name": "yarn", "temperature": {"kind": "beta", "beta": 0.1}}]},
+     "strategies: yarn+beta:beta=0.1: a query temperature (log-n or another rule) has no vLLM setting"),
     ({"strategies": ["dynamic_yarn"]}, "no transformers rope type to translate, so vLLM cannot express it"),
     ({"strategies": ["dynamic_ntk"], "dynamic_block": 8}, "dynamic_block scores block-wise"),
     ({"vllm": {"max_model_len": 40}}, "vllm.max_model_len: 40 is shorter than the 65 tokens a perplexity cell"),

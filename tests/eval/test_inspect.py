@@ -120,3 +120,40 @@ def test_relative_rule_map_is_the_full_matrix_on_a_grid():
         assert row["_p"].shape[0] <= GRID
         assert torch.equal(row["_p"], full[::step, ::step])
         assert row["max_relative_position"] == float(full.max())
+
+
+@pytest.mark.parametrize("strategy,message", [
+    ("dca:chunk_size=.inf", "dca: parameter chunk_size=inf must be a finite whole number; allowed: >= 2"),
+    ("dca:chunk_size=.nan", "dca: parameter chunk_size=nan must be a finite whole number; allowed: >= 2"),
+    ("string:shifted_offset=-.inf", "string: parameter shifted_offset=-inf must be a finite whole number; "
+                                    "allowed: >= 1"),
+    ("yarn:beta_fast=.nan", "yarn: parameter beta_fast=nan must be a finite number; allowed: > 0"),
+    ("self_extend:group_size=true", "self_extend: parameter group_size=True must be a whole number (int); "
+                                    "allowed: >= 1"),
+    # the training window's defaults: T = 256 gives local_window 32 and S = 84
+    ("dca:chunk_size=20", "dca: local_window=32 must be below chunk_size=20 (both in tokens)"),
+    ("string:local_window=100", "string: local_window=100 must be below shifted_offset=84 (both in tokens)"),
+    # the model's rotary dim, known only with the model: still before anything is written
+    ("longrope:short_factor=[1.0],long_factor=[1.0]", "longrope: short_factor has 1 entries; the model's rotary "
+                                                      "dim 64 needs 32"),
+])
+def test_hostile_strategy_parameters_are_one_line_and_write_nothing(tmp_path, strategy, message):
+    res = run("--head-dim", 64, "--rope-theta", 10000, "--training-length", 256, "--strategy", "yarn",
+              "--strategy", strategy, "--length", 1024, "-o", tmp_path / "out")
+    assert res.output == f"Error: {message}\n" and res.exit_code == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_whole_numbers_written_as_floats_and_numpy_numbers_inspect_alike(tmp_path):
+    import numpy as np
+
+    from eval.inspect import RotaryConfig, inspect
+    from ropescale.runs.config import StrategySpec
+    from ropescale.strategies.frequency import rope_inv_freq
+
+    cfg = RotaryConfig(64, 10000.0, 256, rope_inv_freq(64, 10000.0).double(), "bare")
+    got = [inspect(cfg, [StrategySpec(name="dca", params={"chunk_size": v, "local_window": 8})], 1024,
+                   tmp_path / str(i))["strategies"][0] for i, v in enumerate([96, 96.0, np.int64(96)])]
+    for g in got:
+        assert g.pop("strategy").startswith("dca:chunk_size=96")  # the label keeps the spelling
+    assert got[0] == got[1] == got[2] and type(got[2]["params"]["chunk_size"]) is int

@@ -108,6 +108,24 @@ def test_needle_refuses_a_haystack_of_a_few_lines_repeated(tmp_path, tiny_model_
         run_sweep(cfg, tmp_path / "o", progress=False)
 
 
+@pytest.mark.parametrize("text", ["Hi. " * 3000, " ".join(f"Line {w} is here." for w in ["a", "b", "c"] * 500)],
+                         ids=["one-2-token-sentence", "three-sentences"])
+def test_niah_multikey_refuses_a_haystack_needle_refuses(tmp_path, tiny_model_dir, haystack, text):
+    """A haystack of 3 tiled sentences, which needle refuses, was taken by niah_multikey."""
+    path = haystack(text)
+    common = {"model": str(tiny_model_dir), "data": str(path), "lengths": [224], "strategies": ["vanilla"],
+              "device": "cpu"}
+    for task, options in (("needle", {"trials": 1, "depths": [0.5], "digits": 4, "candidates": 3}),
+                          ("niah_multikey", {"trials": 1, "depths": [0.5], "keys": 2, "digits": 4, "candidates": 3})):
+        cfg = build_config({**common, "task": task, task: options})
+        with pytest.raises(DataError, match=rf"^{path}: the {task} haystack needs real text, but it has only \d "
+                                            r"distinct sentences? \(\d+ in all, e.g. .*\); a few lines repeated are "
+                                            r"passkey's filler \(use task: passkey\) — give a text with at least 10 "
+                                            r"distinct sentences$"):
+            run_sweep(cfg, tmp_path / task, progress=False)
+        assert not (tmp_path / task / "results.jsonl").exists()
+
+
 def test_needle_warns_when_the_haystack_repeats_its_text(tmp_path, tiny_model_dir, haystack, caplog):
     path = haystack(" ".join(f"Sentence number {w} stands alone." for w in
                              ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",

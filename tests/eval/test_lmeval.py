@@ -82,3 +82,24 @@ def test_model_args_checked_before_loading(tiny_model_dir):
     with pytest.raises(lmeval.ModelArgsError, match="beta_fast: unknown key.*linear's parameters \\(factor\\)"):
         lmeval.check_model_args({"pretrained": str(tiny_model_dir), "strategy": "linear", "factor": 2,
                                  "beta_fast": 4})
+
+
+def test_a_misspelled_task_is_one_line_with_close_matches_before_the_model_loads(task_dir, tiny_model_dir,
+                                                                                monkeypatch):
+    """`--tasks hellaswg` ended in lm-eval's own traceback (ValueError: Tasks not found)."""
+    from click.testing import CliRunner
+
+    from cli import main
+
+    monkeypatch.setattr(lmeval.RopescaleLM, "__init__", lambda *a, **k: pytest.fail("the model was loaded"))
+    res = CliRunner().invoke(main, ["lm-eval", "--model", "ropescale", "--model_args", f"pretrained={tiny_model_dir}",
+                                    "--tasks", "tiny_rolling,hellaswg,tiny_rollin", "--include_path", str(task_dir),
+                                    "--device", "cpu"])
+    assert res.exit_code == 1, res.output
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "Error: lm-eval: --tasks: no lm-eval task, group or tag named hellaswg (did you mean hellaswag"), lines
+    assert "; tiny_rollin (did you mean tiny_rolling" in lines[0]  # the tasks of --include_path too
+    with pytest.raises(lmeval.ModelArgsError, match="--tasks: no YAML file matches .*/none.yaml"):
+        lmeval.main(["--model", "ropescale", "--model_args", f"pretrained={tiny_model_dir}",
+                     "--tasks", str(task_dir / "none.yaml"), "--device", "cpu"])

@@ -1,9 +1,11 @@
 import math
+import re
 
 import pytest
 
 from eval.config import build_config
-from eval.sweep import RESULTS, read_results, run_sweep
+from eval.sweep import RESULTS, cell_id, read_results, resolve_cells, run_sweep
+from ropescale.errors import InvalidInput
 from ropescale.runs.manifest import ExperimentMismatchError
 from ropescale.runs.windows import WindowError
 
@@ -102,3 +104,42 @@ def test_a_sweep_writes_its_reports_under_an_ascii_locale(tmp_path):
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=os.getcwd(), timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (out_dir / "results.md").read_text(encoding="utf-8").startswith("Task `perplexity` — model `reference`")
+
+
+@pytest.mark.parametrize("strategy,message", [
+    # T = 32: DCA's local_window defaults to T // 8 = 4, STRING's S to int(0.33 T) = 10
+    ("dca:chunk_size=3", "strategy dca:chunk_size=3 at length 32 (training window T = 32): dca: local_window=4 "
+                         "must be below chunk_size=3 (both in tokens)"),
+    ("string:local_window=12", "strategy string:local_window=12 at length 32 (training window T = 32): string: "
+                               "local_window=12 must be below shifted_offset=10 (both in tokens)"),
+    ("leaky_rerope:window=40,target_length=64", "leaky_rerope: window=40 leaves no room below L_train=32"),
+])
+def test_every_cell_is_checked_before_anything_is_written(tmp_path, tiny_model_dir, text_file, strategy, message):
+    """A strategy whose parameters fail only with the training window (defaults derived from T)
+    is refused before the output folder, the manifest or the first cell — not after the cells
+    before it were computed."""
+    cfg = config(tiny_model_dir, text_file, strategies=["vanilla", strategy], lengths=[32, 64])
+    with pytest.raises(InvalidInput, match=re.escape(message)) as e:
+        run_sweep(cfg, tmp_path / "out", progress=False)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_resolve_cells_fills_and_checks_every_cell(tiny_model_dir, text_file):
+    cfg = config(tiny_model_dir, text_file, strategies=["yarn", "dca:local_window=2"])
+    cells = resolve_cells(cfg, 32)
+    assert cells["yarn", 64]["factor"] == 2.0 and cells["dca:local_window=2", 64]["scale"] == 2.0
+    assert cells["dca:local_window=2", 32] == {"chunk_size": None, "local_window": 2, "scale": 1.0,
+                                              "vllm_temperature": False}
+
+
+def test_numpy_numbers_in_a_python_config_make_the_same_cells(tiny_model_dir, text_file):
+    """A config built in Python may hold numpy numbers (a search script's): they are numbers, and
+    the cell ids (JSON) are those of the Python values."""
+    import numpy as np
+
+    plain = config(tiny_model_dir, text_file, strategies=[{"name": "dca", "chunk_size": 16, "scale": 2.0}])
+    numpy = config(tiny_model_dir, text_file, strategies=[{"name": "dca", "chunk_size": np.int64(16),
+                                                           "scale": np.float32(2.0)}])
+    assert numpy.strategies[0].display == plain.strategies[0].display == "dca:chunk_size=16,scale=2.0"
+    assert cell_id("e", numpy.strategies[0], 32) == cell_id("e", plain.strategies[0], 32)

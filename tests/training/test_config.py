@@ -71,11 +71,40 @@ def write(tmp_path, tiny_run):
                                                  "training windows per process"]),
     ({"eval": {"after": [{"task": "passkey", "lengths": [16]}]}},
      ["eval.after.0 (passkey): length 16 is too short for this prompt"]),
+    # refused only once the model is known: checked before the folder is claimed
+    ({"strategy": "dca:chunk_size=32,local_window=32"},
+     ["strategy: dca: local_window=32 must be below chunk_size=32"]),
+    ({"strategy": "dca:chunk_size=4", "eval": None}, ["strategy: dca: local_window=4 must be below chunk_size=4"]),
+    ({"lora": {"target_modules": ["q_proj", "qkv_proj"]}}, ["lora.target_modules: 'qkv_proj' matches no layer"]),
+    ({"lora": {"r": 10 ** 9}}, ["lora.r: rank 1000000000 is above the smallest dimension", "use r <= 32"]),
+    ({"recipe": {"name": "lora", "r": 33}}, ["recipe.r: rank 33 is above", "use r <= 32"]),
+    ({"lora": {"modules_to_save": ["nosuch"]}}, ["lora.modules_to_save: 'nosuch' matches no module"]),
+    ({"recipe": {"name": "longlora", "trainable_params": "embed,nrom"}},
+     ["recipe.trainable_params: 'nrom' is in no parameter name of the model",
+      "model.named_parameters(), e.g. model.embed_tokens.weight", "input_layernorm"]),
+    ({"recipe": {"name": "longlora", "r": 64}}, ["recipe.r: rank 64 is above", "use r <= 32"]),
+    ({"data": "SHORT"}, ["training data too short"]),
 ])
 def test_bad_config_one_line(write, tmp_path, overrides, fragments):
-    if overrides.get("eval", {}).get("data") == "SAME":
+    if (overrides.get("eval") or {}).get("data") == "SAME":
         overrides = {"eval": {"data": json.loads(write().read_text())["data"]}}
+    if overrides.get("data") == "SHORT":
+        (tmp_path / "short.txt").write_text("In the beginning God created the heaven and the earth.")
+        overrides = {"data": str(tmp_path / "short.txt")}
     one_line_error(cli(write(**overrides), "-q", "-o", tmp_path / "out"), *fragments)
+    assert not (tmp_path / "out").exists()  # refused before the run folder is claimed: nothing written
+
+
+def test_a_corrected_rerun_into_the_folder_of_a_refused_one_runs(write, tmp_path):
+    """A refused config used to leave its manifest behind, so the corrected rerun was refused as
+    another experiment."""
+    out = tmp_path / "out"
+    one_line_error(cli(write(strategy="dca:chunk_size=32,local_window=32", eval=None), "-q", "-o", out),
+                   "local_window=32 must be below chunk_size=32")
+    one_line_error(cli(write(lora={"target_modules": ["qkv_proj"]}, eval=None), "-q", "-o", out), "qkv_proj")
+    res = cli(write(steps=1, lora={"target_modules": ["q_proj"]}, eval=None), "-q", "-o", out)
+    assert res.exit_code == 0, res.output
+    assert (out / "model" / "finetune.json").is_file()
 
 
 def test_missing_file_and_missing_output(tmp_path, write):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ropescale.training import build_finetune_config, finetune
 from ropescale.training.report import read_log
+from tests.training.test_lora import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,3 +43,33 @@ def test_two_processes_give_one_process_loss_curve_and_only_the_main_process_wri
                 assert abs(a["ppl"][k] - b["ppl"][k]) <= 1e-5 * a["ppl"][k]
     files = lambda d: sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.name != ".ropescale.lock")
     assert files(tmp_path / "two") == files(tmp_path / "one")
+
+
+TWICE = """
+import json, sys
+import torch.distributed as dist
+from ropescale.training import build_finetune_config, finetune
+
+raw = json.loads(sys.argv[1])
+for out in sys.argv[2:]:
+    summary = finetune(build_finetune_config(raw), out, progress=False)
+    print(json.dumps({"processes": summary["processes"], "open": dist.is_initialized()}), flush=True)
+"""
+
+
+def test_a_launched_run_closes_its_process_group_and_a_second_run_opens_its_own(tmp_path, tiny_run):
+    """The gloo group was left to interpreter shutdown, which can abort at exit ("terminate called
+    without an active exception"); closed when the run ends, and the next run in the process
+    (a notebook, a script) sets up its own."""
+    raw = tiny_run(strategy="linear", steps=1, batch_size=1, eval=None)
+    (tmp_path / "twice.py").write_text(TWICE)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                          "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
+                          "--dynamo_backend", "no", str(tmp_path / "twice.py"), json.dumps(raw),
+                          str(tmp_path / "a"), str(tmp_path / "b")],
+                         capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
+    assert lines == [{"processes": 2, "open": False}] * 4, res.stdout  # two processes, two runs each
+    assert "terminate called" not in res.stderr

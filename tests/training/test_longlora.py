@@ -55,6 +55,24 @@ def test_options_and_errors():
         build_finetune_config({**base, "recipe": {"name": "longlora", "trainable_params": []}})
 
 
+def test_trainable_params_matching_no_parameter_are_refused_naming_the_names():
+    """LongLoRA's rule trains what LoRA trains plus the parameters whose name contains a pattern; a
+    pattern in no name (a typo, or ``embed`` on GPT-2, whose embeddings are ``wte``) trained
+    nothing more without a word."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    recipe = get_recipe("longlora")
+    model = build(LlamaForCausalLM, tiny_llama_config())
+    with pytest.raises(ConfigError) as e:
+        recipe(recipe.Options(trainable_params=["embed", "nrom"])).prepare(model, None)
+    assert "recipe.trainable_params: 'nrom' is in no parameter name of the model" in str(e.value)
+    assert "e.g. model.embed_tokens.weight" in str(e.value) and "post_attention_layernorm" in str(e.value)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
+    assert not any("embed" in n or "norm" in n for n, _ in gpt2.named_parameters())  # the premise
+    with pytest.raises(ConfigError, match="'embed', 'norm' are in no parameter name .* wte"):
+        recipe().prepare(gpt2, None)
+
+
 def test_longlora_runs_as_lora_plus_and_reloads(tmp_path, tiny_run):
     """On a Llama model LongLoRA's name rule picks the modules LoRA+ picks by class: the same loss
     curve as ``lora: {trainable_embeddings_norms: true}``; the adapter reloads with its patch."""

@@ -69,7 +69,37 @@ def test_missing_peft_is_one_line(write, tmp_path, monkeypatch):  # noqa: F811
 
 def test_unknown_target_module_is_one_line(write, tmp_path):  # noqa: F811
     one_line_error(cli(write(lora={"target_modules": ["qkv_proj"]}, eval=None), "-q", "-o", tmp_path / "out"),
-                   "lora: Target modules {'qkv_proj'} not found in the base model")
+                   "lora.target_modules: 'qkv_proj' matches no layer of the model",
+                   "its linear layers: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_target_among_others_that_matches_nothing_is_refused():
+    """PEFT refuses targets only when none matches; one misspelled among good ones was dropped
+    without a word (LoRA on q_proj only)."""
+    model = build(LlamaForCausalLM, tiny_llama_config())
+    with pytest.raises(ConfigError, match="lora.target_modules: 'v_prj' matches no layer"):
+        apply_lora(model, LoraSettings(target_modules=["q_proj", "v_prj"]))
+
+
+def test_the_rank_is_bounded_by_the_target_layers_smallest_dimension():
+    """tiny_llama_config: hidden 64, 4 heads of head_dim 16, 2 KV heads — q_proj and o_proj are
+    [64, 64], k_proj and v_proj [32, 64]: B A has rank at most 32 on the default targets, 64 on
+    q_proj alone. r = 10^9 went to the allocator."""
+    for targets, bound in [(None, 32), (["q_proj"], 64)]:
+        model = build(LlamaForCausalLM, tiny_llama_config())
+        wrapped = apply_lora(model, LoraSettings(r=bound, target_modules=targets))  # at the bound: trains
+        assert {p.shape[0] for n, p in wrapped.named_parameters() if "lora_A" in n} == {bound}
+        for r in (bound + 1, 10 ** 9):
+            with pytest.raises(ConfigError, match=f"lora.r: rank {r} is above the smallest dimension of the target "
+                                                  f"layers .*; use r <= {bound}$"):
+                apply_lora(build(LlamaForCausalLM, tiny_llama_config()), LoraSettings(r=r, target_modules=targets))
+
+
+def test_modules_to_save_that_match_nothing_are_refused():
+    model = build(LlamaForCausalLM, tiny_llama_config())
+    with pytest.raises(ConfigError, match="lora.modules_to_save: 'nrom' matches no module of the model"):
+        apply_lora(model, LoraSettings(modules_to_save=["nrom"]))
 
 
 def test_lora_plus_trains_what_longlora_trains():
@@ -225,13 +255,79 @@ def test_bf16_on_cpu_with_checkpointing_and_lora(tmp_path, tiny_run):
 
 
 def test_a_killed_lora_run_resumes_to_the_same_adapter(tmp_path, tiny_run):
-    raw = tiny_run(strategy="yarn", steps=4, lr=1e-2, eval=None, checkpoint_every=2,
-                   gradient_checkpointing=True, lora={"trainable_embeddings_norms": True, "save": "adapter"})
+    """With LoRA dropout: the resumed run draws the masks the uninterrupted one draws (the data
+    loader's seed draw took one number from the global RNG after the checkpoint's state was
+    restored, so the masks from step 3 on differed)."""
+    raw = tiny_run(strategy="yarn", steps=4, lr=1e-2, eval=None, checkpoint_every=2, gradient_checkpointing=True,
+                   lora={"trainable_embeddings_norms": True, "save": "adapter", "dropout": 0.1})
     finetune(build_finetune_config(raw), tmp_path / "straight", progress=False)
     assert finetune(build_finetune_config(raw), tmp_path / "killed", progress=False, stop_after=3)["model"] is None
     assert finetune(build_finetune_config(raw), tmp_path / "killed", progress=False)["resumed_from"] == 2
     a, b = (load_file(tmp_path / run / "model" / "adapter_model.safetensors") for run in ("straight", "killed"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+KILLABLE = """
+import pathlib, sys, time
+from ropescale.training import loop
+
+real, calls = loop.causal_lm_loss, []
+
+
+def loss(*a, **k):  # one call per optimiser step (grad_accum 1): step 4 waits to be killed
+    calls.append(1)
+    if len(calls) == 4:
+        pathlib.Path(sys.argv[1]).write_text("in step 4")
+        time.sleep(600)
+    return real(*a, **k)
+
+
+loop.causal_lm_loss = loss
+from cli import main
+
+main(sys.argv[2:])
+"""
+
+
+def test_a_lora_run_killed_with_sigkill_resumes_to_the_uninterrupted_adapter(tmp_path, tiny_run):
+    """A real ``kill -9`` (no handler runs) in step 4 of a LoRA+ run checkpointed at step 2: the
+    rerun resumes from step 2 and saves the adapter the uninterrupted run saves, bit for bit."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    raw = tiny_run(strategy="yarn", steps=4, lr=1e-2, eval=None, checkpoint_every=2,
+                   lora={"trainable_embeddings_norms": True, "save": "adapter", "dropout": 0.1})
+    cfg, marker, killed = tmp_path / "ft.yaml", tmp_path / "marker", tmp_path / "killed"
+    cfg.write_text(json.dumps(raw))
+    (tmp_path / "killable.py").write_text(KILLABLE)
+    # as many threads as this process trains with: the same reductions, bit-exact results
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(torch.get_num_threads()),
+           "PYTHONPATH": str(root)}
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "killable.py"), str(marker), "finetune", str(cfg), "-q",
+                             "-o", str(killed)], env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert marker.exists(), proc.communicate(timeout=5)[1].decode()[-3000:]
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert not (killed / "model").exists() and (killed / "checkpoints" / "step-000002").is_dir()
+    assert [r["step"] for r in read_log(killed)] == [1, 2, 3]
+    resumed = finetune(build_finetune_config(raw), killed, progress=False)
+    assert resumed["resumed_from"] == 2 and resumed["steps"] == 4
+    finetune(build_finetune_config(raw), tmp_path / "straight", progress=False)
+    a, b = (load_file(tmp_path / run / "model" / "adapter_model.safetensors") for run in ("straight", "killed"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert read_log(killed) == [{**r, "tokens_per_s": x["tokens_per_s"]} if "loss" in r else r
+                                for r, x in zip(read_log(tmp_path / "straight"), read_log(killed))]
 
 
 def test_two_processes_train_lora_with_checkpointing_as_one_does(tmp_path, tiny_run):

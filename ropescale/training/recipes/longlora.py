@@ -36,10 +36,23 @@ class LongLoraOptions(RecipeOptions):
         return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v  # "embed,norm"
 
 
-def fully_trained_modules(model, patterns: list[str]) -> list[str]:
+def fully_trained_modules(model, patterns: list[str], source: str = "config") -> list[str]:
     """Modules owning a parameter whose full name contains one of ``patterns`` (LongLoRA's rule
-    ``any(k in n for k in trainable_params)`` over ``model.named_parameters()``)."""
-    owners = {n.rsplit(".", 1)[0] for n, _ in model.named_parameters() if any(k in n for k in patterns)}
+    ``any(k in n for k in trainable_params)`` over ``model.named_parameters()``). Raises
+    ``ConfigError`` (one line, naming the names it matched against) for a pattern in no parameter
+    name: it would train nothing more without a word (``embed`` on GPT-2, whose embeddings are
+    ``transformer.wte``)."""
+    from ropescale.runs.config import ConfigError
+
+    names = [n for n, _ in model.named_parameters()]
+    unmatched = [k for k in patterns if not any(k in n for n in names)]
+    if unmatched:
+        parts = sorted({p for n in names for p in n.split(".")[:-1] if not p.isdigit()})
+        raise ConfigError(f"{source}: recipe.trainable_params: {', '.join(map(repr, unmatched))} "
+                          f"{'is' if len(unmatched) == 1 else 'are'} in no parameter name of the model (matched "
+                          f"against model.named_parameters(), e.g. {names[0]}; the parts of those names: "
+                          f"{', '.join(parts)})")
+    owners = {n.rsplit(".", 1)[0] for n in names if any(k in n for k in patterns)}
     return sorted(owners)
 
 
@@ -50,18 +63,19 @@ class LongLora(Recipe):
     requires = (("peft", "ropescale[lora]"),)
     shards = False
 
-    def settings(self, model):
-        """The ``LoraSettings`` this recipe amounts to on ``model``."""
+    def settings(self, model, source: str = "config"):
+        """The ``LoraSettings`` this recipe amounts to on ``model`` (``ConfigError`` for
+        ``trainable_params`` in no parameter name)."""
         from ropescale.training.config import LoraSettings
 
         o = self.options
         return LoraSettings(r=o.r, alpha=o.alpha, dropout=o.dropout, target_modules=list(TARGETS),
-                            modules_to_save=fully_trained_modules(model, o.trainable_params), save=o.save)
+                            modules_to_save=fully_trained_modules(model, o.trainable_params, source), save=o.save)
 
     def prepare(self, model, cfg, source: str = "config"):
         from ropescale.training.lora import apply_lora
 
-        return apply_lora(model, self.settings(model), source)
+        return apply_lora(model, self.settings(model, source), source, "recipe")
 
     def save(self, model, tokenizer, output: str | Path, *, state_dict: dict | None = None) -> Path:
         from ropescale.training.config import LoraSettings

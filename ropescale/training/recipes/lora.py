@@ -21,7 +21,8 @@ class Lora(Recipe):
     def prepare(self, model, cfg, source: str = "config"):
         from ropescale.training.lora import apply_lora
 
-        return apply_lora(model, self.options, source)
+        key = "lora" if cfg is not None and cfg.lora is not None else "recipe"  # where the options were given
+        return apply_lora(model, self.options, source, key)
 
     def save(self, model, tokenizer, output: str | Path, *, state_dict: dict | None = None) -> Path:
         from ropescale.training.lora import save_trained

@@ -264,6 +264,50 @@ def test_yarn_init_factors_are_their_linear_blend():
     assert yarn_init_factors(16, 10000.0, 4096, 1.0) == [1.0] * 8
 
 
+def _naive_yarn_init(dim: int, base: float, train: int, s: float, beta_fast: float = 32.0,
+                     beta_slow: float = 1.0) -> list[float]:
+    """jquesnelle/yarn's ramp written out in Python floats (float64), pair by pair, and LongRoPE's
+    ``search.py`` blend s·(1 − mask) + 1·mask with mask = 1 − ramp."""
+    def correction_dim(rotations):
+        return dim * math.log(train / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    out = []
+    for i in range(dim // 2):
+        ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+        mask = 1.0 - ramp
+        out.append(s * (1.0 - mask) + 1.0 * mask)
+    return out
+
+
+def test_yarn_init_factors_by_hand_for_llama2():
+    # Llama-2 (d 128, b 1e4, T 4096): low 20, high 46 (peers' notes); s = 8: 1 + 7·(i − 20)/26 between
+    f = yarn_init_factors(128, 10000.0, 4096, 8.0)
+    assert f[:21] == [1.0] * 21 and f[46:] == [8.0] * 18
+    for i in range(21, 46):
+        assert f[i] == pytest.approx(1 + 7 * (i - 20) / 26, rel=1e-15, abs=0)
+
+
+@pytest.mark.parametrize(("dim", "base", "train", "s", "betas"), [
+    (128, 10000.0, 4096, 8.0, (32.0, 1.0)),  # Llama-2
+    (128, 10000.0, 4096, 2.5, (32.0, 1.0)),
+    (32, 10000.0, 128, 8.0, (32.0, 1.0)),  # the bundled model at 8T
+    (128, 500000.0, 8192, 16.0, (32.0, 1.0)),  # Llama-3's base
+    (128, 1000000.0, 32768, 4.0, (128.0, 2.0)),  # Mistral's betas in LongRoPE's search.py
+    (64, 10000.0, 2048, 3.0, (16.0, 8.0)),  # a narrow ramp
+])
+def test_yarn_init_factors_are_float64_exact(dim, base, train, s, betas):
+    # on main they were read back from the float32 yarn frequencies and rounded to 6 decimals:
+    # 1e-7-sized errors in the first individual of every LongRoPE search
+    got = yarn_init_factors(dim, base, train, s, *betas)
+    want = _naive_yarn_init(dim, base, train, s, *betas)
+    assert len(got) == dim // 2
+    assert got == pytest.approx(want, rel=4e-16, abs=0)
+
+
 # ---------------------------------------------------------------- determinism and resume
 
 _KW = dict(dim=16, scale=4.0, yarn_factors=[1, 1, 1, 1.5, 2.5, 4, 4, 4], population=10, elite=4, iterations=6)

@@ -1,0 +1,91 @@
+"""The architecture census: every causal-LM type of the installed transformers, built tiny from its
+config class, through every check of ``tests.census.checks`` (issue 27, item 1).
+
+Each (type, check) must end ``exact``, ``refused: <one line>`` or ``n/a`` — never a crash, never
+silently wrong logits, never a type the census cannot build. What fails today is listed, with its
+cause, in ``tests.census.known.KNOWN`` and runs as a strict xfail: a fix turns it into an XPASS,
+which fails until its entry is removed. A type that a new transformers release adds shows up here.
+
+The table behind these tests is docs/architectures.md (``python -m tests.census.report``).
+"""
+
+import pytest
+
+from tests.census.known import KNOWN
+from tests.census.run import ALL_CHECKS, result, types
+
+PASSING = ("exact", "refused", "n/a")
+
+
+def _cases() -> list:
+    cases = []
+    for name in types():
+        for check in ALL_CHECKS:
+            reason = KNOWN.get(name, {}).get(check)
+            marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+            cases.append(pytest.param(name, check, marks=marks, id=f"{name}-{check}"))
+    return cases
+
+
+@pytest.mark.parametrize("name,check", _cases())
+def test_census(name, check):
+    outcome = result(name).outcomes[check]
+    kind, _, why = outcome.partition(":")
+    assert kind in PASSING, f"{name} {check}: {outcome}"
+    if kind == "refused":
+        assert why.strip() and "\n" not in why, f"{name} {check}: a refusal is one line naming why: {outcome!r}"
+
+
+def test_known_names_real_types_and_checks():
+    """A KNOWN entry for a type or check that does not exist would never run."""
+    unknown = [(n, c) for n, checks in KNOWN.items() for c in checks if n not in types() or c not in ALL_CHECKS]
+    assert not unknown, unknown
+
+
+# --- the harness itself, against oracles it does not compute ------------------------------------
+
+@pytest.mark.parametrize("name", ["smollm3", "llama4_text"])
+def test_probe_finds_the_nope_layers_the_config_declares(name):
+    """The probe reads nothing from the config; SmolLM3 and Llama 4 declare their NoPE layers in
+    no_rope_layers (1: the layer applies RoPE), which the probe must find on its own."""
+    import torch
+
+    from tests.census.build import build, text_config, tiny_config
+    from tests.census.checks import inputs
+    from tests.census.probe import rotating_layers
+
+    config = tiny_config(types()[name])
+    declared = [bool(x) for x in text_config(config).no_rope_layers]
+    assert not all(declared)  # the tiny model keeps a NoPE layer
+    ids, other = inputs()
+    found = rotating_layers(build(types()[name], config, dtype=torch.float32), ids[:, :24], other[:, :24])
+    assert list(found.values()) == declared
+
+
+def test_rotary_tables_are_told_from_masks_and_relative_tables():
+    import torch
+
+    from tests.census.probe import _kind, is_sin_cos
+
+    angle = torch.arange(6.0)[:, None] * torch.tensor([1.0, 0.1])  # [s, d/2]
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)  # [s, d]
+    assert is_sin_cos((cos, sin)) and is_sin_cos((2 * cos, 2 * sin))  # a constant attention scaling
+    assert is_sin_cos(torch.cat([angle.sin(), angle.cos()], -1))  # RoFormer's [sin | cos] table
+    assert is_sin_cos(torch.polar(torch.ones_like(angle), angle))  # freqs_cis
+    assert not is_sin_cos((cos, cos)) and not is_sin_cos(torch.randn(6, 4))
+    mask = torch.full((6, 6), torch.finfo(torch.float).min).triu(1)
+    assert _kind(mask, 6) == "mask" and _kind(mask + torch.randn(6, 6), 6) == "bias"
+    assert _kind((cos, sin), 6) == "sin/cos"
+    relative = torch.cat([torch.arange(12.0)[:, None].sin(), torch.arange(12.0)[:, None].cos()], -1)  # 2s rows
+    assert _kind(relative, 6) == "relative sin/cos"
+
+
+def test_outcomes_are_classified_by_what_was_raised():
+    from ropescale.errors import InvalidInput
+    from tests.census.checks import classify
+
+    assert classify(InvalidInput("window=0 must be >= 1")) == "refused: window=0 must be >= 1"
+    assert classify(InvalidInput("two\nlines")).startswith("crash: InvalidInput: two")
+    # a ValueError raised outside ropescale is no refusal
+    assert classify(ValueError("from transformers")) == "crash: ValueError: from transformers"
+    assert classify(RuntimeError("boom")) == "crash: RuntimeError: boom"
