@@ -5,10 +5,9 @@ main process writes ``<out>/worker.json``: the files the stopped run left in its
 what the parameters look like inside the run (their type and local share)."""
 
 import json
+import os
 import sys
 from pathlib import Path
-
-import torch.distributed as dist
 
 from ropescale.training import build_finetune_config, finetune
 
@@ -20,9 +19,10 @@ def main(cfg_path: str, out: str) -> None:
     stopped = finetune(cfg, out / "resumed", progress=False, stop_after=2)
     checkpoint = out / "resumed" / "checkpoints" / "step-000002"
     files = sorted(str(p.relative_to(checkpoint)) for p in checkpoint.rglob("*") if p.is_file())
-    dist.barrier()
+    # each run closes its process group when it ends (the next one opens its own, a rendezvous of all
+    # processes): the listing above happens before any process can go on writing that checkpoint folder
     finetune(cfg, out / "resumed", progress=False)
-    if dist.get_rank() == 0:
+    if os.environ["RANK"] == "0":
         (out / "worker.json").write_text(json.dumps({"stopped": stopped, "checkpoint_files": files}))
 
 
