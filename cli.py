@@ -293,11 +293,25 @@ def search(config, overrides, output, quiet) -> None:
     click.echo(f"results in {out}/ (best.json, trials.csv, results.md, search.png)")
 
 
+def _layer_table(rows: list[dict]) -> str:
+    """``PatchHandle.report()`` as a text table, one line per attention layer."""
+    if not rows:
+        return "(the model's attention layers could not be observed: no per-layer report)"
+    cols = [("layer", "layer"), ("rope", "rope"), ("rope_type", "rope type"), ("rope_theta", "θ"),
+            ("rotary_dim", "dim"), ("layout", "layout"), ("original_max_position_embeddings", "T"),
+            ("applied", "applied")]
+    cells = [[h for _, h in cols]] + [["" if r.get(k) is None else f"{r[k]:g}" if isinstance(r.get(k), float)
+                                        else str(r[k]) for k, _ in cols] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells)
+
+
 @main.command("patch")
 @click.option("--model", required=True, help="bundled name, local path or hub id")
 @click.option("--strategy", "strategy_spec", required=True, metavar="NAME[:k=v,...]",
               help="e.g. yarn:factor=4 or ntk:factor=2,logn=true")
-@click.option("--output", "-o", required=True, type=click.Path(file_okay=False))
+@click.option("--output", "-o", type=click.Path(file_okay=False), help="folder to write (not with --dry-run)")
+@click.option("--dry-run", is_flag=True, help="patch in memory and print what each layer gets; write nothing")
 @click.option("--original-max-position-embeddings", type=int, help="training window override")
 @click.option("--layer-types", help="comma-separated layer types to patch (Gemma 3); default: non-sliding")
 @click.option("--dynamic-cache", type=click.Choice(["recompute", "rerotate"]), default="recompute",
@@ -312,17 +326,31 @@ def search(config, overrides, output, quiet) -> None:
 @click.option("--freeze-dynamic-at", type=int,
               help="dynamic NTK, vllm and gguf targets: serve it static at this length (vllm default: the serve "
                    "length)")
-def patch_cmd(model, strategy_spec, output, original_max_position_embeddings, layer_types,
+def patch_cmd(model, strategy_spec, output, dry_run, original_max_position_embeddings, layer_types,
               dynamic_cache, dynamic_block, target, serve_length, gguf_path, freeze_dynamic_at) -> None:
     """Save a patched model for an engine. transformers: strategies it implements are written into
     config.json (plain from_pretrained reproduces them), others need ropescale.load_model. vllm: the
     folder with the config.json vLLM computes the same rotation from, and vllm.json (max_model_len,
     hf_overrides). gguf: OUT/model.gguf, the --gguf file with its rope metadata rewritten.
-    What an engine cannot express is refused with the reason."""
+    What an engine cannot express is refused with the reason. --dry-run prints, per attention layer,
+    the rope type, θ, rotary dim, layout, T and the rule applied (or "no RoPE, untouched")."""
     import json
 
     import ropescale
 
+    if dry_run:
+        spec = _strategy(strategy_spec)
+        m, _ = ropescale.load_model(model, device="cpu")
+        ropescale.unpatch(m)
+        handle = ropescale.patch(m, spec.name, original_max_position_embeddings=original_max_position_embeddings,
+                                 layer_types=layer_types.split(",") if layer_types else None,
+                                 dynamic_cache=dynamic_cache, dynamic_block=dynamic_block, logn=spec.logn,
+                                 **spec.params)
+        click.echo(f"{spec.display} on {model} (dry run: nothing written)")
+        click.echo(_layer_table(handle.report()))
+        return
+    if output is None:
+        raise InvalidInput("patch needs --output (the folder to write), or --dry-run")
     if target != "transformers" and serve_length is None:
         raise InvalidInput(f"--target {target} needs --serve-length (the length to serve, tokens)")
     if target == "gguf" and not gguf_path:

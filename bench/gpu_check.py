@@ -517,7 +517,7 @@ def extrapolate(check: Check, depth: int, dtype) -> None:
         e["peak/floor"] = e["peak"] / e["floor"]
         three = rows.get((case, n, b + 1))
         if three is not None:
-            e["3-layer error MiB"] = (three["peak"] - (one["peak"] + (b + 1 - a) * e["peak_per_layer"])) / MiB
+            e["check-depth error MiB"] = (three["peak"] - (one["peak"] + (b + 1 - a) * e["peak_per_layer"])) / MiB
         out.append(e)
     check.save()
 
@@ -728,7 +728,7 @@ def render(data: dict) -> str:
                   "| case | length | base | floor | peak | peak/floor | per layer MiB | reserved | 4-layer check MiB |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in S["memory at depth"]:
-            three = r.get("3-layer error MiB")
+            three = r.get("check-depth error MiB")
             lines.append(f"| {r['case']} | {r['length']} | {_g(r.get('base'))} | {_g(r.get('floor'))} | "
                          f"{_g(r.get('peak'))} | {r['peak/floor']:.2f} | {r.get('peak_per_layer', 0) / MiB:.0f} | "
                          f"{_g(r.get('reserved'))} | {'' if three is None else f'{three:+.0f}'} |")

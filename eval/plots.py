@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ropescale.runs.plotting import legend, line_style, mark_train, pyplot
 
-__all__ = ["len_label", "plot_depth_heatmaps", "plot_metric", "plot_position", "strategies_of"]
+__all__ = ["len_label", "plot_depth_heatmaps", "plot_metric", "plot_position", "plot_task_heatmaps", "strategies_of"]
 
 
 def strategies_of(records: list[dict]) -> list[str]:
@@ -34,7 +34,7 @@ def plot_metric(records: list[dict], key: str, label: str, path: Path, *, ci: st
     names = strategies_of(records)
     for ax, (k, lab, ci_key) in zip(axes[0], panels):
         for i, s in enumerate(names):
-            rows = sorted((r for r in records if r["strategy"] == s), key=lambda r: r["length"])
+            rows = sorted((r for r in records if r["strategy"] == s and r[k] is not None), key=lambda r: r["length"])
             x, y = [r["length"] for r in rows], [r[k] for r in rows]
             style = line_style(i, len(names))
             if ci_key:
@@ -120,4 +120,43 @@ def plot_position(records: list[dict], path: Path) -> None:
     legend(ax, len(rows))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_task_heatmaps(records: list[dict], path: Path) -> None:
+    """RULER's view: one task × length panel per strategy, coloured by score (0 … 100) from the
+    records' ``scores`` (a task refused at a length is left blank)."""
+    import numpy as np
+
+    plt = pyplot()
+    names = strategies_of(records)
+    lengths = sorted({r["length"] for r in records})
+    tasks = records[0]["tasks"]
+    cols = min(4, len(names))
+    rows_n = -(-len(names) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(1.1 * len(lengths) * cols + 3, 0.3 * len(tasks) * rows_n + 1.5),
+                             squeeze=False)
+    train = records[0].get("train_length")
+    for ax in axes.flat[len(names):]:
+        ax.axis("off")
+    for k, (ax, s) in enumerate(zip(axes.flat, names)):
+        grid = np.full((len(tasks), len(lengths)), np.nan)
+        for r in records:
+            if r["strategy"] == s:
+                for t, v in r["scores"].items():
+                    grid[tasks.index(t), lengths.index(r["length"])] = v
+        im = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto", origin="upper")
+        for (i, j), v in np.ndenumerate(grid):
+            if not np.isnan(v):
+                ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=7)
+        ax.set_xticks(range(len(lengths)), [len_label(n, train).split(" ")[-1].strip("()") if train else str(n)
+                                            for n in lengths], fontsize=7)
+        ax.set_yticks(range(len(tasks)), tasks if k % cols == 0 else [""] * len(tasks), fontsize=7)
+        ax.set_title(s, fontsize=9)
+        ax.set_xlabel("length", fontsize=8)
+    fig.colorbar(im, ax=axes, shrink=0.8, label="RULER score (%)")
+    r = records[0]
+    data = f" on {r['data']}" if r.get("data") else ""
+    fig.suptitle(f"RULER: score by task and length — {r['model']}{data}", fontsize=10)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)

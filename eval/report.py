@@ -69,6 +69,8 @@ def markdown_table(records: list[dict], metric=None) -> str:
     cells = {(r["strategy"], r["length"]): r for r in records}
 
     def show(r: dict) -> str:
+        if r[metric.key] is None:  # a cell with no value (a RULER length no task fits)
+            return "—"
         text = metric.fmt.format(r[metric.key])
         ci = r.get(metric.key + "_ci")
         return text + (f" ({metric.fmt.format(ci[0])}–{metric.fmt.format(ci[1])})" if ci else "")
@@ -87,7 +89,8 @@ def markdown_report(records: list[dict]) -> str:
     for m in task_of(records).metrics:
         better = "higher" if m.higher_is_better else "lower"
         parts += [f"**{m.label}** ({better} is better)", "", markdown_table(records, m)]
-    return "\n".join(parts)
+    extra = task_of(records).report(records)
+    return "\n".join(parts + ([extra] if extra else []))
 
 
 def write_reports(records: list[dict], output: str | Path) -> dict[str, Path]:

@@ -222,7 +222,7 @@ def _check_memory(task: Task, model, lengths: list[int], device) -> None:
 
 def _headline(task: type[Task], record: dict) -> str:
     m = task.metrics[0]
-    return f"{m.label} {m.fmt.format(record[m.key])}"
+    return f"{m.label} {'—' if record[m.key] is None else m.fmt.format(record[m.key])}"
 
 
 def run_sweep(cfg: EvalConfig, output: str | Path, *, progress: bool = True) -> list[dict]:
@@ -249,8 +249,24 @@ def run_sweep(cfg: EvalConfig, output: str | Path, *, progress: bool = True) -> 
     if train_len:  # every cell's parameters, before the folder, the manifest or the first cell
         resolve_cells(cfg, train_len)
     output = prepare_output(Path(output))
-    with folder_lock(output) if state.is_main_process else nullcontext():
-        return _run_locked(cfg, output, progress and state.is_main_process, state)
+    try:
+        with folder_lock(output) if state.is_main_process else nullcontext():
+            return _run_locked(cfg, output, progress and state.is_main_process, state)
+    finally:
+        _leave(state)
+
+
+def _leave(state) -> None:
+    """A launched run closes its process group before interpreter shutdown (a gloo group left open
+    can abort at exit: "terminate called without an active exception") and resets accelerate's
+    state, so that a later run in the process sets up its own group."""
+    if state.num_processes > 1:
+        import torch.distributed as dist
+        from accelerate.state import PartialState as _State
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        _State._reset_state()
 
 
 def _run_locked(cfg: EvalConfig, output: Path, progress: bool, state) -> list[dict]:
@@ -266,7 +282,9 @@ def _run_locked(cfg: EvalConfig, output: Path, progress: bool, state) -> list[di
                      versions={k: env[k] for k in ("ropescale", "torch", "transformers")})
     if cfg.engine != "transformers":  # another engine's cells are another experiment (folders before it resume)
         ident["engine"] = cfg.engine
-    experiment = check_manifest(output, ident, cfg.model_dump(mode="json"), state)
+    # checked now, claimed (written) once the model loads and every length's examples are built: a
+    # config refused on the way leaves the folder free for the corrected rerun
+    experiment = check_manifest(output, ident, cfg.model_dump(mode="json"), state, write=False)
     done = {r["cell"]: r for r in read_results(results_path) if "cell" in r}
     cells = [(length, spec, cell_id(experiment, spec, length)) for length in cfg.lengths for spec in cfg.strategies]
     todo = [c for c in cells if c[2] not in done]
@@ -288,6 +306,8 @@ def _run_locked(cfg: EvalConfig, output: Path, progress: bool, state) -> list[di
         _check_memory(task, model, lengths, None if cfg.device_map else device)
         # build every length's examples first: data or lengths that cannot work fail before any cell runs
         examples = {length: task.examples(length) for length in lengths}
+    check_manifest(output, ident, cfg.model_dump(mode="json"), state)
+    if todo:
         with _append_safely(results_path) if state.is_main_process else nullcontext() as sink:
             for length, spec, cid in todo:
                 record = {"schema": SCHEMA_VERSION, "cell": cid, "experiment": experiment,

@@ -249,6 +249,7 @@ class _Truncation:
     calls: int = 0  # attention calls that reached the rule (check_routed)
     masks: BlockMaskCache = field(default_factory=BlockMaskCache)  # FlexAttention masks, shared by the layers
     position_ids: torch.Tensor | None = None  # the rotary modules' positions of the current forward
+    full_masks: bool = False  # masks as the model builds them, per query (an indexer selected keys in them)
 
 
 def _keep_mask(attention_mask):
@@ -312,6 +313,12 @@ def _truncation_attention(module, query, key, value, attention_mask, scaling=Non
         d, e = info.start, info.start + info.dim
         query = torch.cat((query[..., d:e], query[..., :d], query[..., e:]), -1)  # [b, n_h, s_q, h_d]
         key = torch.cat((key[..., d:e], key[..., :d], key[..., e:]), -1)  # [b, n_kv, s_k, h_d]
+    keep = _keep_mask(attention_mask)
+    indices = kwargs.get("indices")
+    if indices is not None:  # an indexer selected these keys (DSA): the others are invisible to every region
+        selected = torch.zeros(b, query.shape[2], s_k, dtype=torch.bool, device=query.device)
+        selected.scatter_(-1, indices.long(), True)  # [b, s_q, s_k], as the model's own eager/sdpa path masks
+        keep = selected[:, None] if keep is None else keep & selected[:, None]
     v_dim = value.shape[-1]
     if v_dim != query.shape[-1]:  # MLA: values narrower (or wider) than q/k: zero-padded, cut after
         width = max(v_dim, query.shape[-1])
@@ -321,7 +328,9 @@ def _truncation_attention(module, query, key, value, attention_mask, scaling=Non
     # the paths that may run FlexAttention: the model's mask cache, and the tensor chunk masks follow
     extra = {"masks": state.masks, "positions": position_ids} if state.path in ("fused", "flex") else {}
     out = fn(query, key, value, q_pos, k_pos, state.rule, inv_freq.to(query.device), state.rule.attention_factor,
-             keep=_key_padding(_keep_mask(attention_mask)), scale=scaling or info.head_dim ** -0.5, softcap=softcap,
+             keep=keep if indices is not None or state.full_masks else _key_padding(keep),
+             scale=scaling or info.head_dim ** -0.5,
+             softcap=softcap,
              sliding_window=sliding_window, interleaved=info.interleaved, dropout=dropout, block=state.block,
              sinks=kwargs.get("s_aux"), **extra)
     out = out[..., :v_dim]
@@ -345,12 +354,14 @@ def _base_for_nope(model) -> str:
 
 
 def enable_truncation(model, rule: RelativeRule, layers: dict, rotaries: list, *, path: str, block: int,
-                      logn: int | None, without_rope: bool = False, temperature: Temperature | None = None):
+                      logn: int | None, without_rope: bool = False, temperature: Temperature | None = None,
+                      full_masks: bool = False):
     """Route ``model``'s attention through the relative rule; returns the undo function.
 
     ``layers``: attention module → (``LayerRope``, its ``inv_freq`` × sign) for every layer that
     rotates; the others (``without_rope``: there are some) keep the model's own attention function and
-    mask, bit for bit. ``rotaries``:
+    mask, bit for bit. ``full_masks``: an indexer selects keys in the masks, so they are kept per query
+    (and built as the model's own implementation builds them). ``rotaries``:
     the rotary modules, whose calls give the positions to layers that get none. The caller has
     already set their frequencies to zero. Raises ``AttentionNotPluggableError`` when the model's
     layers bypass the interface.
@@ -365,7 +376,7 @@ def enable_truncation(model, rule: RelativeRule, layers: dict, rotaries: list, *
         mask = AttentionMaskInterface._global_mapping.get(base)
         if mask is not None:
             AttentionMaskInterface.register(name, mask)
-    state = _Truncation(rule, layers, path, block, logn, temperature, base)
+    state = _Truncation(rule, layers, path, block, logn, temperature, base, full_masks=full_masks)
     _set_on_modules(model, _TRUNCATION_ATTR, state)
 
     def positions(_module, args, kwargs):

@@ -11,7 +11,7 @@ those goes on working.
 
 from __future__ import annotations
 
-__all__ = ["InvalidInput", "RopescaleError"]
+__all__ = ["InvalidInput", "OutputError", "RopescaleError"]
 
 
 class RopescaleError(Exception):
@@ -20,3 +20,7 @@ class RopescaleError(Exception):
 
 class InvalidInput(RopescaleError, ValueError):
     """A value is out of range or of the wrong kind (a strategy parameter, an option, a length)."""
+
+
+class OutputError(RopescaleError, ValueError):
+    """A results or export folder cannot be used (not writable, a file, a full disk)."""

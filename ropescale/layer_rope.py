@@ -33,6 +33,7 @@ from torch import nn
 __all__ = ["LayerRope", "RotarySite", "probe_layers", "rotate_pairs"]
 
 PROBE = "ropescale_probe"
+PROBE_LEAN = "ropescale_probe_lean"  # the same recorder with padding-only masks
 _PROBE_ATTR = "_ropescale_probe"
 _POSITIONS = (3, 7)  # the contract must hold at both
 
@@ -56,7 +57,9 @@ class LayerRope:
     index: the layer's cache index (``layer_idx``, else call order); name: its qualified module name;
     kind: ``"rope"`` (it rotates q and k as described below), ``"none"`` (no RoPE: q and k do not
     depend on positions) or ``"unknown"`` (it rotates, but no contract ropescale knows reproduces it);
-    site: the frequency set it rotates with (``"rope"`` only); start, dim: the rotary
+    site: the frequency set it rotates with (``"rope"`` only); full_mask: an indexer reads or selects keys from
+    the full causal mask (DeepSeek-V3.2's DSA, Qwen4's QSA), so attention gets masks as the model builds them;
+    additive_mask: its mask adds a learned per-head bias; start, dim: the rotary
     channels [start, start + dim) of each q/k head; interleaved: pairs (2i, 2i+1) instead of (i, i + d/2);
     sign: +1 (the Llama lineage) or −1 (a mirrored ``rotate_half``); head_dim, v_head_dim: q/k and value
     head dims (they differ under MLA); passes_position_ids: whether the model hands ``position_ids`` to
@@ -74,6 +77,8 @@ class LayerRope:
     head_dim: int = 0
     v_head_dim: int = 0
     passes_position_ids: bool = True
+    full_mask: bool = False  # an indexer reads or selects from the full causal mask (DSA, QSA): masks as built
+    additive_mask: bool = False  # the mask carries a per-head additive bias (Doge's dynamic mask)
 
     @property
     def rotates(self) -> bool:
@@ -84,15 +89,16 @@ class LayerRope:
 def rotate_pairs(x: torch.Tensor, angles: torch.Tensor, *, start: int, interleaved: bool,
                  scale: float = 1.0) -> torch.Tensor:
     """Rotate channels [start, start + d) of ``x`` ``[..., s, h_d]`` by ``angles`` ``[..., s, d/2]``
-    (radians, σ·p·θ per pair), in float32, times ``scale``; other channels pass through unchanged.
-    Returns x's dtype."""
+    (radians, σ·p·θ per pair), in float32 (float64 for float64 ``x``: cos and sin of the angles as given,
+    the products in x's precision, as the models do), times ``scale``; other channels pass through
+    unchanged. Returns x's dtype."""
     d = 2 * angles.shape[-1]
-    rot = x[..., start : start + d].float()
+    rot = x[..., start : start + d].to(torch.promote_types(x.dtype, torch.float32))
     if interleaved:
         x1, x2 = rot[..., 0::2], rot[..., 1::2]
     else:
         x1, x2 = rot[..., : d // 2], rot[..., d // 2 :]
-    cos, sin = angles.cos() * scale, angles.sin() * scale
+    cos, sin = (angles.cos() * scale).to(rot.dtype), (angles.sin() * scale).to(rot.dtype)
     r1, r2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
     out = torch.stack((r1, r2), -1).flatten(-2) if interleaved else torch.cat((r1, r2), -1)
     return torch.cat((x[..., :start], out.to(x.dtype), x[..., start + d :]), -1)
@@ -112,8 +118,10 @@ def _record(module, query, key, value, attention_mask, **kwargs):
 
     rec = getattr(module, _PROBE_ATTR)
     if module not in rec.calls:
+        additive = (attention_mask is not None and attention_mask.is_floating_point() and attention_mask.dim() == 4
+                    and attention_mask.shape[1] > 1)  # [b, n_h, s_q, s_k]: a bias per head, not a padding mask
         rec.calls[module] = (query.detach().clone(), key.detach().clone(), value.shape[-1],
-                             kwargs.get("position_ids") is not None)
+                             kwargs.get("position_ids") is not None, kwargs.get("indices") is not None, additive)
         rec.order.append(module)
     return _base_attention(module, rec.base)(module, query, key, value, attention_mask, **kwargs)
 
@@ -122,10 +130,14 @@ def _register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    from ropescale.attention import _padding_only_mask
+
     AttentionInterface.register(PROBE, _record)
+    AttentionInterface.register(PROBE_LEAN, _record)
     mask = AttentionMaskInterface._global_mapping.get("sdpa")
     if mask is not None:
         AttentionMaskInterface.register(PROBE, mask)
+    AttentionMaskInterface.register(PROBE_LEAN, _padding_only_mask)  # what the relative rules build: padding only
 
 
 @contextlib.contextmanager
@@ -164,15 +176,40 @@ def _frequencies_zeroed(modules: dict[str, nn.Module], sites: list[RotarySite]):
             module._buffers[name] = buf
 
 
-def _forward(model, recorder: _Recorder, position: int) -> dict:
+def _forward(model, recorder: _Recorder, position: int, inputs: dict | None = None,
+             capture: dict | None = None) -> dict:
+    """One probe forward at ``position``; ``capture``: filled with each watched layer's input hidden
+    states; ``inputs``: each watched layer's input replaced by these (the same input in two forwards).
+    Returns {attention module: (q, k, value head dim, passes position_ids)}."""
     recorder.calls, recorder.order = {}, []
     device = next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
     vocab = getattr(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config,
                     "vocab_size", 8) or 8
     ids = torch.tensor([[1 % vocab], [2 % vocab]], device=device)  # [b=2, s=1]
     pos = torch.full_like(ids, position)
-    with torch.no_grad():
-        model(input_ids=ids, position_ids=pos, use_cache=False)
+    hooks = []
+    for module in (inputs or capture or {}):
+
+        def pre(mod, args, kwargs):
+            if "hidden_states" in kwargs:
+                if capture is not None:
+                    capture[mod] = kwargs["hidden_states"].detach().clone()
+                if inputs is not None:
+                    kwargs["hidden_states"] = inputs[mod]
+            elif args:
+                if capture is not None:
+                    capture[mod] = args[0].detach().clone()
+                if inputs is not None:
+                    args = (inputs[mod], *args[1:])
+            return args, kwargs
+
+        hooks.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, position_ids=pos, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
     return dict(recorder.calls)
 
 
@@ -200,7 +237,8 @@ def _match(q0: torch.Tensor, q1: torch.Tensor, angles_of, head_dim: int, tables)
     return None
 
 
-_REL_TOL = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+# many models rotate in float32 whatever their dtype: float64 models get float32's tolerance
+_REL_TOL = {torch.float32: 1e-4, torch.float64: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -226,7 +264,10 @@ def probe_layers(model: nn.Module, modules: dict[str, nn.Module], sites: list[Ro
     the probe forward itself fails (the reason is then unknown: callers refuse what needs it).
 
     ``modules``: the model's named modules; ``sites``: every frequency set of the model's rotary
-    modules. Runs 1 + 2·2 forwards of one token per batch row; the model is left as it was.
+    modules. Runs 1 + 2·2 forwards of one token per batch row, each layer's input held fixed between the
+    forwards it is compared across (forward pre-hooks); the model is left as it was. A layer is without RoPE
+    when its q and k do not move with the frequencies (``patch`` first checks that every rotary module's
+    output follows its buffers: ``rotary.ignores_buffers``).
     """
     can_set = getattr(model, "_can_set_attn_implementation", None)
     if callable(can_set) and not can_set():  # attention written in the modeling file (Falcon): nothing to watch
@@ -240,15 +281,24 @@ def probe_layers(model: nn.Module, modules: dict[str, nn.Module], sites: list[Ro
     for m in tagged:
         setattr(m, _PROBE_ATTR, recorder)
         m.training = False
-    runs = {}
+    runs, watched, lean_fails = {}, {}, False
     try:
         model.set_attn_implementation(PROBE)
         try:
             with _static_rope_types(modules, sites):
-                for p in _POSITIONS:
+                watched = dict.fromkeys(_forward(model, recorder, _POSITIONS[0]))  # the attention layers
+                fed = {}
+                for p in _POSITIONS:  # each layer's q and k from the same input: the model's, then RoPE as identity
+                    fed[p] = dict(watched)
+                    runs[("model", p)] = _forward(model, recorder, p, capture=fed[p])
                     with _frequencies_zeroed(modules, sites):
-                        runs[("id", p)] = _forward(model, recorder, p)
-                    runs[("model", p)] = _forward(model, recorder, p)
+                        runs[("id", p)] = _forward(model, recorder, p, inputs=fed[p])
+                model.set_attn_implementation(PROBE_LEAN)  # can its layers run on padding-only masks?
+                try:
+                    _forward(model, recorder, _POSITIONS[0])
+                    lean_fails = False
+                except Exception:  # noqa: BLE001 — an indexer that reads the full mask (Qwen4's QSA)
+                    lean_fails = True
         finally:
             _switch_back(model, current)
     except Exception:  # noqa: BLE001 — a model the probe cannot drive: nothing is known about its layers
@@ -258,7 +308,7 @@ def probe_layers(model: nn.Module, modules: dict[str, nn.Module], sites: list[Ro
             m.training = was
             if _PROBE_ATTR in m.__dict__:
                 delattr(m, _PROBE_ATTR)
-    order = recorder.order
+    order = list(watched)  # the attention layers in call order, from the first forward
     if not order or any(set(r) != set(order) for r in runs.values()):
         return None
     names = {m: n for n, m in model.named_modules()}
@@ -273,22 +323,23 @@ def probe_layers(model: nn.Module, modules: dict[str, nn.Module], sites: list[Ro
         q1 = {p: runs[("model", p)][module][0] for p in _POSITIONS}
         k0 = {p: runs[("id", p)][module][1] for p in _POSITIONS}
         k1 = {p: runs[("model", p)][module][1] for p in _POSITIONS}
-        _, _, v_dim, passes = runs[("model", _POSITIONS[0])][module]
+        _, _, v_dim, passes, indexed, additive = runs[("model", _POSITIONS[0])][module]
+        flags = {"full_mask": indexed or lean_fails, "additive_mask": additive}
         head_dim = q0[_POSITIONS[0]].shape[-1]
         index = getattr(module, "layer_idx", None)
         index = i if not isinstance(index, int) else index
         if all(torch.equal(q0[p], q1[p]) and torch.equal(k0[p], k1[p]) for p in _POSITIONS):
             layers.append(LayerRope(index, names.get(module, "?"), "none", head_dim=head_dim, v_head_dim=v_dim,
-                                    passes_position_ids=passes))
+                                    passes_position_ids=passes, **flags))
             continue
         found = _match(q0, q1, angles_of, head_dim, tables)
         if found is not None and _match(k0, k1, angles_of, head_dim, {found[0]: tables[found[0]]}) is None:
             found = None
         if found is None:
             layers.append(LayerRope(index, names.get(module, "?"), "unknown", head_dim=head_dim, v_head_dim=v_dim,
-                                    passes_position_ids=passes))
+                                    passes_position_ids=passes, **flags))
             continue
         site, start, d, interleaved, sign = found
         layers.append(LayerRope(index, names.get(module, "?"), "rope", site, start, d, interleaved, sign, head_dim,
-                                v_dim, passes))
+                                v_dim, passes, **flags))
     return layers

@@ -10,6 +10,7 @@ Patch *after* ``from_pretrained``: loading recomputes ``inv_freq`` of rotary mod
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,7 @@ from ropescale.rotary import (
     _Entry,
     attention_scaling_of,
     find_rotary_modules,
+    ignores_buffers,
     layer_types_of,
     rope_context,
     rotary_sites,
@@ -293,6 +295,18 @@ def _check_options(model: nn.Module, strat: Strategy, *, original_max_position_e
             "patched")
     _refuse_inapplicable(strat, layer_types=layer_types, dynamic_cache=dynamic_cache, dynamic_block=dynamic_block,
                          attention_path=attention_path, block_size=block_size)
+    deaf = next(((n, m) for n, m in found if ignores_buffers(m)), None)
+    if deaf is not None:
+        raise NoRotaryEmbeddingError(
+            f"{type(model).__name__}: its rotary module {deaf[0]} ({type(deaf[1]).__name__}) recomputes its "
+            "frequencies from the config at every call instead of reading its inv_freq buffer, through which "
+            "ropescale changes RoPE: this family cannot be patched")
+    nested = next((n for n, _ in found if re.search(r"\.\d+\.[^.]+\.[^.]+\.", n)), None)
+    if nested is not None:
+        raise NoRotaryEmbeddingError(
+            f"{type(model).__name__}: a rotary module inside a part of an attention layer ({nested}) rotates keys "
+            "the layer compresses or indexes itself (DeepSeek-V4's compressors), at positions of its own; "
+            "ropescale cannot patch them consistently with the layer's queries")
     return found
 
 
@@ -370,6 +384,7 @@ def _patch_frequency(model: nn.Module, handle: PatchHandle, strat: Strategy, fou
                 _rescale_softmax(model, handle, strat, RotarySite(name, lt), modules)
             handle._active = True
             handle.layer_types = chosen
+        _replace_shipped_temperature(model, handle, strat)
         dynamic = [f for f in handle._frequencies if f.dynamic]
         if dynamic:
             name, module = found[0]
@@ -406,17 +421,24 @@ def _rescale_softmax(model, handle: PatchHandle, strat: Strategy, site: RotarySi
     """Attention's softmax scale of the layers rotating with ``site``: the model's own factor (DeepSeek's
     mscale²) replaced by the strategy's (``Strategy.softmax_scale``; ``native`` keeps the model's), so
     ``vanilla`` is the unscaled model and ``yarn`` with ``mscale_all_dim`` equals transformers' own."""
-    native = native_softmax_scale(layer_rope_parameters_of(model, site))
-    ours = native if strat.name == "native" else strat.softmax_scale(handle.params)
-    if ours == native:
+    shipped = native_softmax_scale(layer_rope_parameters_of(model, site))
+    if strat.name == "native" or shipped == strat.softmax_scale(handle.params) == 1.0:
         return
     if handle.layers is None:
+        if shipped == strat.softmax_scale(handle.params):
+            return
         raise InvalidInput(f"{strat.name} changes the attention softmax scale this model's config sets "
                            f"(mscale_all_dim), but its attention layers cannot be observed to rescale them")
     saved = []
     for info in _layers_of(handle, site):
         attn = modules.get(info.name)
-        if attn is not None and isinstance(getattr(attn, "scaling", None), float):
+        if attn is None or not isinstance(getattr(attn, "scaling", None), float) or not info.head_dim:
+            continue
+        # whether this attention applies the config's mscale² is read from it, not assumed from the config:
+        # DeepSeek's families multiply it into ``scaling``; Ministral 3 ships mscale_all_dim and does not
+        native = shipped if abs(attn.scaling * info.head_dim ** 0.5 - shipped) <= 1e-6 * shipped else 1.0
+        ours = strat.softmax_scale(handle.params)
+        if ours != native:
             saved.append((attn, attn.scaling))
             attn.scaling = attn.scaling / native * ours
 
@@ -425,6 +447,28 @@ def _rescale_softmax(model, handle: PatchHandle, strat: Strategy, site: RotarySi
             attn.scaling = value
 
     handle._restore.append(restore)
+
+
+def _replace_shipped_temperature(model: nn.Module, handle: PatchHandle, strat: Strategy) -> None:
+    """A strategy other than ``native`` replaces the model's shipped scaling, including the query temperature
+    its attention reads from the config at every forward (Mistral's ``llama_4_scaling_beta``): set to 0 while
+    patched, so ``vanilla`` is the unscaled model (add it back with ``temperature="beta:beta=…"``)."""
+    if strat.name == "native":
+        return
+    text = _config_of(model, model)
+    rp = getattr(text, "rope_parameters", None)
+    saved = []
+    for params in ([rp] if isinstance(rp, dict) else []) + [v for v in (rp or {}).values() if isinstance(v, dict)]:
+        if params.get("llama_4_scaling_beta"):
+            saved.append((params, params["llama_4_scaling_beta"]))
+            params["llama_4_scaling_beta"] = 0.0
+
+    def restore() -> None:
+        for params, beta in saved:
+            params["llama_4_scaling_beta"] = beta
+
+    if saved:
+        handle._restore.append(restore)
 
 
 def _static(strat: Strategy, context: dict[str, Any], params: dict[str, Any], zero) -> tuple:
@@ -470,6 +514,12 @@ def _patch_attention(model, handle: PatchHandle, strat: Strategy, found, modules
             f"{type(model).__name__}: layer {unknown[0].index} ({unknown[0].name}) rotates q and k in a way "
             "ropescale does not recognise (no frequency set, channel range, pairing and sign of the model "
             f"reproduces it); {strat.name} cannot be applied")
+    additive = next((info for info in handle.layers if info.additive_mask), None)
+    if additive is not None:
+        raise NoRotaryEmbeddingError(
+            f"{type(model).__name__}: layer {additive.index} ({additive.name}) adds a learned per-head bias to its "
+            f"attention scores through the mask (Doge's dynamic mask); {strat.name}'s kernels take padding masks "
+            "only and would drop it")
     rotating = [info for info in handle.layers if info.kind == "rope"]
     if not rotating:
         raise NoRotaryEmbeddingError(f"{type(model).__name__}: no attention layer rotates q and k; "
@@ -494,11 +544,14 @@ def _patch_attention(model, handle: PatchHandle, strat: Strategy, found, modules
             frequencies.apply()
             handle._frequencies.append(frequencies)
         handle._active = True
+        _replace_shipped_temperature(model, handle, strat)
         rotaries = [m for _, m in found]
         handle._restore.append(enable_truncation(
             model, rule, by_module, rotaries, path=path, block=block,
             logn=context["original_max_position_embeddings"] if logn else None,
-            without_rope=any(info.kind == "none" for info in handle.layers), temperature=handle.temperature))
+            without_rope=any(info.kind == "none" or info.full_mask for info in handle.layers),
+            full_masks=any(info.full_mask for info in handle.layers),
+            temperature=handle.temperature))
     except Exception:
         handle.unpatch()
         raise

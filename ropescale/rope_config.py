@@ -94,11 +94,17 @@ def layer_rope_parameters(config, layer_type: str | None = None) -> dict[str, An
 
 def training_window(config, layer_type: str | None = None) -> int | None:
     """T [tokens]: the rope parameters' ``original_max_position_embeddings``, else the config's own
-    (Phi-3), else ``max_position_embeddings``; None when the config has none of them."""
+    (Phi-3), else its ``dual_chunk_attention_config``'s (Qwen2.5-1M: 262144, where
+    ``max_position_embeddings`` says 1010000), else ``max_position_embeddings``, else, for a model
+    whose attention is local only (RecurrentGemma: no ``max_position_embeddings``), its
+    ``attention_window_size``, the farthest any key is seen; None when the config has none of them."""
     text = text_config(config)
+    dca = getattr(text, "dual_chunk_attention_config", None)
     orig = (layer_rope_parameters(text, layer_type).get("original_max_position_embeddings")
             or getattr(text, "original_max_position_embeddings", None)
-            or getattr(text, "max_position_embeddings", None))
+            or (dca.get("original_max_position_embeddings") if isinstance(dca, dict) else None)
+            or getattr(text, "max_position_embeddings", None)
+            or getattr(text, "attention_window_size", None))
     return None if orig is None else int(orig)
 
 

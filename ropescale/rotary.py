@@ -33,6 +33,7 @@ __all__ = [
     "NoRotaryEmbeddingError",
     "attention_scaling_of",
     "find_rotary_modules",
+    "ignores_buffers",
     "layer_types_of",
     "rope_context",
     "rotary_sites",
@@ -158,6 +159,53 @@ def keep_zero(inv_freq: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor
     return torch.where(zero.to(inv_freq.device), torch.zeros_like(inv_freq), inv_freq)
 
 
+def ignores_buffers(module: nn.Module) -> bool:
+    """Whether ``module``'s output stays the same when its ``inv_freq`` buffers change: a rotary module
+    that recomputes its frequencies from the config at every call cannot be patched through them
+    (Phi-3.5-MoE's does, through its ``rope_init_fn``, which ``FrequencyPatch`` points at the buffers).
+    Calls the module at positions 1 and 2 with its buffers as they are and doubled; a
+    module that cannot be called so (another signature) counts as following them."""
+    types = layer_types_of(module)
+    buf = next(iter(module._buffers[_buffer(lt)] for lt in types))
+    x = torch.zeros(1, 2, 1, dtype=buf.dtype if buf.is_floating_point() else torch.float32, device=buf.device)
+    pos = torch.arange(1, 3, device=buf.device)[None]  # [1, 2]
+
+    def call():
+        with torch.no_grad():
+            out = module(x, pos) if types == [None] else module(x, pos, types[0])
+        return [t.detach().clone() for t in (out if isinstance(out, (tuple, list)) else (out,))]
+
+    saved = {lt: module._buffers[_buffer(lt)] for lt in types}
+    rope_type = module.__dict__.get("rope_type", _ABSENT)  # transformers' dynamic update would reset the buffers
+    if rope_type is not _ABSENT:
+        module.rope_type = {k: "default" for k in rope_type} if isinstance(rope_type, dict) else "default"
+    init = module.__dict__.get("rope_init_fn") if types == [None] else None
+    if callable(init):  # FrequencyPatch reads it back from the buffers too
+        module.rope_init_fn = _from_buffers(module)
+    try:
+        before = call()
+        for lt, b in saved.items():
+            module._buffers[_buffer(lt)] = b * 2
+        after = call()
+    except Exception:  # noqa: BLE001 — a signature of its own: nothing to conclude
+        return False
+    finally:
+        for lt, b in saved.items():
+            module._buffers[_buffer(lt)] = b
+        if rope_type is not _ABSENT:
+            module.rope_type = rope_type
+        if callable(init):
+            module.rope_init_fn = init
+    return all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def _from_buffers(module: nn.Module):
+    """A ``rope_init_fn`` that returns what ``module`` holds now: (``inv_freq``, ``attention_scaling``)."""
+    def rope_init_fn(*args, **kwargs):
+        return module.inv_freq, module.attention_scaling
+    return rope_init_fn
+
+
 def _call_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor | None, str | None]:
     """``(position_ids, layer_type)`` of a rotary module's call ``forward(x, position_ids, layer_type=None)``."""
     position_ids = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
@@ -200,6 +248,7 @@ class FrequencyPatch:
         self._served: set[str | None] = set()
         self._seq_len: int | None = None
         self._cached_positions: torch.Tensor | None = None
+        self._config_rope_type: tuple[dict, str] | None = None  # (rope_parameters, its rope_type)
 
     @property
     def dynamic(self) -> bool:
@@ -220,6 +269,17 @@ class FrequencyPatch:
             rt = m.__dict__["rope_type"]
             self._saved.append(("rope_type", rt, False))
             m.rope_type = {k: "default" for k in rt} if isinstance(rt, dict) else "default"
+        if callable(m.__dict__.get("rope_init_fn")) and list(self.entries) == [None]:
+            # a module that recomputes its frequencies from the config at every call (Phi-3.5-MoE's
+            # PhimoeRotaryEmbedding.forward calls self.rope_init_fn(self.config)): its own hook, read
+            # back from the buffers; its config's rope type reads default meanwhile, so the shipped
+            # short/long mscale gives way to the strategy's attention_scaling
+            self._saved.append(("rope_init_fn", m.__dict__["rope_init_fn"], False))
+            m.rope_init_fn = _from_buffers(m)
+            rp = getattr(getattr(m, "config", None), "rope_parameters", None)
+            if isinstance(rp, dict) and rp.get("rope_type", "default") != "default":
+                self._config_rope_type = (rp, rp["rope_type"])
+                rp["rope_type"] = "default"
         for lt, e in self.entries.items():
             self._set(lt, e)
         if self.dynamic:
@@ -239,6 +299,10 @@ class FrequencyPatch:
             else:
                 setattr(self.module, name, value)
         self._saved.clear()
+        if self._config_rope_type is not None:
+            rp, rope_type = self._config_rope_type
+            rp["rope_type"] = rope_type
+            self._config_rope_type = None
 
     def set_training_length(self, length: int | None) -> None:
         """Dynamic strategies' L in training mode: at least ``length`` [tokens]; None: from the

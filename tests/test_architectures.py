@@ -124,3 +124,34 @@ def test_family_outside_the_list_works_through_the_same_hooks(config_cls, model_
     native.load_state_dict(model.state_dict())
     with ropescale.patch(model, "yarn", factor=4.0):
         torch.testing.assert_close(logits(model), logits(native), rtol=0, atol=1e-5)
+
+
+def test_phi3_5_moe_recomputing_its_frequencies_is_patched_and_restored():
+    """PhimoeRotaryEmbedding recomputes inv_freq from its config at every call and scales cos/sin by
+    the shipped short/long mscale (Phi-3.5-MoE ships longrope): vanilla is the unscaled model and
+    linear equals transformers' own linear rope type (at mscale 1); unpatch gives the shipped model back bit for bit."""
+    sizes = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1, max_position_embeddings=64)
+    half = 8  # head_dim 16
+    shipped = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+               "short_factor": [1.0 + 0.1 * i for i in range(half)], "long_factor": [2.0 + i for i in range(half)],
+               "short_mscale": 1.1, "long_mscale": 1.3}
+
+    def build(rope):
+        torch.manual_seed(0)
+        return T.PhimoeForCausalLM(T.PhimoeConfig(**sizes, rope_parameters=dict(rope))).eval()
+
+    ids = torch.randint(3, 64, (1, 40))
+    with torch.no_grad():
+        model = build(shipped)
+        before = model(ids).logits
+        plain = build({"rope_type": "default", "rope_theta": 10000.0})(ids).logits
+        linear = build({"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0,  # cos/sin × mscale:
+                        "original_max_position_embeddings": 16, "short_mscale": 1.0, "long_mscale": 1.0})(ids).logits
+        assert (before - plain).abs().max() > 1e-3  # the shipped scaling does move the logits
+        with ropescale.patch(model, "vanilla"):
+            torch.testing.assert_close(model(ids).logits, plain, rtol=0, atol=1e-5)
+        with ropescale.patch(model, "linear", factor=2.0):
+            torch.testing.assert_close(model(ids).logits, linear, rtol=0, atol=1e-5)
+        assert torch.equal(model(ids).logits, before)
+        assert model.config.rope_parameters["rope_type"] == "longrope"

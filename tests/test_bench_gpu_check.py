@@ -61,19 +61,20 @@ def test_a_case_records_errors_timeouts_and_skips_and_keeps_the_files(tmp_path):
 
 
 def test_memory_extrapolates_linearly_to_the_shape_depth(tmp_path):
-    """X(D) = X(1) + (D − 1)·(X(2) − X(1)) for base and peak; the 3-layer check is the measured
-    3-layer peak minus that line's value at 3."""
+    """X(D) = X(2) + (D − 2)·(X(3) − X(2)) for base and peak (the first layer carries one-time
+    allocations, so the slope starts at 2); the 4-layer check is the measured 4-layer peak minus
+    that line's value at 4."""
     check = gpu_check.Check(tmp_path, budget_s=60, device="cpu")
     check.data["config"] = {"shape": "small"}
-    check.rows("memory build").extend([{"layers": 1, "weights": 1000}, {"layers": 2, "weights": 1400}])
+    check.rows("memory build").extend([{"layers": 2, "weights": 1000}, {"layers": 3, "weights": 1400}])
     check.rows("memory").extend([
-        {"case": "ppl", "length": 256, "layers": 1, "base": 5 * 2**20, "peak": 9 * 2**20, "trainable": 0},
-        {"case": "ppl", "length": 256, "layers": 2, "base": 7 * 2**20, "peak": 12 * 2**20, "trainable": 0},
-        {"case": "ppl", "length": 256, "layers": 3, "base": 9 * 2**20, "peak": 16 * 2**20, "trainable": 0},
+        {"case": "ppl", "length": 256, "layers": 2, "base": 5 * 2**20, "peak": 9 * 2**20, "trainable": 0},
+        {"case": "ppl", "length": 256, "layers": 3, "base": 7 * 2**20, "peak": 12 * 2**20, "trainable": 0},
+        {"case": "ppl", "length": 256, "layers": 4, "base": 9 * 2**20, "peak": 16 * 2**20, "trainable": 0},
     ])
     gpu_check.extrapolate(check, depth=32, dtype=torch.float32)
     (row,) = check.data["sections"]["memory at depth"]
-    assert row["peak"] == (9 + 31 * 3) * 2**20 and row["base"] == (5 + 31 * 2) * 2**20
+    assert row["peak"] == (9 + 30 * 3) * 2**20 and row["base"] == (5 + 30 * 2) * 2**20
     assert row["peak_per_layer"] == 3 * 2**20
-    assert row["3-layer error MiB"] == pytest.approx(16 - 15)
+    assert row["check-depth error MiB"] == pytest.approx(16 - 15)
     assert row["floor"] > row["base"] and row["peak/floor"] == row["peak"] / row["floor"]

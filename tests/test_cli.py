@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import ropescale
@@ -291,3 +292,33 @@ def test_reference_card_refuses_before_measuring(run, tmp_path, monkeypatch, con
     lines = res.output.splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: " + message.format(**fmt)), lines
     assert "--plot" not in args or (".png" in lines[0] and ".pdf" in lines[0])
+
+
+def test_patch_dry_run_reports_each_layer_and_writes_nothing(run, tmp_path):
+    """Cohere2 rotates its sliding layers only (models/cohere2/modeling_cohere2.py): the report says
+    so per layer, from the model, and nothing is written."""
+    from transformers import AutoTokenizer, Cohere2Config, Cohere2ForCausalLM
+
+    from ropescale.models import REFERENCE_MODEL
+
+    tok = AutoTokenizer.from_pretrained(REFERENCE_MODEL)
+    cfg = Cohere2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, sliding_window=8,
+                        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    Cohere2ForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    res = run("patch", "--model", tmp_path / "m", "--strategy", "rerope:window=16", "--dry-run")
+    assert res.exit_code == 0, res.output
+    table = [line.split() for line in res.output.splitlines() if line[:1].isdigit()]
+    assert [row[0] for row in table] == ["0", "1", "2", "3"]
+    assert [row[1] for row in table] == ["rope", "rope", "rope", "none"]
+    assert all(row[-1] == "rerope" for row in table[:3]) and res.output.rstrip().endswith("no RoPE, untouched")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_patch_without_output_or_dry_run_is_one_line(run, tiny_model_dir):
+    res = CliRunner().invoke(main, ["patch", "--model", str(tiny_model_dir), "--strategy", "vanilla"])
+    assert res.exit_code == 1
+    assert res.output.strip() == "Error: patch needs --output (the folder to write), or --dry-run"

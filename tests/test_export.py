@@ -17,6 +17,7 @@ N = 8  # rotary pairs of the tiny Llama (head_dim 16)
 
 NATIVE = [
     ("vanilla", {}),
+    ("native", {}),  # the model's own rope_parameters: exported as they are
     ("ntk", {"factor": 4.0}),
     ("linear", {"factor": 3.0}),
     ("dynamic_ntk", {"factor": 2.0}),

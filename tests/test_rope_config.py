@@ -109,3 +109,26 @@ def test_a_config_without_rope_is_one_line():
     config = T.GPT2Config(n_layer=1, n_embd=16, n_head=2)
     with pytest.raises(NoRopeConfigError, match="GPT2Config has no rope_theta"):
         rope_config_of(config)
+
+
+def test_qwen2_5_1m_training_window_is_its_dual_chunk_attention_config():
+    """Qwen2.5-7B-Instruct-1M's config.json: max_position_embeddings 1010000 is the served window,
+    dual_chunk_attention_config.original_max_position_embeddings 262144 the trained one."""
+    config = T.Qwen2Config(**SIZES, max_position_embeddings=1010000, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000000.0})
+    config.dual_chunk_attention_config = {"chunk_size": 262144, "local_size": 8192,
+                                          "original_max_position_embeddings": 262144}
+    assert rope_config_of(config).original_max_position_embeddings == 262144
+    torch.manual_seed(0)
+    model = T.Qwen2ForCausalLM(config).eval()
+    with ropescale.patch(model, "dca") as handle:
+        assert handle.context["original_max_position_embeddings"] == 262144
+
+
+def test_a_local_attention_only_model_takes_its_window_as_t():
+    """RecurrentGemma has no max_position_embeddings: its attention sees keys attention_window_size
+    back at most, the largest relative position it was trained on."""
+    config = T.RecurrentGemmaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                    num_attention_heads=2, num_key_value_heads=1, attention_window_size=24)
+    assert not hasattr(config, "max_position_embeddings")
+    assert rope_config_of(config).original_max_position_embeddings == 24

@@ -14,6 +14,7 @@
     seed: 0
     max_windows: 4               # windows per length per candidate, evenly spaced over the split
     retrieval_weight: 0          # > 0: adds the passkey answer's log-likelihood term
+    needle_weight: 0             # > 0: adds LongRoPE2's needle-driven term (needles in the search text)
     epsilon: 0.05                # constraint: PPL at T ≤ (1 + ε) × vanilla's
     heldout: kjv-heldout         # the reported eval data, refused as the search split
     output: runs/search-yarn
@@ -97,6 +98,9 @@ class SearchConfig(BaseModel):
     max_windows: Int = Field(4, ge=1, description="windows per length per candidate, evenly spaced over the split")
     retrieval_weight: Real = Field(0.0, ge=0, description="weight of the passkey answer's mean NLL per token")
     retrieval_trials: Int = Field(4, ge=1, description="passkey prompts per candidate (at the longest length)")
+    needle_weight: Real = Field(0.0, ge=0, description="weight of LongRoPE2's needle-driven term: the mean NLL per "
+                                                       "answer token of needles planted in the search text")
+    needle_trials: Int = Field(4, ge=1, description="needle prompts per candidate (at the longest length)")
     epsilon: Real = Field(0.05, ge=0, description="constraint: PPL at T ≤ (1 + ε) × vanilla's")
     evolution: dict[str, Any] = Field(default_factory=dict, description=(
         "method evolution: LongRoPE's hyper-parameters (population, iterations, elite, mutation_prob, "

@@ -41,7 +41,7 @@ from .report import (
     write_csv,
     write_text,
 )
-from .tuner import PENALTY
+from .tuner import PENALTY, SearchFailed
 
 __all__ = ["FACTORS_PLOT", "JOURNAL", "run_longrope_search"]
 
@@ -63,7 +63,6 @@ def run_longrope_search(cfg: SearchConfig, output: Path, *, progress: bool = Tru
     from accelerate import PartialState
 
     from .objective import SearchObjective
-    from .run import SearchFailed
 
     # under `accelerate launch` every process runs this same search; each generation's candidates
     # are split over them (split_over_processes) and the main process alone writes the folder

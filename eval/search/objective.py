@@ -3,7 +3,7 @@
 For a candidate's parameters θ (the strategy's, fixed and auto ones filled at the longest target
 length, so one spec serves every length) the objective [nats per token] is
 
-    J(θ) = Σ_L w_L · NLL_L(θ)  +  r · NLL_answer(θ)
+    J(θ) = Σ_L w_L · NLL_L(θ)  +  r · NLL_answer(θ)  +  n · NLL_needle(θ)
 
 - NLL_L: token-weighted mean next-token NLL of ``max_windows`` chunk windows of L tokens of the
   **search split**, evenly spaced over all its windows (``ropescale.runs.windows.cap_windows``: the
@@ -14,6 +14,9 @@ length, so one spec serves every length) the objective [nats per token] is
   token after ``retrieval_trials`` passkey prompts of the longest length (the passkey task's
   candidate scoring, ``eval.tasks.retrieval``; depths spread over [0, 1]; seed 7919, not the
   eval's default 0, so the reported passkey prompts are not the searched ones).
+- NLL_needle (only when n = ``needle_weight`` > 0): LongRoPE2's needle-driven term, the mean NLL
+  per answer token of ``needle_trials`` needles planted in the search split's own text at the
+  longest length (``eval.search.needle_objective``).
 - Constraint (LongRoPE's short-context concern): c(θ) = PPL_T(θ) / ((1 + ε) · PPL_T(vanilla)) − 1,
   PPL at the training window T on ``max_windows`` windows of the search split; feasible when
   c ≤ 0. It is reported with every trial; the tuner uses it as an Optuna constraint (TPE) or a
@@ -44,6 +47,7 @@ from ropescale.runs.windows import WindowError, make_windows
 from ropescale.strategies import get_strategy
 
 from .config import SearchConfig, same_data
+from .needle_objective import answer_nll, needle_examples
 from .tuner import Refused
 
 __all__ = ["RETRIEVAL_SEED", "Measurement", "SearchObjective", "spec_params"]
@@ -55,7 +59,8 @@ RETRIEVAL_SEED = 7919  # passkey keys of the search; the eval's default seed is 
 class Measurement:
     """One candidate's scores. ``nll``/``ppl``: per target length [nats per token / perplexity];
     ``ppl_train``: PPL at T; ``constraint`` ≤ 0 when feasible; ``retrieval_nll``: the passkey
-    answer's mean NLL per token (None when not measured); ``seconds``: wall time."""
+    answer's mean NLL per token and ``needle_nll`` the needles' (None when not measured);
+    ``seconds``: wall time."""
 
     objective: float
     nll: dict[int, float]
@@ -64,6 +69,7 @@ class Measurement:
     constraint: float
     retrieval_nll: float | None
     seconds: float
+    needle_nll: float | None = None  # LongRoPE2's needle-driven term (eval.search.needle_objective)
 
     def row(self) -> dict:
         """Flat columns for ``trials.csv``."""
@@ -127,6 +133,8 @@ class SearchObjective:
             raise ConfigError(f"data: {cfg.data.spec().describe()}: {e}") from None
         self.weights = dict(zip(cfg.lengths, cfg.weights()))
         self.passkeys = self._passkeys() if cfg.retrieval_weight > 0 else []
+        self.needles = needle_examples(self.tokenizer, self.docs, length=max(cfg.lengths), trials=cfg.needle_trials,
+                                       train_length=self.train_length) if cfg.needle_weight > 0 else []
         self.vanilla_ppl_train = math.exp(self._nll(self.train_length))
         self.evaluations = 0
 
@@ -186,11 +194,14 @@ class SearchObjective:
             nll = {L: self._nll(L) for L in self.cfg.lengths}
             ppl_train = math.exp(self._nll(self.train_length))
             retrieval = self._retrieval_nll() if self.passkeys else None
+            needle = answer_nll(self.model, self.needles, self.device) if self.needles else None
         self.evaluations += 1
         objective = sum(self.weights[L] * nll[L] for L in self.cfg.lengths)
         if retrieval is not None:
             objective += self.cfg.retrieval_weight * retrieval
+        if needle is not None:
+            objective += self.cfg.needle_weight * needle
         constraint = ppl_train / ((1 + self.cfg.epsilon) * self.vanilla_ppl_train) - 1
         return params, Measurement(objective=objective, nll=nll, ppl={L: math.exp(v) for L, v in nll.items()},
                                    ppl_train=ppl_train, constraint=constraint, retrieval_nll=retrieval,
-                                   seconds=round(time.perf_counter() - t0, 3))
+                                   seconds=round(time.perf_counter() - t0, 3), needle_nll=needle)

@@ -45,6 +45,8 @@ def identity(cfg: SearchConfig, docs=None) -> dict:
     return {"task": "search", "model": cfg.model, "weights": model_fingerprint(cfg.model),
             "data": cfg.data.spec().describe(), "data_tokens": data_fingerprint(docs),
             **cfg.model_dump(mode="json", include=set(keep)),
+            # LongRoPE2's needle term: in the identity only when used, so earlier studies still resume
+            **(cfg.model_dump(include={"needle_weight", "needle_trials"}) if cfg.needle_weight else {}),
             "versions": {k: env[k] for k in ("ropescale", "torch", "transformers")}}
 
 

@@ -29,7 +29,6 @@ import json
 from contextlib import contextmanager
 from pathlib import Path
 
-from ropescale.errors import RopescaleError
 from ropescale.runs.manifest import LOCK, FolderBusyError, check_manifest, prepare_output
 
 from .config import SearchConfig
@@ -48,14 +47,20 @@ from .report import (
     write_csv,
     write_text,
 )
-from .tuner import FAILED, INVALID, Outcome, best_trial, open_study, optuna, run_study, storage_errors, trial_index
+from .tuner import (
+    FAILED,
+    INVALID,
+    Outcome,
+    SearchFailed,
+    best_trial,
+    open_study,
+    optuna,
+    run_study,
+    storage_errors,
+    trial_index,
+)
 
 __all__ = ["SearchFailed", "run_search", "write_outputs"]
-
-
-class SearchFailed(RopescaleError):
-    """No trial of the search could be used: each was refused by the strategy or measured a
-    non-finite objective."""
 
 
 def run_search(cfg: SearchConfig, output: str | Path, *, progress: bool = True) -> dict:
@@ -188,6 +193,8 @@ def _rows(study) -> list[dict]:
         row["feasible"] = None if a.get("constraint") is None else a["constraint"] <= 0
         row.update({k: v for k, v in a.items() if k.startswith("ppl@")})
         row.update({k: a.get(k) for k in ("ppl_train", "retrieval_nll", "seconds", INVALID, FAILED)})
+        if a.get("needle_nll") is not None:  # LongRoPE2's needle term, when the search has it
+            row["needle_nll"] = a["needle_nll"]
         rows.append(row)
     return rows
 
@@ -205,7 +212,8 @@ def _markdown(cfg: SearchConfig, study, best: dict, rows: list[dict], front: lis
         "evaluated",
         f"- target lengths: {lengths}; training window T = {train}",
         "- objective J = Σ w_L · mean NLL_L [nats/token]"
-        + (f" + {cfg.retrieval_weight:g} × passkey answer NLL" if cfg.retrieval_weight else ""),
+        + (f" + {cfg.retrieval_weight:g} × passkey answer NLL" if cfg.retrieval_weight else "")
+        + (f" + {cfg.needle_weight:g} × needle answer NLL" if cfg.needle_weight else ""),
         f"- constraint: PPL at T ≤ (1 + {cfg.epsilon:g}) × vanilla's"
         + (f" ({attrs['vanilla_ppl_train']:.3f})" if "vanilla_ppl_train" in attrs else ""),
         f"- fixed: {json.dumps(cfg.fixed)}", "",

@@ -55,8 +55,8 @@ from ropescale.runs.config import ConfigError
 
 from .space import Dimension
 
-__all__ = ["FAILED", "INVALID", "PENALTY", "Outcome", "Refused", "StudyError", "best_trial", "finished", "open_study",
-           "optuna", "run_study", "trial_index"]
+__all__ = ["FAILED", "INVALID", "PENALTY", "Outcome", "Refused", "SearchFailed", "StudyError", "best_trial", "finished",
+           "open_study", "optuna", "run_study", "trial_index"]
 
 PENALTY = 10.0  # CMA-ES: nats of objective per unit of relative PPL excess at T (c)
 WORKER = "worker"  # user attr: host:pid of the process evaluating a trial
@@ -73,6 +73,12 @@ class Refused(RopescaleError):
 
 class StudyError(RopescaleError):
     """The study's storage cannot be read or written (a damaged file, a full disk)."""
+
+
+class SearchFailed(RopescaleError):
+    """No trial of the search could be used: each was refused by the strategy or measured a
+    non-finite objective. Here, not in ``eval.search.run``, so that ``run`` and ``longrope`` (which
+    ``run`` calls for method evolution) both raise it without importing each other."""
 
 
 def optuna():

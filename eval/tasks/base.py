@@ -152,6 +152,11 @@ class Task:
         """Figures from this task's records; returns ``{kind: path}``."""
         return {}
 
+    @classmethod
+    def report(cls, records: list[dict]) -> str:
+        """Markdown the task adds to ``results.md`` after its metric tables (default: none)."""
+        return ""
+
 
 def task_names() -> list[str]:
     return TASKS.names()

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 import ropescale
-from ropescale.errors import RopescaleError
+from ropescale.errors import OutputError, RopescaleError
 from ropescale.models import weights_fingerprint
 
 __all__ = [
@@ -53,10 +53,6 @@ class ExperimentMismatchError(RopescaleError, ValueError):
 
 class FolderBusyError(RopescaleError, ValueError):
     """Another run is writing the folder."""
-
-
-class OutputError(RopescaleError, ValueError):
-    """The results folder cannot be used."""
 
 
 def prepare_output(output: Path) -> Path:
@@ -112,11 +108,16 @@ def identity(cfg, *, data: str | None, weights: str, versions: dict[str, str]) -
             "original_max_position_embeddings": cfg.original_max_position_embeddings, "versions": versions}
 
 
-def check_manifest(output: Path, ident: dict[str, Any], config: dict[str, Any], state=None) -> str:
+def check_manifest(output: Path, ident: dict[str, Any], config: dict[str, Any], state=None, *,
+                   write: bool = True) -> str:
     """Check the folder's manifest (``ExperimentMismatchError`` naming what differs) and write it
     with the run's number of processes. ``state`` (accelerate's ``PartialState`` / ``Accelerator``
     of a launched run): the main process checks and writes, the others check once it is written.
-    Returns the identity's hash (part of every cell id)."""
+    ``write=False`` checks only (every process, no barrier): a run checks before its slow setup and
+    claims the folder once its inputs are known to work. Returns the identity's hash (part of every
+    cell id)."""
+    if not write:
+        return _check_manifest(output, ident, config, write=False, processes=1)
     if state is None:
         return _check_manifest(output, ident, config, write=True, processes=1)
     if state.is_main_process:

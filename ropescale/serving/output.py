@@ -20,8 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from ropescale.errors import RopescaleError
-from ropescale.runs.manifest import OutputError
+from ropescale.errors import OutputError, RopescaleError
 
 __all__ = ["OutputError", "check_output", "same_path", "staged", "write_failure"]
 

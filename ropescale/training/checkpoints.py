@@ -17,7 +17,7 @@ import json
 import shutil
 from pathlib import Path
 
-from ropescale.runs.manifest import OutputError
+from ropescale.errors import OutputError
 
 __all__ = ["CHECKPOINTS", "COMPLETE", "CheckpointWriteError", "complete_checkpoints", "save_checkpoint"]
 

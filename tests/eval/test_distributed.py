@@ -72,3 +72,39 @@ def test_device_map_reaches_from_pretrained(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
     load_model(str(tiny_model_dir), device_map="balanced")
     assert seen["device_map"] == "balanced"  # accelerate's big-model inference places the layers
+
+
+TWICE = """
+import json, sys
+import torch.distributed as dist
+from eval.config import build_config
+from eval.sweep import run_sweep
+
+raw = json.loads(sys.argv[1])
+for out in sys.argv[2:]:
+    records = run_sweep(build_config(raw), out, progress=False)
+    print(json.dumps({"cells": len(records), "open": dist.is_initialized()}), flush=True)
+"""
+
+
+def test_a_launched_sweep_closes_its_process_group_and_a_second_opens_its_own(tmp_path, tiny_model_dir, text_file):
+    """The sweep left its gloo group to interpreter shutdown, which can abort at exit ("terminate
+    called without an active exception"), and a second sweep in the process reused a closed group."""
+    import re
+
+    from tests.training.test_lora import free_port
+
+    raw = {"model": str(tiny_model_dir), "data": str(text_file), "lengths": [32], "strategies": ["vanilla"],
+           "max_windows": 2, "device": "cpu", "threads": 1}
+    (tmp_path / "twice.py").write_text(TWICE)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                          "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
+                          "--dynamo_backend", "no", str(tmp_path / "twice.py"), json.dumps(raw),
+                          str(tmp_path / "a"), str(tmp_path / "b")],
+                         capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [json.loads(x) for x in re.findall(r"\{[^{}]*\}", res.stdout)]  # two processes' lines interleave
+    assert lines == [{"cells": 1, "open": False}] * 4, res.stdout
+    assert "terminate called" not in res.stderr
+    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["processes"] == 2

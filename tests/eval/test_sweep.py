@@ -143,3 +143,16 @@ def test_numpy_numbers_in_a_python_config_make_the_same_cells(tiny_model_dir, te
                                                            "scale": np.float32(2.0)}])
     assert numpy.strategies[0].display == plain.strategies[0].display == "dca:chunk_size=16,scale=2.0"
     assert cell_id("e", numpy.strategies[0], 32) == cell_id("e", plain.strategies[0], 32)
+
+
+def test_a_length_refused_when_its_examples_are_built_leaves_the_folder_free(tmp_path, tiny_model_dir):
+    """A passkey length too short for the prompt is found when the examples are built, after the
+    model loads: the folder was already claimed, so the corrected rerun was refused as another
+    experiment (issue 26)."""
+    raw = {"task": "passkey", "model": str(tiny_model_dir), "strategies": ["vanilla"], "device": "cpu",
+           "passkey": {"trials": 1, "depths": [0.5], "digits": 3, "candidates": 2}}
+    with pytest.raises(ValueError, match="length 8 is too short for this prompt"):
+        run_sweep(build_config({**raw, "lengths": [8]}), tmp_path, progress=False)
+    assert not (tmp_path / "manifest.json").exists()
+    records = run_sweep(build_config({**raw, "lengths": [64]}), tmp_path, progress=False)
+    assert [r["length"] for r in records] == [64]

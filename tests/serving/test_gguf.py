@@ -126,7 +126,7 @@ def test_relative_rules_are_refused_naming_llama_cpp(name):
 
 
 @pytest.mark.parametrize(("name", "params", "match"), [
-    ("ntk", {"factor": 2.0, "logn": True}, "log-n"),
+    ("ntk", {"factor": 2.0, "logn": True}, "query temperature"),
     ("yarn", {"factor": 4.0, "beta_fast": 16.0, "beta_slow": 2.0}, "never reads rope.scaling.yarn_beta"),
     ("dynamic_ntk", {"factor": 2.0}, "freeze"),
     ("ntk_by_parts", {"factor": 2.0}, "no transformers rope type"),

@@ -68,7 +68,7 @@ def test_relative_rules_are_refused_naming_vllm(name):
 
 
 @pytest.mark.parametrize(("name", "params", "match"), [
-    ("ntk", {"factor": 2.0, "logn": True}, "log-n"),
+    ("ntk", {"factor": 2.0, "logn": True}, "query temperature"),
     ("pi_over_2n", {"n_max": 256.0}, "no transformers rope type"),
     ("dynamic_yarn", {}, "no transformers rope type"),
     ("yarn", {"factor": 2.0}, "NaN past"),  # serving 256 > T·s = 128

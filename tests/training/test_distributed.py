@@ -71,7 +71,7 @@ def test_a_launched_run_closes_its_process_group_and_a_second_run_opens_its_own(
                           str(tmp_path / "a"), str(tmp_path / "b")],
                          capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
-    # the two processes share one pipe: a line may hold both processes' objects
+    # two processes share stdout, so their lines may interleave ("{…}{…}\n\n"): read each object
     lines = [json.loads(x) for x in re.findall(r"\{[^{}]*\}", res.stdout)]
     assert lines == [{"processes": 2, "open": False}] * 4, res.stdout  # two processes, two runs each
     assert "terminate called" not in res.stderr

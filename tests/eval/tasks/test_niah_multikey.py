@@ -245,13 +245,13 @@ def test_bad_options_are_refused(bad, match):
 
 
 def test_bad_config_is_one_line():
-    with pytest.raises(ConfigError, match=r"^config: niah_multikey.kys: Extra inputs are not permitted$"):
-        build_config({"task": "niah_multikey", "lengths": [512], "strategies": ["vanilla"],
-                      "niah_multikey": {"kys": 3}})
+    with pytest.raises(ConfigError, match=r"^config: niah_multikey_depths.kys: Extra inputs are not permitted$"):
+        build_config({"task": "niah_multikey_depths", "lengths": [512], "strategies": ["vanilla"],
+                      "niah_multikey_depths": {"kys": 3}})
     with pytest.raises(ConfigError, match=r"^config: length 64 cannot hold a niah_multikey prompt: its header, "
                                           r"4 needles, question and answer are 89 words, at least one token each$"):
-        build_config({"task": "niah_multikey", "lengths": [64, 512], "strategies": ["vanilla"]})
-    build_config({"task": "niah_multikey", "lengths": [89], "strategies": ["vanilla"]})
+        build_config({"task": "niah_multikey_depths", "lengths": [64, 512], "strategies": ["vanilla"]})
+    build_config({"task": "niah_multikey_depths", "lengths": [89], "strategies": ["vanilla"]})
 
 
 def test_min_words_counts_the_shortest_prompt():
@@ -273,7 +273,7 @@ def task(tok):
 
 
 def test_task_is_found_by_name_and_reads_data():
-    assert get_task("niah_multikey") is NiahMultikey and NiahMultikey.uses_data
+    assert get_task("niah_multikey_depths") is NiahMultikey and NiahMultikey.uses_data
     assert NiahMultikey.summary().startswith("Multi-key needle in a haystack")
 
 
@@ -312,13 +312,13 @@ def test_fewer_candidates_than_needles(tok, task):
 
 
 def test_niah_multikey_end_to_end_on_a_tiny_model(tmp_path, tiny_model_dir, text_file):
-    cfg = build_config({"task": "niah_multikey", "model": str(tiny_model_dir), "data": str(text_file),
+    cfg = build_config({"task": "niah_multikey_depths", "model": str(tiny_model_dir), "data": str(text_file),
                         "lengths": [224], "strategies": ["vanilla", "yarn"], "device": "cpu",
-                        "niah_multikey": {"trials": 2, "depths": [0.0, 1.0], "keys": 3, "digits": 4,
+                        "niah_multikey_depths": {"trials": 2, "depths": [0.0, 1.0], "keys": 3, "digits": 4,
                                           "candidates": 3}})
     records = run_sweep(cfg, tmp_path, progress=False)
     assert [(r["task"], r["strategy"], r["trials"], r["chance"]) for r in records] == [
-        ("niah_multikey", "vanilla", 4, 1 / 3), ("niah_multikey", "yarn", 4, 1 / 3)]
+        ("niah_multikey_depths", "vanilla", 4, 1 / 3), ("niah_multikey_depths", "yarn", 4, 1 / 3)]
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     docs = tokenize_documents(tok, load_documents(cfg.data.spec()))
     t = NiahMultikey(cfg.options, tokenizer=tok, train_length=32, documents=docs)

@@ -1,0 +1,273 @@
+"""What every RULER task shares (Hsieh et al. 2024, arXiv:2404.06654; NVIDIA/RULER ``c3f5e3b4``):
+samples from RULER's own generators (``ruler_*_gen``), cached (``ruler_cache``), read by the model
+with RULER's template and answer prefix, answered by batched greedy decoding with the KV cache for
+RULER's per-task generation budget, scored with RULER's metric.
+
+- **Template**: ``base`` (RULER's default, ``Templates['base'] = "{task_template}"``), ``chat`` (the
+  tokenizer's own chat template around the task, one user turn and the generation prompt), or a
+  model template string holding ``{task_template}`` (as RULER's ``template.py`` has them). As in
+  RULER's ``prepare.py`` the model template is joined before generation, so it counts in the length
+  (and niah's singular rewrite applies to it too). A chat template is rendered from the tokenizer
+  and recorded in every record (``template_text``); the option itself is in the run's identity.
+- **Lengths** are RULER's: prompt tokens (``tokenizer.tokenize``, no special tokens) + the
+  generation budget ≤ L. A length that cannot hold a sample is refused in one line, never cut; the
+  model reads the prompt with the tokenizer's special tokens (a BOS where the tokenizer adds one,
+  not a second one where the template text starts with it), and every record carries the token
+  counts the model read (``prompt_tokens``: per sample, ``prompt_tokens_max``).
+- **Decoding**: greedy, ``tokens_to_generate`` new tokens at most, stopping at the end-of-sequence
+  token(s); ``batch_size`` prompts a forward, left-padded, with position ids counted from each
+  prompt's first token (so padding changes no position). Attention-rule strategies (ReRoPE, …)
+  decode one prompt at a time: their kernels take no padding mask.
+- **Score**: RULER's ``postprocess_pred`` then ``string_match_all`` (or ``string_match_part`` for QA):
+  the mean per-sample score × 100, rounded to 2 places as RULER prints it.
+
+Options shared by every RULER task: ``num_samples`` (RULER: 500), ``seed`` (RULER: 42),
+``template``, ``tokens_to_generate`` (None: RULER's budget for the task; another value departs from
+RULER and is recorded), ``batch_size``, ``cache``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from pydantic import Field, field_validator
+
+from ropescale.compat import cache_kwarg, output_cache
+from ropescale.runs.data import DataError
+from ropescale.runs.memory import PY_LIST_SLOT, Need, forward_bytes, kv_cache_bytes, model_dims
+
+from .base import Metric, Task, TaskOptions, progress
+from .prompts import PromptError
+from .ruler_cache import CacheStats, cached_samples, tokenizer_fingerprint
+from .ruler_spec import FAMILIES, Family, RulerSample, join_template, postprocess_pred, sample_score
+from .ruler_text import essay_words, generator_versions
+
+__all__ = ["RULER_COMMIT", "RulerExample", "RulerOptions", "RulerTask", "greedy_batch", "model_template"]
+
+RULER_COMMIT = "c3f5e3b4f87f97e048793bb510a3a6b19a46bf3a"
+BASE = "{task_template}"
+_MARK = "\uffffTASK\uffff"
+
+
+class RulerOptions(TaskOptions):
+    num_samples: int = Field(500, ge=1, description="samples per length (RULER: 500)")
+    seed: int = Field(42, description="RULER's random_seed")
+    template: str = Field("base", description="base (RULER's default), chat (the tokenizer's chat template), or a "
+                                              "model template holding {task_template}")
+    tokens_to_generate: int | None = Field(None, ge=1, description="generation budget; default RULER's per task")
+    batch_size: int = Field(8, ge=1, description="prompts decoded together")
+    cache: bool = Field(True, description="reuse generated samples across runs (ROPESCALE_CACHE/ruler)")
+
+    @field_validator("template")
+    @classmethod
+    def _template(cls, v: str) -> str:
+        if v not in ("base", "chat") and "{task_template}" not in v:
+            raise ValueError("expected base, chat, or a model template holding {task_template}")
+        return v
+
+    def key(self) -> dict[str, Any]:
+        return self.model_dump(exclude={"batch_size", "cache"})
+
+
+def model_template(kind: str, tokenizer) -> str:
+    """The model template RULER's ``prepare.py`` formats with ``task_template``: ``base``, the
+    tokenizer's chat template around one user turn (braces escaped), or ``kind`` itself."""
+    if kind == "base":
+        return BASE
+    if kind != "chat":
+        return kind
+    if not getattr(tokenizer, "chat_template", None):
+        raise PromptError("template: chat, but the tokenizer has no chat template; use template: base, or give "
+                          "the model template as a string holding {task_template}")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], tokenize=False,
+                                         add_generation_prompt=True)
+    return text.replace("{", "{{").replace("}", "}}").replace(_MARK, "{task_template}")
+
+
+@dataclass(frozen=True)
+class RulerExample:
+    """A sample and the token ids the model reads (``[n]``, special tokens included)."""
+
+    sample: RulerSample
+    ids: list[int]
+
+
+class RulerTask(Task):
+    """Base of the RULER tasks: subclasses set ``family``, ``Options`` and implement ``generate``."""
+
+    family: ClassVar[str]
+    Options = RulerOptions
+    metrics = (Metric(key="score", label="RULER score (%)", higher_is_better=True, fmt="{:.1f}"),)
+    essay: ClassVar[bool] = False  # reads the data source as its haystack
+
+    @property
+    def spec(self) -> Family:
+        return FAMILIES[self.family]
+
+    @property
+    def budget(self) -> int:
+        return self.options.tokens_to_generate or self.spec.tokens_to_generate
+
+    @cached_property
+    def template(self) -> str:
+        """The task template joined with the model template (``prepare.py``)."""
+        return join_template(self.spec, model_template(self.options.template, self.tokenizer))
+
+    @cached_property
+    def essay_text(self) -> str:
+        """The data source's documents as one text (``DataError`` when empty)."""
+        text = "\n".join(self.tokenizer.decode(d.tolist()) for d in self.documents or [])
+        if not text.strip():
+            raise DataError(f"{self.source or 'the data source'}: no text for the essay haystack")
+        return text
+
+    @cached_property
+    def essay_words(self) -> list[str]:
+        return essay_words(self.essay_text)
+
+    def count(self, text: str) -> int:
+        """RULER's token count: ``len(tokenizer.tokenize(text))`` (no special tokens)."""
+        return len(self.tokenizer.tokenize(text))
+
+    def generate(self, length: int, num_samples: int) -> list[RulerSample]:
+        raise NotImplementedError
+
+    def cache_key(self, length: int) -> dict[str, Any]:
+        o = self.options
+        return {"ruler": RULER_COMMIT, "task": self.name, "options": o.model_dump(exclude={"batch_size", "cache",
+                                                                                          "num_samples"}),
+                "length": length, "template": self.template, "tokenizer": tokenizer_fingerprint(self.tokenizer),
+                "haystack": hashlib.sha256(self.essay_text.encode()).hexdigest()[:16] if self.essay else None,
+                "versions": generator_versions()}
+
+    @cached_property
+    def generation(self) -> dict[int, CacheStats]:
+        """How each length's samples were had (cache hit or generated, seconds)."""
+        return {}
+
+    def samples(self, length: int) -> list[RulerSample]:
+        o = self.options
+        samples, stats = cached_samples(self.cache_key(length), o.num_samples,
+                                        lambda: self.generate(length, o.num_samples), use=o.cache)
+        self.generation[length] = stats
+        logging.getLogger("ropescale").info("%s @ %d: %d samples %s in %.2fs", self.name, length, len(samples),
+                                            "read from the cache" if stats.cached else "generated", stats.seconds)
+        return samples
+
+    def input_ids(self, prompt: str) -> list[int]:
+        """The tokens the model reads: the tokenizer's special tokens, but no second BOS where the
+        template text already starts with it."""
+        bos = self.tokenizer.bos_token
+        return self.tokenizer(prompt, add_special_tokens=not (bos and prompt.startswith(bos)))["input_ids"]
+
+    def examples(self, length: int) -> list[RulerExample]:
+        if length <= self.budget:
+            raise PromptError(f"{self.name}: length {length} leaves no room for a prompt beside the generation budget "
+                              f"of {self.budget} tokens (RULER's for this task)")
+        return [RulerExample(s, self.input_ids(s.prompt)) for s in self.samples(length)]
+
+    def memory(self, length: int, model) -> Need:
+        """Device: the KV cache of ``batch_size`` prompts and their answers, and one forward's
+        activations over them; host: the samples' token ids."""
+        o = self.options
+        dims = model_dims(model)
+        itemsize = model.dtype.itemsize
+        return Need(what=f"{self.name} at {length} tokens ({o.num_samples} samples, batch {o.batch_size})",
+                    device={"KV cache": kv_cache_bytes(dims, length + 8, itemsize, batch=o.batch_size),
+                            "activations": forward_bytes(dims, length, itemsize, batch=o.batch_size)},
+                    host={"prompts": o.num_samples * length * PY_LIST_SLOT})
+
+    @torch.no_grad()
+    def measure(self, model, examples, indices, *, length, strategy, device, desc) -> list:
+        batch = 1 if strategy.kind == "attention" else self.options.batch_size
+        eos = _eos_ids(self.tokenizer, model)
+        order = sorted(indices, key=lambda i: -len(examples[i].ids))  # similar lengths together: less padding
+        out = []
+        bar = progress(len(order), desc, unit="ex")
+        for start in range(0, len(order), batch):
+            chunk = order[start:start + batch]
+            gens = greedy_batch(model, [examples[i].ids for i in chunk], self.budget, eos, device,
+                                pad_id=self.tokenizer.pad_token_id)
+            out += [(i, self.tokenizer.decode(g, skip_special_tokens=True)) for i, g in zip(chunk, gens)]
+            bar.update(len(chunk))
+        bar.close()
+        return out
+
+    def combine(self, parts, examples, *, length, strategy) -> dict[str, Any]:
+        rows = sorted(x for part in parts for x in part)
+        if [i for i, _ in rows] != list(range(len(examples))):
+            raise RuntimeError(f"{self.name}: the processes' parts do not cover every example exactly once")
+        preds = [postprocess_pred(p) for _, p in rows]
+        per = [sample_score(self.spec.metric, p, list(ex.sample.outputs)) for p, ex in zip(preds, examples)]
+        tokens = [len(ex.ids) for ex in examples]
+        stats = self.generation.get(length)
+        return {"score": round(sum(per) / len(per) * 100, 2), "metric": self.spec.metric, "samples": len(per),
+                "nulls": sum(not p for p in preds), "tokens_to_generate": self.budget,
+                "template": self.options.template, "template_text": self.template if self.options.template == "chat"
+                else None, "prompt_tokens": tokens, "prompt_tokens_max": max(tokens),
+                "sample_scores": per, "predictions": preds[:3],
+                "generation": {"cached": stats.cached, "seconds": round(stats.seconds, 3)} if stats else None}
+
+    @classmethod
+    def plots(cls, records: list[dict], output: Path) -> dict[str, Path]:
+        from ..plots import plot_metric
+
+        path = output / "score_vs_length.png"
+        plot_metric(records, "score", "RULER score (%)", path)
+        return {"plot": path}
+
+
+def _eos_ids(tokenizer, model) -> list[int]:
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(ids))
+
+
+def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: list[int], device,
+                 pad_id: int | None = None) -> list[list[int]]:
+    """Greedy continuations of ``prompts`` (token lists), ``max_new_tokens`` at most each, cut before
+    the first token in ``eos``. Left-padded to one batch ``[b, n]``; position ids count from each
+    prompt's own first token; the KV cache grows one token a step. One prompt: no mask at all."""
+    b, n = len(prompts), max(map(len, prompts))
+    pad = pad_id if pad_id is not None else (eos[0] if eos else 0)
+    ids = torch.full((b, n), pad, dtype=torch.long)
+    mask = torch.zeros((b, n), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, n - len(p):] = torch.tensor(p)
+        mask[r, n - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    padded = bool((mask == 0).any())
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [b, n]
+    kw = {"attention_mask": mask, "position_ids": pos} if padded else {}
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **kw)
+    cache, name = output_cache(out), cache_kwarg(model)
+    tok = out.logits[:, -1].argmax(-1)  # [b]
+    stop = torch.tensor(eos, device=device) if eos else None
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    steps = [tok]
+    for _ in range(max_new_tokens - 1):
+        if stop is not None:
+            done |= torch.isin(tok, stop)
+            if bool(done.all()):
+                break
+        if padded:
+            mask = torch.cat([mask, mask.new_ones(b, 1)], dim=1)
+            pos = pos[:, -1:] + 1
+            kw = {"attention_mask": mask, "position_ids": pos}
+        logits = model(input_ids=tok[:, None], **{name: cache}, use_cache=True, **kw).logits
+        tok = logits[:, -1].argmax(-1)
+        steps.append(tok)
+    gen = torch.stack(steps, dim=1).tolist()  # [b, steps]
+    out_ids = []
+    for row in gen:
+        cut = next((j for j, t in enumerate(row) if t in eos), len(row))
+        out_ids.append(row[:cut])
+    return out_ids

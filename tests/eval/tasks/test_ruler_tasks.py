@@ -1,0 +1,182 @@
+"""The RULER tasks' lifecycle on a tiny model: greedy decoding against transformers' own
+``generate``, RULER's scores from the predictions, the sample cache, refusals, the ``ruler`` suite's
+records, tables and plots."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from eval.config import ConfigError, build_config
+from eval.sweep import run_sweep
+from eval.tasks import get_task
+from eval.tasks.prompts import PromptError
+from eval.tasks.ruler_base import greedy_batch, model_template
+from eval.tasks.ruler_cache import cached_samples
+from eval.tasks.ruler_spec import RulerSample
+from ropescale.models import REFERENCE_MODEL
+from ropescale.patching import patch
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ROPESCALE_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(str(REFERENCE_MODEL))
+
+
+def hf_greedy(model, ids, n, eos):
+    """transformers' generate, greedy, one prompt: the oracle for greedy_batch."""
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    gen = out[0, len(ids):].tolist()
+    return gen[: gen.index(eos)] if eos in gen else gen
+
+
+@pytest.mark.parametrize("strategy", ["vanilla", "yarn"])
+def test_batched_greedy_equals_generate(tiny_model_dir, strategy):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    eos = model.generation_config.eos_token_id
+    prompts = [list(range(5, 45)), list(range(100, 117)), list(range(300, 329))]  # 40, 17, 29 tokens: padded
+    with torch.no_grad(), patch(model, strategy, original_max_position_embeddings=32,
+                                **({"factor": 2.0} if strategy == "yarn" else {})):
+        want = [hf_greedy(model, p, 12, eos) for p in prompts]
+        got = greedy_batch(model, prompts, 12, [eos], "cpu")
+    assert got == want and all(len(g) == 12 for g in got)
+
+
+def test_greedy_stops_at_eos(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    p = list(range(5, 25))
+    with torch.no_grad():
+        free = greedy_batch(model, [p], 6, [], "cpu")[0]
+        cut = greedy_batch(model, [p, p[:10]], 6, [free[2]], "cpu")[0]
+    assert cut == free[:2]
+
+
+def test_cache_reuses_and_extends(tmp_path):
+    made = []
+
+    def make(n):
+        def go():
+            made.append(n)
+            return [RulerSample(i, f"p{i}", (str(i),), 10, " a") for i in range(n)]
+        return go
+
+    key = {"task": "x", "length": 64}
+    s1, st1 = cached_samples(key, 3, make(3), directory=tmp_path)
+    s2, st2 = cached_samples(key, 2, make(2), directory=tmp_path)  # fewer: a prefix of the stored ones
+    s3, st3 = cached_samples(key, 4, make(4), directory=tmp_path)  # more: made again, stored
+    _, st4 = cached_samples({**key, "length": 65}, 1, make(1), directory=tmp_path)
+    assert made == [3, 4, 1]
+    assert (st1.cached, st2.cached, st3.cached, st4.cached) == (False, True, False, False)
+    assert s2 == s1[:2] and len(s3) == 4
+    (tmp_path / st1.path.split("/")[-1]).write_text("torn")  # a torn file is made again, not an error
+    assert cached_samples(key, 1, make(1), directory=tmp_path)[1].cached is False
+
+    def refuse():
+        made.append("refused")
+        raise PromptError("x at 64 tokens: no example fits")
+
+    for _ in range(2):  # the refusal is stored: the second one comes from the cache
+        with pytest.raises(PromptError, match="^x at 64 tokens: no example fits$"):
+            cached_samples({**key, "length": 66}, 1, refuse, directory=tmp_path)
+    assert made.count("refused") == 1
+
+
+def test_examples_come_from_the_cache_the_second_time(tok, tmp_path):
+    cls = get_task("niah_single_1")
+    t1 = cls(cls.Options(num_samples=2), tokenizer=tok, train_length=128)
+    t2 = cls(cls.Options(num_samples=1, batch_size=3), tokenizer=tok, train_length=128)
+    t3 = cls(cls.Options(num_samples=1, seed=1), tokenizer=tok, train_length=128)
+    a, b, c = t1.examples(512), t2.examples(512), t3.examples(512)
+    assert not t1.generation[512].cached and t2.generation[512].cached and not t3.generation[512].cached
+    assert b == a[:1] and c[0].sample != a[0].sample
+
+
+def test_lengths_that_cannot_hold_a_prompt_are_refused(tok):
+    cls = get_task("niah_single_1")
+    t = cls(cls.Options(num_samples=1, cache=False), tokenizer=tok, train_length=128)
+    with pytest.raises(PromptError, match=r"^niah_single_1: length 128 leaves no room for a prompt beside the "
+                                          r"generation budget of 128 tokens"):
+        t.examples(128)
+    with pytest.raises(PromptError, match=r"^niah_single_1 at 256 tokens: no example fits \(100 draws at the "
+                                          r"smallest haystack, size 5, were all too long\): the shortest \d+ "
+                                          r"tokens with the generation budget, more than 256$"):
+        t.examples(256)
+    fwe = get_task("fwe")(get_task("fwe").Options(num_samples=1, cache=False), tokenizer=tok, train_length=128)
+    with pytest.raises(PromptError, match=r"^fwe at 128 tokens: a vocabulary of 1 coded words"):
+        fwe.examples(128)
+
+
+def test_model_templates(tok):
+    assert model_template("base", tok) == "{task_template}"
+    assert model_template("[INST] {task_template} [/INST]", tok) == "[INST] {task_template} [/INST]"
+    with pytest.raises(PromptError, match="the tokenizer has no chat template"):
+        model_template("chat", tok)
+    tok2 = AutoTokenizer.from_pretrained(str(REFERENCE_MODEL))
+    tok2.chat_template = "{% for m in messages %}<u>{{ m['content'] }}</u>{% endfor %}{{ '<a>{x}' }}"
+    assert model_template("chat", tok2) == "<u>{task_template}</u><a>{{x}}"
+    with pytest.raises(ConfigError, match="template: .*expected base, chat, or a model template"):
+        build_config({"task": "vt", "lengths": [1024], "strategies": ["vanilla"], "vt": {"template": "oops"}})
+
+
+def test_a_task_end_to_end_on_a_tiny_model(tmp_path, tiny_model_dir):
+    """Records of niah_single_1: RULER's score recomputed by hand from transformers' generate."""
+    cfg = build_config({"task": "niah_single_1", "model": str(tiny_model_dir), "lengths": [512],
+                        "strategies": ["vanilla", "yarn"], "device": "cpu",
+                        "niah_single_1": {"num_samples": 2, "batch_size": 2, "tokens_to_generate": 8}})
+    records = run_sweep(cfg, tmp_path / "run", progress=False)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    task = get_task("niah_single_1")(cfg.options, tokenizer=tok, train_length=32)
+    examples = task.examples(512)
+    with torch.no_grad():
+        preds = [tok.decode(hf_greedy(model, ex.ids, 8, tok.eos_token_id), skip_special_tokens=True).strip()
+                 for ex in examples]
+    hits = [sum(r.lower() in p.lower() for r in ex.sample.outputs) / len(ex.sample.outputs)
+            for p, ex in zip(preds, examples)]
+    r = records[0]
+    assert r["strategy"] == "vanilla" and r["score"] == round(100 * sum(hits) / 2, 2)
+    assert r["prompt_tokens"] == [len(ex.ids) for ex in examples] and r["prompt_tokens_max"] <= 512 - 8
+    assert r["predictions"] == preds and r["tokens_to_generate"] == 8 and r["metric"] == "string_match_all"
+    assert "RULER score" in (tmp_path / "run" / "results.md").read_text()
+
+
+def test_the_suite_end_to_end(tmp_path, tiny_model_dir, text_file):
+    cfg = build_config({"task": "ruler", "model": str(tiny_model_dir), "data": str(text_file),
+                        "lengths": [128, 256, 512], "strategies": ["vanilla", "ntk"], "device": "cpu",
+                        "ruler": {"tasks": ["niah_single_1", "fwe"], "num_samples": 1, "tokens_to_generate": 8}})
+    records = run_sweep(cfg, tmp_path / "run", progress=False)
+    by = {(r["strategy"], r["length"]): r for r in records}
+    none, short, long_ = by[("vanilla", 128)], by[("vanilla", 256)], by[("vanilla", 512)]
+    assert none["score"] is None and none["tasks_scored"] == 0 and set(none["refused"]) == {"niah_single_1", "fwe"}
+    assert list(short["scores"]) == ["fwe"] and "niah_single_1" in short["refused"] and short["tasks_scored"] == 1
+    assert short["score"] == short["scores"]["fwe"]
+    assert set(long_["scores"]) == {"niah_single_1", "fwe"} and not long_["refused"]
+    assert long_["score"] == round(sum(long_["scores"].values()) / 2, 2)
+    assert long_["per_task"]["fwe"]["generation"]["cached"] is False
+    md = (tmp_path / "run" / "results.md").read_text()
+    assert "| strategy | average | niah_single_1 | fwe |" in md and "Refused at this length: niah_single_1" in md
+    assert "| vanilla | — | — | — |" in md
+    assert (tmp_path / "run" / "task_heatmap.png").stat().st_size > 0
+    assert (tmp_path / "run" / "score_vs_length.png").stat().st_size > 0
+    # a second run (another folder) reads every sample from the cache
+    again = run_sweep(cfg, tmp_path / "again", progress=False)
+    assert all(t["generation"]["cached"] for r in again for t in r["per_task"].values())
+    assert [r["scores"] for r in again] == [r["scores"] for r in records]
+    assert json.loads(json.dumps(records[0]))  # records are JSON
+
+
+def test_suite_options_are_checked():
+    with pytest.raises(ConfigError, match=r"ruler.tasks: unknown task 'niah_single_9'"):
+        build_config({"task": "ruler", "lengths": [1024], "strategies": ["vanilla"],
+                      "ruler": {"tasks": ["niah_single_9"]}})
+    with pytest.raises(ConfigError, match=r"ruler.tasks: passkey is not a RULER task"):
+        build_config({"task": "ruler", "lengths": [1024], "strategies": ["vanilla"], "ruler": {"tasks": ["passkey"]}})
+    cfg = build_config({"task": "ruler", "lengths": [1024], "strategies": ["vanilla"],
+                        "ruler": {"tasks": ["niah_multikey", "niah_multikey_1"]}})
+    assert cfg.options.tasks == ["niah_multikey_1"]  # the old name is an alias
