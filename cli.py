@@ -251,8 +251,12 @@ def _common_options(fn):
         click.option("--lengths", callback=_lengths, help="comma-separated lengths in tokens, e.g. 128,256,512"),
         click.option("--device", help="auto, cpu, cuda, cuda:1 ..."),
         click.option("--device-map", help="auto: spread a model larger than one GPU over this node's devices"),
-        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"])),
+        click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+                     help="auto (default): bfloat16 on a GPU that supports it, float32 on the CPU"),
         click.option("--quiet", "-q", is_flag=True, help="no progress output"),
+        click.option("--engine", type=click.Choice(["transformers", "vllm"]),
+                     help="what scores the cells: transformers (default) or vllm (what `patch --target vllm` "
+                          "writes, in vLLM's own environment; bench/engines/install.sh vllm)"),
     ]):
         fn = opt(fn)
     return fn
@@ -285,11 +289,11 @@ def _run(config, overrides, output, flags: dict, quiet: bool, *, only_task: str 
 @_common_options
 @click.option("--task", help="perplexity (default), passkey, needle, niah_multikey … (`ropescale tasks` lists them)")
 def eval_cmd(config, overrides, output, model, data, strategy_specs, lengths, device, device_map, dtype, quiet,
-             task) -> None:
+             engine, task) -> None:
     """Run a task (perplexity, passkey, needle, …) for each strategy at each length; resumable;
     writes results.jsonl/csv/md and the task's plots."""
     flags = {"task": task, "model": model, "data": data, "lengths": lengths, "device": device, "dtype": dtype,
-             "device_map": device_map, "strategies": list(strategy_specs) or None}
+             "device_map": device_map, "engine": engine, "strategies": list(strategy_specs) or None}
     _run(config, overrides, output, flags, quiet)
 
 
@@ -300,12 +304,13 @@ def eval_cmd(config, overrides, output, model, data, strategy_specs, lengths, de
 @click.option("--max-windows", type=int, help="cap on windows per length")
 @click.option("--batch-size", type=int)
 @click.option("--dynamic-block", type=int, help="score dynamic strategies block-wise (generation semantics)")
-def sweep(config, overrides, output, model, data, strategy_specs, lengths, device, device_map, dtype, quiet, mode,
-          stride, max_windows, batch_size, dynamic_block) -> None:
+def sweep(config, overrides, output, model, data, strategy_specs, lengths, device, device_map, dtype, quiet, engine,
+          mode, stride, max_windows, batch_size, dynamic_block) -> None:
     """Perplexity of each strategy at each length (the perplexity task); resumable."""
     flags = {"model": model, "data": data, "lengths": lengths, "mode": mode, "stride": stride,
              "max_windows": max_windows, "batch_size": batch_size, "device": device, "dtype": dtype,
-             "device_map": device_map, "dynamic_block": dynamic_block, "strategies": list(strategy_specs) or None}
+             "device_map": device_map, "engine": engine, "dynamic_block": dynamic_block,
+             "strategies": list(strategy_specs) or None}
     _run(config, overrides, output, flags, quiet, only_task="perplexity")
 
 

@@ -29,6 +29,7 @@ from ropescale.runs.config import (
     read_yaml,
 )
 
+from .engines.vllm_eval import ENGINES, VllmOptions
 from .tasks.base import TaskOptions, get_task, task_names
 from .tasks.perplexity import LEGACY_KEYS
 
@@ -43,7 +44,24 @@ __all__ = [
     "load_config",
     "parse_strategy",
     "read_yaml",
+    "resolved_dtype",
 ]
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def resolved_dtype(dtype: str, device) -> str:
+    """The weights' dtype a run uses: ``auto`` → ``bfloat16`` on a CUDA device that supports it
+    (Ampere and later), ``float32`` elsewhere (CPU, MPS, older GPUs); any other name as given.
+    Runs record the resolved name (identity, manifest, records), so a default ``auto`` run on the
+    CPU is the same experiment as an explicit ``float32`` one."""
+    import torch
+
+    if dtype != "auto":
+        return dtype
+    device = torch.device(device)
+    return "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
 
 
 MAX_LENGTH = 1 << 24  # float32 holds every integer position up to here; memory is checked before a run
@@ -64,11 +82,17 @@ class EvalConfig(BaseModel):
     # declared base, which has no fields and would dump as {}
     options: SerializeAsAny[TaskOptions] = Field(default_factory=TaskOptions, description="the task's options")
     original_max_position_embeddings: int | None = Field(None, ge=2)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weights' dtype; auto: bfloat16 on a GPU that supports it, float32 on the CPU "
+                            "(recorded resolved)")
     device: str = "auto"
     device_map: str | None = Field(None, description="auto / balanced / sequential: spread a model larger than "
                                                       "one GPU over this node's devices (accelerate)")
     threads: int | None = Field(None, ge=1, description="torch threads (at most this machine's CPU count)")
+    engine: Literal[ENGINES] = Field("transformers", description="what scores the cells: transformers (in this "
+                                     "process) or vllm (serving what `patch --target vllm` writes; eval.engines)")
+    vllm: VllmOptions = Field(default_factory=VllmOptions, description="engine: vllm's tensor_parallel_size, "
+                              "data_parallel_size, max_model_len, parity_tolerance")
     output: str | None = None
 
     @model_validator(mode="before")
@@ -165,7 +189,8 @@ def _explain(err: ValidationError, source: str, task: str) -> ConfigError:
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             field = str(e["loc"][-1])
-            known = _top_level_keys(task) if len(e["loc"]) == 1 else list(DataConfig.model_fields)
+            section = {"vllm": VllmOptions}.get(str(e["loc"][0]), DataConfig)
+            known = _top_level_keys(task) if len(e["loc"]) == 1 else list(section.model_fields)
             hint = difflib.get_close_matches(field, known, n=1)
             msg = f"unknown key; allowed: {', '.join(known)}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
         lines.append(f"{source}: {key}: {msg}" if e["loc"] else f"{source}: {msg}")

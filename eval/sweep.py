@@ -36,7 +36,8 @@ from ropescale.runs.manifest import (
 from ropescale.runs.memory import InsufficientMemoryError, check_fits
 from ropescale.strategies import get_strategy
 
-from .config import EvalConfig, StrategySpec
+from .config import EvalConfig, StrategySpec, resolved_dtype
+from .engines.vllm_eval import check_engine, engine_version, score_cell_vllm
 from .report import write_reports
 from .schema import SCHEMA_VERSION, Record
 from .tasks.base import Task, get_task
@@ -142,7 +143,7 @@ def _configured_window(cfg: EvalConfig) -> int | None:
 
 
 def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec, length: int, train_len: int,
-                device, progress: bool, state) -> dict:
+                device, progress: bool, state, output: Path) -> dict:
     """Patch, measure this process's share of the examples, gather the parts, combine, unpatch;
     the cell's record (without id and environment)."""
     strat = get_strategy(spec.name)
@@ -154,11 +155,14 @@ def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec
         logging.getLogger("ropescale").warning("%s @ %d: %s", spec.display, length, note)
     t0 = time.perf_counter()
     share = list(range(state.process_index, len(examples), state.num_processes))
+    engine = {"engine": "transformers", "engine_version": engine_version("transformers")}
     try:
-        with patch(model, spec.name, original_max_position_embeddings=train_len, logn=spec.logn,
-                   temperature=spec.temperature, **params):
-            part = task.measure(model, examples, share, length=length, strategy=strat, device=device,
-                                desc=f"{spec.display} @ {length}" if progress else None)
+        if cfg.engine == "vllm":  # the patch's export served by vLLM; its first example checked against ours
+            result = score_cell_vllm(cfg, task, model, examples, spec, params, length, train_len, device, output)
+            engine = {}
+        else:
+            result = _measure(cfg, task, model, examples, share, spec, strat, params, length, train_len, device,
+                              progress, state)
     except (RuntimeError, MemoryError) as e:
         if not _out_of_memory(e):
             raise
@@ -167,15 +171,25 @@ def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec
             f"{spec.display} @ {length}: out of memory on {device} ({first}); the cells finished before it are "
             f"saved, so a rerun resumes: drop length {length} and longer from lengths, or use a device with more "
             "memory") from None
-    parts = gather_object([part]) if state.num_processes > 1 else [part]
-    result = task.combine(parts, examples, length=length, strategy=strat)
     seconds = time.perf_counter() - t0
     return {"task": cfg.task, "strategy": spec.display, "name": spec.name, "params": params, "logn": spec.logn,
             **({"temperature": spec.temperature} if spec.temperature else {}), "length": length,
             "train_length": train_len, "model": cfg.model,
             "data": cfg.data.spec().describe() if task.uses_data else None, "options": cfg.options.key(),
-            "dtype": cfg.dtype, "device": str(device), **result, **({"note": note} if note else {}),
+            "dtype": cfg.dtype, "device": str(device), **engine, **result, **({"note": note} if note else {}),
             "seconds": round(seconds, 3)}
+
+
+def _measure(cfg: EvalConfig, task: Task, model, examples, share: list[int], spec: StrategySpec, strat, params: dict,
+             length: int, train_len: int, device, progress: bool, state) -> dict:
+    """The transformers engine: this process's share measured on the patched model, the parts
+    gathered and combined."""
+    with patch(model, spec.name, original_max_position_embeddings=train_len, logn=spec.logn,
+               temperature=spec.temperature, **params):
+        part = task.measure(model, examples, share, length=length, strategy=strat, device=device,
+                            desc=f"{spec.display} @ {length}" if progress else None)
+    parts = gather_object([part]) if state.num_processes > 1 else [part]
+    return task.combine(parts, examples, length=length, strategy=strat)
 
 
 def _out_of_memory(err: BaseException) -> bool:
@@ -229,6 +243,8 @@ def run_sweep(cfg: EvalConfig, output: str | Path, *, progress: bool = True) -> 
     # cpu=True makes processes started by torchrun (`accelerate launch --multi_gpu` on a machine
     # without GPUs) one gloo group; without it each would measure every example and write alone
     state = PartialState(cpu=resolve_device(cfg.device).type == "cpu")
+    if cfg.engine == "vllm":  # what vLLM cannot do is refused before anything loads or is written
+        check_engine(cfg, processes=state.num_processes)
     train_len = _configured_window(cfg)
     if train_len:  # every cell's parameters, before the folder, the manifest or the first cell
         resolve_cells(cfg, train_len)
@@ -258,11 +274,14 @@ def _run_locked(cfg: EvalConfig, output: Path, progress: bool, state) -> list[di
     task_cls = get_task(cfg.task)
     # a device that is not there fails before any work; launched processes take their own
     device = state.device if state.num_processes > 1 and cfg.device == "auto" else resolve_device(cfg.device)
+    cfg = cfg.model_copy(update={"dtype": resolved_dtype(cfg.dtype, device)})  # recorded resolved
     tokenizer = load_tokenizer(cfg.model)
     docs = tokenize_documents(tokenizer, load_documents(cfg.data.spec())) if task_cls.uses_data else None
     env = environment()
     ident = identity(cfg, data=data_fingerprint(docs), weights=model_fingerprint(cfg.model),
                      versions={k: env[k] for k in ("ropescale", "torch", "transformers")})
+    if cfg.engine != "transformers":  # another engine's cells are another experiment (folders before it resume)
+        ident["engine"] = cfg.engine
     # checked now, claimed (written) once the model loads and every length's examples are built: a
     # config refused on the way leaves the folder free for the corrected rerun
     experiment = check_manifest(output, ident, cfg.model_dump(mode="json"), state, write=False)
@@ -293,7 +312,7 @@ def _run_locked(cfg: EvalConfig, output: Path, progress: bool, state) -> list[di
             for length, spec, cid in todo:
                 record = {"schema": SCHEMA_VERSION, "cell": cid, "experiment": experiment,
                           **_score_cell(cfg, task, model, examples[length], spec, length, train_len, device,
-                                        progress, state), "env": env}
+                                        progress, state, output), "env": env}
                 if sink is not None:
                     sink.write(json.dumps(record) + "\n")
                     sink.flush()  # written as it completes: a rerun resumes from here

@@ -14,6 +14,14 @@ vLLM computes it (a NaN stays NaN: vLLM past its cos/sin cache). Sets ``VLLM_CPU
 ``VLLM_CPU_OMP_THREADS_BIND=nobind`` and (here only: the prompt is L tokens and one more is
 generated) ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`` unless given.
 
+``score``: ``{"model": DIR, "max_model_len": N, "dtype": name, "tensor_parallel_size": t,
+"data_parallel_size": d, "requests": [{"ids": [int, ...], "max_tokens": n, "prompt_logprobs": bool}, ...]}``
+→ ``{"results": [{"logprobs": [float, ...] | null, "tokens": [int, ...]}, ...], "vllm": version,
+"start_seconds": s, "score_seconds": s}`` or ``{"error": line, ...}`` when vLLM refuses the model: one
+``LLM(...)`` (``enforce_eager``, seed 0; the parallel sizes passed only when above 1) and one
+``generate`` over every request, greedy (temperature 0) for ``max_tokens`` tokens; ``logprobs`` as in
+``logprobs`` mode (log p(ids[j+1] | ids[:j+1])), when asked.
+
 ``rope``: ``{"cases": [{"model": DIR, "max_model_len": N, "hf_overrides": {...} | null, "length": L}
 | {"head_size": int, "rotary_dim": int | null, "max_position": int, "rope_parameters": {...},
 "length": L}, ...]}`` → per case ``{"class": name, "cache_length": n,
@@ -86,6 +94,37 @@ def logprobs(request: dict) -> dict:
 
         gc.collect()
     return {"jobs": out, "vllm": vllm.__version__}
+
+
+def score(request: dict) -> dict:
+    os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # the token generated after a full window
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    start = time.perf_counter()
+    kwargs = {k: int(request[k]) for k in ("tensor_parallel_size", "data_parallel_size") if int(request.get(k, 1)) > 1}
+    try:
+        llm = LLM(model=request["model"], dtype=request.get("dtype", "float32"),
+                  max_model_len=int(request["max_model_len"]), enforce_eager=True, seed=0, **kwargs)
+    except Exception as e:  # noqa: BLE001 — vLLM refusing the model is the answer
+        return {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:400]}", "vllm": vllm.__version__}
+    started = time.perf_counter()
+    reqs = request["requests"]
+    params = [SamplingParams(max_tokens=int(r["max_tokens"]), temperature=0.0,
+                             prompt_logprobs=0 if r.get("prompt_logprobs") else None) for r in reqs]
+    prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in r["ids"]]) for r in reqs]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    results = []
+    for r, o in zip(reqs, outputs):
+        lp = None
+        if r.get("prompt_logprobs"):
+            ids = r["ids"]
+            lp = [float(e[int(ids[j])].logprob) if e is not None and int(ids[j]) in e else float("nan")
+                  for j, e in enumerate(o.prompt_logprobs[1:], start=1)]
+        results.append({"logprobs": lp, "tokens": [int(t) for t in o.outputs[0].token_ids]})
+    return {"results": results, "vllm": vllm.__version__, "start_seconds": started - start,
+            "score_seconds": time.perf_counter() - started}
 
 
 def rope(request: dict) -> dict:
@@ -191,11 +230,17 @@ def _rotate(module, head: int, rot: int, n: int):
 def main() -> int:
     _env()
     request = json.loads(Path(sys.argv[1]).read_text(encoding="utf-8"))
-    result = {"logprobs": logprobs, "rope": rope}[request["mode"]](request)
+    result = {"logprobs": logprobs, "rope": rope, "score": score}[request["mode"]](request)
     with open(sys.argv[2], "w", encoding="utf-8") as f:
         json.dump(result, f)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # the result is written: leave without vLLM's teardown, whose worker threads can abort the
+    # interpreter at exit ("terminate called without an active exception", exit -6; seen once in
+    # test_engine_vllm under load), which would discard a finished cell
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

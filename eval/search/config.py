@@ -106,7 +106,9 @@ class SearchConfig(BaseModel):
         "method evolution: LongRoPE's hyper-parameters (population, iterations, elite, mutation_prob, "
         "crossover_prob, variant); left out: the authors' defaults"))
     original_max_position_embeddings: Int | None = Field(None, ge=2)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weights' dtype; auto: bfloat16 on a GPU that supports it, float32 on the CPU "
+                            "(recorded resolved)")
     device: str = "auto"
     threads: Int | None = Field(None, ge=1)
     output: str | None = None

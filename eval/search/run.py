@@ -71,6 +71,12 @@ def run_search(cfg: SearchConfig, output: str | Path, *, progress: bool = True) 
     written. Then the manifest's errors for a folder holding another search or busy being written,
     ``StudyError`` for a ``study.db`` that cannot be used, and ``SearchFailed`` when every trial
     was refused or failed."""
+    from ropescale.models import resolve_device
+
+    from ..config import resolved_dtype
+
+    # dtype auto recorded resolved (identity, manifest): the same experiment as its explicit name
+    cfg = cfg.model_copy(update={"dtype": resolved_dtype(cfg.dtype, resolve_device(cfg.device))})
     if cfg.method == "evolution":
         from .longrope import run_longrope_search
 

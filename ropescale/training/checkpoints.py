@@ -73,8 +73,9 @@ def _write_failure(err: BaseException, folder: Path) -> str | None:
     return None
 
 
-def save_checkpoint(acc, output: Path, step: int, keep: int) -> Path:
-    """``acc.save_state`` into ``output/checkpoints/step-NNNNNN``, then the completion marker, then
+def save_checkpoint(acc, output: Path, step: int, keep: int, *, extra=None) -> Path:
+    """``acc.save_state`` into ``output/checkpoints/step-NNNNNN`` (and ``extra(folder)``, called on
+    every process: the sharded states accelerate does not hold), then the completion marker, then
     all but the newest ``keep`` complete checkpoints removed. Returns the folder.
 
     Raises ``CheckpointWriteError`` (one line: the folder, "no space left on the device", the step
@@ -83,6 +84,8 @@ def save_checkpoint(acc, output: Path, step: int, keep: int) -> Path:
     folder = Path(output) / CHECKPOINTS / f"step-{step:06d}"
     try:
         acc.save_state(str(folder))
+        if extra is not None:
+            extra(folder)
         acc.wait_for_everyone()
         if acc.is_main_process:
             (folder / COMPLETE).write_text(json.dumps({"step": step}) + "\n", encoding="utf-8")

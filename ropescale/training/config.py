@@ -34,6 +34,7 @@ __all__ = [
     "EvalDuringTraining",
     "FinetuneConfig",
     "LoraSettings",
+    "Parallelism",
     "PoseConfig",
     "RecipeSpec",
     "ResolvedRun",
@@ -192,6 +193,20 @@ def _fsdp_kwargs(spec: str) -> dict[str, Any]:
     return out
 
 
+class Parallelism(BaseModel):
+    """How the processes of a launched run share the work beyond data parallelism.
+
+    ``sequence``: P, processes per sequence-parallel group (DeepSpeed's Ulysses, ALST,
+    arXiv:2506.13996; ``ropescale.training.sequence_parallel``): each holds 1/P of every window's
+    tokens and, inside attention, the whole window for 1/P of the heads — for every rule. The
+    processes form D = processes / P data-parallel groups; the global batch stays
+    ``batch_size × grad_accum × processes`` windows. 1: off."""
+
+    model_config = _FINITE
+    sequence: int = Field(1, ge=1, description="processes per sequence-parallel group (Ulysses); 1: off")
+    _numbers = field_validator("sequence", mode="before")(_not_a_bool)
+
+
 class EvalDuringTraining(BaseModel):
     """Held-out perplexity every ``every`` steps (and at step 0) at ``lengths``, logged to the
     training log; ``after``: harness experiments (``eval.config`` mappings without model,
@@ -299,8 +314,11 @@ class FinetuneConfig(BaseModel):
                                "full (default), lora, longlora, ... (ropescale.training.recipes)")
     lora: LoraSettings | None = Field(None, description="train LoRA adapters (PEFT) instead of all the weights: "
                                                         "the lora recipe with these options")
-    sharding: str | None = Field(None, description="'fsdp' (accelerate's FSDP, FULL_SHARD) or an FSDP plugin "
-                                                   "config file; needs CUDA devices")
+    sharding: str | None = Field(None, description="'fsdp' (FSDP2, FULL_SHARD per decoder layer: accelerate's on "
+                                                   "GPUs, torch's fully_shard on CPU processes) or an accelerate FSDP "
+                                                   "plugin config file (GPUs)")
+    parallelism: Parallelism = Field(default_factory=Parallelism,
+                                     description="sequence: processes per sequence-parallel group (Ulysses)")
     output: str | None = None
 
     _numbers = field_validator("length", "original_max_position_embeddings", "steps", "batch_size", "grad_accum",
@@ -380,8 +398,14 @@ class FinetuneConfig(BaseModel):
                              f"{MAX_WINDOWS} (their indices overflow)")
         if self.mixed_precision == "fp16" and self.device == "cpu":
             raise ValueError("mixed_precision: fp16 needs a CUDA device; on CPU use bf16 or no")
-        if self.sharding is not None and self.device == "cpu":
+        if self.sharding is not None and self.device == "cpu" and self.sharding != "fsdp":
             raise ValueError(SHARDING_ON_CPU)
+        if self.parallelism.sequence > 1:
+            from ropescale.training.sequence_parallel import deepspeed_available
+
+            if not deepspeed_available():
+                raise ValueError("parallelism.sequence: sequence parallelism runs on DeepSpeed's Ulysses, which is "
+                                 "not installed: pip install 'ropescale[scale]'")
         if self.lora is not None and self.recipe.name != "full":
             raise ValueError(f"lora: the lora section is the lora recipe; recipe: {self.recipe.name} is also given — "
                              "keep one")
@@ -403,8 +427,9 @@ class FinetuneConfig(BaseModel):
         but where it runs and what is evaluated after training."""
         # gradient checkpointing and the loss's chunking change how the same numbers are computed, not
         # what is trained (float tolerance); leaving them out keeps earlier runs' manifests valid
+        # sequence parallelism too: the same global batches, each window's loss and gradient split over a group
         out = self.model_dump(mode="json", exclude={"output", "device", "threads", "keep_checkpoints",
-                                                    "gradient_checkpointing", "loss_chunk_size"})
+                                                    "gradient_checkpointing", "loss_chunk_size", "parallelism"})
         if out.get("eval"):
             out["eval"].pop("after", None)
         if not self.pose.enabled or self.pose.sampling == "paper":  # runs from before the key resume
@@ -414,12 +439,12 @@ class FinetuneConfig(BaseModel):
         return out
 
 
-SHARDING_ON_CPU = ("sharding: needs CUDA devices: accelerate 1.15 shards (FSDP) only on GPUs; on CPU it falls back "
-                   "to plain data parallelism without a word (every process holds the whole model), so the run "
-                   "would not fit where sharding is needed; leave sharding out on CPU")
+SHARDING_ON_CPU = ("sharding: an FSDP plugin file is accelerate's, which shards only on GPUs (on CPU processes it "
+                   "falls back to plain data parallelism without a word); on the CPU ropescale shards with torch's "
+                   "fully_shard: use sharding: fsdp")
 
 _SECTIONS = {"pose": PoseConfig, "eval": EvalDuringTraining, "data": DataConfig, "lora": LoraSettings,
-             "recipe": RecipeSpec}
+             "recipe": RecipeSpec, "parallelism": Parallelism}
 
 
 def _explain(err: ValidationError, source: str) -> ConfigError:
@@ -523,4 +548,11 @@ def resolve(cfg: FinetuneConfig, source: str = "config") -> ResolvedRun:
         lengths.append(L)
     run = ResolvedRun(train_length=T, params=params, kind=strat.kind, window=T if cfg.pose.enabled else L,
                       eval_lengths=lengths)
+    if cfg.parallelism.sequence > 1:  # what the model's configuration decides; its attention is checked once loaded
+        from ropescale.models import model_config
+        from ropescale.rope_config import text_config
+        from ropescale.training.sequence_parallel import check_sequence_parallel
+
+        check_sequence_parallel(cfg.parallelism.sequence, config=text_config(model_config(cfg.model)), kind=run.kind,
+                                window=run.window, pose=cfg.pose.enabled, source=source)
     return run

@@ -23,8 +23,10 @@ truncation rules alike); the loss from ``ropescale.lm_head`` (the LM head over c
 ``loss_chunk_size`` positions, recomputed in backward: never the ``[b, s, V]`` logits); the
 ``lora`` / ``longlora`` recipes (PEFT adapters on a frozen base model, applied by the recipe's
 ``prepare`` *after* the patch, which stays active inside the PEFT wrapper; LongLoRA's embeddings
-and norms through ``modules_to_save``); ``sharding``
-(accelerate's FSDP on CUDA devices).
+and norms through ``modules_to_save``); ``sharding`` (FSDP2: accelerate's on CUDA devices, torch's
+``fully_shard`` on CPU processes — ``ropescale.training.sharding``, the chunked loss inside the
+sharded forward); ``parallelism.sequence`` (DeepSpeed's Ulysses around the patched attention:
+``ropescale.training.sequence_parallel``).
 
 The output folder holds one run (as a harness results folder holds one experiment):
 ``manifest.json`` (the run's identity: config, weights and data fingerprints, processes,
@@ -44,7 +46,7 @@ import json
 import math
 import shutil
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -66,6 +68,7 @@ from ropescale.training.data import TrainingWindows, load_stream
 from ropescale.training.heldout import HeldOut
 from ropescale.training.pose import PoseSampler
 from ropescale.training.report import LOG, TrainingLog, plot_training, read_log
+from ropescale.training.sharding import full_state_dict, load_sharded, save_sharded, shard_model
 
 __all__ = [
     "CHECKPOINTS",
@@ -170,8 +173,10 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
     Raises (one-line messages): ``ConfigError`` (PoSE length ≤ T, a bad strategy parameter — also
     one only the model's sizes refuse, such as dca's ``local_window`` ≥ ``chunk_size`` — or
     evaluation entry), ``OutputError`` (output not writable), ``ropescale.models.ModelLoadError``,
-    ``ConfigError`` also for ``sharding`` without CUDA devices (accelerate 1.15 does not shard on
-    CPU), LoRA target modules the model does not have, a LoRA rank above the target layers'
+    ``ConfigError`` also for ``sharding`` other than ``fsdp`` without CUDA devices (accelerate 1.15
+    does not shard on CPU; ``fsdp`` there is torch's ``fully_shard``) or in one CPU process,
+    ``parallelism.sequence`` the launched processes, the model's heads or its attention cannot
+    take, LoRA target modules the model does not have, a LoRA rank above the target layers'
     smallest dimension, LongLoRA ``trainable_params`` in no parameter name,
     ``ropescale.runs.data.DataError`` / ``ropescale.runs.windows.WindowError`` (data too short or unreadable),
     ``ValueError`` (device, patch); once the folder is claimed
@@ -194,9 +199,9 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     plugin = None
-    if cfg.sharding is not None:
-        if device.type != "cuda":
-            raise ConfigError(f"{source}: {SHARDING_ON_CPU}")
+    if cfg.sharding is not None and device.type == "cpu" and cfg.sharding != "fsdp":
+        raise ConfigError(f"{source}: {SHARDING_ON_CPU}")
+    if cfg.sharding is not None and device.type != "cpu":  # CPU: torch's fully_shard (ropescale.training.sharding)
         from accelerate.utils import FullyShardedDataParallelPlugin
 
         plugin = FullyShardedDataParallelPlugin(**fsdp_plugin_kwargs(cfg.sharding, source))
@@ -208,8 +213,8 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
     AcceleratorState._reset_state()
     # cpu=True also makes processes started by torchrun (`accelerate launch --multi_gpu` on a machine
     # without GPUs) one gloo group; without it each would train alone and write the same files
-    acc = Accelerator(cpu=device.type == "cpu", mixed_precision=cfg.mixed_precision,
-                      gradient_accumulation_steps=cfg.grad_accum, fsdp_plugin=plugin)
+    acc = Accelerator(cpu=device.type == "cpu", mixed_precision=cfg.mixed_precision, fsdp_plugin=plugin,
+                      gradient_accumulation_plugin=_accumulation(cfg))
     try:
         summary = _claim_and_run(cfg, run, Path(output), acc, progress and acc.is_main_process, stop_after, after,
                                  source, plugin is not None)
@@ -222,8 +227,16 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
 
 def _claim_and_run(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, progress: bool, stop_after: int | None,
                    after: AfterTraining | None, source: str, sharding: bool) -> dict[str, Any]:
+    sp_size = cfg.parallelism.sequence
+    if sp_size > 1 and acc.num_processes % sp_size:
+        raise ConfigError(f"{source}: parallelism.sequence: {sp_size} does not divide the {acc.num_processes} "
+                          f"launched process(es); launch a multiple of {sp_size} "
+                          f"(accelerate launch --multi_gpu --num_processes {sp_size} ...)")
     if cfg.mixed_precision == "fp16" and acc.device.type == "cpu":
         raise ConfigError(f"{source}: mixed_precision: fp16 needs a CUDA device; on CPU use bf16 or no")
+    if cfg.sharding is not None and acc.device.type == "cpu" and acc.num_processes == 1:
+        raise ConfigError(f"{source}: sharding: one process holds the whole model either way; launch several "
+                          "(accelerate launch --multi_gpu --num_processes N ...) or leave sharding out")
     if sharding and acc.num_processes > 1 and acc.distributed_type.value != "FSDP":
         raise ConfigError(f"{source}: sharding: accelerate set up {acc.distributed_type.value}, not FSDP, for "
                           f"{acc.num_processes} processes; launch with `accelerate launch --multi_gpu`")
@@ -236,6 +249,40 @@ def _claim_and_run(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, pro
         acc.wait_for_everyone()
         with folder_lock(output) if acc.is_main_process else nullcontext():
             return _run_locked(cfg, run, output, acc, progress, stop_after, after, prepared, source)
+
+
+def _accumulation(cfg: FinetuneConfig):
+    """accelerate's accumulation settings: ``grad_accum`` micro-steps per optimiser step, × P under
+    sequence parallelism (each batch read becomes P micro-batches, one per process of the group:
+    ``SequenceParallel.shard``) — and then synchronised by count alone, since the loader's end is
+    reached P − 1 micro-batches before the last one runs."""
+    from accelerate.utils import GradientAccumulationPlugin
+
+    sp = cfg.parallelism.sequence
+    return GradientAccumulationPlugin(num_steps=cfg.grad_accum * sp, sync_with_dataloader=sp == 1)
+
+
+def _check_sequence_parallel(model, cfg: FinetuneConfig, run: ResolvedRun, source: str) -> None:
+    """The loaded model's side of ``check_sequence_parallel`` (its heads, layer types and attention
+    implementation; ``ConfigError``), before the run's folder is claimed."""
+    if cfg.parallelism.sequence == 1:
+        return
+    from ropescale.rope_config import text_config
+    from ropescale.training.sequence_parallel import check_sequence_parallel
+
+    check_sequence_parallel(cfg.parallelism.sequence, config=text_config(model.config), kind=run.kind,
+                            window=run.window, pose=cfg.pose.enabled,
+                            attn_implementation=model.config._attn_implementation, source=source)
+
+
+def _sequence_parallel(model, cfg: FinetuneConfig):
+    """``SequenceParallel`` around the patched model's attention (None when off; checked by
+    ``_check_sequence_parallel`` in ``_prepare``)."""
+    if cfg.parallelism.sequence == 1:
+        return None
+    from ropescale.training.sequence_parallel import SequenceParallel
+
+    return SequenceParallel(model, cfg.parallelism.sequence, micro_batch_size=cfg.batch_size)
 
 
 @contextmanager
@@ -300,6 +347,7 @@ def _prepare(cfg: FinetuneConfig, run: ResolvedRun, acc, source: str, *, trained
         enable_checkpointing(model, source)
     recipe = cfg.training_recipe()
     model = recipe.prepare(model, cfg, source)  # what trains: all weights, LoRA, ... (ropescale.training.recipes)
+    _check_sequence_parallel(model, cfg, run, source)
     return _Prepared(tokenizer, stream, heldout, dataset, model, recipe)
 
 
@@ -334,7 +382,8 @@ def _run_locked(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, progre
     else:
         if prepared.model is None:  # the saved model was there when checked, and is not now
             prepared = _prepare(cfg, run, acc, source, trained=False)
-        summary = _train(cfg, run, output, acc, prepared, env, progress, stop_after, say)
+        with ExitStack() as cleanup:  # sequence parallelism's attention wrapper is removed when training ends
+            summary = _train(cfg, run, output, acc, prepared, env, progress, stop_after, say, cleanup)
         if summary is None:
             return {"stopped_at": stop_after, "model": None}
     evaluations = (after.run(cfg, run, output / MODEL_DIR, output, progress=progress, say=say)
@@ -344,7 +393,7 @@ def _run_locked(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, progre
 
 
 def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, prepared: _Prepared, env, progress: bool,
-           stop_after: int | None, say) -> dict[str, Any] | None:
+           stop_after: int | None, say, cleanup: ExitStack) -> dict[str, Any] | None:
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
     from transformers import get_scheduler
@@ -352,13 +401,20 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, prepared: _
     tokenizer, heldout, dataset = prepared.tokenizer, prepared.heldout, prepared.dataset
     model, recipe = prepared.model, prepared.recipe
     model.train()
+    sp = _sequence_parallel(model, cfg)
+    if sp is not None:
+        cleanup.callback(sp.close)
+    # FSDP2 by torch's fully_shard where accelerate does not shard (CPU processes); model: the root unit
+    own_fsdp = cfg.sharding is not None and acc.device.type == "cpu"
+    if own_fsdp:
+        model = shard_model(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     counts = {"trainable_parameters": sum(p.numel() for p in trainable),
               "parameters": sum(p.numel() for p in model.parameters())}
     # fused: one kernel over all parameters, no temporaries (foreach allocates a copy of every
     # parameter's size in the step — tens of GB at 8B; the CPU loop one of the largest parameter's)
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay,
-                                  fused=True)
+                                  fused=not own_fsdp)  # fused takes no DTensor shards
     scheduler = get_scheduler(_SCHEDULES[cfg.schedule], optimizer, num_warmup_steps=cfg.warmup,
                               num_training_steps=cfg.steps)
     # its own generator: each iterator draws a base seed from the loader's generator, which would otherwise be the
@@ -366,7 +422,10 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, prepared: _
     # state, so dropout (LoRA's) drew other masks from there on than the uninterrupted run
     loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=False,
                         generator=torch.Generator().manual_seed(cfg.seed))
-    model, optimizer, loader = acc.prepare(model, optimizer, loader)
+    if own_fsdp:  # model and optimiser states sharded: saved by save_sharded, not by accelerate's main process
+        loader = acc.prepare(loader)
+    else:
+        model, optimizer, loader = acc.prepare(model, optimizer, loader)
     acc.register_for_checkpointing(scheduler)  # stepped by hand: once per optimiser step
 
     log = TrainingLog(output / LOG, enabled=acc.is_main_process)
@@ -374,21 +433,27 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, prepared: _
     start = done[-1][0] if done else 0
     if done:
         acc.load_state(str(done[-1][1]))
+        if own_fsdp:
+            load_sharded(model, optimizer, done[-1][1])
         say(f"resuming from {done[-1][1]} (step {start} of {cfg.steps})")
     log.keep_through(start if done else -1)
     acc.wait_for_everyone()
     batches = acc.skip_first_batches(loader, start * cfg.grad_accum) if start else loader
-    inner = acc.unwrap_model(model)
-    sharded = acc.distributed_type.value == "FSDP"
-    # the chunked head runs lm_head outside the model's forward, where FSDP's parameters are sharded
-    chunk_size = 0 if sharded else cfg.loss_chunk_size
-    head = OutputHead(model) if chunk_size != 0 else None  # checked on the first step only
+    if sp is not None:  # each batch read → P micro-batches of the group's shards
+        batches = sp.shard(batches, acc.device)
+    inner = model.model if own_fsdp else acc.unwrap_model(model)
+    sharded = own_fsdp or acc.distributed_type.value == "FSDP"
+    # accelerate's FSDP: the chunked head would run lm_head outside the model's forward, where its parameters are
+    # sharded; ropescale's runs the loss inside the root unit's forward (ShardedModel)
+    chunk_size = 0 if sharded and not own_fsdp else cfg.loss_chunk_size
+    head = OutputHead(inner if own_fsdp else model) if chunk_size != 0 else None  # checked on the first step only
+    in_forward = model if own_fsdp else (lambda fn, *a, **k: fn(model, *a, **k))  # ShardedModel(fn) runs fn inside
     label = cfg.strategy.display + (" + PoSE" if cfg.pose.enabled else "") + recipe.label
     tokens_per_step = cfg.batch_size * cfg.grad_accum * acc.num_processes * run.window
 
     def evaluate(step: int) -> dict[str, float]:
         if sharded:  # every process runs every window through the sharded model, so its collectives line up
-            ppl = heldout.perplexity(model, device=acc.device)
+            ppl = in_forward(lambda m: heldout.perplexity(m, device=acc.device))
         else:
             ppl = heldout.perplexity(inner, device=acc.device, process_index=acc.process_index,
                                      num_processes=acc.num_processes)
@@ -406,16 +471,20 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, prepared: _
     for batch in batches:
         with acc.accumulate(model):
             with acc.autocast():  # the chunked head runs outside the model's forward, under the same precision
-                loss = causal_lm_loss(model, batch, chunk_size=chunk_size, head=head)
+                if sp is None:
+                    loss = in_forward(causal_lm_loss, batch, chunk_size=chunk_size, head=head)
+                else:  # this process's share of the window's loss, × P: the group's gradients add up
+                    loss = in_forward(sp.loss, batch, chunk_size=chunk_size, head=head) * sp.backward_scale
             acc.backward(loss)
             losses.append(loss.detach().float())
             grad_norm = None
             if acc.sync_gradients and cfg.max_grad_norm:
                 grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-            optimizer.step()
-            if acc.sync_gradients:
+                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2
+            if acc.sync_gradients:  # accelerate's prepared optimiser skips the others itself; a sharded one is not
+                optimizer.step()
                 scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad(set_to_none=True)
         if not acc.sync_gradients:
             continue
         step += 1
@@ -442,7 +511,8 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, prepared: _
                 bar.write(f"step {step}/{cfg.steps}: loss {loss_value:.3f}, {record['tokens_per_s']:.0f} tok/s, "
                           "held-out PPL " + ", ".join(f"{k}: {v:.2f}" for k, v in last_ppl.items()))
         if step % cfg.checkpoint_every == 0 and step < cfg.steps:
-            save_checkpoint(acc, output, step, cfg.keep_checkpoints)
+            save_checkpoint(acc, output, step, cfg.keep_checkpoints,
+                            extra=(lambda folder: save_sharded(model, optimizer, folder)) if own_fsdp else None)
             if acc.is_main_process:
                 plot_training(read_log(output / LOG), output / "loss.png", f"{label}, L = {cfg.length}")
         if stop_after is not None and step >= stop_after:
@@ -459,8 +529,11 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, prepared: _
                "original_max_position_embeddings": run.train_length, "window": run.window, "steps": step,
                "tokens": step * tokens_per_step, "final_loss": loss_value, "ppl": last_ppl,
                "resumed_from": start, "train_seconds": round(train_s, 1), "processes": acc.num_processes,
+               "parallelism": {"data": acc.num_processes // cfg.parallelism.sequence,
+                               "sequence": cfg.parallelism.sequence, "sharded": sharded},
                **counts, "config": cfg.model_dump(mode="json"), "env": env}
-    state_dict = acc.get_state_dict(model) if sharded else None  # gathered: every process takes part
+    # gathered: every process takes part
+    state_dict = full_state_dict(model) if own_fsdp else acc.get_state_dict(model) if sharded else None
     if acc.is_main_process:
         inner.eval()
         recipe.save(inner, tokenizer, output / MODEL_DIR, state_dict=state_dict)

@@ -1,7 +1,8 @@
 """``sharding``: accelerate's FSDP (FULL_SHARD) plugin settings from ``fsdp`` or a plugin config
-file, one-line errors for bad files, and the refusal on CPU — where accelerate 1.15 does not
-shard: with ``Accelerator(cpu=True)`` two launched processes become a DDP (MULTI_CPU) group and
-the FSDP plugin is dropped without a word (measured; see the module test below)."""
+file, one-line errors for bad files, and on the CPU — where accelerate 1.15 does not shard: with
+``Accelerator(cpu=True)`` two launched processes become a DDP (MULTI_CPU) group and the FSDP
+plugin is dropped without a word (measured; see the module test below) — a plugin file refused,
+``fsdp`` sharded by torch's ``fully_shard`` instead (``test_fsdp_cpu.py``)."""
 
 import os
 import subprocess
@@ -54,23 +55,34 @@ def test_fsdp_plugin_file_accepts_accelerate_config_sections(tmp_path):
         fsdp_plugin_kwargs(str(path))
 
 
+PLUGIN_FILE = "fsdp_config:\n  fsdp_version: 2\n"
+
+
 @pytest.mark.parametrize("overrides,fragments", [
-    ({"sharding": "fsdp"}, ["sharding: needs CUDA devices: accelerate 1.15 shards (FSDP) only on GPUs"]),
+    ({"sharding": "PLUGIN"}, ["sharding: an FSDP plugin file is accelerate's, which shards only on GPUs",
+                              "use sharding: fsdp"]),
+    ({"sharding": "fsdp"}, ["sharding: one process holds the whole model either way"]),
     ({"sharding": "nope.yaml", "device": "auto"}, ["sharding: 'nope.yaml' is neither 'fsdp' nor a readable"]),
     ({"sharding": "fsdp", "device": "cuda", "lora": True}, ["sharding: not combined with lora"]),
 ])
 def test_bad_sharding_is_one_line(write, tmp_path, overrides, fragments):  # noqa: F811
+    if overrides["sharding"] == "PLUGIN":
+        (tmp_path / "plugin.yaml").write_text(PLUGIN_FILE)
+        overrides = {**overrides, "sharding": str(tmp_path / "plugin.yaml")}
     one_line_error(cli(write(**overrides), "-q", "-o", tmp_path / "out"), *fragments)
+    assert not (tmp_path / "out").exists()
 
 
-def test_auto_device_without_cuda_refuses_sharding_before_training(tmp_path, tiny_run):
+def test_auto_device_without_cuda_refuses_a_plugin_file_before_training(tmp_path, tiny_run):
     import torch
 
     if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA: sharding is allowed")
-    with pytest.raises(ConfigError, match="sharding: needs CUDA devices"):
-        finetune(build_finetune_config(tiny_run(device="auto", sharding="fsdp")), tmp_path, progress=False)
-    assert not (tmp_path / "manifest.json").exists()
+        pytest.skip("this machine has CUDA: accelerate shards")
+    (tmp_path / "plugin.yaml").write_text(PLUGIN_FILE)
+    with pytest.raises(ConfigError, match="sharding: an FSDP plugin file is accelerate's"):
+        finetune(build_finetune_config(tiny_run(device="auto", sharding=str(tmp_path / "plugin.yaml"))),
+                 tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
 
 
 def test_accelerate_drops_fsdp_on_cpu_processes(tmp_path):

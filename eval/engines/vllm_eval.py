@@ -1,0 +1,293 @@
+"""``engine: vllm``: the harness's cells scored by vLLM, serving what ``ropescale patch --target vllm``
+writes (``ropescale.serving.vllm.export_vllm``), with the first example of every cell checked
+against transformers.
+
+Per cell (strategy × length): the patched transformers model's export for vLLM is written as a
+model folder (``<output>/vllm/<strategy>@<L>/``: that ``config.json``, the weights and tokenizer
+linked), then vLLM's driver (``vllm_driver.py`` mode ``score``, in vLLM's own environment:
+``eval.engines.run_engine``) loads it once — ``tensor_parallel_size``, ``data_parallel_size`` and
+``max_model_len`` passed through — and runs the task's requests:
+
+- ``perplexity``: each window's token ids as a prompt, its log-probabilities from vLLM's prompt
+  log-probs (``prompt_logprobs=0``), bucketed and combined exactly as the transformers engine
+  does (``Perplexity.combine``);
+- the retrieval tasks (``passkey``, ``needle``, ``niah_multikey``: ``RetrievalTask``'s scoring): greedy
+  generation of the answer's token count + ``greedy_extra_tokens`` after the prompt, checked by
+  the task's match; each candidate key's summed log-probability after the prompt from prompt
+  log-probs; combined by the task (``RetrievalTask.combine``).
+
+The exactness check: the first example of every cell — its window (perplexity) or its prompt with
+the answer (retrieval) — is also scored by the patched transformers model, and the cell is
+refused (``EngineDisagrees``, one line; the cells before it are kept) when the mean NLL over its
+positions differs by more than the parity tolerance (``vllm.parity_tolerance``; default 1e-4 nats
+in float32 — ``ropescale parity`` measured ≤ 3e-5 per position on the bundled model — and 5e-2 in
+bfloat16/float16, not measured here). The cell records the engine, its version, both numbers
+and the engine's start-up and scoring seconds.
+
+Refused before anything loads (``check_engine``, one ``ConfigError`` line): vLLM not installed
+(how to install it), a task without vLLM scoring, strategies vLLM cannot express (relative
+rules, a query temperature — log-n or another rule —, strategies without a transformers rope
+type, dynamic ones but dynamic NTK — frozen at L, the one scale the transformers engine uses
+per window — and LongRoPE; perplexity's
+``dynamic_block``), a ``max_model_len`` shorter than a cell needs, several launched processes
+(vLLM parallelises itself). What depends on the loaded model — YaRN's cos/sin cache shorter than
+a retrieval prompt plus its answer, per-layer-type patches — is refused at its cell, in one line.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from ropescale.errors import RopescaleError
+from ropescale.runs.config import ConfigError
+
+__all__ = ["ENGINES", "EngineDisagrees", "VllmOptions", "check_engine", "engine_version", "score_cell_vllm",
+           "transformers_logprobs"]
+
+ENGINES = ("transformers", "vllm")
+_LINK_SKIP = {"config.json", "ropescale.json"}
+
+
+class VllmOptions(BaseModel):
+    """``vllm:`` in an eval / sweep config (used with ``engine: vllm``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per model replica (vLLM's tensor parallelism)")
+    data_parallel_size: int = Field(1, ge=1, description="model replicas (vLLM's data parallelism)")
+    max_model_len: int | None = Field(None, ge=2, description="vLLM's context length; default: what each cell needs")
+    parity_tolerance: float | None = Field(None, gt=0, description=(
+        "largest |Δ mean NLL| [nats] between vLLM and transformers on each cell's first example; default 1e-4 "
+        "in float32, 5e-2 in bfloat16/float16"))
+
+    def key(self) -> dict[str, Any]:
+        """What changes the numbers: nothing here (parallelism and lengths change how, not what)."""
+        return {}
+
+
+class EngineDisagrees(RopescaleError, RuntimeError):
+    """vLLM and transformers score a cell's first example differently beyond the tolerance."""
+
+
+def engine_version(engine: str) -> str:
+    if engine == "transformers":
+        import transformers
+
+        return transformers.__version__
+    return "unknown"
+
+
+def tolerance(opts: VllmOptions, dtype: str) -> float:
+    if opts.parity_tolerance is not None:
+        return opts.parity_tolerance
+    return 1e-4 if dtype == "float32" else 5e-2
+
+
+# --- what each task asks vLLM for, and how the answers become the task's parts
+
+def _is_retrieval(task_cls) -> bool:
+    from ..tasks.retrieval import RetrievalTask
+
+    return issubclass(task_cls, RetrievalTask) and task_cls.measure is RetrievalTask.measure
+
+
+def supports(task_cls) -> bool:
+    return task_cls.name == "perplexity" or _is_retrieval(task_cls)
+
+
+def _perplexity_requests(task, windows) -> tuple[list[dict], int]:
+    bos = task.bos
+    reqs = []
+    for w in windows:
+        ids = task.documents[w.doc][w.start:w.end].tolist()
+        reqs.append({"ids": ([bos] if bos is not None else []) + ids, "max_tokens": 1, "prompt_logprobs": True})
+    return reqs, 0
+
+
+def _perplexity_parts(task, windows, results, length: int) -> list:
+    """The parts ``Perplexity.combine`` adds up, from vLLM's log-probabilities (as ``window_nll``
+    buckets the transformers engine's NLL)."""
+    o = task.options
+    offset = int(task.bos is not None)
+    parts = []
+    for i, (w, r) in enumerate(zip(windows, results)):
+        nll = -torch.tensor(r["logprobs"], dtype=torch.float64)  # [n-1]
+        target = torch.arange(1, nll.numel() + 1)
+        bucket = (target * o.position_buckets) // length
+        keep = (target >= (w.score_from - w.start + offset)).double()
+        zeros = torch.zeros(o.position_buckets, dtype=torch.float64)
+        parts.append((i, (zeros.scatter_add(0, bucket, nll * keep), zeros.scatter_add(0, bucket, keep))))
+    return parts
+
+
+def _retrieval_requests(task, examples) -> tuple[list[dict], int]:
+    extra = task.options.greedy_extra_tokens
+    reqs = []
+    for ex in examples:
+        reqs.append({"ids": ex.prompt.ids, "max_tokens": len(ex.prompt.answer_ids) + extra, "prompt_logprobs": False})
+        reqs += [{"ids": ex.prompt.ids + c, "max_tokens": 1, "prompt_logprobs": True} for c in ex.candidates]
+    return reqs, 1  # example 0's prompt + its answer
+
+
+def _retrieval_parts(task, examples, results) -> list:
+    rows, k = [], 0
+    for i, ex in enumerate(examples):
+        generated = results[k]["tokens"]
+        exact = type(task).match(task.tokenizer.decode(generated), ex.prompt.answer)
+        scores = [sum(results[k + 1 + j]["logprobs"][-len(c):]) for j, c in enumerate(ex.candidates)]
+        rows.append((i, exact, bool(scores[0] > max(scores[1:]))))
+        k += 1 + len(ex.candidates)
+    return rows
+
+
+def requests_for(task, examples) -> tuple[list[dict], int]:
+    """``(requests, parity_index)``: the driver's requests for a cell, and which one's log-probs
+    are the first example the transformers engine also scores."""
+    if task.name == "perplexity":
+        return _perplexity_requests(task, examples)
+    return _retrieval_requests(task, examples)
+
+
+def needed_length(task_cls, options, length: int) -> int:
+    """Tokens vLLM must hold for a cell at ``length`` [tokens]: the longest prompt plus what is generated."""
+    if task_cls.name == "perplexity":
+        return length + int(options.add_bos) + 1
+    return length + options.greedy_extra_tokens + 1
+
+
+# --- refusals before anything loads
+
+def check_engine(cfg, source: str = "config", processes: int = 1) -> None:
+    """Everything ``engine: vllm`` can refuse before a model loads (see the module docstring)."""
+    from ropescale.strategies import get_strategy
+
+    from ..tasks.base import get_task
+    from . import EngineAbsent, require_engine
+
+    task_cls = get_task(cfg.task)
+    if not supports(task_cls):
+        raise ConfigError(f"{source}: engine: vllm scores perplexity and the retrieval tasks (passkey, needle, "
+                          f"niah_multikey); {cfg.task} has no vLLM scoring — use engine: transformers")
+    for spec in cfg.strategies:
+        strat = get_strategy(spec.name)
+        why = None
+        if strat.kind != "frequency":
+            why = "a relative-position rule applied inside attention; vLLM has no setting for it"
+        elif spec.logn or spec.temperature:
+            why = "a query temperature (log-n or another rule) has no vLLM setting"
+        elif strat.export is None:
+            why = "no transformers rope type to translate, so vLLM cannot express it"
+        elif strat.dynamic and spec.name not in ("dynamic_ntk", "longrope"):
+            why = "recomputes its frequencies from the sequence length; vLLM serves one static rotation"
+        elif strat.dynamic and cfg.task == "perplexity" and cfg.options.dynamic_block and spec.name == "dynamic_ntk":
+            why = "dynamic_block scores block-wise with a scale per prefix; vLLM serves one static rotation"
+        if why:
+            raise ConfigError(f"{source}: strategies: {spec.display}: {why} (engine: vllm; use engine: transformers)")
+    if cfg.vllm.max_model_len is not None:
+        need = needed_length(task_cls, cfg.options, max(cfg.lengths))
+        if cfg.vllm.max_model_len < need:
+            raise ConfigError(f"{source}: vllm.max_model_len: {cfg.vllm.max_model_len} is shorter than the "
+                              f"{need} tokens a {cfg.task} cell at length {max(cfg.lengths)} holds")
+    if processes > 1:
+        raise ConfigError(f"{source}: engine: vllm runs in one process and parallelises itself "
+                          "(vllm.tensor_parallel_size, vllm.data_parallel_size); do not launch it with "
+                          "accelerate launch")
+    try:
+        require_engine("vllm")
+    except EngineAbsent as e:
+        raise ConfigError(f"{source}: engine: vllm: {e}") from None
+
+
+# --- one cell
+
+@torch.no_grad()
+def transformers_logprobs(model, ids: list[int], device) -> torch.Tensor:
+    """log p(ids[j+1] | ids[:j+1]) ``[n-1]`` float64 from the (patched) transformers model, the head
+    over chunks of positions (``ropescale.lm_head``)."""
+    from ropescale.lm_head import OutputHead
+
+    x = torch.tensor([ids], device=device)
+    try:
+        head = OutputHead(model)
+    except ValueError:
+        head = None
+    if head is not None:
+        hidden, own = head.run(input_ids=x, use_cache=False)
+        if head.verify(hidden, own):
+            return -head.token_nll(hidden[:, :-1], x[:, 1:])[0].double().cpu()
+    logits = model(input_ids=x, use_cache=False).logits[0, :-1].double()
+    return logits.log_softmax(-1).gather(1, x[0, 1:, None])[:, 0].cpu()
+
+
+def _served_folder(src: Path, dst: Path, config: dict) -> Path:
+    """A model folder for vLLM: ``config`` as config.json, every other file of ``src`` linked."""
+    import json
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name not in _LINK_SKIP and not (dst / f.name).exists():
+            os.symlink(f.resolve(), dst / f.name)
+    (dst / "config.json").write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
+    return dst
+
+
+def score_cell_vllm(cfg, task, model, examples, spec, params: dict, length: int, train_len: int, device,
+                    output: Path) -> dict[str, Any]:
+    """The task's metrics for one cell scored by vLLM, plus ``engine``, ``engine_version``,
+    ``parity`` and the engine's seconds. Raises ``ConfigError`` (vLLM cannot serve this cell: the
+    export's reason), ``EngineFailed`` (its driver died) and ``EngineDisagrees``."""
+    from ropescale.models import resolve_model
+    from ropescale.patching import patch
+    from ropescale.serving.rope import ExportRefused
+    from ropescale.serving.vllm import export_vllm
+
+    from . import EngineFailed, run_engine
+
+    reqs, parity_index = requests_for(task, examples)
+    serve = max(len(r["ids"]) + r["max_tokens"] - 1 for r in reqs)  # the positions vLLM rotates
+    slug = "".join(c if c.isalnum() or c in "._=-" else "_" for c in spec.display)[:48] + f"@{length}"
+    with patch(model, spec.name, original_max_position_embeddings=train_len, logn=spec.logn,
+               temperature=spec.temperature, **params) as handle:
+        try:  # dynamic NTK: the one scale the transformers engine uses for a whole window of L
+            exp = export_vllm(handle, serve, freeze_dynamic_at=length if spec.name == "dynamic_ntk" else None)
+        except ExportRefused as e:
+            raise ConfigError(f"{spec.display} @ {length}: {e} (engine: vllm)") from None
+        ours = transformers_logprobs(model, reqs[parity_index]["ids"], device)
+    folder = _served_folder(Path(resolve_model(cfg.model)), output / "vllm" / slug, exp.config)
+    max_model_len = cfg.vllm.max_model_len or serve + 1
+    got = run_engine("vllm", {"mode": "score", "model": str(folder), "max_model_len": max_model_len,
+                              "dtype": cfg.dtype, "tensor_parallel_size": cfg.vllm.tensor_parallel_size,
+                              "data_parallel_size": cfg.vllm.data_parallel_size, "requests": reqs},
+                     log_dir=output / "logs", timeout=24 * 3600)
+    if "error" in got:
+        raise EngineFailed(f"{spec.display} @ {length}: vLLM {got.get('vllm', '')} refuses the exported model: "
+                           f"{got['error']}")
+    results = got["results"]
+    theirs = torch.tensor(results[parity_index]["logprobs"], dtype=torch.float64)
+    tol = tolerance(cfg.vllm, cfg.dtype)
+    nan = int(torch.isnan(theirs).sum())
+    d_mean = math.inf if nan else abs(float(theirs.mean() - ours.mean()))
+    max_d = math.inf if nan else float((theirs - ours).abs().max())
+    if not d_mean <= tol:
+        raise EngineDisagrees(f"{spec.display} @ {length}: vLLM {got['vllm']} and transformers disagree on the "
+                              f"cell's first example: mean NLL {-float(theirs.mean()):.6g} vs {-float(ours.mean()):.6g}"
+                              f" nats (|Δ| {d_mean:.3g} > tolerance {tol:g}; max |Δ log p| {max_d:.3g}"
+                              + (f", {nan} NaN positions" if nan else "") + "); the cell is not recorded")
+    if task.name == "perplexity":
+        parts = _perplexity_parts(task, examples, results, length)
+    else:
+        parts = _retrieval_parts(task, examples, results)
+    from ropescale.strategies import get_strategy
+
+    metrics = task.combine([parts], examples, length=length, strategy=get_strategy(spec.name))
+    return {**metrics, "engine": "vllm", "engine_version": got["vllm"],
+            "parity": {"mean_nll_diff": d_mean, "max_abs_dlogp": max_d, "tokens": int(ours.numel()),
+                       "tolerance": tol, "against": f"transformers {engine_version('transformers')}"},
+            "engine_start_seconds": round(got["start_seconds"], 3),
+            "engine_score_seconds": round(got["score_seconds"], 3),
+            "examples": len(examples), "vllm_export": exp.notes}

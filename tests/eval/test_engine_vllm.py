@@ -1,0 +1,153 @@
+"""``engine: vllm``: the harness's cells scored by vLLM from what ``patch --target vllm`` writes.
+
+Without vLLM: the refusals (one line, before anything is written) and the conversion of
+log-probabilities into the tasks' parts, checked against the transformers engine's own scoring.
+With vLLM (``bench/engines/install.sh vllm``; marked ``engines``, skipped where absent): a sweep
+on the bundled model equals the transformers engine's within the parity tolerance, passkey's
+greedy answers and candidate choices agree, and a cell whose first example disagrees past the
+tolerance is refused with the cells before it kept."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from eval import engines
+from eval.config import build_config
+from eval.engines.vllm_eval import EngineDisagrees, _perplexity_parts, _retrieval_requests, transformers_logprobs
+from eval.sweep import RESULTS, read_results, run_sweep
+from ropescale.runs.config import ConfigError
+
+HAS_VLLM = engines.engine_python("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason=engines.engine_status("vllm"))
+
+
+def _cfg(model, data, **kw):
+    return build_config({"model": str(model), "data": str(data), "lengths": [32, 64], "max_windows": 2,
+                         "strategies": ["vanilla", "yarn"], "device": "cpu", "engine": "vllm", **kw})
+
+
+@pytest.mark.parametrize("overrides,fragment", [
+    ({"strategies": ["yarn", "rerope"]}, "strategies: rerope: a relative-position rule applied inside attention; "
+                                         "vLLM has no setting for it (engine: vllm; use engine: transformers)"),
+    ({"strategies": ["yarn:logn=true"]},
+     "strategies: yarn+logn: a query temperature (log-n or another rule) has no vLLM setting"),
+    ({"strategies": [{"name": "yarn", "temperature": {"kind": "beta", "beta": 0.1}}]},
+     "strategies: yarn+beta:beta=0.1: a query temperature (log-n or another rule) has no vLLM setting"),
+    ({"strategies": ["dynamic_yarn"]}, "no transformers rope type to translate, so vLLM cannot express it"),
+    ({"strategies": ["dynamic_ntk"], "dynamic_block": 8}, "dynamic_block scores block-wise"),
+    ({"vllm": {"max_model_len": 40}}, "vllm.max_model_len: 40 is shorter than the 65 tokens a perplexity cell"),
+])
+def test_what_vllm_cannot_do_is_refused_before_anything_is_written(tmp_path, tiny_model_dir, text_file, overrides,
+                                                                  fragment):
+    with pytest.raises(ConfigError) as e:
+        run_sweep(_cfg(tiny_model_dir, text_file, **overrides), tmp_path / "out", progress=False)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_absent_vllm_is_one_line_naming_the_install_script(tmp_path, tiny_model_dir, text_file, monkeypatch):
+    monkeypatch.setenv("ROPESCALE_VLLM_PYTHON", str(tmp_path / "no-such-python"))
+    res = CliRunner().invoke(__import__("cli").main, [
+        "sweep", "--engine", "vllm", "--model", str(tiny_model_dir), "--data", str(text_file), "--lengths", "32",
+        "--strategy", "yarn", "--device", "cpu", "-q", "-o", str(tmp_path / "out")])
+    assert res.exit_code == 1, res.output
+    line = res.output.strip()
+    assert "\n" not in line and line.startswith("Error: config: engine: vllm: vLLM is not installed")
+    assert "bench/engines/install.sh" in line and not (tmp_path / "out").exists()
+
+
+def test_unknown_vllm_key_is_named(tiny_model_dir, text_file):
+    with pytest.raises(ConfigError, match=r"vllm.tensor_paralel_size: unknown key; allowed: tensor_parallel_size, "
+                                          r".*\(did you mean 'tensor_parallel_size'\?\)"):
+        _cfg(tiny_model_dir, text_file, vllm={"tensor_paralel_size": 2})
+
+
+def test_log_probabilities_become_the_transformers_engines_perplexity(tiny_model_dir, text_file):
+    """The engine path's bucketing, fed transformers' own log-probabilities, gives the transformers
+    engine's record: ``Perplexity.combine`` over ``window_nll``'s parts (sliding windows: scored
+    tokens start inside the window; a BOS shifts them)."""
+    from eval.tasks.base import get_task
+    from ropescale import load_model
+    from ropescale.runs.data import load_documents, tokenize_documents
+    from ropescale.strategies import get_strategy
+
+    model, tok = load_model(str(tiny_model_dir), device="cpu")
+    cfg = build_config({"model": str(tiny_model_dir), "data": str(text_file), "lengths": [32],
+                        "strategies": ["vanilla"], "mode": "sliding", "stride": 12, "max_windows": 5, "add_bos": True})
+    docs = tokenize_documents(tok, load_documents(cfg.data.spec()))
+    task = get_task("perplexity")(cfg.options, tokenizer=tok, train_length=32, documents=docs)
+    windows = task.examples(32)
+    vanilla = get_strategy("vanilla")
+    ours = task.combine([task.measure(model, windows, list(range(len(windows))), length=32, strategy=vanilla,
+                                      device="cpu", desc=None)], windows, length=32, strategy=vanilla)
+    bos = [tok.bos_token_id]
+    results = [{"logprobs": transformers_logprobs(model, bos + docs[w.doc][w.start:w.end].tolist(), "cpu").tolist()}
+               for w in windows]
+    theirs = task.combine([_perplexity_parts(task, windows, results, 32)], windows, length=32, strategy=vanilla)
+    assert theirs["tokens"] == ours["tokens"] and theirs["windows"] == ours["windows"]
+    assert theirs["nll"] == pytest.approx(ours["nll"], rel=1e-6)
+    for a, b in zip(theirs["nll_by_position"], ours["nll_by_position"]):
+        assert a["tokens"] == b["tokens"] and a["nll"] == pytest.approx(b["nll"], rel=1e-6, abs=1e-9)
+
+
+def test_retrieval_requests_ask_for_the_answer_and_every_candidate(tiny_model_dir):
+    from eval.tasks.base import get_task
+    from ropescale.models import load_tokenizer
+
+    cls = get_task("passkey")
+    task = cls(cls.Options(depths=[0.5], trials=2, candidates=3), tokenizer=load_tokenizer(str(tiny_model_dir)),
+               train_length=32)
+    examples = task.examples(96)
+    reqs, first = _retrieval_requests(task, examples)
+    assert len(reqs) == 2 * (1 + 3) and first == 1
+    ex = examples[0]
+    assert reqs[0] == {"ids": ex.prompt.ids, "max_tokens": len(ex.prompt.answer_ids) + 2, "prompt_logprobs": False}
+    assert reqs[1]["ids"] == ex.prompt.ids + ex.prompt.answer_ids and reqs[1]["prompt_logprobs"]
+
+
+# --- with vLLM
+
+
+@needs_vllm
+@pytest.mark.engines
+def test_sweep_through_vllm_equals_the_transformers_engine(tmp_path):
+    from ropescale.reference import kjv  # noqa: F401  (the bundled model and its data)
+
+    raw = {"model": "reference", "data": "kjv-heldout", "lengths": [128, 256], "max_windows": 2, "device": "cpu",
+           "strategies": ["vanilla", "yarn", "dynamic_ntk", "llama3"]}
+    ours = run_sweep(build_config(raw), tmp_path / "hf", progress=False)
+    theirs = run_sweep(build_config({**raw, "engine": "vllm"}), tmp_path / "vllm", progress=False)
+    assert [(r["strategy"], r["length"]) for r in ours] == [(r["strategy"], r["length"]) for r in theirs]
+    for a, b in zip(ours, theirs):
+        assert a["engine"] == "transformers" and b["engine"] == "vllm" and b["engine_version"].startswith("0.")
+        assert b["tokens"] == a["tokens"]
+        assert abs(b["nll"] - a["nll"]) <= b["parity"]["tolerance"], (a["strategy"], a["length"], a["nll"], b["nll"])
+        assert b["parity"]["mean_nll_diff"] <= 1e-4 and b["parity"]["max_abs_dlogp"] < 1e-3
+    manifest = json.loads((tmp_path / "vllm" / "manifest.json").read_text())
+    assert manifest["identity"]["engine"] == "vllm" and "engine" not in json.loads(
+        (tmp_path / "hf" / "manifest.json").read_text())["identity"]
+    assert (tmp_path / "vllm" / "vllm").is_dir()  # the served folders: patch --target vllm's config
+
+
+@needs_vllm
+@pytest.mark.engines
+def test_passkey_through_vllm_gives_the_transformers_engines_answers(tmp_path):
+    raw = {"task": "passkey", "model": "reference", "lengths": [128], "device": "cpu", "strategies": ["linear"],
+           "passkey": {"depths": [0.0, 1.0], "trials": 2, "candidates": 3}}
+    ours = run_sweep(build_config(raw), tmp_path / "hf", progress=False)[0]
+    theirs = run_sweep(build_config({**raw, "engine": "vllm"}), tmp_path / "vllm", progress=False)[0]
+    for key in ("accuracy", "candidate_accuracy", "trials", "prompt_tokens"):
+        assert theirs[key] == ours[key], key
+    assert theirs["parity"]["mean_nll_diff"] <= 1e-4
+
+
+@needs_vllm
+@pytest.mark.engines
+def test_a_cell_past_the_tolerance_is_refused_and_not_recorded(tmp_path):
+    # vLLM's CPU attention takes head_dim 32 (the bundled model's), not the tiny model's 16
+    cfg = _cfg("reference", "kjv-heldout", lengths=[128], strategies=["vanilla"], vllm={"parity_tolerance": 1e-12})
+    with pytest.raises(EngineDisagrees, match=r"vanilla @ 128: vLLM [\d.]+ and transformers disagree on the cell's "
+                                              r"first example: .*> tolerance 1e-12.*the cell is not recorded"):
+        run_sweep(cfg, tmp_path, progress=False)
+    assert read_results(tmp_path / RESULTS) == []
