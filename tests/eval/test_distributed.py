@@ -87,9 +87,9 @@ for out in sys.argv[2:]:
 """
 
 
-def test_a_launched_sweep_closes_its_process_group_and_a_second_opens_its_own(tmp_path, tiny_model_dir, text_file):
+def test_a_launched_sweep_closes_its_process_group(tmp_path, tiny_model_dir, text_file):
     """The sweep left its gloo group to interpreter shutdown, which can abort at exit ("terminate
-    called without an active exception"), and a second sweep in the process reused a closed group."""
+    called without an active exception"): closed when the sweep ends, as fine-tuning does."""
     import re
 
     from tests.training.test_lora import free_port
@@ -101,10 +101,10 @@ def test_a_launched_sweep_closes_its_process_group_and_a_second_opens_its_own(tm
     res = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                           "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
                           "--dynamo_backend", "no", str(tmp_path / "twice.py"), json.dumps(raw),
-                          str(tmp_path / "a"), str(tmp_path / "b")],
+                          str(tmp_path / "a")],
                          capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [json.loads(x) for x in re.findall(r"\{[^{}]*\}", res.stdout)]  # two processes' lines interleave
-    assert lines == [{"cells": 1, "open": False}] * 4, res.stdout
+    assert lines == [{"cells": 1, "open": False}] * 2, res.stdout
     assert "terminate called" not in res.stderr
-    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["processes"] == 2
+    assert json.loads((tmp_path / "a" / "manifest.json").read_text())["processes"] == 2
