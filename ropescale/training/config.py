@@ -319,7 +319,24 @@ class FinetuneConfig(BaseModel):
                                                    "plugin config file (GPUs)")
     parallelism: Parallelism = Field(default_factory=Parallelism,
                                      description="sequence: processes per sequence-parallel group (Ulysses)")
+    report_to: list[str] = Field(default_factory=list,
+                                 description="accelerate trackers to report loss, learning rate and held-out PPL to "
+                                             "(tensorboard, wandb, mlflow, ...; log.jsonl is always written)")
     output: str | None = None
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to(cls, v: Any) -> Any:
+        from accelerate.utils import LoggerType
+
+        names = [v] if isinstance(v, str) else v
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"a tracker name or a list of them (accelerate's: tensorboard, wandb, ...); got {v!r}")
+        known = sorted(t.value for t in LoggerType if t.value != "all")
+        bad = [n for n in names if n not in known]
+        if bad:
+            raise ValueError(f"unknown tracker {bad[0]!r}; accelerate's trackers: {', '.join(known)}")
+        return names
 
     _numbers = field_validator("length", "original_max_position_embeddings", "steps", "batch_size", "grad_accum",
                                "lr", "warmup", "weight_decay", "adam_betas", "max_grad_norm", "seed", "threads",
@@ -429,7 +446,8 @@ class FinetuneConfig(BaseModel):
         # what is trained (float tolerance); leaving them out keeps earlier runs' manifests valid
         # sequence parallelism too: the same global batches, each window's loss and gradient split over a group
         out = self.model_dump(mode="json", exclude={"output", "device", "threads", "keep_checkpoints",
-                                                    "gradient_checkpointing", "loss_chunk_size", "parallelism"})
+                                                    "gradient_checkpointing", "loss_chunk_size", "parallelism",
+                                                    "report_to"})
         if out.get("eval"):
             out["eval"].pop("after", None)
         if not self.pose.enabled or self.pose.sampling == "paper":  # runs from before the key resume

@@ -213,8 +213,10 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
     AcceleratorState._reset_state()
     # cpu=True also makes processes started by torchrun (`accelerate launch --multi_gpu` on a machine
     # without GPUs) one gloo group; without it each would train alone and write the same files
+    trackers = _trackers(cfg, source)
     acc = Accelerator(cpu=device.type == "cpu", mixed_precision=cfg.mixed_precision, fsdp_plugin=plugin,
-                      gradient_accumulation_plugin=_accumulation(cfg))
+                      gradient_accumulation_plugin=_accumulation(cfg), log_with=trackers or None,
+                      project_dir=str(output) if trackers else None)
     try:
         summary = _claim_and_run(cfg, run, Path(output), acc, progress and acc.is_main_process, stop_after, after,
                                  source, plugin is not None)
@@ -351,11 +353,34 @@ def _prepare(cfg: FinetuneConfig, run: ResolvedRun, acc, source: str, *, trained
     return _Prepared(tokenizer, stream, heldout, dataset, model, recipe)
 
 
+def _trackers(cfg: FinetuneConfig, source: str) -> list[str]:
+    """``report_to``'s trackers, each installed (``ConfigError`` naming the package otherwise), before
+    anything is written."""
+    from accelerate.tracking import get_available_trackers
+
+    available = {str(t.value if hasattr(t, "value") else t) for t in get_available_trackers()}
+    missing = [t for t in cfg.report_to if t not in available]
+    if missing:
+        raise ConfigError(f"{source}: report_to: {missing[0]} is not installed (pip install {missing[0]}); "
+                          f"installed trackers: {', '.join(sorted(available)) or 'none'}")
+    return list(cfg.report_to)
+
+
+def _start_trackers(acc, cfg: FinetuneConfig, output: Path) -> None:
+    """The trackers' run, named after the output folder, with the run's identity as its settings."""
+    settings = {k: v if isinstance(v, (int, float, str, bool)) else json.dumps(v)
+                for k, v in _flat(cfg.identity()).items() if v is not None}
+    acc.init_trackers(output.name, config=settings)
+
+
 def _leave(acc, *, together: bool = True) -> None:
     """A launched run's process group is closed before interpreter shutdown (a gloo group left
     open can abort at exit: "terminate called without an active exception"), after all processes
     are done (``together``; a run stopped by an error closes its own end only); the accelerate
-    state is reset so that a later run in the process sets up its group afresh."""
+    state is reset so that a later run in the process sets up its group afresh. The trackers
+    (``report_to``) are flushed and closed in every case."""
+    for tracker in getattr(acc, "trackers", None) or []:
+        tracker.finish()
     if acc.num_processes > 1:
         from accelerate.state import AcceleratorState
 
@@ -428,7 +453,9 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, prepared: _
         model, optimizer, loader = acc.prepare(model, optimizer, loader)
     acc.register_for_checkpointing(scheduler)  # stepped by hand: once per optimiser step
 
-    log = TrainingLog(output / LOG, enabled=acc.is_main_process)
+    if cfg.report_to:
+        _start_trackers(acc, cfg, output)
+    log = TrainingLog(output / LOG, enabled=acc.is_main_process, tracker=acc if cfg.report_to else None)
     done = _checkpoints(output)
     start = done[-1][0] if done else 0
     if done:

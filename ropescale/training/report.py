@@ -69,8 +69,10 @@ class TrainingLog:
     """Appends records to ``log.jsonl`` (one line at a time, closed after each) when ``enabled``
     (the main process)."""
 
-    def __init__(self, path: Path, enabled: bool = True):
-        self.path, self.enabled = path, enabled
+    def __init__(self, path: Path, enabled: bool = True, tracker=None):
+        """``tracker``: accelerate's ``Accelerator`` with trackers started (``report_to``): every record's
+        numbers are also logged there, at the record's step (``loss``, ``lr``, ``ppl/<L>``, ...)."""
+        self.path, self.enabled, self.tracker = path, enabled, tracker
 
     def keep_through(self, step: int) -> None:
         """Drop records of steps after ``step`` (−1: all): what a run resumed from the checkpoint
@@ -83,6 +85,12 @@ class TrainingLog:
         if self.enabled:
             with self.path.open("a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
+        if self.tracker is not None:  # accelerate logs on the main process only
+            numbers = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))
+                       and not isinstance(v, bool)}
+            numbers |= {f"{k}/{n}": v for k, d in record.items() if isinstance(d, dict)
+                        for n, v in d.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            self.tracker.log(numbers, step=record["step"])
 
 
 def eval_curve(records: list[dict], length: int) -> list[tuple[int, float]]:

@@ -1,0 +1,63 @@
+"""``report_to``: a fine-tuning run reports to accelerate's trackers (TensorBoard here, offline) the
+numbers it writes to log.jsonl; an unknown or missing tracker is one line before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+
+from ropescale.runs.config import ConfigError
+from ropescale.training import build_finetune_config, finetune
+from ropescale.training.report import read_log
+
+
+def _scalars(folder) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar TensorBoard holds under ``folder``, read back with TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    for events in sorted(folder.rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events.parent))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            out.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    return out
+
+
+def test_tensorboard_holds_what_log_jsonl_holds(tmp_path, tiny_run):
+    pytest.importorskip("tensorboard")
+    summary = finetune(build_finetune_config(tiny_run(report_to="tensorboard")), tmp_path / "run", progress=False)
+    assert summary["steps"] == 4
+    log = read_log(tmp_path / "run")
+    got = _scalars(tmp_path / "run")
+    losses = [(r["step"], r["loss"]) for r in log if "loss" in r]
+    assert [s for s, _ in got["loss"]] == [s for s, _ in losses]
+    assert [v for _, v in got["loss"]] == pytest.approx([v for _, v in losses], rel=1e-6)  # float32 in the file
+    ppl = [(r["step"], r["ppl"]["64"]) for r in log if "ppl" in r]
+    assert [(s, pytest.approx(v, rel=1e-6)) for s, v in ppl] == got["ppl/64"]
+    assert {"lr", "tokens_per_s"} <= set(got)
+
+
+def test_the_run_is_the_same_run_with_or_without_trackers(tmp_path, tiny_run):
+    """report_to is where a run is watched from, not what it trains: a run resumes across it."""
+    a = build_finetune_config(tiny_run()).identity()
+    b = build_finetune_config(tiny_run(report_to=["tensorboard"])).identity()
+    assert a == b
+
+
+@pytest.mark.parametrize("value,match", [
+    ("tensorbored", "unknown tracker 'tensorbored'; accelerate's trackers: aim, clearml"),
+    ([1], "a tracker name or a list of them"),
+])
+def test_a_bad_tracker_is_one_line(tmp_path, tiny_run, value, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        build_finetune_config(tiny_run(report_to=value))
+    assert "\n" not in str(err.value)
+
+
+def test_a_tracker_that_is_not_installed_is_refused_before_anything_is_written(tmp_path, tiny_run, monkeypatch):
+    import accelerate.tracking
+
+    monkeypatch.setattr(accelerate.tracking, "get_available_trackers", lambda: [])
+    with pytest.raises(ConfigError, match=r"report_to: wandb is not installed \(pip install wandb\)"):
+        finetune(build_finetune_config(tiny_run(report_to="wandb")), tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
