@@ -1,6 +1,7 @@
 """ropescale — swap the rotary position embedding of a Hugging Face causal LM and measure
 how far past its training window it still models text."""
 
+from ropescale._version import __version__
 from ropescale.errors import RopescaleError, UnknownNameError
 from ropescale.models import load_model, save_patched
 from ropescale.patching import (
@@ -22,7 +23,6 @@ from ropescale.strategies import (
     strategy_names,
 )
 
-__version__ = "0.1.0"
 __all__ = [
     "REGISTRY",
     "NoRotaryEmbeddingError",

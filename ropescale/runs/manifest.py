@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-import ropescale
+from ropescale._version import __version__
 from ropescale.errors import OutputError, RopescaleError
 from ropescale.models import weights_fingerprint
 
@@ -75,7 +75,7 @@ def prepare_output(output: Path) -> Path:
 def _git_hash() -> str | None:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(ropescale.__file__).parent, timeout=5).stdout.strip() or None
+                              cwd=Path(__file__).resolve().parents[1], timeout=5).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -84,7 +84,7 @@ def environment() -> dict[str, Any]:
     """Versions and machine facts a run records beside its results."""
     import transformers
 
-    return {"ropescale": ropescale.__version__, "torch": torch.__version__,
+    return {"ropescale": __version__, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
             "git": _git_hash(), "machine": platform.machine(),
             "threads": torch.get_num_threads()}
