@@ -22,9 +22,11 @@ the file kept and named).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -130,6 +132,13 @@ def _last_error(log: str) -> str:
     return re.sub(r"^\(\w+ pid=\d+\) ERROR [\d:\- ]+\[[^\]]+\] ", "", pick)[:400]
 
 
+def _kill_session(proc: subprocess.Popen) -> None:
+    """Kill every process left in the driver's session (its own, if it still runs, and its children)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # nothing left
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 def run_engine(engine: str, request: dict[str, Any], *, script: str | None = None, timeout: float = 1800,
                log_dir: str | Path | None = None, quiet: bool = True) -> dict[str, Any]:
     """Run ``engine``'s driver (or ``script``, another file beside this one) on ``request`` (a
@@ -150,12 +159,18 @@ def run_engine(engine: str, request: dict[str, Any], *, script: str | None = Non
         env.pop("PYTHONPATH", None)  # the engine's environment, not ours
         start = time.perf_counter()
         with open(log_path, "w", encoding="utf-8") as log:
+            # a session of its own: the driver's children (vLLM's engine-core and worker processes, which
+            # outlive a driver that leaves by os._exit) are killed with it when it ends
+            proc = subprocess.Popen([str(py), str(driver), str(req), str(res)], env=env,
+                                    stdout=log if quiet else sys.stderr, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
             try:
-                proc = subprocess.run([str(py), str(driver), str(req), str(res)], env=env, timeout=timeout,
-                                      stdout=log if quiet else sys.stderr, stderr=subprocess.STDOUT)
+                proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 raise EngineFailed(f"{_known(engine)['label']} driver ran past {timeout:g} s "
                                    f"(log: {log_path})") from None
+            finally:
+                _kill_session(proc)
         seconds = time.perf_counter() - start
         if proc.returncode != 0 or not res.is_file():
             text = log_path.read_text(encoding="utf-8", errors="replace") if quiet else ""

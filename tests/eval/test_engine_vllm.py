@@ -8,6 +8,7 @@ greedy answers and candidate choices agree, and a cell whose first example disag
 tolerance is refused with the cells before it kept."""
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -151,3 +152,37 @@ def test_a_cell_past_the_tolerance_is_refused_and_not_recorded(tmp_path):
                                               r"first example: .*> tolerance 1e-12.*the cell is not recorded"):
         run_sweep(cfg, tmp_path, progress=False)
     assert read_results(tmp_path / RESULTS) == []
+
+
+DRIVER_LEAVING_A_CHILD = """
+import json, os, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+with open(sys.argv[2], "w") as f:
+    json.dump({"child": child.pid}, f)
+os._exit(0)  # as vllm_driver.py leaves: without tearing its children down
+"""
+
+
+def test_a_driver_leaving_by_os_exit_takes_its_children_with_it(tmp_path, monkeypatch):
+    """vllm_driver.py leaves by os._exit once its result is written; vLLM's engine-core and worker
+    processes (1.7 GB each) outlived it, one set per cell, until the machine ran out of memory."""
+    import sys
+    import time
+
+    from eval import engines
+
+    monkeypatch.setattr(engines, "require_engine", lambda engine: Path(sys.executable))
+    (tmp_path / "driver.py").write_text(DRIVER_LEAVING_A_CHILD)
+    out = engines.run_engine("vllm", {"mode": "score"}, script=str(tmp_path / "driver.py"))
+
+    def alive(pid: int) -> bool:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        return state not in ("Z", "X")  # a zombie waits for init to reap it: it runs no more
+
+    deadline = time.monotonic() + 5
+    while alive(out["child"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(out["child"])
