@@ -74,7 +74,7 @@ def test_device_map_reaches_from_pretrained(tiny_model_dir, monkeypatch):
     assert seen["device_map"] == "balanced"  # accelerate's big-model inference places the layers
 
 
-TWICE = """
+ONE_RUN = """
 import json, sys
 import torch.distributed as dist
 from eval.config import build_config
@@ -90,21 +90,13 @@ for out in sys.argv[2:]:
 def test_a_launched_sweep_closes_its_process_group(tmp_path, tiny_model_dir, text_file):
     """The sweep left its gloo group to interpreter shutdown, which can abort at exit ("terminate
     called without an active exception"): closed when the sweep ends, as fine-tuning does."""
-    import re
-
-    from tests.training.test_lora import free_port
+    from tests.launch import launch_two
 
     raw = {"model": str(tiny_model_dir), "data": str(text_file), "lengths": [32], "strategies": ["vanilla"],
            "max_windows": 2, "device": "cpu", "threads": 1}
-    (tmp_path / "twice.py").write_text(TWICE)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                          "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
-                          "--dynamo_backend", "no", str(tmp_path / "twice.py"), json.dumps(raw),
-                          str(tmp_path / "a")],
-                         capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    (tmp_path / "run.py").write_text(ONE_RUN)
+    res, lines = launch_two(tmp_path / "run.py", json.dumps(raw), str(tmp_path / "a"))
     assert res.returncode == 0, res.stderr[-3000:]
-    lines = [json.loads(x) for x in re.findall(r"\{[^{}]*\}", res.stdout)]  # two processes' lines interleave
     assert lines == [{"cells": 1, "open": False}] * 2, res.stdout
     assert "terminate called" not in res.stderr
     assert json.loads((tmp_path / "a" / "manifest.json").read_text())["processes"] == 2

@@ -7,14 +7,13 @@ run makes them one gloo group (``Accelerator(cpu=True)`` when there is no GPU)."
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 from ropescale.training import build_finetune_config, finetune
 from ropescale.training.report import read_log
-from tests.training.test_lora import free_port
+from tests.launch import launch_two
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,7 +45,7 @@ def test_two_processes_give_one_process_loss_curve_and_only_the_main_process_wri
     assert files(tmp_path / "two") == files(tmp_path / "one")
 
 
-TWICE = """
+ONE_RUN = """
 import json, sys
 import torch.distributed as dist
 from ropescale.training import build_finetune_config, finetune
@@ -64,15 +63,8 @@ def test_a_launched_run_closes_its_process_group(tmp_path, tiny_run):
     process sets up a group of its own, but gloo's connect can hang there — torch reuses the closed
     group's name while torchrun's store keeps its peers' addresses — so one run per launch here.)"""
     raw = tiny_run(strategy="linear", steps=1, batch_size=1, eval=None)
-    (tmp_path / "twice.py").write_text(TWICE)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                          "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
-                          "--dynamo_backend", "no", str(tmp_path / "twice.py"), json.dumps(raw),
-                          str(tmp_path / "a")],
-                         capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    (tmp_path / "run.py").write_text(ONE_RUN)
+    res, lines = launch_two(tmp_path / "run.py", json.dumps(raw), str(tmp_path / "a"))
     assert res.returncode == 0, res.stderr[-3000:]
-    # two processes share stdout, so their lines may interleave ("{…}{…}\n\n"): read each object
-    lines = [json.loads(x) for x in re.findall(r"\{[^{}]*\}", res.stdout)]
     assert lines == [{"processes": 2, "open": False}] * 2, res.stdout  # two processes
     assert "terminate called" not in res.stderr

@@ -21,19 +21,13 @@ from ropescale.training.loop import causal_lm_loss
 from ropescale.training.lora import apply_lora, embedding_and_norm_modules, save_trained
 from ropescale.training.report import read_log
 from tests.conftest import build, tiny_llama_config
+from tests.launch import free_port
 from tests.training.test_config import cli, one_line_error, write  # noqa: F401 (write: fixture)
 from tests.training.test_gradients import IDS
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 
 
-def free_port() -> int:
-    """A port nothing listens on (launched tests on one machine must not share torchrun's 29500)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
