@@ -250,7 +250,7 @@ def peak(device: str) -> int:
 def instrument(check: Check) -> None:
     """Count block-mask builds (``flex_regions._mask_builder``'s functions) and eager FlexAttention
     on CUDA (its dense reference ``math_attention`` on real tensors above ``EAGER_SCORES``)."""
-    from ropescale import flex_regions
+    from ropescale.attention import flex as flex_regions
 
     real_builder = flex_regions._mask_builder
 
@@ -301,7 +301,7 @@ def oracle(q, k, v, q_pos, k_pos, rule, inv, scaling, grad, *, keep=None, block:
     rows, each against the keys up to its last row's slot, with the gradients of q, k, v for the
     output gradient ``grad``: (out, dq, dk, dv). Query row t is key slot s_k − s_q + t, as in every
     path."""
-    from ropescale.truncated_attention import naive_attention
+    from ropescale.attention.truncated import naive_attention
 
     q, k, v, grad = (x.detach().float() for x in (q, k, v, grad))
     s_q, s_k = q.shape[2], k.shape[2]
@@ -334,7 +334,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 def oracle_case(name: str, params: dict, dtype, device: str, *, b: int = 1, n_h: int = 4, n_kv: int = 2,
                 s_q: int, s_k: int, head_dim: int, pad: int = 0, tol: float, **kw) -> dict:
     """One comparison of ``flex_attention_path`` (with its gradients) against ``oracle``."""
-    from ropescale.flex_regions import flex_attention_path
+    from ropescale.attention.flex import flex_attention_path
 
     rule = rule_of(name, params)
     g = torch.Generator(device="cpu").manual_seed(0)

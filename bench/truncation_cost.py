@@ -14,7 +14,7 @@ Ratios are against vanilla RoPE with SDPA at the same length, measured in the sa
 naive path (explicit n × n relative positions, the tests' oracle) runs only up to
 ``--naive-max`` tokens: it needs O(n²·d) memory. ``(blocked)`` is the Python online-softmax path
 (the default before the fused kernel; still used for dropout, and on the CPU for soft-capping).
-``(flex)`` is the FlexAttention path (``ropescale.flex_regions``): on CUDA the compiled kernel (what
+``(flex)`` is the FlexAttention path (``ropescale.attention.flex``): on CUDA the compiled kernel (what
 the default path runs there), on the CPU eager and unfused — it materialises each region's
 scores — so it runs only up to ``--flex-max`` tokens (default: 2048 on the CPU, every length on
 CUDA), and its backward is not measured on the CPU (torch has no CPU FlexAttention backward; the

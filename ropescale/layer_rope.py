@@ -114,7 +114,7 @@ class _Recorder:
 
 
 def _record(module, query, key, value, attention_mask, **kwargs):
-    from ropescale.attention import _base_attention  # the model's own implementation runs the forward
+    from ropescale.attention.interface import _base_attention  # the model's own implementation runs the forward
 
     rec = getattr(module, _PROBE_ATTR)
     if module not in rec.calls:
@@ -130,7 +130,7 @@ def _register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    from ropescale.attention import _padding_only_mask
+    from ropescale.attention.interface import _padding_only_mask
 
     AttentionInterface.register(PROBE, _record)
     AttentionInterface.register(PROBE_LEAN, _record)

@@ -1,7 +1,7 @@
 """Patch a loaded Hugging Face causal LM with a strategy, in place and reversibly.
 
 Frequency strategies replace the model's rotary module (``ropescale.rotary``); truncation rules
-make it an identity and move RoPE into attention (``ropescale.attention``); log-n scaling wraps
+make it an identity and move RoPE into attention (``ropescale.attention.interface``); log-n scaling wraps
 attention. The original module object is kept untouched and put back by ``unpatch``, so logits
 are restored bit for bit.
 
@@ -203,7 +203,7 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
         dynamic_block: dynamic strategies take L rounded up to a multiple of this [tokens], so
             the frequencies (and, with ``"recompute"``, the prefix) change once per block.
         logn: also scale queries by max(1, ln(p+1)/ln(L_train)) (Su 2023), through the
-            attention interface (``ropescale.attention``); works with any strategy.
+            attention interface (``ropescale.attention.interface``); works with any strategy.
         temperature: another query-temperature rule instead of log-n (``ropescale.temperature``):
             ``"llama4"`` (Llama 4's stepped one), ``"beta:beta=0.1"`` (Mistral's ``llama_4_scaling_beta``),
             ``"logn"``, a mapping, or None. Exact under the KV cache like log-n.

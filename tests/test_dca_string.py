@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from transformers import DynamicCache
 
 import ropescale
-from ropescale.flex_regions import flex_attention_path
+from ropescale.attention.flex import flex_attention_path
+from ropescale.attention.truncated import blocked_attention, fused_attention, naive_attention
 from ropescale.strategies import get_strategy
 from ropescale.strategies.truncation import dca, string
-from ropescale.truncated_attention import blocked_attention, fused_attention, naive_attention
 from tests.conftest import with_cache
 from tests.families import family_model
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ropescale.attention.truncated import blocked_attention, naive_attention
 from ropescale.strategies import get_strategy
-from ropescale.truncated_attention import blocked_attention, naive_attention
 
 
 @pytest.mark.parametrize("path", [naive_attention, blocked_attention])

@@ -1,4 +1,4 @@
-"""The FlexAttention path (``ropescale.flex_regions``) against the naive n × n oracle: outputs and
+"""The FlexAttention path (``ropescale.attention.flex``) against the naive n × n oracle: outputs and
 gradients of q, k, v (float32 and float64), GQA, left padding, a KV-cache split, sliding windows,
 soft-capping; end to end on tiny models; its fallbacks and ``fused_attention``'s dispatch to it.
 
@@ -15,10 +15,11 @@ from torch.nn.attention import flex_attention as torch_flex
 from transformers import DynamicCache
 
 import ropescale
-from ropescale import flex_regions, truncated_attention
-from ropescale.flex_regions import BlockMaskCache, flex_attention_path, region_block_masks
+from ropescale.attention import flex as flex_regions
+from ropescale.attention import truncated as truncated_attention
+from ropescale.attention.flex import BlockMaskCache, flex_attention_path, region_block_masks
+from ropescale.attention.truncated import fused_attention, fused_route, naive_attention
 from ropescale.strategies.truncation import dca, leaky_rerope, rerope, self_extend, string
-from ropescale.truncated_attention import fused_attention, fused_route, naive_attention
 from tests.conftest import with_cache
 from tests.families import family_model
 
@@ -139,7 +140,7 @@ def test_fused_on_a_non_cpu_device_dispatches_to_flex(monkeypatch):
     assert fused_route("cuda", dropout=0.1) == "blocked"
     assert fused_route("cpu") == "regions" and fused_route("cpu", softcap=30.0) == "blocked"
     seen = []
-    from ropescale import attention
+    from ropescale.attention import interface as attention
 
     monkeypatch.setattr(attention, "flex_attention_path", lambda *a, **kw: seen.append(kw) or "flex ran")
     fused = attention._PATHS["fused"]
@@ -169,8 +170,8 @@ def test_block_masks_are_built_once_per_forward_and_rebuilt_when_keep_changes():
 
 def test_mask_cache_belongs_to_the_patched_model_not_the_module():
     """No module-level data: each patched model keeps its own masks, gone with its patch."""
-    from ropescale import flex_regions
-    from ropescale.attention import _TRUNCATION_ATTR
+    from ropescale.attention import flex as flex_regions
+    from ropescale.attention.interface import _TRUNCATION_ATTR
 
     assert not [n for n, v in vars(flex_regions).items()
                 if isinstance(v, (dict, list, BlockMaskCache)) and not n.startswith("__")]
@@ -258,7 +259,7 @@ def test_block_masks_are_built_compiled_on_cuda():
     (checked without a GPU: the builder chosen for a CUDA device is not the eager function)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from ropescale.flex_regions import _mask_builder
+    from ropescale.attention.flex import _mask_builder
 
     assert _mask_builder(torch.device("cpu")) is create_block_mask
     cuda = _mask_builder(torch.device("cuda"))
@@ -270,7 +271,7 @@ def test_masks_are_built_once_per_forward_for_chunk_rules_too(monkeypatch, strat
     """Chunk rules' masks follow the positions: they are shared by the layers of one forward through
     the model's position_ids (the same tensor in every layer) and rebuilt for the next forward;
     distance rules' masks are kept while the shapes are."""
-    from ropescale import flex_regions
+    from ropescale.attention import flex as flex_regions
 
     built = []
     real = flex_regions.create_block_mask

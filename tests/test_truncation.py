@@ -11,8 +11,8 @@ from transformers import DynamicCache
 
 import ropescale
 from ropescale.attention import AttentionNotPluggableError, logn_factor
+from ropescale.attention.truncated import _Rotations, blocked_attention, fused_attention, naive_attention
 from ropescale.strategies.truncation import leaky_rerope, rerope, self_extend
-from ropescale.truncated_attention import _Rotations, blocked_attention, fused_attention, naive_attention
 from tests.conftest import with_cache
 from tests.families import family_model
 

@@ -3,7 +3,7 @@
 Each rule is a relative-position function p(i, j) of query position i and key position j ≤ i,
 given as a list of *regions* that partition the causal triangle. In each region p(i, j) =
 q_at(i) − k_at(j): attention there is ordinary RoPE attention with the queries rotated to q_at(i)
-and the keys to k_at(j), which is what lets ``ropescale.region_attention`` compute every rule exactly
+and the keys to k_at(j), which is what lets ``ropescale.attention.regions`` compute every rule exactly
 in O(n) memory (one fused kernel call per region piece, merged by log-sum-exp).
 
 A region is selected either by *distance* (lo ≤ i − j < hi: ReRoPE, Leaky ReRoPE, SelfExtend,

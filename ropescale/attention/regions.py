@@ -20,7 +20,7 @@ Calls by region shape (every decision from Python integers, so the host never wa
   in one call with chunks as the kernel's batch (keys a strided view, one shared mask), partial
   chunks apart; an unbounded one as a causal attention shifted by lo·c plus the staircase of
   chunk m − lo — ``chunk_calls``; o is a Python integer per batch row, so rows with different
-  left padding are planned apart (``ropescale.truncated_attention``);
+  left padding are planned apart (``ropescale.attention.truncated``);
 * a sliding window W bounds distance regions (hi ← min(hi, W)).
 
 ReRoPE / Leaky ReRoPE / SelfExtend / STRING are two distance regions (near band, far causal):

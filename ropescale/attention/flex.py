@@ -56,8 +56,8 @@ from functools import cache, lru_cache
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
+from ropescale.attention.truncated import blocked_attention, fused_attention, rotate, slot_offsets
 from ropescale.strategies.truncation import Region, RelativeRule
-from ropescale.truncated_attention import blocked_attention, fused_attention, rotate, slot_offsets
 
 __all__ = ["NO_FLEX_BACKWARD", "BlockMaskCache", "flex_attention_path", "region_block_masks"]
 

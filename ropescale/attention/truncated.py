@@ -11,11 +11,11 @@ position distance for the positions transformers passes (contiguous per row; lef
 shifts them); chunk regions by position = slot + the row's offset (``slot_offsets``).
 
 ``fused_attention`` is the default path: each region in PyTorch's fused CPU flash kernel,
-merged by log-sum-exp, with a backward (``ropescale.region_attention``); about the cost of one vanilla
+merged by log-sum-exp, with a backward (``ropescale.attention.regions``); about the cost of one vanilla
 attention.
 
 On other devices ``ropescale.attention``'s ``fused`` path hands over to
-``ropescale.flex_regions.flex_attention_path`` (the same regions in FlexAttention, compiled on
+``ropescale.attention.flex.flex_attention_path`` (the same regions in FlexAttention, compiled on
 CUDA).
 
 ``blocked_attention`` is the general path (soft-capping, attention dropout, per-query masks, chunk
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from ropescale.region_attention import RegionAttention, _Plan, band_calls, causal_calls, chunk_calls, near_block
+from ropescale.attention.regions import RegionAttention, _Plan, band_calls, causal_calls, chunk_calls, near_block
 from ropescale.strategies.truncation import Region, RelativeRule
 
 __all__ = ["blocked_attention", "fused_attention", "fused_route", "naive_attention", "rotate", "slot_offsets"]
@@ -141,7 +141,7 @@ def fused_route(device_type: str, *, softcap: float | None = None, dropout: floa
     """Which kernel ``fused_attention`` runs: ``"blocked"`` with attention dropout (any device);
     ``"flex"`` on any other non-CPU device (CUDA: compiled FlexAttention); on the CPU
     ``"blocked"`` for soft-capping, a per-query ``keep`` mask or a chunk rule (``by_chunk``)
-    under a sliding window, else ``"regions"`` (``ropescale.region_attention``)."""
+    under a sliding window, else ``"regions"`` (``ropescale.attention.regions``)."""
     if dropout:
         return "blocked"
     if device_type != "cpu":
@@ -161,11 +161,11 @@ def fused_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling
                     scale: float, softcap: float | None = None, sliding_window: int | None = None,
                     interleaved: bool = False, dropout: float = 0.0, block: int = 512,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """The rule's regions in fused CPU flash kernels (``ropescale.region_attention``), with backward.
+    """The rule's regions in fused CPU flash kernels (``ropescale.attention.regions``), with backward.
     Where that kernel cannot follow (``fused_route`` other than ``"regions"``: soft-capping,
     attention dropout, a per-query ``keep`` mask, a chunk rule under a sliding window, or a device
     other than the CPU), ``blocked_attention``. The ``"fused"`` attention path
-    (``ropescale.attention``) sends other devices to FlexAttention (``ropescale.flex_regions``)
+    (``ropescale.attention.interface``) sends other devices to FlexAttention (``ropescale.attention.flex``)
     before this. Chunk rules read each row's position offset (a CPU tensor: no device wait) and
     plan rows with different offsets (left padding) apart. A prefill's extra regions
     (``RelativeRule.for_call``) are regions of their own here, merged like the others."""
