@@ -114,9 +114,8 @@ def prepare_lora(model):
     parameters)."""
     import torch
 
-    from ropescale.training.config import LoraSettings
     from ropescale.training.loop import enable_checkpointing
-    from ropescale.training.lora import apply_lora
+    from ropescale.training.lora import LoraSettings, apply_lora
 
     enable_checkpointing(model)
     model = apply_lora(model, LoraSettings())

@@ -21,8 +21,8 @@ from ropescale.runs.data import DataSpec
 from ropescale.strategies import get_strategy
 from ropescale.temperature import parse_temperature
 
-__all__ = ["ConfigError", "DataConfig", "StrategySpec", "apply_overrides", "check_threads", "parse_strategy",
-           "read_yaml"]
+__all__ = ["ConfigError", "DataConfig", "StrategySpec", "apply_overrides", "check_threads", "not_a_bool",
+           "parse_strategy", "read_yaml"]
 
 
 class ConfigError(RopescaleError, ValueError):
@@ -211,6 +211,16 @@ def read_yaml(path: str | Path) -> dict:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of keys (model, data, lengths, strategies, ...)")
     return raw
+
+
+def not_a_bool(cls, v: Any) -> Any:
+    """A field validator (``field_validator(..., mode="before")(not_a_bool)``): YAML's true/false
+    where a number is meant (``steps: true`` was read as 1 step) refused in one line."""
+    if isinstance(v, bool):
+        raise ValueError(f"{str(v).lower()} is a yes/no value, not a number")
+    if isinstance(v, (list, tuple)) and any(isinstance(x, bool) for x in v):
+        raise ValueError(f"{list(v)!r} holds a yes/no value, not a number")
+    return v
 
 
 def check_threads(v: int | None) -> int | None:

@@ -25,9 +25,11 @@ from ropescale.runs.config import (
     StrategySpec,
     apply_overrides,
     check_threads,
+    not_a_bool,
     parse_strategy,
     read_yaml,
 )
+from ropescale.training.lora import DEFAULT_LORA_TARGETS, LoraSettings
 
 __all__ = [
     "DEFAULT_LORA_TARGETS",
@@ -44,21 +46,11 @@ __all__ = [
     "resolve",
 ]
 
-DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MAX_STEPS = 10 ** 9  # more optimiser steps than any run takes; beyond it counts overflow (int64 indices)
 MAX_WINDOWS = 10 ** 15  # training windows per process: steps × grad_accum × batch_size
 
 # every section refuses inf and NaN (`lr: .inf` trained to NaN and saved the model)
 _FINITE = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-
-def _not_a_bool(cls, v: Any) -> Any:
-    """YAML's true/false where a number is meant (``steps: true`` was read as 1 step)."""
-    if isinstance(v, bool):
-        raise ValueError(f"{str(v).lower()} is a yes/no value, not a number")
-    if isinstance(v, (list, tuple)) and any(isinstance(x, bool) for x in v):
-        raise ValueError(f"{list(v)!r} holds a yes/no value, not a number")
-    return v
 
 
 class PoseConfig(BaseModel):
@@ -75,7 +67,7 @@ class PoseConfig(BaseModel):
     model_config = _FINITE
     enabled: bool = False
     chunks: int = Field(2, ge=1, description="chunks N per window (paper: 2; sampling authors: exactly 2)")
-    _numbers = field_validator("chunks", mode="before")(_not_a_bool)
+    _numbers = field_validator("chunks", mode="before")(not_a_bool)
     content: Literal["random", "aligned", "contiguous"] = Field(
         "random", description="text of each chunk: random offsets v_i (paper), v_i = u_i, or contiguous")
     sampling: Literal["authors", "paper"] = Field(
@@ -96,50 +88,6 @@ class PoseConfig(BaseModel):
         if isinstance(raw, dict) and raw and "enabled" not in raw:  # `pose: {chunks: 3}` means on
             return {**raw, "enabled": True}
         return raw
-
-
-class LoraSettings(BaseModel):
-    """LoRA (Hu et al. 2021, arXiv:2106.09685) through PEFT: the base weights stay frozen and
-    each targeted linear layer W gains W + (alpha / r) · B A with A ``[r, in]``, B ``[out, r]``
-    (B starts at zero, so training starts from the base model's outputs).
-
-    ``trainable_embeddings_norms``: LongLoRA's "LoRA+" (Chen et al. 2023, arXiv:2309.12307 §3.3;
-    dvlab-research/LongLoRA ``trainable_params="embed,norm"``): the embedding and normalisation
-    layers are also trained fully; they go through PEFT's ``modules_to_save`` so they are saved
-    with the adapter. ``save``: ``merged`` (LoRA merged into the weights, a plain patched model)
-    or ``adapter`` (PEFT adapter folder + patch record + tokenizer; ``ropescale.load_model``
-    loads the base model named in it, applies the adapter and re-applies the patch)."""
-
-    model_config = _FINITE
-    r: int = Field(8, ge=1, description="rank of the update B A")
-    alpha: float = Field(16.0, gt=0, description="the update is scaled by alpha / r")
-    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA branch's input")
-    target_modules: list[str] | None = Field(
-        None, description="linear layers given LoRA (default: q_proj, k_proj, v_proj, o_proj when the model has "
-                          "them, else PEFT's default for the architecture)")
-    modules_to_save: list[str] = Field(default_factory=list, description="modules trained fully and saved")
-    trainable_embeddings_norms: bool = Field(False, description="LongLoRA's LoRA+: embeddings and norms trained")
-    save: Literal["merged", "adapter"] = "merged"
-    _numbers = field_validator("r", "alpha", "dropout", mode="before")(_not_a_bool)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _shorthand(cls, raw: Any) -> Any:
-        return {} if raw is True else raw  # `lora: true`: the defaults
-
-    @field_validator("target_modules", "modules_to_save", mode="before")
-    @classmethod
-    def _names(cls, v: Any) -> Any:
-        if isinstance(v, str):  # `q_proj,v_proj`
-            v = [x.strip() for x in v.split(",") if x.strip()]
-        return v
-
-    @field_validator("target_modules")
-    @classmethod
-    def _targets(cls, v: list[str] | None) -> list[str] | None:
-        if v is not None and not v:
-            raise ValueError("empty: name at least one linear layer (or leave the key out for the default)")
-        return v
 
 
 def fsdp_plugin_kwargs(spec: str, source: str = "config") -> dict[str, Any]:
@@ -204,7 +152,7 @@ class Parallelism(BaseModel):
 
     model_config = _FINITE
     sequence: int = Field(1, ge=1, description="processes per sequence-parallel group (Ulysses); 1: off")
-    _numbers = field_validator("sequence", mode="before")(_not_a_bool)
+    _numbers = field_validator("sequence", mode="before")(not_a_bool)
 
 
 class EvalDuringTraining(BaseModel):
@@ -219,7 +167,7 @@ class EvalDuringTraining(BaseModel):
     max_windows: int | None = Field(32, ge=1, description="windows per length, evenly spaced (None: all)")
     batch_size: int = Field(1, ge=1)
     after: list[dict[str, Any]] = Field(default_factory=list, description="harness experiments on the saved model")
-    _numbers = field_validator("every", "lengths", "max_windows", "batch_size", mode="before")(_not_a_bool)
+    _numbers = field_validator("every", "lengths", "max_windows", "batch_size", mode="before")(not_a_bool)
 
     @field_validator("data", mode="before")
     @classmethod
@@ -340,7 +288,7 @@ class FinetuneConfig(BaseModel):
 
     _numbers = field_validator("length", "original_max_position_embeddings", "steps", "batch_size", "grad_accum",
                                "lr", "warmup", "weight_decay", "adam_betas", "max_grad_norm", "seed", "threads",
-                               "checkpoint_every", "keep_checkpoints", mode="before")(_not_a_bool)
+                               "checkpoint_every", "keep_checkpoints", mode="before")(not_a_bool)
 
     @field_validator("strategy", mode="before")
     @classmethod

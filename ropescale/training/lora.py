@@ -8,16 +8,65 @@ Sources: LoRA, Hu et al. 2021, arXiv:2106.09685 (PEFT, huggingface/peft); LongLo
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
+from pydantic import Field, field_validator, model_validator
 
 from ropescale.compat import peft_wrapping
 from ropescale.models import save_adapter, save_patched
 from ropescale.patching import current_patch
-from ropescale.runs.config import ConfigError
-from ropescale.training.config import DEFAULT_LORA_TARGETS, LoraSettings
+from ropescale.runs.config import ConfigError, not_a_bool
+from ropescale.training.recipes import RecipeOptions
 
-__all__ = ["apply_lora", "check_lora", "embedding_and_norm_modules", "lora_targets", "save_trained"]
+__all__ = ["DEFAULT_LORA_TARGETS", "LoraSettings", "apply_lora", "check_lora", "embedding_and_norm_modules",
+           "lora_targets", "save_trained"]
+
+
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class LoraSettings(RecipeOptions):
+    """LoRA (Hu et al. 2021, arXiv:2106.09685) through PEFT: the base weights stay frozen and
+    each targeted linear layer W gains W + (alpha / r) · B A with A ``[r, in]``, B ``[out, r]``
+    (B starts at zero, so training starts from the base model's outputs).
+
+    ``trainable_embeddings_norms``: LongLoRA's "LoRA+" (Chen et al. 2023, arXiv:2309.12307 §3.3;
+    dvlab-research/LongLoRA ``trainable_params="embed,norm"``): the embedding and normalisation
+    layers are also trained fully; they go through PEFT's ``modules_to_save`` so they are saved
+    with the adapter. ``save``: ``merged`` (LoRA merged into the weights, a plain patched model)
+    or ``adapter`` (PEFT adapter folder + patch record + tokenizer; ``ropescale.load_model``
+    loads the base model named in it, applies the adapter and re-applies the patch)."""
+
+    r: int = Field(8, ge=1, description="rank of the update B A")
+    alpha: float = Field(16.0, gt=0, description="the update is scaled by alpha / r")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA branch's input")
+    target_modules: list[str] | None = Field(
+        None, description="linear layers given LoRA (default: q_proj, k_proj, v_proj, o_proj when the model has "
+                          "them, else PEFT's default for the architecture)")
+    modules_to_save: list[str] = Field(default_factory=list, description="modules trained fully and saved")
+    trainable_embeddings_norms: bool = Field(False, description="LongLoRA's LoRA+: embeddings and norms trained")
+    save: Literal["merged", "adapter"] = "merged"
+    _numbers = field_validator("r", "alpha", "dropout", mode="before")(not_a_bool)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, raw: Any) -> Any:
+        return {} if raw is True else raw  # `lora: true`: the defaults
+
+    @field_validator("target_modules", "modules_to_save", mode="before")
+    @classmethod
+    def _names(cls, v: Any) -> Any:
+        if isinstance(v, str):  # `q_proj,v_proj`
+            v = [x.strip() for x in v.split(",") if x.strip()]
+        return v
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and not v:
+            raise ValueError("empty: name at least one linear layer (or leave the key out for the default)")
+        return v
 
 
 def embedding_and_norm_modules(model) -> list[str]:

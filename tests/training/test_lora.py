@@ -16,9 +16,8 @@ import ropescale
 from eval.config import ConfigError
 from eval.finetune import run_finetune as finetune  # the CLI's path: training, then eval.after
 from ropescale.training import build_finetune_config
-from ropescale.training.config import LoraSettings
 from ropescale.training.loop import causal_lm_loss
-from ropescale.training.lora import apply_lora, embedding_and_norm_modules, save_trained
+from ropescale.training.lora import LoraSettings, apply_lora, embedding_and_norm_modules, save_trained
 from ropescale.training.report import read_log
 from tests.conftest import build, tiny_llama_config
 from tests.launch import free_port

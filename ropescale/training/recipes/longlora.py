@@ -66,7 +66,7 @@ class LongLora(Recipe):
     def settings(self, model, source: str = "config"):
         """The ``LoraSettings`` this recipe amounts to on ``model`` (``ConfigError`` for
         ``trainable_params`` in no parameter name)."""
-        from ropescale.training.config import LoraSettings
+        from ropescale.training.lora import LoraSettings
 
         o = self.options
         return LoraSettings(r=o.r, alpha=o.alpha, dropout=o.dropout, target_modules=list(TARGETS),
@@ -78,7 +78,6 @@ class LongLora(Recipe):
         return apply_lora(model, self.settings(model, source), source, "recipe")
 
     def save(self, model, tokenizer, output: str | Path, *, state_dict: dict | None = None) -> Path:
-        from ropescale.training.config import LoraSettings
-        from ropescale.training.lora import save_trained
+        from ropescale.training.lora import LoraSettings, save_trained
 
         return save_trained(model, tokenizer, output, LoraSettings(save=self.options.save), state_dict=state_dict)
