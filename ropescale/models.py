@@ -166,8 +166,11 @@ def _from_pretrained(loader, name: str, path: str, **kwargs):
 
 
 def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "auto",
-               attn_implementation: str | None = None, device_map: str | dict | None = None) -> tuple[Any, Any]:
+               attn_implementation: str | None = None, device_map: str | dict | None = None,
+               tokenizer: Any = None) -> tuple[Any, Any]:
     """``(model, tokenizer)`` in eval mode; re-applies a saved ``ropescale.json`` patch.
+    ``tokenizer``: the model's tokenizer when the caller has loaded it already (``load_tokenizer``),
+    returned as it is instead of loaded again.
 
     ``device_map`` (``"auto"``, ``"balanced"``, a dict): spread the model over the devices of this
     machine with accelerate (a model larger than one GPU); ``device`` is then ignored.
@@ -184,7 +187,7 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "auto
     base = adapter_base(path)
     if base is not None:
         return _load_adapter(name_or_path, path, base, dtype=dtype, device=device,
-                             attn_implementation=attn_implementation, device_map=device_map)
+                             attn_implementation=attn_implementation, device_map=device_map, tokenizer=tokenizer)
     kwargs = {"dtype": _DTYPES[dtype]}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
@@ -196,7 +199,8 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "auto
     else:
         target = resolve_device(device)  # before loading: a device that is not there fails first
         model = _from_pretrained(AutoModelForCausalLM, name_or_path, path, **kwargs).to(target).eval()
-    tokenizer = _from_pretrained(AutoTokenizer, name_or_path, path)
+    if tokenizer is None:
+        tokenizer = _from_pretrained(AutoTokenizer, name_or_path, path)
     if record:
         _apply_record(model, record)
     return model, tokenizer
@@ -283,7 +287,7 @@ def _apply_record(model, record: dict[str, Any]) -> PatchHandle:
                  **record.get("params", {}))
 
 
-def _load_adapter(name: str, path: str, base: str, **kwargs) -> tuple[Any, Any]:
+def _load_adapter(name: str, path: str, base: str, *, tokenizer: Any = None, **kwargs) -> tuple[Any, Any]:
     """An adapter folder: the base model (``load_model``; a patch saved with the base is dropped),
     the adapter's patch re-applied, then the adapter applied (PEFT ``PeftModel`` in eval mode;
     ``current_patch`` reaches the base model's patch through it)."""
@@ -296,7 +300,7 @@ def _load_adapter(name: str, path: str, base: str, **kwargs) -> tuple[Any, Any]:
 
     if Path(base).resolve() == Path(path).resolve():
         raise ModelLoadError(f"{name}: {ADAPTER_FILE} names the adapter folder itself as its base model")
-    model, _ = load_model(base, **kwargs)
+    model, _ = load_model(base, tokenizer=False, **kwargs)  # the adapter folder's tokenizer, not the base's
     unpatch(model)
     saved = Path(path) / PATCH_FILE
     if saved.is_file():  # patch before the adapter, as training did
@@ -307,7 +311,8 @@ def _load_adapter(name: str, path: str, base: str, **kwargs) -> tuple[Any, Any]:
     except (OSError, ValueError, RuntimeError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelLoadError(f"{name}: cannot apply the LoRA adapter to {base} ({first})") from None
-    tokenizer = _from_pretrained(AutoTokenizer, name, path)
+    if tokenizer is None:
+        tokenizer = _from_pretrained(AutoTokenizer, name, path)
     return model.eval(), tokenizer
 
 

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import json
 import math
-from contextlib import nullcontext
 from pathlib import Path
 
 from ropescale.models import resolve_device
 from ropescale.patching import find_rotary_modules
 from ropescale.rotary import rope_context
 from ropescale.runs.config import ConfigError
-from ropescale.runs.manifest import check_manifest, folder_lock, prepare_output
+from ropescale.runs.lifecycle import claimed_folder
+from ropescale.runs.manifest import check_manifest
 from ropescale.runs.plotting import pyplot, save_figure
 
 from .config import SearchConfig
@@ -75,8 +75,7 @@ def run_longrope_search(cfg: SearchConfig, output: Path, *, progress: bool = Tru
     scale = max(1.0, max(cfg.lengths) / train)
     short = cfg.fixed.get("short_factor", [1.0] * (dim // 2))
     yarn = yarn_init_factors(dim, theta, train, scale)
-    output = prepare_output(output)
-    with folder_lock(output) if main else nullcontext():
+    with claimed_folder(output, state) as output:
         check_manifest(output, identity(cfg, objective.docs), cfg.model_dump(mode="json"), state)
 
         def score(factors, start_tokens: int) -> float:

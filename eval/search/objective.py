@@ -38,10 +38,11 @@ from pathlib import Path
 
 import torch
 
-from ropescale.models import load_model, load_tokenizer, resolve_device
-from ropescale.patching import find_rotary_modules, patch, rope_context, unpatch
+from ropescale.models import resolve_device
+from ropescale.patching import patch
 from ropescale.runs.config import ConfigError
-from ropescale.runs.data import KJV_SPLITS, load_documents, tokenize_documents
+from ropescale.runs.data import KJV_SPLITS, load_documents
+from ropescale.runs.lifecycle import load_inputs, load_run_model, loaded_window
 from ropescale.runs.scoring import score_windows
 from ropescale.runs.windows import WindowError, make_windows
 from ropescale.strategies import get_strategy
@@ -118,13 +119,12 @@ class SearchObjective:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.device = resolve_device(cfg.device)
-        tokenizer = load_tokenizer(cfg.model)
-        texts = load_documents(cfg.data.spec())
-        _check_disjoint(cfg, texts)
-        self.docs = tokenize_documents(tokenizer, texts)
-        self.model, self.tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=str(self.device))
-        unpatch(self.model)  # a patch saved with the model would stack under the candidates
-        self.train_length = self._train_window()
+        # the run's lifecycle (ropescale.runs.lifecycle): tokenizer and data once, then the model and T
+        inputs = load_inputs(cfg.model, cfg.data.spec(), check=lambda texts: _check_disjoint(cfg, texts))
+        self.docs, self.tokenizer = inputs.docs, inputs.tokenizer
+        self.model = load_run_model(cfg.model, inputs, dtype=cfg.dtype, device=str(self.device))
+        self.train_length = loaded_window(self.model, f"model: {cfg.model}", cfg.original_max_position_embeddings,
+                                          purpose="search")
         sizes = [len(d) for d in self.docs]
         try:
             self.windows = {L: make_windows(sizes, L, max_windows=cfg.max_windows)
@@ -137,20 +137,6 @@ class SearchObjective:
                                        train_length=self.train_length) if cfg.needle_weight > 0 else []
         self.vanilla_ppl_train = math.exp(self._nll(self.train_length))
         self.evaluations = 0
-
-    def _train_window(self) -> int:
-        """T: ``original_max_position_embeddings`` from the config, else the model's; a model
-        without a rotary embedding is refused either way (nothing to search)."""
-        rotary = find_rotary_modules(self.model)
-        if not rotary:
-            raise ConfigError(f"model: {self.cfg.model} has no rotary embedding (no `inv_freq` buffer) to search")
-        if self.cfg.original_max_position_embeddings:
-            return self.cfg.original_max_position_embeddings
-        t = rope_context(self.model, rotary[0][1])["original_max_position_embeddings"]
-        if not t:
-            raise ConfigError(f"model: {self.cfg.model} has no max_position_embeddings; set "
-                              "original_max_position_embeddings")
-        return t
 
     def _passkeys(self):
         from ..tasks.passkey import Passkey, PasskeyOptions

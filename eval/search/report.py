@@ -11,8 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ropescale.models import model_fingerprint
-from ropescale.runs.manifest import OutputError, environment
+from ropescale.runs.manifest import OutputError
 from ropescale.runs.plotting import pyplot, save_figure
 
 from .config import SearchConfig
@@ -29,25 +28,19 @@ def spec_string(strategy: str, params: dict) -> str:
     return strategy + (":" + ",".join(f"{k}={v!r}" for k, v in params.items()) if params else "")
 
 
-def identity(cfg: SearchConfig, docs=None) -> dict:
-    """What makes two searches the same (``manifest.json``); ``docs``: the search split's tokenized
-    documents when already loaded (``SearchObjective.docs``)."""
-    from ropescale.models import load_tokenizer
-    from ropescale.runs.data import load_documents, tokenize_documents
-    from ropescale.runs.manifest import data_fingerprint
+def identity(cfg: SearchConfig, docs) -> dict:
+    """What makes two searches the same (``manifest.json``; ``ropescale.runs.lifecycle.run_identity``);
+    ``docs``: the search split's tokenized documents (``SearchObjective.docs``)."""
+    from ropescale.runs.lifecycle import run_identity
 
-    env = environment()
-    if docs is None:
-        docs = tokenize_documents(load_tokenizer(cfg.model), load_documents(cfg.data.spec()))
     keep = ("strategy", "search", "fixed", "lengths", "length_weights", "method", "seed", "max_windows",
             "retrieval_weight", "retrieval_trials", "epsilon", "original_max_position_embeddings", "dtype",
             "evolution")
-    return {"task": "search", "model": cfg.model, "weights": model_fingerprint(cfg.model),
-            "data": cfg.data.spec().describe(), "data_tokens": data_fingerprint(docs),
-            **cfg.model_dump(mode="json", include=set(keep)),
-            # LongRoPE2's needle term: in the identity only when used, so earlier studies still resume
-            **(cfg.model_dump(include={"needle_weight", "needle_trials"}) if cfg.needle_weight else {}),
-            "versions": {k: env[k] for k in ("ropescale", "torch", "transformers")}}
+    return run_identity({"task": "search", "model": cfg.model, "data": cfg.data.spec().describe(),
+                         **cfg.model_dump(mode="json", include=set(keep)),
+                         # LongRoPE2's needle term: in the identity only when used, so earlier studies still resume
+                         **(cfg.model_dump(include={"needle_weight", "needle_trials"}) if cfg.needle_weight else {})},
+                        model=cfg.model, docs=docs)
 
 
 @contextmanager

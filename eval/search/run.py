@@ -26,10 +26,10 @@ replaced atomically, ``best.json`` last):
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 from pathlib import Path
 
-from ropescale.runs.manifest import LOCK, FolderBusyError, check_manifest, prepare_output
+from ropescale.runs.lifecycle import claimed_folder
+from ropescale.runs.manifest import check_manifest, folder_lock
 
 from .config import SearchConfig
 from .report import (
@@ -62,6 +62,8 @@ from .tuner import (
 
 __all__ = ["SearchFailed", "run_search", "write_outputs"]
 
+BRIEF_LOCK_WAIT = 120.0  # seconds a search process waits for another holding the folder's lock for a short step
+
 
 def run_search(cfg: SearchConfig, output: str | Path, *, progress: bool = True) -> dict:
     """Run (or resume) ``cfg``'s search into ``output``; returns the ``best.json`` mapping.
@@ -84,10 +86,10 @@ def run_search(cfg: SearchConfig, output: str | Path, *, progress: bool = True) 
     from .objective import SearchObjective
 
     objective = SearchObjective(cfg, progress=progress)  # user errors refuse the whole search here
-    output = prepare_output(Path(output))
     ident = identity(cfg, objective.docs)
-    storage = f"sqlite:///{(output / STUDY).resolve()}"
-    with _briefly_locked(output):  # held while checking: processes sharing the study run unlocked
+    # the folder's lock is held while checking (processes sharing the study wait for each other, then run unlocked)
+    with claimed_folder(output, wait=BRIEF_LOCK_WAIT) as output:
+        storage = f"sqlite:///{(output / STUDY).resolve()}"
         experiment = check_manifest(output, ident, cfg.model_dump(mode="json"))
         open_study(storage, experiment)  # created once, under the lock, by whichever process comes first
 
@@ -109,29 +111,10 @@ def run_search(cfg: SearchConfig, output: str | Path, *, progress: bool = True) 
 
     study = run_study(cfg.space(), evaluate, storage=storage, study_name=experiment, method=cfg.method,
                       seed=cfg.seed, budget=cfg.budget, report=report)
-    with _briefly_locked(output), storage_errors(storage):
+    with folder_lock(output, wait=BRIEF_LOCK_WAIT), storage_errors(storage):
         study.set_user_attr("vanilla_ppl_train", objective.vanilla_ppl_train)
         study.set_user_attr("train_length", objective.train_length)
         return write_outputs(cfg, study, output)
-
-
-@contextmanager
-def _briefly_locked(output: Path, wait: float = 120.0):
-    """The folder's lock (``ropescale.runs.manifest.LOCK``) for a short step — the manifest check,
-    the outputs — waiting up to ``wait`` seconds for another search process sharing the folder;
-    ``FolderBusyError`` (one line) when a run holds it longer (a sweep writing there)."""
-    from filelock import FileLock, Timeout
-
-    lock = FileLock(str(output / LOCK), timeout=wait)
-    try:
-        lock.acquire()
-    except Timeout:
-        raise FolderBusyError(f"{output} is being written by another run (lock {LOCK}); wait for it to finish "
-                              "or use another output folder") from None
-    try:
-        yield
-    finally:
-        lock.release()
 
 
 def write_outputs(cfg: SearchConfig, study, output: Path) -> dict:

@@ -156,11 +156,12 @@ def _check_manifest(output: Path, ident: dict[str, Any], config: dict[str, Any],
     return digest
 
 
-def folder_lock(output: Path):
-    """An exclusive lock on ``output`` for the run; ``FolderBusyError`` when another run holds it."""
+def folder_lock(output: Path, wait: float = 0.0):
+    """An exclusive lock on ``output`` for the run; ``FolderBusyError`` when another run holds it
+    (past ``wait`` seconds: the short holds of search processes sharing a folder wait for each other)."""
     from filelock import FileLock, Timeout
 
-    lock = FileLock(str(output / LOCK), timeout=0)
+    lock = FileLock(str(output / LOCK), timeout=wait)
 
     class _Held:
         def __enter__(self):

@@ -143,11 +143,11 @@ def test_a_model_without_rope_is_refused_before_anything_is_written(tmp_path, co
 
 def test_data_shorter_than_a_length_is_refused_before_anything_is_written_with_one_load(tmp_path, config,
                                                                                          monkeypatch):
-    import eval.search.objective as objective
+    import ropescale.models as models  # the run's lifecycle (ropescale.runs.lifecycle) loads through it
 
     loads = []
-    real = objective.load_model
-    monkeypatch.setattr(objective, "load_model", lambda *a, **k: loads.append(a) or real(*a, **k))
+    real = models.load_model
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: loads.append(a) or real(*a, **k))
     out = tmp_path / "out"
     line = _one_error_line(_search(config(lengths=[4096]), "-o", str(out)))
     assert "too short for length 4096" in line and "jonah.txt" in line
