@@ -22,17 +22,17 @@ from accelerate.utils import gather_object
 from pydantic import ValidationError
 
 from ropescale.errors import InvalidInput, RopescaleError
-from ropescale.models import load_model, load_tokenizer, model_fingerprint, model_training_length, resolve_device
-from ropescale.patching import NoRotaryEmbeddingError, find_rotary_modules, patch, rope_context, unpatch
-from ropescale.runs.data import load_documents, tokenize_documents
-from ropescale.runs.manifest import (
-    check_manifest,
-    data_fingerprint,
-    environment,
-    folder_lock,
-    identity,
-    prepare_output,
+from ropescale.models import resolve_device
+from ropescale.patching import patch
+from ropescale.runs.lifecycle import (
+    claimed_folder,
+    configured_window,
+    load_inputs,
+    load_run_model,
+    loaded_window,
+    run_identity,
 )
+from ropescale.runs.manifest import check_manifest, environment
 from ropescale.runs.memory import InsufficientMemoryError, check_fits
 from ropescale.strategies import get_strategy
 
@@ -42,7 +42,7 @@ from .report import write_reports
 from .schema import SCHEMA_VERSION, Record
 from .tasks.base import Task, get_task
 
-__all__ = ["ResultsFileError", "cell_id", "read_results", "resolve_cells", "run_sweep"]
+__all__ = ["ResultsFileError", "cell_id", "experiment_fields", "read_results", "resolve_cells", "run_sweep"]
 
 RESULTS = "results.jsonl"
 
@@ -99,17 +99,15 @@ def _append_safely(path: Path):
     return sink
 
 
-def _training_window(cfg: EvalConfig, model) -> int:
-    if cfg.original_max_position_embeddings:
-        return cfg.original_max_position_embeddings
-    rotary = find_rotary_modules(model)
-    if not rotary:
-        raise NoRotaryEmbeddingError(f"{cfg.model}: no rotary embedding (no `inv_freq` buffer) to sweep")
-    train_len = rope_context(model, rotary[0][1])["original_max_position_embeddings"]
-    if not train_len:
-        raise InvalidInput(f"{cfg.model}: config has no max_position_embeddings; "
-                         "set original_max_position_embeddings in the sweep config")
-    return train_len
+def experiment_fields(cfg: EvalConfig, uses_data: bool) -> dict:
+    """A sweep's own part of its identity (``ropescale.runs.lifecycle.run_identity`` adds the
+    weights, data tokens and versions): task and options, model, data source, dtype, T override,
+    and the engine when it is not transformers (its cells are another experiment; folders from
+    before the key resume)."""
+    return {"task": cfg.task, "options": cfg.options.key(), "model": cfg.model,
+            "data": cfg.data.spec().describe() if uses_data else None, "dtype": cfg.dtype,
+            "original_max_position_embeddings": cfg.original_max_position_embeddings,
+            **({"engine": cfg.engine} if cfg.engine != "transformers" else {})}
 
 
 def resolve_cells(cfg: EvalConfig, train_length: int) -> dict[tuple[str, int], dict]:
@@ -128,18 +126,6 @@ def resolve_cells(cfg: EvalConfig, train_length: int) -> dict[tuple[str, int], d
                 raise InvalidInput(f"strategy {spec.display} at length {length} (training window T = "
                                    f"{train_length}): {' '.join(str(e).split())}") from None
     return out
-
-
-def _configured_window(cfg: EvalConfig) -> int | None:
-    """T as the run will use it, read before anything is written: the config's, else the model
-    config's (no weights loaded); None when the model config cannot be read here (loading the
-    model reports that)."""
-    if cfg.original_max_position_embeddings:
-        return cfg.original_max_position_embeddings
-    try:
-        return model_training_length(cfg.model)
-    except (RopescaleError, ValueError, OSError):
-        return None
 
 
 def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec, length: int, train_len: int,
@@ -245,13 +231,14 @@ def run_sweep(cfg: EvalConfig, output: str | Path, *, progress: bool = True) -> 
     state = PartialState(cpu=resolve_device(cfg.device).type == "cpu")
     if cfg.engine == "vllm":  # what vLLM cannot do is refused before anything loads or is written
         check_engine(cfg, processes=state.num_processes)
-    train_len = _configured_window(cfg)
-    if train_len:  # every cell's parameters, before the folder, the manifest or the first cell
+    # T as the model's config gives it (no weights loaded): every cell's parameters, before the folder, the
+    # manifest or the first cell
+    train_len = configured_window(cfg.model, cfg.original_max_position_embeddings, missing_ok=True)
+    if train_len:
         resolve_cells(cfg, train_len)
-    output = prepare_output(Path(output))
     try:
-        with folder_lock(output) if state.is_main_process else nullcontext():
-            return _run_locked(cfg, output, progress and state.is_main_process, state)
+        with claimed_folder(output, state) as folder:
+            return _run_locked(cfg, folder, progress and state.is_main_process, state)
     finally:
         _leave(state)
 
@@ -275,13 +262,10 @@ def _run_locked(cfg: EvalConfig, output: Path, progress: bool, state) -> list[di
     # a device that is not there fails before any work; launched processes take their own
     device = state.device if state.num_processes > 1 and cfg.device == "auto" else resolve_device(cfg.device)
     cfg = cfg.model_copy(update={"dtype": resolved_dtype(cfg.dtype, device)})  # recorded resolved
-    tokenizer = load_tokenizer(cfg.model)
-    docs = tokenize_documents(tokenizer, load_documents(cfg.data.spec())) if task_cls.uses_data else None
+    # the run's lifecycle (ropescale.runs.lifecycle): tokenizer and data once → identity → manifest → model → T
+    inputs = load_inputs(cfg.model, cfg.data.spec() if task_cls.uses_data else None)
     env = environment()
-    ident = identity(cfg, data=data_fingerprint(docs), weights=model_fingerprint(cfg.model),
-                     versions={k: env[k] for k in ("ropescale", "torch", "transformers")})
-    if cfg.engine != "transformers":  # another engine's cells are another experiment (folders before it resume)
-        ident["engine"] = cfg.engine
+    ident = run_identity(experiment_fields(cfg, task_cls.uses_data), model=cfg.model, docs=inputs.docs, env=env)
     # checked now, claimed (written) once the model loads and every length's examples are built: a
     # config refused on the way leaves the folder free for the corrected rerun
     experiment = check_manifest(output, ident, cfg.model_dump(mode="json"), state, write=False)
@@ -294,13 +278,13 @@ def _run_locked(cfg: EvalConfig, output: Path, progress: bool, state) -> list[di
     if todo:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=str(device), device_map=cfg.device_map)
+        # a patch saved with the model is removed: it would stack under the sweep's strategies
+        model = load_run_model(cfg.model, inputs, dtype=cfg.dtype, device=str(device), device_map=cfg.device_map)
         if cfg.device_map:
             device = model.get_input_embeddings().weight.device  # inputs go where the embeddings are
-        unpatch(model)  # a patch saved with the model would stack under the sweep's strategies
-        train_len = _training_window(cfg, model)
+        train_len = loaded_window(model, cfg.model, cfg.original_max_position_embeddings, purpose="sweep")
         resolve_cells(cfg, train_len)  # the loaded model's T: every cell again, before the first runs
-        task = task_cls(cfg.options, tokenizer=tokenizer, train_length=train_len, documents=docs,
+        task = task_cls(cfg.options, tokenizer=inputs.tokenizer, train_length=train_len, documents=inputs.docs,
                         source=cfg.data.spec().describe() if task_cls.uses_data else None)
         lengths = sorted({c[0] for c in todo})
         _check_memory(task, model, lengths, None if cfg.device_map else device)

@@ -112,10 +112,11 @@ def claimed_folder(output: str | Path, state=None, *, wait: float = 0.0):
         yield output
 
 
-def configured_window(model: str, override: int | None) -> int | None:
+def configured_window(model: str, override: int | None, *, missing_ok: bool = False) -> int | None:
     """T as a run will use it, read before any weights load: ``override`` (the run's
-    ``original_max_position_embeddings``), else the model config's (``model_training_length``);
-    None when the model's config cannot be read here (loading the model reports that)."""
+    ``original_max_position_embeddings``), else the model config's (``model_training_length``).
+    Raises ``ModelLoadError`` / ``InvalidInput`` in one line for a config that cannot be read or
+    has no window; ``missing_ok``: None then instead (loading the model reports it later)."""
     if override:
         return override
     from ropescale.models import model_training_length
@@ -123,7 +124,9 @@ def configured_window(model: str, override: int | None) -> int | None:
     try:
         return model_training_length(model)
     except (RopescaleError, ValueError, OSError):
-        return None
+        if missing_ok:
+            return None
+        raise
 
 
 def loaded_window(net, name: str, override: int | None, *, purpose: str = "run") -> int:

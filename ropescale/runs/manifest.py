@@ -8,7 +8,8 @@ folder whose identity differs is refused with one line saying what differs (addi
 lengths to the same experiment is allowed: they are new cells of it). The identity's hash is
 part of every cell id, so a resumed cell is one computed with the same model, data and code.
 
-A lock file (``filelock``) keeps two runs from writing one folder at once.
+A lock file (``filelock``) keeps two runs from writing one folder at once. A run's identity is
+built by ``ropescale.runs.lifecycle.run_identity`` (the run's own fields, fingerprints, versions).
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ __all__ = [
     "data_fingerprint",
     "environment",
     "folder_lock",
-    "identity",
     "prepare_output",
     "weights_fingerprint",
 ]
@@ -99,13 +99,6 @@ def data_fingerprint(docs: list[torch.Tensor] | None) -> str | None:
         h.update(len(d).to_bytes(8, "little"))
         h.update(d.to(torch.int64).numpy().tobytes())
     return h.hexdigest()[:16]
-
-
-def identity(cfg, *, data: str | None, weights: str, versions: dict[str, str]) -> dict[str, Any]:
-    """What makes two runs the same experiment (strategies and lengths are its cells)."""
-    return {"task": cfg.task, "options": cfg.options.key(), "model": cfg.model, "weights": weights,
-            "data": cfg.data.spec().describe() if data else None, "data_tokens": data, "dtype": cfg.dtype,
-            "original_max_position_embeddings": cfg.original_max_position_embeddings, "versions": versions}
 
 
 def check_manifest(output: Path, ident: dict[str, Any], config: dict[str, Any], state=None, *,

@@ -487,10 +487,10 @@ def resolve(cfg: FinetuneConfig, source: str = "config") -> ResolvedRun:
     """Fill what depends on the model (T) and check it: PoSE needs ``length`` > T and at most T
     chunks; the strategy's parameters, filled for L, are computed once for the model's sizes.
     Raises ``ConfigError`` (one line) or ``ModelLoadError`` for a model that cannot be read."""
-    from ropescale.models import model_training_length
+    from ropescale.runs.lifecycle import configured_window
     from ropescale.strategies import get_strategy
 
-    T = cfg.original_max_position_embeddings or model_training_length(cfg.model)
+    T = configured_window(cfg.model, cfg.original_max_position_embeddings)
     L = cfg.length
     if cfg.pose.enabled:
         if L <= T:

@@ -46,7 +46,7 @@ import json
 import math
 import shutil
 import time
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -56,15 +56,16 @@ import torch
 from ropescale.errors import RopescaleError
 from ropescale.lm_head import OutputHead
 from ropescale.lm_head import causal_lm_loss as chunked_lm_loss
-from ropescale.models import load_model, load_tokenizer, model_fingerprint, resolve_device
+from ropescale.models import resolve_device
 from ropescale.patching import patch, unpatch
 from ropescale.rotary import NoRotaryEmbeddingError
 from ropescale.runs.config import ConfigError
-from ropescale.runs.manifest import check_manifest, data_fingerprint, environment, folder_lock, prepare_output
+from ropescale.runs.lifecycle import claimed_folder, load_inputs, load_run_model, run_identity
+from ropescale.runs.manifest import check_manifest, environment
 from ropescale.training.checkpoints import CHECKPOINTS, CheckpointWriteError, save_checkpoint
 from ropescale.training.checkpoints import complete_checkpoints as _checkpoints
 from ropescale.training.config import SHARDING_ON_CPU, FinetuneConfig, ResolvedRun, fsdp_plugin_kwargs, resolve
-from ropescale.training.data import TrainingWindows, load_stream
+from ropescale.training.data import TrainingWindows, token_stream
 from ropescale.training.heldout import HeldOut
 from ropescale.training.pose import PoseSampler
 from ropescale.training.report import LOG, TrainingLog, plot_training, read_log
@@ -246,11 +247,8 @@ def _claim_and_run(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, pro
         # everything that can refuse the run does so here, before the folder is claimed (created, locked, its
         # manifest written): a refused run leaves nothing behind, and the corrected rerun is not "another experiment"
         prepared = _prepare(cfg, run, acc, source, trained=(output / MODEL_DIR / SUMMARY).is_file())
-        if acc.is_main_process:
-            prepare_output(output)
-        acc.wait_for_everyone()
-        with folder_lock(output) if acc.is_main_process else nullcontext():
-            return _run_locked(cfg, run, output, acc, progress, stop_after, after, prepared, source)
+        with claimed_folder(output, acc) as folder:
+            return _run_locked(cfg, run, folder, acc, progress, stop_after, after, prepared, source)
 
 
 def _accumulation(cfg: FinetuneConfig):
@@ -325,8 +323,10 @@ def _prepare(cfg: FinetuneConfig, run: ResolvedRun, acc, source: str, *, trained
     the saved model already — only the tokenizer and the stream (the run's identity) are read."""
     from accelerate.utils import set_seed
 
-    tokenizer = load_tokenizer(cfg.model)
-    stream, _ = load_stream(cfg.data.spec(), tokenizer)
+    # the run's lifecycle (ropescale.runs.lifecycle): tokenizer and data once, the model with that tokenizer
+    inputs = load_inputs(cfg.model, cfg.data.spec())
+    tokenizer = inputs.tokenizer
+    stream = token_stream(inputs.docs, tokenizer.eos_token_id)
     if trained:
         return _Prepared(tokenizer, stream)
     heldout = (HeldOut(tokenizer, cfg.eval.data, run.eval_lengths, max_windows=cfg.eval.max_windows,
@@ -336,7 +336,8 @@ def _prepare(cfg: FinetuneConfig, run: ResolvedRun, acc, source: str, *, trained
     examples = cfg.steps * cfg.grad_accum * cfg.batch_size * acc.num_processes
     dataset = TrainingWindows(stream, pose.span if pose else cfg.length, examples, cfg.seed, pose)
     set_seed(cfg.seed)  # before the model: a recipe's initialisation (LoRA's A) draws from it
-    model, _ = load_model(cfg.model, device="cpu")
+    # unpatched once an adapter base is merged (_patch_for_training)
+    model = load_run_model(cfg.model, inputs, device="cpu", unpatched=False)
     if hasattr(model, "merge_and_unload") and hasattr(model, "peft_config"):  # a saved adapter as the base
         model = model.merge_and_unload()
     try:
@@ -395,9 +396,8 @@ def _run_locked(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, progre
                 source: str) -> dict[str, Any]:
     stream = prepared.stream
     env = environment()
-    ident = {**_flat(cfg.identity()), "weights": model_fingerprint(cfg.model),
-             "data_tokens": data_fingerprint([stream]), "processes": acc.num_processes,
-             "versions": {k: env[k] for k in ("ropescale", "torch", "transformers")}}
+    ident = run_identity({**_flat(cfg.identity()), "processes": acc.num_processes}, model=cfg.model, docs=[stream],
+                         env=env)
     check_manifest(output, ident, cfg.model_dump(mode="json"), acc)
     say = print if progress else (lambda *a, **k: None)
     summary_path = output / MODEL_DIR / SUMMARY

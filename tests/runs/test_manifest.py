@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from eval.config import ConfigError, build_config
-from eval.sweep import RESULTS, read_results, run_sweep
+from eval.sweep import RESULTS, experiment_fields, read_results, run_sweep
 from eval.tasks.passkey import PasskeyOptions
+from ropescale.runs.lifecycle import load_inputs, run_identity
 from ropescale.runs.manifest import (
     MANIFEST,
     ExperimentMismatchError,
     FolderBusyError,
     data_fingerprint,
     folder_lock,
-    identity,
     weights_fingerprint,
 )
 
@@ -51,8 +51,9 @@ def test_manifest_config_keeps_the_task_options_and_reproduces_the_identity(tmp_
         == (1, [0.0, 1.0], 3, 4, True)
     again = build_config(m["config"])
     assert again == cfg.model_copy(update={"dtype": "float32"}) and type(again.options) is PasskeyOptions
-    ident = identity(again, data=m["identity"]["data_tokens"], weights=m["identity"]["weights"],
-                     versions=m["identity"]["versions"])
+    uses_data = m["identity"]["data_tokens"] is not None
+    inputs = load_inputs(again.model, again.data.spec() if uses_data else None)  # the run's data, read again
+    ident = run_identity(experiment_fields(again, uses_data), model=again.model, docs=inputs.docs)
     assert ident == m["identity"]
     assert hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12] == m["identity_hash"]
 
