@@ -263,16 +263,13 @@ def _common_options(fn):
 
 
 def _run(config, overrides, output, flags: dict, quiet: bool, *, only_task: str | None = None) -> None:
-    from ropescale.runs.config import ConfigError, apply_overrides, read_yaml
+    from ropescale.runs.config import ConfigError, load_raw
 
     build_config, = harness("config", "build_config")
     markdown_report, = harness("report", "markdown_report")
     run_sweep, = harness("sweep", "run_sweep")
 
-    source = config or "flags"
-    raw = read_yaml(config) if config else {}
-    raw = {**raw, **{k: v for k, v in flags.items() if v is not None}}
-    raw = apply_overrides(raw, list(overrides))
+    raw, source = load_raw(config, overrides, flags)
     if only_task and raw.get("task", only_task) != only_task:
         raise ConfigError(f"{source}: task is {raw['task']!r}; `ropescale sweep` runs perplexity only: "
                           f"use `ropescale eval {config or ''}`".rstrip())
@@ -364,15 +361,13 @@ def search(config, overrides, output, device, quiet) -> None:
     """Search a strategy's numeric parameters for a model and target length(s) on a search split
     (Optuna TPE or CMA-ES; resumable; several processes may share a folder); writes best.json,
     trials.csv, results.md and search.png."""
-    from ropescale.runs.config import ConfigError, apply_overrides, read_yaml
+    from ropescale.runs.config import ConfigError, load_raw
 
     build_search_config, = harness("search.config", "build_search_config")
     run_search, = harness("search.run", "run_search")
 
-    raw = read_yaml(config)
-    if device is not None:
-        raw = {**raw, "device": device}
-    cfg = build_search_config(apply_overrides(raw, list(overrides)), str(config))
+    raw, source = load_raw(config, overrides, {"device": device})
+    cfg = build_search_config(raw, source)
     out = output or cfg.output
     if not out:
         raise ConfigError(f"{config}: output: no search folder; give --output DIR or set output:")

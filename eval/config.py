@@ -13,7 +13,6 @@ left out. Every error names the key: ``ConfigError: quickstart.yaml: strategies.
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,9 +21,13 @@ from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationErr
 from ropescale.runs.config import (
     ConfigError,
     DataConfig,
+    NestedErrors,
     StrategySpec,
     apply_overrides,
     check_threads,
+    error_parts,
+    explain,
+    load_raw,
     parse_strategy,
     read_yaml,
 )
@@ -122,9 +125,8 @@ class EvalConfig(BaseModel):
             section = {**{k: raw.pop(k) for k in LEGACY_KEYS if k in raw}, **section}
         try:
             raw["options"] = task.Options.model_validate(section)
-        except ValidationError as e:
-            raise ValueError("; ".join(f"{'.'.join([name, *map(str, x['loc'])])}: "
-                                       f"{x['msg'].removeprefix('Value error, ')}" for x in e.errors())) from None
+        except ValidationError as e:  # the options' keys read as paths under the task's name
+            raise NestedErrors(error_parts(e, task.Options)).under(name) from None
         return raw
 
     @field_validator("data", mode="before")
@@ -182,30 +184,18 @@ def _top_level_keys(task: str) -> list[str]:
     return keys + list(LEGACY_KEYS) if task == "perplexity" else keys
 
 
-def _explain(err: ValidationError, source: str, task: str) -> ConfigError:
-    lines = []
-    for e in err.errors():
-        key = ".".join(str(x) for x in e["loc"]) or "(top level)"
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            field = str(e["loc"][-1])
-            section = {"vllm": VllmOptions}.get(str(e["loc"][0]), DataConfig)
-            known = _top_level_keys(task) if len(e["loc"]) == 1 else list(section.model_fields)
-            hint = difflib.get_close_matches(field, known, n=1)
-            msg = f"unknown key; allowed: {', '.join(known)}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
-        lines.append(f"{source}: {key}: {msg}" if e["loc"] else f"{source}: {msg}")
-    return ConfigError("\n".join(lines))
-
-
 def build_config(raw: Any, source: str = "config") -> EvalConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a mapping of keys (model, data, lengths, strategies, ...)")
     try:
         return EvalConfig.model_validate(raw)
     except ValidationError as e:
-        raise _explain(e, source, str(raw.get("task", "perplexity"))) from None
+        task = str(raw.get("task", "perplexity"))
+        raise explain(e, source, EvalConfig, allowed=lambda loc: _top_level_keys(task) if len(loc) == 1 else None
+                      ) from None
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> EvalConfig:
     """Read and validate a YAML sweep config. Raises ``ConfigError`` naming the bad key."""
-    return build_config(apply_overrides(read_yaml(path), list(overrides)), str(path))
+    raw, source = load_raw(path, overrides)
+    return build_config(raw, source)

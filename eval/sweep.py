@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.models import resolve_device
 from ropescale.patching import patch
+from ropescale.runs.config import error_parts
 from ropescale.runs.lifecycle import (
     claimed_folder,
     configured_window,
@@ -80,8 +81,8 @@ def read_results(path: str | Path) -> list[dict]:
         try:
             Record.model_validate(record)
         except ValidationError as e:
-            err = e.errors()[0]
-            what = f"{'.'.join(map(str, err['loc'])) or 'record'}: {err['msg']}"
+            key, msg = error_parts(e, Record)[0]
+            what = f"{key or 'record'}: {msg}"
             raise ResultsFileError(
                 f"{path}: line {i} is not a ropescale result record ({what}; see eval/schema.py)") from None
         out.append(record)

@@ -113,7 +113,7 @@ def test_plot_on_a_binary_file_and_on_a_foreign_record(tmp_path):
     one_line_error(cli("plot", binary), "not a results file (not UTF-8 text)")
     foreign = tmp_path / "y.jsonl"
     foreign.write_text(json.dumps({"ppl": 3}) + "\n" + json.dumps([1, 2]) + "\n")
-    one_line_error(cli("plot", foreign), "line 1 is not a ropescale result record (cell: Field required")
+    one_line_error(cli("plot", foreign), "line 1 is not a ropescale result record (cell: required key is missing")
 
 
 def test_sliding_mode_refuses_lengths_the_data_cannot_fill(tmp_path, tiny_model_dir):

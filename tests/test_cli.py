@@ -52,7 +52,7 @@ def test_sweep_from_yaml_with_set(run, tmp_path, tiny_model_dir, text_file):
 @pytest.mark.parametrize("args,match", [
     (["--lengths", "32", "--strategy", "yarnn"], "unknown strategy 'yarnn'"),
     (["--lengths", "32,x", "--strategy", "vanilla"], "comma-separated integers"),
-    (["--strategy", "vanilla"], "lengths: Field required"),
+    (["--strategy", "vanilla"], "lengths: required key is missing"),
     (["--lengths", "32", "--strategy", "vanilla", "--model", "reference"], "output: no results folder"),
 ])
 def test_sweep_bad_input_is_one_clear_line(run, tmp_path, args, match):

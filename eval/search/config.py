@@ -35,7 +35,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 
-from ropescale.runs.config import ConfigError, DataConfig, apply_overrides, check_threads, read_yaml
+from ropescale.runs.config import ConfigError, DataConfig, check_threads, explain, load_raw
 from ropescale.runs.data import KJV_SPLITS, DataSpec
 from ropescale.strategies import get_strategy
 
@@ -218,19 +218,10 @@ def build_search_config(raw: Any, source: str = "config") -> SearchConfig:
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
     except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            key = ".".join(map(str, err["loc"]))
-            msg = err["msg"].removeprefix("Value error, ")
-            if err["type"] in ("int_type", "float_type", "finite_number"):  # strict: say what was given
-                msg += f", got {err['input']!r}"
-            if err["type"] == "extra_forbidden":
-                hint = difflib.get_close_matches(str(err["loc"][-1]), list(SearchConfig.model_fields), n=1)
-                msg = "unknown key" + (f" (did you mean {hint[0]!r}?)" if hint else "")
-            lines.append(f"{source}: {key}: {msg}" if key else f"{source}: {msg}")
-        raise ConfigError("; ".join(lines)) from None
+        raise explain(e, source, SearchConfig) from None
 
 
 def load_search_config(path: str, overrides: list[str] = ()) -> SearchConfig:
     """Read and validate a YAML search config (``--set key=value`` applied first)."""
-    return build_search_config(apply_overrides(read_yaml(path), list(overrides)), str(path))
+    raw, source = load_raw(path, overrides)
+    return build_search_config(raw, source)

@@ -25,6 +25,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError, field_validator
 
+from ropescale.runs.config import NestedErrors, error_parts
 from ropescale.runs.memory import Need
 
 from .base import Task, get_task
@@ -54,8 +55,8 @@ class RulerSuiteOptions(RulerOptions):
                 raise ValueError(f"{name} is not a RULER task")
             try:
                 task.Options()  # a task's own checks (qa offline without its data)
-            except ValidationError as e:
-                raise ValueError(f"{name}: {e.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+            except ValidationError as e:  # its keys read as paths under the task's name
+                raise NestedErrors(error_parts(e, task.Options)).under(name) from None
             if task.name not in out:
                 out.append(task.name)
         return out

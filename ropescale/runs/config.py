@@ -4,11 +4,23 @@
 (``StrategySpec``/``parse_strategy``: ``"yarn"``, ``"yarn:factor=4,logn=true"`` or a mapping), the data
 source (``DataConfig``), ``--set key=value`` overrides and the YAML reader (duplicate keys refused,
 merge keys allowed, UTF-8 whatever the locale).
+
+The one loader and the one error formatter of every config kind (an experiment, a sweep, a
+fine-tuning run, a search, a task's or a recipe's options): ``load_raw`` (a YAML file, then flags,
+then ``--set`` overrides → one mapping) and ``explain`` / ``error_parts`` (pydantic's errors → one
+line, ``FILE: key.path: message`` per error joined by ``; ``; an unknown key lists the allowed ones
+with the closest: ``configs/x.yaml: stpes: unknown key; allowed: model, ... (did you mean 'steps'?)``).
+A section validated inside a validator (a task's or a recipe's options) raises ``NestedErrors``, so
+its keys read as paths of the outer config (``recipe.rr``, ``passkey.trials``).
 """
 
 from __future__ import annotations
 
+import difflib
 import os
+import types
+import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +33,8 @@ from ropescale.runs.data import DataSpec
 from ropescale.strategies import get_strategy
 from ropescale.temperature import parse_temperature
 
-__all__ = ["ConfigError", "DataConfig", "StrategySpec", "apply_overrides", "check_threads", "not_a_bool",
-           "parse_strategy", "read_yaml"]
+__all__ = ["ConfigError", "DataConfig", "NestedErrors", "StrategySpec", "apply_overrides", "check_threads",
+           "error_parts", "explain", "load_raw", "not_a_bool", "parse_strategy", "read_yaml"]
 
 
 class ConfigError(RopescaleError, ValueError):
@@ -78,9 +90,7 @@ def parse_strategy(entry: Any) -> StrategySpec:
     try:
         return _parse_strategy(entry)
     except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(map(str, err["loc"]))  # a field's own check (logn); empty for the strategy's
-        msg = err["msg"].removeprefix("Value error, ")
+        where, msg = error_parts(e, StrategySpec)[0]  # a field's own check (logn); no key for the strategy's
         raise InvalidInput(f"{where}: {msg}" if where else msg) from None
 
 
@@ -230,3 +240,85 @@ def check_threads(v: int | None) -> int | None:
     if v is not None and v > cores:
         raise ValueError(f"{v} threads on a machine with {cores} CPU cores; use at most {cores}")
     return v
+
+
+def load_raw(path: str | Path | None, overrides: list[str] = (), flags: dict | None = None) -> tuple[dict, str]:
+    """The raw mapping of a config: the YAML file ``path`` (or none), then ``flags`` (those not None),
+    then ``--set key=value`` ``overrides`` (dots for nesting: ``pose.chunks=3``); and its source
+    (the file, or ``flags``) for error messages. Raises ``ConfigError`` in one line (a missing file,
+    YAML that does not parse, a key given twice, an override without ``=``)."""
+    raw = read_yaml(path) if path else {}
+    raw = {**raw, **{k: v for k, v in (flags or {}).items() if v is not None}}
+    return apply_overrides(raw, list(overrides)), str(path) if path else "flags"
+
+
+class NestedErrors(ValueError):
+    """A section's own validation errors raised from a validator of the config holding it: ``parts``
+    (``[(key path inside the section, message)]``, from ``error_parts``). The outer formatter
+    (``explain``) reads them as paths of the outer config."""
+
+    def __init__(self, parts: list[tuple[str, str]]):
+        self.parts = parts
+        super().__init__("; ".join(f"{k}: {m}" if k else m for k, m in parts))
+
+    def under(self, key: str) -> NestedErrors:
+        """The same errors with ``key`` prefixed to their paths."""
+        return NestedErrors([(f"{key}.{k}" if k else key, m) for k, m in self.parts])
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside an annotation (``X | None``, ``list[X]``, ``dict[str, X]``), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if isinstance(annotation, (types.UnionType,)) or typing.get_origin(annotation) is not None:
+        for arg in typing.get_args(annotation):
+            found = _model_of(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def _allowed_keys(model: type[BaseModel] | None, loc: tuple) -> list[str]:
+    """The keys allowed where ``loc``'s last key is: the fields of the model its path leads to."""
+    for part in loc[:-1]:
+        if model is None or isinstance(part, int):
+            continue
+        field = model.model_fields.get(str(part))
+        model = _model_of(field.annotation) if field is not None else None
+    return list(model.model_fields) if model is not None else []
+
+
+def error_parts(err: ValidationError, model: type[BaseModel] | None = None, *,
+                allowed: Callable[[tuple], list[str] | None] | None = None) -> list[tuple[str, str]]:
+    """``[(key path, message)]`` of pydantic's errors, the message in the config's words: an unknown
+    key lists the allowed keys (the fields of ``model`` along the path; ``allowed(loc)`` first where
+    a config knows better) and the closest one; a missing key says so; a strictly typed number says
+    what it got; ``NestedErrors`` raised by a validator are expanded under its key."""
+    out = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        key = ".".join(map(str, loc))
+        nested = (e.get("ctx") or {}).get("error")
+        if isinstance(nested, NestedErrors):
+            out += nested.under(key).parts if key else nested.parts
+            continue
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            known = (allowed(loc) if allowed else None) or _allowed_keys(model, loc)
+            hint = difflib.get_close_matches(str(loc[-1]), known, n=1)
+            msg = (f"unknown key; allowed: {', '.join(known) or 'none'}"
+                   + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+        elif e["type"] == "missing":
+            msg = "required key is missing"
+        elif e["type"] in ("int_type", "float_type", "finite_number") and "got" not in msg:  # say what was given
+            msg += f", got {e['input']!r}"
+        out.append((key, msg))
+    return out
+
+
+def explain(err: ValidationError, source: str, model: type[BaseModel] | None = None, *,
+            allowed: Callable[[tuple], list[str] | None] | None = None) -> ConfigError:
+    """The one-line ``ConfigError`` of a config that failed validation: ``SOURCE: key.path: message``
+    for each error (``error_parts``), joined by ``; ``."""
+    return ConfigError("; ".join(f"{source}: {k}: {m}" if k else f"{source}: {m}"
+                                 for k, m in error_parts(err, model, allowed=allowed)))

@@ -23,8 +23,9 @@ from ropescale.runs.config import (
     ConfigError,
     DataConfig,
     StrategySpec,
-    apply_overrides,
     check_threads,
+    explain,
+    load_raw,
     not_a_bool,
     parse_strategy,
     read_yaml,
@@ -409,27 +410,6 @@ SHARDING_ON_CPU = ("sharding: an FSDP plugin file is accelerate's, which shards 
                    "falls back to plain data parallelism without a word); on the CPU ropescale shards with torch's "
                    "fully_shard: use sharding: fsdp")
 
-_SECTIONS = {"pose": PoseConfig, "eval": EvalDuringTraining, "data": DataConfig, "lora": LoraSettings,
-             "recipe": RecipeSpec, "parallelism": Parallelism}
-
-
-def _explain(err: ValidationError, source: str) -> ConfigError:
-    lines = []
-    for e in err.errors():
-        loc = [str(x) for x in e["loc"]]
-        key = ".".join(loc) or "(top level)"
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            section = _SECTIONS.get(loc[-2]) if len(loc) > 1 else None
-            known = list((section or FinetuneConfig).model_fields)
-            hint = difflib.get_close_matches(loc[-1], known, n=1)
-            msg = f"unknown key; allowed: {', '.join(known)}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
-        elif e["type"] == "missing":
-            msg = "required key is missing"
-        lines.append(f"{source}: {key}: {msg}")
-    return ConfigError(lines[0] if len(lines) == 1 else "; ".join(lines))
-
-
 def build_finetune_config(raw: Any, source: str = "config") -> FinetuneConfig:
     """Validate a raw mapping. Raises ``ConfigError`` naming the key (unknown key with the known
     ones, steps ≤ 0, unknown strategy, PoSE with a truncation rule, ...)."""
@@ -438,17 +418,15 @@ def build_finetune_config(raw: Any, source: str = "config") -> FinetuneConfig:
     try:
         return FinetuneConfig.model_validate(raw)
     except ValidationError as e:
-        raise _explain(e, source) from None
+        raise explain(e, source, FinetuneConfig) from None
 
 
 def load_finetune_config(path: str | Path | None, overrides: list[str] = (),
                          flags: dict | None = None) -> FinetuneConfig:
     """A YAML file (or none), then ``flags`` (values that are not None), then ``--set key=value``
     overrides (dots for nesting: ``pose.chunks=3``). Raises ``ConfigError`` in one line."""
-    raw = read_yaml(path) if path else {}
-    raw = {**raw, **{k: v for k, v in (flags or {}).items() if v is not None}}
-    raw = apply_overrides(raw, list(overrides))
-    return build_finetune_config(raw, str(path) if path else "flags")
+    raw, source = load_raw(path, overrides, flags)
+    return build_finetune_config(raw, source)
 
 
 class ResolvedRun(BaseModel):

@@ -46,7 +46,7 @@ def test_overrides_with_dots(tmp_path):
     ("lengths: [128]\nstrategies: [vanilla]\nmode: window\n", r"mode: Input should be 'chunk' or 'sliding'"),
     ("lengths: [128]\nstrategies: [vanilla]\ndata: {sorce: x}\n", r"data.sorce: unknown key.*did you mean 'source'"),
     ("lengths: [64]\nstrategies: [vanilla]\nmode: sliding\nstride: 100\n", r"stride 100 is longer"),
-    ("strategies: [vanilla]\n", r"lengths: Field required"),
+    ("strategies: [vanilla]\n", r"lengths: required key is missing"),
 ])
 def test_malformed_configs_name_the_key(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match):

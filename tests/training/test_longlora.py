@@ -50,8 +50,8 @@ def test_options_and_errors():
     assert recipe.training_recipe().options.trainable_params == ["embed"]
     with pytest.raises(ConfigError) as e:
         build_finetune_config({**base, "recipe": {"name": "longlora", "target_modules": ["q_proj"]}})
-    assert "recipe: target_modules: unknown option of recipe longlora; allowed: r, alpha" in str(e.value)
-    with pytest.raises(ConfigError, match="recipe: trainable_params: List should have at least 1 item"):
+    assert "recipe.target_modules: unknown key; allowed: r, alpha" in str(e.value)
+    with pytest.raises(ConfigError, match="recipe.trainable_params: List should have at least 1 item"):
         build_finetune_config({**base, "recipe": {"name": "longlora", "trainable_params": []}})
 
 

@@ -21,9 +21,9 @@ def test_bundled_recipes_are_discovered():
 
 @pytest.mark.parametrize("recipe,message", [
     ("lorra", "config: recipe: unknown recipe 'lorra' (did you mean 'lora'?); known recipes: full, "),
-    ({"name": "lora", "rank": 4}, "config: recipe: rank: unknown option of recipe lora; allowed: r, alpha"),
-    ({"name": "lora", "r": 0}, "config: recipe: r: Input should be greater than or equal to 1"),
-    ({"name": "full", "r": 4}, "config: recipe: r: unknown option of recipe full; allowed: none"),
+    ({"name": "lora", "rank": 4}, "config: recipe.rank: unknown key; allowed: r, alpha"),
+    ({"name": "lora", "r": 0}, "config: recipe.r: Input should be greater than or equal to 1"),
+    ({"name": "full", "r": 4}, "config: recipe.r: unknown key; allowed: none"),
     (3, "config: recipe: a recipe name"),
 ])
 def test_bad_recipes_are_one_line_naming_the_key(recipe, message):

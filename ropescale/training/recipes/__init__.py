@@ -23,7 +23,6 @@ weights, the default), ``lora`` (PEFT LoRA, also the ``lora:`` config section), 
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import importlib.util
 from pathlib import Path
@@ -33,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ropescale.errors import UnknownNameError
 from ropescale.registry import Registry
+from ropescale.runs.config import NestedErrors, error_parts
 
 __all__ = ["Recipe", "RecipeOptions", "UnknownRecipeError", "build_recipe", "get_recipe", "recipe_names"]
 
@@ -91,8 +91,8 @@ def get_recipe(name: str) -> type[Recipe]:
 
 def build_recipe(name: str, options: dict[str, Any] | BaseModel | None = None) -> Recipe:
     """An instance of recipe ``name`` with validated ``options``. Raises ``ValueError`` in one
-    line naming the option (``r: Input should be greater than or equal to 1``), an unknown recipe
-    or a missing package."""
+    line naming the option (``r: Input should be greater than or equal to 1``; a
+    ``ropescale.runs.config.NestedErrors``), an unknown recipe or a missing package."""
     cls = get_recipe(name)
     for module, requirement in cls.requires:
         if importlib.util.find_spec(module) is None:
@@ -101,15 +101,5 @@ def build_recipe(name: str, options: dict[str, Any] | BaseModel | None = None) -
         return cls(options)
     try:
         return cls(cls.Options.model_validate(options or {}))
-    except ValidationError as e:
-        parts = []
-        for err in e.errors():
-            key = ".".join(str(x) for x in err["loc"]) or name
-            msg = err["msg"].removeprefix("Value error, ")
-            if err["type"] == "extra_forbidden":
-                known = list(cls.Options.model_fields)
-                hint = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
-                msg = (f"unknown option of recipe {name}; allowed: {', '.join(known) or 'none'}"
-                       + (f" (did you mean {hint[0]!r}?)" if hint else ""))
-            parts.append(f"{key}: {msg}")
-        raise ValueError("; ".join(parts)) from None
+    except ValidationError as e:  # the options' keys read as paths under the config's recipe key
+        raise NestedErrors(error_parts(e, cls.Options)) from None

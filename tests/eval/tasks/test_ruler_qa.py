@@ -180,6 +180,6 @@ def test_offline_without_data_is_one_line(monkeypatch):
     with pytest.raises(ConfigError, match=r"^config: qa_2: hotpotqa/hotpot_qa is read through datasets, but this "
                                           r"session is offline"):
         build_config({"task": "qa_2", "lengths": [1024], "strategies": ["vanilla"]})
-    with pytest.raises(ConfigError, match=r"ruler.tasks: qa_1: rajpurkar/squad_v2 is read through datasets"):
+    with pytest.raises(ConfigError, match=r"ruler.tasks.qa_1: rajpurkar/squad_v2 is read through datasets"):
         build_config({"task": "ruler", "lengths": [1024], "strategies": ["vanilla"], "ruler": {"tasks": ["qa_1"]}})
     assert os.environ["HF_DATASETS_OFFLINE"] == "1"
