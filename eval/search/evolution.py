@@ -452,152 +452,21 @@ def run_evolution(objective: Callable[[list[float], int], float], *, dim: int, s
     opts = check_options(population=population, iterations=iterations, elite=elite, mutation_prob=mutation_prob,
                          crossover_prob=crossover_prob, variant=variant, seed=seed, budget=budget,
                          search_start_tokens=search_start_tokens, max_start_tokens=max_start_tokens)
-    pop, iters, n_elite = opts["population"], opts["iterations"], opts["elite"]
-    p_mut, p_cross, seed, budget = opts["mutation_prob"], opts["crossover_prob"], opts["seed"], opts["budget"]
-    start_grid: tuple[int, ...] = opts["start_grid"]
-    n = dim // 2
-    if yarn_factors is None:
-        init = np.full(n, scale)
-    else:
-        try:
-            init = np.asarray(yarn_factors, dtype=float)
-        except (TypeError, ValueError):
-            _fail("yarn_factors must be a list of numbers")
-        if init.shape != (n,):
-            _fail(f"yarn_factors has {init.size} entries; dim={dim} needs {n}")
-        if not np.all(np.isfinite(init)) or np.any(init <= 0):
-            _fail("yarn_factors must be finite and positive")
-        drops = np.diff(init)
-        if np.any(drops < -1e-6 * np.abs(init[1:])):
-            _fail("yarn_factors must be non-decreasing over pairs (the searched factors are kept monotone)")
-        init = np.maximum.accumulate(init)
-
-    lay = _Layout(n=n, scale=scale, step=DEFAULTS["list_step"], piece=variant == "dim_piece_mono",
-                  start=bool(search_start_tokens), start_grid=start_grid)
-    prefix = ([0.0] if lay.start else []) + ([0.0, 0.0] if lay.piece else [])  # their init α = β = 0
-    init_genome = np.concatenate([np.array(prefix, dtype=float), init])
-    n_mut = (pop - n_elite) // 2 if n_elite >= 2 else pop - n_elite
-    n_cross = pop - n_elite - n_mut
-    total = pop + iters * (pop - n_elite)
-    cap = total if budget is None else min(budget, total)
-
+    init = _initial_factors(yarn_factors, dim, scale)
+    lay = _Layout(n=dim // 2, scale=scale, step=DEFAULTS["list_step"], piece=variant == "dim_piece_mono",
+                  start=bool(search_start_tokens), start_grid=opts["start_grid"])
     header = {"journal": "ropescale.evolution", "version": _JOURNAL_VERSION, "dim": dim, "scale": scale,
-              "variant": variant, "population": pop, "iterations": iters, "elite": n_elite,
-              "mutation_prob": p_mut, "crossover_prob": p_cross, "seed": seed,
-              "search_start_tokens": lay.start, "start_grid": list(start_grid), "init": init.tolist()}
+              "variant": variant, "population": opts["population"], "iterations": opts["iterations"],
+              "elite": opts["elite"], "mutation_prob": opts["mutation_prob"],
+              "crossover_prob": opts["crossover_prob"], "seed": opts["seed"], "search_start_tokens": lay.start,
+              "start_grid": list(opts["start_grid"]), "init": init.tolist()}
     book = _Journal(journal, header, write=write_journal)
-    rng = np.random.default_rng(seed)
-    made = _Made(init_genome.shape[0])  # every individual ever created (their self.history)
-    seen = made.seen
-    history: list[dict] = []
-    state = {"generation": 0}
-    full = "budget" if cap < total else "iterations"
-
-    def score_all(cands: list[tuple[list[float], int]]):
-        """Values of ``cands`` in order, each yielded as soon as it is known (serially: one by
-        one, so the journal keeps every finished evaluation; with ``evaluate_batch``: the batch)."""
-        if evaluate_batch is None:
-            for f, s in cands:
-                yield objective(list(f), s)
-            return
-        values = list(evaluate_batch(cands))
-        if len(values) != len(cands):
-            raise AssertionError(f"evaluate_batch returned {len(values)} values for {len(cands)} candidates")
-        yield from values
-
-    def score(batch: list[tuple[np.ndarray, str, list]]) -> list[tuple[np.ndarray, float, int]]:
-        """Score one generation's candidates in order (journal values where recorded); their
-        population entries (genome, value, index in history)."""
-        base = len(history)
-        rows = []
-        for k, (g, origin, parents) in enumerate(batch):
-            factors, start = [float(x) for x in lay.factors(g)], lay.start_tokens(g)
-            value = None
-            if base + k < len(book.records):
-                rec = book.records[base + k]
-                if rec.get("start_tokens") != start or rec.get("factors") != factors:
-                    _fail(f"journal {journal} entry {base + k} is another candidate; the search it records "
-                          "differs (code version or arguments); use a new journal")
-                value = float(rec["value"])
-            rows.append([g, origin, parents, factors, start, value])
-        todo = [k for k, row in enumerate(rows) if row[5] is None]
-        for k, v in zip(todo, score_all([(rows[k][3], rows[k][4]) for k in todo])):
-            rows[k][5] = float(v)
-            g, origin, parents, factors, start, value = rows[k]
-            book.append({"n": base + k, "generation": state["generation"], "origin": origin, "parents": parents,
-                         "factors": factors, "start_tokens": start, "value": value})
-        out = []
-        for g, origin, parents, factors, start, value in rows:
-            value = math.inf if math.isnan(value) else value
-            out.append((g, value, len(history)))
-            history.append({"generation": state["generation"], "origin": origin, "parents": parents,
-                            "factors": factors, "start_tokens": start, "value": value})
-        return out
-
-    def mutate(parent: np.ndarray) -> np.ndarray:
-        g = parent
-        for _ in range(_MAX_PASSES):
-            if not (seen(g) or not lay.valid(g)):
-                break
-            g, _touched = _mutation_pass(g, rng, lay, p_mut)
-        else:
-            if seen(g) or not lay.valid(g):
-                raise _Stop("exhausted")
-        made.append(g)
-        return g
-
-    def generation(make: list) -> list[tuple[np.ndarray, float, int]]:
-        """Make this generation's candidates (``make``: callables returning (genome, origin,
-        parents)), at most as many as the budget leaves, then score them together."""
-        room = cap - len(history)
-        if room <= 0:
-            raise _Stop(full)
-        batch, stopped = [], None
-        try:
-            for m in make[:room]:
-                batch.append(m())
-        except _Stop as s:  # no new valid candidate: score those made, then stop
-            stopped = s
-        entries = score(batch)
-        if stopped is not None:
-            raise stopped
-        if len(make) > room:
-            raise _Stop(full)
-        return entries
-
-    stop = "iterations"
-    pop_list: list[tuple[np.ndarray, float, int]] = []  # (genome, value, index in history)
+    search = _Evolution(objective, evaluate_batch, lay, opts, book, journal)
     try:
-        made.append(init_genome)
-        first_index = len(history)
-        pop_list = generation([lambda: (init_genome, "init", [])]
-                              + [lambda: (mutate(init_genome), "mutation", [first_index])] * (pop - 1))
-        for it in range(iters):
-            state["generation"] = it + 1
-            parents = sorted(pop_list, key=lambda t: t[1])[:n_elite]  # stable: earlier first on ties
-            if progress:
-                print(f"evolution: generation {it + 1}/{iters}, best {parents[0][1]:.6g}, "
-                      f"{len(history)}/{cap} evaluations", file=sys.stderr, flush=True)
-
-            def mutant(parents=parents):
-                par = parents[int(rng.integers(n_elite))]
-                return mutate(par[0]), "mutation", [par[2]]
-
-            def cross(parents=parents):
-                i1, i2 = sorted(int(x) for x in rng.choice(n_elite, 2, replace=False))
-                p1, p2 = parents[i1], parents[i2]
-                child = _crossover(p1[0], p2[0], rng, lay, p_cross, DEFAULTS["max_crossover_try"], seen)
-                if child is None:  # identical parents or no valid new child: a mutant of parent 1
-                    return mutate(p1[0]), "mutation", [p1[2]]
-                made.append(child)
-                return child, "crossover", [p1[2], p2[2]]
-
-            pop_list = list(parents) + generation([mutant] * n_mut + [cross] * n_cross)
-    except _Stop as s:
-        stop = s.reason
+        stop = search.run(init, progress)
     finally:
         book.close()
-
+    history = search.history
     if not history:  # budget can't be 0, so the init individual is always evaluated
         raise AssertionError("no evaluation")
     best = min(range(len(history)), key=lambda i: history[i]["value"])  # first of the best on ties
@@ -607,3 +476,154 @@ def run_evolution(objective: Callable[[list[float], int], float], *, dim: int, s
               file=sys.stderr, flush=True)
     return EvolutionResult(factors=list(b["factors"]), start_tokens=int(b["start_tokens"]), value=float(b["value"]),
                            history=history, evaluations=len(history), stop=stop)
+
+
+def _initial_factors(yarn_factors: list[float] | None, dim: int, scale: float) -> np.ndarray:
+    """The initial individual's factors ``[d/2]``: ``yarn_factors`` checked (finite, positive,
+    non-decreasing up to float noise, then made exactly monotone), or s everywhere when None."""
+    n = dim // 2
+    if yarn_factors is None:
+        return np.full(n, scale)
+    try:
+        init = np.asarray(yarn_factors, dtype=float)
+    except (TypeError, ValueError):
+        _fail("yarn_factors must be a list of numbers")
+    if init.shape != (n,):
+        _fail(f"yarn_factors has {init.size} entries; dim={dim} needs {n}")
+    if not np.all(np.isfinite(init)) or np.any(init <= 0):
+        _fail("yarn_factors must be finite and positive")
+    drops = np.diff(init)
+    if np.any(drops < -1e-6 * np.abs(init[1:])):
+        _fail("yarn_factors must be non-decreasing over pairs (the searched factors are kept monotone)")
+    return np.maximum.accumulate(init)
+
+
+class _Evolution:
+    """One run of the search (``run_evolution``): the draws (one ``numpy`` generator), every genome
+    made (novelty), the evaluations in order (``history``), the journal replayed or appended."""
+
+    def __init__(self, objective, evaluate_batch, lay: _Layout, opts: dict[str, Any], book: _Journal,
+                 journal: Path | None):
+        self.objective, self.evaluate_batch, self.lay, self.book, self.journal = (objective, evaluate_batch, lay,
+                                                                                 book, journal)
+        self.pop, self.iters, self.n_elite = opts["population"], opts["iterations"], opts["elite"]
+        self.p_mut, self.p_cross = opts["mutation_prob"], opts["crossover_prob"]
+        self.rng = np.random.default_rng(opts["seed"])
+        self.n_mut = (self.pop - self.n_elite) // 2 if self.n_elite >= 2 else self.pop - self.n_elite
+        self.n_cross = self.pop - self.n_elite - self.n_mut
+        total = self.pop + self.iters * (self.pop - self.n_elite)
+        self.cap = total if opts["budget"] is None else min(opts["budget"], total)
+        self.full = "budget" if self.cap < total else "iterations"
+        self.history: list[dict] = []
+        self.generation_no = 0
+        self.made: _Made | None = None  # every individual ever created (their self.history)
+
+    def run(self, init: np.ndarray, progress: bool) -> str:
+        """Run the generations; returns why the search stopped."""
+        lay = self.lay
+        prefix = ([0.0] if lay.start else []) + ([0.0, 0.0] if lay.piece else [])  # their init α = β = 0
+        init_genome = np.concatenate([np.array(prefix, dtype=float), init])
+        self.made = _Made(init_genome.shape[0])
+        try:
+            self.made.append(init_genome)
+            first_index = len(self.history)
+            pop_list = self.generation([lambda: (init_genome, "init", [])]
+                                       + [lambda: (self.mutate(init_genome), "mutation", [first_index])]
+                                       * (self.pop - 1))
+            for it in range(self.iters):
+                self.generation_no = it + 1
+                parents = sorted(pop_list, key=lambda t: t[1])[:self.n_elite]  # stable: earlier first on ties
+                if progress:
+                    print(f"evolution: generation {it + 1}/{self.iters}, best {parents[0][1]:.6g}, "
+                          f"{len(self.history)}/{self.cap} evaluations", file=sys.stderr, flush=True)
+                pop_list = list(parents) + self.generation([lambda p=parents: self.mutant(p)] * self.n_mut
+                                                           + [lambda p=parents: self.cross(p)] * self.n_cross)
+        except _Stop as s:
+            return s.reason
+        return "iterations"
+
+    def mutant(self, parents: list) -> tuple[np.ndarray, str, list]:
+        par = parents[int(self.rng.integers(self.n_elite))]
+        return self.mutate(par[0]), "mutation", [par[2]]
+
+    def cross(self, parents: list) -> tuple[np.ndarray, str, list]:
+        i1, i2 = sorted(int(x) for x in self.rng.choice(self.n_elite, 2, replace=False))
+        p1, p2 = parents[i1], parents[i2]
+        child = _crossover(p1[0], p2[0], self.rng, self.lay, self.p_cross, DEFAULTS["max_crossover_try"],
+                           self.made.seen)
+        if child is None:  # identical parents or no valid new child: a mutant of parent 1
+            return self.mutate(p1[0]), "mutation", [p1[2]]
+        self.made.append(child)
+        return child, "crossover", [p1[2], p2[2]]
+
+    def mutate(self, parent: np.ndarray) -> np.ndarray:
+        g, seen, lay = parent, self.made.seen, self.lay
+        for _ in range(_MAX_PASSES):
+            if not (seen(g) or not lay.valid(g)):
+                break
+            g, _touched = _mutation_pass(g, self.rng, lay, self.p_mut)
+        else:
+            if seen(g) or not lay.valid(g):
+                raise _Stop("exhausted")
+        self.made.append(g)
+        return g
+
+    def generation(self, make: list) -> list[tuple[np.ndarray, float, int]]:
+        """Make this generation's candidates (``make``: callables returning (genome, origin,
+        parents)), at most as many as the budget leaves, then score them together."""
+        room = self.cap - len(self.history)
+        if room <= 0:
+            raise _Stop(self.full)
+        batch, stopped = [], None
+        try:
+            for m in make[:room]:
+                batch.append(m())
+        except _Stop as s:  # no new valid candidate: score those made, then stop
+            stopped = s
+        entries = self.score(batch)
+        if stopped is not None:
+            raise stopped
+        if len(make) > room:
+            raise _Stop(self.full)
+        return entries
+
+    def score_all(self, cands: list[tuple[list[float], int]]):
+        """Values of ``cands`` in order, each yielded as soon as it is known (serially: one by
+        one, so the journal keeps every finished evaluation; with ``evaluate_batch``: the batch)."""
+        if self.evaluate_batch is None:
+            for f, s in cands:
+                yield self.objective(list(f), s)
+            return
+        values = list(self.evaluate_batch(cands))
+        if len(values) != len(cands):
+            raise AssertionError(f"evaluate_batch returned {len(values)} values for {len(cands)} candidates")
+        yield from values
+
+    def score(self, batch: list[tuple[np.ndarray, str, list]]) -> list[tuple[np.ndarray, float, int]]:
+        """Score one generation's candidates in order (journal values where recorded); their
+        population entries (genome, value, index in history)."""
+        base, lay, book = len(self.history), self.lay, self.book
+        rows = []
+        for k, (g, origin, parents) in enumerate(batch):
+            factors, start = [float(x) for x in lay.factors(g)], lay.start_tokens(g)
+            value = None
+            if base + k < len(book.records):
+                rec = book.records[base + k]
+                if rec.get("start_tokens") != start or rec.get("factors") != factors:
+                    _fail(f"journal {self.journal} entry {base + k} is another candidate; the search it records "
+                          "differs (code version or arguments); use a new journal")
+                value = float(rec["value"])
+            rows.append([g, origin, parents, factors, start, value])
+        todo = [k for k, row in enumerate(rows) if row[5] is None]
+        for k, v in zip(todo, self.score_all([(rows[k][3], rows[k][4]) for k in todo])):
+            rows[k][5] = float(v)
+            g, origin, parents, factors, start, value = rows[k]
+            book.append({"n": base + k, "generation": self.generation_no, "origin": origin, "parents": parents,
+                         "factors": factors, "start_tokens": start, "value": value})
+        out = []
+        for g, origin, parents, factors, start, value in rows:
+            value = math.inf if math.isnan(value) else value
+            out.append((g, value, len(self.history)))
+            self.history.append({"generation": self.generation_no, "origin": origin, "parents": parents,
+                                 "factors": factors, "start_tokens": start, "value": value})
+        return out

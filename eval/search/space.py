@@ -98,14 +98,7 @@ def search_space(strategy_name: str, search: list[str] | dict[str, Any] | None =
         raise ConfigError(f"strategy: {e}") from None
     fixed = dict(fixed or {})
     names = {p.name: p for p in strategy.params}
-    for key, value in fixed.items():  # each on its own: the combination is checked per candidate
-        if key not in names:
-            raise ConfigError(f"fixed: {strategy.name} has no parameter {key!r}; its parameters: "
-                              f"{', '.join(names) or 'none'}")
-        try:
-            names[key].check(strategy.name, value)
-        except ValueError as e:
-            raise ConfigError(f"fixed: {e}") from None
+    _check_fixed(strategy, names, fixed)
     if isinstance(search, (list, tuple)):
         search = dict.fromkeys(search)
     search = dict(search or {})
@@ -119,27 +112,46 @@ def search_space(strategy_name: str, search: list[str] | dict[str, Any] | None =
         if name not in names:
             raise ConfigError(f"search: {strategy.name} has no parameter {name!r}; its parameters: "
                               f"{', '.join(names) or 'none'}")
-        param = names[name]
-        if not searchable(param):
-            raise ConfigError(f"search.{name}: a {param.kind.__name__} parameter is not searchable; "
-                              "only float and int parameters are (give it under fixed:)")
-        if name in fixed:
+        if name in fixed and searchable(names[name]):
             raise ConfigError(f"search.{name}: also under fixed:; a parameter is either searched or fixed")
-        low, high = _inside(param)
-        user_low, user_high, user_log = _user_range(strategy, name, given)
-        low = user_low if user_low is not None else low
-        high = user_high if user_high is not None else high
-        log = param.log if user_log is None else user_log
-        if low is None or high is None:
-            side = "lower" if low is None else "upper"
-            raise ConfigError(f"search.{name}: {strategy.name}'s {name} has no {side} bound "
-                              f"(allowed: {param.range_text()}); give a range: search: {{{name}: [low, high]}}")
-        if param.kind is int:
-            low, high = math.ceil(low), math.floor(high)
-        if not low < high:
-            raise ConfigError(f"search.{name}: empty range [{low:g}, {high:g}]; low must be below high")
-        if log and low <= 0:
-            raise ConfigError(f"search.{name}: a log scale needs values > 0, the range starts at {low:g}; "
-                              f"give a positive low (search: {{{name}: [low, high]}}) or log: false")
-        dims.append(Dimension(name, "int" if param.kind is int else "float", float(low), float(high), bool(log)))
+        dims.append(_dimension(strategy, names[name], given))
     return dims
+
+
+def _check_fixed(strategy, names: dict, fixed: dict[str, Any]) -> None:
+    """Each fixed value on its own (the combination is checked per candidate); ``ConfigError``."""
+    for key, value in fixed.items():
+        if key not in names:
+            raise ConfigError(f"fixed: {strategy.name} has no parameter {key!r}; its parameters: "
+                              f"{', '.join(names) or 'none'}")
+        try:
+            names[key].check(strategy.name, value)
+        except ValueError as e:
+            raise ConfigError(f"fixed: {e}") from None
+
+
+def _dimension(strategy, param, given: Any) -> Dimension:
+    """The dimension of ``param``: its allowed range narrowed by the user's ``given`` range (see
+    ``_user_range``), its scale; ``ConfigError`` for a parameter that is not a number, a side
+    without a bound, an empty range, a log scale over values ≤ 0."""
+    name = param.name
+    if not searchable(param):
+        raise ConfigError(f"search.{name}: a {param.kind.__name__} parameter is not searchable; "
+                          "only float and int parameters are (give it under fixed:)")
+    low, high = _inside(param)
+    user_low, user_high, user_log = _user_range(strategy, name, given)
+    low = user_low if user_low is not None else low
+    high = user_high if user_high is not None else high
+    log = param.log if user_log is None else user_log
+    if low is None or high is None:
+        side = "lower" if low is None else "upper"
+        raise ConfigError(f"search.{name}: {strategy.name}'s {name} has no {side} bound "
+                          f"(allowed: {param.range_text()}); give a range: search: {{{name}: [low, high]}}")
+    if param.kind is int:
+        low, high = math.ceil(low), math.floor(high)
+    if not low < high:
+        raise ConfigError(f"search.{name}: empty range [{low:g}, {high:g}]; low must be below high")
+    if log and low <= 0:
+        raise ConfigError(f"search.{name}: a log scale needs values > 0, the range starts at {low:g}; "
+                          f"give a positive low (search: {{{name}: [low, high]}}) or log: false")
+    return Dimension(name, "int" if param.kind is int else "float", float(low), float(high), bool(log))

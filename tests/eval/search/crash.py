@@ -56,75 +56,74 @@ def _counting(n: int):
     return hit
 
 
-def install_kill(point: str, n: int) -> None:
-    import optuna
+def _wrap(owner, name: str, hit, *, before: bool = False) -> None:
+    """``owner.name`` replaced by a method that dies on the counted call: before the original runs
+    (``before``) or right after it returns."""
+    real = getattr(owner, name)
+
+    def patched(self, *a, **k):
+        if before and hit():
+            _die()
+        out = real(self, *a, **k)
+        if not before and hit():
+            _die()
+        return out
+
+    setattr(owner, name, patched)
+
+
+def _kill_in_commit(hit) -> None:
+    """Die inside an SQLAlchemy commit: its statements sent (a write transaction open), not committed."""
     import sqlalchemy.orm
 
-    hit = _counting(n)
-    if point == "ask":
-        ask = optuna.study.Study.ask
+    commit = sqlalchemy.orm.Session.commit
 
-        def patched(self, *a, **k):
-            trial = ask(self, *a, **k)
-            if hit():
+    def patched(self):
+        if hit():
+            self.flush()  # the statements reach SQLite: a write transaction is open
+            _die()
+        return commit(self)
+
+    sqlalchemy.orm.Session.commit = patched
+
+
+def _kill_in_manifest(hit) -> None:
+    """Die with half of ``manifest.json``'s text written, the file not closed."""
+    write_text = Path.write_text
+
+    def patched(self, data, *a, **k):
+        if "manifest" in self.name and hit():
+            with self.open("w", encoding="utf-8") as f:
+                f.write(data[: len(data) // 2])
+                f.flush()
                 _die()
-            return trial
+        return write_text(self, data, *a, **k)
 
-        optuna.study.Study.ask = patched
-    elif point == "param":
-        store = optuna.storages.RDBStorage._set_trial_param  # what the cached storage calls
+    Path.write_text = patched
 
-        def patched(self, *a, **k):
-            store(self, *a, **k)
-            if hit():
-                _die()
 
-        optuna.storages.RDBStorage._set_trial_param = patched
-    elif point in ("objective", "tell"):
-        tell = optuna.study.Study.tell
+def _kill_points():
+    """``{point: install(hit)}`` for every kill point of the module docstring."""
+    import optuna
 
-        def patched(self, *a, **k):
-            if point == "objective" and hit():
-                _die()
-            out = tell(self, *a, **k)
-            if point == "tell" and hit():
-                _die()
-            return out
+    return {
+        "ask": lambda hit: _wrap(optuna.study.Study, "ask", hit),
+        # what the cached storage calls to store a sampled parameter
+        "param": lambda hit: _wrap(optuna.storages.RDBStorage, "_set_trial_param", hit),
+        "objective": lambda hit: _wrap(optuna.study.Study, "tell", hit, before=True),
+        "tell": lambda hit: _wrap(optuna.study.Study, "tell", hit),
+        "commit": _kill_in_commit,
+        "write": lambda hit: _wrap(csv.DictWriter, "writerows", hit),
+        "manifest": _kill_in_manifest,
+    }
 
-        optuna.study.Study.tell = patched
-    elif point == "commit":
-        commit = sqlalchemy.orm.Session.commit
 
-        def patched(self):
-            if hit():
-                self.flush()  # the statements reach SQLite: a write transaction is open
-                _die()
-            return commit(self)
-
-        sqlalchemy.orm.Session.commit = patched
-    elif point == "write":
-        writerows = csv.DictWriter.writerows
-
-        def patched(self, rows):
-            writerows(self, rows)
-            if hit():
-                _die()
-
-        csv.DictWriter.writerows = patched
-    elif point == "manifest":
-        write_text = Path.write_text
-
-        def patched(self, data, *a, **k):
-            if "manifest" in self.name and hit():
-                with self.open("w", encoding="utf-8") as f:
-                    f.write(data[: len(data) // 2])
-                    f.flush()
-                    _die()
-            return write_text(self, data, *a, **k)
-
-        Path.write_text = patched
-    else:
+def install_kill(point: str, n: int) -> None:
+    """SIGKILL this process at the ``n``-th event of kill ``point``."""
+    points = _kill_points()
+    if point not in points:
         raise SystemExit(f"unknown kill point {point!r}")
+    points[point](_counting(n))
 
 
 def install_barrier(folder: Path, parties: int = 2, wait: float = 2.0) -> None:
