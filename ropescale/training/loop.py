@@ -417,13 +417,65 @@ def _run_locked(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, progre
             "main_process": acc.is_main_process}
 
 
+@dataclass
+class _Loop:
+    """What the training loop runs with (``_setup_loop``): the prepared model, optimiser, schedule
+    and batches (resumed), how the loss is computed (sharded or not, chunked head, sequence
+    parallelism), the training log, the step resumed from, the run's label and tokens per step."""
+
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    batches: Any
+    inner: Any  # the unwrapped model (evaluated, saved)
+    own_fsdp: bool  # torch's fully_shard (CPU processes) rather than accelerate's
+    sharded: bool
+    chunk_size: int | None
+    head: OutputHead | None
+    in_forward: Any  # in_forward(fn, *a, **k): fn(model, *a, **k), inside the sharded root's forward where there is one
+    sp: Any
+    log: TrainingLog
+    start: int
+    label: str
+    tokens_per_step: int
+    counts: dict[str, int]
+    recipe: Any  # the run's ropescale.training.recipes.Recipe: saves the trained model
+
+
 def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, prepared: _Prepared, env, progress: bool,
            stop_after: int | None, say, cleanup: ExitStack) -> dict[str, Any] | None:
+    """Train (or go on training) and save; the summary, or None when stopped at ``stop_after``."""
+    loop = _setup_loop(cfg, run, output, acc, prepared, say, cleanup)
+    heldout = prepared.heldout
+
+    def evaluate(step: int) -> dict[str, float]:
+        if loop.sharded:  # every process runs every window through the sharded model, so its collectives line up
+            ppl = loop.in_forward(lambda m: heldout.perplexity(m, device=acc.device))
+        else:
+            ppl = heldout.perplexity(loop.inner, device=acc.device, process_index=acc.process_index,
+                                     num_processes=acc.num_processes)
+        record = {"step": step, "ppl": {str(k): round(v, 4) for k, v in ppl.items()}}
+        loop.log.write(record)
+        return record["ppl"]
+
+    last_ppl = None
+    if heldout is not None and loop.start == 0:
+        last_ppl = evaluate(0)
+        say("step 0: held-out PPL " + ", ".join(f"{k}: {v:.2f}" for k, v in last_ppl.items()))
+    ran = _run_steps(cfg, output, acc, loop, evaluate if heldout is not None else None, progress, stop_after,
+                     last_ppl)
+    if ran is None:
+        return None
+    return _save_trained(cfg, run, output, acc, loop, prepared.tokenizer, env, say, *ran)
+
+
+def _setup_loop(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, prepared: _Prepared, say,
+                cleanup: ExitStack) -> _Loop:
+    """The model put in training mode and wrapped (sequence parallelism, sharding, accelerate), the
+    optimiser, schedule and loader, the trackers and the log, and the last checkpoint restored."""
     from torch.utils.data import DataLoader
-    from tqdm.auto import tqdm
     from transformers import get_scheduler
 
-    tokenizer, heldout, dataset = prepared.tokenizer, prepared.heldout, prepared.dataset
     model, recipe = prepared.model, prepared.recipe
     model.train()
     sp = _sequence_parallel(model, cfg)
@@ -445,7 +497,7 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, prepared: _
     # its own generator: each iterator draws a base seed from the loader's generator, which would otherwise be the
     # global RNG — the uninterrupted run draws it before step 1, a resumed one after restoring the checkpoint's RNG
     # state, so dropout (LoRA's) drew other masks from there on than the uninterrupted run
-    loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=False,
+    loader = DataLoader(prepared.dataset, batch_size=cfg.batch_size, shuffle=False,
                         generator=torch.Generator().manual_seed(cfg.seed))
     if own_fsdp:  # model and optimiser states sharded: saved by save_sharded, not by accelerate's main process
         loader = acc.prepare(loader)
@@ -456,15 +508,7 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, prepared: _
     if cfg.report_to:
         _start_trackers(acc, cfg, output)
     log = TrainingLog(output / LOG, enabled=acc.is_main_process, tracker=acc if cfg.report_to else None)
-    done = _checkpoints(output)
-    start = done[-1][0] if done else 0
-    if done:
-        acc.load_state(str(done[-1][1]))
-        if own_fsdp:
-            load_sharded(model, optimizer, done[-1][1])
-        say(f"resuming from {done[-1][1]} (step {start} of {cfg.steps})")
-    log.keep_through(start if done else -1)
-    acc.wait_for_everyone()
+    start = _resume(cfg, output, acc, model, optimizer, own_fsdp, log, say)
     batches = acc.skip_first_batches(loader, start * cfg.grad_accum) if start else loader
     if sp is not None:  # each batch read → P micro-batches of the group's shards
         batches = sp.shard(batches, acc.device)
@@ -477,41 +521,63 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, prepared: _
     in_forward = model if own_fsdp else (lambda fn, *a, **k: fn(model, *a, **k))  # ShardedModel(fn) runs fn inside
     label = cfg.strategy.display + (" + PoSE" if cfg.pose.enabled else "") + recipe.label
     tokens_per_step = cfg.batch_size * cfg.grad_accum * acc.num_processes * run.window
+    return _Loop(model, optimizer, scheduler, batches, inner, own_fsdp, sharded, chunk_size, head, in_forward, sp,
+                 log, start, label, tokens_per_step, counts, recipe)
 
-    def evaluate(step: int) -> dict[str, float]:
-        if sharded:  # every process runs every window through the sharded model, so its collectives line up
-            ppl = in_forward(lambda m: heldout.perplexity(m, device=acc.device))
-        else:
-            ppl = heldout.perplexity(inner, device=acc.device, process_index=acc.process_index,
-                                     num_processes=acc.num_processes)
-        record = {"step": step, "ppl": {str(k): round(v, 4) for k, v in ppl.items()}}
-        log.write(record)
-        return record["ppl"]
 
-    last_ppl = None
-    if heldout is not None and start == 0:
-        last_ppl = evaluate(0)
-        say("step 0: held-out PPL " + ", ".join(f"{k}: {v:.2f}" for k, v in last_ppl.items()))
-    bar = tqdm(total=cfg.steps, initial=start, desc=label, unit="step", disable=True if not progress else None)
-    step, losses, train_s, loss_value = start, [], 0.0, float("nan")
+def _resume(cfg: FinetuneConfig, output: Path, acc, model, optimizer, own_fsdp: bool, log: TrainingLog, say) -> int:
+    """Restore the last complete checkpoint (accelerate's state; the sharded model's and optimiser's
+    own) and cut the log after it; the step it was written at (0: none)."""
+    done = _checkpoints(output)
+    start = done[-1][0] if done else 0
+    if done:
+        acc.load_state(str(done[-1][1]))
+        if own_fsdp:
+            load_sharded(model, optimizer, done[-1][1])
+        say(f"resuming from {done[-1][1]} (step {start} of {cfg.steps})")
+    log.keep_through(start if done else -1)
+    acc.wait_for_everyone()
+    return start
+
+
+def _micro_step(cfg: FinetuneConfig, acc, loop: _Loop, batch, losses: list) -> Any:
+    """One micro-step under accelerate's accumulation: the loss (appended to ``losses``) and its
+    backward; at an optimiser step the global gradient norm clipped (returned; None otherwise),
+    the optimiser and the schedule stepped."""
+    with acc.accumulate(loop.model):
+        with acc.autocast():  # the chunked head runs outside the model's forward, under the same precision
+            if loop.sp is None:
+                loss = loop.in_forward(causal_lm_loss, batch, chunk_size=loop.chunk_size, head=loop.head)
+            else:  # this process's share of the window's loss, × P: the group's gradients add up
+                loss = (loop.in_forward(loop.sp.loss, batch, chunk_size=loop.chunk_size, head=loop.head)
+                        * loop.sp.backward_scale)
+        acc.backward(loss)
+        losses.append(loss.detach().float())
+        grad_norm = None
+        if acc.sync_gradients and cfg.max_grad_norm:
+            grad_norm = acc.clip_grad_norm_(loop.model.parameters(), cfg.max_grad_norm)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2
+        if acc.sync_gradients:  # accelerate's prepared optimiser skips the others itself; a sharded one is not
+            loop.optimizer.step()
+            loop.scheduler.step()
+            loop.optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def _run_steps(cfg: FinetuneConfig, output: Path, acc, loop: _Loop, evaluate, progress: bool,
+               stop_after: int | None, last_ppl) -> tuple[int, float, float, Any] | None:
+    """The optimiser steps from ``loop.start`` to ``cfg.steps``: each logged, evaluated every
+    ``eval.every`` (``evaluate``: None without held-out data) and checkpointed every
+    ``checkpoint_every``. ``(steps, last loss, training seconds, last held-out PPL)``, or None when
+    stopped at ``stop_after``. Raises ``NonFiniteLossError``."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=cfg.steps, initial=loop.start, desc=loop.label, unit="step",
+               disable=True if not progress else None)
+    step, losses, train_s, loss_value = loop.start, [], 0.0, float("nan")
     t0 = time.perf_counter()
-    for batch in batches:
-        with acc.accumulate(model):
-            with acc.autocast():  # the chunked head runs outside the model's forward, under the same precision
-                if sp is None:
-                    loss = in_forward(causal_lm_loss, batch, chunk_size=chunk_size, head=head)
-                else:  # this process's share of the window's loss, × P: the group's gradients add up
-                    loss = in_forward(sp.loss, batch, chunk_size=chunk_size, head=head) * sp.backward_scale
-            acc.backward(loss)
-            losses.append(loss.detach().float())
-            grad_norm = None
-            if acc.sync_gradients and cfg.max_grad_norm:
-                grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2
-            if acc.sync_gradients:  # accelerate's prepared optimiser skips the others itself; a sharded one is not
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+    for batch in loop.batches:
+        grad_norm = _micro_step(cfg, acc, loop, batch, losses)
         if not acc.sync_gradients:
             continue
         step += 1
@@ -519,29 +585,18 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, prepared: _
         losses = []
         if not math.isfinite(loss_value):  # read on the host here anyway: no extra sync; every process sees it
             bar.close()
-            kept = _checkpoints(output)
-            raise NonFiniteLossError(
-                f"step {step}: the training loss is {loss_value} (not finite); stopped, no model saved"
-                + (f"; checkpoints kept (last: step {kept[-1][0]}, a rerun resumes there)" if kept else "")
-                + "; lower lr or warm up longer, check max_grad_norm and mixed_precision")
+            _non_finite(output, step, loss_value)
         train_s += time.perf_counter() - t0
-        record = {"step": step, "loss": loss_value, "lr": scheduler.get_last_lr()[0], "tokens": step * tokens_per_step,
-                  "tokens_per_s": round((step - start) * tokens_per_step / train_s, 1)}
+        record = {"step": step, "loss": loss_value, "lr": loop.scheduler.get_last_lr()[0],
+                  "tokens": step * loop.tokens_per_step,
+                  "tokens_per_s": round((step - loop.start) * loop.tokens_per_step / train_s, 1)}
         if grad_norm is not None:
             record["grad_norm"] = float(grad_norm)
-        log.write(record)
+        loop.log.write(record)
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-        if heldout is not None and (step % cfg.eval.every == 0 or step == cfg.steps):
-            last_ppl = evaluate(step)
-            if progress:
-                bar.write(f"step {step}/{cfg.steps}: loss {loss_value:.3f}, {record['tokens_per_s']:.0f} tok/s, "
-                          "held-out PPL " + ", ".join(f"{k}: {v:.2f}" for k, v in last_ppl.items()))
-        if step % cfg.checkpoint_every == 0 and step < cfg.steps:
-            save_checkpoint(acc, output, step, cfg.keep_checkpoints,
-                            extra=(lambda folder: save_sharded(model, optimizer, folder)) if own_fsdp else None)
-            if acc.is_main_process:
-                plot_training(read_log(output / LOG), output / "loss.png", f"{label}, L = {cfg.length}")
+        ppl = _after_step(cfg, output, acc, loop, evaluate, step, record, bar if progress else None)
+        last_ppl = last_ppl if ppl is None else ppl
         if stop_after is not None and step >= stop_after:
             bar.close()
             return None
@@ -549,24 +604,60 @@ def _train(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, prepared: _
         if step >= cfg.steps:
             break
     bar.close()
+    return step, loss_value, train_s, last_ppl
 
+
+def _non_finite(output: Path, step: int, loss_value: float) -> None:
+    """Raise ``NonFiniteLossError`` for the loss of ``step``, naming the checkpoint a rerun resumes from."""
+    kept = _checkpoints(output)
+    raise NonFiniteLossError(
+        f"step {step}: the training loss is {loss_value} (not finite); stopped, no model saved"
+        + (f"; checkpoints kept (last: step {kept[-1][0]}, a rerun resumes there)" if kept else "")
+        + "; lower lr or warm up longer, check max_grad_norm and mixed_precision")
+
+
+def _after_step(cfg: FinetuneConfig, output: Path, acc, loop: _Loop, evaluate, step: int, record: dict,
+                bar) -> dict[str, float] | None:
+    """The held-out evaluation (every ``eval.every`` steps and at the last; its PPL, else None) and
+    the checkpoint (every ``checkpoint_every`` steps before the last) after optimiser step ``step``;
+    ``bar``: the progress bar to report on (None: quiet)."""
+    ppl = None
+    if evaluate is not None and (step % cfg.eval.every == 0 or step == cfg.steps):
+        ppl = evaluate(step)
+        if bar is not None:
+            bar.write(f"step {step}/{cfg.steps}: loss {record['loss']:.3f}, {record['tokens_per_s']:.0f} tok/s, "
+                      "held-out PPL " + ", ".join(f"{k}: {v:.2f}" for k, v in ppl.items()))
+    if step % cfg.checkpoint_every == 0 and step < cfg.steps:
+        model, optimizer = loop.model, loop.optimizer
+        save_checkpoint(acc, output, step, cfg.keep_checkpoints,
+                        extra=(lambda folder: save_sharded(model, optimizer, folder)) if loop.own_fsdp else None)
+        if acc.is_main_process:
+            plot_training(read_log(output / LOG), output / "loss.png", f"{loop.label}, L = {cfg.length}")
+    return ppl
+
+
+def _save_trained(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, loop: _Loop, tokenizer, env, say,
+                  step: int, loss_value: float, train_s: float, last_ppl) -> dict[str, Any]:
+    """The summary, and the trained model saved by its recipe (the gathered weights of a sharded
+    one), ``finetune.json`` last, the loss plot; the checkpoints removed."""
     acc.wait_for_everyone()
-    summary = {"label": label, "strategy": cfg.strategy.name, "params": run.params, "logn": cfg.strategy.logn,
+    summary = {"label": loop.label, "strategy": cfg.strategy.name, "params": run.params, "logn": cfg.strategy.logn,
                "pose": cfg.pose.model_dump() if cfg.pose.enabled else None, "length": cfg.length,
                "original_max_position_embeddings": run.train_length, "window": run.window, "steps": step,
-               "tokens": step * tokens_per_step, "final_loss": loss_value, "ppl": last_ppl,
-               "resumed_from": start, "train_seconds": round(train_s, 1), "processes": acc.num_processes,
+               "tokens": step * loop.tokens_per_step, "final_loss": loss_value, "ppl": last_ppl,
+               "resumed_from": loop.start, "train_seconds": round(train_s, 1), "processes": acc.num_processes,
                "parallelism": {"data": acc.num_processes // cfg.parallelism.sequence,
-                               "sequence": cfg.parallelism.sequence, "sharded": sharded},
-               **counts, "config": cfg.model_dump(mode="json"), "env": env}
+                               "sequence": cfg.parallelism.sequence, "sharded": loop.sharded},
+               **loop.counts, "config": cfg.model_dump(mode="json"), "env": env}
     # gathered: every process takes part
-    state_dict = full_state_dict(model) if own_fsdp else acc.get_state_dict(model) if sharded else None
+    model = loop.model
+    state_dict = full_state_dict(model) if loop.own_fsdp else acc.get_state_dict(model) if loop.sharded else None
     if acc.is_main_process:
-        inner.eval()
-        recipe.save(inner, tokenizer, output / MODEL_DIR, state_dict=state_dict)
+        loop.inner.eval()
+        loop.recipe.save(loop.inner, tokenizer, output / MODEL_DIR, state_dict=state_dict)
         # last: marks the run done
         (output / MODEL_DIR / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
-        plot_training(read_log(output / LOG), output / "loss.png", f"{label}, L = {cfg.length}")
+        plot_training(read_log(output / LOG), output / "loss.png", f"{loop.label}, L = {cfg.length}")
         shutil.rmtree(output / CHECKPOINTS, ignore_errors=True)
         say(f"saved the fine-tuned model to {output / MODEL_DIR} ({step} steps, {train_s:.0f} s of training)")
     acc.wait_for_everyone()
