@@ -239,6 +239,41 @@ def train(output: Path, *, steps: int = 1500, batch_size: int = 32, window: int 
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
+    tokenizer, train_ids, held_ids, units = _data(args, mix)
+    model = _model(args, tokenizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    data = Mix(tokenizer, train_ids, units, args.window, mix if args.init else copy_mix, random.Random(args.seed),
+               args.answer_end)
+    log, probes, copy_phase_end, train_s = _train_steps(args, model, data, held_ids, mix)
+    held = heldout_loss(model, held_ids, args.window)
+    print(f"held-out loss at T: {held:.4f} (PPL {math.exp(held):.1f})")
+
+    args.output.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(args.output)
+    tokenizer.save_pretrained(args.output)
+    summary = {
+        "seed": args.seed, "steps": args.steps, "batch_size": args.batch_size,
+        "window": args.window, "lr": args.lr, "warmup": args.warmup, "mix": mix,
+        "copy_mix": None if args.init else copy_mix, "answer_end": args.answer_end,
+        "init": str(args.init) if args.init else None,
+        "copy_phase_end": copy_phase_end,
+        "parameters": n_params, "train_tokens": train_ids.numel(),
+        "heldout_tokens": held_ids.numel(), "train_seconds": round(train_s, 1),
+        "threads": args.threads, "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__, "final_train_loss": log[-1]["loss"],
+        "heldout_loss_at_T": round(held, 4), "heldout_ppl_at_T": round(math.exp(held), 2),
+        "probe_every": args.probe_every, "copy_probe": probes[-1], "log": log, "probes": probes,
+    }
+    if args.init and (args.init / "training.json").is_file():
+        summary["stage1"] = json.loads((args.init / "training.json").read_text(encoding="utf-8"))
+    (args.output / "training.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    print(f"saved to {args.output}")
+    return summary
+
+
+def _data(args, mix: dict[str, float]):
+    """The tokenizer (``--init``'s, else trained on the training books) and the token streams:
+    ``(tokenizer, training ids [n], held-out ids [m], the training books' sentence units)``."""
     train_books, held_books = kjv.split("train"), kjv.split("heldout")
     t0 = time.time()
     tokenizer = (PreTrainedTokenizerFast.from_pretrained(args.init) if args.init
@@ -248,7 +283,11 @@ def train(output: Path, *, steps: int = 1500, batch_size: int = 32, window: int 
     units = sentence_units(tokenizer, [tokenizer(t, add_special_tokens=False)["input_ids"] for _, t in train_books])
     print(f"tokenizer {time.time() - t0:.1f}s; train {train_ids.numel()} tokens ({len(units)} units), "
           f"held-out {held_ids.numel()} tokens; mix {mix}")
+    return tokenizer, train_ids, held_ids, units
 
+
+def _model(args, tokenizer) -> LlamaForCausalLM:
+    """``--init``'s model, else the recipe's Llama from scratch (the module docstring's sizes)."""
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=256,
@@ -262,14 +301,17 @@ def train(output: Path, *, steps: int = 1500, batch_size: int = 32, window: int 
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    model = LlamaForCausalLM.from_pretrained(args.init) if args.init else LlamaForCausalLM(config)
-    n_params = sum(p.numel() for p in model.parameters())
+    return LlamaForCausalLM.from_pretrained(args.init) if args.init else LlamaForCausalLM(config)
+
+
+def _train_steps(args, model: LlamaForCausalLM, data: Mix, held_ids: torch.Tensor, mix: dict[str, float]):
+    """The optimiser steps, logging the loss every 25 and probing copying every ``probe_every``;
+    the copy phase ends (``data`` switched to ``mix``) at the first probe with a margin of
+    ``COPY_MARGIN`` or at ``copy_phase_max``. ``(log, probes, copy phase end, seconds)``."""
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = get_cosine_with_min_lr_schedule_with_warmup(
         opt, num_warmup_steps=args.warmup, num_training_steps=args.steps, min_lr_rate=0.1
     )
-    data = Mix(tokenizer, train_ids, units, args.window, mix if args.init else copy_mix, random.Random(args.seed),
-               args.answer_end)
     copy_phase_end = 0 if args.init else None
     log: list[dict] = []
     probes: list[dict] = []
@@ -297,28 +339,4 @@ def train(output: Path, *, steps: int = 1500, batch_size: int = 32, window: int 
                 copy_phase_end = step
                 data.set_mix(mix)
                 print(f"  step {step}: copy phase over, switching to the main mix", flush=True)
-    train_s = time.time() - t0
-    held = heldout_loss(model, held_ids, args.window)
-    print(f"held-out loss at T: {held:.4f} (PPL {math.exp(held):.1f})")
-
-    args.output.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(args.output)
-    tokenizer.save_pretrained(args.output)
-    summary = {
-        "seed": args.seed, "steps": args.steps, "batch_size": args.batch_size,
-        "window": args.window, "lr": args.lr, "warmup": args.warmup, "mix": mix,
-        "copy_mix": None if args.init else copy_mix, "answer_end": args.answer_end,
-        "init": str(args.init) if args.init else None,
-        "copy_phase_end": copy_phase_end,
-        "parameters": n_params, "train_tokens": train_ids.numel(),
-        "heldout_tokens": held_ids.numel(), "train_seconds": round(train_s, 1),
-        "threads": args.threads, "machine": platform.processor() or platform.machine(),
-        "torch": torch.__version__, "final_train_loss": log[-1]["loss"],
-        "heldout_loss_at_T": round(held, 4), "heldout_ppl_at_T": round(math.exp(held), 2),
-        "probe_every": args.probe_every, "copy_probe": probes[-1], "log": log, "probes": probes,
-    }
-    if args.init and (args.init / "training.json").is_file():
-        summary["stage1"] = json.loads((args.init / "training.json").read_text(encoding="utf-8"))
-    (args.output / "training.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
-    print(f"saved to {args.output}")
-    return summary
+    return log, probes, copy_phase_end, time.time() - t0
