@@ -22,9 +22,10 @@ inspect, base-bound, lm-eval, plot and reference (train and card of the bundled 
 
 Works as ``python cli.py ...`` from a checkout and as ``ropescale ...`` once installed.
 
-Exit codes: 0 done; 1 the input was refused (a ``RopescaleError``: one line, ``Error: ...``);
-2 a usage error (click's: an unknown option, a bad option value); 70 a bug in ropescale (any other
-exception: its traceback and a line asking to report it).
+Exit codes: 0 done; 1 the input was refused (a ``RopescaleError``, or click's usage error: an unknown
+option, a missing argument, a bad option value; one line, ``Error: ...``); 2 a group called without
+its subcommand (click prints its help); 70 a bug in ropescale (any other exception: its traceback
+and a line asking to report it).
 """
 
 from __future__ import annotations
@@ -66,17 +67,37 @@ def one_line(err: RopescaleError) -> str:
     return " ".join(line.strip() for line in msg.splitlines() if line.strip())
 
 
+def usage_error(err: click.UsageError) -> click.ClickException:
+    """Click's usage error (an unknown option, a missing argument, a value its type refuses) as
+    every other refused input: one line ``Error: <click's message>``, exit 1, without click's
+    ``Usage:`` and ``Try ... for help`` lines."""
+    return click.ClickException(" ".join(err.format_message().split()))
+
+
 class RopescaleGroup(click.Group):
     """The one place where the CLI turns exceptions into output, for every subcommand: a
-    ``RopescaleError`` (the user's input cannot be used) is one line ``Error: ...`` and exit 1,
-    as a ``click.ClickException``; click's own exceptions (usage errors, ``--help``, Ctrl-C) pass
-    through; anything else is a bug: its traceback, then a line asking to report it, exit 70."""
+    ``RopescaleError`` (the user's input cannot be used) and click's own usage errors are one line
+    ``Error: ...`` and exit 1, as a ``click.ClickException``; ``--help``, a group called without a
+    subcommand (its help) and Ctrl-C pass through; anything else is a bug: its traceback, then a
+    line asking to report it, exit 70."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:  # the group's own options (`ropescale --bogus`), parsed before `invoke`
+            return super().parse_args(ctx, args)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as e:
+            raise usage_error(e) from None
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except RopescaleError as e:
             raise click.ClickException(one_line(e)) from None
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as e:  # a subcommand's arguments, an unknown subcommand
+            raise usage_error(e) from None
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
         except OSError as e:

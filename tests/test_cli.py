@@ -130,10 +130,34 @@ def test_a_bug_shows_its_traceback_and_asks_for_a_report(run, tmp_path, tiny_mod
     assert not any(line.startswith("Error:") for line in lines)
 
 
-def test_click_usage_errors_keep_exit_2(run):
-    res = run("sweep", "--no-such-option")
-    last = res.output.splitlines()[-1]
-    assert res.exit_code == 2 and last.startswith("Error: No such option") and "--no-such-option" in last
+@pytest.mark.parametrize("args,message", [
+    (["sweep", "--no-such-option"], "Error: No such option '--no-such-option'."),
+    (["patch", "--strategy", "yarn"], "Error: Missing option '--model'."),
+    (["compare", "--length", "512", "-o", "f.png"], "Error: Missing argument 'RUNS...'."),
+    (["eval", "--dtype", "float8"],
+     "Error: Invalid value for '--dtype': 'float8' is not one of 'auto', 'float32', 'bfloat16', 'float16'."),
+    (["inspect", "--strategy", "yarn", "--length", "many", "-o", "o"],
+     "Error: Invalid value for '--length': 'many' is not a valid integer."),
+    (["reference", "train", "-o", "m", "--steps", "0"],
+     "Error: Invalid value for '--steps': 0 is not in the range x>=1."),
+    (["no-such-command"], "Error: No such command 'no-such-command'."),
+    (["--no-such-option"], "Error: No such option '--no-such-option'."),
+])
+def test_click_usage_errors_are_one_line_and_exit_1(tmp_path, monkeypatch, args, message):
+    """Click's own usage errors (an unknown option or command, a missing argument, a bad choice or
+    number) exited 2 with click's `Usage:` and `Try ... for help` lines, where every other refused
+    input is one line `Error: ...` and exit 1 (issue 30): now the same, with click's message."""
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 1, res.output
+    assert res.stderr.splitlines() == [message] and res.stdout == ""
+    assert res.exception is None or isinstance(res.exception, SystemExit)  # no traceback
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_group_without_its_subcommand_still_prints_its_help():
+    res = CliRunner().invoke(main, ["reference"])
+    assert res.exit_code == 2 and "train" in res.output and "card" in res.output
 
 
 def test_lm_eval_without_arguments_is_not_a_silent_success(run):
@@ -166,7 +190,7 @@ def test_base_bound_prints_the_table(run):
 ])
 def test_base_bound_refuses_bad_numbers(run, args, message):
     res = run("base-bound", *args)
-    assert res.exit_code == 2 and res.output.splitlines()[-1] == message
+    assert res.exit_code == 1 and res.output.splitlines() == [message]
 
 
 def test_base_bound_refuses_a_table_beyond_memory_before_computing(run):
