@@ -4,7 +4,7 @@ inspect, base-bound, lm-eval, plot and reference (train and card of the bundled 
     ropescale strategies
     ropescale tasks
     ropescale eval configs/passkey.yaml [--set key=value ...] [--output DIR]
-    ropescale sweep configs/quickstart.yaml [--set key=value ...] [--output DIR]
+    ropescale sweep configs/quickstart.yaml [--set key=value ...] [--output DIR]   # = eval --task perplexity
     ropescale sweep --model reference --data kjv-heldout --strategy vanilla --strategy yarn \\
         --lengths 128,256,512 --output runs/demo
     ropescale finetune configs/finetune-pi.yaml [--set key=value ...] [--output DIR]
@@ -295,8 +295,9 @@ def _run(config, overrides, output, flags: dict, quiet: bool, *, only_task: str 
     raw = {**raw, **{k: v for k, v in flags.items() if v is not None}}
     raw = apply_overrides(raw, list(overrides))
     if only_task and raw.get("task", only_task) != only_task:
-        raise ConfigError(f"{source}: task is {raw['task']!r}; `ropescale sweep` runs perplexity only: "
-                          f"use `ropescale eval {config or ''}`".rstrip())
+        raise ConfigError(f"{source}: task is {raw['task']!r}; `ropescale sweep` and the perplexity flags "
+                          f"({', '.join(PERPLEXITY_FLAGS.values())}) run perplexity only: "
+                          f"use `ropescale eval{' ' + config if config else ''}` without them")
     cfg = build_config(raw, source)
     out = output or cfg.output
     if not out:
@@ -306,33 +307,61 @@ def _run(config, overrides, output, flags: dict, quiet: bool, *, only_task: str 
     click.echo(f"results in {out}/ (results.jsonl, results.csv, results.md and plots)")
 
 
+# the perplexity task's own flags (its options at a config's top level), on `eval` and its alias `sweep`
+PERPLEXITY_FLAGS = {"mode": "--mode", "stride": "--stride", "max_windows": "--max-windows",
+                    "batch_size": "--batch-size", "dynamic_block": "--dynamic-block"}
+
+
+def _perplexity_options(fn):
+    """The perplexity task's flags (``PERPLEXITY_FLAGS``); another task refuses them."""
+    for opt in reversed([
+        click.option("--mode", type=click.Choice(["chunk", "sliding"]), help="perplexity: chunk (default) or sliding"),
+        click.option("--stride", type=int, help="perplexity, sliding mode: stride (default length // 2)"),
+        click.option("--max-windows", type=int, help="perplexity: cap on windows per length"),
+        click.option("--batch-size", type=int, help="perplexity: windows per forward"),
+        click.option("--dynamic-block", type=int,
+                     help="perplexity: score dynamic strategies block-wise (generation semantics)"),
+    ]):
+        fn = opt(fn)
+    return fn
+
+
+def _evaluate(task: str | None, config, overrides, output, model, data, strategy_specs, lengths, device, device_map,
+              dtype, quiet, engine, mode, stride, max_windows, batch_size, dynamic_block, *,
+              perplexity_only: bool = False) -> None:
+    """`eval` (``task``: ``--task``, ``None`` when not given) and `sweep` (``perplexity_only``: the
+    config's task must be perplexity): the flags over the config, then the run."""
+    perplexity = {"mode": mode, "stride": stride, "max_windows": max_windows, "batch_size": batch_size,
+                  "dynamic_block": dynamic_block}
+    given = [PERPLEXITY_FLAGS[k] for k, v in perplexity.items() if v is not None]
+    if given and task not in (None, "perplexity"):
+        raise InvalidInput(f"{', '.join(given)}: the perplexity task's flags; --task {task} takes its options "
+                           f"with --set {task}.KEY=VALUE")
+    flags = {"task": task, "model": model, "data": data, "lengths": lengths, "device": device, "dtype": dtype,
+             "device_map": device_map, "engine": engine, **perplexity, "strategies": list(strategy_specs) or None}
+    perplexity_only = perplexity_only or (bool(given) and task is None)  # the config's task must take them
+    _run(config, overrides, output, flags, quiet, only_task="perplexity" if perplexity_only else None)
+
+
 @main.command("eval")
 @_common_options
+@_perplexity_options
 @click.option("--task", help="perplexity (default), passkey, needle, niah_multikey … (`ropescale tasks` lists them)")
-def eval_cmd(config, overrides, output, model, data, strategy_specs, lengths, device, device_map, dtype, quiet,
-             engine, task) -> None:
+def eval_cmd(task, **options) -> None:
     """Run a task (perplexity, passkey, needle, …) for each strategy at each length; resumable;
     writes results.jsonl/csv/md and the task's plots."""
-    flags = {"task": task, "model": model, "data": data, "lengths": lengths, "device": device, "dtype": dtype,
-             "device_map": device_map, "engine": engine, "strategies": list(strategy_specs) or None}
-    _run(config, overrides, output, flags, quiet)
+    _evaluate(task, **options)
 
 
-@main.command()
-@_common_options
-@click.option("--mode", type=click.Choice(["chunk", "sliding"]))
-@click.option("--stride", type=int, help="sliding mode stride (default length // 2)")
-@click.option("--max-windows", type=int, help="cap on windows per length")
-@click.option("--batch-size", type=int)
-@click.option("--dynamic-block", type=int, help="score dynamic strategies block-wise (generation semantics)")
-def sweep(config, overrides, output, model, data, strategy_specs, lengths, device, device_map, dtype, quiet, engine,
-          mode, stride, max_windows, batch_size, dynamic_block) -> None:
-    """Perplexity of each strategy at each length (the perplexity task); resumable."""
-    flags = {"model": model, "data": data, "lengths": lengths, "mode": mode, "stride": stride,
-             "max_windows": max_windows, "batch_size": batch_size, "device": device, "dtype": dtype,
-             "device_map": device_map, "engine": engine, "dynamic_block": dynamic_block,
-             "strategies": list(strategy_specs) or None}
-    _run(config, overrides, output, flags, quiet, only_task="perplexity")
+# `sweep` is `eval --task perplexity`: the same parameters (less --task) and the same body; a config
+# of another task is refused rather than run as perplexity
+sweep = VocabCommand(
+    "sweep", params=[p for p in eval_cmd.params if p.name != "task"],
+    callback=lambda **options: _evaluate(None, **options, perplexity_only=True),
+    short_help="Alias of `eval --task perplexity`.",
+    help="Alias of `ropescale eval --task perplexity`: perplexity of each strategy at each length; resumable. "
+         "A config of another task is refused.")
+main.add_command(sweep)
 
 
 @main.command()
