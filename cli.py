@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import errno
 import importlib
-import math
 import sys
 import traceback
 from pathlib import Path
@@ -245,10 +244,6 @@ def _length_list(ctx, param, values):
     for value in values:
         out += _lengths(ctx, param, value)
     return out
-
-
-# the one spelling of the training window T (the field's term); the CLI's error lines name it
-T_FLAG = "--original-max-position-embeddings"
 
 
 def _no_progress_bars() -> None:
@@ -551,64 +546,16 @@ def inspect(model, head_dim, rope_theta, training_length, strategy_specs, length
             output, device, quiet) -> None:
     """Draw what each strategy does to the rotary geometry: wavelengths per pair, rotation angles
     and aliasing, long-range decay, the base bound; writes PNGs and summary.json."""
-    import torch
-
-    RotaryConfig, run_inspect, rotary_config_of_model = harness("inspect", "RotaryConfig", "inspect",
-                                                                "rotary_config_of_model")
-    from ropescale.strategies.frequency import rope_inv_freq
+    rotary_config, attention_input, run_inspect, summary_text = harness(
+        "inspect", "rotary_config", "attention_input", "inspect", "summary_text")
 
     specs = [_strategy(s) for s in strategy_specs]
-    if model:
-        bare = [f for f, v in (("--head-dim", head_dim), ("--rope-theta", rope_theta),
-                               (T_FLAG, training_length)) if v is not None]
-        if bare:
-            raise InvalidInput(f"{', '.join(bare)} describe a bare configuration; with --model the model's own "
-                               "config is used: give one or the other")
-        cfg = rotary_config_of_model(model)
-    else:
-        missing = [f for f, v in (("--head-dim", head_dim), ("--rope-theta", rope_theta),
-                                  (T_FLAG, training_length)) if v is None]
-        if missing:
-            raise InvalidInput(f"give --model, or a bare configuration: missing {', '.join(missing)}")
-        if head_dim < 2 or head_dim % 2 or not (math.isfinite(rope_theta) and rope_theta > 1) or training_length < 2:
-            raise InvalidInput(f"--head-dim must be even and >= 2, --rope-theta finite and > 1, {T_FLAG} >= 2")
-        cfg = RotaryConfig(head_dim, rope_theta, training_length, rope_inv_freq(head_dim, rope_theta).double(),
-                           f"d={head_dim}, b={rope_theta:g}, T={training_length}")
-    extra = None
-    if attention:
-        if not model:
-            raise InvalidInput("--attention needs --model (its weights)")
-        from ropescale.strategies import get_strategy
-
-        rules = [s.name for s in specs if get_strategy(s.name).kind != "frequency"]
-        if rules:
-            raise InvalidInput(f"--attention needs attention weights; {', '.join(rules)} compute attention in "
-                               "their own kernel and return none (measure frequency strategies only)")
-        from ropescale import load_model, unpatch
-        from ropescale.runs.data import DataSpec, load_documents, tokenize_documents
-
-        if quiet:
-            _no_progress_bars()
-        m, tok = load_model(model, device=device)
-        unpatch(m)
-        stream = torch.cat(tokenize_documents(tok, load_documents(DataSpec(data))))
-        if stream.numel() < length:
-            raise InvalidInput(f"--data {data} has {stream.numel()} tokens, fewer than --length {length}")
-        extra = {"model": m, "ids": stream[:length][None]}
+    cfg = rotary_config(model, head_dim, rope_theta, training_length)
+    if attention and quiet:
+        _no_progress_bars()
+    extra = attention_input(model, specs, data, length, device=device) if attention else None
     summary = run_inspect(cfg, specs, length, output, pairs=list(pairs) or None, attention=extra)
-    click.echo(f"{summary['source']}: d={summary['dim']}, rope_theta={summary['rope_theta']:g}, "
-               f"T={summary['train_length']}, L={length}")
-    for r in summary["strategies"]:
-        if r["kind"] == "frequencies":
-            counts = ", ".join(f"{k} {v}" for k, v in r["class_counts"].items() if v)
-            click.echo(f"  {r['strategy']:<28} pairs: {counts}; aliasing at r = {r['alias_distance']}; "
-                       f"first B(m) < 0 at m = {r['base_bound_first_negative']}")
-        else:
-            click.echo(f"  {r['strategy']:<28} relative positions up to {r['max_relative_position']:g} "
-                       f"(window {r['window']})")
-    click.echo(f"  smallest base keeping B(m) >= 0 for m < {length} at d = {summary['dim']}: "
-               f"{summary['smallest_base_for_length']:.4g}")
-    click.echo(f"written to {output}/: {', '.join(summary['files'])}, summary.json")
+    click.echo(summary_text(summary, output), nl=False)
 
 
 def _ints(low: int, *, high: int | None = None, even: bool = False):
