@@ -653,18 +653,8 @@ def lm_eval_cmd(args) -> None:
 @click.option("--output", "-o", type=click.Path(file_okay=False), help="default: beside RESULTS")
 def plot(results, output) -> None:
     """Rebuild results.csv/md and the plots from a results.jsonl."""
-    if not Path(results).is_file():  # the user's input, as on every command: one line, exit 1 (not click's 2)
-        raise InvalidInput(f"{results}: no such results file (a results.jsonl `ropescale eval` wrote)")
-    write_reports, = harness("report", "write_reports")
-    read_results, = harness("sweep", "read_results")
-
-    from ropescale.runs.manifest import prepare_output
-
-    records = read_results(results)
-    if not records:
-        raise InvalidInput(f"{results}: no records")
-    paths = write_reports(records, prepare_output(Path(output or Path(results).parent)))
-    for kind, p in paths.items():
+    rebuild_reports, = harness("sweep", "rebuild_reports")
+    for kind, p in rebuild_reports(results, output).items():
         click.echo(f"{kind}: {p}")
 
 
