@@ -95,7 +95,7 @@ def test_a_saved_patch_record_gives_the_window_it_was_applied_over(tmp_path):
 def test_a_saved_patched_model_reads_its_base_theta_not_the_exported_one(tmp_path):
     model = family_model("llama")
     with ropescale.patch(model, "ntk", factor=4.0) as handle:  # exported as a raised rope_theta
-        from ropescale.export import exported_config
+        from ropescale.models import exported_config
 
         exported, native = exported_config(model, handle)
         exported.save_pretrained(tmp_path)

@@ -168,7 +168,7 @@ def test_vllm_rope_says_when_vllm_refuses_a_length_as_vllm_does(tiny_model_dir, 
     """vLLM's own ModelConfig (no VLLM_ALLOW_LONG_MAX_MODEL_LEN) against vllm_rope's ``failure`` on the
     configs save_patched writes, served at 4T = 128."""
     from eval.parity import _link_model
-    from ropescale.serving.vllm import vllm_rope
+    from ropescale.serving.engines.vllm import vllm_rope
 
     monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
     config = {**json.loads((tiny_model_dir / "config.json").read_text()), "max_position_embeddings": 32,
@@ -183,13 +183,13 @@ def test_vllm_rope_says_when_vllm_refuses_a_length_as_vllm_does(tiny_model_dir, 
 
 @needs_vllm
 def test_vllm_rope_reimplementation_matches_vllm_reading_the_exported_folder(tiny_model_dir, tmp_path):
-    """ropescale.serving.vllm.vllm_rope against vLLM itself reading each exported config.json
+    """ropescale.serving.vllm_rope against vLLM itself reading each exported config.json
     (ModelConfig's rope standardisation, then get_rope): θ within 1e-5 relative, magnitude within 1e-6."""
     import torch
 
     from eval.parity import _link_model
     from ropescale import load_model, patch, unpatch
-    from ropescale.serving.vllm import export_vllm, vllm_rope
+    from ropescale.serving.engines.vllm import export_vllm, vllm_rope
     from ropescale.strategies import get_strategy
 
     m, _ = load_model(str(tiny_model_dir), device="cpu")
