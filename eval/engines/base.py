@@ -285,7 +285,7 @@ class EngineDriver:
         if not self.installed:
             return f"{self.label} not installed: re-implementation"
         if self.python_env is None:
-            return f"{self.label}: re-implementation (ropescale)"
+            return f"{self.label} (in process)"
         return f"{self.version or self.label} ({engine_python(self.engine.name)})"
 
 
