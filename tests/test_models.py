@@ -6,11 +6,10 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 import ropescale
 import ropescale.models
-from tests.conftest import build, tiny_llama_config
 from tests.families import family_model
 
 IDS = torch.randint(0, 256, (1, 100), generator=torch.Generator().manual_seed(3))
@@ -90,23 +89,6 @@ def test_reload_with_ropescale_restores_patch_exactly(tmp_path, tiny_model_dir):
 def test_dynamic_ntk_with_a_different_training_window_is_not_native(tmp_path, tiny_llama):
     saved_logits(tiny_llama, "dynamic_ntk", {}, tmp_path, original_max_position_embeddings=32)
     assert json.loads((tmp_path / "ropescale.json").read_text())["native"] is False
-
-
-def test_legacy_rope_scaling_and_rope_theta_keys_are_read(tmp_path):
-    model = build(LlamaForCausalLM, tiny_llama_config())
-    model.save_pretrained(tmp_path)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg.pop("rope_parameters")
-    cfg.update(rope_theta=500000.0, rope_scaling={"type": "linear", "factor": 2.0})  # a v4-era config
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    legacy = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert legacy.config.rope_parameters["rope_type"] == "linear"
-    with ropescale.patch(legacy, "linear", factor=2.0) as h:
-        assert h.context["rope_theta"] == 500000.0
-        with torch.no_grad():
-            patched = legacy(IDS).logits
-    with torch.no_grad():
-        torch.testing.assert_close(patched, legacy(IDS).logits, rtol=0, atol=1e-5)
 
 
 def test_export_is_a_hook_registered_with_each_strategy():
