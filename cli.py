@@ -159,12 +159,17 @@ class EngineChoice(click.Choice):
         pass
 
     def convert(self, value, param, ctx):
-        from ropescale.serving.engines import ALIASES
+        return super().convert(_engine_name(value), param, ctx)
 
-        if value in ALIASES:
-            click.echo(f"Warning: engine {value!r} is deprecated; use {ALIASES[value]!r}", err=True)
-            value = ALIASES[value]
-        return super().convert(value, param, ctx)
+
+def _engine_name(value: str) -> str:
+    """An engine's one name for ``value``: an old name (``gguf``) with a note on stderr."""
+    from ropescale.serving.engines import ALIASES
+
+    if value in ALIASES:
+        click.echo(f"Warning: engine {value!r} is deprecated; use {ALIASES[value]!r}", err=True)
+        return ALIASES[value]
+    return value
 
 
 def _strategy(spec: str):
@@ -756,7 +761,7 @@ def parity(model, strategy_specs, lengths, engine_list, end_to_end, data, window
     run_parity, write_parity = harness("parity", "run_parity", "write_parity")
 
     specs = [_strategy(s) for s in strategy_specs]
-    engines = [e.strip() for e in engine_list.split(",") if e.strip()]
+    engines = [_engine_name(e.strip()) for e in engine_list.split(",") if e.strip()]
     say = (lambda m: click.echo(m, err=True)) if not quiet and sys.stderr.isatty() else None
     rows, meta = run_parity(model, specs, list(lengths), engines=engines, end_to_end=end_to_end, data=data,
                             windows=windows, output=output, freeze_dynamic=freeze_dynamic, gguf=gguf_path,

@@ -168,7 +168,7 @@ def _check_inputs(engines: list[str], lengths: list[int], windows, gguf) -> list
     names = []
     for e in engines:
         try:
-            names.append(get_engine(e).name)
+            names.append(get_engine(e, stacklevel=4).name)  # an old name's warning names run_parity's caller
         except UnknownNameError:
             names.append(None)
     bad = [e for e, n in zip(engines, names) if n is None]

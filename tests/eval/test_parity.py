@@ -256,6 +256,15 @@ def test_cli_unknown_engine_is_one_line(tiny_model_dir, tmp_path, no_engines):
     assert res.output.strip() == "Error: --engines tgi: choose from llama.cpp, transformers, vllm"
 
 
+def test_cli_takes_the_old_engine_name_gguf_with_one_note(tiny_model_dir, tmp_path, no_engines):
+    res = CliRunner().invoke(main, ["parity", "--model", str(tiny_model_dir), "--strategy", "linear", "--lengths", "64",
+                                    "--engines", "gguf", "-o", str(tmp_path / "o")])
+    assert res.exit_code == 0, res.output
+    assert res.output.count("Warning: engine 'gguf' is deprecated; use 'llama.cpp'") == 1
+    assert "FutureWarning" not in res.output
+    assert "llama.cpp linear" in res.output and "same" in res.output
+
+
 def test_cli_without_engines_writes_the_reports(tiny_model_dir, tmp_path, no_engines):
     res = CliRunner().invoke(main, ["parity", "--model", str(tiny_model_dir), "--strategy", "yarn", "--strategy",
                                     "self_extend", "--lengths", "64", "-o", str(tmp_path / "o")])
