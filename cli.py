@@ -35,7 +35,7 @@ import importlib
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import click
 
@@ -161,23 +161,35 @@ RopescaleGroup.group_class = type  # `reference`'s subcommands get the same clas
 
 
 class EngineChoice(click.Choice):
-    """The serving engines by one name each (``transformers``, ``vllm``, ``llama.cpp``); ``gguf``,
-    the file format ``patch --target`` used to name llama.cpp by, still parses, with a note."""
-
-    OLD: ClassVar[dict[str, str]] = {"gguf": "llama.cpp"}
+    """The registered serving engines by their one name each (``ropescale.serving.engines``:
+    ``transformers``, ``vllm``, ``llama.cpp`` and plugins' engines, read when first needed); an old
+    name (``gguf``, the file format ``patch --target`` named llama.cpp by) still parses, with a note."""
 
     def __init__(self) -> None:
-        super().__init__(["transformers", "vllm", "llama.cpp"])
+        super().__init__([])
+
+    @property
+    def choices(self):
+        from ropescale.serving.engines import engine_names
+
+        return engine_names()
+
+    @choices.setter
+    def choices(self, value) -> None:  # click.Choice.__init__ sets it; the registry holds the names
+        pass
 
     def convert(self, value, param, ctx):
-        if value in self.OLD:
-            click.echo(f"Warning: engine {value!r} is deprecated; use {self.OLD[value]!r}", err=True)
-            value = self.OLD[value]
-        return super().convert(value, param, ctx)
+        return super().convert(_engine_name(value), param, ctx)
 
 
-# the library's export targets by engine (ropescale.serving.export.TARGETS names llama.cpp's by its file format)
-EXPORT_TARGET = {"transformers": "transformers", "vllm": "vllm", "llama.cpp": "gguf"}
+def _engine_name(value: str) -> str:
+    """An engine's one name for ``value``: an old name (``gguf``) with a note on stderr."""
+    from ropescale.serving.engines import ALIASES
+
+    if value in ALIASES:
+        click.echo(f"Warning: engine {value!r} is deprecated; use {ALIASES[value]!r}", err=True)
+        return ALIASES[value]
+    return value
 
 
 def _strategy(spec: str):
@@ -455,7 +467,8 @@ def _layer_table(rows: list[dict]) -> str:
               help="dynamic strategies change scale once per this many tokens")
 @click.option("--engine", cls=VocabOption, deprecated=("--target",), type=EngineChoice(), default="transformers",
               show_default=True, help="the engine to serve it with")
-@click.option("--serve-length", type=int, help="length to serve (tokens); required for vllm and llama.cpp")
+@click.option("--serve-length", type=int, help="length to serve (tokens); required for the engines serving one static "
+              "rotation (vllm, llama.cpp)")
 @click.option("--gguf", "gguf_path", type=click.Path(dir_okay=False),
               help="llama.cpp: the unpatched model's GGUF to rewrite (llama.cpp's converter output)")
 @click.option("--freeze-dynamic-at", type=int,
@@ -472,8 +485,6 @@ def patch_cmd(model, strategy_spec, output, dry_run, original_max_position_embed
     hf_overrides). llama.cpp: OUT/model.gguf, the --gguf file with its rope metadata rewritten.
     What an engine cannot express is refused with the reason. --dry-run prints, per attention layer,
     the rope type, θ, rotary dim, layout, T and the rule applied (or "no RoPE, untouched")."""
-    import json
-
     import ropescale
 
     if quiet:
@@ -491,19 +502,13 @@ def patch_cmd(model, strategy_spec, output, dry_run, original_max_position_embed
         return
     if output is None:
         raise InvalidInput("patch needs --output (the folder to write), or --dry-run")
-    if engine != "transformers" and serve_length is None:
-        raise InvalidInput(f"--engine {engine} needs --serve-length (the length to serve, tokens)")
-    if engine == "llama.cpp" and not gguf_path:
-        raise InvalidInput("--engine llama.cpp rewrites an existing GGUF: give the unpatched model's with "
-                           "--gguf BASE.gguf")
-    target = EXPORT_TARGET[engine]
     spec = _strategy(strategy_spec)
     from ropescale.models import resolve_model
     from ropescale.serving.export import check_export
 
     source = Path(resolve_model(model))
     # what needs no model is refused before loading it (export_for checks it all again)
-    check_export(target, serve_length, output, gguf=gguf_path, freeze_dynamic_at=freeze_dynamic_at,
+    check_export(engine, serve_length, output, gguf=gguf_path, freeze_dynamic_at=freeze_dynamic_at,
                  source=source if source.is_dir() else None)
     m, tok = ropescale.load_model(model, device=device)
     ropescale.unpatch(m)
@@ -511,18 +516,13 @@ def patch_cmd(model, strategy_spec, output, dry_run, original_max_position_embed
                     layer_types=layer_types.split(",") if layer_types else None,
                     dynamic_cache=dynamic_cache, dynamic_block=dynamic_block, logn=spec.logn,
                     **spec.params)
-    result = ropescale.export_for(m, target, serve_length, output, tokenizer=tok, gguf=gguf_path,
+    result = ropescale.export_for(m, engine, serve_length, output, tokenizer=tok, gguf=gguf_path,
                                   freeze_dynamic_at=freeze_dynamic_at)
     click.echo(f"saved {spec.display} patch of {model} for {engine} to {result.path}")
     for note in result.notes:
         click.echo(f"  {note}")
-    if target == "transformers":
-        native = json.loads((result.path / "ropescale.json").read_text(encoding="utf-8"))["native"]
-        click.echo("plain transformers (AutoModelForCausalLM.from_pretrained) reproduces it" if native else
-                   "transformers cannot express this strategy: load it with ropescale.load_model "
-                   "(plain from_pretrained refuses it rather than run vanilla RoPE)")
-    else:
-        click.echo(f"serve it with: {result.command}")
+    if result.usage:
+        click.echo(result.usage)
 
 
 @main.command()
@@ -746,14 +746,10 @@ def parity(model, strategy_specs, lengths, engine_list, end_to_end, data, window
     ropescale's re-implementation otherwise; with --end-to-end, held-out log-probabilities through
     the real engine. Writes parity.md, parity.csv, parity.png to OUTPUT."""
     run_parity, write_parity = harness("parity", "run_parity", "write_parity")
-    engine_status, = harness("engines", "engine_status")
 
     specs = [_strategy(s) for s in strategy_specs]
-    engines = [e.strip() for e in engine_list.split(",") if e.strip()]
+    engines = [_engine_name(e.strip()) for e in engine_list.split(",") if e.strip()]
     say = (lambda m: click.echo(m, err=True)) if not quiet and sys.stderr.isatty() else None
-    for e in engines:
-        if say and e in ("vllm", "llama.cpp"):
-            say(engine_status(e))
     rows, meta = run_parity(model, specs, list(lengths), engines=engines, end_to_end=end_to_end, data=data,
                             windows=windows, output=output, freeze_dynamic=freeze_dynamic, gguf=gguf_path,
                             baseline=baseline, say=say, device=device)
