@@ -283,7 +283,7 @@ def _common_options(fn):
                      help="auto (default): bfloat16 on a GPU that supports it, float32 on the CPU"),
         click.option("--quiet", "-q", is_flag=True, help="no progress output"),
         click.option("--engine", type=click.Choice(["transformers", "vllm"]),
-                     help="what scores the cells: transformers (default) or vllm (what `patch --target vllm` "
+                     help="what scores the cells: transformers (default) or vllm (what `patch --engine vllm` "
                           "writes, in vLLM's own environment; bench/engines/install.sh vllm)"),
     ]):
         fn = opt(fn)

@@ -1,4 +1,4 @@
-"""``engine: vllm``: the harness's cells scored by vLLM, serving what ``ropescale patch --target vllm``
+"""``engine: vllm``: the harness's cells scored by vLLM, serving what ``ropescale patch --engine vllm``
 writes (``ropescale.serving.export_vllm``), with the first example of every cell checked
 against transformers.
 
