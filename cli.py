@@ -4,7 +4,7 @@ inspect, base-bound, lm-eval, plot and reference (train and card of the bundled 
     ropescale strategies
     ropescale tasks
     ropescale eval configs/passkey.yaml [--set key=value ...] [--output DIR]
-    ropescale sweep configs/quickstart.yaml [--set key=value ...] [--output DIR]
+    ropescale sweep configs/quickstart.yaml [--set key=value ...] [--output DIR]   # = eval --task perplexity
     ropescale sweep --model reference --data kjv-heldout --strategy vanilla --strategy yarn \\
         --lengths 128,256,512 --output runs/demo
     ropescale finetune configs/finetune-pi.yaml [--set key=value ...] [--output DIR]
@@ -22,20 +22,20 @@ inspect, base-bound, lm-eval, plot and reference (train and card of the bundled 
 
 Works as ``python cli.py ...`` from a checkout and as ``ropescale ...`` once installed.
 
-Exit codes: 0 done; 1 the input was refused (a ``RopescaleError``: one line, ``Error: ...``);
-2 a usage error (click's: an unknown option, a bad option value); 70 a bug in ropescale (any other
-exception: its traceback and a line asking to report it).
+Exit codes: 0 done; 1 the input was refused (a ``RopescaleError``, or click's usage error: an unknown
+option, a missing argument, a bad option value; one line, ``Error: ...``); 2 a group called without
+its subcommand (click prints its help); 70 a bug in ropescale (any other exception: its traceback
+and a line asking to report it).
 """
 
 from __future__ import annotations
 
 import errno
 import importlib
-import math
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import click
 
@@ -66,17 +66,37 @@ def one_line(err: RopescaleError) -> str:
     return " ".join(line.strip() for line in msg.splitlines() if line.strip())
 
 
+def usage_error(err: click.UsageError) -> click.ClickException:
+    """Click's usage error (an unknown option, a missing argument, a value its type refuses) as
+    every other refused input: one line ``Error: <click's message>``, exit 1, without click's
+    ``Usage:`` and ``Try ... for help`` lines."""
+    return click.ClickException(" ".join(err.format_message().split()))
+
+
 class RopescaleGroup(click.Group):
     """The one place where the CLI turns exceptions into output, for every subcommand: a
-    ``RopescaleError`` (the user's input cannot be used) is one line ``Error: ...`` and exit 1,
-    as a ``click.ClickException``; click's own exceptions (usage errors, ``--help``, Ctrl-C) pass
-    through; anything else is a bug: its traceback, then a line asking to report it, exit 70."""
+    ``RopescaleError`` (the user's input cannot be used) and click's own usage errors are one line
+    ``Error: ...`` and exit 1, as a ``click.ClickException``; ``--help``, a group called without a
+    subcommand (its help) and Ctrl-C pass through; anything else is a bug: its traceback, then a
+    line asking to report it, exit 70."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:  # the group's own options (`ropescale --bogus`), parsed before `invoke`
+            return super().parse_args(ctx, args)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as e:
+            raise usage_error(e) from None
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except RopescaleError as e:
             raise click.ClickException(one_line(e)) from None
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as e:  # a subcommand's arguments, an unknown subcommand
+            raise usage_error(e) from None
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
         except OSError as e:
@@ -141,23 +161,35 @@ RopescaleGroup.group_class = type  # `reference`'s subcommands get the same clas
 
 
 class EngineChoice(click.Choice):
-    """The serving engines by one name each (``transformers``, ``vllm``, ``llama.cpp``); ``gguf``,
-    the file format ``patch --target`` used to name llama.cpp by, still parses, with a note."""
-
-    OLD: ClassVar[dict[str, str]] = {"gguf": "llama.cpp"}
+    """The registered serving engines by their one name each (``ropescale.serving.engines``:
+    ``transformers``, ``vllm``, ``llama.cpp`` and plugins' engines, read when first needed); an old
+    name (``gguf``, the file format ``patch --target`` named llama.cpp by) still parses, with a note."""
 
     def __init__(self) -> None:
-        super().__init__(["transformers", "vllm", "llama.cpp"])
+        super().__init__([])
+
+    @property
+    def choices(self):
+        from ropescale.serving.engines import engine_names
+
+        return engine_names()
+
+    @choices.setter
+    def choices(self, value) -> None:  # click.Choice.__init__ sets it; the registry holds the names
+        pass
 
     def convert(self, value, param, ctx):
-        if value in self.OLD:
-            click.echo(f"Warning: engine {value!r} is deprecated; use {self.OLD[value]!r}", err=True)
-            value = self.OLD[value]
-        return super().convert(value, param, ctx)
+        return super().convert(_engine_name(value), param, ctx)
 
 
-# the library's export targets by engine (ropescale.serving.export.TARGETS names llama.cpp's by its file format)
-EXPORT_TARGET = {"transformers": "transformers", "vllm": "vllm", "llama.cpp": "gguf"}
+def _engine_name(value: str) -> str:
+    """An engine's one name for ``value``: an old name (``gguf``) with a note on stderr."""
+    from ropescale.serving.engines import ALIASES
+
+    if value in ALIASES:
+        click.echo(f"Warning: engine {value!r} is deprecated; use {ALIASES[value]!r}", err=True)
+        return ALIASES[value]
+    return value
 
 
 def _strategy(spec: str):
@@ -226,10 +258,6 @@ def _length_list(ctx, param, values):
     return out
 
 
-# the one spelling of the training window T (the field's term); the CLI's error lines name it
-T_FLAG = "--original-max-position-embeddings"
-
-
 def _no_progress_bars() -> None:
     """``-q`` on commands whose only progress output is transformers' loading bars."""
     from transformers.utils import logging as hf_logging
@@ -255,7 +283,7 @@ def _common_options(fn):
                      help="auto (default): bfloat16 on a GPU that supports it, float32 on the CPU"),
         click.option("--quiet", "-q", is_flag=True, help="no progress output"),
         click.option("--engine", type=click.Choice(["transformers", "vllm"]),
-                     help="what scores the cells: transformers (default) or vllm (what `patch --target vllm` "
+                     help="what scores the cells: transformers (default) or vllm (what `patch --engine vllm` "
                           "writes, in vLLM's own environment; bench/engines/install.sh vllm)"),
     ]):
         fn = opt(fn)
@@ -271,8 +299,9 @@ def _run(config, overrides, output, flags: dict, quiet: bool, *, only_task: str 
 
     raw, source = load_raw(config, overrides, flags)
     if only_task and raw.get("task", only_task) != only_task:
-        raise ConfigError(f"{source}: task is {raw['task']!r}; `ropescale sweep` runs perplexity only: "
-                          f"use `ropescale eval {config or ''}`".rstrip())
+        raise ConfigError(f"{source}: task is {raw['task']!r}; `ropescale sweep` and the perplexity flags "
+                          f"({', '.join(PERPLEXITY_FLAGS.values())}) run perplexity only: "
+                          f"use `ropescale eval{' ' + config if config else ''}` without them")
     cfg = build_config(raw, source)
     out = output or cfg.output
     if not out:
@@ -282,33 +311,61 @@ def _run(config, overrides, output, flags: dict, quiet: bool, *, only_task: str 
     click.echo(f"results in {out}/ (results.jsonl, results.csv, results.md and plots)")
 
 
+# the perplexity task's own flags (its options at a config's top level), on `eval` and its alias `sweep`
+PERPLEXITY_FLAGS = {"mode": "--mode", "stride": "--stride", "max_windows": "--max-windows",
+                    "batch_size": "--batch-size", "dynamic_block": "--dynamic-block"}
+
+
+def _perplexity_options(fn):
+    """The perplexity task's flags (``PERPLEXITY_FLAGS``); another task refuses them."""
+    for opt in reversed([
+        click.option("--mode", type=click.Choice(["chunk", "sliding"]), help="perplexity: chunk (default) or sliding"),
+        click.option("--stride", type=int, help="perplexity, sliding mode: stride (default length // 2)"),
+        click.option("--max-windows", type=int, help="perplexity: cap on windows per length"),
+        click.option("--batch-size", type=int, help="perplexity: windows per forward"),
+        click.option("--dynamic-block", type=int,
+                     help="perplexity: score dynamic strategies block-wise (generation semantics)"),
+    ]):
+        fn = opt(fn)
+    return fn
+
+
+def _evaluate(task: str | None, config, overrides, output, model, data, strategy_specs, lengths, device, device_map,
+              dtype, quiet, engine, mode, stride, max_windows, batch_size, dynamic_block, *,
+              perplexity_only: bool = False) -> None:
+    """`eval` (``task``: ``--task``, ``None`` when not given) and `sweep` (``perplexity_only``: the
+    config's task must be perplexity): the flags over the config, then the run."""
+    perplexity = {"mode": mode, "stride": stride, "max_windows": max_windows, "batch_size": batch_size,
+                  "dynamic_block": dynamic_block}
+    given = [PERPLEXITY_FLAGS[k] for k, v in perplexity.items() if v is not None]
+    if given and task not in (None, "perplexity"):
+        raise InvalidInput(f"{', '.join(given)}: the perplexity task's flags; --task {task} takes its options "
+                           f"with --set {task}.KEY=VALUE")
+    flags = {"task": task, "model": model, "data": data, "lengths": lengths, "device": device, "dtype": dtype,
+             "device_map": device_map, "engine": engine, **perplexity, "strategies": list(strategy_specs) or None}
+    perplexity_only = perplexity_only or (bool(given) and task is None)  # the config's task must take them
+    _run(config, overrides, output, flags, quiet, only_task="perplexity" if perplexity_only else None)
+
+
 @main.command("eval")
 @_common_options
+@_perplexity_options
 @click.option("--task", help="perplexity (default), passkey, needle, niah_multikey … (`ropescale tasks` lists them)")
-def eval_cmd(config, overrides, output, model, data, strategy_specs, lengths, device, device_map, dtype, quiet,
-             engine, task) -> None:
+def eval_cmd(task, **options) -> None:
     """Run a task (perplexity, passkey, needle, …) for each strategy at each length; resumable;
     writes results.jsonl/csv/md and the task's plots."""
-    flags = {"task": task, "model": model, "data": data, "lengths": lengths, "device": device, "dtype": dtype,
-             "device_map": device_map, "engine": engine, "strategies": list(strategy_specs) or None}
-    _run(config, overrides, output, flags, quiet)
+    _evaluate(task, **options)
 
 
-@main.command()
-@_common_options
-@click.option("--mode", type=click.Choice(["chunk", "sliding"]))
-@click.option("--stride", type=int, help="sliding mode stride (default length // 2)")
-@click.option("--max-windows", type=int, help="cap on windows per length")
-@click.option("--batch-size", type=int)
-@click.option("--dynamic-block", type=int, help="score dynamic strategies block-wise (generation semantics)")
-def sweep(config, overrides, output, model, data, strategy_specs, lengths, device, device_map, dtype, quiet, engine,
-          mode, stride, max_windows, batch_size, dynamic_block) -> None:
-    """Perplexity of each strategy at each length (the perplexity task); resumable."""
-    flags = {"model": model, "data": data, "lengths": lengths, "mode": mode, "stride": stride,
-             "max_windows": max_windows, "batch_size": batch_size, "device": device, "dtype": dtype,
-             "device_map": device_map, "engine": engine, "dynamic_block": dynamic_block,
-             "strategies": list(strategy_specs) or None}
-    _run(config, overrides, output, flags, quiet, only_task="perplexity")
+# `sweep` is `eval --task perplexity`: the same parameters (less --task) and the same body; a config
+# of another task is refused rather than run as perplexity
+sweep = VocabCommand(
+    "sweep", params=[p for p in eval_cmd.params if p.name != "task"],
+    callback=lambda **options: _evaluate(None, **options, perplexity_only=True),
+    short_help="Alias of `eval --task perplexity`.",
+    help="Alias of `ropescale eval --task perplexity`: perplexity of each strategy at each length; resumable. "
+         "A config of another task is refused.")
+main.add_command(sweep)
 
 
 @main.command()
@@ -405,7 +462,8 @@ def _layer_table(rows: list[dict]) -> str:
               help="dynamic strategies change scale once per this many tokens")
 @click.option("--engine", cls=VocabOption, deprecated=("--target",), type=EngineChoice(), default="transformers",
               show_default=True, help="the engine to serve it with")
-@click.option("--serve-length", type=int, help="length to serve (tokens); required for vllm and llama.cpp")
+@click.option("--serve-length", type=int, help="length to serve (tokens); required for the engines serving one static "
+              "rotation (vllm, llama.cpp)")
 @click.option("--gguf", "gguf_path", type=click.Path(dir_okay=False),
               help="llama.cpp: the unpatched model's GGUF to rewrite (llama.cpp's converter output)")
 @click.option("--freeze-dynamic-at", type=int,
@@ -422,8 +480,6 @@ def patch_cmd(model, strategy_spec, output, dry_run, original_max_position_embed
     hf_overrides). llama.cpp: OUT/model.gguf, the --gguf file with its rope metadata rewritten.
     What an engine cannot express is refused with the reason. --dry-run prints, per attention layer,
     the rope type, θ, rotary dim, layout, T and the rule applied (or "no RoPE, untouched")."""
-    import json
-
     import ropescale
 
     if quiet:
@@ -441,19 +497,13 @@ def patch_cmd(model, strategy_spec, output, dry_run, original_max_position_embed
         return
     if output is None:
         raise InvalidInput("patch needs --output (the folder to write), or --dry-run")
-    if engine != "transformers" and serve_length is None:
-        raise InvalidInput(f"--engine {engine} needs --serve-length (the length to serve, tokens)")
-    if engine == "llama.cpp" and not gguf_path:
-        raise InvalidInput("--engine llama.cpp rewrites an existing GGUF: give the unpatched model's with "
-                           "--gguf BASE.gguf")
-    target = EXPORT_TARGET[engine]
     spec = _strategy(strategy_spec)
     from ropescale.models import resolve_model
     from ropescale.serving.export import check_export
 
     source = Path(resolve_model(model))
     # what needs no model is refused before loading it (export_for checks it all again)
-    check_export(target, serve_length, output, gguf=gguf_path, freeze_dynamic_at=freeze_dynamic_at,
+    check_export(engine, serve_length, output, gguf=gguf_path, freeze_dynamic_at=freeze_dynamic_at,
                  source=source if source.is_dir() else None)
     m, tok = ropescale.load_model(model, device=device)
     ropescale.unpatch(m)
@@ -461,18 +511,13 @@ def patch_cmd(model, strategy_spec, output, dry_run, original_max_position_embed
                     layer_types=layer_types.split(",") if layer_types else None,
                     dynamic_cache=dynamic_cache, dynamic_block=dynamic_block, logn=spec.logn,
                     **spec.params)
-    result = ropescale.export_for(m, target, serve_length, output, tokenizer=tok, gguf=gguf_path,
+    result = ropescale.export_for(m, engine, serve_length, output, tokenizer=tok, gguf=gguf_path,
                                   freeze_dynamic_at=freeze_dynamic_at)
     click.echo(f"saved {spec.display} patch of {model} for {engine} to {result.path}")
     for note in result.notes:
         click.echo(f"  {note}")
-    if target == "transformers":
-        native = json.loads((result.path / "ropescale.json").read_text(encoding="utf-8"))["native"]
-        click.echo("plain transformers (AutoModelForCausalLM.from_pretrained) reproduces it" if native else
-                   "transformers cannot express this strategy: load it with ropescale.load_model "
-                   "(plain from_pretrained refuses it rather than run vanilla RoPE)")
-    else:
-        click.echo(f"serve it with: {result.command}")
+    if result.usage:
+        click.echo(result.usage)
 
 
 @main.command()
@@ -496,64 +541,16 @@ def inspect(model, head_dim, rope_theta, training_length, strategy_specs, length
             output, device, quiet) -> None:
     """Draw what each strategy does to the rotary geometry: wavelengths per pair, rotation angles
     and aliasing, long-range decay, the base bound; writes PNGs and summary.json."""
-    import torch
-
-    RotaryConfig, run_inspect, rotary_config_of_model = harness("inspect", "RotaryConfig", "inspect",
-                                                                "rotary_config_of_model")
-    from ropescale.strategies.frequency import rope_inv_freq
+    rotary_config, attention_input, run_inspect, summary_text = harness(
+        "inspect", "rotary_config", "attention_input", "inspect", "summary_text")
 
     specs = [_strategy(s) for s in strategy_specs]
-    if model:
-        bare = [f for f, v in (("--head-dim", head_dim), ("--rope-theta", rope_theta),
-                               (T_FLAG, training_length)) if v is not None]
-        if bare:
-            raise InvalidInput(f"{', '.join(bare)} describe a bare configuration; with --model the model's own "
-                               "config is used: give one or the other")
-        cfg = rotary_config_of_model(model)
-    else:
-        missing = [f for f, v in (("--head-dim", head_dim), ("--rope-theta", rope_theta),
-                                  (T_FLAG, training_length)) if v is None]
-        if missing:
-            raise InvalidInput(f"give --model, or a bare configuration: missing {', '.join(missing)}")
-        if head_dim < 2 or head_dim % 2 or not (math.isfinite(rope_theta) and rope_theta > 1) or training_length < 2:
-            raise InvalidInput(f"--head-dim must be even and >= 2, --rope-theta finite and > 1, {T_FLAG} >= 2")
-        cfg = RotaryConfig(head_dim, rope_theta, training_length, rope_inv_freq(head_dim, rope_theta).double(),
-                           f"d={head_dim}, b={rope_theta:g}, T={training_length}")
-    extra = None
-    if attention:
-        if not model:
-            raise InvalidInput("--attention needs --model (its weights)")
-        from ropescale.strategies import get_strategy
-
-        rules = [s.name for s in specs if get_strategy(s.name).kind != "frequency"]
-        if rules:
-            raise InvalidInput(f"--attention needs attention weights; {', '.join(rules)} compute attention in "
-                               "their own kernel and return none (measure frequency strategies only)")
-        from ropescale import load_model, unpatch
-        from ropescale.runs.data import DataSpec, load_documents, tokenize_documents
-
-        if quiet:
-            _no_progress_bars()
-        m, tok = load_model(model, device=device)
-        unpatch(m)
-        stream = torch.cat(tokenize_documents(tok, load_documents(DataSpec(data))))
-        if stream.numel() < length:
-            raise InvalidInput(f"--data {data} has {stream.numel()} tokens, fewer than --length {length}")
-        extra = {"model": m, "ids": stream[:length][None]}
+    cfg = rotary_config(model, head_dim, rope_theta, training_length)
+    if attention and quiet:
+        _no_progress_bars()
+    extra = attention_input(model, specs, data, length, device=device) if attention else None
     summary = run_inspect(cfg, specs, length, output, pairs=list(pairs) or None, attention=extra)
-    click.echo(f"{summary['source']}: d={summary['dim']}, rope_theta={summary['rope_theta']:g}, "
-               f"T={summary['train_length']}, L={length}")
-    for r in summary["strategies"]:
-        if r["kind"] == "frequencies":
-            counts = ", ".join(f"{k} {v}" for k, v in r["class_counts"].items() if v)
-            click.echo(f"  {r['strategy']:<28} pairs: {counts}; aliasing at r = {r['alias_distance']}; "
-                       f"first B(m) < 0 at m = {r['base_bound_first_negative']}")
-        else:
-            click.echo(f"  {r['strategy']:<28} relative positions up to {r['max_relative_position']:g} "
-                       f"(window {r['window']})")
-    click.echo(f"  smallest base keeping B(m) >= 0 for m < {length} at d = {summary['dim']}: "
-               f"{summary['smallest_base_for_length']:.4g}")
-    click.echo(f"written to {output}/: {', '.join(summary['files'])}, summary.json")
+    click.echo(summary_text(summary, output), nl=False)
 
 
 def _ints(low: int, *, high: int | None = None, even: bool = False):
@@ -651,18 +648,8 @@ def lm_eval_cmd(args) -> None:
 @click.option("--output", "-o", type=click.Path(file_okay=False), help="default: beside RESULTS")
 def plot(results, output) -> None:
     """Rebuild results.csv/md and the plots from a results.jsonl."""
-    if not Path(results).is_file():  # the user's input, as on every command: one line, exit 1 (not click's 2)
-        raise InvalidInput(f"{results}: no such results file (a results.jsonl `ropescale eval` wrote)")
-    write_reports, = harness("report", "write_reports")
-    read_results, = harness("sweep", "read_results")
-
-    from ropescale.runs.manifest import prepare_output
-
-    records = read_results(results)
-    if not records:
-        raise InvalidInput(f"{results}: no records")
-    paths = write_reports(records, prepare_output(Path(output or Path(results).parent)))
-    for kind, p in paths.items():
+    rebuild_reports, = harness("sweep", "rebuild_reports")
+    for kind, p in rebuild_reports(results, output).items():
         click.echo(f"{kind}: {p}")
 
 
@@ -754,14 +741,10 @@ def parity(model, strategy_specs, lengths, engine_list, end_to_end, data, window
     ropescale's re-implementation otherwise; with --end-to-end, held-out log-probabilities through
     the real engine. Writes parity.md, parity.csv, parity.png to OUTPUT."""
     run_parity, write_parity = harness("parity", "run_parity", "write_parity")
-    engine_status, = harness("engines", "engine_status")
 
     specs = [_strategy(s) for s in strategy_specs]
-    engines = [e.strip() for e in engine_list.split(",") if e.strip()]
+    engines = [_engine_name(e.strip()) for e in engine_list.split(",") if e.strip()]
     say = (lambda m: click.echo(m, err=True)) if not quiet and sys.stderr.isatty() else None
-    for e in engines:
-        if say and e in ("vllm", "llama.cpp"):
-            say(engine_status(e))
     rows, meta = run_parity(model, specs, list(lengths), engines=engines, end_to_end=end_to_end, data=data,
                             windows=windows, output=output, freeze_dynamic=freeze_dynamic, gguf=gguf_path,
                             baseline=baseline, say=say, device=device)

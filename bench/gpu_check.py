@@ -680,85 +680,109 @@ def _errs(r: dict) -> str:
     return " | ".join(_e(r.get(f"err_{k}")) for k in ("out", "dq", "dk", "dv"))
 
 
+def _err(r: dict) -> str:
+    return r.get("error", "")
+
+
+def _render_oracle(rows: list, label: str) -> list[str]:
+    lines = [f"### {label}: flex_attention_path against the naive oracle at {rows[0].get('length')} "
+             "tokens (max |error| / max |oracle|)", "",
+             "| rule | dtype | out | dq | dk | dv | tol | pass | first call s | compiles | eager flex "
+             "| error |",
+             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r.get('rule')} | {r.get('dtype')} | {_errs(r)} | {_e(r.get('tol'))} | "
+                     f"{r.get('pass', '')} | {r.get('first_call_s', '')} | {r.get('compiles', '')} | "
+                     f"{r.get('eager_flex_calls', '')} | {_err(r)} |")
+    return [*lines, ""]
+
+
+def _render_oracle_plus(rows: list) -> list[str]:
+    lines = ["### oracle+: more shapes, bfloat16", "",
+             "| variant | rule | out | dq | dk | dv | pass | compiles | eager flex | error |",
+             "|---|---|---:|---:|---:|---:|---|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r.get('variant')} | {r.get('rule')} | {_errs(r)} | {r.get('pass', '')} | "
+                     f"{r.get('compiles', '')} | {r.get('eager_flex_calls', '')} | {_err(r)} |")
+    return [*lines, ""]
+
+
+def _render_memory(rows: list) -> list[str]:
+    lines = ["### memory: measured (peak = max_memory_allocated; GiB)", "",
+             "| case | length | layers | base | floor | peak | peak/floor | reserved | s | error |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        ratio = f"{r['peak'] / r['floor']:.2f}" if "peak" in r and r.get("floor") else ""
+        lines.append(f"| {r.get('case')} | {r.get('length')} | {r.get('layers')} | {_g(r.get('base'))} | "
+                     f"{_g(r.get('floor'))} | {_g(r.get('peak'))} | {ratio} | {_g(r.get('reserved'))} | "
+                     f"{r.get('case_s', '')} | {_err(r)} |")
+    return [*lines, ""]
+
+
+def _render_memory_at_depth(rows: list) -> list[str]:
+    depth = rows[0]["depth"]
+    lines = [f"### memory at {depth} layers: X({depth}) = X(2) + {depth - 2}·(X(3) − X(2)) (GiB)", "",
+             "| case | length | base | floor | peak | peak/floor | per layer MiB | reserved | 4-layer check MiB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        three = r.get("check-depth error MiB")
+        lines.append(f"| {r['case']} | {r['length']} | {_g(r.get('base'))} | {_g(r.get('floor'))} | "
+                     f"{_g(r.get('peak'))} | {r['peak/floor']:.2f} | {r.get('peak_per_layer', 0) / MiB:.0f} | "
+                     f"{_g(r.get('reserved'))} | {'' if three is None else f'{three:+.0f}'} |")
+    return [*lines, ""]
+
+
+def _render_verdicts(rows: list) -> list[str]:
+    lines = ["### verdicts: the harness's estimate (Task.memory) at the shape's depth against what was measured",
+             "", "| case | length | estimate GiB | measured Δ GiB | estimate ≤ Δ | check_fits | peak fits | "
+             "agree | error |", "|---|---:|---:|---:|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.get('case')} | {r.get('length')} | {_g(r.get('estimate'))} | "
+                     f"{_g(r.get('measured_delta'))} | {r.get('lower_bound_holds', '')} | "
+                     f"{r.get('check_fits', '')} | {r.get('actual_fits', '')} | {r.get('agree', '')} | {_err(r)} |")
+    return [*lines, ""]
+
+
+def _render_cost(rows: list) -> list[str]:
+    lines = ["### cost: base transformer (1 layer), each rule through the default path against vanilla SDPA", "",
+             "| length | variant | mode | seconds | time × | MiB | memory × | warm-up compiles | mask builds "
+             "(warm-up / steady) | steady compiles | eager flex | error |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|"]
+    base = {(r["length"], r["mode"]): r for r in rows if r["variant"] == "vanilla" and "memory" in r}
+    for r in rows:
+        b = base.get((r["length"], r["mode"]))
+        t = f"{r['seconds']:.3f}" if "memory" in r else ""
+        tx = f"{r['seconds'] / b['seconds']:.2f}" if b and "memory" in r else ""
+        mx = f"{r['memory'] / max(b['memory'], 1):.2f}" if b and "memory" in r else ""
+        mib = f"{r['memory'] / MiB:.0f}" if "memory" in r else ""
+        lines.append(f"| {r['length']} | {r['variant']} | {r['mode']} | {t} | {tx} | {mib} | {mx} | "
+                     f"{r.get('warmup_compiles', '')} | {r.get('warmup_mask_builds', '')} / "
+                     f"{r.get('steady_mask_builds', '')} | {r.get('steady_compiles', '')} | "
+                     f"{r.get('eager_flex_calls', '')} | {_err(r)} |")
+    return [*lines, ""]
+
+
 def render(data: dict) -> str:
-    """The tables as Markdown (what docs/gpu.md takes)."""
+    """The tables as Markdown (what docs/gpu.md takes): one per section measured, in this order."""
     S = data["sections"]
     lines = [f"machine: {data.get('machine', '?')}", "", f"versions: {data.get('versions', '?')}", "",
              f"config: {json.dumps(data.get('config', {}))}", ""]
     if data.get("free_at_start") is not None:
         lines += [f"device memory free at start: {data['free_at_start'] / GiB:.2f} GiB "
                   f"(total {data.get('total_memory', 0) / GiB:.2f} GiB)", ""]
-
-    def err(r):
-        return r.get("error", "")
-
     for label in ("oracle", "oracle bf16"):
         if label in S:
-            lines += [f"### {label}: flex_attention_path against the naive oracle at {S[label][0].get('length')} "
-                      "tokens (max |error| / max |oracle|)", "",
-                      "| rule | dtype | out | dq | dk | dv | tol | pass | first call s | compiles | eager flex "
-                      "| error |",
-                      "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|"]
-            for r in S[label]:
-                lines.append(f"| {r.get('rule')} | {r.get('dtype')} | {_errs(r)} | {_e(r.get('tol'))} | "
-                             f"{r.get('pass', '')} | {r.get('first_call_s', '')} | {r.get('compiles', '')} | "
-                             f"{r.get('eager_flex_calls', '')} | {err(r)} |")
-            lines.append("")
+            lines += _render_oracle(S[label], label)
     if "oracle+" in S:
-        lines += ["### oracle+: more shapes, bfloat16", "",
-                  "| variant | rule | out | dq | dk | dv | pass | compiles | eager flex | error |",
-                  "|---|---|---:|---:|---:|---:|---|---:|---:|---|"]
-        for r in S["oracle+"]:
-            lines.append(f"| {r.get('variant')} | {r.get('rule')} | {_errs(r)} | {r.get('pass', '')} | "
-                         f"{r.get('compiles', '')} | {r.get('eager_flex_calls', '')} | {err(r)} |")
-        lines.append("")
+        lines += _render_oracle_plus(S["oracle+"])
     if "memory" in S:
-        lines += ["### memory: measured (peak = max_memory_allocated; GiB)", "",
-                  "| case | length | layers | base | floor | peak | peak/floor | reserved | s | error |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-        for r in S["memory"]:
-            ratio = f"{r['peak'] / r['floor']:.2f}" if "peak" in r and r.get("floor") else ""
-            lines.append(f"| {r.get('case')} | {r.get('length')} | {r.get('layers')} | {_g(r.get('base'))} | "
-                         f"{_g(r.get('floor'))} | {_g(r.get('peak'))} | {ratio} | {_g(r.get('reserved'))} | "
-                         f"{r.get('case_s', '')} | {err(r)} |")
-        lines.append("")
+        lines += _render_memory(S["memory"])
     if S.get("memory at depth"):
-        depth = S["memory at depth"][0]["depth"]
-        lines += [f"### memory at {depth} layers: X({depth}) = X(2) + {depth - 2}·(X(3) − X(2)) (GiB)", "",
-                  "| case | length | base | floor | peak | peak/floor | per layer MiB | reserved | 4-layer check MiB |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in S["memory at depth"]:
-            three = r.get("check-depth error MiB")
-            lines.append(f"| {r['case']} | {r['length']} | {_g(r.get('base'))} | {_g(r.get('floor'))} | "
-                         f"{_g(r.get('peak'))} | {r['peak/floor']:.2f} | {r.get('peak_per_layer', 0) / MiB:.0f} | "
-                         f"{_g(r.get('reserved'))} | {'' if three is None else f'{three:+.0f}'} |")
-        lines.append("")
+        lines += _render_memory_at_depth(S["memory at depth"])
     if "verdicts" in S:
-        lines += ["### verdicts: the harness's estimate (Task.memory) at the shape's depth against what was measured",
-                  "", "| case | length | estimate GiB | measured Δ GiB | estimate ≤ Δ | check_fits | peak fits | "
-                  "agree | error |", "|---|---:|---:|---:|---|---|---|---|---|"]
-        for r in S["verdicts"]:
-            lines.append(f"| {r.get('case')} | {r.get('length')} | {_g(r.get('estimate'))} | "
-                         f"{_g(r.get('measured_delta'))} | {r.get('lower_bound_holds', '')} | "
-                         f"{r.get('check_fits', '')} | {r.get('actual_fits', '')} | {r.get('agree', '')} | {err(r)} |")
-        lines.append("")
+        lines += _render_verdicts(S["verdicts"])
     if "cost" in S:
-        lines += ["### cost: base transformer (1 layer), each rule through the default path against vanilla SDPA", "",
-                  "| length | variant | mode | seconds | time × | MiB | memory × | warm-up compiles | mask builds "
-                  "(warm-up / steady) | steady compiles | eager flex | error |",
-                  "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|"]
-        base = {(r["length"], r["mode"]): r for r in S["cost"] if r["variant"] == "vanilla" and "memory" in r}
-        for r in S["cost"]:
-            b = base.get((r["length"], r["mode"]))
-            t = f"{r['seconds']:.3f}" if "memory" in r else ""
-            tx = f"{r['seconds'] / b['seconds']:.2f}" if b and "memory" in r else ""
-            mx = f"{r['memory'] / max(b['memory'], 1):.2f}" if b and "memory" in r else ""
-            mib = f"{r['memory'] / MiB:.0f}" if "memory" in r else ""
-            lines.append(f"| {r['length']} | {r['variant']} | {r['mode']} | {t} | {tx} | {mib} | {mx} | "
-                         f"{r.get('warmup_compiles', '')} | {r.get('warmup_mask_builds', '')} / "
-                         f"{r.get('steady_mask_builds', '')} | {r.get('steady_compiles', '')} | "
-                         f"{r.get('eager_flex_calls', '')} | {err(r)} |")
-        lines.append("")
+        lines += _render_cost(S["cost"])
     if data.get("cache_entries"):
         lines += [f"dynamo cache entries per function at the end: {json.dumps(data['cache_entries'])} "
                   "(torch's default recompile_limit: 8)", ""]

@@ -72,12 +72,69 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def _patched_model(args):
+    """The model of ``args``, patched with ``args.strategy`` (``NAME[:k=v,...]``), checkpointed, in training mode."""
+    import ropescale
+    from ropescale.training.loop import enable_checkpointing
+
+    name, _, params = args.strategy.partition(":")
+    kwargs = {k: float(v) if "." in v or k == "factor" else int(v)
+              for k, v in (p.split("=") for p in params.split(",") if p)}
+    model = _model(args)
+    ropescale.patch(model, name, **kwargs)
+    enable_checkpointing(model)
+    model.train()
+    return model
+
+
+def _measure(args, step, sync, length: int) -> dict:
+    """The median step over ``args.reps`` after a warm-up, and the peak memory (device, or this
+    process's resident set); ``{"oom": True}`` when the device runs out of memory."""
+    import torch
+
+    out: dict = {}
+    try:
+        base = _rss_mb()
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for i in range(args.reps + 1):
+            sync()
+            t0 = time.perf_counter()
+            step()
+            sync()
+            if i:  # the first is the warm-up
+                times.append(time.perf_counter() - t0)
+        t = statistics.median(times)
+        out |= {"step_s": t, "tokens_per_s": length / t}
+        if args.device == "cuda":
+            out["peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            out |= {"peak_mb": peak, "step_mb": peak - base}
+    except torch.OutOfMemoryError:
+        out["oom"] = True
+    return out
+
+
+def _gathered(out: dict, world: int) -> dict:
+    """Rank 0's measurement with every process's OOM and the largest process's memory."""
+    import torch
+
+    gathered = [None] * world
+    torch.distributed.all_gather_object(gathered, out)
+    out = {**gathered[0], "oom": any(g.get("oom") for g in gathered)}
+    for k in ("peak_mb", "step_mb"):
+        if k in gathered[0]:
+            out[k] = max(g[k] for g in gathered if k in g)  # the largest process
+    return out
+
+
 def worker(args) -> None:
     """One case: P = the launched world size (1 without torchrun)."""
     import torch
 
-    import ropescale
-    from ropescale.training.loop import causal_lm_loss, enable_checkpointing
+    from ropescale.training.loop import causal_lm_loss
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -88,13 +145,7 @@ def worker(args) -> None:
         args.device_name = "cpu"
     if world > 1:
         torch.distributed.init_process_group("nccl" if args.device == "cuda" else "gloo")
-    name, _, params = args.strategy.partition(":")
-    kwargs = {k: float(v) if "." in v or k == "factor" else int(v)
-              for k, v in (p.split("=") for p in params.split(",") if p)}
-    model = _model(args)
-    ropescale.patch(model, name, **kwargs)
-    enable_checkpointing(model)
-    model.train()
+    model = _patched_model(args)
     L = args.length
     torch.manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (1, L), device=args.device_name)
@@ -122,35 +173,9 @@ def worker(args) -> None:
         if world > 1:
             torch.distributed.barrier()
 
-    out: dict = {"world": world}
-    try:
-        base = _rss_mb()
-        if args.device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        times = []
-        for i in range(args.reps + 1):
-            sync()
-            t0 = time.perf_counter()
-            step()
-            sync()
-            if i:  # the first is the warm-up
-                times.append(time.perf_counter() - t0)
-        t = statistics.median(times)
-        out |= {"step_s": t, "tokens_per_s": L / t}
-        if args.device == "cuda":
-            out["peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
-        else:
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            out |= {"peak_mb": peak, "step_mb": peak - base}
-    except torch.OutOfMemoryError:
-        out["oom"] = True
+    out = {"world": world, **_measure(args, step, sync, L)}
     if world > 1:
-        gathered = [None] * world
-        torch.distributed.all_gather_object(gathered, out)
-        out = {**gathered[0], "oom": any(g.get("oom") for g in gathered)}
-        for k in ("peak_mb", "step_mb"):
-            if k in gathered[0]:
-                out[k] = max(g[k] for g in gathered if k in g)  # the largest process
+        out = _gathered(out, world)
         sp.close()
         torch.distributed.destroy_process_group()
     if rank == 0:

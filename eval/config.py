@@ -93,7 +93,7 @@ class EvalConfig(BaseModel):
                                                       "one GPU over this node's devices (accelerate)")
     threads: int | None = Field(None, ge=1, description="torch threads (at most this machine's CPU count)")
     engine: Literal[ENGINES] = Field("transformers", description="what scores the cells: transformers (in this "
-                                     "process) or vllm (serving what `patch --target vllm` writes; eval.engines)")
+                                     "process) or vllm (serving what `patch --engine vllm` writes; eval.engines)")
     vllm: VllmOptions = Field(default_factory=VllmOptions, description="engine: vllm's tensor_parallel_size, "
                               "data_parallel_size, max_model_len, parity_tolerance")
     output: str | None = None

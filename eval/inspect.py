@@ -47,7 +47,7 @@ def inspect_bytes(dim: int, length: int) -> int:
     RoFormer's bound, the base bound and its certified search)."""
     return 4 * length * (dim // 2) * 8
 
-__all__ = ["RotaryConfig", "inspect", "rotary_config_of_model"]
+__all__ = ["RotaryConfig", "attention_input", "inspect", "rotary_config", "rotary_config_of_model", "summary_text"]
 
 
 
@@ -84,6 +84,77 @@ def rotary_config_of_model(name_or_path: str) -> RotaryConfig:
     else:
         inv_freq = rope_inv_freq(rope.dim, rope.rope_theta).double()
     return RotaryConfig(rope.dim, rope.rope_theta, rope.original_max_position_embeddings, inv_freq, str(name_or_path))
+
+
+T_FLAG = "--original-max-position-embeddings"  # the CLI's one spelling of the training window T
+
+
+def rotary_config(model: str | None, head_dim: int | None = None, rope_theta: float | None = None,
+                  training_length: int | None = None) -> RotaryConfig:
+    """What ``ropescale inspect`` draws: ``model``'s rotary configuration (``rotary_config_of_model``)
+    or, without a model, the bare one of rotary dim d = ``head_dim``, base b = ``rope_theta`` and
+    training window T = ``training_length`` [tokens] with vanilla frequencies. Raises
+    ``InvalidInput`` in one line, naming the CLI's flags, for a model and a bare configuration
+    both given, a bare one incomplete, or d odd or < 2, b not finite or <= 1, T < 2."""
+    bare = {"--head-dim": head_dim, "--rope-theta": rope_theta, T_FLAG: training_length}
+    if model:
+        given = [f for f, v in bare.items() if v is not None]
+        if given:
+            raise InvalidInput(f"{', '.join(given)} describe a bare configuration; with --model the model's own "
+                               "config is used: give one or the other")
+        return rotary_config_of_model(model)
+    missing = [f for f, v in bare.items() if v is None]
+    if missing:
+        raise InvalidInput(f"give --model, or a bare configuration: missing {', '.join(missing)}")
+    if head_dim < 2 or head_dim % 2 or not (math.isfinite(rope_theta) and rope_theta > 1) or training_length < 2:
+        raise InvalidInput(f"--head-dim must be even and >= 2, --rope-theta finite and > 1, {T_FLAG} >= 2")
+    return RotaryConfig(head_dim, rope_theta, training_length, rope_inv_freq(head_dim, rope_theta).double(),
+                        f"d={head_dim}, b={rope_theta:g}, T={training_length}")
+
+
+def attention_input(model: str | None, strategies: list[StrategySpec], data: str, length: int,
+                    device: str = "cpu") -> dict[str, Any]:
+    """``inspect``'s ``attention=``: ``{"model": the unpatched model, "ids": [1, L] token ids}``,
+    the first ``length`` tokens of ``data`` (``ropescale.runs.data``). Raises ``InvalidInput``
+    without a model, for a strategy that computes attention in its own kernel (a truncation rule:
+    no attention weights to measure), or for text shorter than ``length``; checked before the
+    model's weights are loaded except the last."""
+    if not model:
+        raise InvalidInput("--attention needs --model (its weights)")
+    rules = [s.name for s in strategies if get_strategy(s.name).kind != "frequency"]
+    if rules:
+        raise InvalidInput(f"--attention needs attention weights; {', '.join(rules)} compute attention in "
+                           "their own kernel and return none (measure frequency strategies only)")
+    from ropescale import load_model, unpatch
+    from ropescale.runs.data import DataSpec, load_documents, tokenize_documents
+
+    m, tok = load_model(model, device=device)
+    unpatch(m)
+    stream = torch.cat(tokenize_documents(tok, load_documents(DataSpec(data))))  # [n] token ids
+    if stream.numel() < length:
+        raise InvalidInput(f"--data {data} has {stream.numel()} tokens, fewer than --length {length}")
+    return {"model": m, "ids": stream[:length][None]}  # [1, L]
+
+
+def summary_text(summary: dict[str, Any], output: str | Path) -> str:
+    """``inspect``'s summary as the lines ``ropescale inspect`` prints: the configuration, per
+    strategy its pair classes, first aliasing distance and first B(m) < 0 (a truncation rule: its
+    largest relative position), the smallest base for L and the files written to ``output``."""
+    length = summary["length"]
+    lines = [f"{summary['source']}: d={summary['dim']}, rope_theta={summary['rope_theta']:g}, "
+             f"T={summary['train_length']}, L={length}"]
+    for r in summary["strategies"]:
+        if r["kind"] == "frequencies":
+            counts = ", ".join(f"{k} {v}" for k, v in r["class_counts"].items() if v)
+            lines.append(f"  {r['strategy']:<28} pairs: {counts}; aliasing at r = {r['alias_distance']}; "
+                         f"first B(m) < 0 at m = {r['base_bound_first_negative']}")
+        else:
+            lines.append(f"  {r['strategy']:<28} relative positions up to {r['max_relative_position']:g} "
+                         f"(window {r['window']})")
+    lines.append(f"  smallest base keeping B(m) >= 0 for m < {length} at d = {summary['dim']}: "
+                 f"{summary['smallest_base_for_length']:.4g}")
+    lines.append(f"written to {output}/: {', '.join(summary['files'])}, summary.json")
+    return "\n".join(lines) + "\n"
 
 
 def _frequencies(spec: StrategySpec, cfg: RotaryConfig, length: int):

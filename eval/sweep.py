@@ -33,7 +33,7 @@ from ropescale.runs.lifecycle import (
     loaded_window,
     run_identity,
 )
-from ropescale.runs.manifest import check_manifest, environment
+from ropescale.runs.manifest import check_manifest, environment, prepare_output
 from ropescale.runs.memory import InsufficientMemoryError, check_fits
 from ropescale.strategies import get_strategy
 
@@ -87,6 +87,21 @@ def read_results(path: str | Path) -> list[dict]:
                 f"{path}: line {i} is not a ropescale result record ({what}; see eval/schema.py)") from None
         out.append(record)
     return out
+
+
+def rebuild_reports(results: str | Path, output: str | Path | None = None) -> dict[str, Path]:
+    """``ropescale plot``: results.csv/md and the task's plots again from a ``results.jsonl``, into
+    ``output`` (default: the folder holding it); returns their paths. Raises ``InvalidInput`` (one
+    line) for a path that is not a file or a file without records, ``ResultsFileError`` for one
+    that is not a results file, and the output folder's refusal (``prepare_output``) — all before
+    anything is written."""
+    results = Path(results)
+    if not results.is_file():
+        raise InvalidInput(f"{results}: no such results file (a results.jsonl `ropescale eval` wrote)")
+    records = read_results(results)
+    if not records:
+        raise InvalidInput(f"{results}: no records")
+    return write_reports(records, prepare_output(Path(output or results.parent)))
 
 
 def _append_safely(path: Path):

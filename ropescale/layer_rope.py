@@ -281,26 +281,8 @@ def probe_layers(model: nn.Module, modules: dict[str, nn.Module], sites: list[Ro
     for m in tagged:
         setattr(m, _PROBE_ATTR, recorder)
         m.training = False
-    runs, watched, lean_fails = {}, {}, False
     try:
-        model.set_attn_implementation(PROBE)
-        try:
-            with _static_rope_types(modules, sites):
-                watched = dict.fromkeys(_forward(model, recorder, _POSITIONS[0]))  # the attention layers
-                fed = {}
-                for p in _POSITIONS:  # each layer's q and k from the same input: the model's, then RoPE as identity
-                    fed[p] = dict(watched)
-                    runs[("model", p)] = _forward(model, recorder, p, capture=fed[p])
-                    with _frequencies_zeroed(modules, sites):
-                        runs[("id", p)] = _forward(model, recorder, p, inputs=fed[p])
-                model.set_attn_implementation(PROBE_LEAN)  # can its layers run on padding-only masks?
-                try:
-                    _forward(model, recorder, _POSITIONS[0])
-                    lean_fails = False
-                except Exception:  # noqa: BLE001 — an indexer that reads the full mask (Qwen4's QSA)
-                    lean_fails = True
-        finally:
-            _switch_back(model, current)
+        watched, runs, lean_fails = _probe_forwards(model, recorder, modules, sites, current)
     except Exception:  # noqa: BLE001 — a model the probe cannot drive: nothing is known about its layers
         return None
     finally:
@@ -313,33 +295,63 @@ def probe_layers(model: nn.Module, modules: dict[str, nn.Module], sites: list[Ro
         return None
     names = {m: n for n, m in model.named_modules()}
     tables = _site_tables(model, modules, sites)
+    return [_layer_rope(i, module, names.get(module, "?"), runs, lean_fails, tables) for i, module in enumerate(order)]
 
-    def angles_of(inv_freq, sign, p):
-        return (torch.tensor(float(p)) * inv_freq) * sign  # [d/2], float32 as the rotary modules compute
 
-    layers = []
-    for i, module in enumerate(order):
-        q0 = {p: runs[("id", p)][module][0] for p in _POSITIONS}
-        q1 = {p: runs[("model", p)][module][0] for p in _POSITIONS}
-        k0 = {p: runs[("id", p)][module][1] for p in _POSITIONS}
-        k1 = {p: runs[("model", p)][module][1] for p in _POSITIONS}
-        _, _, v_dim, passes, indexed, additive = runs[("model", _POSITIONS[0])][module]
-        flags = {"full_mask": indexed or lean_fails, "additive_mask": additive}
-        head_dim = q0[_POSITIONS[0]].shape[-1]
-        index = getattr(module, "layer_idx", None)
-        index = i if not isinstance(index, int) else index
-        if all(torch.equal(q0[p], q1[p]) and torch.equal(k0[p], k1[p]) for p in _POSITIONS):
-            layers.append(LayerRope(index, names.get(module, "?"), "none", head_dim=head_dim, v_head_dim=v_dim,
-                                    passes_position_ids=passes, **flags))
-            continue
-        found = _match(q0, q1, angles_of, head_dim, tables)
-        if found is not None and _match(k0, k1, angles_of, head_dim, {found[0]: tables[found[0]]}) is None:
-            found = None
-        if found is None:
-            layers.append(LayerRope(index, names.get(module, "?"), "unknown", head_dim=head_dim, v_head_dim=v_dim,
-                                    passes_position_ids=passes, **flags))
-            continue
-        site, start, d, interleaved, sign = found
-        layers.append(LayerRope(index, names.get(module, "?"), "rope", site, start, d, interleaved, sign, head_dim,
-                                v_dim, passes, **flags))
-    return layers
+def _probe_forwards(model: nn.Module, recorder: _Recorder, modules: dict[str, nn.Module], sites: list[RotarySite],
+                    current: str | None) -> tuple[dict, dict, bool]:
+    """``probe_layers``' forwards under the recording attention: (the attention layers in call
+    order, as dict keys; per ("model" | "id", position) what each layer recorded, with the model's
+    frequencies and with them zeroed (RoPE as the identity) on the same inputs; whether the layers
+    fail on padding-only masks). The attention implementation is switched back to ``current``;
+    whatever a forward raises propagates."""
+    runs = {}
+    model.set_attn_implementation(PROBE)
+    try:
+        with _static_rope_types(modules, sites):
+            watched = dict.fromkeys(_forward(model, recorder, _POSITIONS[0]))  # the attention layers
+            fed = {}
+            for p in _POSITIONS:  # each layer's q and k from the same input: the model's, then RoPE as identity
+                fed[p] = dict(watched)
+                runs[("model", p)] = _forward(model, recorder, p, capture=fed[p])
+                with _frequencies_zeroed(modules, sites):
+                    runs[("id", p)] = _forward(model, recorder, p, inputs=fed[p])
+            model.set_attn_implementation(PROBE_LEAN)  # can its layers run on padding-only masks?
+            try:
+                _forward(model, recorder, _POSITIONS[0])
+                lean_fails = False
+            except Exception:  # noqa: BLE001 — an indexer that reads the full mask (Qwen4's QSA)
+                lean_fails = True
+    finally:
+        _switch_back(model, current)
+    return watched, runs, lean_fails
+
+
+def _angles(inv_freq, sign, p):
+    return (torch.tensor(float(p)) * inv_freq) * sign  # [d/2], float32 as the rotary modules compute
+
+
+def _layer_rope(i: int, module: nn.Module, name: str, runs: dict, lean_fails: bool, tables: dict) -> LayerRope:
+    """One attention layer's ``LayerRope`` from ``probe_layers``' runs: no RoPE when its q and k do
+    not move with the frequencies, else the rotary site, channels and layout both q and k match
+    (``_match``), or "unknown"."""
+    q0 = {p: runs[("id", p)][module][0] for p in _POSITIONS}
+    q1 = {p: runs[("model", p)][module][0] for p in _POSITIONS}
+    k0 = {p: runs[("id", p)][module][1] for p in _POSITIONS}
+    k1 = {p: runs[("model", p)][module][1] for p in _POSITIONS}
+    _, _, v_dim, passes, indexed, additive = runs[("model", _POSITIONS[0])][module]
+    flags = {"full_mask": indexed or lean_fails, "additive_mask": additive}
+    head_dim = q0[_POSITIONS[0]].shape[-1]
+    index = getattr(module, "layer_idx", None)
+    index = i if not isinstance(index, int) else index
+    if all(torch.equal(q0[p], q1[p]) and torch.equal(k0[p], k1[p]) for p in _POSITIONS):
+        return LayerRope(index, name, "none", head_dim=head_dim, v_head_dim=v_dim, passes_position_ids=passes,
+                         **flags)
+    found = _match(q0, q1, _angles, head_dim, tables)
+    if found is not None and _match(k0, k1, _angles, head_dim, {found[0]: tables[found[0]]}) is None:
+        found = None
+    if found is None:
+        return LayerRope(index, name, "unknown", head_dim=head_dim, v_head_dim=v_dim, passes_position_ids=passes,
+                         **flags)
+    site, start, d, interleaved, sign = found
+    return LayerRope(index, name, "rope", site, start, d, interleaved, sign, head_dim, v_dim, passes, **flags)

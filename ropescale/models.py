@@ -2,9 +2,10 @@
 
 ``reference`` (alias ``kjv-llama``) is the bundled KJV Llama (``ropescale/reference/kjv-llama``).
 A directory written by ``save_patched`` holds the HF files, with the patch expressed in
-``config.json`` where transformers can (``ropescale.export``), plus ``ropescale.json`` recording the
-patch and the model's original rope parameters; ``load_model`` rebuilds the original model and
-re-applies the patch (patching must follow ``from_pretrained``, which recomputes ``inv_freq``).
+``config.json`` where transformers can (``exported_config``: the strategy's export hook), plus
+``ropescale.json`` recording the patch and the model's original rope parameters; ``load_model``
+rebuilds the original model and re-applies the patch (patching must follow ``from_pretrained``,
+which recomputes ``inv_freq``).
 
 A LoRA adapter folder written by ``save_adapter`` (PEFT's ``adapter_config.json`` and
 ``adapter_model.safetensors``, the tokenizer, ``ropescale.json``) loads the same way:
@@ -14,6 +15,7 @@ the adapter (PEFT, an optional dependency: ``pip install 'ropescale[lora]'``).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -28,17 +30,20 @@ from ropescale.patching import PatchHandle, current_patch, patch, unpatch
 
 __all__ = [
     "ADAPTER_FILE",
+    "MARKER",
     "MODEL_ALIASES",
     "PATCH_FILE",
     "REFERENCE_MODEL",
     "ModelLoadError",
     "adapter_base",
+    "exported_config",
     "load_model",
     "load_tokenizer",
     "model_config",
     "model_fingerprint",
     "model_rope_config",
     "model_training_length",
+    "native_rope_parameters",
     "resolve_device",
     "resolve_model",
     "save_adapter",
@@ -360,6 +365,60 @@ def model_fingerprint(name_or_path: str) -> str:
     return "hub:" + Path(config).parent.name  # …/snapshots/<commit>/config.json
 
 
+
+# --- the patch as transformers rope_parameters ------------------------------------------------------
+# Strategies transformers implements are written natively by their registry ``export`` hook (beside each
+# strategy in ``ropescale.strategies``): ``vanilla`` (``default``), ``ntk`` (a raised ``rope_theta``:
+# b·s^(d/(d−2))), ``linear``, ``dynamic_ntk`` (``dynamic``; only when L_train is ``max_position_embeddings``,
+# which transformers' formula uses), ``yarn``, ``llama3``, ``longrope``. Attention factors are written
+# explicitly so no default can drift. For any other strategy the rope type is set to a marker that
+# transformers refuses to build (``KeyError`` naming ``ropescale.load_model``) instead of silently running
+# vanilla RoPE.
+
+MARKER = "ropescale:{name} (not a transformers rope type: load with ropescale.load_model)"
+_KEEP = ("rope_theta", "partial_rotary_factor")
+
+
+def native_rope_parameters(handle: PatchHandle, base: dict[str, Any], max_position_embeddings: int | None,
+                           layer_type: str | None = None) -> dict[str, Any] | None:
+    """The transformers ``rope_parameters`` equivalent to ``handle`` for one layer type (its
+    ``base`` parameters' ``rope_theta``/``partial_rotary_factor`` kept, the rest from the
+    strategy's ``export`` hook, from that type's own context: Gemma 3's sliding and full layers
+    have different ``rope_theta``), or None when transformers cannot express it (no hook, the
+    hook says so, or a ``dynamic_block``/``logn`` option transformers has no equivalent for)."""
+    if handle.options.get("dynamic_block", 1) != 1 or handle.options.get("logn") or handle.options.get("temperature"):
+        return None
+    export = handle.strategy_obj.export
+    if export is None:
+        return None
+    ctx = handle.contexts.get(layer_type, handle.context)
+    written = export(dict(handle.params), dict(ctx), dict(base), max_position_embeddings)
+    if written is None:
+        return None
+    return {**{k: base[k] for k in _KEEP if k in base}, **written}
+
+
+def exported_config(model, handle: PatchHandle):
+    """``(config, native)``: a copy of the model's config carrying the patch (``native_rope_parameters``
+    per layer type, else ``MARKER``), and whether plain transformers reproduces it."""
+    config = copy.deepcopy(model.config)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rp = copy.deepcopy(text.rope_parameters)
+    native = True
+    for lt in handle.layer_types:
+        base = rp if lt is None else rp[lt]
+        new = native_rope_parameters(handle, base, getattr(text, "max_position_embeddings", None), lt)
+        if new is None:
+            native = False
+            new = {**{k: base[k] for k in _KEEP if k in base}, "rope_type": MARKER.format(name=handle.strategy)}
+        if lt is None:
+            rp = new
+        else:
+            rp[lt] = new
+    text.rope_parameters = rp
+    return config, native
+
+
 def save_patched(model, tokenizer, output: str | Path, *, state_dict: dict | None = None) -> Path:
     """Write the patched model: HF files with the patch in ``config.json`` plus ``ropescale.json``.
 
@@ -373,8 +432,6 @@ def save_patched(model, tokenizer, output: str | Path, *, state_dict: dict | Non
     handle: PatchHandle | None = current_patch(model)
     if handle is None:
         raise InvalidInput("model is not patched; call ropescale.patch(model, ...) first")
-    from ropescale.export import exported_config
-
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(output, **({"state_dict": state_dict} if state_dict is not None else {}))

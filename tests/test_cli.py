@@ -130,10 +130,34 @@ def test_a_bug_shows_its_traceback_and_asks_for_a_report(run, tmp_path, tiny_mod
     assert not any(line.startswith("Error:") for line in lines)
 
 
-def test_click_usage_errors_keep_exit_2(run):
-    res = run("sweep", "--no-such-option")
-    last = res.output.splitlines()[-1]
-    assert res.exit_code == 2 and last.startswith("Error: No such option") and "--no-such-option" in last
+@pytest.mark.parametrize("args,message", [
+    (["sweep", "--no-such-option"], "Error: No such option '--no-such-option'."),
+    (["patch", "--strategy", "yarn"], "Error: Missing option '--model'."),
+    (["compare", "--length", "512", "-o", "f.png"], "Error: Missing argument 'RUNS...'."),
+    (["eval", "--dtype", "float8"],
+     "Error: Invalid value for '--dtype': 'float8' is not one of 'auto', 'float32', 'bfloat16', 'float16'."),
+    (["inspect", "--strategy", "yarn", "--length", "many", "-o", "o"],
+     "Error: Invalid value for '--length': 'many' is not a valid integer."),
+    (["reference", "train", "-o", "m", "--steps", "0"],
+     "Error: Invalid value for '--steps': 0 is not in the range x>=1."),
+    (["no-such-command"], "Error: No such command 'no-such-command'."),
+    (["--no-such-option"], "Error: No such option '--no-such-option'."),
+])
+def test_click_usage_errors_are_one_line_and_exit_1(tmp_path, monkeypatch, args, message):
+    """Click's own usage errors (an unknown option or command, a missing argument, a bad choice or
+    number) exited 2 with click's `Usage:` and `Try ... for help` lines, where every other refused
+    input is one line `Error: ...` and exit 1 (issue 30): now the same, with click's message."""
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 1, res.output
+    assert res.stderr.splitlines() == [message] and res.stdout == ""
+    assert res.exception is None or isinstance(res.exception, SystemExit)  # no traceback
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_group_without_its_subcommand_still_prints_its_help():
+    res = CliRunner().invoke(main, ["reference"])
+    assert res.exit_code == 2 and "train" in res.output and "card" in res.output
 
 
 def test_lm_eval_without_arguments_is_not_a_silent_success(run):
@@ -166,7 +190,7 @@ def test_base_bound_prints_the_table(run):
 ])
 def test_base_bound_refuses_bad_numbers(run, args, message):
     res = run("base-bound", *args)
-    assert res.exit_code == 2 and res.output.splitlines()[-1] == message
+    assert res.exit_code == 1 and res.output.splitlines() == [message]
 
 
 def test_base_bound_refuses_a_table_beyond_memory_before_computing(run):
@@ -322,3 +346,75 @@ def test_patch_without_output_or_dry_run_is_one_line(run, tiny_model_dir):
     res = CliRunner().invoke(main, ["patch", "--model", str(tiny_model_dir), "--strategy", "vanilla"])
     assert res.exit_code == 1
     assert res.output.strip() == "Error: patch needs --output (the folder to write), or --dry-run"
+
+
+# --- `sweep` is `eval --task perplexity` ---------------------------------------------------------
+
+@pytest.fixture
+def parsed_runs(monkeypatch):
+    """The ``(EvalConfig, output)`` each invocation hands to the run, instead of running it."""
+    import eval.report
+    import eval.sweep
+
+    runs = []
+    monkeypatch.setattr(eval.sweep, "run_sweep", lambda cfg, out, progress: runs.append((cfg, out, progress)) or [])
+    monkeypatch.setattr(eval.report, "markdown_report", lambda records: "")
+    return runs
+
+
+@pytest.mark.parametrize("args", [
+    ["--model", "m", "--data", "d.txt", "--strategy", "vanilla", "--strategy", "yarn:factor=4", "--lengths", "32,64",
+     "--mode", "sliding", "--stride", "16", "--max-windows", "3", "--batch-size", "2", "--dynamic-block", "8",
+     "--dtype", "float32", "--device", "cpu", "-q", "-o", "out"],
+    ["{cfg}"],
+    ["{cfg}", "--set", "lengths=[16]", "--max-windows", "5", "-o", "elsewhere"],
+])
+def test_sweep_and_eval_task_perplexity_parse_the_same_run(run, parsed_runs, tmp_path, args):
+    """Before issue 30 eval lacked sweep's --mode, --stride, --max-windows, --batch-size and
+    --dynamic-block: `eval --task perplexity --max-windows 3` was a usage error."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: m\ndata: d.txt\nlengths: [32, 64]\nstrategies: [vanilla, ntk]\nmode: sliding\n"
+                   "output: out\n")
+    args = [a.format(cfg=cfg) for a in args]
+    for command in (["sweep"], ["eval", "--task", "perplexity"]):
+        res = run(*command, *args)
+        assert res.exit_code == 0, res.output
+    (a, out_a, progress_a), (b, out_b, progress_b) = parsed_runs
+    assert a.task == b.task == "perplexity"
+    assert a.model_dump() == b.model_dump() and (out_a, progress_a) == (out_b, progress_b)
+    if "--mode" in args:
+        assert (a.options.mode, a.options.stride, a.options.max_windows, a.options.batch_size,
+                a.options.dynamic_block) == ("sliding", 16, 3, 2, 8)
+
+
+def test_sweep_has_evals_parameters_less_the_task():
+    from cli import eval_cmd, sweep
+
+    assert [p.name for p in sweep.params] == [p.name for p in eval_cmd.params if p.name != "task"]
+    assert all(p is q for p, q in zip(sweep.params, (p for p in eval_cmd.params if p.name != "task")))
+
+
+PERPLEXITY_ONLY = "task is 'passkey'; `ropescale sweep` and the perplexity flags"
+
+
+@pytest.mark.parametrize("command,config,message", [
+    (["sweep"], "task: passkey\n", PERPLEXITY_ONLY),
+    (["eval", "--max-windows", "2"], "task: passkey\n", PERPLEXITY_ONLY),
+    (["eval", "--task", "passkey", "--mode", "sliding", "--stride", "8"], "",
+     "--mode, --stride: the perplexity task's flags; --task passkey takes its options with --set passkey.KEY=VALUE"),
+])
+def test_perplexity_flags_and_sweep_refuse_another_task(run, parsed_runs, tmp_path, command, config, message):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: m\nlengths: [32]\nstrategies: [vanilla]\n{config}")
+    res = run(*command, cfg, "-o", tmp_path / "o")
+    lines = res.output.splitlines()
+    assert res.exit_code == 1 and len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], lines
+    assert parsed_runs == [] and not (tmp_path / "o").exists()
+
+
+def test_eval_without_perplexity_flags_still_runs_a_config_of_another_task(run, parsed_runs, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: m\nlengths: [32]\nstrategies: [vanilla]\ntask: passkey\n")
+    res = run("eval", cfg, "-o", tmp_path / "o")
+    assert res.exit_code == 0, res.output
+    assert [c.task for c, _, _ in parsed_runs] == ["passkey"]

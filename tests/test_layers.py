@@ -1,8 +1,9 @@
 """The folder tree is the layer diagram, and it stays true.
 
 The module import graph is built statically from the source (every ``import``, also those inside
-functions): the library (``ropescale/``) never imports the harness (``eval/``) or the CLI, and no
-module imports itself back through others (no cycles). An edge goes to the most specific module an
+functions): the library (``ropescale/``) never imports the harness (``eval/``) or the CLI, no
+module imports itself back through others (no cycles), and no module imports a layer above its own
+(``LAYERS``: the library's own order, then the harness, then the CLI). An edge goes to the most specific module an
 import names (``from ropescale.runs.config import X`` → ``ropescale.runs.config``; ``from ropescale
 import geometry`` → ``ropescale.geometry``), not to the parent packages Python also runs.
 """
@@ -100,6 +101,91 @@ def test_the_library_never_imports_the_harness_or_the_cli():
 
 def test_there_are_no_import_cycles():
     assert _cycles(import_graph()) == []
+
+
+# The layers of the project, bottom first (docs/architecture.md): a layer is groups of modules, each
+# group named by module prefixes (a module belongs to the group of its longest matching prefix; a
+# name ending in ``$`` is that module alone: ``ropescale$``, the package face). A module may import
+# its own group and any group of a layer below; an import of a layer above, or of another group of
+# its own layer (training ↔ serving), is a violation. A new module under a listed prefix
+# (ropescale/serving/engines/, ropescale/runs/lifecycle.py) fits without an edit; one under no
+# prefix fails the test.
+LAYERS: list[dict[str, tuple[str, ...]]] = [
+    {"errors": ("ropescale.errors",), "version": ("ropescale._version",), "compat": ("ropescale.compat",),
+     "registry": ("ropescale.registry",)},
+    {"strategies": ("ropescale.strategies",), "reference corpus": ("ropescale.reference",)},
+    {"model primitives": ("ropescale.rope_config", "ropescale.temperature", "ropescale.cache", "ropescale.geometry",
+                          "ropescale.lm_head")},
+    {"rotary and attention": ("ropescale.rotary", "ropescale.layer_rope", "ropescale.attention")},
+    {"patching": ("ropescale.patching",)},
+    {"save and load": ("ropescale.export", "ropescale.models")},
+    {"runs": ("ropescale.runs",)},
+    {"training": ("ropescale.training",), "serving": ("ropescale.serving",)},
+    {"package face": ("ropescale$",)},
+    {"harness": ("eval",)},
+    {"cli": ("cli",)},
+]
+# (importer, imported) → why this upward or sideways edge is deliberate; none today
+EXCEPTIONS: dict[tuple[str, str], str] = {}
+
+
+def layer_of(module: str, layers=None) -> tuple[int, str] | None:
+    """``(layer index, group)`` of ``module`` by its longest matching prefix; None when unlisted."""
+    best = None
+    for i, groups in enumerate(layers or LAYERS):
+        for group, prefixes in groups.items():
+            for p in prefixes:
+                exact = p.endswith("$")
+                p = p.removesuffix("$")
+                if (module == p or (not exact and module.startswith(p + "."))) and (best is None or len(p) > best[0]):
+                    best = (len(p), i, group)
+    return best and best[1:]
+
+
+def layer_violations(graph: dict[str, set[str]], layers=None, exceptions=None) -> list[str]:
+    """Every edge to a higher layer or to another group of the same layer, not in ``exceptions``."""
+    exceptions = EXCEPTIONS if exceptions is None else exceptions
+    bad = []
+    for a, deps in sorted(graph.items()):
+        la = layer_of(a, layers)
+        for b in sorted(deps):
+            lb = layer_of(b, layers)
+            if la is None or lb is None or (a, b) in exceptions or la[1] == lb[1] or lb[0] < la[0]:
+                continue
+            how = "up" if lb[0] > la[0] else "sideways"
+            bad.append(f"{a} ({la[1]}) → {b} ({lb[1]}): {how}")
+    return bad
+
+
+def test_every_module_has_a_layer():
+    assert sorted(m for m in import_graph() if layer_of(m) is None) == []
+
+
+def test_no_import_goes_up_a_layer_or_sideways():
+    """The library's own order (strategies → rotary/attention → patching → save/load → runs →
+    training, serving) was documented but only the library → harness edge and cycles were tested."""
+    assert layer_violations(import_graph()) == []
+
+
+def test_every_exception_is_a_real_edge_with_a_reason():
+    graph = import_graph()
+    assert all(b in graph.get(a, ()) and reason.strip() for (a, b), reason in EXCEPTIONS.items())
+
+
+def test_the_layer_check_sees_a_violation():
+    layers = [{"low": ("p.low",)}, {"a": ("p.a",), "b": ("p.b",)}, {"face": ("p$",)}]
+    graph = {"p.low.x": {"p.a.y"}, "p.a.y": {"p.low.x", "p.b"}, "p.b": set(), "p": {"p.a.y"}, "p.a.z": {"p"}}
+    assert layer_of("p.a.y.z", layers) == (1, "a") and layer_of("p", layers) == (2, "face")
+    assert layer_of("q", layers) is None and layer_of("p.lowest", layers) is None
+    assert layer_violations(graph, layers, {}) == [
+        "p.a.y (a) → p.b (b): sideways", "p.a.z (a) → p (face): up", "p.low.x (low) → p.a.y (a): up"]
+    assert layer_violations(graph, layers, {("p.a.z", "p"): "why", ("p.a.y", "p.b"): "why"}) == [
+        "p.low.x (low) → p.a.y (a): up"]
+    # on the real graph: a made-up edge from a strategy to the patching module is seen
+    graph = import_graph()
+    graph["ropescale.strategies.frequency"] = graph["ropescale.strategies.frequency"] | {"ropescale.patching"}
+    assert layer_violations(graph) == [
+        "ropescale.strategies.frequency (strategies) → ropescale.patching (patching): up"]
 
 
 def test_the_checks_see_a_violation():

@@ -1,7 +1,8 @@
-"""Plugins: an installed package adds a strategy, a task and a recipe through importlib.metadata entry
-points (groups ``ropescale.strategies``, ``ropescale.tasks``, ``ropescale.recipes``) without touching
-ropescale; a broken one is skipped with one warning line. And the registries' shared face: one base of
-the unknown-name errors, ``register`` and ``Param`` exported from ``ropescale``.
+"""Plugins: an installed package adds a strategy, a task, a recipe and a serving engine through
+importlib.metadata entry points (groups ``ropescale.strategies``, ``ropescale.tasks``,
+``ropescale.recipes``, ``ropescale.engines``) without touching ropescale; a broken one is skipped
+with one warning line. And the registries' shared face: one base of the unknown-name errors,
+``register`` and ``Param`` exported from ``ropescale``.
 
 The plugin is built in ``tmp_path`` as an installed distribution looks to ``importlib.metadata``: a
 package beside a ``*.dist-info`` folder holding ``METADATA`` and ``entry_points.txt``, put on
@@ -22,6 +23,7 @@ import pytest
 import ropescale
 from eval.tasks import UnknownTaskError, get_task
 from ropescale.errors import RopescaleError, UnknownNameError
+from ropescale.serving.engines import UnknownEngineError, get_engine
 from ropescale.strategies import REGISTRY, UnknownStrategyError, get_strategy
 from ropescale.training.recipes import UnknownRecipeError, get_recipe
 
@@ -64,6 +66,68 @@ class PluginRecipe(Recipe):
 '''
 
 
+# an engine: one library module (check/translate/write/rope/serve command) ...
+ENGINE = '''
+import json
+
+import torch
+
+from ropescale.serving.engines import Engine
+from ropescale.serving.output import staged
+from ropescale.serving.plan import served_rope_parameters
+from ropescale.serving.rope import EngineRope, ExportRefused
+
+
+class RopeJson(Engine):
+    """Serves plain RoPE with the base written in rope.json (a test plugin)."""
+
+    name = "ropejson"
+    label = "RopeJSON"
+    folder = False  # writes no weights: no tokenizer needed
+    rope_source = "rs_plugin.engine.RopeJson.rope"
+
+    def translate(self, handle, serve_length, *, freeze_dynamic_at=None):
+        served = served_rope_parameters(handle, self.label, serve_length, freeze_dynamic_at=freeze_dynamic_at)
+        if served.rope_parameters["rope_type"] != "default":
+            raise ExportRefused(f"RopeJSON: only a base, not rope type {served.rope_parameters['rope_type']}")
+        return served
+
+    def write(self, model, tokenizer, translation, output, *, gguf=None):
+        with staged(output) as stage:
+            (stage / "rope.json").write_text(json.dumps({"rope_theta": translation.rope_parameters["rope_theta"],
+                                                         "dim": translation.context["dim"]}))
+        return output / "rope.json", []
+
+    def rope(self, translation, length, context):
+        d, b = context["dim"], translation.rope_parameters["rope_theta"]
+        return EngineRope(1.0 / b ** (torch.arange(0, d, 2, dtype=torch.float64) / d), 1.0)
+
+    def serve_command(self, translation, path, serve_length):
+        return f"ropejson-serve {path} --ctx {serve_length}"
+'''
+
+# ... and its parity driver: the engine's own numbers, here its file read back
+DRIVER = '''
+import json
+
+import torch
+
+from eval.engines.base import EngineDriver, fill
+from ropescale.serving.rope import EngineRope
+
+
+class RopeJsonDriver(EngineDriver):
+    name = "ropejson"
+
+    def serve(self, row, case, translation):
+        path, _ = self.engine.write(None, None, translation, self.run.exports / "ropejson" / case.slug)
+        written = json.loads(path.read_text())
+        i = torch.arange(0, written["dim"], 2, dtype=torch.float64)
+        theirs = EngineRope(written["rope_theta"] ** (-i / written["dim"]), 1.0)
+        fill(row, case.ours, theirs, case.length, "RopeJSON file read back")
+'''
+
+
 def _distribution(site: Path, name: str, entry_points: str) -> None:
     """A minimal installed distribution ``name`` 1.0 in ``site`` with these entry points."""
     info = site / f"{name}-1.0.dist-info"
@@ -79,13 +143,16 @@ def _run(site: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_a_plugin_package_adds_a_strategy_a_task_and_a_recipe(tmp_path):
-    pkg = tmp_path / "rs_plugin"
+def _plugin(site: Path) -> None:
+    """The package ``rs_plugin`` installed in ``site``: a strategy, a task, a recipe and an engine (its
+    library module and its parity driver)."""
+    pkg = site / "rs_plugin"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("", encoding="utf-8")
-    for module, text in (("strategies", STRATEGIES), ("tasks", TASKS), ("recipes", RECIPES)):
+    for module, text in (("strategies", STRATEGIES), ("tasks", TASKS), ("recipes", RECIPES), ("engine", ENGINE),
+                         ("engine_driver", DRIVER)):
         (pkg / f"{module}.py").write_text(text, encoding="utf-8")
-    _distribution(tmp_path, "rs_plugin", """\
+    _distribution(site, "rs_plugin", """\
         [ropescale.strategies]
         shift = rs_plugin.strategies
 
@@ -94,7 +161,15 @@ def test_a_plugin_package_adds_a_strategy_a_task_and_a_recipe(tmp_path):
 
         [ropescale.recipes]
         noop = rs_plugin.recipes
+
+        [ropescale.engines]
+        ropejson = rs_plugin.engine
+        ropejson_driver = rs_plugin.engine_driver
         """)
+
+
+def test_a_plugin_package_adds_a_strategy_a_task_and_a_recipe(tmp_path):
+    _plugin(tmp_path)
     probe = textwrap.dedent("""\
         import json, sys
         from eval.tasks import task_names
@@ -135,10 +210,57 @@ def test_a_broken_plugin_is_one_warning_line_and_ropescale_still_works(tmp_path)
     assert "ModuleNotFoundError: No module named 'rs_no_such_module'" in lines[0]
 
 
+def test_a_plugin_package_adds_an_engine_for_export_patch_and_parity(tmp_path, tiny_model_dir):
+    """The plugin's engine, by its name, in export_for, `ropescale patch --engine` and `ropescale parity`
+    (its own driver), with no change to ropescale. Oracle: NTK's base b·s^(d/(d−2)) written out, d = 16,
+    b = 10000, s = 4 (the tiny model), and the driver's θ_i = b'^(−2i/d) from the file it wrote."""
+    _plugin(tmp_path)
+    probe = textwrap.dedent(f"""\
+        import json, sys
+        import ropescale
+        from eval.parity import run_parity
+        from ropescale.runs.config import parse_strategy
+        from ropescale.serving import engine_names, export_for
+        model, tok = ropescale.load_model({str(tiny_model_dir)!r}, device="cpu")
+        ropescale.patch(model, "ntk", factor=4.0)
+        result = export_for(model, "ropejson", 128, {str(tmp_path / "lib")!r})
+        rows, meta = run_parity({str(tiny_model_dir)!r}, [parse_strategy("ntk:factor=4"), parse_strategy("yarn")],
+                                [64], engines=["ropejson"], output={str(tmp_path / "par")!r})
+        print(json.dumps({{"engines": engine_names(), "path": str(result.path), "command": result.command,
+                          "written": json.loads(result.path.read_text()),
+                          "rows": [[r.engine, r.verdict, r.source, r.max_rel_freq_diff] for r in rows],
+                          "meta": meta["engines"]}}))
+        """)
+    done = _run(tmp_path, "-c", probe)
+    assert done.returncode == 0, done.stderr
+    assert "Warning" not in done.stderr, done.stderr
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert {"ropejson", "llama.cpp", "transformers", "vllm"} <= set(got["engines"])
+    assert got["path"] == str(tmp_path / "lib" / "rope.json")
+    assert got["written"] == {"rope_theta": pytest.approx(10000.0 * 4.0 ** (16 / 14), rel=1e-12), "dim": 16}
+    assert got["command"] == f"ropejson-serve {tmp_path / 'lib' / 'rope.json'} --ctx 128"
+    (engine, verdict, source, diff), refused = got["rows"]
+    assert (engine, verdict, source) == ("ropejson", "same", "RopeJSON file read back") and diff < 1e-6
+    assert refused[:3] == ["ropejson", "refused: RopeJSON: only a base, not rope type yarn", "ropescale export"]
+    assert got["meta"] == ["RopeJSON (in process)"]
+
+    out = tmp_path / "cli"
+    patched = _run(tmp_path, "cli.py", "patch", "--model", str(tiny_model_dir), "--strategy", "ntk:factor=4",
+                   "--engine", "ropejson", "--serve-length", "128", "-o", str(out))
+    assert patched.returncode == 0, patched.stderr
+    assert f"serve it with: ropejson-serve {out / 'rope.json'} --ctx 128" in patched.stdout
+    assert json.loads((out / "rope.json").read_text())["rope_theta"] == pytest.approx(10000.0 * 4.0 ** (16 / 14))
+    parity = _run(tmp_path, "cli.py", "parity", "--model", str(tiny_model_dir), "--strategy", "ntk:factor=4",
+                  "--lengths", "64", "--engines", "ropejson", "-o", str(tmp_path / "cli-parity"))
+    assert parity.returncode == 0, parity.stderr
+    assert "ropejson  ntk:factor=4" in parity.stdout and "same" in parity.stdout
+
+
 @pytest.mark.parametrize(("lookup", "error", "builtin"), [
     (get_strategy, UnknownStrategyError, KeyError),
     (get_task, UnknownTaskError, KeyError),
     (get_recipe, UnknownRecipeError, ValueError),
+    (get_engine, UnknownEngineError, ValueError),
 ])
 def test_unknown_names_share_one_base(lookup, error, builtin):
     with pytest.raises(UnknownNameError) as caught:

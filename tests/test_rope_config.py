@@ -14,6 +14,7 @@ import ropescale
 from ropescale.models import model_rope_config, model_training_length
 from ropescale.rope_config import NoRopeConfigError, rope_config_of
 from ropescale.rotary import find_rotary_modules
+from tests.conftest import build, tiny_llama_config
 from tests.families import family_config, family_model
 
 SIZES = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -95,7 +96,7 @@ def test_a_saved_patch_record_gives_the_window_it_was_applied_over(tmp_path):
 def test_a_saved_patched_model_reads_its_base_theta_not_the_exported_one(tmp_path):
     model = family_model("llama")
     with ropescale.patch(model, "ntk", factor=4.0) as handle:  # exported as a raised rope_theta
-        from ropescale.export import exported_config
+        from ropescale.models import exported_config
 
         exported, native = exported_config(model, handle)
         exported.save_pretrained(tmp_path)
@@ -148,3 +149,21 @@ def test_gemma4_per_layer_head_dim_and_blt_read_without_a_traceback():
         assert rope_config_of(cfg, lt).dim == 2 * getattr(rotary, f"{lt}_inv_freq").numel()
     with pytest.raises(NoRopeConfigError, match="BltConfig names no head_dim"):
         rope_config_of(tiny_config(types()["blt"]))
+
+
+def test_legacy_rope_scaling_and_rope_theta_keys_are_read(tmp_path):
+    model = build(T.LlamaForCausalLM, tiny_llama_config())
+    model.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.pop("rope_parameters")
+    cfg.update(rope_theta=500000.0, rope_scaling={"type": "linear", "factor": 2.0})  # a v4-era config
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    legacy = T.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert legacy.config.rope_parameters["rope_type"] == "linear"
+    ids = torch.randint(0, 256, (1, 100), generator=torch.Generator().manual_seed(3))
+    with ropescale.patch(legacy, "linear", factor=2.0) as h:
+        assert h.context["rope_theta"] == 500000.0
+        with torch.no_grad():
+            patched = legacy(ids).logits
+    with torch.no_grad():
+        torch.testing.assert_close(patched, legacy(ids).logits, rtol=0, atol=1e-5)

@@ -1,16 +1,24 @@
-"""Real serving engines (vLLM, llama.cpp) as subprocesses: find their Python, run a driver, read numbers.
+"""Serving engines on the harness side: their drivers for ``ropescale parity``, and the real engines
+(vLLM, llama.cpp) as subprocesses — find their Python, run a driver script, read numbers.
+
+Each engine of the library (``ropescale.serving.engines``) may have a driver here: an
+``eval.engines.base.EngineDriver`` subclass with the same ``name``, in a module of this package
+(``transformers_engine.py``, ``vllm_engine.py``, ``llama_cpp_engine.py``) or a plugin's (the
+``ropescale.engines`` entry points), registered in ``DRIVERS``. It says where the engine's Python
+is and runs the engine for parity; an engine without one is compared through its library
+re-implementation alone.
 
 The engines live in their own virtual environments (vLLM pins its own torch and transformers < 5.20;
 llama-cpp-python compiles llama.cpp): they are never dependencies of ropescale, and nothing here
 imports them. ``bench/engines/install.sh`` makes the two environments; this module finds their
-interpreters and runs the standalone drivers beside it (``vllm_driver.py``, ``llama_cpp_driver.py``,
+interpreters and runs the standalone driver scripts beside it (``vllm_driver.py``, ``llama_cpp_driver.py``,
 ``convert_gguf.py``; package data of ``ropescale_eval.engines``, located by this file's path) as
 ``PYTHON DRIVER REQUEST.json RESULT.json``.
 
-Where an engine's Python is looked for (the first that exists):
-    ``ROPESCALE_VLLM_PYTHON`` / ``ROPESCALE_LLAMA_CPP_PYTHON`` (a python executable);
-    ``<root>/vllm/bin/python`` / ``<root>/llama/bin/python`` under ``ROPESCALE_ENGINES``, then
-    ``~/.cache/ropescale/engines`` (install.sh's default prefix).
+Where an engine's Python is looked for (the first that exists): its driver's ``python_env``
+variable (``ROPESCALE_VLLM_PYTHON`` / ``ROPESCALE_LLAMA_CPP_PYTHON``: a python executable);
+``<root>/<venv>/bin/python`` (``vllm``, ``llama``) under ``ROPESCALE_ENGINES``, then
+``~/.cache/ropescale/engines`` (install.sh's default prefix).
 llama.cpp's own converter (``convert_hf_to_gguf.py`` from the llama-cpp-python sdist's
 ``vendor/llama.cpp``): ``ROPESCALE_LLAMA_CPP_SOURCE``, else ``<root>/llama/src/llama.cpp``.
 
@@ -35,11 +43,14 @@ from pathlib import Path
 from typing import Any
 
 from ropescale.errors import RopescaleError
+from ropescale.registry import Registry
+from ropescale.serving.engines import UnknownEngineError, get_engine
 
 __all__ = [
-    "ENGINES",
+    "DRIVERS",
     "EngineAbsent",
     "EngineFailed",
+    "driver_class",
     "engine_python",
     "engine_status",
     "llama_cpp_source",
@@ -50,11 +61,11 @@ __all__ = [
 HERE = Path(__file__).resolve().parent
 INSTALL = "bench/engines/install.sh"
 
-ENGINES: dict[str, dict[str, str]] = {
-    "vllm": {"env": "ROPESCALE_VLLM_PYTHON", "venv": "vllm", "driver": "vllm_driver.py", "label": "vLLM"},
-    "llama.cpp": {"env": "ROPESCALE_LLAMA_CPP_PYTHON", "venv": "llama", "driver": "llama_cpp_driver.py",
-                  "label": "llama.cpp"},
-}
+# the drivers by engine name (``eval.engines.base.EngineDriver`` subclasses register on definition);
+# the driver scripts beside them run in the engines' own environments and are never imported
+DRIVERS: Registry[type] = Registry("engine driver", "engine drivers", UnknownEngineError, package=__name__,
+                                   skip=("base", "vllm_driver", "llama_cpp_driver", "convert_gguf", "vllm_eval"),
+                                   plugins="ropescale.engines")
 
 
 class EngineAbsent(RopescaleError, LookupError):
@@ -70,10 +81,20 @@ def _roots() -> list[Path]:
     return [Path(r) for r in roots if r]
 
 
+def driver_class(engine: str) -> type | None:
+    """The driver class registered for ``engine`` (after discovering every driver), or None."""
+    DRIVERS.discover()
+    return DRIVERS.get(engine)
+
+
 def _known(engine: str) -> dict[str, str]:
-    if engine not in ENGINES:
-        raise EngineAbsent(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
-    return ENGINES[engine]
+    """``engine``'s subprocess settings: ``env`` (the variable naming its Python), ``venv``,
+    ``driver`` (the script), ``label``; ``EngineAbsent`` for an engine that runs no subprocess."""
+    cls = driver_class(engine)
+    if cls is None or not getattr(cls, "python_env", None):
+        known = ", ".join(n for n, c in sorted(DRIVERS.items()) if getattr(c, "python_env", None))
+        raise EngineAbsent(f"unknown engine {engine!r}; known: {known}")
+    return {"env": cls.python_env, "venv": cls.venv, "driver": cls.script, "label": get_engine(engine).label}
 
 
 def engine_python(engine: str) -> Path | None:

@@ -1,5 +1,5 @@
-"""``engine: vllm``: the harness's cells scored by vLLM, serving what ``ropescale patch --target vllm``
-writes (``ropescale.serving.vllm.export_vllm``), with the first example of every cell checked
+"""``engine: vllm``: the harness's cells scored by vLLM, serving what ``ropescale patch --engine vllm``
+writes (``ropescale.serving.export_vllm``), with the first example of every cell checked
 against transformers.
 
 Per cell (strategy × length): the patched transformers model's export for vLLM is written as a
@@ -243,8 +243,8 @@ def score_cell_vllm(cfg, task, model, examples, spec, params: dict, length: int,
     export's reason), ``EngineFailed`` (its driver died) and ``EngineDisagrees``."""
     from ropescale.models import resolve_model
     from ropescale.patching import patch
+    from ropescale.serving.engines.vllm import export_vllm
     from ropescale.serving.rope import ExportRefused
-    from ropescale.serving.vllm import export_vllm
 
     from . import EngineFailed, run_engine
 

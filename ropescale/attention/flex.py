@@ -121,7 +121,7 @@ def _region_mask_mod(c0: int, region: Region, sliding_window: int | None, keep3:
     compilation per region, per rule's window, per cache offset c0, and past dynamo's
     ``recompile_limit`` (8 per function) torch runs the function eagerly: the unfused kernel, which
     materialises the scores. So all distance regions share one compiled graph, all chunk regions
-    another (times the ``keep`` kind, dtype and grad mode: ``tests/test_flex_regions.py`` counts them)."""
+    another (times the ``keep`` kind, dtype and grad mode: ``tests/attention/test_flex.py`` counts them)."""
     def number(x: int) -> torch.Tensor:  # a fill kernel on the device: no host-to-device copy
         return torch.full((), x, dtype=torch.int64, device=device)
 

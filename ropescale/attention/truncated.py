@@ -212,10 +212,75 @@ def _touches(region: Region, lo: int, hi: int) -> tuple[bool, bool]:
     return hi >= region.lo and lo < top, lo >= region.lo and hi < top
 
 
+def _block_scores(rule: RelativeRule, n_part: int, qs_r: list, ks_r: list, pair: tuple[int, ...],
+                  dist: torch.Tensor, at, extra: list) -> torch.Tensor:
+    """``blocked_attention``'s raw scores q·k of one block pair, [b, n_kv, g, Bq, Bk]: each pair's
+    score in the partition region holding it (a region holding the whole block pair is taken as it
+    is); a prefill's extra regions (index ``>= n_part``) go to ``extra`` as (scores, inside),
+    counted again. ``pair`` = (qs, qe, ks, ke, lo, hi): query slots qs:qe, key slots ks:ke and the
+    least and largest slot distance in the pair (Python integers: which regions it touches needs no
+    host sync); ``dist`` [Bq, Bk] slot distances; ``at``: a chunk rule's query and key positions
+    ([b, 1, 1, s_q, 1], [b, 1, 1, 1, s_k]), else None."""
+    qs, qe, ks, ke, lo, hi = pair
+    s = None
+    for r, region in enumerate(rule.regions):  # the partition first, then a prefill's extra regions
+        maybe, whole = _touches(region, lo, hi)
+        if not maybe:
+            continue
+        part = qs_r[r][..., qs:qe, :] @ ks_r[r][..., ks:ke, :].transpose(-1, -2)  # [b, n_kv, g, Bq, Bk]
+        if whole and r < n_part:
+            s = part
+            if n_part == len(rule.regions):
+                break
+            continue
+        if region.chunk:
+            inside = region.contains(at[0][..., qs:qe, :], at[1][..., ks:ke])  # [b, 1, 1, Bq, Bk]
+        else:
+            inside = (dist >= region.lo) & (dist < region.hi) if region.hi is not None else dist >= region.lo
+        if r < n_part:
+            s = torch.where(inside, part, torch.zeros_like(part) if s is None else s)
+        else:  # counted again: more columns of scores, over the same values
+            extra.append((part, inside))
+    return s
+
+
+def _block_visibility(dist: torch.Tensor, sliding_window: int | None, keep, span: tuple[int, int, int, int]):
+    """Which pairs of the block pair ``span`` = (qs, qe, ks, ke) a query may attend: causal (``dist``
+    [Bq, Bk] >= 0), inside the sliding window, and kept by ``keep`` (padding; [b, 1, Bq or 1, s_k])
+    → [Bq, Bk], or [b, 1, 1, Bq, Bk] with ``keep``."""
+    qs, qe, ks, ke = span
+    vis = (dist >= 0) & (dist < sliding_window) if sliding_window else dist >= 0
+    if keep is not None:
+        blk = keep[..., ks:ke] if keep.shape[-2] == 1 else keep[..., qs:qe, ks:ke]
+        vis = vis & blk[:, :, None]  # [b, 1, 1, Bq, Bk]
+    return vis
+
+
+def _online_softmax_step(m, l, acc, s, vb, dropout: float):
+    """One key block of the online softmax (flash attention's recurrence, arXiv:2205.14135): running
+    row maxima ``m`` and normalisers ``l`` [..., Bq, 1], the weighted sum ``acc`` [..., Bq, h_v],
+    with scores ``s`` [..., Bq, Bk] over values ``vb`` [..., Bk, h_v] → the new (m, l, acc)."""
+    m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+    p = (s - m_new).exp()
+    alpha = (m - m_new).exp()
+    l = l * alpha + p.sum(-1, keepdim=True)
+    if dropout:  # on the weights, not the normaliser: softmax first, then dropout
+        p = torch.nn.functional.dropout(p, dropout)
+    acc = acc * alpha + p @ vb
+    return m_new, l, acc
+
+
 def blocked_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling: float, *,
                       keep=None, scale: float, softcap: float | None = None,
                       sliding_window: int | None = None, interleaved: bool = False, dropout: float = 0.0,
                       block: int = 512, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """A relative rule's attention over query blocks × key blocks of ``block`` slots with an
+    online softmax: O(block²) scores at a time, each pair scored in its region (``_block_scores``),
+    where the region kernels cannot follow (``fused_route``: attention dropout, soft-capping, a
+    per-query ``keep`` mask, a chunk rule under a sliding window). Shapes: q [b, n_h,
+    s_q, h_d], k [b, n_kv, s_k, h_d], v [b, n_kv, s_k, h_v] → [b, n_h, s_q, h_v]; the arguments as
+    ``fused_attention``'s, ``dropout`` on the softmax weights, ``sinks`` [n_h] one extra logit per
+    head in every row's normaliser."""
     b, n_h, s_q, h_d = q.shape
     h_v = v.shape[-1]
     n_kv, s_k = k.shape[1], k.shape[2]
@@ -233,10 +298,10 @@ def blocked_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scali
     v = v[:, :, None]
     q_slot = torch.arange(c0, s_k, device=q.device)
     k_slot = torch.arange(s_k, device=q.device)
+    at = None
     if rule.by_chunk:  # positions by slot from each row's offset: [b, 1, 1, s, 1] and [b, 1, 1, 1, s]
         o = slot_offsets(q_pos, s_k)[:, None]
-        q_at = (q_slot[None].float() + o)[:, None, None, :, None]
-        k_at = (k_slot[None].float() + o)[:, None, None, None, :]
+        at = ((q_slot[None].float() + o)[:, None, None, :, None], (k_slot[None].float() + o)[:, None, None, None, :])
     rows = []
     for qs in range(0, s_q, block):
         qe = min(qs + block, s_q)
@@ -252,30 +317,9 @@ def blocked_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scali
             # the regions a block pair touches, from slot distances: Python integers, no host sync
             lo, hi = c0 + qs - (ke - 1), c0 + qe - 1 - ks
             dist = q_slot[qs:qe, None] - k_slot[None, ks:ke]  # [Bq, Bk]
-            s = None
-            for r, region in enumerate(rule.regions):  # the partition first, then a prefill's extra regions
-                maybe, whole = _touches(region, lo, hi)
-                if not maybe:
-                    continue
-                part = qs_r[r][..., qs:qe, :] @ ks_r[r][..., ks:ke, :].transpose(-1, -2)  # [b, n_kv, g, Bq, Bk]
-                if whole and r < n_part:
-                    s = part
-                    if n_part == len(rule.regions):
-                        break
-                    continue
-                if region.chunk:
-                    inside = region.contains(q_at[..., qs:qe, :], k_at[..., ks:ke])  # [b, 1, 1, Bq, Bk]
-                else:
-                    inside = (dist >= region.lo) & (dist < region.hi) if region.hi is not None else dist >= region.lo
-                if r < n_part:
-                    s = torch.where(inside, part, torch.zeros_like(part) if s is None else s)
-                else:  # counted again: more columns of scores, over the same values
-                    extra.append((part, inside))
+            s = _block_scores(rule, n_part, qs_r, ks_r, (qs, qe, ks, ke, lo, hi), dist, at, extra)
             s = _softcap(s.float() * scale, softcap)  # [b, n_kv, g, Bq, Bk]
-            vis = (dist >= 0) & (dist < sliding_window) if sliding_window else dist >= 0
-            if keep is not None:
-                blk = keep[..., ks:ke] if keep.shape[-2] == 1 else keep[..., qs:qe, ks:ke]
-                vis = vis & blk[:, :, None]  # [b, 1, 1, Bq, Bk]
+            vis = _block_visibility(dist, sliding_window, keep, (qs, qe, ks, ke))  # [b, 1, 1, Bq, Bk] or [Bq, Bk]
             if lo < 0 or (sliding_window and hi >= sliding_window) or keep is not None:  # masks only where needed
                 s = s.masked_fill(~vis, float("-inf"))
             vb = v[..., ks:ke, :].float()
@@ -283,14 +327,7 @@ def blocked_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scali
                 part = _softcap(part.float() * scale, softcap).masked_fill(~(vis & inside), float("-inf"))
                 s, vb = torch.cat((s, part), -1), torch.cat((vb, v[..., ks:ke, :].float()), -2)
             extra.clear()
-            m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-            p = (s - m_new).exp()
-            alpha = (m - m_new).exp()
-            l = l * alpha + p.sum(-1, keepdim=True)
-            if dropout:  # on the weights, not the normaliser: softmax first, then dropout
-                p = torch.nn.functional.dropout(p, dropout)
-            acc = acc * alpha + p @ vb
-            m = m_new
+            m, l, acc = _online_softmax_step(m, l, acc, s, vb, dropout)
         rows.append((acc / l.clamp_min(1e-30)).to(q.dtype))  # fully masked rows → 0
     return torch.cat(rows, -2).view(b, n_h, s_q, h_v)
 

@@ -1,9 +1,10 @@
 """Step one of every engine export: a patch → the transformers ``rope_parameters`` it serves.
 
-The strategy's own export hook (``register(export=...)``, via ``ropescale.export``) gives the
-transformers rope type; each engine module then translates that by rope type. Here: what no
-engine config expresses is refused with one line naming the engine, and dynamic NTK — which
-both engines serve statically — is frozen at a length the user names: the raised base
+The strategy's own export hook (``register(export=...)``, via
+``ropescale.models.native_rope_parameters``) gives the transformers rope type; each engine module
+(``ropescale.serving.engines``) then translates that by rope type. Here: what no engine config
+expresses is refused with one line naming the engine, and dynamic NTK — which the static engines
+(vLLM, llama.cpp) serve — is frozen at a length the user names: the raised base
 b' = b·(s·F/T − (s − 1))^(d/(d−2)) that ropescale's ``dynamic_ntk`` uses at F (vanilla for F ≤ T),
 written as ``rope_type: default``.
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ropescale.errors import InvalidInput
-from ropescale.export import native_rope_parameters
+from ropescale.models import native_rope_parameters
 from ropescale.patching import PatchHandle
 from ropescale.rope_config import text_config
 from ropescale.serving.rope import ExportRefused, check_length

@@ -2,8 +2,9 @@
 
 An ``EngineRope`` is one engine's rotary embedding for one served length: per-pair angular
 frequencies, the cos/sin magnitude and the softmax scale. ``ropescale_rope`` reads it from a
-patched model, the engine modules (``ropescale.serving.vllm``, ``ropescale.serving.gguf``) from
-an exported config re-implementing that engine's formulas, and ``compare`` says whether two agree.
+patched model, each engine's ``rope`` (``ropescale.serving.engines``: ``vllm_rope``,
+``llama_cpp_rope``) from an exported config re-implementing that engine's formulas, and
+``compare`` says whether two agree.
 
 Shapes: d = rotary dim (even), d/2 = rotary pairs. Units: frequencies in radians per token,
 lengths in tokens, angles in radians.

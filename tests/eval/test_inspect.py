@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from cli import main
@@ -158,3 +159,20 @@ def test_whole_numbers_written_as_floats_and_numpy_numbers_inspect_alike(tmp_pat
     for g in got:
         assert g.pop("strategy").startswith("dca:chunk_size=96")  # the label keeps the spelling
     assert got[0] == got[1] == got[2] and type(got[2]["params"]["chunk_size"]) is int
+
+
+def test_rotary_config_bare_is_vanilla_rope_and_refuses_a_mix():
+    """The bare configuration the command draws (moved out of cli.py, issue 30): θ_i = b^(-2i/d)."""
+    from eval.inspect import rotary_config
+    from ropescale.errors import InvalidInput
+
+    cfg = rotary_config(None, 8, 100.0, 16)
+    assert (cfg.dim, cfg.rope_theta, cfg.train_length, cfg.source) == (8, 100.0, 16, "d=8, b=100, T=16")
+    assert cfg.inv_freq.dtype == torch.float64
+    assert cfg.inv_freq.tolist() == pytest.approx([100.0 ** (-2 * i / 8) for i in range(4)], rel=1e-7)
+    with pytest.raises(InvalidInput, match="^--head-dim describe a bare configuration"):
+        rotary_config("reference", head_dim=8)
+    with pytest.raises(InvalidInput, match="missing --rope-theta, --original-max-position-embeddings$"):
+        rotary_config(None, head_dim=8)
+    with pytest.raises(InvalidInput, match="--head-dim must be even"):
+        rotary_config(None, 7, 100.0, 16)

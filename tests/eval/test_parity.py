@@ -35,7 +35,7 @@ def _fake_engine(tmp_path, monkeypatch, result: dict | None, exit_code: int = 0,
             f'echo "RuntimeError: the engine fell over" >&2\nexit {exit_code}\n')
     script.write_text("#!/bin/sh\n" + body)
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv(engines.ENGINES[engine]["env"], str(script))
+    monkeypatch.setenv(engines.driver_class(engine).python_env, str(script))
     return script
 
 
@@ -253,7 +253,16 @@ def test_cli_unknown_engine_is_one_line(tiny_model_dir, tmp_path, no_engines):
     res = CliRunner().invoke(main, ["parity", "--model", str(tiny_model_dir), "--strategy", "linear", "--lengths", "64",
                                     "--engines", "tgi", "-o", str(tmp_path / "o")])
     assert res.exit_code == 1
-    assert res.output.strip() == "Error: --engines tgi: choose from transformers, vllm, llama.cpp"
+    assert res.output.strip() == "Error: --engines tgi: choose from llama.cpp, transformers, vllm"
+
+
+def test_cli_takes_the_old_engine_name_gguf_with_one_note(tiny_model_dir, tmp_path, no_engines):
+    res = CliRunner().invoke(main, ["parity", "--model", str(tiny_model_dir), "--strategy", "linear", "--lengths", "64",
+                                    "--engines", "gguf", "-o", str(tmp_path / "o")])
+    assert res.exit_code == 0, res.output
+    assert res.output.count("Warning: engine 'gguf' is deprecated; use 'llama.cpp'") == 1
+    assert "FutureWarning" not in res.output
+    assert "llama.cpp linear" in res.output and "same" in res.output
 
 
 def test_cli_without_engines_writes_the_reports(tiny_model_dir, tmp_path, no_engines):

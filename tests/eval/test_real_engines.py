@@ -55,7 +55,8 @@ def test_llama_cpp_end_to_end_detects_what_the_converter_loses(tmp_path):
     non-default YaRN attention_factor (and dynamic NTK): llama.cpp then scores the text differently
     from the patched model, and the end-to-end numbers show it."""
     import ropescale
-    from eval.parity import _our_logprobs, _windows
+    from eval.engines.base import our_logprobs
+    from eval.parity import _windows
 
     src = engines.llama_cpp_source()
     for spec, params in (("yarn", {"factor": 4.0, "attention_factor": 1.0}), ("dynamic_ntk", {})):
@@ -69,7 +70,7 @@ def test_llama_cpp_end_to_end_detects_what_the_converter_loses(tmp_path):
         ids = _windows(tok, "kjv-heldout", [512], 1)[512]
         got = engines.run_engine("llama.cpp", {"mode": "logprobs", "jobs": [{"gguf": str(gguf), "n_ctx": 512,
                                                                             "ids": ids}]})
-        diff = e2e_numbers(_our_logprobs(m, ids), got["jobs"][0]["logprobs"])
+        diff = e2e_numbers(our_logprobs(m, ids), got["jobs"][0]["logprobs"])
         assert diff["max_abs_dlogp"] > 1e-2, (spec, diff)
 
 
@@ -111,9 +112,10 @@ def test_vllm_rotary_classes_compute_every_export_as_ropescale(tiny_model_dir, t
 @needs_vllm
 def test_vllm_rotary_classes_show_the_known_non_parities(tiny_model_dir, tmp_path, monkeypatch):
     """Configs the issue measured wrong, through vLLM's own code: never 'same'."""
-    from eval.parity import _fill_vllm_real, _link_model
+    from eval.engines.base import link_model
+    from eval.engines.vllm_engine import _fill_real
     from ropescale import load_model, patch, unpatch
-    from ropescale.serving.rope import compare, ropescale_rope
+    from ropescale.serving.rope import ropescale_rope
 
     m, _ = load_model(str(tiny_model_dir), device="cpu")
     unpatch(m)
@@ -126,7 +128,7 @@ def test_vllm_rotary_classes_show_the_known_non_parities(tiny_model_dir, tmp_pat
     }
     requests, expected = [], []
     for name, (rp, mpe, (strategy, params)) in cases.items():
-        folder = _link_model(tiny_model_dir, tmp_path / name,
+        folder = link_model(tiny_model_dir, tmp_path / name,
                              {**config, "max_position_embeddings": mpe,
                               "rope_parameters": {"rope_theta": 10000.0, **rp}})
         requests.append({"model": str(folder), "max_model_len": 128, "length": 128})
@@ -138,7 +140,7 @@ def test_vllm_rotary_classes_show_the_known_non_parities(tiny_model_dir, tmp_pat
 
     for (name, _), ours, case in zip(cases.items(), expected, got["cases"]):
         row = ParityRow("vllm", name, 128, "", "")
-        _fill_vllm_real(row, ours, case, 128, compare, got["vllm"])
+        _fill_real(row, ours, case, 128, got["vllm"])
         assert row.same is False and row.verdict.startswith("differs:"), (name, row.verdict)
     assert "cache holds 64 positions" in row.verdict and row.max_angle_diff == math.inf
 
@@ -167,13 +169,13 @@ _REFUSAL_CASES = {  # rope_parameters of save_patched's config.json (max_positio
 def test_vllm_rope_says_when_vllm_refuses_a_length_as_vllm_does(tiny_model_dir, tmp_path, monkeypatch, kind):
     """vLLM's own ModelConfig (no VLLM_ALLOW_LONG_MAX_MODEL_LEN) against vllm_rope's ``failure`` on the
     configs save_patched writes, served at 4T = 128."""
-    from eval.parity import _link_model
-    from ropescale.serving.vllm import vllm_rope
+    from eval.engines.base import link_model
+    from ropescale.serving.engines.vllm import vllm_rope
 
     monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
     config = {**json.loads((tiny_model_dir / "config.json").read_text()), "max_position_embeddings": 32,
               "rope_parameters": {"rope_theta": 10000.0, **_REFUSAL_CASES[kind]}}
-    folder = _link_model(tiny_model_dir, tmp_path / kind, config)
+    folder = link_model(tiny_model_dir, tmp_path / kind, config)
     got = engines.run_engine("vllm", {"mode": "rope", "cases": [{"model": str(folder), "max_model_len": 128,
                                                                 "length": 128}]})["cases"][0]
     vllm_refuses = "max_model_len" in got.get("error", "")
@@ -183,13 +185,13 @@ def test_vllm_rope_says_when_vllm_refuses_a_length_as_vllm_does(tiny_model_dir, 
 
 @needs_vllm
 def test_vllm_rope_reimplementation_matches_vllm_reading_the_exported_folder(tiny_model_dir, tmp_path):
-    """ropescale.serving.vllm.vllm_rope against vLLM itself reading each exported config.json
+    """ropescale.serving.vllm_rope against vLLM itself reading each exported config.json
     (ModelConfig's rope standardisation, then get_rope): θ within 1e-5 relative, magnitude within 1e-6."""
     import torch
 
-    from eval.parity import _link_model
+    from eval.engines.base import link_model
     from ropescale import load_model, patch, unpatch
-    from ropescale.serving.vllm import export_vllm, vllm_rope
+    from ropescale.serving.engines.vllm import export_vllm, vllm_rope
     from ropescale.strategies import get_strategy
 
     m, _ = load_model(str(tiny_model_dir), device="cpu")
@@ -202,7 +204,7 @@ def test_vllm_rope_reimplementation_matches_vllm_reading_the_exported_folder(tin
             with patch(m, spec.name, **params) as handle:
                 freeze = length if spec.name == "dynamic_ntk" else None  # the other rules refuse it
                 export = export_vllm(handle, length, freeze_dynamic_at=freeze)
-            folder = _link_model(tiny_model_dir, tmp_path / f"{spec.name}-{len(cases)}", export.config)
+            folder = link_model(tiny_model_dir, tmp_path / f"{spec.name}-{len(cases)}", export.config)
             cases.append({"model": str(folder), "max_model_len": export.max_model_len, "length": length})
             mine.append((text, length, vllm_rope(export.config, export.max_model_len)))
     got = engines.run_engine("vllm", {"mode": "rope", "cases": cases})["cases"]

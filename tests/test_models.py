@@ -1,15 +1,15 @@
-"""save_patched → plain transformers reproduces what it can express and refuses the rest."""
+"""ropescale.models: save_patched → plain transformers reproduces what it can express
+(``exported_config``, from each strategy's export hook) and refuses the rest; load_model restores it."""
 
+import inspect
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 import ropescale
-import ropescale.export
-from tests.conftest import build, tiny_llama_config
+import ropescale.models
 from tests.families import family_model
 
 IDS = torch.randint(0, 256, (1, 100), generator=torch.Generator().manual_seed(3))
@@ -91,37 +91,22 @@ def test_dynamic_ntk_with_a_different_training_window_is_not_native(tmp_path, ti
     assert json.loads((tmp_path / "ropescale.json").read_text())["native"] is False
 
 
-def test_legacy_rope_scaling_and_rope_theta_keys_are_read(tmp_path):
-    model = build(LlamaForCausalLM, tiny_llama_config())
-    model.save_pretrained(tmp_path)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg.pop("rope_parameters")
-    cfg.update(rope_theta=500000.0, rope_scaling={"type": "linear", "factor": 2.0})  # a v4-era config
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    legacy = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert legacy.config.rope_parameters["rope_type"] == "linear"
-    with ropescale.patch(legacy, "linear", factor=2.0) as h:
-        assert h.context["rope_theta"] == 500000.0
-        with torch.no_grad():
-            patched = legacy(IDS).logits
-    with torch.no_grad():
-        torch.testing.assert_close(patched, legacy(IDS).logits, rtol=0, atol=1e-5)
-
-
 def test_export_is_a_hook_registered_with_each_strategy():
-    """Which strategies transformers can express is declared beside each strategy; export.py has
-    no list of names."""
+    """Which strategies transformers can express is declared beside each strategy; models.py (its
+    ``exported_config``) has no list of names."""
     from ropescale.strategies import REGISTRY
 
     assert {name for name, s in REGISTRY.items() if s.export is not None} == {name for name, _ in NATIVE}
     assert all(s.kind == "frequency" for s in REGISTRY.values() if s.export is not None)
-    source = Path(ropescale.export.__file__).read_text(encoding="utf-8")
+    source = "".join(inspect.getsource(f) for f in (ropescale.models.exported_config,
+                                                    ropescale.models.native_rope_parameters))
+    assert "export(" in source  # the hook is what is called
     assert not any(f'"{name}"' in source for name, _ in NATIVE)
 
 
 @torch.no_grad()
 def test_a_newly_registered_strategy_exports_through_its_hook(tmp_path, tiny_llama):
-    """A strategy registered with an ``export`` hook is saved natively with no change to export.py:
+    """A strategy registered with an ``export`` hook is saved natively with no change to models.py:
     here position interpolation under another name, checked against transformers' own linear."""
     from ropescale.strategies import REGISTRY, register
     from ropescale.strategies.frequency import FACTOR, rope_inv_freq

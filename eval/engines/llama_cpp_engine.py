@@ -1,0 +1,114 @@
+"""llama.cpp's parity driver: the GGUF metadata as its runtime reads it, and end-to-end log-probabilities.
+
+Each export is written into a GGUF (``exports/gguf/<case>.gguf``: the base GGUF — ``--gguf``, else
+llama.cpp's own converter run on the model once — with its rope metadata rewritten). Where llama.cpp
+is installed (``ROPESCALE_LLAMA_CPP_PYTHON``, ``<root>/llama``), its driver script
+(``llama_cpp_driver.py``) loads every GGUF and answers its metadata as the runtime read it, which
+``llama_cpp_rope`` turns into the rotation (the rotation itself runs inside ggml's graph, which
+llama-cpp-python does not expose; the end-to-end log-probabilities check it). Otherwise the row is
+``llama_cpp_rope`` on the exported metadata. ``--baseline``: llama.cpp's converter run on
+save_patched's folder (needs llama.cpp installed).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ropescale.errors import InvalidInput
+from ropescale.serving.engines.llama_cpp import llama_cpp_rope
+from ropescale.serving.gguf import read_gguf_rope, rewrite_gguf
+
+from . import llama_cpp_source, run_engine
+from .base import Case, EngineDriver, case_name, fill
+
+__all__ = ["LlamaCppDriver"]
+
+
+def _json_value(text: str) -> Any:
+    """A metadata value as llama.cpp prints it (a string) back as a number where it is one."""
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return text
+
+
+class LlamaCppDriver(EngineDriver):
+    name = "llama.cpp"
+    python_env = "ROPESCALE_LLAMA_CPP_PYTHON"
+    venv = "llama"
+    script = "llama_cpp_driver.py"
+    as_written = "llama.cpp's converter on save_patched"
+
+    def __init__(self, engine, run):
+        super().__init__(engine, run)
+        self.pending: list[tuple] = []  # (row, ours, gguf path, length, rotary dim)
+        self.conversions: list[dict] = []  # baseline GGUFs to make with llama.cpp's converter
+
+    def serve(self, row, case: Case, translation) -> None:
+        path = None
+        if self.installed or self.run.gguf is not None:
+            if self.run.gguf is None:
+                self.run.gguf = self._convert_base()
+            path = rewrite_gguf(self.run.gguf, self.run.exports / "gguf" / f"{case.slug}.gguf", translation)
+        if self.installed:
+            self.pending.append((row, case.ours, path, case.length, case.context["dim"]))
+        else:
+            self.reimplemented(row, case, translation)
+        if case.ids is not None:
+            self.jobs.append((row, {"gguf": str(path), "n_ctx": case.length, "ids": case.ids, "ours": case.ours_lp}))
+
+    def _convert_base(self) -> Path:
+        """llama.cpp's converter on the model folder (f32), once per output folder."""
+        run = self.run
+        dst = run.exports / "gguf" / "base-f32.gguf"
+        if dst.is_file():
+            return dst
+        source = llama_cpp_source()
+        if source is None:
+            raise InvalidInput("no llama.cpp source with convert_hf_to_gguf.py (bench/engines/install.sh puts it in "
+                               "<prefix>/llama/src/llama.cpp; or set ROPESCALE_LLAMA_CPP_SOURCE, or give --gguf "
+                               "BASE.gguf)")
+        run.say(f"llama.cpp: converting {run.src.name} to GGUF (f32) with llama.cpp's converter")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        run_engine("llama.cpp", {"mode": "convert", "model": str(run.src), "out": str(dst), "source": str(source),
+                                 "outtype": "f32"}, script="convert_gguf.py", log_dir=run.logs)
+        return dst
+
+    def baseline_ready(self) -> bool:
+        return self.installed  # the converter runs in llama.cpp's environment
+
+    def add_baseline(self, row, case: Case, folder, config: dict) -> None:
+        path = self.run.exports / "as-written" / f"{case.slug}.gguf"
+        row.export = "GGUF from convert_hf_to_gguf.py"
+        self.conversions.append({"model": str(folder), "out": str(path)})
+        self.pending.append((row, case.ours, path, case.length, case.context["dim"]))
+        if case.ids is not None:
+            self.jobs.append((row, {"gguf": str(path), "n_ctx": case.length, "ids": case.ids, "ours": case.ours_lp}))
+
+    def finish(self) -> None:
+        run = self.run
+        if self.conversions:
+            source = llama_cpp_source()
+            if source is None:
+                raise InvalidInput("--baseline needs llama.cpp's converter (convert_hf_to_gguf.py): set "
+                                   "ROPESCALE_LLAMA_CPP_SOURCE or install with bench/engines/install.sh")
+            run.say(f"llama.cpp: converting {len(self.conversions)} save_patched folders with llama.cpp's converter")
+            run_engine("llama.cpp", {"mode": "convert", "source": str(source), "outtype": "f32",
+                                     "jobs": self.conversions}, script="convert_gguf.py", log_dir=run.logs)
+        if self.pending:
+            run.say(f"llama.cpp: runtime metadata of {len(self.pending)} GGUFs")
+            res = run_engine("llama.cpp", {"mode": "rope", "cases": [{"gguf": str(p), "n_ctx": n}
+                                                                     for _, _, p, n, _ in self.pending]},
+                             log_dir=run.logs)
+            version = res.get("llama_cpp", "?")
+            self.version = f"llama-cpp-python {version}"
+            asked = [case_name(r) for r, *_ in self.pending]
+            for (row, ours, path, length, dim), got in zip(self.pending, self.answers(res, "cases", asked, ("meta",))):
+                kv = {k: _json_value(v) for k, v in got["meta"].items()}
+                _, tensors = read_gguf_rope(path)
+                fill(row, ours, llama_cpp_rope(kv, tensors, length, dim), length,
+                     f"llama.cpp {version} runtime metadata + llama_cpp_rope")
+        self.end_to_end()

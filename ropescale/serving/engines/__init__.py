@@ -1,0 +1,126 @@
+"""Serving engines behind the registry: one module per engine, each an ``Engine`` subclass.
+
+An engine is one registered entry (``ENGINES``, the project's ``ropescale.registry.Registry``):
+every module of this package is imported on first lookup (``transformers``, ``vllm``,
+``llama_cpp``), and an installed package adds engines through the ``ropescale.engines``
+entry-point group. Subclassing ``Engine`` with a ``name`` registers it. Its steps, in the order
+``ropescale.serving.export_for`` runs them:
+
+1. **check** (``check``): what needs no model — the files it reads (``--gguf``), where it writes;
+2. **translate** (``translate``): the patch at a served length → the engine's settings (an object
+   with ``notes``: what the export had to decide), or ``ExportRefused`` (one line naming the
+   engine and the reason) for what the engine cannot express. Most engines start from
+   ``ropescale.serving.plan.served_rope_parameters`` (the transformers ``rope_parameters``);
+3. **write** (``write``): the files the engine loads, into a staging folder (whole or nothing);
+4. **rope** (``rope``): what the engine computes from those settings, an ``EngineRope`` — a
+   documented re-implementation of the engine's own formulas, compared with ropescale's by
+   ``ropescale parity`` where the engine is not installed;
+5. **serve** (``serve_command``): the command line that serves what was written.
+
+The harness side (``ropescale parity``: the real engine run as a subprocess, end-to-end
+log-probabilities) is the engine's driver in ``eval/engines/`` (``eval.engines.base``); an
+engine without one is compared through ``rope`` alone.
+
+One name per engine: ``transformers``, ``vllm``, ``llama.cpp``. ``gguf``, the file format
+llama.cpp's export was once named by, still resolves to ``llama.cpp`` with a ``FutureWarning``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ropescale.errors import UnknownNameError
+from ropescale.patching import PatchHandle
+from ropescale.registry import Registry
+from ropescale.serving.rope import EngineRope
+
+__all__ = ["ALIASES", "ENGINES", "Engine", "UnknownEngineError", "engine_names", "get_engine"]
+
+# old names → the engine's one name (each resolved with a FutureWarning)
+ALIASES = {"gguf": "llama.cpp"}
+
+
+class UnknownEngineError(UnknownNameError, ValueError):
+    """No serving engine of that name (the message lists the known ones)."""
+
+
+class Engine:
+    """One serving engine: subclass with ``name`` set (registering it) and implement ``translate``,
+    ``write`` and ``rope``; the class attributes say what ``export_for`` checks for it.
+
+    name: the engine's one name (``--engine NAME``, ``export_for(model, NAME, ...)``).
+    label: how messages name it (``"vLLM"``).
+    static: it serves one static rotation, so dynamic NTK is frozen at a length (``freeze_dynamic_at``)
+        and a served length is required; False for an engine that recomputes it per length as
+        ropescale does (transformers), where ``freeze_dynamic_at`` is refused.
+    folder: it writes a model folder from the weights (a tokenizer is required).
+    reads_gguf: it rewrites an existing GGUF (``export_for(..., gguf=BASE)``, ``--gguf``).
+    rope_source: what ``rope`` re-implements, named in parity rows (``ropescale.serving.vllm_rope``).
+    """
+
+    name: ClassVar[str] = ""
+    label: ClassVar[str] = ""
+    static: ClassVar[bool] = True
+    folder: ClassVar[bool] = True
+    reads_gguf: ClassVar[bool] = False
+    rope_source: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        name = cls.__dict__.get("name")
+        if name:
+            cls.label = cls.__dict__.get("label") or name
+            ENGINES.add(name, cls)
+
+    def check(self, output: Path, *, gguf: Path | None) -> None:
+        """Checks of this engine's own that need no model, before anything is loaded or written
+        (``output``: the checked output folder). Raises ``InvalidInput`` (one line)."""
+
+    def translate(self, handle: PatchHandle, serve_length: int | None, *, freeze_dynamic_at: int | None = None):
+        """The engine's settings for ``handle`` at ``serve_length`` [tokens]: an object with ``notes``
+        (list of str). Raises ``ExportRefused`` ("<label>: why", one line)."""
+        raise NotImplementedError
+
+    def write(self, model, tokenizer, translation, output: Path, *, gguf: Path | None = None) -> tuple[Path, list[str]]:
+        """Write ``translation`` for ``model`` into ``output`` (staged: whole or nothing); returns the
+        path served (the folder, or the file) and notes added while writing."""
+        raise NotImplementedError
+
+    def rope(self, translation, length: int, context: dict[str, Any]) -> EngineRope:
+        """What the engine computes from ``translation`` at sequence length ``length`` [tokens]
+        (``context``: the patched layers' ``dim``, ``rope_theta``, ``original_max_position_embeddings``)."""
+        raise NotImplementedError(f"{self.name}: no re-implementation of its rope")
+
+    def serve_command(self, translation, path: Path, serve_length: int | None) -> str | None:
+        """The command line serving ``path`` (what ``write`` returned) at ``serve_length``, or None."""
+        return None
+
+    def usage(self, translation, path: Path, command: str | None) -> str | None:
+        """One line telling the user how to serve ``path`` (default: ``serve it with: COMMAND``)."""
+        return None if command is None else f"serve it with: {command}"
+
+    def describe(self, translation) -> str:
+        """One line: what the export set (a parity table's ``export`` column)."""
+        return ""
+
+
+ENGINES: Registry[type[Engine]] = Registry("engine", "engines", UnknownEngineError, package=__name__,
+                                           plugins="ropescale.engines")
+
+
+def engine_names() -> list[str]:
+    """The registered engines' names (bundled and plugins), sorted."""
+    return ENGINES.names()
+
+
+def get_engine(name: str, *, stacklevel: int = 2) -> Engine:
+    """The engine ``name`` (an instance); an old name of ``ALIASES`` with a ``FutureWarning``
+    (``stacklevel``: whose line it names, as ``warnings.warn``'s: 2 is the caller's);
+    ``UnknownEngineError`` (one line: a close match and the known names) otherwise."""
+    if isinstance(name, str) and name in ALIASES:
+        warnings.warn(f"engine {name!r} is deprecated; use {ALIASES[name]!r}", FutureWarning,
+                      stacklevel=stacklevel)
+        name = ALIASES[name]
+    return ENGINES.lookup(name)()
