@@ -116,11 +116,17 @@ def test_budget_below_one_is_refused(tmp_path):
 def test_two_processes_share_one_study(tmp_path):
     url = _url(tmp_path)
     optuna().create_study(storage=url, study_name="s", direction="minimize")  # created once, before both start
-    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
+    # both processes start their search together (a start barrier of two files): under load one
+    # interpreter's start-up can outlast the other's whole search, leaving nothing to share
+    code = (f"import sys, time; sys.path.insert(0, {str(ROOT)!r})\n"
+            "from pathlib import Path\n"
             "from tests.eval.search.test_tuner import SPACE, bowl\n"
             "from eval.search.tuner import run_study\n"
+            f"ready = Path({str(tmp_path)!r})\n"
+            "(ready / f'ready-{sys.argv[1]}').touch()\n"
+            "while len(list(ready.glob('ready-*'))) < 2: time.sleep(0.01)\n"
             f"run_study(SPACE, bowl, storage={url!r}, study_name='s', seed=0, budget=16)\n")
-    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT) for _ in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(i)], cwd=ROOT) for i in range(2)]
     assert [p.wait(timeout=300) for p in procs] == [0, 0]
     study = optuna().load_study(study_name="s", storage=url)
     done = finished(study)
