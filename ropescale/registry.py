@@ -24,6 +24,7 @@ A plugin package declares, in its ``pyproject.toml``::
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import importlib.metadata
 import pkgutil
@@ -83,13 +84,7 @@ class Registry(dict, Generic[T]):
             return
         self._plugged = True
         for ep in importlib.metadata.entry_points(group=self.plugins):
-            try:
-                ep.load()
-            except Exception as e:  # noqa: BLE001  (any failure of a plugin skips it, never stops ropescale)
-                error = " ".join(f"{type(e).__name__}: {e}".split())  # one line
-                # warn_explicit with line 0 of a pseudo-file: the warning prints as one line, no source line
-                warnings.warn_explicit(f"{self.plugins} plugin {ep.name!r} ({ep.value}) not loaded: {error}",
-                                       PluginWarning, filename=f"<plugin {ep.name}>", lineno=0)
+            _load_entry_point(ep)
 
     def names(self) -> list[str]:
         self.discover()
@@ -104,3 +99,17 @@ class Registry(dict, Generic[T]):
             hint = difflib.get_close_matches(str(name), list(self), n=1)
             raise self.error(f"unknown {self.kind} {name!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
                              + f"; known {self.plural}: {', '.join(sorted(self))}") from None
+
+
+@functools.cache
+def _load_entry_point(ep: importlib.metadata.EntryPoint) -> None:
+    """Import one plugin entry point, once per process: two registries reading one group (the
+    library's engines and the harness's engine drivers) import it once, and a broken one is one
+    ``PluginWarning`` line, not one per registry."""
+    try:
+        ep.load()
+    except Exception as e:  # noqa: BLE001  (any failure of a plugin skips it, never stops ropescale)
+        error = " ".join(f"{type(e).__name__}: {e}".split())  # one line
+        # warn_explicit with line 0 of a pseudo-file: the warning prints as one line, no source line
+        warnings.warn_explicit(f"{ep.group} plugin {ep.name!r} ({ep.value}) not loaded: {error}",
+                               PluginWarning, filename=f"<plugin {ep.name}>", lineno=0)

@@ -210,6 +210,24 @@ def test_a_broken_plugin_is_one_warning_line_and_ropescale_still_works(tmp_path)
     assert "ModuleNotFoundError: No module named 'rs_no_such_module'" in lines[0]
 
 
+def test_a_broken_engine_plugin_warns_once_though_two_registries_read_its_group(tmp_path):
+    # the library's engines and the harness's engine drivers both read ropescale.engines
+    (tmp_path / "rs_broken_engine.py").write_text("import rs_no_such_module\n", encoding="utf-8")
+    _distribution(tmp_path, "rs_broken_engine", """\
+        [ropescale.engines]
+        broken = rs_broken_engine
+        """)
+    probe = ("from ropescale.serving.engines import engine_names\n"
+             "from eval.engines import DRIVERS\n"
+             "print(engine_names(), DRIVERS.names())\n")
+    done = _run(tmp_path, "-c", probe)
+    assert done.returncode == 0, done.stderr
+    assert "vllm" in done.stdout and "llama.cpp" in done.stdout
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "ropescale.engines plugin 'broken'" in lines[0]
+
+
 def test_a_plugin_package_adds_an_engine_for_export_patch_and_parity(tmp_path, tiny_model_dir):
     """The plugin's engine, by its name, in export_for, `ropescale patch --engine` and `ropescale parity`
     (its own driver), with no change to ropescale. Oracle: NTK's base b·s^(d/(d−2)) written out, d = 16,
