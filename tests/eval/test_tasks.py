@@ -38,7 +38,7 @@ def test_task_options_sit_under_the_task_name():
 
 @pytest.mark.parametrize("raw,match", [
     ({"task": "pasky"}, "unknown task 'pasky'"),
-    ({"task": "passkey", "passkey": {"trails": 3}}, "passkey.trails: Extra inputs are not permitted"),
+    ({"task": "passkey", "passkey": {"trails": 3}}, "passkey.trails: unknown key; allowed: .*did you mean 'trials'"),
     ({"task": "passkey", "passkey": {"depths": [2]}}, r"passkey.depths: depths must lie in \[0, 1\]"),
     ({"task": "passkey", "mode": "chunk"}, "mode: unknown key; allowed: .*passkey"),
     ({"task": "passkey", "paskey": {"trials": 3}}, "paskey: unknown key.*did you mean 'passkey'"),
