@@ -116,8 +116,9 @@ def test_budget_below_one_is_refused(tmp_path):
 def test_two_processes_share_one_study(tmp_path):
     url = _url(tmp_path)
     optuna().create_study(storage=url, study_name="s", direction="minimize")  # created once, before both start
-    # both processes start their search together (a start barrier of two files): under load one
-    # interpreter's start-up can outlast the other's whole search, leaving nothing to share
+    # both processes start their search together (a start barrier of two files) and each trial takes
+    # 0.1 s: under load one interpreter's start-up outlasted the other's whole search (16 trials of a
+    # cheap bowl), leaving it nothing to share
     code = (f"import sys, time; sys.path.insert(0, {str(ROOT)!r})\n"
             "from pathlib import Path\n"
             "from tests.eval.search.test_tuner import SPACE, bowl\n"
@@ -125,7 +126,8 @@ def test_two_processes_share_one_study(tmp_path):
             f"ready = Path({str(tmp_path)!r})\n"
             "(ready / f'ready-{sys.argv[1]}').touch()\n"
             "while len(list(ready.glob('ready-*'))) < 2: time.sleep(0.01)\n"
-            f"run_study(SPACE, bowl, storage={url!r}, study_name='s', seed=0, budget=16)\n")
+            "slow_bowl = lambda p: (time.sleep(0.1), bowl(p))[1]  # each trial long enough for the other to ask\n"
+            f"run_study(SPACE, slow_bowl, storage={url!r}, study_name='s', seed=0, budget=16)\n")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(i)], cwd=ROOT) for i in range(2)]
     assert [p.wait(timeout=300) for p in procs] == [0, 0]
     study = optuna().load_study(study_name="s", storage=url)
