@@ -245,7 +245,8 @@ def test_bad_options_are_refused(bad, match):
 
 
 def test_bad_config_is_one_line():
-    with pytest.raises(ConfigError, match=r"^config: niah_multikey_depths.kys: unknown key; allowed: .*\(did you mean 'keys'\?\)$"):
+    one_line = r"^config: niah_multikey_depths.kys: unknown key; allowed: .*\(did you mean 'keys'\?\)$"
+    with pytest.raises(ConfigError, match=one_line):
         build_config({"task": "niah_multikey_depths", "lengths": [512], "strategies": ["vanilla"],
                       "niah_multikey_depths": {"kys": 3}})
     with pytest.raises(ConfigError, match=r"^config: length 64 cannot hold a niah_multikey prompt: its header, "
