@@ -7,35 +7,19 @@ and at the tokenizer's call on the run's documents; the searches' walks are in
 from __future__ import annotations
 
 import pytest
-from transformers import AutoTokenizer
-from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from eval.config import build_config
 from eval.sweep import run_sweep
 from ropescale.runs.data import DataSpec, load_documents
 from ropescale.training import build_finetune_config, finetune
+from tests.load_counts import count_loads
 
 
 @pytest.fixture
 def counted(monkeypatch, tiny_model_dir, text_file):
     """``{"tokenizers": n, "data": n}``: tokenizers loaded, and calls tokenizing ``text_file``'s documents
     (the tiny model is saved first: its fixture loads a tokenizer of its own)."""
-    counts = {"tokenizers": 0, "data": 0}
-    docs = load_documents(DataSpec(source=str(text_file)))
-    load, call = AutoTokenizer.from_pretrained, PreTrainedTokenizerBase.__call__
-
-    def from_pretrained(*args, **kwargs):
-        counts["tokenizers"] += 1
-        return load(*args, **kwargs)
-
-    def tokenize(self, text=None, *args, **kwargs):
-        if isinstance(text, list) and text == docs:
-            counts["data"] += 1
-        return call(self, text, *args, **kwargs)
-
-    monkeypatch.setattr(AutoTokenizer, "from_pretrained", staticmethod(from_pretrained))
-    monkeypatch.setattr(PreTrainedTokenizerBase, "__call__", tokenize)
-    return counts
+    return count_loads(monkeypatch, load_documents(DataSpec(source=str(text_file))))
 
 
 def test_a_sweep_loads_the_tokenizer_once_and_tokenizes_its_data_once(counted, tiny_model_dir, text_file, tmp_path):

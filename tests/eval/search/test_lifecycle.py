@@ -6,12 +6,11 @@ at the tokenizer's call on the search split's documents."""
 from __future__ import annotations
 
 import pytest
-from transformers import AutoTokenizer
-from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from eval.search.config import build_search_config
 from eval.search.run import run_search
 from ropescale.runs.data import DataSpec, load_documents
+from tests.load_counts import count_loads
 
 pytestmark = pytest.mark.slow
 
@@ -24,22 +23,7 @@ EVOLUTION = {"model": "reference", "strategy": "longrope", "method": "evolution"
 @pytest.fixture
 def counted(monkeypatch):
     """``{"tokenizers": n, "data": n}``: tokenizers loaded, and calls tokenizing the search split."""
-    counts = {"tokenizers": 0, "data": 0}
-    docs = load_documents(DataSpec(source="kjv-train"))
-    load, call = AutoTokenizer.from_pretrained, PreTrainedTokenizerBase.__call__
-
-    def from_pretrained(*args, **kwargs):
-        counts["tokenizers"] += 1
-        return load(*args, **kwargs)
-
-    def tokenize(self, text=None, *args, **kwargs):
-        if isinstance(text, list) and text == docs:
-            counts["data"] += 1
-        return call(self, text, *args, **kwargs)
-
-    monkeypatch.setattr(AutoTokenizer, "from_pretrained", staticmethod(from_pretrained))
-    monkeypatch.setattr(PreTrainedTokenizerBase, "__call__", tokenize)
-    return counts
+    return count_loads(monkeypatch, load_documents(DataSpec(source="kjv-train")))
 
 
 @pytest.mark.parametrize("raw", [TPE, EVOLUTION], ids=["tpe", "evolution"])
