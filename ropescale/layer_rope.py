@@ -5,12 +5,12 @@ which pairing and with which sign, is not written anywhere a patcher can read: N
 (Llama 4, SmolLM3, Cohere 2's global layers), rotary channels at the end of the head (DeepSeek's
 MLA), interleaving decided in attention from halves-layout cos/sin (GLM, Ernie 4.5), a mirrored
 ``rotate_half`` (NanoChat) all look the same from the rotary module. So ``probe_layers`` *watches*
-each layer: one forward of a single token per batch row, through a recording attention function,
-once with every rotary module's frequencies set to zero (RoPE becomes the identity, times the
-module's own attention factor) and once as the model is, at position p. With one token, attention
-over a single key returns its value whatever the score, and q and k of one position turn by the
-same angle, so the two forwards carry identical hidden states into every layer: the difference
-between the two queries (keys) a layer hands to attention is exactly its rotation. Each
+each layer: one forward of tokens at positions 0..p per batch row, through a recording attention
+function, once as the model is and once with every rotary module's frequencies set to zero (RoPE
+becomes the identity, times the module's own attention factor), each layer's input held to the first
+forward's by a pre-hook, so the difference between the two queries (keys) a layer hands to attention
+for the token at p is exactly its rotation. (The tokens before p give a sparse-attention indexer that
+anchors key blocks to slots — MiniMax M3 — the keys it expects; only the last token is compared.) Each
 candidate contract — a frequency set of the model, the channels [start, start + d), halves or
 interleaved pairs, sign ±1 — is replayed on the identity-run q and k and kept when it reproduces
 the model's (checked at two positions). A layer whose q and k do not change is a layer without
@@ -58,7 +58,8 @@ class LayerRope:
     kind: ``"rope"`` (it rotates q and k as described below), ``"none"`` (no RoPE: q and k do not
     depend on positions) or ``"unknown"`` (it rotates, but no contract ropescale knows reproduces it);
     site: the frequency set it rotates with (``"rope"`` only); full_mask: an indexer reads or selects keys from
-    the full causal mask (DeepSeek-V3.2's DSA, Qwen4's QSA), so attention gets masks as the model builds them;
+    the full causal mask (DeepSeek-V3.2's DSA, Qwen4's QSA, MiniMax M3's blocks), so attention gets masks as the model
+    builds them;
     additive_mask: its mask adds a learned per-head bias; start, dim: the rotary
     channels [start, start + dim) of each q/k head; interleaved: pairs (2i, 2i+1) instead of (i, i + d/2);
     sign: +1 (the Llama lineage) or −1 (a mirrored ``rotate_half``); head_dim, v_head_dim: q/k and value
@@ -77,7 +78,7 @@ class LayerRope:
     head_dim: int = 0
     v_head_dim: int = 0
     passes_position_ids: bool = True
-    full_mask: bool = False  # an indexer reads or selects from the full causal mask (DSA, QSA): masks as built
+    full_mask: bool = False  # an indexer reads or selects from the full causal mask (DSA, QSA, MiniMax M3)
     additive_mask: bool = False  # the mask carries a per-head additive bias (Doge's dynamic mask)
 
     @property
@@ -120,8 +121,11 @@ def _record(module, query, key, value, attention_mask, **kwargs):
     if module not in rec.calls:
         additive = (attention_mask is not None and attention_mask.is_floating_point() and attention_mask.dim() == 4
                     and attention_mask.shape[1] > 1)  # [b, n_h, s_q, s_k]: a bias per head, not a padding mask
-        rec.calls[module] = (query.detach().clone(), key.detach().clone(), value.shape[-1],
-                             kwargs.get("position_ids") is not None, kwargs.get("indices") is not None, additive)
+        # the last token's q and k (at the probed position; the tokens before it only give the model the keys an
+        # indexer anchored to slots needs: MiniMax M3 selects key blocks by position)
+        rec.calls[module] = (query[..., -1:, :].detach().clone(), key[..., -1:, :].detach().clone(), value.shape[-1],
+                             kwargs.get("position_ids") is not None,
+                             any(k.endswith("indices") and v is not None for k, v in kwargs.items()), additive)
         rec.order.append(module)
     return _base_attention(module, rec.base)(module, query, key, value, attention_mask, **kwargs)
 
@@ -185,8 +189,8 @@ def _forward(model, recorder: _Recorder, position: int, inputs: dict | None = No
     device = next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
     vocab = getattr(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config,
                     "vocab_size", 8) or 8
-    ids = torch.tensor([[1 % vocab], [2 % vocab]], device=device)  # [b=2, s=1]
-    pos = torch.full_like(ids, position)
+    ids = torch.tensor([[1 % vocab], [2 % vocab]], device=device).expand(2, position + 1)  # [b=2, s=p+1]
+    pos = torch.arange(position + 1, device=device).expand(2, -1)  # the probed token last, at p
     hooks = []
     for module in (inputs or capture or {}):
 
@@ -264,7 +268,7 @@ def probe_layers(model: nn.Module, modules: dict[str, nn.Module], sites: list[Ro
     the probe forward itself fails (the reason is then unknown: callers refuse what needs it).
 
     ``modules``: the model's named modules; ``sites``: every frequency set of the model's rotary
-    modules. Runs 1 + 2·2 forwards of one token per batch row, each layer's input held fixed between the
+    modules. Runs 1 + 2·2 forwards of p + 1 ≤ 8 tokens per batch row, each layer's input held fixed between the
     forwards it is compared across (forward pre-hooks); the model is left as it was. A layer is without RoPE
     when its q and k do not move with the frequencies (``patch`` first checks that every rotary module's
     output follows its buffers: ``rotary.ignores_buffers``).

@@ -502,6 +502,7 @@ def _patch_attention(model, handle: PatchHandle, strat: Strategy, found, modules
     inside the attention of each layer that rotates — with that layer's own frequencies, channels,
     pairing and sign, as ``probe_layers`` read them; layers without RoPE keep the model's attention."""
     from ropescale.attention import AttentionNotPluggableError, enable_truncation
+    from ropescale.attention.indexers import find_indexers, hook_indexers
 
     if handle.layers is None:
         raise AttentionNotPluggableError(
@@ -546,6 +547,10 @@ def _patch_attention(model, handle: PatchHandle, strat: Strategy, found, modules
         handle._active = True
         _replace_shipped_temperature(model, handle, strat)
         rotaries = [m for _, m in found]
+        indexers = [ix for info in rotating if info.full_mask for ix in find_indexers(modules[info.name])]
+        if indexers:  # they select keys with the model's own rotation, not the identity the rule leaves
+            own = {f.module: f for f in handle._frequencies}
+            handle._restore.append(hook_indexers(indexers, rotaries, lambda m: own[m].own()))
         handle._restore.append(enable_truncation(
             model, rule, by_module, rotaries, path=path, block=block,
             logn=context["original_max_position_embeddings"] if logn else None,

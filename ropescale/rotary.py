@@ -16,6 +16,7 @@ Shapes: b = batch, s = sequence length, d = rotary dim (``2 · len(inv_freq)``).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -303,6 +304,36 @@ class FrequencyPatch:
             rp, rope_type = self._config_rope_type
             rp["rope_type"] = rope_type
             self._config_rope_type = None
+
+    @contextlib.contextmanager
+    def own(self):
+        """The module's own ``inv_freq`` and ``attention_scaling`` meanwhile (its ``rope_type`` still reads
+        ``default``), the strategy's put back after: what the model would compute, for a reader that must
+        keep it (a sparse-attention indexer under a relative rule, ``ropescale.attention.indexers``)."""
+        m, swapped = self.module, []
+        for name, value, is_buffer in self._saved:
+            if name in ("rope_type", "rope_init_fn"):
+                continue
+            if is_buffer:
+                now = m._buffers[name]
+                swapped.append((name, now, True))
+                m._buffers[name] = value.to(device=now.device)
+            else:
+                swapped.append((name, m.__dict__.get(name, _ABSENT), False))
+                if value is _ABSENT:
+                    m.__dict__.pop(name, None)
+                else:
+                    setattr(m, name, value)
+        try:
+            yield
+        finally:
+            for name, value, is_buffer in reversed(swapped):
+                if is_buffer:
+                    m._buffers[name] = value
+                elif value is _ABSENT:
+                    m.__dict__.pop(name, None)
+                else:
+                    setattr(m, name, value)
 
     def set_training_length(self, length: int | None) -> None:
         """Dynamic strategies' L in training mode: at least ``length`` [tokens]; None: from the

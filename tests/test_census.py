@@ -89,3 +89,22 @@ def test_outcomes_are_classified_by_what_was_raised():
     # a ValueError raised outside ropescale is no refusal
     assert classify(ValueError("from transformers")) == "crash: ValueError: from transformers"
     assert classify(RuntimeError("boom")) == "crash: RuntimeError: boom"
+
+
+def test_indexers_select_fewer_keys_than_the_rule_window():
+    """A sparse-attention indexer (DSA's index_topk, QSA's indexer_budget, MiniMax M3's index_topk_blocks of
+    index_block_size keys, any *index*topk/budget size) must drop
+    keys inside the relative rules' window, or the census cannot see a rule that ignores its selection."""
+    from tests.census.build import _fields, text_config, tiny_config
+    from tests.census.checks import WINDOW
+
+    sizes = {}
+    for name, t in types().items():
+        try:
+            f = _fields(text_config(tiny_config(t)))
+        except Exception:  # noqa: BLE001 — a type the census cannot configure is reported by its build check
+            continue
+        sizes |= {(name, k): v * (f.get("index_block_size", 1) if "block" in k else 1) for k, v in f.items()
+                  if "index" in k and ("topk" in k or "budget" in k) and isinstance(v, int)}  # [keys]
+    assert len({n for n, _ in sizes}) >= 8  # DSA's five types, QSA's two and MiniMax M3 in transformers 5.24
+    assert all(v < WINDOW for v in sizes.values()), {k: v for k, v in sizes.items() if v >= WINDOW}

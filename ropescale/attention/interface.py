@@ -124,6 +124,7 @@ class _LogN:
     base: str  # the wrapped attention implementation's name
     calls: int = 0  # attention calls that went through the wrapper (check_routed)
     rule: Temperature = field(default_factory=lambda: Temperature("logn"))
+    position_ids: torch.Tensor | None = None  # the rotary modules' positions of the current forward
 
 
 class _ConfigAs:
@@ -157,9 +158,12 @@ def _logn_attention(module, query, key, value, attention_mask, **kwargs):
     state = getattr(module, _LOGN_ATTR)
     state.calls += 1
     position_ids = kwargs.get("position_ids")
+    if position_ids is None:  # the attention gets none (Llama 4): the positions the rotary module was called with
+        position_ids = state.position_ids
     if position_ids is None:
-        raise RuntimeError(f"log-n scaling needs position_ids in the attention call; "
-                           f"{type(module).__name__} does not pass them")
+        raise InvalidInput(f"{type(module).__name__} passes no position_ids to attention and its rotary module was "
+                           "not called with any: a query temperature cannot place its queries")
+    position_ids = _text_positions(position_ids)[..., -query.shape[2]:]  # [b, s_q]
     scale = state.rule.factor(position_ids, state.train).to(query.dtype)  # [b, s_q]
     query = query * scale[:, None, :, None]  # [b, n_h, s_q, h_d]
     fn = _base_attention(module, state.base)
@@ -183,9 +187,20 @@ def register_logn(base: str) -> str:
     return name
 
 
-def enable_logn(model, original_max_position_embeddings: int, rule: Temperature | None = None):
+def _capture_positions(rotaries: list, state) -> list:
+    """Forward pre-hooks keeping each rotary module's ``position_ids`` on ``state`` (for layers that get none)."""
+    def positions(_module, args, kwargs):
+        pos = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
+        if pos is not None:
+            state.position_ids = pos
+
+    return [r.register_forward_pre_hook(positions, with_kwargs=True) for r in rotaries]
+
+
+def enable_logn(model, original_max_position_embeddings: int, rule: Temperature | None = None, rotaries=()):
     """Switch ``model`` to log-n-scaled attention around whatever attention it uses; returns a
-    function that switches it back.
+    function that switches it back. ``rotaries``: the model's rotary modules, whose calls give the query
+    positions to layers that are handed none.
 
     Raises ``ValueError`` when the model's attention implementation is not registered (and not
     eager), and ``AttentionNotPluggableError`` when it bypasses the interface (Falcon).
@@ -194,6 +209,7 @@ def enable_logn(model, original_max_position_embeddings: int, rule: Temperature 
     name = register_logn(current)
     state = _LogN(int(original_max_position_embeddings), current, rule=rule or Temperature("logn"))
     _set_on_modules(model, _LOGN_ATTR, state)
+    hooks = _capture_positions(list(rotaries), state)
     if _is_flash(current):
         # set_attn_implementation would try to load a flash kernel named ropescale_logn_flash_…;
         # the config setter (recursive over sub-configs) keeps "flash" in the name, so the model's
@@ -205,6 +221,8 @@ def enable_logn(model, original_max_position_embeddings: int, rule: Temperature 
     switch(name)
 
     def restore() -> None:
+        for h in hooks:
+            h.remove()
         switch(current)
         _clear_on_modules(model, _LOGN_ATTR)
 
@@ -278,16 +296,44 @@ def _key_padding(keep):
     return keep.any(-2, keepdim=True)
 
 
+def _selected(module, keep, kwargs: dict, query: torch.Tensor, s_k: int):
+    """``keep`` ∧ the keys a sparse-attention indexer selected, as the model's own eager/sdpa path masks them:
+    DSA's ``indices`` ``[b, s_q, topk]`` key slots → ``[b, 1, s_q, s_k]``; MiniMax M3's per-head ``block_indices``
+    through its indexer's own ``build_block_mask`` → ``[b, n_h, s_q, s_k]``. The others are invisible to every
+    region of the rule."""
+    b, s_q = query.shape[0], query.shape[2]
+    indices = kwargs.get("indices")
+    if indices is not None:
+        selected = torch.zeros(b, s_q, s_k, dtype=torch.bool, device=query.device)
+        selected.scatter_(-1, indices.long(), True)  # [b, s_q, s_k]
+        keep = selected[:, None] if keep is None else keep & selected[:, None]
+    blocks = kwargs.get("block_indices")
+    if blocks is not None:
+        build = getattr(getattr(module, "indexer", None), "build_block_mask", None)
+        if build is None:
+            raise InvalidInput(f"{type(module).__name__} passes block_indices to attention without an indexer "
+                               "whose build_block_mask expands them: relative-position rules cannot keep its selection")
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:  # as the layer computes them for its indexer
+            position_ids = torch.arange(s_k - s_q, s_k, device=query.device)
+        position_ids = (position_ids if position_ids.dim() > 1 else position_ids[None]).expand(b, -1)
+        mask = build(blocks, keep, s_k, query.dtype, query.device, position_ids)  # additive [b, n_h, s_q, s_k]
+        keep = _keep_mask(mask)
+    return keep
+
+
 def _truncation_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                           softcap=None, sliding_window=None, **kwargs):
     state = getattr(module, _TRUNCATION_ATTR)
     state.calls += 1
     layer = state.layers.get(module)
     if layer is None:  # a layer without RoPE: the model's own attention, exactly as unpatched
-        if state.logn and kwargs.get("position_ids") is not None:  # a query temperature acts in every layer
+        position_ids = kwargs.get("position_ids")
+        position_ids = state.position_ids if position_ids is None else position_ids
+        if state.logn and position_ids is not None:  # a query temperature acts in every layer
             rule = state.temperature or Temperature("logn")
-            scale = rule.factor(_text_positions(kwargs["position_ids"]), state.logn).to(query.dtype)
-            query = query * scale[:, None, :, None]  # [b, n_h, s_q, h_d]
+            pos = _text_positions(position_ids)[..., -query.shape[2]:]  # [b, s_q]
+            query = query * rule.factor(pos, state.logn).to(query.dtype)[:, None, :, None]  # [b, n_h, s_q, h_d]
         fn = _base_attention(module, state.base)
         return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap,
                   sliding_window=sliding_window, **kwargs)
@@ -313,12 +359,7 @@ def _truncation_attention(module, query, key, value, attention_mask, scaling=Non
         d, e = info.start, info.start + info.dim
         query = torch.cat((query[..., d:e], query[..., :d], query[..., e:]), -1)  # [b, n_h, s_q, h_d]
         key = torch.cat((key[..., d:e], key[..., :d], key[..., e:]), -1)  # [b, n_kv, s_k, h_d]
-    keep = _keep_mask(attention_mask)
-    indices = kwargs.get("indices")
-    if indices is not None:  # an indexer selected these keys (DSA): the others are invisible to every region
-        selected = torch.zeros(b, query.shape[2], s_k, dtype=torch.bool, device=query.device)
-        selected.scatter_(-1, indices.long(), True)  # [b, s_q, s_k], as the model's own eager/sdpa path masks
-        keep = selected[:, None] if keep is None else keep & selected[:, None]
+    keep = _selected(module, _keep_mask(attention_mask), kwargs, query, s_k)
     v_dim = value.shape[-1]
     if v_dim != query.shape[-1]:  # MLA: values narrower (or wider) than q/k: zero-padded, cut after
         width = max(v_dim, query.shape[-1])
@@ -328,7 +369,7 @@ def _truncation_attention(module, query, key, value, attention_mask, scaling=Non
     # the paths that may run FlexAttention: the model's mask cache, and the tensor chunk masks follow
     extra = {"masks": state.masks, "positions": position_ids} if state.path in ("fused", "flex") else {}
     out = fn(query, key, value, q_pos, k_pos, state.rule, inv_freq.to(query.device), state.rule.attention_factor,
-             keep=keep if indices is not None or state.full_masks else _key_padding(keep),
+             keep=keep if state.full_masks else _key_padding(keep),
              scale=scaling or info.head_dim ** -0.5,
              softcap=softcap,
              sliding_window=sliding_window, interleaved=info.interleaved, dropout=dropout, block=state.block,
@@ -379,12 +420,7 @@ def enable_truncation(model, rule: RelativeRule, layers: dict, rotaries: list, *
     state = _Truncation(rule, layers, path, block, logn, temperature, base, full_masks=full_masks)
     _set_on_modules(model, _TRUNCATION_ATTR, state)
 
-    def positions(_module, args, kwargs):
-        pos = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
-        if pos is not None:
-            state.position_ids = pos
-
-    hooks = [r.register_forward_pre_hook(positions, with_kwargs=True) for r in rotaries]
+    hooks = _capture_positions(rotaries, state)
     model.set_attn_implementation(name)
 
     def restore() -> None:

@@ -138,11 +138,12 @@ def _plan(s_q: int, s_k: int, rule: RelativeRule, sliding_window: int | None, sc
 
 def fused_route(device_type: str, *, softcap: float | None = None, dropout: float = 0.0, keep=None,
                 by_chunk: bool = False, sliding_window: int | None = None) -> str:
-    """Which kernel ``fused_attention`` runs: ``"blocked"`` with attention dropout (any device);
+    """Which kernel ``fused_attention`` runs: ``"blocked"`` with attention dropout or a per-head ``keep`` mask
+    (MiniMax M3's block selection; any device);
     ``"flex"`` on any other non-CPU device (CUDA: compiled FlexAttention); on the CPU
     ``"blocked"`` for soft-capping, a per-query ``keep`` mask or a chunk rule (``by_chunk``)
     under a sliding window, else ``"regions"`` (``ropescale.attention.regions``)."""
-    if dropout:
+    if dropout or (keep is not None and keep.shape[1] != 1):  # a per-head selection: the blocked kernel only
         return "blocked"
     if device_type != "cpu":
         return "flex"
@@ -244,15 +245,19 @@ def _block_scores(rule: RelativeRule, n_part: int, qs_r: list, ks_r: list, pair:
     return s
 
 
-def _block_visibility(dist: torch.Tensor, sliding_window: int | None, keep, span: tuple[int, int, int, int]):
+def _block_visibility(dist: torch.Tensor, sliding_window: int | None, keep, span: tuple[int, int, int, int],
+                      n_kv: int = 1):
     """Which pairs of the block pair ``span`` = (qs, qe, ks, ke) a query may attend: causal (``dist``
-    [Bq, Bk] >= 0), inside the sliding window, and kept by ``keep`` (padding; [b, 1, Bq or 1, s_k])
-    → [Bq, Bk], or [b, 1, 1, Bq, Bk] with ``keep``."""
+    [Bq, Bk] >= 0), inside the sliding window, and kept by ``keep`` ([b, 1 or n_h, s_q or 1, s_k]: padding,
+    an indexer's per-query or per-head selection) → [Bq, Bk], or [b, 1 or n_kv, 1 or g, Bq, Bk] with ``keep``
+    (a per-head mask grouped as the scores: n_h = n_kv · g)."""
     qs, qe, ks, ke = span
     vis = (dist >= 0) & (dist < sliding_window) if sliding_window else dist >= 0
     if keep is not None:
-        blk = keep[..., ks:ke] if keep.shape[-2] == 1 else keep[..., qs:qe, ks:ke]
-        vis = vis & blk[:, :, None]  # [b, 1, 1, Bq, Bk]
+        blk = keep[..., ks:ke] if keep.shape[-2] == 1 else keep[..., qs:qe, ks:ke]  # [b, 1 or n_h, Bq or 1, Bk]
+        if blk.shape[1] == 1:
+            return vis & blk[:, :, None]  # [b, 1, 1, Bq, Bk]
+        return vis & blk.reshape(blk.shape[0], n_kv, -1, *blk.shape[-2:])  # [b, n_kv, g, Bq, Bk]
     return vis
 
 
@@ -285,6 +290,7 @@ def blocked_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scali
     h_v = v.shape[-1]
     n_kv, s_k = k.shape[1], k.shape[2]
     g, c0 = n_h // n_kv, s_k - s_q
+    acc_dtype = torch.promote_types(q.dtype, torch.float32)  # float64 inputs stay float64
     rule = rule.for_call(s_q, s_k)
     n_part = len(rule.partition)  # regions from here are a prefill's pairs counted again
     extra = []  # (scores, inside) of those regions in one block pair
@@ -305,12 +311,12 @@ def blocked_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scali
     rows = []
     for qs in range(0, s_q, block):
         qe = min(qs + block, s_q)
-        m = torch.full((b, n_kv, g, qe - qs, 1), _NEG, dtype=torch.float32, device=q.device)
+        m = torch.full((b, n_kv, g, qe - qs, 1), _NEG, dtype=acc_dtype, device=q.device)
         l = torch.zeros_like(m)
         if sinks is not None:  # the sink: one more logit in every row's normaliser, with no value
-            m = sinks.float().view(1, n_kv, g, 1, 1).expand_as(m)
+            m = sinks.to(acc_dtype).view(1, n_kv, g, 1, 1).expand_as(m)
             l = torch.ones_like(m)
-        acc = torch.zeros(b, n_kv, g, qe - qs, h_v, dtype=torch.float32, device=q.device)
+        acc = torch.zeros(b, n_kv, g, qe - qs, h_v, dtype=acc_dtype, device=q.device)
         first = max(0, c0 + qs - sliding_window + 1) if sliding_window else 0
         for ks in range(first // block * block, c0 + qe, block):
             ke = min(ks + block, s_k)
@@ -318,14 +324,14 @@ def blocked_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scali
             lo, hi = c0 + qs - (ke - 1), c0 + qe - 1 - ks
             dist = q_slot[qs:qe, None] - k_slot[None, ks:ke]  # [Bq, Bk]
             s = _block_scores(rule, n_part, qs_r, ks_r, (qs, qe, ks, ke, lo, hi), dist, at, extra)
-            s = _softcap(s.float() * scale, softcap)  # [b, n_kv, g, Bq, Bk]
-            vis = _block_visibility(dist, sliding_window, keep, (qs, qe, ks, ke))  # [b, 1, 1, Bq, Bk] or [Bq, Bk]
+            s = _softcap(s.to(acc_dtype) * scale, softcap)  # [b, n_kv, g, Bq, Bk]
+            vis = _block_visibility(dist, sliding_window, keep, (qs, qe, ks, ke), n_kv)  # [b, ·, ·, Bq, Bk] or [Bq, Bk]
             if lo < 0 or (sliding_window and hi >= sliding_window) or keep is not None:  # masks only where needed
                 s = s.masked_fill(~vis, float("-inf"))
-            vb = v[..., ks:ke, :].float()
+            vb = v[..., ks:ke, :].to(acc_dtype)
             for part, inside in extra:
-                part = _softcap(part.float() * scale, softcap).masked_fill(~(vis & inside), float("-inf"))
-                s, vb = torch.cat((s, part), -1), torch.cat((vb, v[..., ks:ke, :].float()), -2)
+                part = _softcap(part.to(acc_dtype) * scale, softcap).masked_fill(~(vis & inside), float("-inf"))
+                s, vb = torch.cat((s, part), -1), torch.cat((vb, v[..., ks:ke, :].to(acc_dtype)), -2)
             extra.clear()
             m, l, acc = _online_softmax_step(m, l, acc, s, vb, dropout)
         rows.append((acc / l.clamp_min(1e-30)).to(q.dtype))  # fully masked rows → 0

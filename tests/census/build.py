@@ -50,7 +50,9 @@ SIZES: dict[str, Any] = {
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
     "n_group": 1, "num_expert_group": 1, "topk_group": 1, "top_k_experts": 2,
     "zero_expert_num": 2, "expert_ffn_hidden_size": 32, "kv_lora_rank": 16, "q_lora_rank": 16,
-    "index_n_heads": 2, "index_topk": 8,
+    # indexers select fewer keys than the relative rules' window (checks.WINDOW): DSA's top-k keys, MiniMax
+    # M3's top-k blocks of index_block_size keys (plus its local block)
+    "index_n_heads": 2, "index_topk": 4, "index_block_size": 2, "index_topk_blocks": 1,
     "linear_num_key_heads": 2, "linear_num_value_heads": 4,
     "linear_num_heads": 4, "linear_head_dim": 16,
     "mamba_n_heads": 4, "mamba_d_head": 8, "mamba_d_state": 8, "mamba_d_ssm": 32, "mamba_chunk_size": 16,
@@ -241,7 +243,10 @@ _override("lfm2_moe", "the class default leaves layer_types None, which modeling
           num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "full_attention"])
 _override("qwen4_exp qwen4_exp_text", "the class default leaves the QSA indexer's sizes None, yet "
           "indexed_attention layers build the indexer (token_budget // compress_ratio)",
-          indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=32, indexer_budget=8, indexer_compress_ratio=4)
+          indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=32, indexer_budget=4, indexer_compress_ratio=2)
+_override("minimax_m3_vl_text", "the class default declares every layer full_attention, so no layer builds the "
+          "block-sparse indexer; MiniMax M3 checkpoints interleave minimax_m3_sparse layers",
+          num_hidden_layers=2, layer_types=["full_attention", "minimax_m3_sparse"])
 _override("dots3_note", "the vision tower's default MoE pyramid names layers 25-41 in per_layer_config: one "
           "dense layer instead; the towers' adapters sized to the tiny towers (their validators check it)",
           sub={"vision_config": {"mlp_layer_types": ["dense"], "pyramid_num_routed": [-1], "adapter_in_dim": 32,
