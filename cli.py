@@ -441,7 +441,7 @@ def _layer_table(rows: list[dict]) -> str:
         return "(the model's attention layers could not be observed: no per-layer report)"
     cols = [("layer", "layer"), ("rope", "rope"), ("rope_type", "rope type"), ("rope_theta", "θ"),
             ("rotary_dim", "dim"), ("layout", "layout"), ("original_max_position_embeddings", "T"),
-            ("applied", "applied")]
+            ("applied", "applied"), ("temperature", "temperature")]
     cells = [[h for _, h in cols]] + [["" if r.get(k) is None else f"{r[k]:g}" if isinstance(r.get(k), float)
                                         else str(r[k]) for k, _ in cols] for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]

@@ -33,7 +33,7 @@ from ropescale.runs.lifecycle import (
     loaded_window,
     run_identity,
 )
-from ropescale.runs.manifest import check_manifest, environment, prepare_output
+from ropescale.runs.manifest import check_manifest, environment, prepare_output, record_patch
 from ropescale.runs.memory import InsufficientMemoryError, check_fits
 from ropescale.strategies import get_strategy
 
@@ -164,7 +164,7 @@ def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec
             engine = {}
         else:
             result = _measure(cfg, task, model, examples, share, spec, strat, params, length, train_len, device,
-                              progress, state)
+                              progress, state, output)
     except (RuntimeError, MemoryError) as e:
         if not _out_of_memory(e):
             raise
@@ -183,11 +183,13 @@ def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec
 
 
 def _measure(cfg: EvalConfig, task: Task, model, examples, share: list[int], spec: StrategySpec, strat, params: dict,
-             length: int, train_len: int, device, progress: bool, state) -> dict:
+             length: int, train_len: int, device, progress: bool, state, output: Path) -> dict:
     """The transformers engine: this process's share measured on the patched model, the parts
-    gathered and combined."""
+    gathered and combined; what the patch does per layer goes to the manifest (``record_patch``)."""
     with patch(model, spec.name, original_max_position_embeddings=train_len, logn=spec.logn,
-               temperature=spec.temperature, **params):
+               temperature=spec.temperature, **params) as handle:
+        if state.is_main_process:
+            record_patch(output, spec.display, handle.report())
         part = task.measure(model, examples, share, length=length, strategy=strat, device=device,
                             desc=f"{spec.display} @ {length}" if progress else None)
     parts = gather_object([part]) if state.num_processes > 1 else [part]

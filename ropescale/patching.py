@@ -33,7 +33,7 @@ from ropescale.rotary import (
     rotary_sites,
 )
 from ropescale.strategies import Strategy, get_strategy
-from ropescale.temperature import Temperature, parse_temperature
+from ropescale.temperature import NATIVE, Temperature, parse_temperature, shipped
 
 __all__ = [
     "LayerRope",
@@ -68,6 +68,7 @@ class PatchHandle:
     layers: list[LayerRope] | None = None
     sites: dict[RotarySite, dict[str, Any]] = field(default_factory=dict)  # patched frequency sets → context
     temperature: Temperature | None = None  # the query temperature on top (log-n or another rule)
+    own_temperature: dict[bool, Temperature | None] = field(default_factory=dict)  # the model's, by "rotates"
     _frequencies: list[FrequencyPatch] = field(default_factory=list, repr=False)
     _hooks: list = field(default_factory=list, repr=False)
     _restore: list = field(default_factory=list, repr=False)
@@ -109,8 +110,9 @@ class PatchHandle:
         ``"unknown"``), ``frequencies`` (the rotary module and layer type it uses), ``rope_type`` (as the
         model's config has it), ``rope_theta``, ``rotary_dim`` [channels], ``channels`` ([start, end)),
         ``layout`` (``halves``/``interleaved``, ``mirrored`` for sign −1), ``original_max_position_embeddings``
-        [tokens] and ``applied`` (the strategy, ``kept`` for an unpatched layer type, ``no RoPE, untouched``).
-        Empty when the model's attention could not be observed."""
+        [tokens], ``applied`` (the strategy, ``kept`` for an unpatched layer type, ``no RoPE, untouched``) and
+        ``temperature`` (the model's own query temperature — kept, removed or replaced by a rule of ropescale's —
+        or the rule added; "" for none). Empty when the model's attention could not be observed."""
         rows = []
         for info in self.layers or []:
             row: dict[str, Any] = {"layer": info.index, "module": info.name, "rope": info.kind}
@@ -129,8 +131,22 @@ class PatchHandle:
                         "original_max_position_embeddings": ctx.get("original_max_position_embeddings"),
                         "applied": self.strategy if info.site in self.sites or self.strategy_obj.kind == "attention"
                         else "kept"}
+            row["temperature"] = self._temperature_of(info)
             rows.append(row)
         return rows
+
+    def _temperature_of(self, info: LayerRope) -> str:
+        """The report's ``temperature``: the model's own query temperature for this layer (``temperature.shipped``)
+        and what the patch does with it — ``kept``, ``removed``, ``replaced by`` a rule of ropescale's — or the
+        rule the patch adds; "" when the layer has none."""
+        own = self.own_temperature.get(info.kind != "none")
+        ours = self.temperature.spec() if self.temperature is not None else None
+        if own is None:
+            return f"{ours} (added)" if ours else ""
+        removed = own.kind == "beta" and self.strategy != "native" and self.options.get("temperature") != NATIVE
+        if not removed:
+            return f"{own.spec()} (model's, kept)" + (f" + {ours} (added)" if ours else "")
+        return f"{own.spec()} (model's) replaced by {ours}" if ours else f"{own.spec()} (model's) removed"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready record of the patch (how ``ropescale.save_patched`` stores it)."""
@@ -232,6 +248,8 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
     rule = parse_temperature(temperature)
     if rule is not None and logn:
         raise InvalidInput(f"logn=True and temperature={temperature!r}: name one query temperature")
+    keep_own = rule is not None and rule.kind == NATIVE  # the model's shipped temperature, no rule of ours
+    rule = None if keep_own else rule
     if rule is not None:
         logn = True  # the option that routes attention through the temperature wrapper
     found = _check_options(model, strat, original_max_position_embeddings=original_max_position_embeddings,
@@ -240,6 +258,10 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
     modules, sites = rotary_sites(model)
     handle = PatchHandle(model, strategy, params, {}, layers=probe_layers(model, modules, sites))
     handle.temperature = rule or (Temperature("logn") if logn else None)
+    text = _config_of(model, model)
+    handle.own_temperature = {r: shipped(text, r) for r in (True, False)}  # read before a patch changes it
+    if keep_own:
+        handle.options["temperature"] = NATIVE
     if strat.kind == "attention":
         return _patch_attention(model, handle, strat, found, modules, original_max_position_embeddings,
                                 logn, attention_path, block_size)
@@ -393,12 +415,12 @@ def _patch_frequency(model: nn.Module, handle: PatchHandle, strat: Strategy, fou
             handle._hooks += watch.attach(_decoder(model, parent))
             for f in dynamic:
                 f.use_watch(watch)
-            handle.options = {"dynamic_cache": dynamic_cache, "dynamic_block": dynamic_block}
+            handle.options |= {"dynamic_cache": dynamic_cache, "dynamic_block": dynamic_block}
         if logn:
             from ropescale.attention import enable_logn
 
             handle._restore.append(enable_logn(model, handle.context["original_max_position_embeddings"],
-                                               handle.temperature))
+                                               handle.temperature, [m for _, m in found]))
             handle.options |= _temperature_options(handle.temperature)
     except Exception:
         handle.unpatch()
@@ -452,8 +474,9 @@ def _rescale_softmax(model, handle: PatchHandle, strat: Strategy, site: RotarySi
 def _replace_shipped_temperature(model: nn.Module, handle: PatchHandle, strat: Strategy) -> None:
     """A strategy other than ``native`` replaces the model's shipped scaling, including the query temperature
     its attention reads from the config at every forward (Mistral's ``llama_4_scaling_beta``): set to 0 while
-    patched, so ``vanilla`` is the unscaled model (add it back with ``temperature="beta:beta=…"``)."""
-    if strat.name == "native":
+    patched, so ``vanilla`` is the unscaled model — unless the patch keeps the model's own temperature
+    (``temperature="native"``), or adds a rule of its own instead (``temperature="beta:beta=…"``)."""
+    if strat.name == "native" or handle.options.get("temperature") == NATIVE:
         return
     text = _config_of(model, model)
     rp = getattr(text, "rope_parameters", None)

@@ -12,6 +12,13 @@ Notation: p = query position [tokens], T = ``original_max_position_embeddings`` 
   ``attn_temperature_tuning`` on its NoPE layers (transformers ``Llama4TextAttention``; defaults 0.1, 8192).
 - ``beta`` — 1 + ``beta`` · ln(1 + ⌊p / T⌋): Mistral's ``llama_4_scaling_beta`` (transformers
   ``get_llama_4_attn_scale``, Ministral 3 / Mistral Large 3; default β 0.1).
+- ``native`` — no rule of ropescale's: the model keeps the temperature its config ships, which every other
+  strategy than ``native`` otherwise removes (``shipped``).
+
+Models ship a query temperature in two ways (``shipped``): Mistral's ``llama_4_scaling_beta`` in
+``rope_parameters`` (Ministral 3, Mistral 4: every layer, part of the rope recipe, so a strategy that
+replaces the recipe removes it) and Llama 4's ``attn_temperature_tuning`` (its NoPE layers only, outside
+RoPE: always kept).
 
 Raises ``InvalidInput`` (one line) for an unknown rule or a bad parameter.
 """
@@ -27,7 +34,9 @@ import torch
 
 from ropescale.errors import InvalidInput
 
-__all__ = ["RULES", "Temperature", "parse_temperature"]
+__all__ = ["NATIVE", "RULES", "Temperature", "parse_temperature", "shipped"]
+
+NATIVE = "native"  # the temperature option that keeps the model's own (no rule of ropescale's)
 
 
 def _logn(pos: torch.Tensor, train: int, **_) -> torch.Tensor:
@@ -69,12 +78,15 @@ class Temperature:
 
 
 def parse_temperature(value: Any) -> Temperature | None:
-    """None/False → None; True → ``logn``; ``"beta"``, ``"beta:beta=0.2"``, ``{"kind": "llama4",
-    "attn_scale": 0.1}`` or a ``Temperature`` → that rule, its parameters checked (finite numbers > 0)."""
+    """None/False → None; True → ``logn``; ``"native"`` → ``Temperature("native")`` (keep the model's own);
+    ``"beta"``, ``"beta:beta=0.2"``, ``{"kind": "llama4", "attn_scale": 0.1}`` or a ``Temperature`` → that
+    rule, its parameters checked (finite numbers > 0)."""
     if value is None or value is False:
         return None
     if value is True:
         return Temperature("logn")
+    if value == NATIVE or (isinstance(value, Temperature) and value.kind == NATIVE):
+        return Temperature(NATIVE)
     if isinstance(value, Temperature):
         return value
     if isinstance(value, str):
@@ -97,7 +109,8 @@ def parse_temperature(value: Any) -> Temperature | None:
         raise InvalidInput(f"temperature {value!r}: give a kind ({', '.join(RULES)}), true for logn, or a mapping")
     kind = kind.strip()
     if kind not in RULES:
-        raise InvalidInput(f"temperature {kind!r} unknown; choose one of {', '.join(RULES)}")
+        raise InvalidInput(f"temperature {kind!r} unknown; choose one of {', '.join(RULES)}, or {NATIVE} to keep "
+                           "the model's own")
     allowed = RULES[kind][1]
     for name, number in params.items():
         if name not in allowed:
@@ -107,3 +120,18 @@ def parse_temperature(value: Any) -> Temperature | None:
                 or number <= 0:
             raise InvalidInput(f"temperature {kind}: {name}={number!r} must be a finite number > 0")
     return Temperature(kind, {k: float(v) for k, v in params.items()})
+
+
+def shipped(config: Any, rotates: bool) -> Temperature | None:
+    """The query temperature ``config`` (a text config) ships for a layer that rotates (``rotates``) or not:
+    ``beta`` from ``rope_parameters["llama_4_scaling_beta"]`` (any layer type's; every layer of Ministral 3 and
+    Mistral 4 applies it), ``llama4`` from Llama 4's ``attn_temperature_tuning`` (its NoPE layers), else None."""
+    rp = getattr(config, "rope_parameters", None)
+    for params in ([rp] if isinstance(rp, dict) else []) + [v for v in (rp or {}).values() if isinstance(v, dict)]:
+        beta = params.get("llama_4_scaling_beta")
+        if isinstance(beta, (int, float)) and not isinstance(beta, bool) and beta > 0:
+            return Temperature("beta", {"beta": float(beta)})
+    if not rotates and getattr(config, "attn_temperature_tuning", False):
+        return Temperature("llama4", {"attn_scale": float(getattr(config, "attn_scale", 0.1)),
+                                      "floor_scale": float(getattr(config, "floor_scale", 8192))})
+    return None

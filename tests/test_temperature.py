@@ -89,3 +89,54 @@ def test_the_option_is_recorded_and_travels_through_a_strategy_spec():
     model = ministral(0.0)
     with ropescale.patch(model, "yarn", factor=2.0, temperature=spec.temperature) as h:
         assert h.options == {"temperature": "beta:beta=0.2"} and h.to_dict()["temperature"] == "beta:beta=0.2"
+
+
+def _transformers_ministral(beta: float, rope_type: str, **scaling):
+    """The same weights as ``ministral(beta)`` with transformers' own scaled rope type and β in the config."""
+    rp = {"rope_type": rope_type, "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+          "llama_4_scaling_beta": beta, **scaling}
+    model = T.Ministral3ForCausalLM(T.Ministral3Config(**SMALL, rope_parameters=rp)).eval()
+    model.load_state_dict(ministral(beta).state_dict())
+    return model
+
+
+@pytest.mark.parametrize("strategy,rope_type,params", [("linear", "linear", {"factor": 4.0}),
+                                                       ("yarn", "yarn", {"factor": 4.0})])
+def test_native_temperature_keeps_the_models_own(strategy, rope_type, params):
+    """``temperature="native"`` keeps Ministral 3's shipped β: the patched model equals transformers' own
+    linear/yarn with β kept; by default the strategy removes it (β = 0), as the report says."""
+    shipped = ministral(0.3)
+    with torch.no_grad():
+        kept, dropped = _transformers_ministral(0.3, rope_type, **params), _transformers_ministral(0.0, rope_type,
+                                                                                                    **params)
+        assert (kept(IDS).logits - dropped(IDS).logits).abs().max() > 1e-3  # β matters at these positions
+        with ropescale.patch(shipped, strategy, temperature="native", **params) as h:
+            torch.testing.assert_close(shipped(IDS).logits, kept(IDS).logits, rtol=0, atol=1e-5)
+            assert h.options["temperature"] == "native"
+            assert {r["temperature"] for r in h.report()} == {"beta:beta=0.3 (model's, kept)"}
+        with ropescale.patch(shipped, strategy, **params) as h:
+            torch.testing.assert_close(shipped(IDS).logits, dropped(IDS).logits, rtol=0, atol=1e-5)
+            assert {r["temperature"] for r in h.report()} == {"beta:beta=0.3 (model's) removed"}
+        with ropescale.patch(shipped, strategy, temperature="logn", **params) as h:
+            assert {r["temperature"] for r in h.report()} == {"beta:beta=0.3 (model's) replaced by logn"}
+        assert shipped.config.rope_parameters["llama_4_scaling_beta"] == 0.3  # unpatched: β is back
+
+
+def test_llama4_keeps_its_nope_layer_temperature_and_the_report_says_so():
+    """Llama 4's attn_temperature_tuning acts in its NoPE layers, outside RoPE: every strategy keeps it. Its
+    attention gets no position_ids: log-n takes them from the rotary module's call (T = 16: factor 1 below it)."""
+    cfg = T.Llama4TextConfig(vocab_size=128, hidden_size=64, intermediate_size=64, intermediate_size_mlp=64,
+                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             no_rope_layers=[1, 1, 1, 0], attn_temperature_tuning=True, floor_scale=16,
+                             attn_scale=0.2, num_local_experts=2, pad_token_id=None, max_position_embeddings=16)
+    torch.manual_seed(0)
+    model = T.Llama4ForCausalLM(cfg).eval()
+    ids = IDS[:1, :40]
+    with torch.no_grad():
+        ref = model(ids).logits
+        with ropescale.patch(model, "vanilla", logn=True) as h:
+            got = model(ids).logits
+            cells = {r["rope"]: r["temperature"] for r in h.report()}
+    assert torch.equal(got[:, :16], ref[:, :16]) and (got[:, 16:] - ref[:, 16:]).abs().max() > 1e-3
+    assert cells == {"rope": "logn (added)",
+                     "none": "llama4:attn_scale=0.2,floor_scale=16 (model's, kept) + logn (added)"}

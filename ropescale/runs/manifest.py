@@ -40,6 +40,7 @@ __all__ = [
     "environment",
     "folder_lock",
     "prepare_output",
+    "record_patch",
     "weights_fingerprint",
 ]
 
@@ -147,6 +148,24 @@ def _check_manifest(output: Path, ident: dict[str, Any], config: dict[str, Any],
                                   indent=1) + "\n", encoding="utf-8")
         os.replace(tmp, path)
     return digest
+
+
+def record_patch(output: Path, strategy: str, layers: list[dict[str, Any]]) -> None:
+    """Add what ``strategy`` (its display name) does per attention layer (``PatchHandle.report()``: rope type,
+    θ, channels, the rule applied, the query temperature kept, removed or added) to the folder's manifest,
+    under ``patches``; not part of the identity. Written once per strategy, beside the manifest and renamed
+    over it. A folder without a manifest is left alone."""
+    path = output / MANIFEST
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if not isinstance(manifest, dict) or strategy in manifest.get("patches", {}):
+        return
+    manifest.setdefault("patches", {})[strategy] = layers
+    tmp = path.with_name(f".{MANIFEST}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(manifest, indent=1, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def folder_lock(output: Path, wait: float = 0.0):

@@ -1,3 +1,4 @@
+import json
 import math
 import re
 
@@ -88,6 +89,11 @@ def test_logn_cells_are_separate_and_only_act_past_the_window(tmp_path, tiny_mod
     assert r[("vanilla+logn", 64)]["logn"] and not r[("vanilla", 64)]["logn"]
     assert math.isclose(r[("vanilla+logn", 32)]["ppl"], r[("vanilla", 32)]["ppl"], rel_tol=1e-6)
     assert r[("vanilla+logn", 64)]["ppl"] != r[("vanilla", 64)]["ppl"]
+    # what each strategy did per layer, in the manifest: the temperature column says log-n was added
+    patches = json.loads((tmp_path / "manifest.json").read_text())["patches"]
+    assert {r["temperature"] for r in patches["vanilla+logn"]} == {"logn (added)"}
+    assert {r["temperature"] for r in patches["vanilla"]} == {""}
+    assert [r["applied"] for r in patches["vanilla"]] == ["vanilla"]  # the tiny model's one layer
 
 
 def test_a_sweep_writes_its_reports_under_an_ascii_locale(tmp_path):
