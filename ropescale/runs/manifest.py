@@ -125,9 +125,11 @@ def check_manifest(output: Path, ident: dict[str, Any], config: dict[str, Any], 
 def _check_manifest(output: Path, ident: dict[str, Any], config: dict[str, Any], *, write: bool, processes: int) -> str:
     path = output / MANIFEST
     digest = hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
+    patches = {}  # record_patch's entries, kept across reruns (resumed cells patch nothing again)
     if path.exists():
         try:
-            old = json.loads(path.read_text(encoding="utf-8"))["identity"]
+            before = json.loads(path.read_text(encoding="utf-8"))
+            old, patches = before["identity"], before.get("patches", {})
         except (ValueError, KeyError, TypeError):
             raise ExperimentMismatchError(f"{path}: unreadable manifest; use a new output folder") from None
         if not isinstance(old, dict):  # hand-edited: a list or a string has no keys to compare
@@ -144,8 +146,8 @@ def _check_manifest(output: Path, ident: dict[str, Any], config: dict[str, Any],
     if write:  # beside it, then renamed over it: a run killed while writing leaves the old manifest, never a cut one
         tmp = path.with_name(f".{MANIFEST}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"identity": ident, "identity_hash": digest, "config": config,
-                                   "processes": processes, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
-                                  indent=1) + "\n", encoding="utf-8")
+                                   "processes": processes, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+                                  | ({"patches": patches} if patches else {}), indent=1) + "\n", encoding="utf-8")
         os.replace(tmp, path)
     return digest
 

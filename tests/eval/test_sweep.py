@@ -94,6 +94,8 @@ def test_logn_cells_are_separate_and_only_act_past_the_window(tmp_path, tiny_mod
     assert {r["temperature"] for r in patches["vanilla+logn"]} == {"logn (added)"}
     assert {r["temperature"] for r in patches["vanilla"]} == {""}
     assert [r["applied"] for r in patches["vanilla"]] == ["vanilla"]  # the tiny model's one layer
+    run_sweep(cfg, tmp_path, progress=False)  # a rerun resumes every cell and keeps the record
+    assert json.loads((tmp_path / "manifest.json").read_text())["patches"] == patches
 
 
 def test_a_sweep_writes_its_reports_under_an_ascii_locale(tmp_path):
