@@ -262,7 +262,25 @@ def _switch_back(model, name: str | None) -> None:
         model.set_attn_implementation(name)
 
 
+_PROBED = "_ropescale_probed"  # on the model: (what the probe depends on, its result)
+
+
 def probe_layers(model: nn.Module, modules: dict[str, nn.Module], sites: list[RotarySite]) -> list[LayerRope] | None:
+    """``_probe`` once per model: the result is kept on the model with what it depends on — the attention
+    implementation, the module names, the frequency sets and their sizes — and probed again when any of them
+    changes (a sweep or a search patches one model hundreds of times; the probe costs ~6 forwards)."""
+    key = (getattr(model.config, "_attn_implementation", None), tuple(modules),
+           tuple((site, tuple(modules[site.module_name]._buffers[
+               "inv_freq" if site.layer_type is None else f"{site.layer_type}_inv_freq"].shape)) for site in sites))
+    kept = model.__dict__.get(_PROBED)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    layers = _probe(model, modules, sites)
+    model.__dict__[_PROBED] = (key, layers)
+    return layers
+
+
+def _probe(model: nn.Module, modules: dict[str, nn.Module], sites: list[RotarySite]) -> list[LayerRope] | None:
     """Each attention layer's ``LayerRope``, in call order, or None when the model's attention does
     not go through transformers' ``AttentionInterface`` (no layer reached the recording function) or
     the probe forward itself fails (the reason is then unknown: callers refuse what needs it).

@@ -8,10 +8,25 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# pytest-xdist runs one worker per core: each takes its share of the cores (two threads without workers)
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 from ropescale.compat import cache_kwarg  # noqa: E402
 from ropescale.models import REFERENCE_MODEL  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory):
+    """ropescale's cache (RULER samples) in a folder of this test process: workers never share it, and the
+    tests never read or fill the user's ~/.cache/ropescale."""
+    before = os.environ.get("ROPESCALE_CACHE")
+    os.environ["ROPESCALE_CACHE"] = str(tmp_path_factory.mktemp("ropescale-cache"))
+    yield
+    if before is None:
+        os.environ.pop("ROPESCALE_CACHE", None)
+    else:
+        os.environ["ROPESCALE_CACHE"] = before
 
 
 def with_cache(cache) -> dict:

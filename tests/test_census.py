@@ -22,7 +22,8 @@ def _cases() -> list:
     for name in types():
         for check in ALL_CHECKS:
             reason = KNOWN.get(name, {}).get(check)
-            marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+            # one worker computes a type's result (cached per process) and runs all its checks
+            marks = [pytest.mark.xdist_group(name)] + ([pytest.mark.xfail(strict=True, reason=reason)] if reason else [])
             cases.append(pytest.param(name, check, marks=marks, id=f"{name}-{check}"))
     return cases
 

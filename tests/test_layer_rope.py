@@ -133,7 +133,8 @@ def test_the_report_names_every_layer():
         rows = h.report()
     assert [r["layer"] for r in rows] == [0, 1, 2, 3]
     assert rows[3] == {"layer": 3, "module": "model.layers.3.self_attn", "rope": "none",
-                       "applied": "no RoPE, untouched"}
+                       "applied": "no RoPE, untouched",  # Llama 4's NoPE-layer temperature, its config's defaults
+                       "temperature": "llama4:attn_scale=0.1,floor_scale=8192 (model's, kept)"}
     assert rows[0]["applied"] == "yarn" and rows[0]["rotary_dim"] == 16 and rows[0]["layout"] == "interleaved"
     assert rows[0]["rope_theta"] == model.config.rope_parameters["rope_theta"]
     model = build("gemma3")
