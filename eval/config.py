@@ -16,10 +16,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
 from ropescale.runs.config import (
     ConfigError,
+    ConfigModel,
     DataConfig,
     NestedErrors,
     StrategySpec,
@@ -70,7 +71,7 @@ def resolved_dtype(dtype: str, device) -> str:
 MAX_LENGTH = 1 << 24  # float32 holds every integer position up to here; memory is checked before a run
 
 
-class EvalConfig(BaseModel):
+class EvalConfig(ConfigModel):
     """One experiment: a task over strategies × lengths on one model (and, for tasks that read
     text, one data source). The task's own keys sit under its name (``passkey: {trials: 20}``);
     perplexity's may also sit at the top level, as they did before tasks existed."""

@@ -42,10 +42,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from ropescale.errors import RopescaleError
-from ropescale.runs.config import ConfigError
+from ropescale.runs.config import ConfigError, ConfigModel
 
 __all__ = ["ENGINES", "EngineDisagrees", "VllmOptions", "check_engine", "engine_version", "score_cell_vllm",
            "transformers_logprobs"]
@@ -54,8 +54,8 @@ ENGINES = ("transformers", "vllm")
 _LINK_SKIP = {"config.json", "ropescale.json"}
 
 
-class VllmOptions(BaseModel):
-    """``vllm:`` in an eval / sweep config (used with ``engine: vllm``)."""
+class VllmOptions(ConfigModel):
+    """``vllm:`` in an eval / sweep config (only with ``engine: vllm``: refused beside another engine)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per model replica (vLLM's tensor parallelism)")
