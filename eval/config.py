@@ -95,8 +95,8 @@ class EvalConfig(ConfigModel):
     threads: int | None = Field(None, ge=1, description="torch threads (at most this machine's CPU count)")
     engine: Literal[ENGINES] = Field("transformers", description="what scores the cells: transformers (in this "
                                      "process) or vllm (serving what `patch --engine vllm` writes; eval.engines)")
-    vllm: VllmOptions = Field(default_factory=VllmOptions, description="engine: vllm's tensor_parallel_size, "
-                              "data_parallel_size, max_model_len, parity_tolerance")
+    vllm: VllmOptions | None = Field(None, description="engine: vllm's tensor_parallel_size, data_parallel_size, "
+                                     "max_model_len, parity_tolerance (only with engine: vllm; its defaults there)")
     output: str | None = None
 
     @model_validator(mode="before")
@@ -173,6 +173,15 @@ class EvalConfig(ConfigModel):
     @model_validator(mode="after")
     def _fits(self) -> EvalConfig:
         self.options.check_lengths(self.lengths)
+        return self
+
+    @model_validator(mode="after")
+    def _engine_section(self) -> EvalConfig:
+        if self.engine == "vllm" and self.vllm is None:
+            self.vllm = VllmOptions()
+        elif self.engine != "vllm" and self.vllm is not None:  # it would be ignored without a word
+            raise ValueError(f"vllm: settings of engine: vllm, but this config's engine is {self.engine} (which "
+                             "would ignore them); set engine: vllm, or drop the vllm: section")
         return self
 
 

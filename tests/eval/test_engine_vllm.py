@@ -64,6 +64,21 @@ def test_unknown_vllm_key_is_named(tiny_model_dir, text_file):
         _cfg(tiny_model_dir, text_file, vllm={"tensor_paralel_size": 2})
 
 
+def test_a_vllm_section_beside_another_engine_is_refused(tiny_model_dir, text_file):
+    """``vllm:`` settings with ``engine: transformers`` (the default) were ignored without a word; a
+    config dumped with the transformers engine (the manifest's: no vllm section) still reads back."""
+    raw = {"model": str(tiny_model_dir), "data": str(text_file), "lengths": [32], "strategies": ["yarn"]}
+    for extra in ({"vllm": {"tensor_parallel_size": 2}}, {"engine": "transformers", "vllm": {}}):
+        with pytest.raises(ConfigError) as e:
+            build_config({**raw, **extra}, "x.yaml")
+        assert str(e.value) == ("x.yaml: vllm: settings of engine: vllm, but this config's engine is transformers "
+                                "(which would ignore them); set engine: vllm, or drop the vllm: section")
+    plain = build_config(raw)
+    assert plain.vllm is None and build_config(plain.model_dump(mode="json")) == plain
+    served = build_config({**raw, "engine": "vllm"})
+    assert served.vllm.tensor_parallel_size == 1 and build_config(served.model_dump(mode="json")) == served
+
+
 def test_log_probabilities_become_the_transformers_engines_perplexity(tiny_model_dir, text_file):
     """The engine path's bucketing, fed transformers' own log-probabilities, gives the transformers
     engine's record: ``Perplexity.combine`` over ``window_nll``'s parts (sliding windows: scored
