@@ -119,9 +119,44 @@ def test_model_templates(tok):
         model_template("chat", tok)
     tok2 = AutoTokenizer.from_pretrained(str(REFERENCE_MODEL))
     tok2.chat_template = "{% for m in messages %}<u>{{ m['content'] }}</u>{% endfor %}{{ '<a>{x}' }}"
-    assert model_template("chat", tok2) == "<u>{task_template}</u><a>{{x}}"
+    # the chat text's braces go through two formats (the model template, then the prompt): doubled twice
+    assert model_template("chat", tok2) == "<u>{task_template}</u><a>{{{{x}}}}"
+    fwe = get_task("fwe")
+    (ex,) = fwe(fwe.Options(num_samples=1, template="chat", cache=False), tokenizer=tok2,
+                train_length=128).examples(1024)  # a KeyError 'x' before
+    assert ex.sample.prompt.startswith("<u>") and "?</u><a>{x} Answer:" in ex.sample.prompt
     with pytest.raises(ConfigError, match="template: .*expected base, chat, or a model template"):
         build_config({"task": "vt", "lengths": [1024], "strategies": ["vanilla"], "vt": {"template": "oops"}})
+
+
+BRACES = (r"; a literal brace is written \{\{\{\{ or \}\}\}\} \(the model template is formatted, then the joined "
+          r"prompt\)$")
+
+
+@pytest.mark.parametrize(("template", "message"), [
+    ("[INST] {task_template} {system} [/INST]", r"\{system\} is not a placeholder of a model template \(the one "
+                                                r"placeholder is \{task_template\}\)" + BRACES),
+    ("[INST] {task_template} [/INST] {", r"a lone '\{' or '\}': the one placeholder is \{task_template\}" + BRACES),
+    ("{task_template} }", r"a lone '\{' or '\}'"),
+    ("{task_template} {{context}}", r"\{context\} is not a placeholder"),  # the prompt's format would fill it
+    ("{task_template} {{", r"a lone '\{' or '\}'"),  # one brace left for the prompt's format
+    ("{task_template!r}", r"\{task_template!r\} is not a placeholder"),
+])
+def test_a_model_template_that_the_formats_would_break_on_is_refused_when_read(template, message):
+    """A stray placeholder was a KeyError and a lone brace a ValueError from deep in a generator, at
+    the first cell; now one line under the option's key when the config is read."""
+    with pytest.raises(ConfigError, match=r"^config: niah_single_1.template: " + message):
+        build_config({"task": "niah_single_1", "lengths": [1024], "strategies": ["vanilla"],
+                      "niah_single_1": {"template": template}})
+
+
+def test_a_model_template_with_literal_braces_reaches_the_prompt(tok):
+    cls = get_task("fwe")
+    template = "<s>{{{{json}}}} {task_template}"
+    cfg = build_config({"task": "fwe", "lengths": [1024], "strategies": ["vanilla"],
+                        "fwe": {"template": template, "num_samples": 1, "cache": False}})
+    (ex,) = cls(cfg.options, tokenizer=tok, train_length=128).examples(1024)
+    assert ex.sample.prompt.startswith("<s>{json} Read the following coded text")
 
 
 def test_a_task_end_to_end_on_a_tiny_model(tmp_path, tiny_model_dir):
