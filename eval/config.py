@@ -16,10 +16,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
 from ropescale.runs.config import (
     ConfigError,
+    ConfigModel,
     DataConfig,
     NestedErrors,
     StrategySpec,
@@ -70,7 +71,7 @@ def resolved_dtype(dtype: str, device) -> str:
 MAX_LENGTH = 1 << 24  # float32 holds every integer position up to here; memory is checked before a run
 
 
-class EvalConfig(BaseModel):
+class EvalConfig(ConfigModel):
     """One experiment: a task over strategies × lengths on one model (and, for tasks that read
     text, one data source). The task's own keys sit under its name (``passkey: {trials: 20}``);
     perplexity's may also sit at the top level, as they did before tasks existed."""
@@ -94,8 +95,8 @@ class EvalConfig(BaseModel):
     threads: int | None = Field(None, ge=1, description="torch threads (at most this machine's CPU count)")
     engine: Literal[ENGINES] = Field("transformers", description="what scores the cells: transformers (in this "
                                      "process) or vllm (serving what `patch --engine vllm` writes; eval.engines)")
-    vllm: VllmOptions = Field(default_factory=VllmOptions, description="engine: vllm's tensor_parallel_size, "
-                              "data_parallel_size, max_model_len, parity_tolerance")
+    vllm: VllmOptions | None = Field(None, description="engine: vllm's tensor_parallel_size, data_parallel_size, "
+                                     "max_model_len, parity_tolerance (only with engine: vllm; its defaults there)")
     output: str | None = None
 
     @model_validator(mode="before")
@@ -172,6 +173,15 @@ class EvalConfig(BaseModel):
     @model_validator(mode="after")
     def _fits(self) -> EvalConfig:
         self.options.check_lengths(self.lengths)
+        return self
+
+    @model_validator(mode="after")
+    def _engine_section(self) -> EvalConfig:
+        if self.engine == "vllm" and self.vllm is None:
+            self.vllm = VllmOptions()
+        elif self.engine != "vllm" and self.vllm is not None:  # it would be ignored without a word
+            raise ValueError(f"vllm: settings of engine: vllm, but this config's engine is {self.engine} (which "
+                             "would ignore them); set engine: vllm, or drop the vllm: section")
         return self
 
 

@@ -31,7 +31,7 @@ import pkgutil
 import warnings
 from typing import Generic, TypeVar
 
-__all__ = ["PluginWarning", "Registry"]
+__all__ = ["PluginWarning", "Registry", "loading_plugin"]
 
 T = TypeVar("T")
 
@@ -101,11 +101,24 @@ class Registry(dict, Generic[T]):
                              + f"; known {self.plural}: {', '.join(sorted(self))}") from None
 
 
+_LOADING: list[importlib.metadata.EntryPoint] = []  # the plugins being imported now, innermost last
+
+
+def loading_plugin(module: str) -> str | None:
+    """The plugin being imported now that ``module`` (an entry's ``__module__``) belongs to — the same
+    top-level package as the plugin's module —, as messages name it (``plugin 'my_strategies'
+    (my_package.strategies)``); None for any other module (ropescale's own, imported on the way)."""
+    top = module.split(".")[0]
+    ep = next((ep for ep in reversed(_LOADING) if ep.module.split(".")[0] == top), None)
+    return None if ep is None else f"plugin {ep.name!r} ({ep.value})"
+
+
 @functools.cache
 def _load_entry_point(ep: importlib.metadata.EntryPoint) -> None:
     """Import one plugin entry point, once per process: two registries reading one group (the
     library's engines and the harness's engine drivers) import it once, and a broken one is one
     ``PluginWarning`` line, not one per registry."""
+    _LOADING.append(ep)
     try:
         ep.load()
     except Exception as e:  # noqa: BLE001  (any failure of a plugin skips it, never stops ropescale)
@@ -113,3 +126,5 @@ def _load_entry_point(ep: importlib.metadata.EntryPoint) -> None:
         # warn_explicit with line 0 of a pseudo-file: the warning prints as one line, no source line
         warnings.warn_explicit(f"{ep.group} plugin {ep.name!r} ({ep.value}) not loaded: {error}",
                                PluginWarning, filename=f"<plugin {ep.name}>", lineno=0)
+    finally:
+        _LOADING.pop()

@@ -210,6 +210,61 @@ def test_a_broken_plugin_is_one_warning_line_and_ropescale_still_works(tmp_path)
     assert "ModuleNotFoundError: No module named 'rs_no_such_module'" in lines[0]
 
 
+BAD_STRATEGIES = '''
+import torch
+
+import ropescale
+
+
+@ropescale.register("plugin_nan", source="a test plugin")
+def plugin_nan(dim: int) -> ropescale.RopeFrequencies:
+    """NaN frequencies (a broken test plugin)."""
+    return ropescale.RopeFrequencies(torch.full((dim // 2,), float("nan")), 1.0)
+'''
+
+BAD_DEFAULT = '''
+import ropescale
+
+
+@ropescale.register("plugin_bad_default", params=(ropescale.Param("shift", 0.5, low=1.0),), source="a test plugin")
+def plugin_bad_default(dim: int, rope_theta: float, shift: float) -> ropescale.RopeFrequencies:
+    """A default outside its own range (a broken test plugin)."""
+'''
+
+
+def test_a_plugins_bad_strategy_is_refused_naming_the_plugin(tmp_path, monkeypatch, recwarn):
+    """In process (``Registry.load_plugins``'s loader on two entry points): a plugin strategy's NaN
+    output is refused naming the plugin and its module; a plugin whose Param default is outside its
+    own range is not loaded (one warning line) instead of running with that default."""
+    import importlib.metadata
+
+    from ropescale.errors import InvalidInput
+    from ropescale.registry import PluginWarning, _load_entry_point
+
+    (tmp_path / "rs_bad_plugin").mkdir()
+    (tmp_path / "rs_bad_plugin" / "__init__.py").write_text("", encoding="utf-8")
+    (tmp_path / "rs_bad_plugin" / "nan.py").write_text(BAD_STRATEGIES, encoding="utf-8")
+    (tmp_path / "rs_bad_plugin" / "default.py").write_text(BAD_DEFAULT, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        for name in ("nan", "default"):
+            _load_entry_point(importlib.metadata.EntryPoint(f"rs_{name}", f"rs_bad_plugin.{name}",
+                                                            "ropescale.strategies"))
+        with pytest.raises(InvalidInput, match=r"^strategy 'plugin_nan' \(plugin 'rs_nan' \(rs_bad_plugin.nan\)\) "
+                                               r"returned inv_freq\[0\] = nan; frequencies are finite and >= 0"):
+            get_strategy("plugin_nan").compute({"dim": 16}, {})
+        assert "plugin_bad_default" not in REGISTRY
+        (warning,) = [w for w in recwarn if issubclass(w.category, PluginWarning)]
+        assert str(warning.message) == (
+            "ropescale.strategies plugin 'rs_default' (rs_bad_plugin.default) not loaded: TypeError: "
+            "plugin_bad_default: parameter shift=0.5 is out of range; allowed: >= 1 (its default)")
+    finally:
+        for name in ("plugin_nan", "plugin_bad_default"):
+            REGISTRY.pop(name, None)
+        for module in ("rs_bad_plugin", "rs_bad_plugin.nan", "rs_bad_plugin.default"):
+            sys.modules.pop(module, None)
+
+
 def test_a_broken_engine_plugin_warns_once_though_two_registries_read_its_group(tmp_path):
     # the library's engines and the harness's engine drivers both read ropescale.engines
     (tmp_path / "rs_broken_engine.py").write_text("import rs_no_such_module\n", encoding="utf-8")

@@ -22,7 +22,10 @@ refused (``EngineDisagrees``, one line; the cells before it are kept) when the m
 positions differs by more than the parity tolerance (``vllm.parity_tolerance``; default 1e-4 nats
 in float32 — ``ropescale parity`` measured ≤ 3e-5 per position on the bundled model — and 5e-2 in
 bfloat16/float16, not measured here). The cell records the engine, its version, both numbers
-and the engine's start-up and scoring seconds.
+and the engine's start-up and scoring seconds. Before that, the driver's answer is checked
+against the requests (``checked_answer``: one result per request, each prompt's log-probabilities,
+no more tokens than asked, the version and timing fields): a short or incomplete answer is
+``EngineFailed`` in one line and the cell is not recorded.
 
 Refused before anything loads (``check_engine``, one ``ConfigError`` line): vLLM not installed
 (how to install it), a task without vLLM scoring, strategies vLLM cannot express (relative
@@ -42,20 +45,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ropescale.errors import RopescaleError
-from ropescale.runs.config import ConfigError
+from ropescale.runs.config import ConfigError, ConfigModel
 
-__all__ = ["ENGINES", "EngineDisagrees", "VllmOptions", "check_engine", "engine_version", "score_cell_vllm",
-           "transformers_logprobs"]
+__all__ = ["ENGINES", "EngineDisagrees", "VllmOptions", "check_engine", "checked_answer", "engine_version",
+           "score_cell_vllm", "transformers_logprobs"]
 
 ENGINES = ("transformers", "vllm")
 _LINK_SKIP = {"config.json", "ropescale.json"}
 
 
-class VllmOptions(BaseModel):
-    """``vllm:`` in an eval / sweep config (used with ``engine: vllm``)."""
+class VllmOptions(ConfigModel):
+    """``vllm:`` in an eval / sweep config (only with ``engine: vllm``: refused beside another engine)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per model replica (vLLM's tensor parallelism)")
@@ -158,6 +161,54 @@ def needed_length(task_cls, options, length: int) -> int:
     if task_cls.name == "perplexity":
         return length + int(options.add_bos) + 1
     return length + options.greedy_extra_tokens + 1
+
+
+# --- the driver's answer, checked against what was asked before anything is recorded
+
+class _Result(BaseModel):
+    """One request's answer: log p of each prompt token after the first [nats] (when asked; NaN
+    where vLLM has none), and the generated token ids."""
+
+    logprobs: list[float] | None = None
+    tokens: list[int] = Field(default_factory=list)
+
+
+class _Answer(BaseModel):
+    """``vllm_driver.py``'s ``score`` answer (without ``error``)."""
+
+    results: list[_Result]
+    vllm: str
+    start_seconds: float
+    score_seconds: float
+
+
+def checked_answer(got: dict[str, Any], reqs: list[dict], where: str) -> _Answer:
+    """The driver's answer to ``reqs`` when it is one: every field (``results``, ``vllm``,
+    ``start_seconds``, ``score_seconds``), one result per request, ``len(ids) - 1`` log-probabilities
+    where they were asked, at most ``max_tokens`` generated. ``EngineFailed`` (one line naming the
+    cell ``where`` and what is missing) otherwise: a short answer would record a cell from part of
+    its examples."""
+    from . import EngineFailed
+
+    try:
+        answer = _Answer.model_validate(got)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise EngineFailed(f"{where}: vLLM's driver answered without a valid {'.'.join(map(str, first['loc']))} "
+                           f"({first['msg']}); the cell is not recorded") from None
+    if len(answer.results) != len(reqs):
+        raise EngineFailed(f"{where}: vLLM's driver answered {len(answer.results)} of the {len(reqs)} requests "
+                           "asked; the cell is not recorded")
+    for i, (req, res) in enumerate(zip(reqs, answer.results)):
+        want = len(req["ids"]) - 1
+        if req["prompt_logprobs"] and (res.logprobs is None or len(res.logprobs) != want):
+            got_n = "no" if res.logprobs is None else len(res.logprobs)
+            raise EngineFailed(f"{where}: vLLM's driver answered request {i} with {got_n} log-probabilities for a "
+                               f"prompt of {want + 1} tokens ({want} asked); the cell is not recorded")
+        if len(res.tokens) > req["max_tokens"]:
+            raise EngineFailed(f"{where}: vLLM's driver generated {len(res.tokens)} tokens for request {i}, more "
+                               f"than the {req['max_tokens']} asked; the cell is not recorded")
+    return answer
 
 
 # --- refusals before anything loads
@@ -267,14 +318,15 @@ def score_cell_vllm(cfg, task, model, examples, spec, params: dict, length: int,
     if "error" in got:
         raise EngineFailed(f"{spec.display} @ {length}: vLLM {got.get('vllm', '')} refuses the exported model: "
                            f"{got['error']}")
-    results = got["results"]
+    answer = checked_answer(got, reqs, f"{spec.display} @ {length}")
+    results = [r.model_dump() for r in answer.results]
     theirs = torch.tensor(results[parity_index]["logprobs"], dtype=torch.float64)
     tol = tolerance(cfg.vllm, cfg.dtype)
     nan = int(torch.isnan(theirs).sum())
     d_mean = math.inf if nan else abs(float(theirs.mean() - ours.mean()))
     max_d = math.inf if nan else float((theirs - ours).abs().max())
     if not d_mean <= tol:
-        raise EngineDisagrees(f"{spec.display} @ {length}: vLLM {got['vllm']} and transformers disagree on the "
+        raise EngineDisagrees(f"{spec.display} @ {length}: vLLM {answer.vllm} and transformers disagree on the "
                               f"cell's first example: mean NLL {-float(theirs.mean()):.6g} vs {-float(ours.mean()):.6g}"
                               f" nats (|Δ| {d_mean:.3g} > tolerance {tol:g}; max |Δ log p| {max_d:.3g}"
                               + (f", {nan} NaN positions" if nan else "") + "); the cell is not recorded")
@@ -285,9 +337,9 @@ def score_cell_vllm(cfg, task, model, examples, spec, params: dict, length: int,
     from ropescale.strategies import get_strategy
 
     metrics = task.combine([parts], examples, length=length, strategy=get_strategy(spec.name))
-    return {**metrics, "engine": "vllm", "engine_version": got["vllm"],
+    return {**metrics, "engine": "vllm", "engine_version": answer.vllm,
             "parity": {"mean_nll_diff": d_mean, "max_abs_dlogp": max_d, "tokens": int(ours.numel()),
                        "tolerance": tol, "against": f"transformers {engine_version('transformers')}"},
-            "engine_start_seconds": round(got["start_seconds"], 3),
-            "engine_score_seconds": round(got["score_seconds"], 3),
+            "engine_start_seconds": round(answer.start_seconds, 3),
+            "engine_score_seconds": round(answer.score_seconds, 3),
             "examples": len(examples), "vllm_export": exp.notes}

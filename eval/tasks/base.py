@@ -18,39 +18,25 @@ the entry-point group ``ropescale.tasks`` (its module defines ``Task`` subclasse
 from __future__ import annotations
 
 from pathlib import Path
-from types import UnionType
-from typing import Any, ClassVar, Union, get_args, get_origin
+from typing import Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict
 
 from ropescale.errors import UnknownNameError
 from ropescale.registry import Registry
+from ropescale.runs.config import ConfigModel
 from ropescale.runs.memory import Need
 from ropescale.strategies import Strategy
 
 __all__ = ["TASKS", "Metric", "Task", "TaskOptions", "UnknownTaskError", "get_task", "progress", "task_names"]
 
 
-class TaskOptions(BaseModel):
-    """Base of a task's own configuration keys (written under ``<task name>:`` in a config)."""
+class TaskOptions(ConfigModel):
+    """Base of a task's own configuration keys (written under ``<task name>:`` in a config); a boolean
+    where a number is meant (``trials: true``) is refused (``ConfigModel``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bools_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
-        """``trials: true`` would be read as 1: a boolean is refused where a number is meant."""
-        kinds = _numeric_kinds(cls.model_fields[info.field_name].annotation)
-        if not kinds:
-            return v
-        if isinstance(v, bool):
-            raise ValueError(f"expected an integer, got {str(v).lower()}" if kinds == "scalar-int" else
-                             f"expected a number, got {str(v).lower()}")
-        if kinds == "list" and isinstance(v, (list, tuple)) and any(isinstance(x, bool) for x in v):
-            bad = next(x for x in v if isinstance(x, bool))
-            raise ValueError(f"expected numbers, got {str(bad).lower()}")
-        return v
 
     def check_lengths(self, lengths: list[int]) -> None:
         """Raise ``ValueError`` when these options cannot work at some of ``lengths``."""
@@ -59,23 +45,6 @@ class TaskOptions(BaseModel):
         """What of these options changes the task's numbers (the cell id hashes it): all of them
         unless a task says otherwise."""
         return self.model_dump()
-
-
-def _numeric_kinds(annotation: Any) -> str | None:
-    """``"scalar-int"`` / ``"scalar-float"`` for an int / float field (optional or not), ``"list"``
-    for a list of numbers, None otherwise (a field that takes booleans is left alone)."""
-    union = get_origin(annotation) in (Union, UnionType)
-    args = set(get_args(annotation)) if union else {annotation}
-    if bool in args:
-        return None
-    if int in args:
-        return "scalar-int"
-    if float in args:
-        return "scalar-float"
-    for a in args:
-        if get_origin(a) in (list, tuple) and set(get_args(a)) & {int, float} and bool not in get_args(a):
-            return "list"
-    return None
 
 
 class Metric(BaseModel):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import string
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -48,7 +49,8 @@ from .ruler_cache import CacheStats, cached_samples, tokenizer_fingerprint
 from .ruler_spec import FAMILIES, Family, RulerSample, join_template, postprocess_pred, sample_score
 from .ruler_text import essay_words, generator_versions
 
-__all__ = ["RULER_COMMIT", "RulerExample", "RulerOptions", "RulerTask", "greedy_batch", "model_template"]
+__all__ = ["RULER_COMMIT", "RulerExample", "RulerOptions", "RulerTask", "check_model_template", "greedy_batch",
+           "model_template"]
 
 RULER_COMMIT = "c3f5e3b4f87f97e048793bb510a3a6b19a46bf3a"
 BASE = "{task_template}"
@@ -67,12 +69,42 @@ class RulerOptions(TaskOptions):
     @field_validator("template")
     @classmethod
     def _template(cls, v: str) -> str:
-        if v not in ("base", "chat") and "{task_template}" not in v:
-            raise ValueError("expected base, chat, or a model template holding {task_template}")
-        return v
+        return v if v in ("base", "chat") else check_model_template(v)
 
     def key(self) -> dict[str, Any]:
         return self.model_dump(exclude={"batch_size", "cache"})
+
+
+_BRACES = "a literal brace is written {{{{ or }}}} (the model template is formatted, then the joined prompt)"
+
+
+def _fields(text: str) -> list[str]:
+    """The placeholders of a ``str.format`` string as written between the braces (``task_template``,
+    ``x!r``, ``x:>9``); ``ValueError`` for a lone brace."""
+    return [name + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "")
+            for _, name, spec, conv in string.Formatter().parse(text) if name is not None]
+
+
+def check_model_template(text: str) -> str:
+    """``text`` when it is a model template RULER's ``prepare.py`` can use: ``{task_template}`` (the one
+    placeholder) at least once, and nothing that the two ``str.format`` calls it goes through —
+    ``text.format(task_template=...)``, then the joined prompt's ``.format(context=..., ...)`` — would
+    read as another placeholder or a lone brace. ``ValueError`` in one line otherwise (a ``KeyError``
+    or ``ValueError`` from deep in a generator before)."""
+    try:
+        names = _fields(text)
+        stray = [n for n in names if n != "task_template"]
+        # what the prompt's format sees of the model template's own text
+        stray += _fields(text.format(task_template="")) if not stray else []
+    except ValueError:
+        raise ValueError(f"a lone '{{' or '}}': the one placeholder is {{task_template}}; "
+                         f"{_BRACES}") from None
+    if stray:
+        raise ValueError(f"{{{stray[0]}}} is not a placeholder of a model template (the one placeholder "
+                         f"is {{task_template}}); {_BRACES}")
+    if not names:
+        raise ValueError("expected base, chat, or a model template holding {task_template}")
+    return text
 
 
 def model_template(kind: str, tokenizer) -> str:
@@ -87,7 +119,8 @@ def model_template(kind: str, tokenizer) -> str:
                           "the model template as a string holding {task_template}")
     text = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], tokenize=False,
                                          add_generation_prompt=True)
-    return text.replace("{", "{{").replace("}", "}}").replace(_MARK, "{task_template}")
+    # its braces are text: doubled twice, as they go through two formats (model template, then the prompt)
+    return text.replace("{", "{{{{").replace("}", "}}}}").replace(_MARK, "{task_template}")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ a question, its gold paragraphs among others to the length; ``string_match_part`
 The data: ``dataset_path`` (the raw JSON RULER's ``download_qa_dataset.sh`` fetches:
 ``dev-v2.0.json`` / ``hotpot_dev_distractor_v1.json``), else through ``datasets``
 (``rajpurkar/squad_v2`` validation / ``hotpotqa/hotpot_qa`` distractor validation, rebuilt into
-that JSON). Offline without ``dataset_path`` the task is refused in one line, before anything runs.
+that JSON). Offline without ``dataset_path`` the task is refused in one line, before anything runs; a
+``dataset_path`` that is not that JSON (not JSON, not UTF-8, another layout), or holds fewer answerable
+questions than ``pre_samples + num_samples``, is refused in one line (``DataError``) before any cell.
 """
 
 from __future__ import annotations
@@ -16,17 +18,79 @@ import os
 from functools import cached_property
 from pathlib import Path
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError, model_validator
 
 from ropescale.runs.data import DataError
 
 from .ruler_base import RulerOptions, RulerTask
 from .ruler_qa_gen import generate_qa, hotpot_from_rows, read_hotpotqa, read_squad, squad_from_rows
 
-__all__ = ["QaOptions", "QaTask"]
+__all__ = ["LAYOUTS", "QaOptions", "QaTask", "read_dataset"]
 
 HUB = {"squad": ("rajpurkar/squad_v2", None, "validation"), "hotpotqa": ("hotpotqa/hotpot_qa", "distractor",
                                                                           "validation")}
+
+
+class _SquadAnswer(BaseModel):
+    text: str
+
+
+class _SquadQuestion(BaseModel):
+    question: str
+    answers: list[_SquadAnswer]
+    is_impossible: bool
+
+
+class _SquadParagraph(BaseModel):
+    context: str
+    qas: list[_SquadQuestion]
+
+
+class _SquadArticle(BaseModel):
+    paragraphs: list[_SquadParagraph]
+
+
+class _Squad(BaseModel):
+    data: list[_SquadArticle]
+
+
+class _HotpotQuestion(BaseModel):
+    question: str
+    answer: str
+    context: list[tuple[str, list[str]]]
+
+
+# what qa.py's readers take of the raw JSON (other keys are left alone): (layout, RULER's file name)
+LAYOUTS = {"squad": (TypeAdapter(_Squad), "SQuAD v2's dev-v2.0.json"),
+           "hotpotqa": (TypeAdapter(list[_HotpotQuestion]), "HotpotQA's hotpot_dev_distractor_v1.json")}
+
+
+_JSON_KINDS = {"model_type": "object", "dict_type": "object", "list_type": "list"}
+
+
+def read_dataset(path: str, dataset: str, what: str):
+    """The raw JSON at ``path`` checked against ``dataset``'s layout (``LAYOUTS``: the keys RULER's
+    ``read_squad``/``read_hotpotqa`` read). Raises ``DataError`` in one line: unreadable, not UTF-8,
+    not JSON, another layout (the first key path that differs)."""
+    layout, file = LAYOUTS[dataset]
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise DataError(f"{what}: dataset_path {path}: not a UTF-8 text file; give {file} as RULER downloads it"
+                        ) from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"{what}: dataset_path {path}: not JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
+                        f"give {file} as RULER downloads it") from None
+    except OSError as e:
+        raise DataError(f"{what}: dataset_path {path}: cannot be read ({e.strerror or type(e).__name__})") from None
+    try:
+        return layout.dump_python(layout.validate_python(raw))
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(map(str, first["loc"])) or "the top level"
+        kind = _JSON_KINDS.get(first["type"])
+        msg = f"expected a JSON {kind}, got {type(first['input']).__name__}" if kind else first["msg"]
+        raise DataError(f"{what}: dataset_path {path}: not {file} as RULER reads it ({where}: {msg})") from None
 
 
 def _offline() -> bool:
@@ -70,7 +134,7 @@ class QaTask(RulerTask):
     def data(self) -> tuple[list[dict], list[str]]:
         o = self.options
         if o.dataset_path:
-            raw = json.loads(Path(o.dataset_path).read_text(encoding="utf-8"))
+            raw = read_dataset(o.dataset_path, self.dataset, self.name)
         else:
             import datasets
 
@@ -92,6 +156,11 @@ class QaTask(RulerTask):
     def generate(self, length, num_samples):
         qas, docs = self.data
         o = self.options
+        if len(qas) < o.pre_samples + num_samples:  # qa.py would stop at an IndexError
+            source = o.dataset_path or HUB[self.dataset][0]
+            raise DataError(f"{self.name}: {source} has {len(qas)} answerable questions, fewer than the "
+                            f"{o.pre_samples + num_samples} asked (pre_samples {o.pre_samples} + num_samples "
+                            f"{num_samples})")
         return generate_qa(qas, docs, count=self.count, template=self.template, max_seq_length=length,
                            num_samples=num_samples, seed=o.seed, tokens_to_generate=self.budget,
                            pre_samples=o.pre_samples, what=self.name)

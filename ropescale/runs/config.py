@@ -3,7 +3,9 @@
 ``ConfigError`` (the one-line error of a malformed config), strategy entries
 (``StrategySpec``/``parse_strategy``: ``"yarn"``, ``"yarn:factor=4,logn=true"`` or a mapping), the data
 source (``DataConfig``), ``--set key=value`` overrides and the YAML reader (duplicate keys refused,
-merge keys allowed, UTF-8 whatever the locale).
+merge keys allowed, UTF-8 whatever the locale, at most ``MAX_VALUES`` values once its aliases are
+expanded: an alias bomb is refused before it is built), and ``ConfigModel``, the base of every config
+section (YAML's true/false refused where a number is meant).
 
 The one loader and the one error formatter of every config kind (an experiment, a sweep, a
 fine-tuning run, a search, a task's or a recipe's options): ``load_raw`` (a YAML file, then flags,
@@ -22,23 +24,71 @@ import types
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.runs.data import DataSpec
 from ropescale.strategies import get_strategy
 from ropescale.temperature import parse_temperature
 
-__all__ = ["ConfigError", "DataConfig", "NestedErrors", "StrategySpec", "apply_overrides", "check_threads",
-           "error_parts", "explain", "load_raw", "not_a_bool", "parse_strategy", "read_yaml"]
+__all__ = ["MAX_VALUES", "ConfigError", "ConfigModel", "DataConfig", "NestedErrors", "StrategySpec",
+           "apply_overrides", "check_threads", "error_parts", "explain", "load_raw", "parse_strategy", "read_yaml"]
+
+MAX_VALUES = 100_000  # values in one config (or one --set value) with its YAML aliases expanded
 
 
 class ConfigError(RopescaleError, ValueError):
     """A sweep configuration is malformed; the message names the key."""
+
+
+def _plain_type(annotation: Any) -> Any:
+    """``Annotated[float, Field(...)]`` → ``float``; anything else unchanged."""
+    return typing.get_args(annotation)[0] if typing.get_origin(annotation) is Annotated else annotation
+
+
+def _numeric_kinds(annotation: Any) -> str | None:
+    """``"scalar-int"`` / ``"scalar-float"`` for an int / float field (optional or not), ``"list"``
+    for a list or tuple of numbers, None otherwise (a field that takes booleans is left alone)."""
+    annotation = _plain_type(annotation)
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    args = {_plain_type(a) for a in typing.get_args(annotation)} if union else {annotation}
+    if bool in args:
+        return None
+    if int in args:
+        return "scalar-int"
+    if float in args:
+        return "scalar-float"
+    for a in args:
+        items = {_plain_type(x) for x in typing.get_args(a)}
+        if typing.get_origin(a) in (list, tuple) and items & {int, float} and bool not in items:
+            return "list"
+    return None
+
+
+class ConfigModel(BaseModel):
+    """The base of every config section (an experiment, a fine-tuning run, a task's or a recipe's
+    options, ``vllm:``, ``data:``): YAML's ``true``/``false`` where a number is meant (``trials: true``,
+    ``tensor_parallel_size: true``) would be read as 1 or 0; it is refused in one line under its key
+    (``expected an integer, got true``). A field whose type admits a boolean is left alone, and a
+    field's own ``mode="before"`` validator runs first (``loss_chunk_size: false`` → 0)."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bools_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        kinds = _numeric_kinds(cls.model_fields[info.field_name].annotation)
+        if not kinds:
+            return v
+        if isinstance(v, bool):
+            raise ValueError(f"expected an integer, got {str(v).lower()}" if kinds == "scalar-int" else
+                             f"expected a number, got {str(v).lower()}")
+        if kinds == "list" and isinstance(v, (list, tuple)) and any(isinstance(x, bool) for x in v):
+            bad = next(x for x in v if isinstance(x, bool))
+            raise ValueError(f"expected numbers, got {str(bad).lower()}")
+        return v
 
 
 class StrategySpec(BaseModel):
@@ -103,9 +153,10 @@ def _yaml_error(e: yaml.YAMLError) -> str:
 
 
 def _value(text: str, where: str) -> Any:
-    """A flag value read as YAML (numbers, booleans, lists); ``ValueError`` in one line."""
+    """A flag value read as YAML (numbers, booleans, lists) by the config files' reader; ``ValueError``
+    in one line."""
     try:
-        return yaml.safe_load(text)
+        return _load_yaml(text)
     except yaml.YAMLError as e:
         raise InvalidInput(f"{where}: cannot read {text!r}: {_yaml_error(e)}") from None
 
@@ -150,7 +201,7 @@ def _parse_strategy(entry: Any) -> StrategySpec:
     raise ValueError(f"strategy entry must be a name or a mapping, got {entry!r}")
 
 
-class DataConfig(BaseModel):
+class DataConfig(ConfigModel):
     model_config = ConfigDict(extra="forbid")
     source: str = "kjv-heldout"
     config: str | None = None
@@ -202,12 +253,55 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
 
+    def get_single_node(self):
+        """The document's node graph, refused before any value is built when its aliases expand to
+        more than ``MAX_VALUES`` values or an alias sits inside its own anchor."""
+        node = super().get_single_node()
+        if node is not None:
+            _expanded_size(node, {}, set())
+        return node
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_: set[int]) -> int:
+    """How many values ``node`` stands for with every alias expanded (a scalar 1, a collection 1 +
+    its items'), each distinct node counted once (``sizes``); ``ComposerError`` once past
+    ``MAX_VALUES`` — ten aliases of ten aliases … ten levels deep are 10^10 values built from a few
+    hundred characters — or for an alias inside its own anchor (``open_``: the anchors being counted)."""
+    if id(node) in sizes:
+        return sizes[id(node)]
+    if id(node) in open_:
+        raise yaml.composer.ComposerError(None, None, "an alias refers to its own anchor (a value cannot hold "
+                                          "itself)", node.start_mark)
+    open_.add(id(node))
+    total = 1
+    if isinstance(node, yaml.CollectionNode):
+        children = [x for pair in node.value for x in pair] if isinstance(node, yaml.MappingNode) else node.value
+        for child in children:
+            total += _expanded_size(child, sizes, open_)
+            if total > MAX_VALUES:
+                raise yaml.composer.ComposerError(
+                    None, None, f"its aliases expand to more than {MAX_VALUES:,} values (anchors repeated inside "
+                    "anchors: an alias bomb); write the values out, or use fewer aliases", node.start_mark)
+    open_.discard(id(node))
+    sizes[id(node)] = total
+    return total
+
+
+def _load_yaml(text: str) -> Any:
+    """``text`` as YAML through ``_UniqueKeyLoader``; ``yaml.YAMLError`` (nesting too deep for the
+    parser included) in one line."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except RecursionError:
+        raise yaml.YAMLError("nested too deeply to read") from None
+
 
 def read_yaml(path: str | Path) -> dict:
-    """The raw mapping of a YAML config file. Raises ``ConfigError`` (missing, invalid, not a mapping)."""
+    """The raw mapping of a YAML config file. Raises ``ConfigError`` (missing, invalid, not a mapping,
+    more than ``MAX_VALUES`` values once its aliases are expanded)."""
     path = Path(path)
     try:
-        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # YAML is UTF-8, whatever the locale
+        raw = _load_yaml(path.read_text(encoding="utf-8"))  # YAML is UTF-8, whatever the locale
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
     except IsADirectoryError:
@@ -221,16 +315,6 @@ def read_yaml(path: str | Path) -> dict:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of keys (model, data, lengths, strategies, ...)")
     return raw
-
-
-def not_a_bool(cls, v: Any) -> Any:
-    """A field validator (``field_validator(..., mode="before")(not_a_bool)``): YAML's true/false
-    where a number is meant (``steps: true`` was read as 1 step) refused in one line."""
-    if isinstance(v, bool):
-        raise ValueError(f"{str(v).lower()} is a yes/no value, not a number")
-    if isinstance(v, (list, tuple)) and any(isinstance(x, bool) for x in v):
-        raise ValueError(f"{list(v)!r} holds a yes/no value, not a number")
-    return v
 
 
 def check_threads(v: int | None) -> int | None:

@@ -22,6 +22,12 @@ Raises ``UnknownStrategyError`` (an ``UnknownNameError`` and a ``KeyError``) for
 and a close match, and ``InvalidInput`` (a ``ValueError``) naming the parameter, the bad value and the allowed
 range for bad parameters. This mirrors ``transformers.modeling_rope_utils`` with real
 errors instead of warnings.
+
+What a frequency strategy returns is checked where it enters every use (``Strategy.compute``: the
+patch, dynamic recomputation, exports, inspection): ``inv_freq`` a floating torch tensor of shape
+``[d/2]``, finite and ≥ 0 (0 leaves a pair unrotated), ``attention_factor`` a finite number > 0;
+otherwise ``InvalidInput`` naming the strategy and, for one registered by a plugin, the plugin.
+``register`` refuses a ``Param`` whose default lies outside its own range (``TypeError``).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ import numpy as np
 import torch
 
 from ropescale.errors import InvalidInput, UnknownNameError
-from ropescale.registry import Registry
+from ropescale.registry import Registry, loading_plugin
 
 __all__ = [
     "AUTO_KINDS",
@@ -53,6 +59,7 @@ __all__ = [
     "StrategyKind",
     "UnknownStrategyError",
     "auto_value",
+    "check_frequencies",
     "get_strategy",
     "register",
     "strategy_names",
@@ -265,6 +272,12 @@ class Strategy:
     needs: tuple[str, ...] = field(default=())
     export: Exporter | None = None
     softmax: Callable[[dict], float] | None = None  # validated params → softmax-scale multiplier (1: none)
+    origin: str = ""  # where it was registered, when not by ropescale: "plugin 'x' (pkg.mod)" or "module pkg.mod"
+
+    @property
+    def label(self) -> str:
+        """How messages name it: ``strategy 'yarn'``, with its origin when ropescale did not register it."""
+        return f"strategy {self.name!r}" + (f" ({self.origin})" if self.origin else "")
 
     def softmax_scale(self, params: dict[str, Any]) -> float:
         """The factor the strategy multiplies attention's softmax scale by (DeepSeek's YaRN
@@ -346,11 +359,53 @@ class Strategy:
         return out
 
     def compute(self, context: dict[str, Any], params: dict[str, Any]) -> RopeFrequencies:
-        """Call the function with the context arguments it names plus validated ``params``."""
+        """Call the function with the context arguments it names plus validated ``params``. A
+        frequency strategy's result is checked (``check_frequencies``) and returned as
+        ``RopeFrequencies(inv_freq [d/2], attention_factor: float)``; ``InvalidInput`` otherwise."""
         missing = [k for k in self.needs if context.get(k) is None]
         if missing:
             raise InvalidInput(f"{self.name} needs {', '.join(missing)}, which the model did not provide")
-        return self.fn(**{k: context[k] for k in self.needs}, **params)
+        out = self.fn(**{k: context[k] for k in self.needs}, **params)
+        return check_frequencies(self.label, out, context.get("dim")) if self.kind == "frequency" else out
+
+
+def _number(value: Any) -> float | None:
+    """A real number (Python's, numpy's, a one-element tensor) as a float; None for anything else."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
+        value = value.item()
+    if _is_bool(value) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)
+
+
+def check_frequencies(who: str, out: Any, dim: int | None) -> RopeFrequencies:
+    """``out`` as ``RopeFrequencies`` when it is what a frequency strategy returns: ``(inv_freq,
+    attention_factor)`` with ``inv_freq`` a floating torch tensor of shape ``[dim/2]`` (any 1-D
+    shape when ``dim`` is None), finite and ≥ 0 [radians per token], and ``attention_factor`` a
+    finite number > 0. Raises ``InvalidInput`` in one line naming ``who`` (the strategy, and its
+    plugin): a NaN recorded PPL nan, a shape [d] failed deep inside attention before."""
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise InvalidInput(f"{who} returned {type(out).__name__}, not RopeFrequencies(inv_freq, attention_factor)")
+    inv_freq, factor = out
+    want = f"[{dim // 2}] (d/2 for rotary dim d = {dim})" if dim else "[d/2]"
+    if not isinstance(inv_freq, torch.Tensor):
+        raise InvalidInput(f"{who} returned inv_freq as a {type(inv_freq).__name__}; a frequency strategy returns a "
+                           f"torch tensor of shape {want}")
+    if inv_freq.dim() != 1 or (dim and inv_freq.shape[0] != dim // 2):
+        raise InvalidInput(f"{who} returned inv_freq of shape {list(inv_freq.shape)}; expected {want}")
+    if not inv_freq.is_floating_point():
+        raise InvalidInput(f"{who} returned inv_freq of dtype {inv_freq.dtype}; expected a floating dtype (float32)")
+    bad = (~torch.isfinite(inv_freq)) | (inv_freq < 0)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise InvalidInput(f"{who} returned inv_freq[{i}] = {float(inv_freq[i])}; frequencies are finite and >= 0 "
+                           "[radians per token]")
+    number = _number(factor)
+    if number is None or not (math.isfinite(number) and number > 0):
+        shown = repr(factor) if number is None else repr(number)
+        raise InvalidInput(f"{who} returned attention_factor = {shown[:40]}; expected a finite number > 0 (it "
+                           "multiplies cos and sin)")
+    return RopeFrequencies(inv_freq, number)
 
 
 # every module of ropescale.strategies but this one registers strategies (imported when the package is),
@@ -376,7 +431,15 @@ def register(name: str, *, params: tuple[Param, ...] = (), source: str,
         own = set(sig) - set(needs)
         if own != declared:
             raise TypeError(f"{name}: signature parameters {sorted(own)} != declared {sorted(declared)}")
-        REGISTRY.add(name, Strategy(name, fn, params, source, kind, check, needs, export, softmax))
+        for p in params:  # a default is what runs when the parameter is left out: within its own range
+            if not p.required and p.default is not None:
+                try:
+                    p.check(name, p.default)
+                except InvalidInput as e:
+                    raise TypeError(f"{e} (its default)") from None
+        module = getattr(fn, "__module__", "") or ""
+        origin = "" if module.startswith("ropescale.") else (loading_plugin(module) or f"module {module}")
+        REGISTRY.add(name, Strategy(name, fn, params, source, kind, check, needs, export, softmax, origin))
         return fn
 
     return deco

@@ -21,12 +21,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ropescale.runs.config import (
     ConfigError,
+    ConfigModel,
     DataConfig,
     StrategySpec,
     check_threads,
     explain,
     load_raw,
-    not_a_bool,
     parse_strategy,
     read_yaml,
 )
@@ -54,7 +54,7 @@ MAX_WINDOWS = 10 ** 15  # training windows per process: steps × grad_accum × b
 _FINITE = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
-class PoseConfig(BaseModel):
+class PoseConfig(ConfigModel):
     """PoSE (Zhu et al. 2024, arXiv:2309.10400): train on windows of the original length T whose
     position ids are split into ``chunks`` with random skips reaching the target ``length``.
 
@@ -68,7 +68,6 @@ class PoseConfig(BaseModel):
     model_config = _FINITE
     enabled: bool = False
     chunks: int = Field(2, ge=1, description="chunks N per window (paper: 2; sampling authors: exactly 2)")
-    _numbers = field_validator("chunks", mode="before")(not_a_bool)
     content: Literal["random", "aligned", "contiguous"] = Field(
         "random", description="text of each chunk: random offsets v_i (paper), v_i = u_i, or contiguous")
     sampling: Literal["authors", "paper"] = Field(
@@ -142,7 +141,7 @@ def _fsdp_kwargs(spec: str) -> dict[str, Any]:
     return out
 
 
-class Parallelism(BaseModel):
+class Parallelism(ConfigModel):
     """How the processes of a launched run share the work beyond data parallelism.
 
     ``sequence``: P, processes per sequence-parallel group (DeepSpeed's Ulysses, ALST,
@@ -153,10 +152,9 @@ class Parallelism(BaseModel):
 
     model_config = _FINITE
     sequence: int = Field(1, ge=1, description="processes per sequence-parallel group (Ulysses); 1: off")
-    _numbers = field_validator("sequence", mode="before")(not_a_bool)
 
 
-class EvalDuringTraining(BaseModel):
+class EvalDuringTraining(ConfigModel):
     """Held-out perplexity every ``every`` steps (and at step 0) at ``lengths``, logged to the
     training log; ``after``: harness experiments (``eval.config`` mappings without model,
     strategies and output) run on the saved model when training ends."""
@@ -168,7 +166,6 @@ class EvalDuringTraining(BaseModel):
     max_windows: int | None = Field(32, ge=1, description="windows per length, evenly spaced (None: all)")
     batch_size: int = Field(1, ge=1)
     after: list[dict[str, Any]] = Field(default_factory=list, description="harness experiments on the saved model")
-    _numbers = field_validator("every", "lengths", "max_windows", "batch_size", mode="before")(not_a_bool)
 
     @field_validator("data", mode="before")
     @classmethod
@@ -193,7 +190,7 @@ class EvalDuringTraining(BaseModel):
         return v
 
 
-class RecipeSpec(BaseModel):
+class RecipeSpec(ConfigModel):
     """Which training recipe (``ropescale.training.recipes``) and its options, validated by the
     recipe's ``Options``. YAML: ``recipe: longlora`` or ``recipe: {name: lora, r: 16}``."""
 
@@ -224,7 +221,7 @@ class RecipeSpec(BaseModel):
         return build_recipe(self.name, self.options)
 
 
-class FinetuneConfig(BaseModel):
+class FinetuneConfig(ConfigModel):
     """One fine-tuning run. ``batch_size`` is per process and per micro-step: the global batch
     is batch_size × grad_accum × processes windows."""
 
@@ -287,9 +284,6 @@ class FinetuneConfig(BaseModel):
             raise ValueError(f"unknown tracker {bad[0]!r}; accelerate's trackers: {', '.join(known)}")
         return names
 
-    _numbers = field_validator("length", "original_max_position_embeddings", "steps", "batch_size", "grad_accum",
-                               "lr", "warmup", "weight_decay", "adam_betas", "max_grad_norm", "seed", "threads",
-                               "checkpoint_every", "keep_checkpoints", mode="before")(not_a_bool)
 
     @field_validator("strategy", mode="before")
     @classmethod

@@ -16,7 +16,7 @@ from pydantic import Field, field_validator, model_validator
 from ropescale.compat import peft_wrapping
 from ropescale.models import save_adapter, save_patched
 from ropescale.patching import current_patch
-from ropescale.runs.config import ConfigError, not_a_bool
+from ropescale.runs.config import ConfigError
 from ropescale.training.recipes import RecipeOptions
 
 __all__ = ["DEFAULT_LORA_TARGETS", "LoraSettings", "apply_lora", "check_lora", "embedding_and_norm_modules",
@@ -47,7 +47,6 @@ class LoraSettings(RecipeOptions):
     modules_to_save: list[str] = Field(default_factory=list, description="modules trained fully and saved")
     trainable_embeddings_norms: bool = Field(False, description="LongLoRA's LoRA+: embeddings and norms trained")
     save: Literal["merged", "adapter"] = "merged"
-    _numbers = field_validator("r", "alpha", "dropout", mode="before")(not_a_bool)
 
     @model_validator(mode="before")
     @classmethod

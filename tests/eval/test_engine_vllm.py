@@ -64,6 +64,21 @@ def test_unknown_vllm_key_is_named(tiny_model_dir, text_file):
         _cfg(tiny_model_dir, text_file, vllm={"tensor_paralel_size": 2})
 
 
+def test_a_vllm_section_beside_another_engine_is_refused(tiny_model_dir, text_file):
+    """``vllm:`` settings with ``engine: transformers`` (the default) were ignored without a word; a
+    config dumped with the transformers engine (the manifest's: no vllm section) still reads back."""
+    raw = {"model": str(tiny_model_dir), "data": str(text_file), "lengths": [32], "strategies": ["yarn"]}
+    for extra in ({"vllm": {"tensor_parallel_size": 2}}, {"engine": "transformers", "vllm": {}}):
+        with pytest.raises(ConfigError) as e:
+            build_config({**raw, **extra}, "x.yaml")
+        assert str(e.value) == ("x.yaml: vllm: settings of engine: vllm, but this config's engine is transformers "
+                                "(which would ignore them); set engine: vllm, or drop the vllm: section")
+    plain = build_config(raw)
+    assert plain.vllm is None and build_config(plain.model_dump(mode="json")) == plain
+    served = build_config({**raw, "engine": "vllm"})
+    assert served.vllm.tensor_parallel_size == 1 and build_config(served.model_dump(mode="json")) == served
+
+
 def test_log_probabilities_become_the_transformers_engines_perplexity(tiny_model_dir, text_file):
     """The engine path's bucketing, fed transformers' own log-probabilities, gives the transformers
     engine's record: ``Perplexity.combine`` over ``window_nll``'s parts (sliding windows: scored
@@ -105,6 +120,61 @@ def test_retrieval_requests_ask_for_the_answer_and_every_candidate(tiny_model_di
     ex = examples[0]
     assert reqs[0] == {"ids": ex.prompt.ids, "max_tokens": len(ex.prompt.answer_ids) + 2, "prompt_logprobs": False}
     assert reqs[1]["ids"] == ex.prompt.ids + ex.prompt.answer_ids and reqs[1]["prompt_logprobs"]
+
+
+REQS = [{"ids": [5, 6, 7], "max_tokens": 1, "prompt_logprobs": True},
+        {"ids": [5, 6], "max_tokens": 4, "prompt_logprobs": False}]
+GOOD = {"results": [{"logprobs": [-1.0, -2.0], "tokens": [9]}, {"logprobs": None, "tokens": [1, 2]}],
+        "vllm": "0.fake", "start_seconds": 1.5, "score_seconds": 0.25}
+
+
+@pytest.mark.parametrize(("answer", "message"), [
+    ({**GOOD, "results": GOOD["results"][:1]}, "answered 1 of the 2 requests asked"),
+    ({k: v for k, v in GOOD.items() if k != "start_seconds"}, r"answered without a valid start_seconds \(Field "
+                                                              r"required\)"),
+    ({k: v for k, v in GOOD.items() if k != "vllm"}, r"answered without a valid vllm \(Field required\)"),
+    ({**GOOD, "results": [{"logprobs": [-1.0], "tokens": []}, GOOD["results"][1]]},
+     r"answered request 0 with 1 log-probabilities for a prompt of 3 tokens \(2 asked\)"),
+    ({**GOOD, "results": [{"tokens": [9]}, GOOD["results"][1]]}, r"answered request 0 with no log-probabilities"),
+    ({**GOOD, "results": [GOOD["results"][0], {"tokens": [1, 2, 3, 4, 5]}]},
+     r"generated 5 tokens for request 1, more than the 4 asked"),
+    ({**GOOD, "results": [{"logprobs": ["x", -2.0], "tokens": [9]}, GOOD["results"][1]]},
+     r"answered without a valid results.0.logprobs.0"),
+], ids=["short", "no_timing", "no_version", "logprobs_short", "logprobs_absent", "tokens_long", "logprob_text"])
+def test_the_drivers_answer_is_checked_against_the_request(answer, message):
+    from eval.engines import EngineFailed
+    from eval.engines.vllm_eval import checked_answer
+
+    assert checked_answer(GOOD, REQS, "yarn @ 64").vllm == "0.fake"
+    with pytest.raises(EngineFailed, match=rf"^yarn @ 64: vLLM's driver {message}.*; the cell is not recorded$"):
+        checked_answer(answer, REQS, "yarn @ 64")
+
+
+def test_a_short_answer_is_not_recorded_and_the_corrected_rerun_is(tmp_path, tiny_model_dir, text_file, monkeypatch):
+    """A driver answering one of a cell's two windows was recorded as the cell (windows: 1); now the
+    cell is refused in one line and left out, and the rerun with a whole answer records it. The
+    answers are log p = -1 at each of a window's 31 scored positions (parity with transformers is
+    taken out of the way by the tolerance), so the cell's NLL is 1 exactly."""
+    from eval.engines import EngineFailed
+
+    cfg = _cfg(tiny_model_dir, text_file, lengths=[32], strategies=["vanilla"], vllm={"parity_tolerance": 1e9})
+    whole = {"results": [{"logprobs": [-1.0] * 31, "tokens": [0]}] * 2, "vllm": "0.fake", "start_seconds": 1.0,
+             "score_seconds": 2.0}  # max_windows 2 windows of 32 tokens, no BOS
+    answer = tmp_path / "answer.json"
+    script = tmp_path / "fake-vllm-python"  # an engine python that answers whatever it is asked with answer.json
+    script.write_text(f'#!/bin/sh\ncp "{answer}" "$3"\n')
+    script.chmod(0o755)
+    monkeypatch.setenv(engines.driver_class("vllm").python_env, str(script))
+    monkeypatch.setattr("eval.sweep.write_reports", lambda records, output: None)  # tables and plots: not tested here
+    answer.write_text(json.dumps({**whole, "results": whole["results"][:1]}))
+    with pytest.raises(EngineFailed, match=r"^vanilla @ 32: vLLM's driver answered 1 of the 2 requests asked; the "
+                                           r"cell is not recorded$"):
+        run_sweep(cfg, tmp_path / "out", progress=False)
+    assert read_results(tmp_path / "out" / RESULTS) == []
+    answer.write_text(json.dumps(whole))
+    (record,) = run_sweep(cfg, tmp_path / "out", progress=False)
+    assert (record["windows"], record["tokens"], record["nll"]) == (2, 62, 1.0)
+    assert record["engine_version"] == "0.fake" and record["engine_start_seconds"] == 1.0
 
 
 # --- with vLLM

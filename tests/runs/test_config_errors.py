@@ -63,3 +63,66 @@ def test_load_raw_merges_file_then_flags_then_overrides(tmp_path):
     assert raw == {"model": "b", "lengths": [2, 3], "data": {"source": "x", "max_documents": 4}}
     assert source == str(path)
     assert load_raw(None, [], {"model": "c"}) == ({"model": "c"}, "flags")
+
+
+def _alias_bomb(levels: int) -> str:
+    """``lengths:`` holding ten aliases of ten aliases …, ``levels`` deep: 10^levels values from a few
+    hundred characters."""
+    items = ["  - &a0 [128, 128, 128, 128, 128, 128, 128, 128, 128, 128]"]
+    items += [f"  - &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, levels)]
+    return "model: reference\nstrategies: [vanilla]\nlengths:\n" + "\n".join(items) + "\n"
+
+
+def test_an_alias_bomb_is_refused_before_it_is_built(tmp_path):
+    """10 levels of 10 aliases are 10^10 values: the one reader of every config kind refuses them from
+    the node graph (each anchor counted once), before a value is built — validating them ran for
+    minutes. In a ``--set`` value the same; an alias inside its own anchor (a list holding itself) too."""
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_alias_bomb(10), encoding="utf-8")
+    with pytest.raises(ConfigError) as e:
+        load_raw(path)
+    shape = (rf"{re.escape(str(path))}: not valid YAML: its aliases expand to more than 100,000 values "
+             r"\(anchors repeated inside anchors: an alias bomb\); .* \(line \d+, column \d+\)")
+    assert re.fullmatch(shape, str(e.value))
+    bomb = "[" + ", ".join(f"&b{i} [" + ", ".join(["*b" + str(i - 1) if i else "1"] * 10) + "]"
+                           for i in range(7)) + "]"  # 10^7 values from one --set
+    with pytest.raises(ConfigError, match=r"^--set 'lengths=.*: its aliases expand to more than 100,000 values"):
+        load_raw(None, [f"lengths={bomb}"])
+    path = tmp_path / "self.yaml"
+    path.write_text("lengths: &a [128, *a]\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"not valid YAML: an alias refers to its own anchor"):
+        load_raw(path)
+
+
+def test_aliases_and_merge_keys_within_the_bound_still_read(tmp_path):
+    path = tmp_path / "ok.yaml"
+    path.write_text(_alias_bomb(4) + "base: &d {source: kjv-heldout}\ndata:\n  <<: *d\n  max_documents: 2\n",
+                    encoding="utf-8")  # 10^4 values
+    raw, _ = load_raw(path)
+    assert raw["data"] == {"source": "kjv-heldout", "max_documents": 2}
+    flat = [x for a in raw["lengths"] for x in _flatten(a)]
+    assert len(flat) == 10 + 100 + 1000 + 10000 and set(flat) == {128}
+
+
+def _flatten(x):
+    return [y for v in x for y in _flatten(v)] if isinstance(x, list) else [x]
+
+
+@pytest.mark.parametrize(("build", "raw", "key", "kind"), [
+    (build_config, {**EVAL, "engine": "vllm", "vllm": {"tensor_parallel_size": True}}, "vllm.tensor_parallel_size",
+     "an integer"),
+    (build_config, {**EVAL, "engine": "vllm", "vllm": {"parity_tolerance": True}}, "vllm.parity_tolerance",
+     "a number"),
+    (build_config, {**EVAL, "threads": True}, "threads", "an integer"),
+    (build_config, {**EVAL, "data": {"source": "kjv-heldout", "max_documents": True}}, "data.max_documents",
+     "an integer"),
+    (build_finetune_config, {**FINETUNE, "recipe": {"name": "longlora", "r": True}}, "recipe.r", "an integer"),
+    (build_finetune_config, {**FINETUNE, "adam_betas": [0.9, True]}, "adam_betas", "numbers"),
+], ids=["vllm_tp", "vllm_tolerance", "threads", "max_documents", "longlora_r", "adam_betas"])
+def test_a_boolean_where_a_number_is_meant_is_refused_in_every_config_kind(build, raw, key, kind):
+    """``true`` is 1 to pydantic: ``vllm: {tensor_parallel_size: true}`` was sent to vLLM as 1 and
+    ``recipe: {name: longlora, r: true}`` trained rank 1. One base (``ConfigModel``) refuses it for
+    every number field, as ``passkey.trials: true`` was."""
+    with pytest.raises(ConfigError) as e:
+        build(raw, "x.yaml")
+    assert str(e.value) == f"x.yaml: {key}: expected {kind}, got true"

@@ -1,5 +1,6 @@
 import numpy as np
 import pytest
+import torch
 
 from ropescale.errors import InvalidInput
 from ropescale.strategies import REGISTRY, UnknownStrategyError, get_strategy, register
@@ -129,3 +130,91 @@ def test_factor_lists_take_numpy_arrays_and_refuse_non_finite_entries():
     with pytest.raises(InvalidInput, match=r"^longrope: parameter long_factor=nan must be a finite number; "
                                            r"allowed: > 0$"):
         get_strategy("longrope").validate({"short_factor": [1.0], "long_factor": [1.0, float("nan")], "factor": 2})
+
+
+# --- what a strategy returns, checked where it enters the patch ---------------------------------
+
+def _plain_inv_freq(dim, theta=10000.0):
+    return 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim).float()  # [d/2]
+
+
+def _registered(name, fn, **kw):
+    """``fn`` registered under ``name`` for one test (removed by the caller's ``finally``)."""
+    register(name, source="test", **kw)(fn)
+    return get_strategy(name)
+
+
+CTX = {"dim": 16, "rope_theta": 10000.0, "original_max_position_embeddings": 64, "seq_len": 64}
+
+
+@pytest.mark.parametrize(("result", "message"), [
+    (lambda d: RopeFrequencies(_plain_inv_freq(d) * float("nan"), 1.0), r"returned inv_freq\[0\] = nan; frequencies "
+                                                                         r"are finite and >= 0 \[radians per token\]"),
+    (lambda d: RopeFrequencies(-_plain_inv_freq(d), 1.0), r"returned inv_freq\[0\] = -1.0; frequencies are finite"),
+    (lambda d: RopeFrequencies(_plain_inv_freq(d), float("nan")), r"returned attention_factor = nan; expected a finite "
+                                                                  r"number > 0 \(it multiplies cos and sin\)"),
+    (lambda d: RopeFrequencies(_plain_inv_freq(d), 0.0), r"returned attention_factor = 0.0; expected a finite"),
+    (lambda d: RopeFrequencies(_plain_inv_freq(d), "1"), r"returned attention_factor = '1'; expected a finite"),
+    (lambda d: RopeFrequencies(_plain_inv_freq(2 * d), 1.0), r"returned inv_freq of shape \[16\]; expected \[8\] "
+                                                              r"\(d/2 for rotary dim d = 16\)"),
+    (lambda d: RopeFrequencies(_plain_inv_freq(d).tolist(), 1.0),
+     r"returned inv_freq as a list; a frequency strategy returns a torch tensor of shape \[8\]"),
+    (lambda d: RopeFrequencies(torch.ones(d // 2, dtype=torch.long), 1.0),
+     r"returned inv_freq of dtype torch.int64; expected a floating dtype"),
+    (_plain_inv_freq, r"returned Tensor, not RopeFrequencies\(inv_freq, attention_factor\)"),
+], ids=["nan_inv_freq", "negative", "nan_factor", "zero_factor", "str_factor", "shape_d", "list", "int", "bare"])
+def test_a_strategys_output_is_checked(result, message):
+    """NaN frequencies or factor were accepted (the sweep recorded PPL nan), inv_freq of shape [d]
+    failed with a RuntimeError deep inside attention, a list with an AttributeError: ``compute``,
+    through which every use gets a strategy's frequencies, refuses them in one line naming the
+    strategy and where it was registered."""
+    try:
+        strat = _registered("bad_output_test_only", lambda dim: result(dim))  # noqa: PLW0108 (names the context)
+        with pytest.raises(InvalidInput, match=r"^strategy 'bad_output_test_only' \(module tests\.strategies\."
+                                               r"test_registry\) " + message):
+            strat.compute(CTX, {})
+    finally:
+        REGISTRY.pop("bad_output_test_only", None)
+
+
+def test_a_bad_output_is_refused_at_patch_time_and_leaves_the_model_as_it_was(tiny_llama):
+    import ropescale
+
+    x = torch.arange(8)[None]
+    want = tiny_llama(x).logits
+    try:
+        _registered("long_inv_freq_test_only", lambda dim: RopeFrequencies(_plain_inv_freq(2 * dim), 1.0))
+        with pytest.raises(InvalidInput, match=r"long_inv_freq_test_only.* returned inv_freq of shape \[16\]; "
+                                               r"expected \[8\]"):  # head_dim 16: a RuntimeError in attention before
+            ropescale.patch(tiny_llama, "long_inv_freq_test_only")
+        assert torch.equal(tiny_llama(x).logits, want)
+        # a dynamic rule that goes wrong only past T is refused when it does
+        _registered("late_nan_test_only", lambda dim, seq_len: RopeFrequencies(
+            _plain_inv_freq(dim) * (float("nan") if seq_len > 64 else 1.0), 1.0))
+        with (ropescale.patch(tiny_llama, "late_nan_test_only", original_max_position_embeddings=64),  # fine at T
+              pytest.raises(InvalidInput, match=r"late_nan_test_only.* returned inv_freq\[0\] = nan")):
+            tiny_llama(torch.arange(80)[None] % 200)
+    finally:
+        REGISTRY.pop("long_inv_freq_test_only", None)
+        REGISTRY.pop("late_nan_test_only", None)
+
+
+def test_builtin_strategies_pass_the_output_check():
+    ctx = {"dim": 64, "rope_theta": 10000.0, "original_max_position_embeddings": 128, "seq_len": 512,
+           "model_inv_freq": _plain_inv_freq(64), "model_attention_scaling": 1.0}
+    for s in REGISTRY.values():
+        if s.kind == "frequency" and not s.origin and s.name not in ("longrope", "base_truncation"):
+            inv_freq, factor = s.compute(ctx, s.resolve({}, length=512, train_length=128))
+            assert inv_freq.shape == (32,) and type(factor) is float, s.name
+
+
+@pytest.mark.parametrize(("param", "shown"), [
+    (Param("p", 0.5, low=1.0), r"p=0.5 is out of range; allowed: >= 1"),
+    (Param("p", 2.5, kind=int, low=1), r"p=2.5 must be a whole number"),
+    (Param("p", float("nan")), r"p=nan must be a finite number"),
+])
+def test_a_param_default_outside_its_own_range_is_refused_at_register(param, shown):
+    """Such a default was used whenever the parameter was left out, without a word."""
+    with pytest.raises(TypeError, match=rf"^default_test_only: parameter {shown}.* \(its default\)$"):
+        _registered("default_test_only", lambda dim, p: RopeFrequencies(_plain_inv_freq(dim), 1.0), params=(param,))
+    assert "default_test_only" not in REGISTRY

@@ -131,7 +131,7 @@ def test_parallelism_key_errors_are_one_line(tiny_run):
     with pytest.raises(ConfigError, match=r"parallelism.sequnce: unknown key; allowed: sequence \(did you mean "
                                           r"'sequence'\?\)"):
         build_finetune_config(tiny_run(parallelism={"sequnce": 2}))
-    with pytest.raises(ConfigError, match=r"parallelism.sequence: true is a yes/no value"):
+    with pytest.raises(ConfigError, match=r"parallelism.sequence: expected an integer, got true"):
         build_finetune_config(tiny_run(parallelism={"sequence": True}))
 
 

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ropescale.errors import UnknownNameError
 from ropescale.registry import Registry
-from ropescale.runs.config import NestedErrors, error_parts
+from ropescale.runs.config import ConfigModel, NestedErrors, error_parts
 
 __all__ = ["Recipe", "RecipeOptions", "UnknownRecipeError", "build_recipe", "get_recipe", "recipe_names"]
 
@@ -41,7 +41,7 @@ class UnknownRecipeError(UnknownNameError, ValueError):
     """No recipe of that name (the message lists the known ones)."""
 
 
-class RecipeOptions(BaseModel):
+class RecipeOptions(ConfigModel):
     """Options of a recipe without any (subclass for a recipe's own)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)

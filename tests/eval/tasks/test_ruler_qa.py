@@ -15,6 +15,7 @@ from eval.tasks import get_task
 from eval.tasks.prompts import PromptError
 from eval.tasks.ruler_qa_gen import hotpot_from_rows, read_hotpotqa, read_squad, squad_from_rows
 from ropescale.models import REFERENCE_MODEL
+from ropescale.runs.data import DataError
 
 TEMPLATE = ("Answer the question based on the given documents. Only give me the answer and do not output any other "
             "words.\n\nThe following are given documents.\n\n{context}\n\nAnswer the question based on the given "
@@ -183,3 +184,28 @@ def test_offline_without_data_is_one_line(monkeypatch):
     with pytest.raises(ConfigError, match=r"ruler.tasks.qa_1: rajpurkar/squad_v2 is read through datasets"):
         build_config({"task": "ruler", "lengths": [1024], "strategies": ["vanilla"], "ruler": {"tasks": ["qa_1"]}})
     assert os.environ["HF_DATASETS_OFFLINE"] == "1"
+
+
+@pytest.mark.parametrize(("name", "content", "message"), [
+    ("qa_1", "{not json", r"qa_1: dataset_path .*data.json: not JSON \(Expecting property name enclosed in double "
+                          r"quotes at line 1, column 2\); give SQuAD v2's dev-v2.0.json as RULER downloads it"),
+    ("qa_1", b"\xff\xfe{}", r"qa_1: dataset_path .*data.json: not a UTF-8 text file"),
+    ("qa_1", "[]", r"qa_1: dataset_path .*: not SQuAD v2's dev-v2.0.json as RULER reads it \(the top level: expected "
+                   r"a JSON object, got list\)"),
+    ("qa_2", json.dumps(squad_json()), r"qa_2: dataset_path .*: not HotpotQA's hotpot_dev_distractor_v1.json as "
+                                       r"RULER reads it \(the top level: expected a JSON list, got dict\)"),
+    ("qa_1", json.dumps({"data": [{"paragraphs": [{"context": "c", "qas": [{"question": "q", "answers": []}]}]}]}),
+     r"\(data.0.paragraphs.0.qas.0.is_impossible: Field required\)"),
+    ("qa_1", json.dumps({"data": []}), r"^qa_1: .*data.json has 0 answerable questions, fewer than the 3 asked "
+                                       r"\(pre_samples 2 \+ num_samples 1\)$"),
+], ids=["not_json", "not_utf8", "a_list", "squad_for_hotpot", "a_key_missing", "too_few"])
+def test_a_dataset_path_that_is_not_rulers_json_is_one_line(tmp_path, name, content, message):
+    """A JSONDecodeError, a TypeError or an IndexError from RULER's readers before: one DataError line."""
+    path = tmp_path / "data.json"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    cls = get_task(name)
+    task = cls(cls.Options(num_samples=1, pre_samples=2, dataset_path=str(path), cache=False),
+               tokenizer=AutoTokenizer.from_pretrained(str(REFERENCE_MODEL)), train_length=128)
+    with pytest.raises(DataError, match=message) as e:
+        task.examples(1024)
+    assert "\n" not in str(e.value)

@@ -2,7 +2,10 @@
 ``generate``, RULER's scores from the predictions, the sample cache, refusals, the ``ruler`` suite's
 records, tables and plots."""
 
+import gzip
 import json
+from pathlib import Path
+from unittest.mock import ANY
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from eval.tasks.prompts import PromptError
 from eval.tasks.ruler_base import greedy_batch, model_template
 from eval.tasks.ruler_cache import cached_samples
 from eval.tasks.ruler_spec import RulerSample
+from ropescale.errors import OutputError
 from ropescale.models import REFERENCE_MODEL
 from ropescale.patching import patch
 
@@ -87,6 +91,90 @@ def test_cache_reuses_and_extends(tmp_path):
     assert made.count("refused") == 1
 
 
+def _made(log, n=2):
+    def make():
+        log.append(n)
+        return [RulerSample(i, f"p{i}", (str(i),), 10, " a") for i in range(n)]
+    return make
+
+
+def _cut_in_half(path):
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+def _foreign_gzip(path):
+    with gzip.open(path, "wt") as f:
+        json.dump([1, 2, 3], f)
+
+
+def _foreign_samples(path):
+    with gzip.open(path, "wt") as f:
+        json.dump({"key": {"task": "x", "length": 64}, "samples": [{"index": 0}, {"index": 1}]}, f)
+
+
+@pytest.mark.parametrize("spoil", [_cut_in_half, _foreign_gzip, _foreign_samples],
+                         ids=["cut_in_half", "foreign_gzip", "foreign_samples"])
+def test_a_cache_entry_that_does_not_read_as_one_is_made_again(tmp_path, spoil):
+    """The docs' promise — a torn file is made again — held for text only: a gzip cut short raised
+    EOFError, another gzip AttributeError (KeyError for an entry of other samples)."""
+    made, key = [], {"task": "x", "length": 64}
+    path = Path(cached_samples(key, 2, _made(made), directory=tmp_path)[1].path)
+    spoil(path)
+    samples, stats = cached_samples(key, 2, _made(made), directory=tmp_path)
+    assert made == [2, 2] and not stats.cached and samples[1] == RulerSample(1, "p1", ("1",), 10, " a")
+    assert cached_samples(key, 2, _made(made), directory=tmp_path)[1].cached and made == [2, 2]  # replaced whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name, path.name + ".lock"]
+
+
+def test_a_file_in_place_of_the_cache_folder_is_one_line(tmp_path, monkeypatch, tok):
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setenv("ROPESCALE_CACHE", str(tmp_path / "file"))
+    cls = get_task("niah_single_1")
+    with pytest.raises(OutputError) as e:  # NotADirectoryError before
+        cls(cls.Options(num_samples=1), tokenizer=tok, train_length=128).examples(512)
+    assert str(e.value) == (f"the RULER sample cache {tmp_path / 'file' / 'ruler'} cannot be made: a file is in the "
+                            f"way (ROPESCALE_CACHE={tmp_path / 'file'}); point ROPESCALE_CACHE at a folder, or set "
+                            "cache: false in the task's options")
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "ruler").write_text("")
+    with pytest.raises(OutputError, match="cannot be made: a file is in the way"):  # FileExistsError before
+        cached_samples({"task": "x"}, 1, _made([]), directory=tmp_path / "cache" / "ruler")
+
+
+def test_a_cache_that_cannot_be_written_is_read_or_bypassed_with_one_warning(tmp_path, monkeypatch, caplog):
+    """A read-only file system (OSError EROFS from the lock file, the folder, the entry's rename):
+    entries there are read, others generated and not stored, one warning line per folder."""
+    import errno
+
+    import filelock
+
+    from eval.tasks import ruler_cache
+
+    made, key = [], {"task": "x", "length": 64}
+    stored = cached_samples(key, 2, _made(made), directory=tmp_path / "ro")[0]
+    monkeypatch.setattr(ruler_cache, "_WARNED", set())
+
+    def read_only(*_, **__):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(filelock.FileLock, "acquire", read_only)
+    assert cached_samples(key, 2, _made(made), directory=tmp_path / "ro") == (stored, ANY)
+    samples, stats = cached_samples({**key, "length": 65}, 2, _made(made), directory=tmp_path / "ro")
+    assert made == [2, 2] and len(samples) == 2 and not stats.cached and stats.path == ""
+    monkeypatch.setattr(Path, "mkdir", read_only)  # a folder not there yet, on a read-only file system
+    assert cached_samples(key, 1, _made(made, 1), directory=tmp_path / "new")[1].cached is False
+    monkeypatch.undo()
+    monkeypatch.setattr(ruler_cache, "_WARNED", set())
+    monkeypatch.setattr(ruler_cache.os, "replace", read_only)  # the lock is taken, the entry cannot be stored
+    assert cached_samples({**key, "length": 66}, 1, _made(made, 1), directory=tmp_path / "ro")[1].path == ""
+    assert made == [2, 2, 1, 1] and not list((tmp_path / "ro").glob(".*tmp*"))  # no half-written file left
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [f"the RULER sample cache {tmp_path / d} cannot be written (Read-only file system): samples "
+                        "are generated and not stored (set ROPESCALE_CACHE to a writable folder to keep them)"
+                        for d in ("ro", "new", "ro")]
+
+
 def test_examples_come_from_the_cache_the_second_time(tok, tmp_path):
     cls = get_task("niah_single_1")
     t1 = cls(cls.Options(num_samples=2), tokenizer=tok, train_length=128)
@@ -119,9 +207,44 @@ def test_model_templates(tok):
         model_template("chat", tok)
     tok2 = AutoTokenizer.from_pretrained(str(REFERENCE_MODEL))
     tok2.chat_template = "{% for m in messages %}<u>{{ m['content'] }}</u>{% endfor %}{{ '<a>{x}' }}"
-    assert model_template("chat", tok2) == "<u>{task_template}</u><a>{{x}}"
+    # the chat text's braces go through two formats (the model template, then the prompt): doubled twice
+    assert model_template("chat", tok2) == "<u>{task_template}</u><a>{{{{x}}}}"
+    fwe = get_task("fwe")
+    (ex,) = fwe(fwe.Options(num_samples=1, template="chat", cache=False), tokenizer=tok2,
+                train_length=128).examples(1024)  # a KeyError 'x' before
+    assert ex.sample.prompt.startswith("<u>") and "?</u><a>{x} Answer:" in ex.sample.prompt
     with pytest.raises(ConfigError, match="template: .*expected base, chat, or a model template"):
         build_config({"task": "vt", "lengths": [1024], "strategies": ["vanilla"], "vt": {"template": "oops"}})
+
+
+BRACES = (r"; a literal brace is written \{\{\{\{ or \}\}\}\} \(the model template is formatted, then the joined "
+          r"prompt\)$")
+
+
+@pytest.mark.parametrize(("template", "message"), [
+    ("[INST] {task_template} {system} [/INST]", r"\{system\} is not a placeholder of a model template \(the one "
+                                                r"placeholder is \{task_template\}\)" + BRACES),
+    ("[INST] {task_template} [/INST] {", r"a lone '\{' or '\}': the one placeholder is \{task_template\}" + BRACES),
+    ("{task_template} }", r"a lone '\{' or '\}'"),
+    ("{task_template} {{context}}", r"\{context\} is not a placeholder"),  # the prompt's format would fill it
+    ("{task_template} {{", r"a lone '\{' or '\}'"),  # one brace left for the prompt's format
+    ("{task_template!r}", r"\{task_template!r\} is not a placeholder"),
+])
+def test_a_model_template_that_the_formats_would_break_on_is_refused_when_read(template, message):
+    """A stray placeholder was a KeyError and a lone brace a ValueError from deep in a generator, at
+    the first cell; now one line under the option's key when the config is read."""
+    with pytest.raises(ConfigError, match=r"^config: niah_single_1.template: " + message):
+        build_config({"task": "niah_single_1", "lengths": [1024], "strategies": ["vanilla"],
+                      "niah_single_1": {"template": template}})
+
+
+def test_a_model_template_with_literal_braces_reaches_the_prompt(tok):
+    cls = get_task("fwe")
+    template = "<s>{{{{json}}}} {task_template}"
+    cfg = build_config({"task": "fwe", "lengths": [1024], "strategies": ["vanilla"],
+                        "fwe": {"template": template, "num_samples": 1, "cache": False}})
+    (ex,) = cls(cfg.options, tokenizer=tok, train_length=128).examples(1024)
+    assert ex.sample.prompt.startswith("<s>{json} Read the following coded text")
 
 
 def test_a_task_end_to_end_on_a_tiny_model(tmp_path, tiny_model_dir):
