@@ -23,7 +23,9 @@ def _cases() -> list:
         for check in ALL_CHECKS:
             reason = KNOWN.get(name, {}).get(check)
             # one worker computes a type's result (cached per process) and runs all its checks
-            marks = [pytest.mark.xdist_group(name)] + ([pytest.mark.xfail(strict=True, reason=reason)] if reason else [])
+            marks = [pytest.mark.xdist_group(name)]
+            if reason:
+                marks.append(pytest.mark.xfail(strict=True, reason=reason))
             cases.append(pytest.param(name, check, marks=marks, id=f"{name}-{check}"))
     return cases
 

@@ -75,7 +75,8 @@ def test_blockwise_scoring_equals_prefix_forwards(tiny_llama):
     assert s.tokens == 99 and math.isclose(s.nll, total, rel_tol=1e-6)
     assert s.nll != single.nll  # the semantics differ past L_train (slightly, on a random model)
     assert math.isclose(score_windows(tiny_llama, docs, windows, length=100, prefix_block=30).nll,
-                        score_windows(tiny_llama, docs, windows, length=100).nll, rel_tol=1e-9)  # static
+                        score_windows(tiny_llama, docs, windows, length=100).nll, rel_tol=1e-7)  # static
+    # (float32 forwards over prefixes of other lengths round differently: 1.7e-9 relative seen on a 2-core x86 CPU)
 
 
 def test_logits_chunk_is_an_option_outside_the_identity(tiny_llama):
