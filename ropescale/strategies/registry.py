@@ -254,7 +254,10 @@ class Strategy:
     """A registered strategy. ``kind`` is ``"frequency"`` (returns ``RopeFrequencies``) or
     ``"attention"`` (returns a ``RelativeRule`` applied inside attention); ``export`` writes it
     as transformers ``rope_parameters`` (see ``Exporter``), None when transformers has no
-    equivalent."""
+    equivalent. ``keeps_model``: the strategy is the model's own rotation as it was loaded
+    (``native``): ``patch`` leaves the rotary modules, their dynamic updates and the attention's
+    own scales as they are, the export writes the model's own rope parameters, and a saved
+    patched folder is taken as plain transformers serves it (``load_model(..., served=True)``)."""
 
     name: str
     fn: Callable[..., RopeFrequencies]
@@ -265,6 +268,7 @@ class Strategy:
     needs: tuple[str, ...] = field(default=())
     export: Exporter | None = None
     softmax: Callable[[dict], float] | None = None  # validated params → softmax-scale multiplier (1: none)
+    keeps_model: bool = False
 
     def softmax_scale(self, params: dict[str, Any]) -> float:
         """The factor the strategy multiplies attention's softmax scale by (DeepSeek's YaRN
@@ -361,10 +365,12 @@ REGISTRY: Registry[Strategy] = Registry("strategy", "strategies", UnknownStrateg
 
 def register(name: str, *, params: tuple[Param, ...] = (), source: str,
              kind: StrategyKind = "frequency", check: Callable[[dict], None] | None = None,
-             export: Exporter | None = None, softmax: Callable[[dict], float] | None = None):
+             export: Exporter | None = None, softmax: Callable[[dict], float] | None = None,
+             keeps_model: bool = False):
     """Decorator adding a strategy function to ``REGISTRY`` under ``name``; ``export`` is its
     transformers ``rope_parameters`` writer (``Exporter``), if transformers can express it;
-    ``softmax`` (validated params → float) a factor on attention's softmax scale, where the strategy has one.
+    ``softmax`` (validated params → float) a factor on attention's softmax scale, where the strategy has one;
+    ``keeps_model``: the strategy is the model's own rotation, left untouched (``Strategy.keeps_model``).
     Raises ``TypeError`` for an unknown ``kind`` or a signature that does not match ``params``."""
     if kind not in STRATEGY_KINDS:
         raise TypeError(f"{name}: kind={kind!r}; choose one of {', '.join(STRATEGY_KINDS)}")
@@ -376,7 +382,7 @@ def register(name: str, *, params: tuple[Param, ...] = (), source: str,
         own = set(sig) - set(needs)
         if own != declared:
             raise TypeError(f"{name}: signature parameters {sorted(own)} != declared {sorted(declared)}")
-        REGISTRY.add(name, Strategy(name, fn, params, source, kind, check, needs, export, softmax))
+        REGISTRY.add(name, Strategy(name, fn, params, source, kind, check, needs, export, softmax, keeps_model))
         return fn
 
     return deco
