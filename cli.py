@@ -475,18 +475,21 @@ def patch_cmd(model, strategy_spec, output, dry_run, original_max_position_embed
               dynamic_cache, dynamic_block, engine, serve_length, gguf_path, freeze_dynamic_at, device,
               quiet) -> None:
     """Save a patched model for an engine. transformers: strategies it implements are written into
-    config.json (plain from_pretrained reproduces them), others need ropescale.load_model. vllm: the
-    folder with the config.json vLLM computes the same rotation from, and vllm.json (max_model_len,
-    hf_overrides). llama.cpp: OUT/model.gguf, the --gguf file with its rope metadata rewritten.
-    What an engine cannot express is refused with the reason. --dry-run prints, per attention layer,
-    the rope type, θ, rotary dim, layout, T and the rule applied (or "no RoPE, untouched")."""
+    config.json (plain from_pretrained reproduces them: checked by loading the folder back), others
+    need ropescale.load_model. vllm: the folder with the config.json vLLM computes the same rotation
+    from, and vllm.json (max_model_len, hf_overrides). llama.cpp: OUT/model.gguf, the --gguf file with
+    its rope metadata rewritten. What an engine cannot express is refused with the reason. native
+    keeps the model as plain transformers serves --model (a folder ropescale wrote included) and
+    exports its own rope parameters. --dry-run prints, per attention layer, the rope type, θ, rotary
+    dim, layout, T and the rule applied (or "no RoPE, untouched")."""
     import ropescale
 
     if quiet:
         _no_progress_bars()
     if dry_run:
         spec = _strategy(strategy_spec)
-        m, _ = ropescale.load_model(model, device=device)
+        # a strategy keeping the model's own rotation starts from the folder as plain transformers serves it
+        m, _ = ropescale.load_model(model, device=device, served=REGISTRY.lookup(spec.name).keeps_model)
         ropescale.unpatch(m)
         handle = ropescale.patch(m, spec.name, original_max_position_embeddings=original_max_position_embeddings,
                                  layer_types=layer_types.split(",") if layer_types else None,
@@ -505,7 +508,7 @@ def patch_cmd(model, strategy_spec, output, dry_run, original_max_position_embed
     # what needs no model is refused before loading it (export_for checks it all again)
     check_export(engine, serve_length, output, gguf=gguf_path, freeze_dynamic_at=freeze_dynamic_at,
                  source=source if source.is_dir() else None)
-    m, tok = ropescale.load_model(model, device=device)
+    m, tok = ropescale.load_model(model, device=device, served=REGISTRY.lookup(spec.name).keeps_model)
     ropescale.unpatch(m)
     ropescale.patch(m, spec.name, original_max_position_embeddings=original_max_position_embeddings,
                     layer_types=layer_types.split(",") if layer_types else None,

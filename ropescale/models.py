@@ -48,6 +48,7 @@ __all__ = [
     "resolve_model",
     "save_adapter",
     "save_patched",
+    "save_unexpressed",
 ]
 
 REFERENCE_MODEL = Path(__file__).parent / "reference" / "kjv-llama"
@@ -172,10 +173,16 @@ def _from_pretrained(loader, name: str, path: str, **kwargs):
 
 def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "auto",
                attn_implementation: str | None = None, device_map: str | dict | None = None,
-               tokenizer: Any = None) -> tuple[Any, Any]:
+               tokenizer: Any = None, served: bool = False) -> tuple[Any, Any]:
     """``(model, tokenizer)`` in eval mode; re-applies a saved ``ropescale.json`` patch.
     ``tokenizer``: the model's tokenizer when the caller has loaded it already (``load_tokenizer``),
     returned as it is instead of loaded again.
+
+    ``served``: the model exactly as plain ``AutoModelForCausalLM.from_pretrained`` serves the
+    folder — a saved patch stays in the config as its export wrote it and is not re-applied (what
+    a strategy keeping the model's own rotation, ``native``, starts from). Refused (``ModelLoadError``,
+    one line) for a folder whose saved patch plain transformers cannot express, and for a LoRA
+    adapter folder (its rotation is the patch it was trained with).
 
     ``device_map`` (``"auto"``, ``"balanced"``, a dict): spread the model over the devices of this
     machine with accelerate (a model larger than one GPU); ``device`` is then ignored.
@@ -191,12 +198,18 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "auto
     path = resolve_model(name_or_path)
     base = adapter_base(path)
     if base is not None:
+        if served:
+            raise ModelLoadError(f"{name_or_path}: is a LoRA adapter folder, which plain transformers does not serve; "
+                                 "its rotation is the patch it was trained with: patch its base model instead")
         return _load_adapter(name_or_path, path, base, dtype=dtype, device=device,
                              attn_implementation=attn_implementation, device_map=device_map, tokenizer=tokenizer)
     kwargs = {"dtype": _DTYPES[dtype]}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     record = _patch_record(path)
+    if served:
+        _check_served(name_or_path, record)
+        record = None  # the folder as plain transformers serves it: the export kept, nothing re-applied
     if record and "base_rope_parameters" in record:  # undo the export: ropescale re-applies the patch
         kwargs["config"] = _base_config(AutoConfig, name_or_path, path, record)
     if device_map is not None:  # accelerate's big-model inference: layers spread over the devices there are
@@ -220,6 +233,15 @@ def _patch_record(path: str | Path) -> dict[str, Any] | None:
         return json.loads(saved.read_text(encoding="utf-8"))
     except ValueError as e:
         raise ModelLoadError(f"{saved}: not valid JSON ({e}); it is the patch record save_patched writes") from None
+
+
+def _check_served(name: str, record: dict[str, Any] | None) -> None:
+    """``ModelLoadError`` (one line) for a saved patch (``record``) that plain transformers cannot
+    express: its folder has no model of its own for plain ``from_pretrained`` to serve."""
+    if record is not None and not record.get("native"):
+        raise ModelLoadError(f"{name}: its config.json carries a {record.get('strategy')} patch that plain "
+                             "transformers cannot express, so it has no rotation of its own to keep; load it with "
+                             "its patch (ropescale.load_model), or start from the model it was patched from")
 
 
 def _saved_window(path: str) -> int | None:
@@ -398,16 +420,18 @@ def native_rope_parameters(handle: PatchHandle, base: dict[str, Any], max_positi
     return {**{k: base[k] for k in _KEEP if k in base}, **written}
 
 
-def exported_config(model, handle: PatchHandle):
+def exported_config(model, handle: PatchHandle, *, express: bool = True):
     """``(config, native)``: a copy of the model's config carrying the patch (``native_rope_parameters``
-    per layer type, else ``MARKER``), and whether plain transformers reproduces it."""
+    per layer type, else ``MARKER``), and whether it is written as transformers rope parameters.
+    ``express=False``: ``MARKER`` for every patched layer type (a folder plain transformers refuses)."""
     config = copy.deepcopy(model.config)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     rp = copy.deepcopy(text.rope_parameters)
     native = True
     for lt in handle.layer_types:
         base = rp if lt is None else rp[lt]
-        new = native_rope_parameters(handle, base, getattr(text, "max_position_embeddings", None), lt)
+        new = native_rope_parameters(handle, base, getattr(text, "max_position_embeddings", None), lt) \
+            if express else None
         if new is None:
             native = False
             new = {**{k: base[k] for k in _KEEP if k in base}, "rope_type": MARKER.format(name=handle.strategy)}
@@ -423,7 +447,8 @@ def save_patched(model, tokenizer, output: str | Path, *, state_dict: dict | Non
     """Write the patched model: HF files with the patch in ``config.json`` plus ``ropescale.json``.
 
     Where transformers can express the strategy, plain ``AutoModelForCausalLM.from_pretrained``
-    of ``output`` gives the same logits; otherwise it fails with a ``KeyError`` naming
+    of ``output`` gives the same logits (the transformers engine of ``ropescale.export_for`` checks
+    it, and ``save_unexpressed`` where it does not); otherwise it fails with a ``KeyError`` naming
     ``ropescale.load_model`` rather than running vanilla RoPE. ``ropescale.load_model(output)``
     always restores the patched model. ``ropescale.json`` has ``native`` (which case applies).
     ``state_dict``: the weights to write instead of ``model.state_dict()`` (a sharded model's,
@@ -440,6 +465,28 @@ def save_patched(model, tokenizer, output: str | Path, *, state_dict: dict | Non
     config.save_pretrained(output)
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     record = handle.to_dict() | {"native": native, "base_rope_parameters": text.rope_parameters}
+    (output / PATCH_FILE).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    return output
+
+
+def save_unexpressed(model, output: str | Path) -> Path:
+    """Rewrite a ``save_patched`` folder of ``model`` (its patch still active) so that plain
+    ``from_pretrained`` refuses it (``MARKER`` in config.json, ``native: false`` in ``ropescale.json``)
+    while ``ropescale.load_model`` still restores the patch: for an export whose transformers rope
+    parameters turned out not to reproduce the patch. ``max_position_embeddings`` as the folder has
+    it is kept. Raises ``InvalidInput`` when the model carries no patch."""
+    handle: PatchHandle | None = current_patch(model)
+    if handle is None:
+        raise InvalidInput("model is not patched; call ropescale.patch(model, ...) first")
+    output = Path(output)
+    saved = json.loads((output / "config.json").read_text(encoding="utf-8"))
+    config, _ = exported_config(model, handle, express=False)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    saved_text = saved.get("text_config", saved) if text is not config else saved
+    if "max_position_embeddings" in saved_text:
+        text.max_position_embeddings = saved_text["max_position_embeddings"]
+    config.save_pretrained(output)
+    record = json.loads((output / PATCH_FILE).read_text(encoding="utf-8")) | {"native": False}
     (output / PATCH_FILE).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     return output
 

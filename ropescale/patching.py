@@ -143,7 +143,7 @@ class PatchHandle:
         ours = self.temperature.spec() if self.temperature is not None else None
         if own is None:
             return f"{ours} (added)" if ours else ""
-        removed = own.kind == "beta" and self.strategy != "native" and self.options.get("temperature") != NATIVE
+        removed = own.kind == "beta" and not self.strategy_obj.keeps_model and self.options.get("temperature") != NATIVE
         if not removed:
             return f"{own.spec()} (model's, kept)" + (f" + {ours} (added)" if ours else "")
         return f"{own.spec()} (model's) replaced by {ours}" if ours else f"{own.spec()} (model's) removed"
@@ -392,7 +392,7 @@ def _patch_frequency(model: nn.Module, handle: PatchHandle, strat: Strategy, fou
                                start["seq_len"] if strat.dynamic else None, dynamic_block, zero)
                 entry.inv_freq, entry.attention_scaling = entry._compute(start["seq_len"] or 1) if strat.dynamic \
                     else _static(strat, start, params, zero)
-                if strat.name != "native":  # the model as shipped: its buffers and updates stay its own
+                if not strat.keeps_model:  # the model as shipped: its buffers and updates stay its own
                     entries[lt] = entry
                 site = RotarySite(name, lt)
                 cache_layers[lt] = _layers_of(handle, site)
@@ -441,10 +441,10 @@ def native_softmax_scale(rope_parameters: dict[str, Any]) -> float:
 
 def _rescale_softmax(model, handle: PatchHandle, strat: Strategy, site: RotarySite, modules) -> None:
     """Attention's softmax scale of the layers rotating with ``site``: the model's own factor (DeepSeek's
-    mscale²) replaced by the strategy's (``Strategy.softmax_scale``; ``native`` keeps the model's), so
+    mscale²) replaced by the strategy's (``Strategy.softmax_scale``; ``keeps_model`` ones keep the model's), so
     ``vanilla`` is the unscaled model and ``yarn`` with ``mscale_all_dim`` equals transformers' own."""
     shipped = native_softmax_scale(layer_rope_parameters_of(model, site))
-    if strat.name == "native" or shipped == strat.softmax_scale(handle.params) == 1.0:
+    if strat.keeps_model or shipped == strat.softmax_scale(handle.params) == 1.0:
         return
     if handle.layers is None:
         if shipped == strat.softmax_scale(handle.params):
@@ -472,11 +472,11 @@ def _rescale_softmax(model, handle: PatchHandle, strat: Strategy, site: RotarySi
 
 
 def _replace_shipped_temperature(model: nn.Module, handle: PatchHandle, strat: Strategy) -> None:
-    """A strategy other than ``native`` replaces the model's shipped scaling, including the query temperature
-    its attention reads from the config at every forward (Mistral's ``llama_4_scaling_beta``): set to 0 while
-    patched, so ``vanilla`` is the unscaled model — unless the patch keeps the model's own temperature
-    (``temperature="native"``), or adds a rule of its own instead (``temperature="beta:beta=…"``)."""
-    if strat.name == "native" or handle.options.get("temperature") == NATIVE:
+    """A strategy that does not keep the model (``native`` does) replaces the model's shipped scaling, including
+    the query temperature its attention reads from the config at every forward (Mistral's ``llama_4_scaling_beta``):
+    set to 0 while patched, so ``vanilla`` is the unscaled model — unless the patch keeps the model's own
+    temperature (``temperature="native"``), or adds a rule of its own instead (``temperature="beta:beta=…"``)."""
+    if strat.keeps_model or handle.options.get("temperature") == NATIVE:
         return
     text = _config_of(model, model)
     rp = getattr(text, "rope_parameters", None)

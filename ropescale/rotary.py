@@ -266,10 +266,11 @@ class FrequencyPatch:
         for lt in self.entries:
             self._saved.append((_buffer(lt), m._buffers[_buffer(lt)], True))
             self._saved.append((_scaling_attr(lt), m.__dict__.get(_scaling_attr(lt), _ABSENT), False))
-        if "rope_type" in m.__dict__:
+        if "rope_type" in m.__dict__ and self.entries:  # types kept as they are keep their own dynamic updates
             rt = m.__dict__["rope_type"]
             self._saved.append(("rope_type", rt, False))
-            m.rope_type = {k: "default" for k in rt} if isinstance(rt, dict) else "default"
+            m.rope_type = {k: "default" if k in self.entries else v for k, v in rt.items()} \
+                if isinstance(rt, dict) else "default"
         if callable(m.__dict__.get("rope_init_fn")) and list(self.entries) == [None]:
             # a module that recomputes its frequencies from the config at every call (Phi-3.5-MoE's
             # PhimoeRotaryEmbedding.forward calls self.rope_init_fn(self.config)): its own hook, read

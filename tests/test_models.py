@@ -127,3 +127,31 @@ def test_a_newly_registered_strategy_exports_through_its_hook(tmp_path, tiny_lla
         torch.testing.assert_close(plain(IDS).logits, expected, rtol=0, atol=1e-5)
     finally:
         del REGISTRY["test_pi_alias"]
+
+
+def test_served_is_the_folder_as_plain_transformers_serves_it(tmp_path, tiny_model_dir):
+    """``load_model(..., served=True)``: a saved export kept as its config.json has it, not undone and
+    re-applied (what ``native`` starts from): the model plain ``from_pretrained`` gives."""
+    model, tok = ropescale.load_model(str(tiny_model_dir), device="cpu")
+    ropescale.patch(model, "yarn", factor=4.0)
+    ropescale.save_patched(model, tok, tmp_path / "y4")
+    served, _ = ropescale.load_model(str(tmp_path / "y4"), device="cpu", served=True)
+    assert ropescale.current_patch(served) is None and served.config.rope_parameters["rope_type"] == "yarn"
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "y4").eval()
+    with torch.no_grad():
+        assert torch.equal(served(IDS % 100).logits, plain(IDS % 100).logits)
+
+
+def test_served_refuses_what_plain_transformers_cannot_serve(tmp_path, tiny_model_dir):
+    model, tok = ropescale.load_model(str(tiny_model_dir), device="cpu")
+    ropescale.patch(model, "base_truncation", truncation_length=16.0)
+    ropescale.save_patched(model, tok, tmp_path / "bt")
+    with pytest.raises(ropescale.models.ModelLoadError, match=r"carries a base_truncation patch that plain "
+                                                              r"transformers cannot express") as e:
+        ropescale.load_model(str(tmp_path / "bt"), device="cpu", served=True)
+    assert "\n" not in str(e.value)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_model_dir)}))
+    with pytest.raises(ropescale.models.ModelLoadError, match="LoRA adapter folder, which plain transformers"):
+        ropescale.load_model(str(adapter), device="cpu", served=True)

@@ -50,7 +50,8 @@ def served_rope_parameters(handle: PatchHandle, engine: str, serve_length: int, 
     ``freeze_dynamic_at``: F for dynamic NTK (default: L when ``freeze_default``, else refused).
     Raises ``ExportRefused`` ("<engine>: ...") for relative-position rules (ReRoPE, Leaky ReRoPE,
     SelfExtend, DCA, STRING …), log-n, ``dynamic_block`` ≠ 1, per-layer-type patches, strategies
-    without a transformers export hook, and dynamic strategies other than ``dynamic_ntk``;
+    without a transformers export hook, dynamic strategies other than ``dynamic_ntk``, and a
+    model's own dynamic rope kept as it is (``native`` on a ``dynamic`` config);
     ``InvalidInput`` for bad lengths and for ``freeze_dynamic_at`` with any strategy but
     ``dynamic_ntk`` (``check_freeze``).
     """
@@ -75,10 +76,16 @@ def served_rope_parameters(handle: PatchHandle, engine: str, serve_length: int, 
     ctx = dict(handle.contexts.get(None, handle.context))
     text = text_config(handle.model.config)
     base = dict(text.rope_parameters)
-    # the training window as max_position_embeddings: the only value the `dynamic` hook accepts
-    rp = native_rope_parameters(handle, base, ctx["original_max_position_embeddings"])
+    # a dynamic strategy is frozen below: the training window as max_position_embeddings, the only value
+    # the `dynamic` hook accepts; a static one gets the config's (what transformers derives a missing factor from)
+    mpe = ctx["original_max_position_embeddings"] if strat.dynamic else getattr(text, "max_position_embeddings", None)
+    rp = native_rope_parameters(handle, base, mpe)
     if rp is None:
         raise ExportRefused(f"{engine}: {name} with these parameters has no transformers rope type to translate")
+    if not strat.dynamic and "dynamic" in str(rp.get("rope_type")):  # the model's own dynamic rope, kept
+        raise ExportRefused(f"{engine}: the model's own rope type {rp['rope_type']!r} recomputes its base from the "
+                            f"sequence length and {engine} serves one static rotation; patch dynamic_ntk:factor="
+                            f"{rp.get('factor', 1.0):g} instead, which can be frozen at a length (--freeze-dynamic-at)")
     out = ServedRope(rp, ctx, serve_length, name)
     if strat.dynamic and name != "longrope":  # LongRoPE: two static sets, each engine picks one
         if name != "dynamic_ntk":

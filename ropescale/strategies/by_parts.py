@@ -15,7 +15,8 @@ from ropescale.errors import InvalidInput
 from ropescale.strategies.frequency import FACTOR, rope_inv_freq
 from ropescale.strategies.registry import Param, RopeFrequencies, register
 
-__all__ = ["base_truncation", "dynamic_yarn", "llama3", "longrope", "ntk_by_parts", "yarn", "yarn_ramp"]
+__all__ = ["base_truncation", "dynamic_yarn", "llama3", "longrope", "longrope_attention_factor", "ntk_by_parts", "yarn",
+           "yarn_attention_factor", "yarn_get_mscale", "yarn_ramp"]
 
 _BETAS = (
     Param("beta_fast", 32.0, low=0.0, low_open=True, log=True,
@@ -68,7 +69,7 @@ def _export_yarn(params: dict, context: dict, base: dict, max_position_embedding
     ramp bounds are floored/ceiled unless ``truncate`` is off) so no default can drift; DeepSeek's
     ``mscale_all_dim`` where set (its attention reads it for the softmax scale)."""
     out = {"rope_type": "yarn", "factor": params["factor"], "beta_fast": params["beta_fast"],
-           "beta_slow": params["beta_slow"], "attention_factor": float(_yarn_factor(params)),
+           "beta_slow": params["beta_slow"], "attention_factor": float(yarn_attention_factor(params)),
            "original_max_position_embeddings": context["original_max_position_embeddings"],
            "truncate": params["truncate"]}
     if params.get("mscale_all_dim"):
@@ -76,9 +77,11 @@ def _export_yarn(params: dict, context: dict, base: dict, max_position_embedding
     return out
 
 
-def _yarn_factor(params: dict) -> float:
-    """The cos/sin scale: ``attention_factor``, else mscale(s, mscale)/mscale(s, mscale_all_dim) when both
-    are set (DeepSeek), else 0.1·ln(s) + 1 — transformers' ``_compute_yarn_parameters``."""
+def yarn_attention_factor(params: dict) -> float:
+    """YaRN's cos/sin scale (unitless) from ``params`` (``factor`` s, and ``attention_factor``, ``mscale``,
+    ``mscale_all_dim`` where set): ``attention_factor``, else mscale(s, mscale)/mscale(s, mscale_all_dim)
+    when both are set (DeepSeek), else 0.1·ln(s) + 1 — transformers' ``_compute_yarn_parameters``, the
+    same arithmetic. Raises ``KeyError`` without ``factor``."""
     if params.get("attention_factor") is not None:
         return params["attention_factor"]
     if params.get("mscale") and params.get("mscale_all_dim"):
@@ -98,8 +101,9 @@ def _export_llama3(params: dict, context: dict, base: dict, max_position_embeddi
             "original_max_position_embeddings": context["original_max_position_embeddings"]}
 
 
-def _longrope_attention(factor: float, original_max_position_embeddings: int) -> float:
-    """√(1 + ln s / ln L_train) for s > 1, else 1 (LongRoPE's cos/sin scale)."""
+def longrope_attention_factor(factor: float, original_max_position_embeddings: int) -> float:
+    """LongRoPE's cos/sin scale (unitless): √(1 + ln s / ln L_train) for s = ``factor`` > 1, else 1;
+    L_train = ``original_max_position_embeddings`` [tokens] — transformers' ``_compute_longrope_parameters``."""
     if factor <= 1:
         return 1.0
     return math.sqrt(1 + math.log(factor) / math.log(original_max_position_embeddings))
@@ -108,10 +112,10 @@ def _longrope_attention(factor: float, original_max_position_embeddings: int) ->
 def _export_longrope(params: dict, context: dict, base: dict, max_position_embeddings: int | None) -> dict:
     orig = context["original_max_position_embeddings"]
     attention = params["attention_factor"]
+    if attention is None:
+        attention = longrope_attention_factor(params["factor"], orig)
     return {"rope_type": "longrope", "short_factor": params["short_factor"], "long_factor": params["long_factor"],
-            "factor": params["factor"],
-            "attention_factor": float(_longrope_attention(params["factor"], orig) if attention is None else attention),
-            "original_max_position_embeddings": orig}
+            "factor": params["factor"], "attention_factor": float(attention), "original_max_position_embeddings": orig}
 
 
 @register("ntk_by_parts", params=(FACTOR, *_BETAS), check=_beta_check("ntk_by_parts"),
@@ -148,7 +152,7 @@ def yarn(dim: int, rope_theta: float, original_max_position_embeddings: int, fac
     inv_freq = yarn_ramp(dim, rope_theta, original_max_position_embeddings, factor, beta_fast, beta_slow, truncate)
     params = {"factor": factor, "attention_factor": attention_factor, "mscale": mscale,
               "mscale_all_dim": mscale_all_dim}
-    return RopeFrequencies(inv_freq, float(_yarn_factor(params)))
+    return RopeFrequencies(inv_freq, float(yarn_attention_factor(params)))
 
 
 @register("dynamic_yarn", params=_BETAS, check=_beta_check("dynamic_yarn"),
@@ -215,7 +219,7 @@ def longrope(dim: int, rope_theta: float, original_max_position_embeddings: int,
     exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (ext * rope_theta**exponent)
     if attention_factor is None:
-        attention_factor = _longrope_attention(factor, original_max_position_embeddings)
+        attention_factor = longrope_attention_factor(factor, original_max_position_embeddings)
     return RopeFrequencies(inv_freq, float(attention_factor))
 
 

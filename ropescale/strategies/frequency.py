@@ -14,7 +14,7 @@ import torch
 
 from ropescale.strategies.registry import Param, RopeFrequencies, register
 
-__all__ = ["FACTOR", "dynamic_ntk", "linear", "native", "ntk", "pi_over_2n", "rope_inv_freq", "vanilla"]
+__all__ = ["FACTOR", "dynamic_ntk", "linear", "ntk", "pi_over_2n", "rope_inv_freq", "vanilla"]
 
 FACTOR = Param("factor", kind=float, low=1.0, auto="scale", log=True,
                 help="scale s (context extension ratio); a sweep uses L / L_train")
@@ -55,18 +55,6 @@ def rope_inv_freq(dim: int, rope_theta: float) -> torch.Tensor:
 def vanilla(dim: int, rope_theta: float) -> RopeFrequencies:
     """Unscaled RoPE: θ_i = b^(−2i/d), attention factor 1."""
     return RopeFrequencies(rope_inv_freq(dim, rope_theta), 1.0)
-
-
-def _export_native(params: dict, context: dict, base: dict, max_position_embeddings: int | None) -> dict:
-    return {k: v for k, v in base.items() if k not in ("rope_theta", "partial_rotary_factor")}
-
-
-@register("native", export=_export_native, source="the model's own config (transformers rope_parameters)")
-def native(model_inv_freq: torch.Tensor, model_attention_scaling: float) -> RopeFrequencies:
-    """The model as shipped: its own frequencies and cos/sin scale, whatever its config's rope type
-    (a natively scaled model keeps its scaling, a dynamic one its updates: ``patch`` leaves the rotary
-    modules untouched). Lets a sweep put the shipped scaling beside the alternatives."""
-    return RopeFrequencies(model_inv_freq.clone(), float(model_attention_scaling))
 
 
 @register("linear", params=(FACTOR,), export=_export_linear,

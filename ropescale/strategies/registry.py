@@ -261,7 +261,10 @@ class Strategy:
     """A registered strategy. ``kind`` is ``"frequency"`` (returns ``RopeFrequencies``) or
     ``"attention"`` (returns a ``RelativeRule`` applied inside attention); ``export`` writes it
     as transformers ``rope_parameters`` (see ``Exporter``), None when transformers has no
-    equivalent."""
+    equivalent. ``keeps_model``: the strategy is the model's own rotation as it was loaded
+    (``native``): ``patch`` leaves the rotary modules, their dynamic updates and the attention's
+    own scales as they are, the export writes the model's own rope parameters, and a saved
+    patched folder is taken as plain transformers serves it (``load_model(..., served=True)``)."""
 
     name: str
     fn: Callable[..., RopeFrequencies]
@@ -273,6 +276,7 @@ class Strategy:
     export: Exporter | None = None
     softmax: Callable[[dict], float] | None = None  # validated params → softmax-scale multiplier (1: none)
     origin: str = ""  # where it was registered, when not by ropescale: "plugin 'x' (pkg.mod)" or "module pkg.mod"
+    keeps_model: bool = False  # it keeps the model as it is (native): its own parameters, temperature
 
     @property
     def label(self) -> str:
@@ -416,10 +420,12 @@ REGISTRY: Registry[Strategy] = Registry("strategy", "strategies", UnknownStrateg
 
 def register(name: str, *, params: tuple[Param, ...] = (), source: str,
              kind: StrategyKind = "frequency", check: Callable[[dict], None] | None = None,
-             export: Exporter | None = None, softmax: Callable[[dict], float] | None = None):
+             export: Exporter | None = None, softmax: Callable[[dict], float] | None = None,
+             keeps_model: bool = False):
     """Decorator adding a strategy function to ``REGISTRY`` under ``name``; ``export`` is its
     transformers ``rope_parameters`` writer (``Exporter``), if transformers can express it;
-    ``softmax`` (validated params → float) a factor on attention's softmax scale, where the strategy has one.
+    ``softmax`` (validated params → float) a factor on attention's softmax scale, where the strategy has one;
+    ``keeps_model``: the strategy is the model's own rotation, left untouched (``Strategy.keeps_model``).
     Raises ``TypeError`` for an unknown ``kind`` or a signature that does not match ``params``."""
     if kind not in STRATEGY_KINDS:
         raise TypeError(f"{name}: kind={kind!r}; choose one of {', '.join(STRATEGY_KINDS)}")
@@ -439,7 +445,8 @@ def register(name: str, *, params: tuple[Param, ...] = (), source: str,
                     raise TypeError(f"{e} (its default)") from None
         module = getattr(fn, "__module__", "") or ""
         origin = "" if module.startswith("ropescale.") else (loading_plugin(module) or f"module {module}")
-        REGISTRY.add(name, Strategy(name, fn, params, source, kind, check, needs, export, softmax, origin))
+        REGISTRY.add(name, Strategy(name, fn, params, source, kind, check, needs, export, softmax, origin,
+                                    keeps_model))
         return fn
 
     return deco

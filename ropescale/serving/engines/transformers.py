@@ -4,8 +4,12 @@
 rope type (``ropescale.models.exported_config``, from each strategy's export hook), plus
 ``ropescale.json``; other strategies get a marker transformers refuses (load them with
 ``ropescale.load_model``). With a served length L, ``max_position_embeddings`` is raised to L
-(⌈T·s⌉ for YaRN, the ratio transformers checks the factor against; kept at T for a dynamic rope,
-which transformers reads as the window it rescales from).
+(⌈T·s⌉ for YaRN, the ratio transformers checks the factor against; kept as it is where a written
+rope type is dynamic, which transformers reads as the window it rescales from). Then the folder is
+loaded back with plain ``from_pretrained`` and its logits compared with the patched model's
+(``ropescale.serving.plain.check_plain``, at positions up to max(L, 4T)): only then is it said to
+reproduce the patch; where it does not, the folder is rewritten with the marker
+(``ropescale.models.save_unexpressed``) and a note says by how much it differed.
 
 transformers recomputes dynamic NTK from the length as ropescale does, so this engine is not
 ``static``: the export is exact unfrozen and ``freeze_dynamic_at`` is refused. Its rope is
@@ -22,10 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ropescale.errors import InvalidInput
-from ropescale.models import PATCH_FILE, save_patched
+from ropescale.models import PATCH_FILE, save_patched, save_unexpressed
 from ropescale.patching import PatchHandle
 from ropescale.serving.engines import ENGINES, Engine
 from ropescale.serving.output import staged
+from ropescale.serving.plain import check_plain
 from ropescale.serving.plan import static_equivalent
 
 __all__ = ["TransformersEngine", "TransformersExport"]
@@ -68,14 +73,42 @@ class TransformersEngine(Engine):
             save_patched(model, tokenizer, stage)
             if translation.serve_length is not None:
                 notes = _serve_length_notes(translation.handle, stage / "config.json", translation.serve_length)
+            notes += _checked(model, translation, stage)
         return output, notes
 
     def usage(self, translation, path: Path, command: str | None) -> str:
-        """Whether plain transformers reproduces the patch (``native`` in ``ropescale.json``)."""
+        """Whether plain transformers reproduces the patch (``native`` in ``ropescale.json``: set only
+        where ``write`` has checked it)."""
         native = json.loads((path / PATCH_FILE).read_text(encoding="utf-8"))["native"]
         return ("plain transformers (AutoModelForCausalLM.from_pretrained) reproduces it" if native else
                 "transformers cannot express this strategy: load it with ropescale.load_model "
                 "(plain from_pretrained refuses it rather than run vanilla RoPE)")
+
+
+def _checked(model, translation: TransformersExport, stage: Path) -> list[str]:
+    """Plain ``from_pretrained`` of the written ``stage`` against the patched ``model`` (where the
+    patch was written as transformers rope parameters): a note saying what was compared, and the
+    folder rewritten so that plain transformers refuses it when the logits differ."""
+    record = json.loads((stage / PATCH_FILE).read_text(encoding="utf-8"))
+    if not record.get("native"):
+        return []
+    window = translation.handle.context.get("original_max_position_embeddings") or 0
+    result = check_plain(model, stage, far=max(translation.serve_length or 0, 4 * window))
+    if result.same:
+        return [f"checked: plain from_pretrained of the folder gives the patched model's logits ({result.line})"]
+    save_unexpressed(model, stage)
+    return [f"plain from_pretrained of the transformers rope parameters does not reproduce the patch ({result.line}): "
+            "written for ropescale.load_model only"]
+
+
+def _keeps_window(handle, rope_parameters: dict) -> bool:
+    """Whether ``max_position_embeddings`` must stay as it is: a written rope type is dynamic (transformers
+    reads it as the window it rescales from), or a dynamic strategy is written with the marker."""
+    kinds = [str(rp.get("rope_type", "")) for rp in (rope_parameters, *rope_parameters.values())
+             if isinstance(rp, dict) and "rope_type" in rp]
+    marked = any(kind.startswith("ropescale:") for kind in kinds)
+    return any("dynamic" in kind for kind in kinds if not kind.startswith("ropescale:")) or (
+        marked and handle.strategy_obj.dynamic)
 
 
 def _serve_length_notes(handle, config_file: Path, length: int) -> list[str]:
@@ -83,7 +116,7 @@ def _serve_length_notes(handle, config_file: Path, length: int) -> list[str]:
     ``config_file``), and the notes saying what was decided."""
     config = json.loads(config_file.read_text(encoding="utf-8"))
     rp = config.get("rope_parameters") or {}
-    if handle.strategy_obj.dynamic and handle.strategy != "longrope":
+    if _keeps_window(handle, rp):
         return ["max_position_embeddings kept at the training window: transformers' dynamic rope reads it as the "
                 "window it rescales from"]
     if rp.get("rope_type") == "yarn" and "original_max_position_embeddings" in rp:
