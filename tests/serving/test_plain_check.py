@@ -81,3 +81,19 @@ def test_a_folder_plain_transformers_cannot_load_fails_the_check(tmp_path, tiny_
     got = check_plain(model, tmp_path, far=64)  # no model there
     assert not got.same and got.max_diff == float("inf")
     assert got.line.startswith("plain from_pretrained of the export fails: ") and "\n" not in got.line
+
+
+def test_without_room_for_a_second_copy_the_export_says_it_was_not_checked(tmp_path, tiny_model_dir, monkeypatch):
+    """An 8B float32 model on a host without 32 GB more: the check would need a second copy of the weights."""
+    import ropescale.serving.engines.transformers as engine
+
+    model, tok = ropescale.load_model(str(tiny_model_dir), device="cpu")
+    ropescale.patch(model, "yarn", factor=4.0)
+    copy = sum(p.numel() * p.element_size() for p in model.parameters())
+    monkeypatch.setattr(engine, "device_available", lambda device: copy)  # less than 1.25 copies free
+    result = export_for(model, "transformers", 128, tmp_path / "out", tokenizer=tok)
+    assert result.usage != REPRODUCES and "not checked here" in result.usage
+    assert any(n.startswith("not checked against plain from_pretrained: a second copy of the weights") for n in
+               result.notes), result.notes
+    record = json.loads((result.path / "ropescale.json").read_text())
+    assert record["native"] is True and record["plain_checked"] is False

@@ -28,6 +28,7 @@ from pathlib import Path
 from ropescale.errors import InvalidInput
 from ropescale.models import PATCH_FILE, save_patched, save_unexpressed
 from ropescale.patching import PatchHandle
+from ropescale.runs.memory import device_available, fmt_gib
 from ropescale.serving.engines import ENGINES, Engine
 from ropescale.serving.output import staged
 from ropescale.serving.plain import check_plain
@@ -79,7 +80,11 @@ class TransformersEngine(Engine):
     def usage(self, translation, path: Path, command: str | None) -> str:
         """Whether plain transformers reproduces the patch (``native`` in ``ropescale.json``: set only
         where ``write`` has checked it)."""
-        native = json.loads((path / PATCH_FILE).read_text(encoding="utf-8"))["native"]
+        record = json.loads((path / PATCH_FILE).read_text(encoding="utf-8"))
+        native = record["native"]
+        if native and record.get("plain_checked") is False:
+            return ("plain transformers (AutoModelForCausalLM.from_pretrained) loads it with the rope parameters "
+                    "written (not checked here: see the note)")
         return ("plain transformers (AutoModelForCausalLM.from_pretrained) reproduces it" if native else
                 "transformers cannot express this strategy: load it with ropescale.load_model "
                 "(plain from_pretrained refuses it rather than run vanilla RoPE)")
@@ -92,6 +97,14 @@ def _checked(model, translation: TransformersExport, stage: Path) -> list[str]:
     record = json.loads((stage / PATCH_FILE).read_text(encoding="utf-8"))
     if not record.get("native"):
         return []
+    param = next(model.parameters())
+    copy = sum(p.numel() * p.element_size() for p in model.parameters())  # the reload's second copy [bytes]
+    free = device_available(param.device)
+    if free is not None and copy > 0.8 * free:  # an 8B float32 model on a host without room for a second copy
+        record["plain_checked"] = False
+        (stage / PATCH_FILE).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+        return [f"not checked against plain from_pretrained: a second copy of the weights ({fmt_gib(copy)}) does not "
+                f"fit the {fmt_gib(free)} free on {param.device}; config.json holds the transformers rope parameters"]
     window = translation.handle.context.get("original_max_position_embeddings") or 0
     result = check_plain(model, stage, far=max(translation.serve_length or 0, 4 * window))
     if result.same:
