@@ -62,6 +62,7 @@ from ropescale.rotary import NoRotaryEmbeddingError
 from ropescale.runs.config import ConfigError
 from ropescale.runs.lifecycle import claimed_folder, load_inputs, load_run_model, run_identity
 from ropescale.runs.manifest import check_manifest, environment
+from ropescale.runs.processes import process_state
 from ropescale.training.checkpoints import CHECKPOINTS, CheckpointWriteError, save_checkpoint
 from ropescale.training.checkpoints import complete_checkpoints as _checkpoints
 from ropescale.training.config import SHARDING_ON_CPU, FinetuneConfig, ResolvedRun, fsdp_plugin_kwargs, resolve
@@ -182,7 +183,8 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
     ``ropescale.runs.data.DataError`` / ``ropescale.runs.windows.WindowError`` (data too short or unreadable),
     ``ValueError`` (device, patch); once the folder is claimed
     ``ropescale.runs.manifest.ExperimentMismatchError`` (the folder holds another run),
-    ``ropescale.runs.manifest.FolderBusyError`` (another run holds it),
+    ``ropescale.runs.manifest.FolderBusyError`` (another run holds it) — under a launch both raised
+    on every process —,
     ``CheckpointWriteError`` (an ``OutputError``: a checkpoint
     could not be written, a full disk; a rerun resumes from the last complete one),
     ``NonFiniteLossError`` (a ``ValueError``: the training loss became inf or NaN at a step; no
@@ -191,12 +193,16 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
     from accelerate import Accelerator
 
     run = resolve(cfg, source)
-    if cfg.eval and cfg.eval.after:
-        if after is None:
-            raise ConfigError(f"{source}: eval.after: harness experiments need the harness; run it with "
-                              "`ropescale finetune` or eval.finetune.run_finetune (this call only trains)")
-        after.check(cfg, run, source)  # a bad evaluation fails now, not after training
+    evaluated = bool(cfg.eval and cfg.eval.after)
+    if evaluated and after is None:
+        raise ConfigError(f"{source}: eval.after: harness experiments need the harness; run it with "
+                          "`ropescale finetune` or eval.finetune.run_finetune (this call only trains)")
     device = resolve_device(cfg.device)  # a device that is not there fails first
+    # under a launch: the process group, set up once per process and kept for every later run in it
+    # (the after-training evaluations, another fine-tuning): ropescale.runs.processes
+    process_state(cpu=device.type == "cpu")
+    if evaluated:
+        after.check(cfg, run, source)  # a bad evaluation fails now, not after training
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     plugin = None
@@ -207,8 +213,8 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
 
         plugin = FullyShardedDataParallelPlugin(**fsdp_plugin_kwargs(cfg.sharding, source))
     # accelerate keeps one AcceleratorState per process and refuses another mixed precision in it; a
-    # process running several fine-tunings (tests, notebooks) starts each afresh (a launched run closes its
-    # process group when it ends, ``_leave``; the next one sets up its own)
+    # process running several fine-tunings (tests, notebooks) starts each afresh, on the process group
+    # the first one set up (``process_state``)
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state()
@@ -375,20 +381,15 @@ def _start_trackers(acc, cfg: FinetuneConfig, output: Path) -> None:
 
 
 def _leave(acc, *, together: bool = True) -> None:
-    """A launched run's process group is closed before interpreter shutdown (a gloo group left
-    open can abort at exit: "terminate called without an active exception"), after all processes
-    are done (``together``; a run stopped by an error closes its own end only); the accelerate
-    state is reset so that a later run in the process sets up its group afresh. The trackers
-    (``report_to``) are flushed and closed in every case."""
+    """The trackers (``report_to``) flushed and closed; a launched run's processes leave together
+    (``together``; a run stopped by an error leaves at once). The process group stays open for a
+    later run in the process and is closed when the interpreter exits
+    (``ropescale.runs.processes``)."""
     for tracker in getattr(acc, "trackers", None) or []:
         tracker.finish()
-    if acc.num_processes > 1:
-        from accelerate.state import AcceleratorState
-
-        if together:
-            acc.wait_for_everyone()
-        acc.end_training()  # destroy_process_group
-        AcceleratorState._reset_state(reset_partial_state=True)
+    acc.trackers = []
+    if together and acc.num_processes > 1:
+        acc.wait_for_everyone()
 
 
 def _run_locked(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, progress: bool,
