@@ -46,14 +46,14 @@ import json
 import math
 import shutil
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from ropescale.errors import RopescaleError
+from ropescale.errors import OutputError, RopescaleError
 from ropescale.lm_head import OutputHead
 from ropescale.lm_head import causal_lm_loss as chunked_lm_loss
 from ropescale.models import resolve_device
@@ -62,7 +62,7 @@ from ropescale.rotary import NoRotaryEmbeddingError
 from ropescale.runs.config import ConfigError
 from ropescale.runs.lifecycle import claimed_folder, load_inputs, load_run_model, run_identity
 from ropescale.runs.manifest import check_manifest, environment
-from ropescale.runs.processes import process_state
+from ropescale.runs.processes import on_main, process_state
 from ropescale.training.checkpoints import CHECKPOINTS, CheckpointWriteError, save_checkpoint
 from ropescale.training.checkpoints import complete_checkpoints as _checkpoints
 from ropescale.training.config import SHARDING_ON_CPU, FinetuneConfig, ResolvedRun, fsdp_plugin_kwargs, resolve
@@ -184,7 +184,7 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
     ``ValueError`` (device, patch); once the folder is claimed
     ``ropescale.runs.manifest.ExperimentMismatchError`` (the folder holds another run),
     ``ropescale.runs.manifest.FolderBusyError`` (another run holds it) — under a launch both raised
-    on every process —,
+    on every process —, ``OutputError`` (a ``report_to`` tracker cannot write its folder, before step 1),
     ``CheckpointWriteError`` (an ``OutputError``: a checkpoint
     could not be written, a full disk; a rerun resumes from the last complete one),
     ``NonFiniteLossError`` (a ``ValueError``: the training loss became inf or NaN at a step; no
@@ -374,10 +374,28 @@ def _trackers(cfg: FinetuneConfig, source: str) -> list[str]:
 
 
 def _start_trackers(acc, cfg: FinetuneConfig, output: Path) -> None:
-    """The trackers' run, named after the output folder, with the run's identity as its settings."""
+    """The trackers' run, named after the output folder, with the run's identity as its settings,
+    started by the main process (accelerate's trackers write from there only); every process
+    raises its refusal (``on_main``). Raises ``OutputError`` in one line when a tracker cannot
+    write its folder (a file in its place, a read-only file system); the trackers that started
+    are closed."""
     settings = {k: v if isinstance(v, (int, float, str, bool)) else json.dumps(v)
                 for k, v in _flat(cfg.identity()).items() if v is not None}
-    acc.init_trackers(output.name, config=settings)
+
+    def start() -> None:
+        try:
+            acc.init_trackers(output.name, config=settings)
+        except OSError as e:
+            for tracker in acc.trackers:
+                with suppress(Exception):  # one that did not start has nothing to close
+                    tracker.finish()
+            acc.trackers = []
+            folder = output / output.name
+            why = "a file is in its place" if folder.exists() and not folder.is_dir() else e.strerror or str(e)
+            raise OutputError(f"report_to: {', '.join(cfg.report_to)} cannot write its logs in {folder} ({why}); "
+                              "make that a writable folder or leave report_to out") from None
+
+    on_main(acc, start)
 
 
 def _leave(acc, *, together: bool = True) -> None:
