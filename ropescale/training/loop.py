@@ -148,10 +148,11 @@ def _patch_for_training(model, cfg: FinetuneConfig, run: ResolvedRun):
 
 class AfterTraining(Protocol):
     """What runs on the saved model after training (the harness's ``eval.after`` experiments:
-    ``eval.finetune.HarnessEvaluations``). ``check`` runs before step 1 and raises ``ConfigError``
-    in one line; ``run`` returns ``{name: records}``."""
+    ``eval.finetune.HarnessEvaluations``). ``check`` runs before step 1 (``processes``: the
+    launched processes, which run the evaluations too) and raises ``ConfigError`` in one line;
+    ``run`` returns ``{name: records}``."""
 
-    def check(self, cfg: FinetuneConfig, run: ResolvedRun, source: str) -> None: ...
+    def check(self, cfg: FinetuneConfig, run: ResolvedRun, source: str, *, processes: int = 1) -> None: ...
 
     def run(self, cfg: FinetuneConfig, run: ResolvedRun, model_dir: Path, output: Path, *, progress: bool,
             say) -> dict[str, list[dict]]: ...
@@ -200,9 +201,9 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
     device = resolve_device(cfg.device)  # a device that is not there fails first
     # under a launch: the process group, set up once per process and kept for every later run in it
     # (the after-training evaluations, another fine-tuning): ropescale.runs.processes
-    process_state(cpu=device.type == "cpu")
+    processes = process_state(cpu=device.type == "cpu").num_processes
     if evaluated:
-        after.check(cfg, run, source)  # a bad evaluation fails now, not after training
+        after.check(cfg, run, source, processes=processes)  # a bad evaluation fails now, not after training
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     plugin = None
