@@ -35,6 +35,7 @@ from ropescale.runs.lifecycle import (
 )
 from ropescale.runs.manifest import check_manifest, environment, prepare_output, record_patch
 from ropescale.runs.memory import InsufficientMemoryError, check_fits
+from ropescale.runs.processes import process_state
 from ropescale.strategies import get_strategy
 
 from .config import EvalConfig, StrategySpec, resolved_dtype
@@ -242,11 +243,11 @@ def run_sweep(cfg: EvalConfig, output: str | Path, *, progress: bool = True) -> 
     ``ValueError`` subclasses (too-short data, a length that cannot hold the task's prompts) before
     any cell runs, and ``NoRotaryEmbeddingError`` for a model without RoPE.
     """
-    from accelerate import PartialState
-
     # cpu=True makes processes started by torchrun (`accelerate launch --multi_gpu` on a machine
-    # without GPUs) one gloo group; without it each would measure every example and write alone
-    state = PartialState(cpu=resolve_device(cfg.device).type == "cpu")
+    # without GPUs) one gloo group; without it each would measure every example and write alone. The
+    # group is the process's: set up by its first run, kept for the next (a fine-tuning run's
+    # after-training evaluations run here on its group), closed at exit (ropescale.runs.processes)
+    state = process_state(cpu=resolve_device(cfg.device).type == "cpu")
     if cfg.engine == "vllm":  # what vLLM cannot do is refused before anything loads or is written
         check_engine(cfg, processes=state.num_processes)
     # T as the model's config gives it (no weights loaded): every cell's parameters, before the folder, the
@@ -254,24 +255,8 @@ def run_sweep(cfg: EvalConfig, output: str | Path, *, progress: bool = True) -> 
     train_len = configured_window(cfg.model, cfg.original_max_position_embeddings, missing_ok=True)
     if train_len:
         resolve_cells(cfg, train_len)
-    try:
-        with claimed_folder(output, state) as folder:
-            return _run_locked(cfg, folder, progress and state.is_main_process, state)
-    finally:
-        _leave(state)
-
-
-def _leave(state) -> None:
-    """A launched run closes its process group before interpreter shutdown (a gloo group left open
-    can abort at exit: "terminate called without an active exception") and resets accelerate's
-    state, so that a later run in the process sets up its own group."""
-    if state.num_processes > 1:
-        import torch.distributed as dist
-        from accelerate.state import PartialState as _State
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        _State._reset_state()
+    with claimed_folder(output, state) as folder:
+        return _run_locked(cfg, folder, progress and state.is_main_process, state)
 
 
 def _run_locked(cfg: EvalConfig, output: Path, progress: bool, state) -> list[dict]:

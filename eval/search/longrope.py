@@ -26,6 +26,7 @@ from ropescale.runs.config import ConfigError
 from ropescale.runs.lifecycle import claimed_folder
 from ropescale.runs.manifest import check_manifest
 from ropescale.runs.plotting import pyplot, save_figure
+from ropescale.runs.processes import process_state
 
 from .config import SearchConfig
 from .report import (
@@ -60,13 +61,12 @@ def run_longrope_search(cfg: SearchConfig, output: Path, *, progress: bool = Tru
     except ImportError:
         raise ConfigError("method: evolution (LongRoPE's search) is not available in this version; "
                           "use tpe or cmaes") from None
-    from accelerate import PartialState
-
     from .objective import SearchObjective
 
     # under `accelerate launch` every process runs this same search; each generation's candidates
-    # are split over them (split_over_processes) and the main process alone writes the folder
-    state = PartialState(cpu=resolve_device(cfg.device).type == "cpu")
+    # are split over them (split_over_processes) and the main process alone writes the folder. The
+    # process group stays open for a later run in the process (ropescale.runs.processes)
+    state = process_state(cpu=resolve_device(cfg.device).type == "cpu")
     main = state.is_main_process
     progress = progress and main
     objective = SearchObjective(cfg, progress=progress)
@@ -96,7 +96,7 @@ def run_longrope_search(cfg: SearchConfig, output: Path, *, progress: bool = Tru
                 "ppl": {str(k): v for k, v in m.ppl.items()}, "ppl_train": m.ppl_train,
                 "evaluations": result.evaluations, "stop": result.stop}
         if not main:
-            _leave(state)
+            state.wait_for_everyone()
             return best
         rows = [{"trial": i, "generation": h["generation"], "origin": h["origin"], "objective": h["value"],
                  "feasible": None, "factors": json.dumps(h["factors"])} for i, h in enumerate(result.history)]
@@ -109,18 +109,8 @@ def run_longrope_search(cfg: SearchConfig, output: Path, *, progress: bool = Tru
         _plot_factors(result.factors, yarn, yarn_own, output / FACTORS_PLOT, cfg)
         write_text(output / REPORT, _markdown(cfg, best, rows, objective.vanilla_ppl_train, train))
         write_text(output / BEST, json.dumps(best, indent=1) + "\n")  # last: it marks the search done
-    _leave(state)
+    state.wait_for_everyone()  # all processes leave together
     return best
-
-
-def _leave(state) -> None:
-    """All processes leave together, and a launched run's gloo group is closed before interpreter
-    shutdown (left open, it can abort at exit: "terminate called without an active exception")."""
-    state.wait_for_everyone()
-    if state.num_processes > 1:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
 
 
 def _best_index(result) -> int:

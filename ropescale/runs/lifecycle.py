@@ -25,7 +25,7 @@ the same folder is not refused as another experiment.
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ import torch
 from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.runs.data import DataSpec, load_documents, tokenize_documents
 from ropescale.runs.manifest import data_fingerprint, environment, folder_lock, prepare_output
+from ropescale.runs.processes import on_main
 
 __all__ = ["RunInputs", "claimed_folder", "configured_window", "load_inputs", "load_run_model", "loaded_window",
            "run_identity", "versions"]
@@ -105,11 +106,15 @@ def run_identity(fields: dict[str, Any], *, model: str, docs: list[torch.Tensor]
 def claimed_folder(output: str | Path, state=None, *, wait: float = 0.0):
     """``output`` created and checked writable (``OutputError``), then locked for the block by the
     main process of ``state`` (accelerate's ``PartialState``/``Accelerator``; None: this process):
-    ``FolderBusyError`` when another run holds the lock past ``wait`` seconds. Yields the path."""
-    output = prepare_output(Path(output))
-    main = state is None or state.is_main_process
-    with folder_lock(output, wait=wait) if main else nullcontext():
-        yield output
+    ``FolderBusyError`` when another run holds the lock past ``wait`` seconds. Under a launch every
+    process raises the main process's refusal (``ropescale.runs.processes.on_main``). Yields the path."""
+    with ExitStack() as held:
+        def claim() -> Path:
+            folder = prepare_output(Path(output))
+            held.enter_context(folder_lock(folder, wait=wait))
+            return folder
+
+        yield on_main(state, claim)
 
 
 def configured_window(model: str, override: int | None, *, missing_ok: bool = False) -> int | None:

@@ -28,6 +28,7 @@ import torch
 from ropescale._version import __version__
 from ropescale.errors import OutputError, RopescaleError
 from ropescale.models import weights_fingerprint
+from ropescale.runs.processes import on_main
 
 __all__ = [
     "LOCK",
@@ -109,15 +110,15 @@ def check_manifest(output: Path, ident: dict[str, Any], config: dict[str, Any], 
     of a launched run): the main process checks and writes, the others check once it is written.
     ``write=False`` checks only (every process, no barrier): a run checks before its slow setup and
     claims the folder once its inputs are known to work. Returns the identity's hash (part of every
-    cell id)."""
+    cell id). Under a launch the main process's refusal is raised on every process
+    (``ropescale.runs.processes.on_main``)."""
     if not write:
         return _check_manifest(output, ident, config, write=False, processes=1)
     if state is None:
         return _check_manifest(output, ident, config, write=True, processes=1)
-    if state.is_main_process:
-        digest = _check_manifest(output, ident, config, write=True, processes=state.num_processes)
-    state.wait_for_everyone()
-    if not state.is_main_process:
+    digest = on_main(state, lambda: _check_manifest(output, ident, config, write=True,
+                                                    processes=state.num_processes))
+    if not state.is_main_process:  # each process's own identity against the one written
         digest = _check_manifest(output, ident, config, write=False, processes=state.num_processes)
     return digest
 

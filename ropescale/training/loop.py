@@ -46,14 +46,14 @@ import json
 import math
 import shutil
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from ropescale.errors import RopescaleError
+from ropescale.errors import OutputError, RopescaleError
 from ropescale.lm_head import OutputHead
 from ropescale.lm_head import causal_lm_loss as chunked_lm_loss
 from ropescale.models import resolve_device
@@ -62,6 +62,7 @@ from ropescale.rotary import NoRotaryEmbeddingError
 from ropescale.runs.config import ConfigError
 from ropescale.runs.lifecycle import claimed_folder, load_inputs, load_run_model, run_identity
 from ropescale.runs.manifest import check_manifest, environment
+from ropescale.runs.processes import on_main, process_state
 from ropescale.training.checkpoints import CHECKPOINTS, CheckpointWriteError, save_checkpoint
 from ropescale.training.checkpoints import complete_checkpoints as _checkpoints
 from ropescale.training.config import SHARDING_ON_CPU, FinetuneConfig, ResolvedRun, fsdp_plugin_kwargs, resolve
@@ -147,10 +148,11 @@ def _patch_for_training(model, cfg: FinetuneConfig, run: ResolvedRun):
 
 class AfterTraining(Protocol):
     """What runs on the saved model after training (the harness's ``eval.after`` experiments:
-    ``eval.finetune.HarnessEvaluations``). ``check`` runs before step 1 and raises ``ConfigError``
-    in one line; ``run`` returns ``{name: records}``."""
+    ``eval.finetune.HarnessEvaluations``). ``check`` runs before step 1 (``processes``: the
+    launched processes, which run the evaluations too) and raises ``ConfigError`` in one line;
+    ``run`` returns ``{name: records}``."""
 
-    def check(self, cfg: FinetuneConfig, run: ResolvedRun, source: str) -> None: ...
+    def check(self, cfg: FinetuneConfig, run: ResolvedRun, source: str, *, processes: int = 1) -> None: ...
 
     def run(self, cfg: FinetuneConfig, run: ResolvedRun, model_dir: Path, output: Path, *, progress: bool,
             say) -> dict[str, list[dict]]: ...
@@ -182,7 +184,8 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
     ``ropescale.runs.data.DataError`` / ``ropescale.runs.windows.WindowError`` (data too short or unreadable),
     ``ValueError`` (device, patch); once the folder is claimed
     ``ropescale.runs.manifest.ExperimentMismatchError`` (the folder holds another run),
-    ``ropescale.runs.manifest.FolderBusyError`` (another run holds it),
+    ``ropescale.runs.manifest.FolderBusyError`` (another run holds it) — under a launch both raised
+    on every process —, ``OutputError`` (a ``report_to`` tracker cannot write its folder, before step 1),
     ``CheckpointWriteError`` (an ``OutputError``: a checkpoint
     could not be written, a full disk; a rerun resumes from the last complete one),
     ``NonFiniteLossError`` (a ``ValueError``: the training loss became inf or NaN at a step; no
@@ -191,12 +194,16 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
     from accelerate import Accelerator
 
     run = resolve(cfg, source)
-    if cfg.eval and cfg.eval.after:
-        if after is None:
-            raise ConfigError(f"{source}: eval.after: harness experiments need the harness; run it with "
-                              "`ropescale finetune` or eval.finetune.run_finetune (this call only trains)")
-        after.check(cfg, run, source)  # a bad evaluation fails now, not after training
+    evaluated = bool(cfg.eval and cfg.eval.after)
+    if evaluated and after is None:
+        raise ConfigError(f"{source}: eval.after: harness experiments need the harness; run it with "
+                          "`ropescale finetune` or eval.finetune.run_finetune (this call only trains)")
     device = resolve_device(cfg.device)  # a device that is not there fails first
+    # under a launch: the process group, set up once per process and kept for every later run in it
+    # (the after-training evaluations, another fine-tuning): ropescale.runs.processes
+    processes = process_state(cpu=device.type == "cpu").num_processes
+    if evaluated:
+        after.check(cfg, run, source, processes=processes)  # a bad evaluation fails now, not after training
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     plugin = None
@@ -207,8 +214,8 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
 
         plugin = FullyShardedDataParallelPlugin(**fsdp_plugin_kwargs(cfg.sharding, source))
     # accelerate keeps one AcceleratorState per process and refuses another mixed precision in it; a
-    # process running several fine-tunings (tests, notebooks) starts each afresh (a launched run closes its
-    # process group when it ends, ``_leave``; the next one sets up its own)
+    # process running several fine-tunings (tests, notebooks) starts each afresh, on the process group
+    # the first one set up (``process_state``)
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state()
@@ -368,27 +375,40 @@ def _trackers(cfg: FinetuneConfig, source: str) -> list[str]:
 
 
 def _start_trackers(acc, cfg: FinetuneConfig, output: Path) -> None:
-    """The trackers' run, named after the output folder, with the run's identity as its settings."""
+    """The trackers' run, named after the output folder, with the run's identity as its settings,
+    started by the main process (accelerate's trackers write from there only); every process
+    raises its refusal (``on_main``). Raises ``OutputError`` in one line when a tracker cannot
+    write its folder (a file in its place, a read-only file system); the trackers that started
+    are closed."""
     settings = {k: v if isinstance(v, (int, float, str, bool)) else json.dumps(v)
                 for k, v in _flat(cfg.identity()).items() if v is not None}
-    acc.init_trackers(output.name, config=settings)
+
+    def start() -> None:
+        try:
+            acc.init_trackers(output.name, config=settings)
+        except OSError as e:
+            for tracker in acc.trackers:
+                with suppress(Exception):  # one that did not start has nothing to close
+                    tracker.finish()
+            acc.trackers = []
+            folder = output / output.name
+            why = "a file is in its place" if folder.exists() and not folder.is_dir() else e.strerror or str(e)
+            raise OutputError(f"report_to: {', '.join(cfg.report_to)} cannot write its logs in {folder} ({why}); "
+                              "make that a writable folder or leave report_to out") from None
+
+    on_main(acc, start)
 
 
 def _leave(acc, *, together: bool = True) -> None:
-    """A launched run's process group is closed before interpreter shutdown (a gloo group left
-    open can abort at exit: "terminate called without an active exception"), after all processes
-    are done (``together``; a run stopped by an error closes its own end only); the accelerate
-    state is reset so that a later run in the process sets up its group afresh. The trackers
-    (``report_to``) are flushed and closed in every case."""
+    """The trackers (``report_to``) flushed and closed; a launched run's processes leave together
+    (``together``; a run stopped by an error leaves at once). The process group stays open for a
+    later run in the process and is closed when the interpreter exits
+    (``ropescale.runs.processes``)."""
     for tracker in getattr(acc, "trackers", None) or []:
         tracker.finish()
-    if acc.num_processes > 1:
-        from accelerate.state import AcceleratorState
-
-        if together:
-            acc.wait_for_everyone()
-        acc.end_training()  # destroy_process_group
-        AcceleratorState._reset_state(reset_partial_state=True)
+    acc.trackers = []
+    if together and acc.num_processes > 1:
+        acc.wait_for_everyone()
 
 
 def _run_locked(cfg: FinetuneConfig, run: ResolvedRun, output: Path, acc, progress: bool,

@@ -87,16 +87,20 @@ for out in sys.argv[2:]:
 """
 
 
-def test_a_launched_sweep_closes_its_process_group(tmp_path, tiny_model_dir, text_file):
-    """The sweep left its gloo group to interpreter shutdown, which can abort at exit ("terminate
-    called without an active exception"): closed when the sweep ends, as fine-tuning does."""
+def test_two_sweeps_in_a_launched_process_share_its_group_which_closes_at_exit(tmp_path, tiny_model_dir, text_file):
+    """Each sweep closed its gloo group, so the next sweep in the process (a fine-tuning run's second
+    after-training evaluation) set a second one up, which hangs or fails to connect; now the sweeps work
+    on the process's one group, closed when the interpreter exits (left open there, gloo can abort:
+    "terminate called without an active exception")."""
     from tests.launch import launch_two
 
     raw = {"model": str(tiny_model_dir), "data": str(text_file), "lengths": [32], "strategies": ["vanilla"],
            "max_windows": 2, "device": "cpu", "threads": 1}
     (tmp_path / "run.py").write_text(ONE_RUN)
-    res, lines = launch_two(tmp_path / "run.py", json.dumps(raw), str(tmp_path / "a"))
+    res, lines = launch_two(tmp_path / "run.py", json.dumps(raw), str(tmp_path / "a"), str(tmp_path / "b"),
+                            timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert lines == [{"cells": 1, "open": False}] * 2, res.stdout
+    assert lines == [{"cells": 1, "open": True}] * 4, res.stdout
     assert "terminate called" not in res.stderr
-    assert json.loads((tmp_path / "a" / "manifest.json").read_text())["processes"] == 2
+    for run in "ab":
+        assert json.loads((tmp_path / run / "manifest.json").read_text())["processes"] == 2

@@ -156,6 +156,18 @@ def test_after_entries_are_checked_before_training(tiny_run):
         HarnessEvaluations().check(cfg, resolve(cfg), "config")
 
 
+def test_an_after_evaluation_vllm_cannot_run_is_refused_before_training(write, tiny_run, tmp_path, monkeypatch):
+    """Refused only once the model was trained and saved: vLLM absent, or several launched processes."""
+    monkeypatch.setenv("ROPESCALE_VLLM_PYTHON", str(tmp_path / "no-vllm" / "python"))  # absent wherever it runs
+    after = {"data": tiny_run()["eval"]["data"], "after": [{"task": "passkey", "lengths": [64], "engine": "vllm"}]}
+    one_line_error(cli(write(eval=after), "-q", "-o", tmp_path / "out"),
+                   "eval.after.0: engine: vllm: vLLM is not installed")
+    assert not (tmp_path / "out").exists()  # nothing trained, nothing written
+    cfg = build_finetune_config(tiny_run(eval=after))
+    with pytest.raises(ConfigError, match="eval.after.0: engine: vllm runs in one process and parallelises itself"):
+        HarnessEvaluations().check(cfg, resolve(cfg), "config", processes=2)
+
+
 def test_the_library_loop_refuses_after_entries_without_the_harness(tiny_run, tmp_path):
     cfg = build_finetune_config(tiny_run(eval={"data": "x.txt", "after": [{"task": "passkey", "lengths": [64]}]}))
     with pytest.raises(ConfigError, match="eval.after: harness experiments need the harness"):

@@ -61,3 +61,37 @@ def test_a_tracker_that_is_not_installed_is_refused_before_anything_is_written(t
     with pytest.raises(ConfigError, match=r"report_to: wandb is not installed \(pip install wandb\)"):
         finetune(build_finetune_config(tiny_run(report_to="wandb")), tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("blocked", ["file", "read-only"])
+def test_a_tracker_folder_that_cannot_be_written_is_one_line_before_training(tmp_path, tiny_run, monkeypatch,
+                                                                              blocked):
+    """TensorBoard's folder (<output>/<output name>) taken by a file, or on a read-only file system, was
+    accelerate's ``AttributeError: 'TensorBoardTracker' object has no attribute 'writer'``."""
+    pytest.importorskip("tensorboard")
+    import errno
+
+    from ropescale.errors import OutputError
+
+    out = tmp_path / "run"
+    out.mkdir()
+    if blocked == "file":
+        (out / "run").write_text("")
+    else:  # as the OS says it where the folder cannot be made
+        import torch.utils.tensorboard
+
+        def read_only(logdir, *a, **k):
+            raise OSError(errno.EROFS, "Read-only file system", logdir)
+
+        monkeypatch.setattr(torch.utils.tensorboard, "SummaryWriter", read_only)
+    raw = tiny_run(steps=1, eval=None, report_to="tensorboard")
+    with pytest.raises(OutputError) as err:
+        finetune(build_finetune_config(raw), out, progress=False)
+    why = "a file is in its place" if blocked == "file" else "Read-only file system"
+    assert str(err.value) == (f"report_to: tensorboard cannot write its logs in {out / 'run'} ({why}); make that a "
+                              "writable folder or leave report_to out")
+    assert not (out / "log.jsonl").exists()  # before the first step
+    if blocked == "file":  # nothing left behind that refuses the corrected rerun
+        (out / "run").unlink()
+        assert finetune(build_finetune_config(raw), out, progress=False)["steps"] == 1
+        assert [step for step, _ in _scalars(out)["loss"]] == [1]
