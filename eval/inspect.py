@@ -53,13 +53,15 @@ __all__ = ["RotaryConfig", "attention_input", "inspect", "rotary_config", "rotar
 
 @dataclass(frozen=True)
 class RotaryConfig:
-    """d, b, T and the model's own ``inv_freq`` ``[d/2]`` (vanilla unless its config scales RoPE)."""
+    """d, b, T and the model's own ``inv_freq`` ``[d/2]`` (vanilla unless its config scales RoPE);
+    ``dual_chunk_attention_config``: the model's own (DCA's defaults), None without one."""
 
     dim: int
     rope_theta: float
     train_length: int
     inv_freq: torch.Tensor
     source: str
+    dual_chunk_attention_config: dict | None = None
 
 
 def rotary_config_of_model(name_or_path: str) -> RotaryConfig:
@@ -83,7 +85,8 @@ def rotary_config_of_model(name_or_path: str) -> RotaryConfig:
         inv_freq = ROPE_INIT_FUNCTIONS[rope_type](text, "cpu", layer_type=rope.layer_type)[0].double()
     else:
         inv_freq = rope_inv_freq(rope.dim, rope.rope_theta).double()
-    return RotaryConfig(rope.dim, rope.rope_theta, rope.original_max_position_embeddings, inv_freq, str(name_or_path))
+    return RotaryConfig(rope.dim, rope.rope_theta, rope.original_max_position_embeddings, inv_freq, str(name_or_path),
+                        rope.dual_chunk_attention_config)
 
 
 T_FLAG = "--original-max-position-embeddings"  # the CLI's one spelling of the training window T
@@ -159,9 +162,10 @@ def summary_text(summary: dict[str, Any], output: str | Path) -> str:
 
 def _frequencies(spec: StrategySpec, cfg: RotaryConfig, length: int):
     strat = get_strategy(spec.name)
-    params = strat.resolve(spec.params, length=length, train_length=cfg.train_length)
+    params = strat.resolve(spec.params, length=length, train_length=cfg.train_length,
+                           context={"dual_chunk_attention_config": cfg.dual_chunk_attention_config})
     context = {"dim": cfg.dim, "rope_theta": cfg.rope_theta, "original_max_position_embeddings": cfg.train_length,
-               "seq_len": length}
+               "seq_len": length, "dual_chunk_attention_config": cfg.dual_chunk_attention_config}
     return params, strat.compute(context, params)
 
 

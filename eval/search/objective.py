@@ -42,7 +42,7 @@ from ropescale.models import resolve_device
 from ropescale.patching import patch
 from ropescale.runs.config import ConfigError
 from ropescale.runs.data import KJV_SPLITS, load_documents
-from ropescale.runs.lifecycle import load_inputs, load_run_model, loaded_window
+from ropescale.runs.lifecycle import configured_context, load_inputs, load_run_model, loaded_window
 from ropescale.runs.scoring import score_windows
 from ropescale.runs.windows import WindowError, make_windows
 from ropescale.strategies import get_strategy
@@ -94,14 +94,15 @@ def _check_disjoint(cfg: SearchConfig, texts: list[str]) -> None:
                           f"{held.describe()} results are reported on; search on other documents")
 
 
-def spec_params(strategy: str, fixed: dict, sampled: dict, *, length: int, train_length: int) -> dict:
+def spec_params(strategy: str, fixed: dict, sampled: dict, *, length: int, train_length: int,
+                context: dict | None = None) -> dict:
     """The parameters a candidate is applied with and written as (``best.json``): the fixed ones,
     ``auto`` ones the user left out filled for target ``length`` (``factor`` = max(1, L / T)), and
     the sampled ones. Raises ``ValueError`` (one line) when the strategy refuses the combination
-    (yarn's beta_fast ≤ beta_slow)."""
+    (yarn's beta_fast ≤ beta_slow). ``context``: the model's (``Strategy.resolve``: DCA's defaults)."""
     strat = get_strategy(strategy)
     given = {**fixed, **sampled}
-    full = strat.resolve(given, length=length, train_length=train_length)
+    full = strat.resolve(given, length=length, train_length=train_length, context=context)
     auto = {p.name: full[p.name] for p in strat.params if p.auto and p.name not in given}
     return {**fixed, **auto, **sampled}
 
@@ -125,6 +126,7 @@ class SearchObjective:
         self.model = load_run_model(cfg.model, inputs, dtype=cfg.dtype, device=str(self.device))
         self.train_length = loaded_window(self.model, f"model: {cfg.model}", cfg.original_max_position_embeddings,
                                           purpose="search")
+        self.context = configured_context(cfg.model)  # DCA's defaults from the model's config, as the patch reads them
         sizes = [len(d) for d in self.docs]
         try:
             self.windows = {L: make_windows(sizes, L, max_windows=cfg.max_windows)
@@ -166,7 +168,7 @@ class SearchObjective:
     def params(self, sampled: dict) -> dict:
         """``spec_params`` of a sampled candidate for this model (target: the longest length)."""
         return spec_params(self.cfg.strategy, self.cfg.fixed, sampled, length=max(self.cfg.lengths),
-                           train_length=self.train_length)
+                           train_length=self.train_length, context=self.context)
 
     def __call__(self, sampled: dict) -> tuple[dict, Measurement]:
         """Patch the candidate in, score it, patch it out. ``Refused`` when the strategy refuses
