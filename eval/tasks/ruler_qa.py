@@ -94,7 +94,7 @@ class QaTask(RulerTask):
         o = self.options
         return generate_qa(qas, docs, count=self.count, template=self.template, max_seq_length=length,
                            num_samples=num_samples, seed=o.seed, tokens_to_generate=self.budget,
-                           pre_samples=o.pre_samples, what=self.name)
+                           pre_samples=o.pre_samples, what=self.name, max_draws=o.max_draws)
 
 
 class Qa1(QaTask):
