@@ -30,6 +30,7 @@ from ropescale.runs.config import (
     parse_strategy,
     read_yaml,
 )
+from ropescale.runs.trackers import tracker_names
 from ropescale.training.lora import DEFAULT_LORA_TARGETS, LoraSettings
 
 __all__ = [
@@ -273,19 +274,7 @@ class FinetuneConfig(BaseModel):
                                              "(tensorboard, wandb, mlflow, ...; log.jsonl is always written)")
     output: str | None = None
 
-    @field_validator("report_to", mode="before")
-    @classmethod
-    def _report_to(cls, v: Any) -> Any:
-        from accelerate.utils import LoggerType
-
-        names = [v] if isinstance(v, str) else v
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            raise ValueError(f"a tracker name or a list of them (accelerate's: tensorboard, wandb, ...); got {v!r}")
-        known = sorted(t.value for t in LoggerType if t.value != "all")
-        bad = [n for n in names if n not in known]
-        if bad:
-            raise ValueError(f"unknown tracker {bad[0]!r}; accelerate's trackers: {', '.join(known)}")
-        return names
+    _report_to = field_validator("report_to", mode="before")(tracker_names)
 
     _numbers = field_validator("length", "original_max_position_embeddings", "steps", "batch_size", "grad_accum",
                                "lr", "warmup", "weight_decay", "adam_betas", "max_grad_norm", "seed", "threads",
