@@ -543,17 +543,25 @@ def patch_cmd(model, strategy_spec, output, dry_run, original_max_position_embed
 def inspect(model, head_dim, rope_theta, training_length, strategy_specs, length, pairs, attention, data,
             output, device, quiet) -> None:
     """Draw what each strategy does to the rotary geometry: wavelengths per pair, rotation angles
-    and aliasing, long-range decay, the base bound; writes PNGs and summary.json."""
-    rotary_config, attention_input, run_inspect, summary_text = harness(
-        "inspect", "rotary_config", "attention_input", "inspect", "summary_text")
+    and aliasing, long-range decay, the base bound; writes PNGs and summary.json. With --model
+    (its weights loaded) also prints, per strategy, the per-layer table patch --dry-run prints."""
+    rotary_config, attention_input, inspected_model, run_inspect, summary_text = harness(
+        "inspect", "rotary_config", "attention_input", "inspected_model", "inspect", "summary_text")
 
     specs = [_strategy(s) for s in strategy_specs]
     cfg = rotary_config(model, head_dim, rope_theta, training_length)
-    if attention and quiet:
+    if model and quiet:
         _no_progress_bars()
     extra = attention_input(model, specs, data, length, device=device) if attention else None
-    summary = run_inspect(cfg, specs, length, output, pairs=list(pairs) or None, attention=extra)
+    load = None if not model else (lambda: extra["model"]) if extra else (lambda: inspected_model(model, device)[0])
+    summary = run_inspect(cfg, specs, length, output, pairs=list(pairs) or None, attention=extra, load_model=load)
     click.echo(summary_text(summary, output), nl=False)
+    for display, rows in summary.get("layers", {}).items():
+        if isinstance(rows, dict):
+            click.echo(f"{display} on {model}: refused: {rows['refused']}")
+        else:
+            click.echo(f"{display} on {model}, per layer:")
+            click.echo(_layer_table(rows))
 
 
 def _ints(low: int, *, high: int | None = None, even: bool = False):

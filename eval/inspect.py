@@ -13,7 +13,10 @@ bare configuration, and each strategy at target length L, writes into the output
 - ``attention.png`` (``attention=True``, needs the weights): attention entropy by query position
   and the share of attention on the first tokens, per strategy, on real text of L tokens;
 - ``summary.json``: every number above (classes, counts, alias distances, first negative B(m),
-  the smallest base that keeps B ≥ 0 up to L for this d, …).
+  the smallest base that keeps B ≥ 0 up to L for this d, …) and, for a model (its weights
+  loaded), ``layers``: per strategy the per-layer report ``patch --dry-run`` prints
+  (``layer_reports``: each decoder layer's rope, θ, rotary dim, layout, T and what the patch
+  applies there; layers without attention, such as Qwen3.5's linear-attention ones, as "no RoPE").
 
 Raises ``ValueError`` for bad input (unknown strategy or parameter, a length below 2, a model
 config without RoPE) with one line saying what is wrong.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,19 +51,22 @@ def inspect_bytes(dim: int, length: int) -> int:
     RoFormer's bound, the base bound and its certified search)."""
     return 4 * length * (dim // 2) * 8
 
-__all__ = ["RotaryConfig", "attention_input", "inspect", "rotary_config", "rotary_config_of_model", "summary_text"]
+__all__ = ["RotaryConfig", "attention_input", "inspect", "inspected_model", "layer_reports", "rotary_config",
+           "rotary_config_of_model", "summary_text"]
 
 
 
 @dataclass(frozen=True)
 class RotaryConfig:
-    """d, b, T and the model's own ``inv_freq`` ``[d/2]`` (vanilla unless its config scales RoPE)."""
+    """d, b, T and the model's own ``inv_freq`` ``[d/2]`` (vanilla unless its config scales RoPE);
+    ``dual_chunk_attention_config``: the model's own (DCA's defaults), None without one."""
 
     dim: int
     rope_theta: float
     train_length: int
     inv_freq: torch.Tensor
     source: str
+    dual_chunk_attention_config: dict | None = None
 
 
 def rotary_config_of_model(name_or_path: str) -> RotaryConfig:
@@ -83,7 +90,8 @@ def rotary_config_of_model(name_or_path: str) -> RotaryConfig:
         inv_freq = ROPE_INIT_FUNCTIONS[rope_type](text, "cpu", layer_type=rope.layer_type)[0].double()
     else:
         inv_freq = rope_inv_freq(rope.dim, rope.rope_theta).double()
-    return RotaryConfig(rope.dim, rope.rope_theta, rope.original_max_position_embeddings, inv_freq, str(name_or_path))
+    return RotaryConfig(rope.dim, rope.rope_theta, rope.original_max_position_embeddings, inv_freq, str(name_or_path),
+                        rope.dual_chunk_attention_config)
 
 
 T_FLAG = "--original-max-position-embeddings"  # the CLI's one spelling of the training window T
@@ -125,15 +133,42 @@ def attention_input(model: str | None, strategies: list[StrategySpec], data: str
     if rules:
         raise InvalidInput(f"--attention needs attention weights; {', '.join(rules)} compute attention in "
                            "their own kernel and return none (measure frequency strategies only)")
-    from ropescale import load_model, unpatch
     from ropescale.runs.data import DataSpec, load_documents, tokenize_documents
 
-    m, tok = load_model(model, device=device)
-    unpatch(m)
+    m, tok = inspected_model(model, device)
     stream = torch.cat(tokenize_documents(tok, load_documents(DataSpec(data))))  # [n] token ids
     if stream.numel() < length:
         raise InvalidInput(f"--data {data} has {stream.numel()} tokens, fewer than --length {length}")
     return {"model": m, "ids": stream[:length][None]}  # [1, L]
+
+
+def inspected_model(model: str, device: str = "cpu"):
+    """``(model, tokenizer)``: ``model`` loaded with its weights (``ropescale.load_model``) and
+    without a patch it was saved with — what the per-layer reports and ``--attention`` read."""
+    from ropescale import load_model, unpatch
+
+    m, tok = load_model(model, device=device)
+    unpatch(m)
+    return m, tok
+
+
+def layer_reports(model, strategies: list[StrategySpec], params: list[dict]) -> dict[str, Any]:
+    """Per strategy (its display name): what ``ropescale.patch`` does at each decoder layer of the
+    loaded, unpatched ``model`` with ``params`` (the parameters the geometry used) — the rows of
+    ``PatchHandle.report()``, which ``patch --dry-run`` prints, the layers without attention
+    (linear attention, Mamba) as "no RoPE" rows —, or ``{"refused": message}`` where the patch
+    refuses the strategy on this model. The model is left unpatched."""
+    from ropescale import patch
+    from ropescale.errors import RopescaleError
+
+    out: dict[str, Any] = {}
+    for spec, values in zip(strategies, params):
+        try:
+            with patch(model, spec.name, logn=spec.logn, temperature=spec.temperature, **values) as handle:
+                out[spec.display] = handle.report()
+        except (RopescaleError, ValueError) as e:
+            out[spec.display] = {"refused": " ".join(str(e).split())}
+    return out
 
 
 def summary_text(summary: dict[str, Any], output: str | Path) -> str:
@@ -159,9 +194,10 @@ def summary_text(summary: dict[str, Any], output: str | Path) -> str:
 
 def _frequencies(spec: StrategySpec, cfg: RotaryConfig, length: int):
     strat = get_strategy(spec.name)
-    params = strat.resolve(spec.params, length=length, train_length=cfg.train_length)
+    params = strat.resolve(spec.params, length=length, train_length=cfg.train_length,
+                           context={"dual_chunk_attention_config": cfg.dual_chunk_attention_config})
     context = {"dim": cfg.dim, "rope_theta": cfg.rope_theta, "original_max_position_embeddings": cfg.train_length,
-               "seq_len": length}
+               "seq_len": length, "dual_chunk_attention_config": cfg.dual_chunk_attention_config}
     return params, strat.compute(context, params)
 
 
@@ -191,11 +227,15 @@ def _strategy_summary(spec: StrategySpec, cfg: RotaryConfig, length: int, pairs:
 
 
 def inspect(cfg: RotaryConfig, strategies: list[StrategySpec], length: int, output: str | Path, *,
-            pairs: list[int] | None = None, attention: dict | None = None) -> dict[str, Any]:
+            pairs: list[int] | None = None, attention: dict | None = None,
+            load_model: Callable[[], Any] | None = None) -> dict[str, Any]:
     """Compute and draw the geometry of ``strategies`` at ``length``; returns the summary.
 
     ``pairs``: rotary pairs for the angle plot (default ``[0]``, the fastest). ``attention``:
     ``{"model": ..., "text": ...}`` to also measure attention statistics (see module doc).
+    ``load_model``: returns the loaded, unpatched model (``inspected_model``) whose per-layer
+    reports (``layer_reports``) the summary holds as ``layers``; called once the input is checked
+    (bad input is refused before any weights load).
     """
     if length < 2:
         raise InvalidInput(f"length {length} must be at least 2 tokens")
@@ -212,6 +252,7 @@ def inspect(cfg: RotaryConfig, strategies: list[StrategySpec], length: int, outp
         raise InvalidInput(f"pairs {bad} out of range: this model has {cfg.dim // 2} rotary pairs "
                            f"(0 … {cfg.dim // 2 - 1})")
     rows = [_strategy_summary(s, cfg, length, pairs) for s in strategies]  # every strategy checked: nothing written yet
+    layers = layer_reports(load_model(), strategies, [r["params"] for r in rows]) if load_model else None
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     b_min = geo.smallest_base(cfg.dim, length)
@@ -231,6 +272,8 @@ def inspect(cfg: RotaryConfig, strategies: list[StrategySpec], length: int, outp
         summary["attention"] = {k: {"mean_entropy": v["mean_entropy"], "mean_sink_share": v["mean_sink_share"]}
                                 for k, v in stats.items()}
         summary["files"].append("attention.png")
+    if layers is not None:
+        summary["layers"] = layers
     (output / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     return summary
 

@@ -27,6 +27,7 @@ from ropescale.patching import patch
 from ropescale.runs.config import error_parts
 from ropescale.runs.lifecycle import (
     claimed_folder,
+    configured_context,
     configured_window,
     load_inputs,
     load_run_model,
@@ -132,13 +133,16 @@ def resolve_cells(cfg: EvalConfig, train_length: int) -> dict[tuple[str, int], d
     full before any cell runs: ``Strategy.resolve`` at each length L for the training window T =
     ``train_length`` — the auto-filled ones (``factor`` = max(1, L / T), DCA's ``scale``) and the
     cross-checks a strategy makes with the window (DCA's local_window < chunk_size, STRING's
-    W < S, with their T-derived defaults). Raises ``InvalidInput`` in one line naming the cell."""
+    W < S, with their defaults: T-derived, or DCA's from the model's ``dual_chunk_attention_config``,
+    read from its config). Raises ``InvalidInput`` in one line naming the cell."""
     out = {}
+    context = configured_context(cfg.model)
     for length in cfg.lengths:
         for spec in cfg.strategies:
             try:
                 out[spec.display, length] = get_strategy(spec.name).resolve(spec.params, length=length,
-                                                                            train_length=train_length)
+                                                                            train_length=train_length,
+                                                                            context=context)
             except ValueError as e:
                 raise InvalidInput(f"strategy {spec.display} at length {length} (training window T = "
                                    f"{train_length}): {' '.join(str(e).split())}") from None
@@ -150,7 +154,7 @@ def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec
     """Patch, measure this process's share of the examples, gather the parts, combine, unpatch;
     the cell's record (without id and environment)."""
     strat = get_strategy(spec.name)
-    params = strat.resolve(spec.params, length=length, train_length=train_len)
+    params = strat.resolve(spec.params, length=length, train_length=train_len, context=configured_context(cfg.model))
     note = None
     if strat.kind == "attention" and params.get("window", 0) >= length:
         note = (f"window {params['window']} >= length {length}: the rule never applies at this length, "

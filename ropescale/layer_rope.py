@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["LayerRope", "RotarySite", "probe_layers", "rotate_pairs"]
+__all__ = ["LayerRope", "RotarySite", "layers_without_attention", "probe_layers", "rotate_pairs"]
 
 PROBE = "ropescale_probe"
 PROBE_LEAN = "ropescale_probe_lean"  # the same recorder with padding-only masks
@@ -377,3 +377,39 @@ def _layer_rope(i: int, module: nn.Module, name: str, runs: dict, lean_fails: bo
                          **flags)
     site, start, d, interleaved, sign = found
     return LayerRope(index, name, "rope", site, start, d, interleaved, sign, head_dim, v_dim, passes, **flags)
+
+
+def _stack_slot(name: str, modules: dict[str, nn.Module]) -> tuple[str, int] | None:
+    """(the qualified name of the outermost ``nn.ModuleList`` the module ``name`` sits in, the index
+    of its entry there), or None outside any list."""
+    parts = name.split(".")
+    for k, part in enumerate(parts):
+        parent = ".".join(parts[:k])
+        if part.isdigit() and isinstance(modules.get(parent), nn.ModuleList):
+            return parent, int(part)
+    return None
+
+
+def layers_without_attention(model: nn.Module, layers: list[LayerRope]) -> list[tuple[int, str, str | None]]:
+    """The decoder layers ``probe_layers`` did not see because nothing in them calls attention —
+    linear attention (Qwen3.5's and Qwen3-Next's Gated DeltaNet), Mamba or other recurrent mixers —
+    as ``(index, qualified name, layer type)``: every other entry of the ``nn.ModuleList`` the
+    observed attention layers sit in, its layer type from the config's ``layer_types`` when that
+    lists one per entry (else None). Positions enter none of them (they have no RoPE: the patch
+    leaves them untouched). Empty unless the observed layers are entries of one such list at the
+    indices they report (a layer stack read without class names; a model sharing one attention
+    module between layers, say, gets no extra rows)."""
+    modules = dict(model.named_modules())
+    slots = [_stack_slot(info.name, modules) for info in layers]
+    stacks = {slot[0] for slot in slots if slot is not None}
+    if not layers or None in slots or len(stacks) != 1 or any(s[1] != info.index for s, info in zip(slots, layers)):
+        return []
+    stack = stacks.pop()
+    seen = {info.index for info in layers}
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    types = getattr(cfg, "layer_types", None)
+    entries = list(modules[stack])
+    types = list(types) if isinstance(types, (list, tuple)) and len(types) == len(entries) else None
+    return [(i, f"{stack}.{i}" if stack else str(i), types[i] if types else None)
+            for i in range(len(entries)) if i not in seen]

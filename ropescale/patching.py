@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ropescale.errors import InvalidInput
-from ropescale.layer_rope import LayerRope, RotarySite, probe_layers
+from ropescale.layer_rope import LayerRope, RotarySite, layers_without_attention, probe_layers
 from ropescale.rotary import (
     FrequencyPatch,
     NoRotaryEmbeddingError,
@@ -106,13 +106,24 @@ class PatchHandle:
             f.set_training_length(length)
 
     def report(self) -> list[dict[str, Any]]:
-        """Per attention layer: ``layer`` (cache index), ``module``, ``rope`` (``"rope"``, ``"none"``,
-        ``"unknown"``), ``frequencies`` (the rotary module and layer type it uses), ``rope_type`` (as the
-        model's config has it), ``rope_theta``, ``rotary_dim`` [channels], ``channels`` ([start, end)),
-        ``layout`` (``halves``/``interleaved``, ``mirrored`` for sign −1), ``original_max_position_embeddings``
-        [tokens], ``applied`` (the strategy, ``kept`` for an unpatched layer type, ``no RoPE, untouched``) and
-        ``temperature`` (the model's own query temperature — kept, removed or replaced by a rule of ropescale's —
-        or the rule added; "" for none). Empty when the model's attention could not be observed."""
+        """Per decoder layer, in layer order: ``layer`` (cache index), ``module``, ``rope`` (``"rope"``,
+        ``"none"``, ``"unknown"``), ``frequencies`` (the rotary module and layer type it uses),
+        ``rope_type`` (as the model's config has it), ``rope_theta``, ``rotary_dim`` [channels],
+        ``channels`` ([start, end)), ``layout`` (``halves``/``interleaved``, ``mirrored`` for sign −1),
+        ``original_max_position_embeddings`` [tokens], ``applied`` (the strategy, ``kept`` for an
+        unpatched layer type, ``no RoPE, untouched``) and ``temperature`` (the model's own query
+        temperature — kept, removed or replaced by a rule of ropescale's — or the rule added; "" for none).
+        A layer without attention (linear attention, Mamba: ``layer_rope.layers_without_attention``) is a
+        ``"none"`` row with its ``layer_type`` (the config's, e.g. ``linear_attention``) and no temperature.
+        Empty when the model's attention could not be observed."""
+        rows = self._attention_rows()
+        for index, name, layer_type in layers_without_attention(self.model, self.layers or []):
+            rows.append({"layer": index, "module": name, "rope": "none", "layer_type": layer_type,
+                         "applied": f"no RoPE ({layer_type}), untouched" if layer_type else "no RoPE, untouched",
+                         "temperature": ""})
+        return sorted(rows, key=lambda r: r["layer"])
+
+    def _attention_rows(self) -> list[dict[str, Any]]:
         rows = []
         for info in self.layers or []:
             row: dict[str, Any] = {"layer": info.index, "module": info.name, "rope": info.kind}
@@ -143,7 +154,8 @@ class PatchHandle:
         ours = self.temperature.spec() if self.temperature is not None else None
         if own is None:
             return f"{ours} (added)" if ours else ""
-        removed = own.kind == "beta" and not self.strategy_obj.keeps_model and self.options.get("temperature") != NATIVE
+        removed = (own.kind == "beta" and not self.strategy_obj.keeps_model
+                   and self.options.get("temperature") != NATIVE)
         if not removed:
             return f"{own.spec()} (model's, kept)" + (f" + {ours} (added)" if ours else "")
         return f"{own.spec()} (model's) replaced by {ours}" if ours else f"{own.spec()} (model's) removed"

@@ -46,7 +46,9 @@ class RopeConfig:
     dim: rotary dim d (even) [channels]; rope_theta: base b; original_max_position_embeddings:
     training window T [tokens], None when the config has no window at all; rope_parameters: the
     layer type's own transformers ``rope_parameters`` (a copy; ``rope_type`` and its keys);
-    layer_type: the layer type read (None for a config with one set of rope parameters).
+    layer_type: the layer type read (None for a config with one set of rope parameters);
+    dual_chunk_attention_config: the config's own (Qwen2.5-1M: ``chunk_size``, ``local_size``,
+    ``original_max_position_embeddings`` [tokens]; a copy), None when it has none.
     """
 
     dim: int
@@ -54,11 +56,16 @@ class RopeConfig:
     original_max_position_embeddings: int | None
     rope_parameters: dict[str, Any]
     layer_type: str | None = None
+    dual_chunk_attention_config: dict[str, Any] | None = None
 
     def context(self) -> dict[str, Any]:
-        """The strategies' context arguments ``dim``, ``rope_theta``, ``original_max_position_embeddings``."""
-        return {"dim": self.dim, "rope_theta": self.rope_theta,
-                "original_max_position_embeddings": self.original_max_position_embeddings}
+        """The strategies' context arguments ``dim``, ``rope_theta``, ``original_max_position_embeddings``
+        and, where the config has one, ``dual_chunk_attention_config`` (DCA's defaults)."""
+        out = {"dim": self.dim, "rope_theta": self.rope_theta,
+               "original_max_position_embeddings": self.original_max_position_embeddings}
+        if self.dual_chunk_attention_config is not None:
+            out["dual_chunk_attention_config"] = dict(self.dual_chunk_attention_config)
+        return out
 
 
 def text_config(config):
@@ -140,5 +147,6 @@ def rope_config_of(config, layer_type: str | None = None, *, dim: int | None = N
         raise NoRopeConfigError(f"{type(text).__name__} has no rope_theta (looked in config.rope_parameters and "
                                 "config.rope_theta): not a RoPE model")
     chosen = config_layer_type(text, layer_type)
+    dual = getattr(text, "dual_chunk_attention_config", None)
     return RopeConfig(int(dim) if dim is not None else _config_dim(text, rp, chosen), float(theta),
-                      training_window(text, layer_type), rp, chosen)
+                      training_window(text, layer_type), rp, chosen, dict(dual) if isinstance(dual, dict) else None)

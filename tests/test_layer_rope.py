@@ -171,9 +171,10 @@ def test_a_model_whose_attention_cannot_be_observed_refuses_relative_rules_only(
 @pytest.mark.parametrize("name", ["gemma4_text", "qwen3_5_text"])
 def test_the_report_on_gemma4_and_qwen3_5_follows_their_configs(name):
     """Gemma 4: θ and rope type per layer type, proportional RoPE on the global layers at their own
-    global_head_dim; Qwen3.5: Gated DeltaNet layers hold no attention to report, its full-attention
+    global_head_dim; Qwen3.5: its Gated DeltaNet layers hold no attention and are "no RoPE" rows
+    (main left them out: only attention-interface layers were reported), its full-attention
     layers rotate partial_rotary_factor · head_dim channels. The oracle is each config, built by the
-    census's tiny builder."""
+    census's tiny builder, and the model's own decoder layers."""
     from tests.census.build import build as census_build
     from tests.census.build import text_config
     from tests.census.run import types
@@ -183,9 +184,14 @@ def test_the_report_on_gemma4_and_qwen3_5_follows_their_configs(name):
     kinds = list(dict.fromkeys(tc.layer_types))
     with ropescale.patch(model, "yarn", factor=2.0, **({"layer_types": kinds} if name == "gemma4_text" else {})) as h:
         rows = h.report()
-    attention = [i for i, t in enumerate(tc.layer_types) if t != "linear_attention"]
-    assert [r["layer"] for r in rows] == attention
-    for r in rows:
+    assert [r["layer"] for r in rows] == list(range(tc.num_hidden_layers))  # every decoder layer
+    linear = [i for i, layer in enumerate(model.model.layers) if not hasattr(layer, "self_attn")]
+    assert linear == [i for i, t in enumerate(tc.layer_types) if t == "linear_attention"]
+    assert bool(linear) == (name == "qwen3_5_text")
+    for i in linear:  # Gated DeltaNet: no positions anywhere in it
+        assert rows[i] == {"layer": i, "module": f"model.layers.{i}", "rope": "none", "layer_type": "linear_attention",
+                           "applied": "no RoPE (linear_attention), untouched"}
+    for r in (r for r in rows if r["layer"] not in linear):
         lt = tc.layer_types[r["layer"]]
         rp = tc.rope_parameters[lt] if name == "gemma4_text" else tc.rope_parameters
         assert (r["rope"], r["applied"]) == ("rope", "yarn")

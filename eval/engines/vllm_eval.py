@@ -215,28 +215,15 @@ def checked_answer(got: dict[str, Any], reqs: list[dict], where: str) -> _Answer
 
 def check_engine(cfg, source: str = "config", processes: int = 1) -> None:
     """Everything ``engine: vllm`` can refuse before a model loads (see the module docstring)."""
-    from ropescale.strategies import get_strategy
-
     from ..tasks.base import get_task
-    from . import EngineAbsent, require_engine
 
     task_cls = get_task(cfg.task)
     if not supports(task_cls):
         raise ConfigError(f"{source}: engine: vllm scores perplexity and the retrieval tasks (passkey, needle, "
                           f"niah_multikey); {cfg.task} has no vLLM scoring — use engine: transformers")
     for spec in cfg.strategies:
-        strat = get_strategy(spec.name)
-        why = None
-        if strat.kind != "frequency":
-            why = "a relative-position rule applied inside attention; vLLM has no setting for it"
-        elif spec.logn or spec.temperature:
-            why = "a query temperature (log-n or another rule) has no vLLM setting"
-        elif strat.export is None:
-            why = "no transformers rope type to translate, so vLLM cannot express it"
-        elif strat.dynamic and spec.name not in ("dynamic_ntk", "longrope"):
-            why = "recomputes its frequencies from the sequence length; vLLM serves one static rotation"
-        elif strat.dynamic and cfg.task == "perplexity" and cfg.options.dynamic_block and spec.name == "dynamic_ntk":
-            why = "dynamic_block scores block-wise with a scale per prefix; vLLM serves one static rotation"
+        why = unservable(spec.name, logn=spec.logn, temperature=spec.temperature,
+                         dynamic_block=cfg.task == "perplexity" and bool(cfg.options.dynamic_block))
         if why:
             raise ConfigError(f"{source}: strategies: {spec.display}: {why} (engine: vllm; use engine: transformers)")
     if cfg.vllm.max_model_len is not None:
@@ -244,10 +231,44 @@ def check_engine(cfg, source: str = "config", processes: int = 1) -> None:
         if cfg.vllm.max_model_len < need:
             raise ConfigError(f"{source}: vllm.max_model_len: {cfg.vllm.max_model_len} is shorter than the "
                               f"{need} tokens a {cfg.task} cell at length {max(cfg.lengths)} holds")
+    check_processes(source, processes)
+    require_vllm(source)
+
+
+def unservable(name: str, *, logn: bool = False, temperature: Any = None, dynamic_block: bool = False,
+               static_only: bool = False) -> str | None:
+    """Why vLLM cannot serve strategy ``name`` (one clause), or None: a relative rule, a query
+    temperature, no transformers rope type, a strategy recomputed from the length (dynamic NTK and
+    LongRoPE excepted, served frozen at a cell's length — unless ``static_only``: several lengths in
+    one engine), dynamic NTK scored block-wise (``dynamic_block``)."""
+    from ropescale.strategies import get_strategy
+
+    strat = get_strategy(name)
+    if strat.kind != "frequency":
+        return "a relative-position rule applied inside attention; vLLM has no setting for it"
+    if logn or temperature:
+        return "a query temperature (log-n or another rule) has no vLLM setting"
+    if strat.export is None:
+        return "no transformers rope type to translate, so vLLM cannot express it"
+    if strat.dynamic and (static_only or name not in ("dynamic_ntk", "longrope")):
+        return "recomputes its frequencies from the sequence length; vLLM serves one static rotation"
+    if strat.dynamic and dynamic_block and name == "dynamic_ntk":
+        return "dynamic_block scores block-wise with a scale per prefix; vLLM serves one static rotation"
+    return None
+
+
+def check_processes(source: str, processes: int) -> None:
+    """``ConfigError`` for a run launched on several processes: vLLM parallelises itself."""
     if processes > 1:
         raise ConfigError(f"{source}: engine: vllm runs in one process and parallelises itself "
                           "(vllm.tensor_parallel_size, vllm.data_parallel_size); do not launch it with "
                           "accelerate launch")
+
+
+def require_vllm(source: str) -> None:
+    """``ConfigError`` naming the install script when vLLM's environment is absent."""
+    from . import EngineAbsent, require_engine
+
     try:
         require_engine("vllm")
     except EngineAbsent as e:

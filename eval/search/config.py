@@ -17,7 +17,14 @@
     needle_weight: 0             # > 0: adds LongRoPE2's needle-driven term (needles in the search text)
     epsilon: 0.05                # constraint: PPL at T ≤ (1 + ε) × vanilla's
     heldout: kjv-heldout         # the reported eval data, refused as the search split
+    engine: transformers         # or vllm: every candidate scored by vLLM (eval.engines.vllm_eval), as eval's
+    vllm: {tensor_parallel_size: 1}   # engine: vllm's options, as eval's
+    report_to: [tensorboard]     # accelerate's trackers, as fine-tuning's: each finished trial's numbers
     output: runs/search-yarn
+
+``engine: vllm`` (with ``vllm:``, eval's ``VllmOptions``) scores every candidate with vLLM
+(``eval.search.vllm_scoring``); ``report_to`` (fine-tuning's tracker names,
+``ropescale.runs.trackers``) reports each finished trial (``eval.search.trackers``).
 
 Every error is one ``ConfigError`` line naming the key, raised before anything is read or written:
 numbers are strict (``budget: true`` or ``"4"`` is refused, not read as 1 or 4), weights finite,
@@ -37,9 +44,11 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, fiel
 
 from ropescale.runs.config import ConfigError, DataConfig, check_threads, explain, load_raw
 from ropescale.runs.data import KJV_SPLITS, DataSpec
+from ropescale.runs.trackers import tracker_names
 from ropescale.strategies import get_strategy
 
 from ..config import MAX_LENGTH
+from ..engines.vllm_eval import ENGINES, VllmOptions
 from .space import Dimension, search_space
 
 __all__ = ["EVOLUTION_KEYS", "METHODS", "SearchConfig", "build_search_config", "load_search_config", "same_data"]
@@ -111,7 +120,17 @@ class SearchConfig(BaseModel):
                             "(recorded resolved)")
     device: str = "auto"
     threads: Int | None = Field(None, ge=1)
+    engine: Literal[ENGINES] = Field("transformers", description="what scores every candidate: transformers (in "
+                                     "this process) or vllm (serving what `patch --engine vllm` writes; "
+                                     "eval.engines.vllm_eval)")
+    vllm: VllmOptions = Field(default_factory=VllmOptions, description="engine: vllm's tensor_parallel_size, "
+                              "data_parallel_size, max_model_len, parity_tolerance")
+    report_to: list[str] = Field(default_factory=list,
+                                 description="accelerate trackers to report each finished trial to (tensorboard, "
+                                             "wandb, mlflow, ...; trials.csv is always written)")
     output: str | None = None
+
+    _report_to = field_validator("report_to", mode="before")(tracker_names)
 
     @field_validator("data", "heldout", mode="before")
     @classmethod
@@ -156,6 +175,9 @@ class SearchConfig(BaseModel):
             get_strategy(self.strategy)
         except KeyError as e:
             raise ValueError(f"strategy: {e}") from None
+        if self.vllm != VllmOptions() and self.engine != "vllm":  # a dumped config's defaults read back
+            raise ValueError(f"vllm: options of engine: vllm, but engine is {self.engine}; set engine: vllm or "
+                             "leave vllm: out")
         if self.length_weights is not None:
             w = self.length_weights
             if len(w) != len(self.lengths):

@@ -42,6 +42,7 @@ from .report import (
     write_csv,
     write_text,
 )
+from .trackers import SearchTrackers, trial_numbers
 from .tuner import PENALTY, SearchFailed
 
 __all__ = ["FACTORS_PLOT", "JOURNAL", "run_longrope_search"]
@@ -100,6 +101,12 @@ def run_longrope_search(cfg: SearchConfig, output: Path, *, progress: bool = Tru
             return best
         rows = [{"trial": i, "generation": h["generation"], "origin": h["origin"], "objective": h["value"],
                  "feasible": None, "factors": json.dumps(h["factors"])} for i, h in enumerate(result.history)]
+        trackers = SearchTrackers(cfg.report_to, output, identity(cfg, objective.docs))
+        try:  # the evaluations' objective, from the journal, once the evolution ends
+            for r in rows:
+                trackers.log(r["trial"], trial_numbers({"objective": r["objective"]}, {}))
+        finally:
+            trackers.close()
         write_csv(rows, output / TRIALS)
         plot_objective(rows, output / PLOT, cfg)
         # YaRN's own per-pair factors θ_i / θ'_i (its defaults: θ'_i = θ_i · (ramp_i / s + 1 − ramp_i)),

@@ -42,7 +42,7 @@ from ropescale.models import resolve_device
 from ropescale.patching import patch
 from ropescale.runs.config import ConfigError
 from ropescale.runs.data import KJV_SPLITS, load_documents
-from ropescale.runs.lifecycle import load_inputs, load_run_model, loaded_window
+from ropescale.runs.lifecycle import configured_context, load_inputs, load_run_model, loaded_window
 from ropescale.runs.scoring import score_windows
 from ropescale.runs.windows import WindowError, make_windows
 from ropescale.strategies import get_strategy
@@ -71,10 +71,11 @@ class Measurement:
     retrieval_nll: float | None
     seconds: float
     needle_nll: float | None = None  # LongRoPE2's needle-driven term (eval.search.needle_objective)
+    parity: float | None = None  # engine: vllm: |Δ mean NLL| of the first window against transformers [nats]
 
     def row(self) -> dict:
-        """Flat columns for ``trials.csv``."""
-        out = {k: v for k, v in asdict(self).items() if k not in ("nll", "ppl")}
+        """Flat columns for ``trials.csv`` (``parity`` only where vLLM scored)."""
+        out = {k: v for k, v in asdict(self).items() if k not in ("nll", "ppl") and (k != "parity" or v is not None)}
         out.update({f"ppl@{length}": v for length, v in self.ppl.items()})
         return out
 
@@ -94,14 +95,15 @@ def _check_disjoint(cfg: SearchConfig, texts: list[str]) -> None:
                           f"{held.describe()} results are reported on; search on other documents")
 
 
-def spec_params(strategy: str, fixed: dict, sampled: dict, *, length: int, train_length: int) -> dict:
+def spec_params(strategy: str, fixed: dict, sampled: dict, *, length: int, train_length: int,
+                context: dict | None = None) -> dict:
     """The parameters a candidate is applied with and written as (``best.json``): the fixed ones,
     ``auto`` ones the user left out filled for target ``length`` (``factor`` = max(1, L / T)), and
     the sampled ones. Raises ``ValueError`` (one line) when the strategy refuses the combination
-    (yarn's beta_fast ≤ beta_slow)."""
+    (yarn's beta_fast ≤ beta_slow). ``context``: the model's (``Strategy.resolve``: DCA's defaults)."""
     strat = get_strategy(strategy)
     given = {**fixed, **sampled}
-    full = strat.resolve(given, length=length, train_length=train_length)
+    full = strat.resolve(given, length=length, train_length=train_length, context=context)
     auto = {p.name: full[p.name] for p in strat.params if p.auto and p.name not in given}
     return {**fixed, **auto, **sampled}
 
@@ -125,6 +127,7 @@ class SearchObjective:
         self.model = load_run_model(cfg.model, inputs, dtype=cfg.dtype, device=str(self.device))
         self.train_length = loaded_window(self.model, f"model: {cfg.model}", cfg.original_max_position_embeddings,
                                           purpose="search")
+        self.context = configured_context(cfg.model)  # DCA's defaults from the model's config, as the patch reads them
         sizes = [len(d) for d in self.docs]
         try:
             self.windows = {L: make_windows(sizes, L, max_windows=cfg.max_windows)
@@ -135,8 +138,19 @@ class SearchObjective:
         self.passkeys = self._passkeys() if cfg.retrieval_weight > 0 else []
         self.needles = needle_examples(self.tokenizer, self.docs, length=max(cfg.lengths), trials=cfg.needle_trials,
                                        train_length=self.train_length) if cfg.needle_weight > 0 else []
-        self.vanilla_ppl_train = math.exp(self._nll(self.train_length))
+        self.served = None  # engine: vllm: the folder candidates are served from (``serve_from``)
+        self.vanilla_ppl_train = math.exp(self._nll(self.train_length)) if cfg.engine == "transformers" else None
         self.evaluations = 0
+
+    def serve_from(self, output: Path) -> None:
+        """``engine: vllm``: serve the candidates from ``output`` (the claimed search folder,
+        ``eval.search.vllm_scoring.served_folder``) and measure the constraint's vanilla PPL at T
+        through vLLM, as every candidate will be."""
+        from .vllm_scoring import served_folder, vllm_measure
+
+        self.served = served_folder(output)
+        with patch(self.model, "vanilla", original_max_position_embeddings=self.train_length) as handle:
+            self.vanilla_ppl_train = math.exp(vllm_measure(self, handle, self.served)["nll"][self.train_length])
 
     def _passkeys(self):
         from ..tasks.passkey import Passkey, PasskeyOptions
@@ -166,7 +180,7 @@ class SearchObjective:
     def params(self, sampled: dict) -> dict:
         """``spec_params`` of a sampled candidate for this model (target: the longest length)."""
         return spec_params(self.cfg.strategy, self.cfg.fixed, sampled, length=max(self.cfg.lengths),
-                           train_length=self.train_length)
+                           train_length=self.train_length, context=self.context)
 
     def __call__(self, sampled: dict) -> tuple[dict, Measurement]:
         """Patch the candidate in, score it, patch it out. ``Refused`` when the strategy refuses
@@ -176,11 +190,11 @@ class SearchObjective:
         except ValueError as e:
             raise Refused(str(e)) from None
         t0 = time.perf_counter()
-        with patch(self.model, self.cfg.strategy, original_max_position_embeddings=self.train_length, **params):
-            nll = {L: self._nll(L) for L in self.cfg.lengths}
-            ppl_train = math.exp(self._nll(self.train_length))
-            retrieval = self._retrieval_nll() if self.passkeys else None
-            needle = answer_nll(self.model, self.needles, self.device) if self.needles else None
+        with patch(self.model, self.cfg.strategy, original_max_position_embeddings=self.train_length,
+                   **params) as handle:
+            got = self._measure_here() if self.served is None else self._measure_vllm(handle)
+        nll, retrieval, needle = got["nll"], got["retrieval"], got["needle"]
+        ppl_train = math.exp(nll[self.train_length])
         self.evaluations += 1
         objective = sum(self.weights[L] * nll[L] for L in self.cfg.lengths)
         if retrieval is not None:
@@ -188,6 +202,20 @@ class SearchObjective:
         if needle is not None:
             objective += self.cfg.needle_weight * needle
         constraint = ppl_train / ((1 + self.cfg.epsilon) * self.vanilla_ppl_train) - 1
+        nll = {L: nll[L] for L in self.cfg.lengths}
         return params, Measurement(objective=objective, nll=nll, ppl={L: math.exp(v) for L, v in nll.items()},
                                    ppl_train=ppl_train, constraint=constraint, retrieval_nll=retrieval,
-                                   seconds=round(time.perf_counter() - t0, 3), needle_nll=needle)
+                                   seconds=round(time.perf_counter() - t0, 3), needle_nll=needle,
+                                   parity=got.get("parity"))
+
+    def _measure_here(self) -> dict:
+        """The patched model's terms, scored in this process: mean NLL per length (the target
+        lengths and T), the passkey and needle answers' (None when not in the objective)."""
+        return {"nll": {L: self._nll(L) for L in self.windows},
+                "retrieval": self._retrieval_nll() if self.passkeys else None,
+                "needle": answer_nll(self.model, self.needles, self.device) if self.needles else None}
+
+    def _measure_vllm(self, handle) -> dict:
+        from .vllm_scoring import vllm_measure
+
+        return vllm_measure(self, handle, self.served)

@@ -39,7 +39,9 @@ def identity(cfg: SearchConfig, docs) -> dict:
     return run_identity({"task": "search", "model": cfg.model, "data": cfg.data.spec().describe(),
                          **cfg.model_dump(mode="json", include=set(keep)),
                          # LongRoPE2's needle term: in the identity only when used, so earlier studies still resume
-                         **(cfg.model_dump(include={"needle_weight", "needle_trials"}) if cfg.needle_weight else {})},
+                         **(cfg.model_dump(include={"needle_weight", "needle_trials"}) if cfg.needle_weight else {}),
+                         # vLLM's numbers are another experiment's (within the parity tolerance); report_to is not
+                         **({"engine": cfg.engine} if cfg.engine != "transformers" else {})},
                         model=cfg.model, docs=docs)
 
 

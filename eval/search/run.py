@@ -30,6 +30,7 @@ from pathlib import Path
 
 from ropescale.runs.lifecycle import claimed_folder
 from ropescale.runs.manifest import check_manifest, folder_lock
+from ropescale.runs.trackers import check_installed
 
 from .config import SearchConfig
 from .report import (
@@ -47,6 +48,7 @@ from .report import (
     write_csv,
     write_text,
 )
+from .trackers import SearchTrackers, trial_numbers
 from .tuner import (
     FAILED,
     INVALID,
@@ -79,6 +81,11 @@ def run_search(cfg: SearchConfig, output: str | Path, *, progress: bool = True) 
 
     # dtype auto recorded resolved (identity, manifest): the same experiment as its explicit name
     cfg = cfg.model_copy(update={"dtype": resolved_dtype(cfg.dtype, resolve_device(cfg.device))})
+    check_installed(cfg.report_to, "config")  # what needs no model, before anything loads or is written
+    if cfg.engine == "vllm":
+        from .vllm_scoring import check_search_engine
+
+        check_search_engine(cfg)
     if cfg.method == "evolution":
         from .longrope import run_longrope_search
 
@@ -92,15 +99,30 @@ def run_search(cfg: SearchConfig, output: str | Path, *, progress: bool = True) 
         storage = f"sqlite:///{(output / STUDY).resolve()}"
         experiment = check_manifest(output, ident, cfg.model_dump(mode="json"))
         open_study(storage, experiment)  # created once, under the lock, by whichever process comes first
+    if cfg.engine == "vllm":
+        objective.serve_from(output)
+    trackers = SearchTrackers(cfg.report_to, output, ident)
+    try:
+        return _run_study(cfg, objective, storage, experiment, output, trackers, progress)
+    finally:
+        trackers.close()
+
+
+def _run_study(cfg: SearchConfig, objective, storage: str, experiment: str, output: Path, trackers: SearchTrackers,
+               progress: bool) -> dict:
+    """The study's trials (each reported to ``trackers`` and, with ``progress``, printed), then the
+    outputs (``write_outputs``)."""
 
     def evaluate(sampled: dict) -> Outcome:
         params, m = objective(sampled)
         return Outcome(m.objective, m.constraint, attrs={"spec": params, **m.row()})
 
     def report(trial, index: int) -> None:
+        a = trial.user_attrs
+        if INVALID not in a and FAILED not in a:
+            trackers.log(index, trial_numbers(a, trial.params))
         if not progress:
             return
-        a = trial.user_attrs
         if INVALID in a or FAILED in a:
             what = f"refused ({a[INVALID]})" if INVALID in a else f"failed ({a[FAILED]})"
             print(f"trial {index:>4}: {what}", flush=True)
@@ -178,6 +200,8 @@ def _rows(study) -> list[dict]:
         row.update({k: a.get(k) for k in ("ppl_train", "retrieval_nll", "seconds", INVALID, FAILED)})
         if a.get("needle_nll") is not None:  # LongRoPE2's needle term, when the search has it
             row["needle_nll"] = a["needle_nll"]
+        if a.get("parity") is not None:  # engine: vllm: the first window's |Δ mean NLL| against transformers
+            row["parity"] = a["parity"]
         rows.append(row)
     return rows
 

@@ -23,7 +23,9 @@ RULER's per-task generation budget, scored with RULER's metric.
 
 Options shared by every RULER task: ``num_samples`` (RULER: 500), ``seed`` (RULER: 42),
 ``template``, ``tokens_to_generate`` (None: RULER's budget for the task; another value departs from
-RULER and is recorded), ``batch_size``, ``cache``.
+RULER and is recorded), ``batch_size``, ``cache``, ``max_draws`` (None: RULER's endless draws at the
+smallest haystack; a number refuses the length after that many, departing from RULER only where
+RULER would still be drawing).
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ __all__ = ["RULER_COMMIT", "RulerExample", "RulerOptions", "RulerTask", "check_m
            "model_template"]
 
 RULER_COMMIT = "c3f5e3b4f87f97e048793bb510a3a6b19a46bf3a"
+# in the cache key: a length refused before "sizes" (after a cap of 20,000 draws, or 100 draws 5% over) may hold
+# samples now, so those cached refusals are not read back
+REFUSALS = "sizes"
 BASE = "{task_template}"
 _MARK = "\uffffTASK\uffff"
 
@@ -65,6 +70,9 @@ class RulerOptions(TaskOptions):
     tokens_to_generate: int | None = Field(None, ge=1, description="generation budget; default RULER's per task")
     batch_size: int = Field(8, ge=1, description="prompts decoded together")
     cache: bool = Field(True, description="reuse generated samples across runs (ROPESCALE_CACHE/ruler)")
+    max_draws: int | None = Field(None, ge=1, description=(
+        "draws at the smallest haystack before a length is refused; None (RULER's): draw until one fits, refusing "
+        "only a length no draw can fit"))
 
     @field_validator("template")
     @classmethod
@@ -72,7 +80,8 @@ class RulerOptions(TaskOptions):
         return v if v in ("base", "chat") else check_model_template(v)
 
     def key(self) -> dict[str, Any]:
-        return self.model_dump(exclude={"batch_size", "cache"})
+        # max_draws left at RULER's (none): out of the key, so runs from before the option resume
+        return self.model_dump(exclude={"batch_size", "cache", *({"max_draws"} if self.max_draws is None else ())})
 
 
 _BRACES = "a literal brace is written {{{{ or }}}} (the model template is formatted, then the joined prompt)"
@@ -184,8 +193,9 @@ class RulerTask(Task):
 
     def cache_key(self, length: int) -> dict[str, Any]:
         o = self.options
-        return {"ruler": RULER_COMMIT, "task": self.name, "options": o.model_dump(exclude={"batch_size", "cache",
-                                                                                          "num_samples"}),
+        return {"ruler": RULER_COMMIT, "refusals": REFUSALS, "task": self.name,
+                "options": o.model_dump(exclude={"batch_size", "cache", "num_samples", *({"max_draws"} if o.max_draws
+                                                                                         is None else ())}),
                 "length": length, "template": self.template, "tokenizer": tokenizer_fingerprint(self.tokenizer),
                 "haystack": hashlib.sha256(self.essay_text.encode()).hexdigest()[:16] if self.essay else None,
                 "versions": generator_versions()}

@@ -37,4 +37,4 @@ class CommonWords(RulerTask):
         return generate_cwe(count=self.count, template=self.template, max_seq_length=length, num_samples=num_samples,
                             seed=o.seed, tokens_to_generate=self.budget, freq_cw=o.freq_cw, freq_ucw=o.freq_ucw,
                             num_cw=o.num_cw, num_fewshot=o.num_fewshot, english_words=o.english_words,
-                            what=self.name)
+                            what=self.name, max_draws=o.max_draws)

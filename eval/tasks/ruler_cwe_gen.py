@@ -32,15 +32,19 @@ def load_english_words(path: str | Path) -> list[str]:
 
 def generate_cwe(*, count: Callable[[str], int], template: str, max_seq_length: int, num_samples: int, seed: int,
                  tokens_to_generate: int = 120, freq_cw: int = 30, freq_ucw: int = 3, num_cw: int = 10,
-                 num_fewshot: int = 1, english_words: str | None = None, what: str = "cwe") -> list[RulerSample]:
+                 num_fewshot: int = 1, english_words: str | None = None, what: str = "cwe",
+                 max_draws: int | None = None) -> list[RulerSample]:
     """``common_words_extraction.py``'s samples (see ``ruler_niah_gen.generate_niah``)."""
     d = Draws(seed)
     words = cwe_words(seed)
     randle: list[str] | None = None
 
-    def get_example(num_words: int, common_repeats: int, uncommon_repeats: int, common_nums: int):
+    def get_example(num_words: int, common_repeats: int, uncommon_repeats: int, common_nums: int,
+                    blank: bool = False):
         nonlocal randle
-        if num_words <= len(words):
+        if blank:  # every word left out: the numbered list every draw of this size holds
+            full = [""] * num_words
+        elif num_words <= len(words):
             full = d.py.sample(words, num_words)
         else:
             if randle is None:
@@ -55,13 +59,13 @@ def generate_cwe(*, count: Callable[[str], int], template: str, max_seq_length: 
         random.Random(seed).shuffle(word_list)
         return " ".join(f"{i + 1}. {w}" for i, w in enumerate(word_list)), common
 
-    def input_output(num_words: int) -> tuple[str, list[str]]:
+    def input_output(num_words: int, blank: bool = False) -> tuple[str, list[str]]:
         if max_seq_length < 4096:
-            shots = [get_example(20, 3, 1, num_cw) for _ in range(num_fewshot)]
-            context, answer = get_example(num_words, 6, 1, num_cw)
+            shots = [get_example(20, 3, 1, num_cw, blank) for _ in range(num_fewshot)]
+            context, answer = get_example(num_words, 6, 1, num_cw, blank)
         else:
-            shots = [get_example(40, 10, 3, num_cw) for _ in range(num_fewshot)]
-            context, answer = get_example(num_words, freq_cw, freq_ucw, num_cw)
+            shots = [get_example(40, 10, 3, num_cw, blank) for _ in range(num_fewshot)]
+            context, answer = get_example(num_words, freq_cw, freq_ucw, num_cw, blank)
         texts = [template.format(num_cw=num_cw, context=c, query="") + " "
                  + " ".join(f"{i + 1}. {w}" for i, w in enumerate(a)) for c, a in shots]
         return "\n".join(texts) + "\n" + template.format(num_cw=num_cw, context=context, query=""), answer
@@ -81,11 +85,14 @@ def generate_cwe(*, count: Callable[[str], int], template: str, max_seq_length: 
             raise TooLong(length, max_seq_length)
         return text, answer, length
 
+    def floor(size: int) -> int:  # the words left out (each at least one token of a real draw): nothing drawn
+        return count(input_output(size, blank=True)[0]) + tokens_to_generate
+
     family = FAMILIES["common_words_extraction"]
     out = []
     for index in range(num_samples):
-        text, answer, length = shrink_until_fits(attempt, num_words, incremental,
-                                                 what=f"{what} at {max_seq_length} tokens")
+        text, answer, length = shrink_until_fits(attempt, num_words, incremental, what=f"{what} at {max_seq_length} "
+                                                 "tokens", floor=floor, max_draws=max_draws)
         prompt, prefix = split_answer_prefix(family, text)
         out.append(RulerSample(index, prompt, tuple(answer), length, prefix))
     return out

@@ -52,7 +52,8 @@ class NiahTask(RulerTask):
         o = self.options
         return generate_niah(self.config, count=self.count, template=self.template, max_seq_length=length,
                              num_samples=num_samples, seed=o.seed, tokens_to_generate=self.budget,
-                             essay=self.essay_words if self.essay else None, what=self.name)
+                             essay=self.essay_words if self.essay else None, what=self.name,
+                             max_draws=o.max_draws)
 
 
 def _task(name: str, doc: str) -> type[NiahTask]:

@@ -9,7 +9,10 @@ sentences, from nltk's Punkt; ``needle``: other needles, one per line), the kind
 (7-digit ``numbers``, wonderwords adjective-noun ``words``, ``uuids``) and how many keys, values per
 key and queried keys.
 
-Where RULER would loop forever (nothing fits at the smallest size), ``PromptError`` says so.
+At the smallest size RULER draws until an example fits, and so does this port (same samples, draw
+for draw); a length is refused (``PromptError``) only where no draw can fit: the text every draw
+holds — the haystack, the template, the needles' words with their keys and values left out
+(``_Blank``) — is already too long, or the needles cannot be placed in that haystack.
 """
 
 from __future__ import annotations
@@ -109,9 +112,18 @@ class _Niah:
         return template.format(type_needle_v=type_needle_v, context=context, query=query), answers
 
 
+class _Blank(_Niah):
+    """The text every draw at a size holds: keys and values (of the needles, the query and a needle
+    haystack) left out, the rest as drawn (needle depths from the blank's own streams, so the
+    real ones are not drawn from). Each left-out item is at least one token of a real draw."""
+
+    def random(self, kind: Kind) -> str:
+        return ""
+
+
 def generate_niah(cfg: NiahConfig, *, count: Callable[[str], int], template: str, max_seq_length: int,
                   num_samples: int, seed: int, tokens_to_generate: int = 128, essay: list[str] | None = None,
-                  what: str = "niah") -> list[RulerSample]:
+                  what: str = "niah", max_draws: int | None = None) -> list[RulerSample]:
     """``niah.py``'s samples. ``count``: a text's token count (``len(tokenizer.tokenize(text))``);
     ``template``: the model template joined with the task's (``ruler_spec.join_template``);
     ``essay``: the essay haystack's words (``ruler_text.essay_words``). Raises ``PromptError``
@@ -136,11 +148,16 @@ def generate_niah(cfg: NiahConfig, *, count: Callable[[str], int], template: str
             raise TooLong(length, max_seq_length)
         return text, answer, length
 
+    blank = _Blank(cfg, Draws(seed), template, seed, essay)
+
+    def floor(size: int) -> int:  # the fewest tokens any draw at this size has, with the budget
+        return count(blank.input_output(size)[0]) + tokens_to_generate
+
     family = FAMILIES["niah"]
     out = []
     for _ in range(num_samples):
-        text, answer, length = shrink_until_fits(attempt, num_haystack, incremental,
-                                                 what=f"{what} at {max_seq_length} tokens")
+        text, answer, length = shrink_until_fits(attempt, num_haystack, incremental, what=f"{what} at {max_seq_length} "
+                                                 "tokens", floor=floor, max_draws=max_draws)
         prompt, prefix = split_answer_prefix(family, text)
         at = prompt.find(answer[0])  # niah.py writes this character position as the sample's "index"
         out.append(RulerSample(at, prompt, tuple(answer), length, prefix, count(prompt[:at])))

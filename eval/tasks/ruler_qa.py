@@ -163,7 +163,7 @@ class QaTask(RulerTask):
                             f"{num_samples})")
         return generate_qa(qas, docs, count=self.count, template=self.template, max_seq_length=length,
                            num_samples=num_samples, seed=o.seed, tokens_to_generate=self.budget,
-                           pre_samples=o.pre_samples, what=self.name)
+                           pre_samples=o.pre_samples, what=self.name, max_draws=o.max_draws)
 
 
 class Qa1(QaTask):

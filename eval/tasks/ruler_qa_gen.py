@@ -10,6 +10,8 @@ paragraphs and questions in the same order).
 
 from __future__ import annotations
 
+import functools
+import heapq
 import random
 from collections.abc import Callable, Iterable
 
@@ -67,20 +69,28 @@ def hotpot_from_rows(rows: Iterable[dict]) -> list:
 
 def generate_qa(qas: list[dict], docs: list[str], *, count: Callable[[str], int], template: str,
                 max_seq_length: int, num_samples: int, seed: int, tokens_to_generate: int = 32,
-                pre_samples: int = 0, what: str = "qa") -> list[RulerSample]:
+                pre_samples: int = 0, what: str = "qa", max_draws: int | None = None) -> list[RulerSample]:
     """``qa.py``'s samples over ``read_squad``/``read_hotpotqa``'s output."""
     d = Draws(seed)
 
-    def input_output(index: int, num_docs: int) -> tuple[str, list[str]]:
+    @functools.cache
+    def doc_tokens(i: int) -> int:
+        return count(docs[i])
+
+    def shortest(pool: list[int], k: int) -> list[int]:  # the k paragraphs of fewest tokens: nothing drawn
+        if not 0 <= k <= len(pool):
+            raise ValueError(f"{k} paragraphs to choose from {len(pool)}")
+        return heapq.nsmallest(k, pool, key=doc_tokens)
+
+    def input_output(index: int, num_docs: int, pick: Callable = d.py.sample) -> tuple[str, list[str]]:
         q = qas[index]
         curr_docs, curr_more = q["context"], q.get("more_context", [])
         if num_docs < len(docs):
             if (num_docs - len(curr_docs)) > len(curr_more):
                 addition = [i for i, _ in enumerate(docs) if i not in curr_docs + curr_more]
-                chosen = curr_docs + curr_more + d.py.sample(addition, max(0, num_docs - len(curr_docs)
-                                                                           - len(curr_more)))
+                chosen = curr_docs + curr_more + pick(addition, max(0, num_docs - len(curr_docs) - len(curr_more)))
             else:
-                chosen = curr_docs + d.py.sample(curr_more, num_docs - len(curr_docs))
+                chosen = curr_docs + pick(curr_more, num_docs - len(curr_docs))
             all_docs = [docs[i] for i in chosen]
         else:
             repeats = (num_docs + len(docs) - 1) // len(docs)
@@ -107,8 +117,11 @@ def generate_qa(qas: list[dict], docs: list[str], *, count: Callable[[str], int]
                 raise TooLong(length, max_seq_length)
             return text, answer, length
 
-        text, answer, length = shrink_until_fits(attempt, num_docs, incremental,
-                                                 what=f"{what} at {max_seq_length} tokens")
+        def floor(size: int, index=index) -> int:  # the question's own paragraphs and the shortest others
+            return count(input_output(index + pre_samples, size, pick=shortest)[0]) + tokens_to_generate
+
+        text, answer, length = shrink_until_fits(attempt, num_docs, incremental, what=f"{what} at {max_seq_length} "
+                                                 "tokens", floor=floor, max_draws=max_draws)
         prompt, prefix = split_answer_prefix(family, text)
         out.append(RulerSample(index, prompt, tuple(answer), length, prefix))
     return out

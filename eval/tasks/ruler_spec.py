@@ -10,6 +10,7 @@ over examples, × 100, rounded to 2 decimals.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,9 +18,8 @@ from typing import Any, Literal
 
 from .prompts import PromptError
 
-__all__ = ["FAMILIES", "HOPELESS_AFTER", "MAX_RETRIES", "Family", "RulerSample", "binary_search", "join_template",
-           "postprocess_pred",
-           "shrink_until_fits", "string_match_all", "string_match_part"]
+__all__ = ["FAMILIES", "REPORT_EVERY", "Family", "RulerSample", "TooLong", "binary_search", "join_template",
+           "postprocess_pred", "shrink_until_fits", "string_match_all", "string_match_part"]
 
 
 @dataclass(frozen=True)
@@ -61,9 +61,7 @@ FAMILIES: dict[str, Family] = {
         " Answer:", 32, "string_match_part"),
 }
 
-MAX_RETRIES = 20000  # fresh draws at the smallest size before a length is refused (RULER retries forever; its
-# niah_multiquery at 1024 tokens on the bundled tokenizer, seed 42, needs thousands)
-HOPELESS_AFTER, HOPELESS_MARGIN = 100, 0.05  # …or this many, when even the shortest is > 5% over
+REPORT_EVERY = 100_000  # draws at the smallest size between two "still drawing" log lines
 
 
 @dataclass(frozen=True)
@@ -133,14 +131,23 @@ class TooLong(Exception):
         return f"{self.total} tokens with the generation budget, more than {self.limit}"
 
 
-def shrink_until_fits(attempt: Callable[[int], Any], size: int, incremental: int, *, what: str) -> Any:
-    """RULER's per-sample loop: ``attempt(size)``; on failure (too long, or a draw impossible at
-    this size) retry ``incremental`` smaller, and at the smallest size retry with fresh draws —
-    where RULER loops until a draw fits, forever if none can. ``PromptError`` after
-    ``MAX_RETRIES`` draws at the smallest size, or after ``HOPELESS_AFTER`` when even the shortest
-    draw so far is over the limit by more than ``HOPELESS_MARGIN`` (draws differ only in their keys
-    and values, a few tokens)."""
-    tries, best = 0, None
+def shrink_until_fits(attempt: Callable[[int], Any], size: int, incremental: int, *, what: str,
+                      floor: Callable[[int], int], max_draws: int | None = None) -> Any:
+    """RULER's per-sample loop, draw for draw: ``attempt(size)``; on failure (too long, or a draw
+    impossible at this size) retry ``incremental`` smaller, and at the smallest size retry with
+    fresh draws until one fits — RULER's ``while True``, with no cap on the draws unless
+    ``max_draws`` is given (a length RULER fills after 28,000 draws is filled here with the same
+    sample).
+
+    ``PromptError`` where no draw at the smallest size can fit, decided from the sizes:
+    ``floor(size)`` — the fewest tokens, with the generation budget, any draw at that size has (its
+    fixed text: every drawn key, value and word left out, each at least one token of a real draw;
+    ``TooLong.limit`` is the length) — is over the length, or the draw itself is impossible at that
+    size (``ValueError`` / ``IndexError``: more needles than haystack lines, a sample larger than
+    its population — errors of the sizes, which every draw repeats). Also after ``max_draws``
+    draws at the smallest size, where the caller departs from RULER so. A "still drawing" line is
+    logged every ``REPORT_EVERY`` draws at the smallest size."""
+    tries, least, shortest = 0, None, None
     while True:
         try:
             return attempt(size)
@@ -150,14 +157,26 @@ def shrink_until_fits(attempt: Callable[[int], Any], size: int, incremental: int
             if size > incremental:
                 size -= incremental
                 continue
+            if not isinstance(e, TooLong):
+                raise PromptError(f"{what}: no example fits: at the smallest haystack (size {size}) no draw is "
+                                  f"possible ({type(e).__name__}: {e})") from None
+            if least is None:
+                least = floor(size)
+            if least > e.limit:
+                raise PromptError(f"{what}: no example fits: every draw at the smallest haystack (size {size}) takes "
+                                  f"at least {least} tokens with the generation budget (its fixed text), more "
+                                  f"than {e.limit}") from None
             tries += 1
-            if isinstance(e, TooLong):
-                best = e if best is None or e.total < best.total else best
-            hopeless = (best is not None and tries >= HOPELESS_AFTER
-                        and best.total > best.limit * (1 + HOPELESS_MARGIN))
-            if tries >= MAX_RETRIES or hopeless:
-                raise PromptError(f"{what}: no example fits ({tries} draws at the smallest haystack, size {size}, "
-                                  f"were all too long)" + (f": the shortest {best}" if best else "")) from None
+            shortest = e if shortest is None or e.total < shortest.total else shortest
+            if max_draws is not None and tries >= max_draws:
+                raise PromptError(f"{what}: no example fits in max_draws={max_draws} draws at the smallest haystack "
+                                  f"(size {size}): the shortest {shortest} (a draw of {least} would fit; RULER keeps "
+                                  "drawing)") from None
+            if tries % REPORT_EVERY == 0:
+                logging.getLogger("ropescale").warning(
+                    "%s: still drawing: %d draws at the smallest haystack (size %d) were longer than %d tokens (the "
+                    "shortest %d); a draw can fit (its fixed text takes %d), and RULER keeps drawing until one does "
+                    "(max_draws bounds it)", what, tries, size, e.limit, shortest.total, least)
 
 
 def postprocess_pred(pred: str) -> str:

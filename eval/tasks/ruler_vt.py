@@ -29,4 +29,4 @@ class VariableTracking(RulerTask):
         o = self.options
         return generate_vt(count=self.count, template=self.template, max_seq_length=length, num_samples=num_samples,
                            seed=o.seed, tokens_to_generate=self.budget, num_chains=o.num_chains, num_hops=o.num_hops,
-                           what=self.name)
+                           what=self.name, max_draws=o.max_draws)

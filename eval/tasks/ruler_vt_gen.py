@@ -94,9 +94,29 @@ class _VT:
         return example.replace("12345", str(self.d.np.randint(10000, 99999)))
 
 
-def _run(gen: _VT, count: Callable[[str], int], *, num_samples: int, max_seq_length: int, max_seq_length_arg: int,
-         icl_example: dict | None, tokens_to_generate: int, what: str) -> list[dict]:
-    """``sys_vartrack_w_noise_random`` (``add_fewshot`` left at its default, True)."""
+class _Blank(_VT):
+    """The text every draw at a size holds: variable names and values left out (``VAR  = VAR``
+    kept), in the chains and in the in-context example's answer; chain positions from the blank's
+    own streams, so the real ones are not drawn from. Each left-out item is at least one token of
+    a real draw."""
+
+    def chains(self, is_icl: bool) -> tuple[list[list[str]], list[list[str]]]:
+        num_hops = min(10, self.num_hops) if is_icl else self.num_hops
+        first = "VAR  = 12345" if is_icl else "VAR  = "
+        names = [[""] * (num_hops + 1) for _ in range(self.num_chains)]
+        return names, [[first] + ["VAR  = VAR  "] * num_hops for _ in range(self.num_chains)]
+
+    def randomize_icl(self, example: str) -> str:
+        for item in example.strip().split()[-self.num_hops - 1:]:
+            example = example.replace(item, "")
+        return example.replace("12345", "")
+
+
+def _run(gen: _VT, blank: _VT, count: Callable[[str], int], *, num_samples: int, max_seq_length: int,
+         max_seq_length_arg: int, icl_example: dict | None, tokens_to_generate: int, what: str,
+         max_draws: int | None = None) -> list[dict]:
+    """``sys_vartrack_w_noise_random`` (``add_fewshot`` left at its default, True); ``blank``: the
+    same settings with nothing drawn (``_Blank``), for the fewest tokens a draw can have."""
     ttg = tokens_to_generate if icl_example is not None else 0
     if icl_example:
         incremental = 500 if gen.type_haystack == "essay" else 10
@@ -117,19 +137,27 @@ def _run(gen: _VT, count: Callable[[str], int], *, num_samples: int, max_seq_len
                           max(estimated, incremental * 2), max_seq_length)
     num_noises = found if found is not None else incremental
 
-    def attempt(size: int) -> tuple[str, list[str], int]:
-        text, answer = gen.input_output(size, is_icl)
+    def text_of(g: _VT, size: int) -> tuple[str, list[str]]:
+        text, answer = g.input_output(size, is_icl)
         if icl_example is not None:
             cutoff = text.index(FAMILIES["variable_tracking"].template[:20])
-            text = text[:cutoff] + gen.randomize_icl(icl_text) + "\n" + text[cutoff:]
+            text = text[:cutoff] + g.randomize_icl(icl_text) + "\n" + text[cutoff:]
+        return text, answer
+
+    def attempt(size: int) -> tuple[str, list[str], int]:
+        text, answer = text_of(gen, size)
         length = count(text) + ttg
         if length > max_seq_length:
             raise TooLong(length, max_seq_length)
         return text, answer, length
 
+    def floor(size: int) -> int:
+        return count(text_of(blank, size)[0]) + ttg
+
     out = []
     for index in range(num_samples):
-        text, answer, length = shrink_until_fits(attempt, num_noises, incremental, what=what)
+        text, answer, length = shrink_until_fits(attempt, num_noises, incremental, what=what, floor=floor,
+                                                 max_draws=max_draws)
         out.append({"index": index, "input": text, "outputs": answer, "length": length})
     return out
 
@@ -137,15 +165,18 @@ def _run(gen: _VT, count: Callable[[str], int], *, num_samples: int, max_seq_len
 def generate_vt(*, count: Callable[[str], int], template: str, max_seq_length: int, num_samples: int, seed: int,
                 tokens_to_generate: int = 30, num_chains: int = 1, num_hops: int = 4,
                 type_haystack: Literal["noise", "essay"] = "noise", essay: list[str] | None = None,
-                what: str = "vt") -> list[RulerSample]:
+                what: str = "vt", max_draws: int | None = None) -> list[RulerSample]:
     """``variable_tracking.py``'s samples (see ``ruler_niah_gen.generate_niah`` for the arguments)."""
     if type_haystack == "essay" and not essay:
         raise ValueError("the essay haystack needs a text")
     gen = _VT(Draws(seed), template, num_chains, num_hops, type_haystack, essay)
-    icl = _run(gen, count, num_samples=1, max_seq_length=500, max_seq_length_arg=max_seq_length, icl_example=None,
-               tokens_to_generate=tokens_to_generate, what=f"{what}: its in-context example at 500 tokens")[0]
-    rows = _run(gen, count, num_samples=num_samples, max_seq_length=max_seq_length, max_seq_length_arg=max_seq_length,
-                icl_example=icl, tokens_to_generate=tokens_to_generate, what=f"{what} at {max_seq_length} tokens")
+    blank = _Blank(Draws(seed), template, num_chains, num_hops, type_haystack, essay)
+    icl = _run(gen, blank, count, num_samples=1, max_seq_length=500, max_seq_length_arg=max_seq_length,
+               icl_example=None, tokens_to_generate=tokens_to_generate,
+               what=f"{what}: its in-context example at 500 tokens", max_draws=max_draws)[0]
+    rows = _run(gen, blank, count, num_samples=num_samples, max_seq_length=max_seq_length,
+                max_seq_length_arg=max_seq_length, icl_example=icl, tokens_to_generate=tokens_to_generate,
+                what=f"{what} at {max_seq_length} tokens", max_draws=max_draws)
     family = FAMILIES["variable_tracking"]
     out = []
     for r in rows:

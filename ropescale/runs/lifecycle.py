@@ -37,8 +37,8 @@ from ropescale.runs.data import DataSpec, load_documents, tokenize_documents
 from ropescale.runs.manifest import data_fingerprint, environment, folder_lock, prepare_output
 from ropescale.runs.processes import on_main
 
-__all__ = ["RunInputs", "claimed_folder", "configured_window", "load_inputs", "load_run_model", "loaded_window",
-           "run_identity", "versions"]
+__all__ = ["RunInputs", "claimed_folder", "configured_context", "configured_window", "load_inputs", "load_run_model",
+           "loaded_window", "run_identity", "versions"]
 
 
 @dataclass
@@ -132,6 +132,19 @@ def configured_window(model: str, override: int | None, *, missing_ok: bool = Fa
         if missing_ok:
             return None
         raise
+
+
+def configured_context(model: str) -> dict:
+    """The strategies' context a patch of ``model`` will have, read from its config before any
+    weights load (``ropescale.models.model_rope_config``: d, b, T and, where the config has one,
+    DCA's ``dual_chunk_attention_config``); {} for a config that cannot be read or has no RoPE
+    (loading the model reports it)."""
+    from ropescale.models import model_rope_config
+
+    try:
+        return model_rope_config(model).context()
+    except (RopescaleError, ValueError, OSError):
+        return {}
 
 
 def loaded_window(net, name: str, override: int | None, *, purpose: str = "run") -> int:

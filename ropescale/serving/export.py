@@ -11,6 +11,7 @@ moved into place once complete (``ropescale.serving.output``): a full disk leave
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,21 +26,44 @@ __all__ = ["ExportResult", "check_export", "export_for"]
 
 @dataclass
 class ExportResult:
-    """What ``export_for`` wrote: ``target`` (the engine's name), ``path`` (the model folder, or the
-    ``.gguf`` file), the served length [tokens] (None for a transformers export without one), notes,
-    the command that serves it (None where the engine has none), and ``usage``: one line telling
-    the user how to serve it (``Engine.usage``)."""
+    """What ``export_for`` wrote: ``engine`` (the engine's one name: ``transformers``, ``vllm``,
+    ``llama.cpp``, …), ``path`` (the model folder, or the ``.gguf`` file), the served length [tokens]
+    (None for a transformers export without one), notes, the command that serves it (None where
+    the engine has none), and ``usage``: one line telling the user how to serve it
+    (``Engine.usage``). ``target`` is the old name of ``engine`` (a ``FutureWarning``)."""
 
-    target: str
+    engine: str
     path: Path
     serve_length: int | None
     notes: list[str] = field(default_factory=list)
     command: str | None = None
     usage: str | None = None
 
+    @property
+    def target(self) -> str:
+        warnings.warn("ExportResult.target is deprecated; use ExportResult.engine", FutureWarning, stacklevel=2)
+        return self.engine
 
-def check_export(target: str, serve_length: int | None, output, *, gguf=None, freeze_dynamic_at: int | None = None,
-                 source=None) -> tuple[int | None, Path]:
+
+def _engine_argument(engine: str | None, target: str | None, output) -> str:
+    """The engine a call names: ``engine``, or the old keyword ``target`` (a ``FutureWarning`` naming
+    the caller of ``export_for``/``check_export``). ``InvalidInput`` for both given; ``TypeError``
+    (as Python's for a missing argument) for neither, or no ``output``."""
+    if target is not None:
+        if engine is not None:
+            raise InvalidInput(f"engine={engine!r} and target={target!r}: target is the old name of engine; give one")
+        warnings.warn("the argument target= is deprecated; use engine=", FutureWarning, stacklevel=3)
+        engine = target
+    if engine is None:
+        raise TypeError("missing required argument: 'engine'")
+    if output is None:
+        raise TypeError("missing required argument: 'output'")
+    return engine
+
+
+def check_export(engine: str | None = None, serve_length: int | None = None, output=None, *, gguf=None,
+                 freeze_dynamic_at: int | None = None, source=None, target: str | None = None
+                 ) -> tuple[int | None, Path]:
     """The checks of ``export_for`` that need no model: ``(L, output)`` — the served length
     (``check_length``: [2, 2^24] tokens; None for an engine that is not ``static`` given none) and
     the output folder — once they pass. ``source``: the model's folder, which the output may not be.
@@ -49,9 +73,9 @@ def check_export(target: str, serve_length: int | None, output, *, gguf=None, fr
     given to an engine that does not read it, and the engine's own checks (llama.cpp: the GGUF
     missing, not a file, or the output's ``model.gguf``); ``OutputError``
     (``ropescale.serving.output.check_output``) for an output that is a file, not writable, or
-    ``source``. Creates nothing.
+    ``source``. Creates nothing. ``target``: the old name of ``engine`` (a ``FutureWarning``).
     """
-    engine = get_engine(target, stacklevel=3)
+    engine = get_engine(_engine_argument(engine, target, output), stacklevel=3)
     if gguf is not None and not engine.reads_gguf:
         readers = [name for name, cls in sorted(ENGINES.items()) if cls.reads_gguf]
         does = "writes a model folder from the weights" if engine.folder else "reads none"
@@ -75,9 +99,9 @@ def _source_folder(model) -> Path | None:
     return Path(name) if name and Path(str(name)).is_dir() else None
 
 
-def export_for(model, target: str, serve_length: int | None, output, *, tokenizer=None, gguf=None,
-               freeze_dynamic_at: int | None = None) -> ExportResult:
-    """Write the patched ``model`` for the engine ``target`` (``"transformers"``, ``"vllm"``,
+def export_for(model, engine: str | None = None, serve_length: int | None = None, output=None, *, tokenizer=None,
+               gguf=None, freeze_dynamic_at: int | None = None, target: str | None = None) -> ExportResult:
+    """Write the patched ``model`` for the engine ``engine`` (``"transformers"``, ``"vllm"``,
     ``"llama.cpp"`` or a plugin's; ``ropescale.serving.engines``) to serve ``serve_length`` = L
     tokens, into the folder ``output``.
 
@@ -88,7 +112,8 @@ def export_for(model, target: str, serve_length: int | None, output, *, tokenize
     refused for the transformers engine, whose ``dynamic`` rope type recomputes the base from the
     length as ropescale does (the export is exact unfrozen, and a frozen config.json would
     contradict the ``ropescale.json`` that ``load_model`` restores; the message names the static
-    strategy to patch instead). The old name ``"gguf"`` is llama.cpp, with a ``FutureWarning``.
+    strategy to patch instead). The old name ``"gguf"`` is llama.cpp, and the old keyword
+    ``target=`` is ``engine=``, each with a ``FutureWarning``.
 
     Everything is checked before anything is written: ``check_export``, then the engine's
     translation of the patch (``Engine.translate``); the engine writes into a staging folder
@@ -102,7 +127,8 @@ def export_for(model, target: str, serve_length: int | None, output, *, tokenize
     written (a full disk: the output is left as it was); ``GgufUnavailable`` without the ``gguf``
     package (llama.cpp).
     """
-    engine = get_engine(target, stacklevel=3)  # once (an old name warns once, naming the caller's line)
+    # once (an old name warns once, naming the caller's line)
+    engine = get_engine(_engine_argument(engine, target, output), stacklevel=3)
     length, output = check_export(engine.name, serve_length, output, gguf=gguf, freeze_dynamic_at=freeze_dynamic_at,
                                   source=_source_folder(model))
     handle = patch_handle(model)

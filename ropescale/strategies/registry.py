@@ -13,6 +13,10 @@ Context arguments (units in brackets):
         (recomputed per forward from ``max(position_ids) + 1``).
     model_inv_freq, model_attention_scaling: the loaded model's own ``inv_freq`` ``[d/2]`` and cos/sin
         scale, as shipped (``native``); absent where only a config was read.
+    dual_chunk_attention_config: the model's own ``dual_chunk_attention_config`` (Qwen2.5-1M's
+        ``{"chunk_size", "local_size", "original_max_position_embeddings"}`` [tokens]); optional: None
+        where the model has none (``OPTIONAL_CONTEXT``), so a strategy naming it falls back to its
+        own defaults.
 
 Parameters are checked by ``Strategy.validate`` (no target length) or ``Strategy.resolve``
 (target length L and training window T: the one rule filling ``auto`` parameters, ``auto_value``).
@@ -49,6 +53,7 @@ from ropescale.registry import Registry, loading_plugin
 __all__ = [
     "AUTO_KINDS",
     "CONTEXT_ARGS",
+    "OPTIONAL_CONTEXT",
     "REGISTRY",
     "STRATEGY_KINDS",
     "AutoKind",
@@ -66,7 +71,8 @@ __all__ = [
 ]
 
 CONTEXT_ARGS = ("dim", "rope_theta", "original_max_position_embeddings", "seq_len", "model_inv_freq",
-                "model_attention_scaling")
+                "model_attention_scaling", "dual_chunk_attention_config")
+OPTIONAL_CONTEXT = ("dual_chunk_attention_config",)  # passed as None where the model has none
 _REQUIRED = object()
 
 StrategyKind = Literal["frequency", "attention"]
@@ -310,7 +316,8 @@ class Strategy:
         """
         return self._checked(params, fill={}, partial=partial)
 
-    def resolve(self, params: dict[str, Any], *, length: int, train_length: int) -> dict:
+    def resolve(self, params: dict[str, Any], *, length: int, train_length: int,
+                context: dict[str, Any] | None = None) -> dict:
         """Checked parameters for a run at target length L = ``length`` [tokens] on a model
         trained on T = ``train_length`` tokens: those the user gave, ``auto`` ones left out filled
         by ``auto_value`` (e.g. ``factor`` = max(1, L / T)), then defaults. The one auto-fill rule
@@ -318,15 +325,18 @@ class Strategy:
         run: an attention rule is also built once with T, so the checks its function makes with
         the window (DCA's local_window < chunk_size and STRING's W < S with their T-derived
         defaults, Leaky ReRoPE's room below T) fail here, before any work — call it for every
-        (strategy, length) before the first one runs. Raises ``InvalidInput`` (a ``ValueError``;
-        one line) for bad parameters or lengths that are not whole numbers >= 2."""
+        (strategy, length) before the first one runs. ``context``: the model's context arguments
+        where they are known (``rope_context``; its ``dual_chunk_attention_config`` gives DCA's
+        defaults, as the patch will). Raises ``InvalidInput`` (a ``ValueError``; one line) for bad
+        parameters or lengths that are not whole numbers >= 2."""
         length = _check_length("length", length)
         train_length = _check_length("train_length", train_length)
         fill = {p.name: auto_value(p.auto, length=length, train_length=train_length)
                 for p in self.params if p.auto}
         out = self._checked(params, fill=fill, partial=False)
-        if self.kind == "attention" and set(self.needs) <= {"original_max_position_embeddings"}:
-            self.compute({"original_max_position_embeddings": train_length}, out)  # a rule: no tensors built
+        if self.kind == "attention" and set(self.needs) - set(OPTIONAL_CONTEXT) <= {"original_max_position_embeddings"}:
+            given = {k: v for k, v in (context or {}).items() if k in OPTIONAL_CONTEXT}
+            self.compute({**given, "original_max_position_embeddings": train_length}, out)  # a rule: no tensors built
         return out
 
     def _checked(self, params: dict[str, Any], *, fill: dict[str, Any], partial: bool) -> dict:
@@ -363,13 +373,14 @@ class Strategy:
         return out
 
     def compute(self, context: dict[str, Any], params: dict[str, Any]) -> RopeFrequencies:
-        """Call the function with the context arguments it names plus validated ``params``. A
+        """Call the function with the context arguments it names plus validated ``params`` (an
+        ``OPTIONAL_CONTEXT`` argument the context lacks is passed as None). A
         frequency strategy's result is checked (``check_frequencies``) and returned as
         ``RopeFrequencies(inv_freq [d/2], attention_factor: float)``; ``InvalidInput`` otherwise."""
-        missing = [k for k in self.needs if context.get(k) is None]
+        missing = [k for k in self.needs if context.get(k) is None and k not in OPTIONAL_CONTEXT]
         if missing:
             raise InvalidInput(f"{self.name} needs {', '.join(missing)}, which the model did not provide")
-        out = self.fn(**{k: context[k] for k in self.needs}, **params)
+        out = self.fn(**{k: context.get(k) for k in self.needs}, **params)
         return check_frequencies(self.label, out, context.get("dim")) if self.kind == "frequency" else out
 
 

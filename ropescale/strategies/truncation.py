@@ -226,9 +226,10 @@ def string(shifted_offset: int | None, local_window: int | None, attention_facto
     return rule
 
 
-def _dca_pair(size: int, local: int) -> None:
+def _dca_pair(size: int, local: int, shipped: tuple[str, ...] = ()) -> None:
     if not 0 <= local < size:
-        raise InvalidInput(f"dca: local_window={local} must be below chunk_size={size} (both in tokens)")
+        origin = f" ({', '.join(shipped)} from the model's dual_chunk_attention_config)" if shipped else ""
+        raise InvalidInput(f"dca: local_window={local} must be below chunk_size={size} (both in tokens){origin}")
 
 
 def _dca_check(p: dict) -> None:
@@ -237,20 +238,43 @@ def _dca_check(p: dict) -> None:
         _dca_pair(p["chunk_size"], p["local_window"])
 
 
-def _dca_sizes(chunk_size: int | None, local_window: int | None,
-               original_max_position_embeddings: int) -> tuple[int, int]:
-    t = original_max_position_embeddings
-    size = t * 3 // 4 if chunk_size is None else chunk_size
-    local = t // 8 if local_window is None else local_window
-    _dca_pair(size, local)
+def _shipped_size(dual: dict | None, key: str, param: str) -> int | None:
+    """``dual_chunk_attention_config[key]`` [tokens] (None when the model has no such entry);
+    ``InvalidInput`` naming the key when it is not a whole number ≥ 0."""
+    value = dual.get(key) if isinstance(dual, dict) else None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidInput(f"dca: the model's dual_chunk_attention_config.{key}={value!r} is not a whole number of "
+                           f"tokens; give {param} explicitly")
+    return value
+
+
+def _dca_sizes(chunk_size: int | None, local_window: int | None, original_max_position_embeddings: int,
+               dual_chunk_attention_config: dict | None = None) -> tuple[int, int]:
+    """(chunk_size, local_window) [tokens]: the ones given, else the model's
+    ``dual_chunk_attention_config`` (``chunk_size``, ``local_size``), else ChunkLlama's 3T/4 and T/8."""
+    t, shipped = original_max_position_embeddings, []
+    size, local = chunk_size, local_window
+    if size is None:
+        size = _shipped_size(dual_chunk_attention_config, "chunk_size", "chunk_size")
+        shipped += ["chunk_size"] if size is not None else []
+    if local is None:
+        local = _shipped_size(dual_chunk_attention_config, "local_size", "local_window")
+        shipped += ["local_window"] if local is not None else []
+    size = t * 3 // 4 if size is None else size
+    local = t // 8 if local is None else local
+    _dca_pair(size, local, tuple(shipped))
     return size, local
 
 
 @register("dca", kind="attention", params=(
     Param("chunk_size", None, kind=int, low=2, log=True,
-          help="largest relative position [tokens]; default 3 · L_train // 4 (ChunkLlama's)"),
+          help="largest relative position [tokens]; default the model's dual_chunk_attention_config.chunk_size, "
+               "else 3 · L_train // 4 (ChunkLlama's)"),
     Param("local_window", None, kind=int, low=0,
-          help="chunks are chunk_size − local_window positions long [tokens]; default L_train // 8"),
+          help="chunks are chunk_size − local_window positions long [tokens]; default the model's "
+               "dual_chunk_attention_config.local_size, else L_train // 8"),
     Param("scale", 1.0, low=1.0, auto="scale", log=True,
           help="s = L / L_train for the temperature; a sweep uses max(1, L / L_train)"),
     Param("vllm_temperature", False, kind=bool,
@@ -260,7 +284,7 @@ def _dca_sizes(chunk_size: int | None, local_window: int | None,
           "vLLM (Qwen2.5-1M) rotary_embedding/dual_chunk_rope.py @ 07b1349 and "
           "attention/backends/dual_chunk_flash_attn.py @ cff7e05 (removed in 0.11)")
 def dca(chunk_size: int | None, local_window: int | None, scale: float, vllm_temperature: bool,
-        original_max_position_embeddings: int) -> RelativeRule:
+        original_max_position_embeddings: int, dual_chunk_attention_config: dict | None = None) -> RelativeRule:
     """Dual Chunk Attention: positions are cut into chunks of c = chunk_size − local_window; keys
     sit at j mod c; a query at i mod c against its own chunk (intra, causal), at
     min(i mod c + c, chunk_size) against the previous chunk (successive) and at
@@ -275,11 +299,16 @@ def dca(chunk_size: int | None, local_window: int | None, scale: float, vllm_tem
     ``attention/backends/dual_chunk_flash_attn.py``); vLLM takes σ from the sequence's length at
     each step (a cached key keeps the σ it was stored with), ropescale from ``scale``.
 
-    Defaults: ChunkLlama's ``replace_with_chunkllama`` at 847ae71 (chunk_size = 3T/4,
-    local_window = T/8; T/16 in commits before d304027). Raises ``InvalidInput`` unless
-    0 ≤ local_window < chunk_size.
+    Defaults, each parameter on its own (one given explicitly wins): the model's
+    ``dual_chunk_attention_config`` where it ships one (Qwen2.5-1M's config.json:
+    ``{chunk_size: 262144, local_size: 8192, original_max_position_embeddings: 262144}``; its
+    ``local_size`` is ``local_window``: vLLM's chunk length is chunk_size − local_size,
+    ``rotary_embedding/dual_chunk_rope.py``), else ChunkLlama's ``replace_with_chunkllama`` at
+    847ae71 (chunk_size = 3T/4, local_window = T/8; T/16 in commits before d304027). Raises
+    ``InvalidInput`` unless 0 ≤ local_window < chunk_size, or for a shipped size that is not a whole
+    number of tokens.
     """
-    size, local = _dca_sizes(chunk_size, local_window, original_max_position_embeddings)
+    size, local = _dca_sizes(chunk_size, local_window, original_max_position_embeddings, dual_chunk_attention_config)
     c = size - local
     if vllm_temperature:
         factor = max(1.0, 0.1 * math.log(scale) + 1)

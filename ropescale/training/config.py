@@ -30,6 +30,7 @@ from ropescale.runs.config import (
     parse_strategy,
     read_yaml,
 )
+from ropescale.runs.trackers import tracker_names
 from ropescale.training.lora import DEFAULT_LORA_TARGETS, LoraSettings
 
 __all__ = [
@@ -270,19 +271,7 @@ class FinetuneConfig(ConfigModel):
                                              "(tensorboard, wandb, mlflow, ...; log.jsonl is always written)")
     output: str | None = None
 
-    @field_validator("report_to", mode="before")
-    @classmethod
-    def _report_to(cls, v: Any) -> Any:
-        from accelerate.utils import LoggerType
-
-        names = [v] if isinstance(v, str) else v
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            raise ValueError(f"a tracker name or a list of them (accelerate's: tensorboard, wandb, ...); got {v!r}")
-        known = sorted(t.value for t in LoggerType if t.value != "all")
-        bad = [n for n in names if n not in known]
-        if bad:
-            raise ValueError(f"unknown tracker {bad[0]!r}; accelerate's trackers: {', '.join(known)}")
-        return names
+    _report_to = field_validator("report_to", mode="before")(tracker_names)
 
 
     @field_validator("strategy", mode="before")
@@ -440,18 +429,15 @@ class ResolvedRun(BaseModel):
                             temperature=cfg.strategy.temperature, label=cfg.strategy.label)
 
 
-def _dry_compute(strat, params: dict[str, Any], model: str, train_length: int, length: int) -> None:
-    """The strategy computed once for the model's rotary sizes (d, b from its config), T and L, as
-    the patch will: a parameter only these refuse (dca's ``local_window`` ≥ ``chunk_size``) fails
-    here, before any folder is claimed or weights loaded. Raises ``ValueError`` in one line."""
-    from ropescale.models import model_rope_config
+def _dry_compute(strat, params: dict[str, Any], context: dict[str, Any], train_length: int, length: int) -> None:
+    """The strategy computed once for the model's rotary sizes (``context``: d, b and DCA's
+    defaults from its config), T and L, as the patch will: a parameter only these refuse (dca's
+    ``local_window`` ≥ ``chunk_size``) fails here, before any folder is claimed or weights loaded.
+    Raises ``ValueError`` in one line."""
+    from ropescale.strategies.registry import OPTIONAL_CONTEXT
 
-    try:
-        context = model_rope_config(model).context()
-    except ValueError:  # no RoPE config: the patch says so once the model is loaded
-        context = {}
-    context.update(original_max_position_embeddings=train_length, seq_len=length)
-    if all(context.get(k) is not None for k in strat.needs):
+    context = {**context, "original_max_position_embeddings": train_length, "seq_len": length}
+    if all(context.get(k) is not None or k in OPTIONAL_CONTEXT for k in strat.needs):
         strat.compute(context, params)
 
 
@@ -459,7 +445,7 @@ def resolve(cfg: FinetuneConfig, source: str = "config") -> ResolvedRun:
     """Fill what depends on the model (T) and check it: PoSE needs ``length`` > T and at most T
     chunks; the strategy's parameters, filled for L, are computed once for the model's sizes.
     Raises ``ConfigError`` (one line) or ``ModelLoadError`` for a model that cannot be read."""
-    from ropescale.runs.lifecycle import configured_window
+    from ropescale.runs.lifecycle import configured_context, configured_window
     from ropescale.strategies import get_strategy
 
     T = configured_window(cfg.model, cfg.original_max_position_embeddings)
@@ -473,8 +459,9 @@ def resolve(cfg: FinetuneConfig, source: str = "config") -> ResolvedRun:
                               f"T = {T} tokens")
     strat = get_strategy(cfg.strategy.name)
     try:
-        params = strat.resolve(cfg.strategy.params, length=L, train_length=T)
-        _dry_compute(strat, params, cfg.model, T, L)
+        context = configured_context(cfg.model)
+        params = strat.resolve(cfg.strategy.params, length=L, train_length=T, context=context)
+        _dry_compute(strat, params, context, T, L)
     except ValueError as e:
         raise ConfigError(f"{source}: strategy: {e}") from None
     lengths = list(cfg.eval.lengths) if cfg.eval and cfg.eval.lengths else []

@@ -63,6 +63,7 @@ from ropescale.runs.config import ConfigError
 from ropescale.runs.lifecycle import claimed_folder, load_inputs, load_run_model, run_identity
 from ropescale.runs.manifest import check_manifest, environment
 from ropescale.runs.processes import on_main, process_state
+from ropescale.runs.trackers import check_installed, flat_settings
 from ropescale.training.checkpoints import CHECKPOINTS, CheckpointWriteError, save_checkpoint
 from ropescale.training.checkpoints import complete_checkpoints as _checkpoints
 from ropescale.training.config import SHARDING_ON_CPU, FinetuneConfig, ResolvedRun, fsdp_plugin_kwargs, resolve
@@ -221,7 +222,7 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
     AcceleratorState._reset_state()
     # cpu=True also makes processes started by torchrun (`accelerate launch --multi_gpu` on a machine
     # without GPUs) one gloo group; without it each would train alone and write the same files
-    trackers = _trackers(cfg, source)
+    trackers = check_installed(cfg.report_to, source)  # before anything is written
     acc = Accelerator(cpu=device.type == "cpu", mixed_precision=cfg.mixed_precision, fsdp_plugin=plugin,
                       gradient_accumulation_plugin=_accumulation(cfg), log_with=trackers or None,
                       project_dir=str(output) if trackers else None)
@@ -361,27 +362,13 @@ def _prepare(cfg: FinetuneConfig, run: ResolvedRun, acc, source: str, *, trained
     return _Prepared(tokenizer, stream, heldout, dataset, model, recipe)
 
 
-def _trackers(cfg: FinetuneConfig, source: str) -> list[str]:
-    """``report_to``'s trackers, each installed (``ConfigError`` naming the package otherwise), before
-    anything is written."""
-    from accelerate.tracking import get_available_trackers
-
-    available = {str(t.value if hasattr(t, "value") else t) for t in get_available_trackers()}
-    missing = [t for t in cfg.report_to if t not in available]
-    if missing:
-        raise ConfigError(f"{source}: report_to: {missing[0]} is not installed (pip install {missing[0]}); "
-                          f"installed trackers: {', '.join(sorted(available)) or 'none'}")
-    return list(cfg.report_to)
-
-
 def _start_trackers(acc, cfg: FinetuneConfig, output: Path) -> None:
     """The trackers' run, named after the output folder, with the run's identity as its settings,
     started by the main process (accelerate's trackers write from there only); every process
     raises its refusal (``on_main``). Raises ``OutputError`` in one line when a tracker cannot
     write its folder (a file in its place, a read-only file system); the trackers that started
     are closed."""
-    settings = {k: v if isinstance(v, (int, float, str, bool)) else json.dumps(v)
-                for k, v in _flat(cfg.identity()).items() if v is not None}
+    settings = flat_settings(cfg.identity())
 
     def start() -> None:
         try:

@@ -1,4 +1,4 @@
-"""``engine: vllm``: the harness's cells scored by vLLM from what ``patch --target vllm`` writes.
+"""``engine: vllm``: the harness's cells scored by vLLM from what ``patch --engine vllm`` writes.
 
 Without vLLM: the refusals (one line, before anything is written) and the conversion of
 log-probabilities into the tasks' parts, checked against the transformers engine's own scoring.
@@ -198,7 +198,7 @@ def test_sweep_through_vllm_equals_the_transformers_engine(tmp_path):
     manifest = json.loads((tmp_path / "vllm" / "manifest.json").read_text())
     assert manifest["identity"]["engine"] == "vllm" and "engine" not in json.loads(
         (tmp_path / "hf" / "manifest.json").read_text())["identity"]
-    assert (tmp_path / "vllm" / "vllm").is_dir()  # the served folders: patch --target vllm's config
+    assert (tmp_path / "vllm" / "vllm").is_dir()  # the served folders: patch --engine vllm's config
 
 
 @needs_vllm

@@ -176,3 +176,30 @@ def test_rotary_config_bare_is_vanilla_rope_and_refuses_a_mix():
         rotary_config(None, head_dim=8)
     with pytest.raises(InvalidInput, match="--head-dim must be even"):
         rotary_config(None, 7, 100.0, 16)
+
+
+def test_a_model_gets_the_per_layer_table_patch_dry_run_prints(tmp_path):
+    """``inspect --model`` prints, per strategy, the table of ``patch --dry-run`` (main printed only
+    the geometry) and keeps its rows in summary.json; a tiny Qwen3.5 (the census's builder) has its
+    Gated DeltaNet layers as "no RoPE" rows beside its one full-attention layer."""
+    from transformers import AutoTokenizer
+
+    from ropescale.models import REFERENCE_MODEL
+    from tests.census.build import build
+    from tests.census.run import types
+
+    model = build(types()["qwen3_5_text"], dtype=torch.float32)
+    model.save_pretrained(tmp_path / "q35")
+    AutoTokenizer.from_pretrained(REFERENCE_MODEL).save_pretrained(tmp_path / "q35")
+    dry = CliRunner().invoke(main, ["patch", "--model", str(tmp_path / "q35"), "--strategy", "yarn:factor=2",
+                                    "--dry-run", "-q"], catch_exceptions=False)
+    assert dry.exit_code == 0, dry.output
+    table = dry.output.split("\n", 1)[1]  # after "yarn:factor=2 on ... (dry run: nothing written)"
+    res = run("--model", tmp_path / "q35", "--strategy", "yarn:factor=2", "--length", 64, "-o", tmp_path / "o", "-q")
+    assert res.exit_code == 0, res.output
+    assert f"yarn:factor=2 on {tmp_path / 'q35'}, per layer:\n{table}" in res.output
+    layers = model.config.layer_types
+    assert table.count("no RoPE (linear_attention), untouched") == layers.count("linear_attention") == 3
+    rows = json.loads((tmp_path / "o" / "summary.json").read_text())["layers"]["yarn:factor=2"]
+    assert [r["layer"] for r in rows] == list(range(len(layers)))
+    assert [r["rope"] for r in rows] == ["none" if t == "linear_attention" else "rope" for t in layers]

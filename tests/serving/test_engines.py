@@ -75,7 +75,7 @@ def test_a_registered_stub_engine_is_used_by_export_for(tiny_model_dir, tmp_path
     model, _ = ropescale.load_model(str(tiny_model_dir), device="cpu")
     ropescale.patch(model, "linear", factor=2.0)
     result = export_for(model, "stub", 64, tmp_path / "out")  # no tokenizer: the stub writes no folder
-    assert result.target == "stub" and result.path == tmp_path / "out" / "stub.json"
+    assert result.engine == "stub" and result.path == tmp_path / "out" / "stub.json"
     assert json.loads(result.path.read_text()) == {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
     assert result.notes == ["written by the stub"] and result.usage == f"serve it with: stub {result.path} 64"
     with pytest.raises(InvalidInput, match="^the stub engine serves one static rotation: give the length"):

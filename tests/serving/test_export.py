@@ -106,7 +106,7 @@ def test_vllm_target_writes_the_config_vllm_json_and_the_patch_record(loaded, tm
 def test_llama_cpp_engine_rewrites_the_given_gguf(loaded, tmp_path, base_gguf):
     model, _ = loaded("yarn", factor=4.0, attention_factor=1.2)
     result = export_for(model, "llama.cpp", 128, tmp_path / "out", gguf=base_gguf)
-    assert result.path == tmp_path / "out" / "model.gguf" and result.target == "llama.cpp"
+    assert result.path == tmp_path / "out" / "model.gguf" and result.engine == "llama.cpp"
     assert result.command == f"llama-cli -m {result.path} -c 128"
     kv, tensors = read_gguf_rope(result.path)
     assert compare(ropescale_rope(model, 128), llama_cpp_rope(kv, tensors, 128, D), 128).same
@@ -124,8 +124,31 @@ def test_the_old_name_gguf_is_llama_cpp_with_one_deprecation_warning(loaded, tmp
     assert [str(w.message) for w in caught] == ["engine 'gguf' is deprecated; use 'llama.cpp'"]
     assert caught[0].category is FutureWarning and caught[0].filename == __file__
     new = export_for(model, "llama.cpp", 128, tmp_path / "new", gguf=base_gguf)
-    assert old.target == new.target == "llama.cpp"
+    assert old.engine == new.engine == "llama.cpp"
     assert old.path.read_bytes() == new.path.read_bytes()
+
+
+def test_the_engine_is_named_engine_as_the_docs_and_the_cli_name_it(loaded, tmp_path):
+    """``export_for(model, engine=..., ...)`` as docs/serving.md writes it (main: TypeError, the
+    argument was still called ``target``) and ``result.engine``; the old keyword ``target=`` and
+    ``result.target`` still work, each with one FutureWarning naming the caller's line."""
+    import warnings
+
+    model, tok = loaded("yarn", factor=4.0)
+    result = export_for(model, engine="transformers", serve_length=128, output=tmp_path / "a", tokenizer=tok)
+    assert result.engine == "transformers"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = export_for(model, target="transformers", serve_length=128, output=tmp_path / "b", tokenizer=tok)
+        assert old.target == "transformers"
+    assert [(str(w.message), w.category, w.filename) for w in caught] == [
+        ("the argument target= is deprecated; use engine=", FutureWarning, __file__),
+        ("ExportResult.target is deprecated; use ExportResult.engine", FutureWarning, __file__)]
+    assert (tmp_path / "a" / "config.json").read_bytes() == (tmp_path / "b" / "config.json").read_bytes()
+    with pytest.raises(InvalidInput, match="^engine='vllm' and target='vllm': target is the old name of engine; "
+                                           "give one$"):
+        export_for(model, "vllm", 128, tmp_path / "c", tokenizer=tok, target="vllm")
+    assert not (tmp_path / "c").exists()
 
 
 def test_refusals_and_bad_input_write_nothing(loaded, tmp_path, base_gguf):

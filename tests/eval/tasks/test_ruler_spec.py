@@ -9,8 +9,6 @@ import pytest
 
 from eval.tasks.prompts import PromptError
 from eval.tasks.ruler_spec import (
-    HOPELESS_AFTER,
-    MAX_RETRIES,
     TooLong,
     postprocess_pred,
     sample_score,
@@ -86,22 +84,43 @@ def test_punkt_splits_as_nltk_english():
                                    "Yes!", "It did.")
 
 
-def test_shrink_until_fits_refuses_where_ruler_loops_forever():
+def test_shrink_until_fits_refuses_only_where_the_sizes_say_no_draw_can_fit():
+    """RULER's loop (niah.py ``generate_samples``: ``while True``, the size shrunk by ``incremental``
+    down to the smallest, then fresh draws at it until one fits). Refused at once where the text
+    every draw holds is over the length (``floor``) or the draw is impossible at that size
+    (``random.sample`` of more items than there are); otherwise drawn on as RULER does — past the
+    20,000 draws main stopped at (niah_multiquery at 1,018 tokens, seed 2: RULER's sample comes at
+    draw ~28,000)."""
     calls = []
 
-    def never(size, total=1000):
+    def too_long(size, total):
         calls.append(size)
         raise TooLong(total, 100)
 
-    with pytest.raises(PromptError, match=r"^x: no example fits \(100 draws at the smallest haystack, size 5, were all "
-                                          r"too long\): the shortest 1000 tokens with the generation budget, more "
+    with pytest.raises(PromptError, match=r"^x: no example fits: every draw at the smallest haystack \(size 5\) takes "
+                                          r"at least 101 tokens with the generation budget \(its fixed text\), more "
                                           r"than 100$"):
-        shrink_until_fits(never, 20, 5, what="x")  # hopeless: 10× over
-    assert calls[:4] == [20, 15, 10, 5] and len(calls) == 3 + HOPELESS_AFTER
-    calls.clear()
-    with pytest.raises(PromptError, match=rf"^x: no example fits \({MAX_RETRIES} draws"):
-        shrink_until_fits(lambda s: never(s, 103), 5, 5, what="x")  # close: RULER's full patience
-    assert len(calls) == MAX_RETRIES
-    draws = iter([104] * 300 + [99])  # the 301st draw at the smallest size fits, as RULER would find it
-    assert shrink_until_fits(lambda s: s if (t := next(draws)) <= 100 else never(s, t), 5, 5, what="x") == 5
-    assert shrink_until_fits(lambda s: s if s <= 10 else never(s), 20, 5, what="x") == 10
+        shrink_until_fits(lambda s: too_long(s, 1000), 20, 5, what="x", floor=lambda s: 101)
+    assert calls == [20, 15, 10, 5]  # decided at the first draw at the smallest size, not after a count
+
+    draws = iter([101] * 30_000 + [99])  # the 30,001st draw at the smallest size fits
+    fits = shrink_until_fits(lambda s: s if (t := next(draws)) <= 100 else too_long(s, t), 5, 5, what="x",
+                             floor=lambda s: 90)
+    assert fits == 5 and next(draws, None) is None
+
+    def impossible(size):  # niah.py's random.sample(range(num_haystack), len(needles)) with too few lines
+        return random.Random(0).sample(range(size), 10)
+
+    with pytest.raises(PromptError, match=r"^x: no example fits: at the smallest haystack \(size 2\) no draw is "
+                                          r"possible \(ValueError: Sample larger than population"):
+        shrink_until_fits(impossible, 7, 5, what="x", floor=lambda s: 0)
+    assert shrink_until_fits(lambda s: s if s <= 10 else too_long(s, 1000), 20, 5, what="x", floor=lambda s: 0) == 10
+
+    calls.clear()  # a bound the caller asks for (RulerOptions.max_draws): refused after that many draws
+    with pytest.raises(PromptError, match=r"^x: no example fits in max_draws=7 draws at the smallest haystack "
+                                          r"\(size 5\): the shortest 101 tokens with the generation budget, more "
+                                          r"than 100 \(a draw of 90 would fit; RULER keeps drawing\)$"):
+        shrink_until_fits(lambda s: too_long(s, 101), 5, 5, what="x", floor=lambda s: 90, max_draws=7)
+    assert len(calls) == 7
+
+

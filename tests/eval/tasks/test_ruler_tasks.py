@@ -191,13 +191,45 @@ def test_lengths_that_cannot_hold_a_prompt_are_refused(tok):
     with pytest.raises(PromptError, match=r"^niah_single_1: length 128 leaves no room for a prompt beside the "
                                           r"generation budget of 128 tokens"):
         t.examples(128)
-    with pytest.raises(PromptError, match=r"^niah_single_1 at 256 tokens: no example fits \(100 draws at the "
-                                          r"smallest haystack, size 5, were all too long\): the shortest \d+ "
-                                          r"tokens with the generation budget, more than 256$"):
+    with pytest.raises(PromptError, match=r"^niah_single_1 at 256 tokens: no example fits: every draw at the "
+                                          r"smallest haystack \(size 5\) takes at least \d+ tokens with the "
+                                          r"generation budget \(its fixed text\), more than 256$"):
         t.examples(256)
     fwe = get_task("fwe")(get_task("fwe").Options(num_samples=1, cache=False), tokenizer=tok, train_length=128)
     with pytest.raises(PromptError, match=r"^fwe at 128 tokens: a vocabulary of 1 coded words"):
         fwe.examples(128)
+
+
+@pytest.mark.parametrize("task,length", [("niah_single_1", 375), ("niah_multikey_2", 384), ("niah_multikey_3", 512),
+                                         ("niah_multiquery", 1000), ("vt", 800), ("cwe", 900)])
+def test_no_draw_is_shorter_than_the_floor_a_refusal_is_decided_from(task, length, monkeypatch):
+    """A length is refused from the text every draw holds (``floor``) with no draw at all; so the
+    floor must never exceed a real draw. Lengths where the draws at the smallest haystack keep
+    failing (the floor fits, the draws do not): 40 real draws each (max_draws), every one at least
+    the floor — the generators' own draws are the oracle."""
+    from eval.tasks import ruler_cwe_gen, ruler_niah_gen, ruler_spec, ruler_vt_gen
+    from tests.eval.tasks.test_ruler_golden import make_task
+
+    seen = []
+
+    def watched(attempt, size, incremental, *, what, floor, max_draws=None):
+        def draw(s):
+            try:
+                return attempt(s)
+            except ruler_spec.TooLong as e:
+                if s <= incremental:
+                    seen.append((e.total, floor(s)))
+                raise
+        return ruler_spec.shrink_until_fits(draw, size, incremental, what=what, floor=floor, max_draws=max_draws)
+
+    for module in (ruler_niah_gen, ruler_vt_gen, ruler_cwe_gen):
+        monkeypatch.setattr(module, "shrink_until_fits", watched)
+    t = make_task(task, 42)
+    t.options = t.Options(num_samples=1, seed=42, cache=False, max_draws=40)
+    with pytest.raises(PromptError, match=rf"^{task} at {length} tokens: no example fits in max_draws=40 draws"):
+        t.examples(length)
+    assert len(seen) == 40
+    assert all(total >= floor for total, floor in seen), min(total - floor for total, floor in seen)
 
 
 def test_model_templates(tok):
@@ -272,7 +304,9 @@ def test_a_task_end_to_end_on_a_tiny_model(tmp_path, tiny_model_dir):
 def test_the_suite_end_to_end(tmp_path, tiny_model_dir, text_file):
     cfg = build_config({"task": "ruler", "model": str(tiny_model_dir), "data": str(text_file),
                         "lengths": [128, 256, 512], "strategies": ["vanilla", "ntk"], "device": "cpu",
-                        "ruler": {"tasks": ["niah_single_1", "fwe"], "num_samples": 1, "tokens_to_generate": 8}})
+                        "ruler": {"tasks": ["niah_single_1", "fwe"], "num_samples": 1, "tokens_to_generate": 8,
+                                  # niah_single_1 at 256: the fixed text fits, no draw does (RULER draws forever)
+                                  "max_draws": 300}})
     records = run_sweep(cfg, tmp_path / "run", progress=False)
     by = {(r["strategy"], r["length"]): r for r in records}
     none, short, long_ = by[("vanilla", 128)], by[("vanilla", 256)], by[("vanilla", 512)]
