@@ -190,7 +190,7 @@ def test_the_report_on_gemma4_and_qwen3_5_follows_their_configs(name):
     assert bool(linear) == (name == "qwen3_5_text")
     for i in linear:  # Gated DeltaNet: no positions anywhere in it
         assert rows[i] == {"layer": i, "module": f"model.layers.{i}", "rope": "none", "layer_type": "linear_attention",
-                           "applied": "no RoPE (linear_attention), untouched"}
+                           "applied": "no RoPE (linear_attention), untouched", "temperature": ""}
     for r in (r for r in rows if r["layer"] not in linear):
         lt = tc.layer_types[r["layer"]]
         rp = tc.rope_parameters[lt] if name == "gemma4_text" else tc.rope_parameters

@@ -6,8 +6,8 @@ samples (``ruler_spec.RulerSample.to_json``); it is read and written under a fil
 (``filelock``), so processes of a data-parallel run (or two runs at once) generate each entry
 once and the others wait and read it. RULER's generators draw their size search before any sample,
 so the first k samples of a run of n are the samples of a run of k: an entry with at least the
-samples asked for answers, a shorter one is replaced. A length no sample fits (``PromptError``,
-found after RULER's retries) is stored as refused and refused again from the cache. An entry that
+samples asked for answers, a shorter one is replaced. A length no sample fits (``PromptError``:
+the sizes say none can, or ``max_draws`` ran out) is stored as refused and refused again from the cache. An entry that
 cannot be read as one — cut short, not gzip, not JSON, another program's file, another key's — is
 made again and replaced (written beside it, then renamed over it: never cut).
 
@@ -187,7 +187,7 @@ def _lookup(path: Path, key: dict[str, Any], num_samples: int, make: Callable[[]
     try:
         samples = make()
         doc = {"key": key, "samples": [s.to_json() for s in samples]}
-    except PromptError as e:  # refusing takes RULER's retries: the refusal is stored too
+    except PromptError as e:  # refusing may take many draws (max_draws): the refusal is stored too
         samples, doc = None, {"key": key, "refused": str(e)}
     stored = store and _write(path, doc)
     if samples is None:
