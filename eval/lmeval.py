@@ -189,7 +189,8 @@ def check_tasks(tasks, task_manager) -> None:
 def _check_run(namespace) -> None:
     """What ``lm-eval run`` would refuse late or with a traceback, refused before it loads anything.
     ``--tasks`` are checked against a ``TaskManager`` built as lm-eval's run builds its own (it
-    indexes every task YAML: a few seconds, done twice for a run that goes on)."""
+    indexes every task YAML: ~30 s on 2 cores, done twice for a run that goes on), or, first, one of the
+    ``--include_path`` tasks alone (a fraction of a second), which settles a run of the user's own tasks."""
     from lm_eval.config.evaluate_config import EvaluatorConfig
     from lm_eval.tasks import TaskManager
 
@@ -208,6 +209,10 @@ def _check_run(namespace) -> None:
                                      "YAML files)")
     if cfg.model == "ropescale":
         check_model_args(dict(cfg.model_args or {}))
+    if cfg.include_path is not None:  # the --include_path tasks alone first: lm-eval's own take ~30 s to index
+        with contextlib.suppress(ModelArgsError):
+            return check_tasks(cfg.tasks, lambda: TaskManager(include_path=cfg.include_path, include_defaults=False,
+                                                              metadata=cfg.metadata or {}))
     check_tasks(cfg.tasks, lambda: TaskManager(include_path=cfg.include_path, metadata=cfg.metadata or {}))
 
 

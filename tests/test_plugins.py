@@ -288,6 +288,7 @@ def test_a_plugin_package_adds_an_engine_for_export_patch_and_parity(tmp_path, t
     (its own driver), with no change to ropescale. Oracle: NTK's base b·s^(d/(d−2)) written out, d = 16,
     b = 10000, s = 4 (the tiny model), and the driver's θ_i = b'^(−2i/d) from the file it wrote."""
     _plugin(tmp_path)
+    out = tmp_path / "cli"
     probe = textwrap.dedent(f"""\
         import json, sys
         import ropescale
@@ -299,10 +300,18 @@ def test_a_plugin_package_adds_an_engine_for_export_patch_and_parity(tmp_path, t
         result = export_for(model, "ropejson", 128, {str(tmp_path / "lib")!r})
         rows, meta = run_parity({str(tiny_model_dir)!r}, [parse_strategy("ntk:factor=4"), parse_strategy("yarn")],
                                 [64], engines=["ropejson"], output={str(tmp_path / "par")!r})
+        from click.testing import CliRunner  # the CLI in the same fresh process: one interpreter start, not three
+        from cli import main
+        patched = CliRunner().invoke(main, ["patch", "--model", {str(tiny_model_dir)!r}, "--strategy", "ntk:factor=4",
+                                            "--engine", "ropejson", "--serve-length", "128", "-o", {str(out)!r}])
+        parity = CliRunner().invoke(main, ["parity", "--model", {str(tiny_model_dir)!r}, "--strategy", "ntk:factor=4",
+                                           "--lengths", "64", "--engines", "ropejson", "-o",
+                                           {str(tmp_path / "cli-parity")!r}])
         print(json.dumps({{"engines": engine_names(), "path": str(result.path), "command": result.command,
                           "written": json.loads(result.path.read_text()),
                           "rows": [[r.engine, r.verdict, r.source, r.max_rel_freq_diff] for r in rows],
-                          "meta": meta["engines"]}}))
+                          "meta": meta["engines"], "patch": [patched.exit_code, patched.output],
+                          "parity": [parity.exit_code, parity.output]}}))
         """)
     done = _run(tmp_path, "-c", probe)
     assert done.returncode == 0, done.stderr
@@ -317,16 +326,13 @@ def test_a_plugin_package_adds_an_engine_for_export_patch_and_parity(tmp_path, t
     assert refused[:3] == ["ropejson", "refused: RopeJSON: only a base, not rope type yarn", "ropescale export"]
     assert got["meta"] == ["RopeJSON (in process)"]
 
-    out = tmp_path / "cli"
-    patched = _run(tmp_path, "cli.py", "patch", "--model", str(tiny_model_dir), "--strategy", "ntk:factor=4",
-                   "--engine", "ropejson", "--serve-length", "128", "-o", str(out))
-    assert patched.returncode == 0, patched.stderr
-    assert f"serve it with: ropejson-serve {out / 'rope.json'} --ctx 128" in patched.stdout
+    code, output = got["patch"]
+    assert code == 0, output
+    assert f"serve it with: ropejson-serve {out / 'rope.json'} --ctx 128" in output
     assert json.loads((out / "rope.json").read_text())["rope_theta"] == pytest.approx(10000.0 * 4.0 ** (16 / 14))
-    parity = _run(tmp_path, "cli.py", "parity", "--model", str(tiny_model_dir), "--strategy", "ntk:factor=4",
-                  "--lengths", "64", "--engines", "ropejson", "-o", str(tmp_path / "cli-parity"))
-    assert parity.returncode == 0, parity.stderr
-    assert "ropejson  ntk:factor=4" in parity.stdout and "same" in parity.stdout
+    code, output = got["parity"]
+    assert code == 0, output
+    assert "ropejson  ntk:factor=4" in output and "same" in output
 
 
 @pytest.mark.parametrize(("lookup", "error", "builtin"), [

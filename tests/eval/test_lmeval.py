@@ -34,25 +34,42 @@ def task_dir(tmp_path_factory, text_file):
     return d
 
 
-def evaluate(model, task_dir, **kw):
+@pytest.fixture
+def own_tasks_only(monkeypatch):
+    """lm-eval's TaskManager without its built-in tasks (indexing them takes ~30 s each time, and these runs use
+    the local task only), wherever lm-eval builds one."""
+    from lm_eval import tasks
+
+    class OwnOnly(tasks.TaskManager):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **(k | {"include_defaults": False}))
+
+    monkeypatch.setattr(tasks, "TaskManager", OwnOnly)
+
+
+@pytest.fixture(scope="module")
+def manager(task_dir):
     from lm_eval.tasks import TaskManager
 
-    out = lm_eval.simple_evaluate(model=model, tasks=["tiny_rolling"],
-                                  task_manager=TaskManager(include_path=str(task_dir)),
+    return TaskManager(include_path=str(task_dir), include_defaults=False)
+
+
+def evaluate(model, manager, **kw):
+    out = lm_eval.simple_evaluate(model=model, tasks=["tiny_rolling"], task_manager=manager,
                                   batch_size=1, device="cpu", **kw)
     return out["results"]["tiny_rolling"]["word_perplexity,none"]
 
 
-def test_registered_model_equals_hflm_over_a_model_patched_by_hand(task_dir, tiny_model_dir):
+def test_registered_model_equals_hflm_over_a_model_patched_by_hand(manager, tiny_model_dir):
     from lm_eval.models.huggingface import HFLM
 
-    ours = evaluate("ropescale", task_dir, model_args=f"pretrained={tiny_model_dir},strategy=yarn,factor=2")
+    ours = evaluate("ropescale", manager, model_args=f"pretrained={tiny_model_dir},strategy=yarn,factor=2")
     model, tok = ropescale.load_model(str(tiny_model_dir), device="cpu")
     ropescale.patch(model, "yarn", factor=2)
-    by_hand = evaluate(HFLM(pretrained=model, tokenizer=tok, max_length=64, batch_size=1), task_dir)
+    by_hand = evaluate(HFLM(pretrained=model, tokenizer=tok, max_length=64, batch_size=1), manager)
     assert ours == pytest.approx(by_hand, rel=1e-9)
     # max_length followed the factor (2 × 32): vanilla RoPE over the same 64-token windows differs
-    vanilla = evaluate("ropescale", task_dir, model_args=f"pretrained={tiny_model_dir},max_length=64")
+    vanilla = evaluate("ropescale", manager, model_args=f"pretrained={tiny_model_dir},max_length=64")
     assert vanilla != pytest.approx(ours, rel=1e-6)
 
 
@@ -61,14 +78,14 @@ def test_bad_strategy_parameter_is_refused(tiny_model_dir):
         lmeval.RopescaleLM(pretrained=str(tiny_model_dir), strategy="yarn", factor=0.5)
 
 
-def test_command_line_runs_offline(task_dir, tiny_model_dir, capsys):
+def test_command_line_runs_offline(task_dir, tiny_model_dir, capsys, own_tasks_only):
     lmeval.main(["--model", "ropescale", "--model_args", f"pretrained={tiny_model_dir},strategy=ntk,factor=2",
                  "--tasks", "tiny_rolling", "--include_path", str(task_dir), "--device", "cpu", "--batch_size", "1"])
     out = capsys.readouterr().out
     assert "tiny_rolling" in out and "word_perplexity" in out
 
 
-def test_what_needs_the_model_fails_in_one_line_too(task_dir):
+def test_what_needs_the_model_fails_in_one_line_too(task_dir, own_tasks_only):
     # a hub id with the hub offline passes the early checks; loading it fails inside lm-eval's run
     with pytest.raises(lmeval.ModelArgsError, match="model_args: cannot load 'some-org/some-model'.*hub is offline"):
         lmeval.main(["--model", "ropescale", "--model_args", "pretrained=some-org/some-model",
