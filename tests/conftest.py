@@ -16,6 +16,28 @@ from ropescale.compat import cache_kwarg  # noqa: E402
 from ropescale.models import REFERENCE_MODEL  # noqa: E402
 
 
+def pytest_itemcollected(item):
+    """The tests of a module that share a module- or class-scoped fixture run on one worker
+    (``--dist loadgroup``): spread over workers, each would build that fixture again. (Marked as each
+    test is collected: xdist reads the groups in its own ``pytest_collection_modifyitems``.)"""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None or item.get_closest_marker("xdist_group") is not None:
+        return
+    if any(defs[-1].scope in ("module", "class") for defs in info.name2fixturedefs.values()):
+        item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """Stop where xdist's groups did not take: pytest 9.2 keeps node ids where pytest-xdist 3.8 does
+    not write its group into them, so every group is silently spread over the workers (the census
+    then computes each type on both) — hence ``pytest<9.2`` in the test extra."""
+    census = [i for i in ids if i.startswith("tests/test_census.py::test_census[")]
+    if node.config.getoption("dist") == "loadgroup" and census and not any("@" in i for i in census):
+        raise pytest.UsageError(f"pytest-xdist did not group the census's tests under pytest {pytest.__version__}: "
+                                "install the test extra's pytest (<9.2)")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache(tmp_path_factory):
     """ropescale's cache (RULER samples) in a folder of this test process: workers never share it, and the

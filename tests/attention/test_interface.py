@@ -7,6 +7,8 @@ import sys
 
 import pytest
 import torch
+import transformers.integrations.flex_attention
+import transformers.masking_utils
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask, flex_attention_mask
 
@@ -103,9 +105,16 @@ def _hand_scaled(model, ids, **kw):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_logn_wraps_flex_attention():
+def test_logn_wraps_flex_attention(monkeypatch):
     """transformers' own flex_attention integration (it runs on the CPU in eval): log-n wraps it
-    under ropescale_logn_flex_attention, with flex's mask function (a BlockMask builder)."""
+    under ropescale_logn_flex_attention, with flex's mask function (a BlockMask builder). Run eagerly
+    Uncompiled: transformers compiles flex and its block mask, 50 s of inductor on the CPU for a
+    wrapper's test; its own switch to the uncompiled kernel (taken when it is already compiling) and
+    create_block_mask's ``_compile=False`` are taken here."""
+    monkeypatch.setattr(transformers.integrations.flex_attention, "is_torchdynamo_compiling", lambda: True)
+    block_mask = transformers.masking_utils.create_block_mask
+    monkeypatch.setattr(transformers.masking_utils, "create_block_mask",
+                        lambda *a, **kw: block_mask(*a, **{**kw, "_compile": False}))
     model = family_model("llama")
     model.set_attn_implementation("flex_attention")
     ids = IDS[:, :80]

@@ -9,6 +9,7 @@ temperature (from tests/test_dca_string.py)."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -431,9 +432,10 @@ def _pair(name):
     return (lambda i, j: dca_pair(i, j, 24, 4)) if name == "dca" else (lambda i, j: string_pair(i, j, 17, 5))
 
 
-@pytest.mark.parametrize("path", ["fused", "blocked", "flex"])
-@pytest.mark.parametrize("name,s_k,cached,n_kv,pad", CASES)
-def test_every_path_equals_the_float64_oracle_with_gradients(path, name, s_k, cached, n_kv, pad):
+@functools.cache
+def _oracle_case(name, s_k, cached, n_kv, pad):
+    """A case's inputs, the oracle's output and its gradients for an upstream gradient ``g`` (the oracle,
+    a Python loop over pairs, computed once for the three paths)."""
     gen = torch.Generator().manual_seed(s_k)
     s_q = s_k - cached
     q = torch.randn(2, 4, s_q, 16, generator=gen, dtype=torch.float64).requires_grad_()
@@ -441,9 +443,24 @@ def test_every_path_equals_the_float64_oracle_with_gradients(path, name, s_k, ca
     v = torch.randn(2, n_kv, s_k, 16, generator=gen, dtype=torch.float64).requires_grad_()
     inv = (1.0 / (100 ** (torch.arange(0, 12, 2) / 12))).float().double()  # float32-exact: 12 of 16 rotate
     pads = [0, pad]
-    k_pos = torch.stack([torch.arange(s_k, dtype=torch.float64) - p for p in pads])  # [2, s_k]
     keep = torch.ones(2, 1, 1, s_k, dtype=torch.bool)
     keep[1, ..., :pad] = False
+    positions = [[s - p if s >= p else None for s in range(s_k)] for p in pads]
+    rule = _rule(name)
+    want = oracle(q, k, v, positions, _pair(name), inv, rule.attention_factor, 0.3,
+                  [[bool(x) for x in keep[r, 0, 0]] for r in range(2)])
+    g = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+    exp = torch.autograd.grad(want, (q, k, v), g)
+    return (q.detach(), k.detach(), v.detach()), inv, pads, keep, want.detach(), g, exp
+
+
+@pytest.mark.parametrize("path", ["fused", "blocked", "flex"])
+@pytest.mark.parametrize("name,s_k,cached,n_kv,pad", CASES)
+def test_every_path_equals_the_float64_oracle_with_gradients(path, name, s_k, cached, n_kv, pad):
+    (q, k, v), inv, pads, keep, want, g, exp = _oracle_case(name, s_k, cached, n_kv, pad)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    s_q = s_k - cached
+    k_pos = torch.stack([torch.arange(s_k, dtype=torch.float64) - p for p in pads])  # [2, s_k]
     rule = _rule(name)
     kw = {"keep": keep if pad else None, "scale": 0.3}
     args = (q, k, v, k_pos[:, s_k - s_q :], k_pos, rule, inv, rule.attention_factor)
@@ -452,14 +469,9 @@ def test_every_path_equals_the_float64_oracle_with_gradients(path, name, s_k, ca
             out = flex_attention_path(q.detach(), k.detach(), v.detach(), *args[3:], **kw)
     else:
         out = (fused_attention if path == "fused" else blocked_attention)(*args, block=16, **kw)
-    positions = [[s - p if s >= p else None for s in range(s_k)] for p in pads]
-    want = oracle(q, k, v, positions, _pair(name), inv, rule.attention_factor, 0.3,
-                  [[bool(x) for x in keep[r, 0, 0]] for r in range(2)])
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
     if path != "flex":
-        g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
         got = torch.autograd.grad(out, (q, k, v), g)
-        exp = torch.autograd.grad(want, (q, k, v), g)
         for a, b in zip(got, exp, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
