@@ -68,6 +68,25 @@ def tiny_llama_config(**rope):
                        rope_parameters=rope_parameters)
 
 
+GEMMA3_LAYER_TYPES = ["sliding_attention"] * 5 + ["full_attention"]  # Gemma 3's 5:1 pattern (global layer 5)
+
+
+def tiny_gemma3_config(vocab_size=256, **full):
+    """A tiny gemma3_text config with Gemma 3's layout: five sliding-window layers (window 16) then a
+    global one, head_dim 16, T = 64, and per-layer-type ``rope_parameters`` as Gemma 3 ships them —
+    sliding 10 000, full 1 000 000 — ``full`` added to the full_attention type's (``rope_type`` …:
+    the 4B+ configs ship linear ×8 there). ``query_pre_attn_scalar`` = head_dim, the softmax scale
+    llama.cpp's gemma3 uses below 27B."""
+    from transformers import Gemma3TextConfig
+
+    rope_parameters = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                       "full_attention": {"rope_type": "default", "rope_theta": 1000000.0, **full}}
+    return Gemma3TextConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                            max_position_embeddings=64, sliding_window=16, layer_types=list(GEMMA3_LAYER_TYPES),
+                            rope_parameters=rope_parameters)
+
+
 def build(config_cls_model, config, state_dict=None, seed=0):
     """Model from a deep-copied config (models keep a reference to their config)."""
     torch.manual_seed(seed)
@@ -97,6 +116,21 @@ def tiny_model_dir(tmp_path_factory):
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny-model")
     LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory):
+    """A saved tiny random Gemma 3 (``tiny_gemma3_config``) with the bundled tokenizer."""
+    from transformers import AutoTokenizer, Gemma3ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(REFERENCE_MODEL)
+    cfg = tiny_gemma3_config(vocab_size=len(tok))
+    cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-gemma3")
+    Gemma3ForCausalLM(cfg).save_pretrained(path)
     tok.save_pretrained(path)
     return path
 

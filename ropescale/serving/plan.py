@@ -8,6 +8,12 @@ expresses is refused with one line naming the engine, and dynamic NTK — which 
 b' = b·(s·F/T − (s − 1))^(d/(d−2)) that ropescale's ``dynamic_ntk`` uses at F (vanilla for F ≤ T),
 written as ``rope_type: default``.
 
+Per-layer-type models (Gemma 3: ``sliding_attention``/``full_attention``, each with its own rope
+parameters): an engine that can say so (``per_layer_type=True``) gets every layer type's rope
+parameters — the patched types translated as above, each from its own context, the others exactly
+as shipped (``ServedRope.layer_types``) — and decides itself which of them its config expresses;
+any other engine refuses the patch in one line.
+
 Notation: b = ``rope_theta``, d = rotary dim, T = training window
 (``original_max_position_embeddings``), s = ``factor``, L = served length, F = freeze length.
 """
@@ -20,7 +26,7 @@ from typing import Any
 from ropescale.errors import InvalidInput
 from ropescale.models import native_rope_parameters
 from ropescale.patching import PatchHandle
-from ropescale.rope_config import text_config
+from ropescale.rope_config import rope_config_of, text_config
 from ropescale.serving.rope import ExportRefused, check_length
 
 __all__ = ["ServedRope", "check_freeze", "served_rope_parameters", "static_equivalent"]
@@ -31,8 +37,13 @@ class ServedRope:
     """The transformers ``rope_parameters`` an engine must reproduce, with their context.
 
     rope_parameters: ``rope_type`` and its keys (``rope_theta`` included); context: ``dim``,
-    ``rope_theta``, ``original_max_position_embeddings`` of the patched layers; serve_length: L;
-    frozen_at: F for a frozen dynamic strategy, else None; notes: what the export had to decide.
+    ``rope_theta``, ``original_max_position_embeddings`` of the patched layers (the first patched
+    type's for a per-layer-type model); serve_length: L; frozen_at: F for a frozen dynamic strategy,
+    else None; notes: what the export had to decide.
+    layer_types: for a per-layer-type model, every layer type of its config → the rope parameters
+    that type serves (patched: translated; kept: as shipped), in the config's order; None for one set.
+    layer_contexts: the same types → their ``dim``, ``rope_theta``, ``original_max_position_embeddings``;
+    patched_types: the layer types the patch changed.
     """
 
     rope_parameters: dict[str, Any]
@@ -41,19 +52,29 @@ class ServedRope:
     strategy: str
     frozen_at: int | None = None
     notes: list[str] = field(default_factory=list)
+    layer_types: dict[str, dict[str, Any]] | None = None
+    layer_contexts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    patched_types: list[str] = field(default_factory=list)
+
+    def kept_types(self) -> list[str]:
+        """The layer types served exactly as shipped ([] for one set)."""
+        return [lt for lt in self.layer_types or {} if lt not in self.patched_types]
 
 
 def served_rope_parameters(handle: PatchHandle, engine: str, serve_length: int, *,
-                           freeze_dynamic_at: int | None = None, freeze_default: bool = True) -> ServedRope:
+                           freeze_dynamic_at: int | None = None, freeze_default: bool = True,
+                           per_layer_type: bool = False) -> ServedRope:
     """The rope parameters ``engine`` must serve for ``handle`` at ``serve_length`` [tokens].
 
     ``freeze_dynamic_at``: F for dynamic NTK (default: L when ``freeze_default``, else refused).
+    ``per_layer_type``: the engine reads ``ServedRope.layer_types`` (every layer type's parameters,
+    the kept ones as shipped) for a per-layer-type model; otherwise such a patch is refused.
     Raises ``ExportRefused`` ("<engine>: ...") for relative-position rules (ReRoPE, Leaky ReRoPE,
-    SelfExtend, DCA, STRING …), log-n, ``dynamic_block`` ≠ 1, per-layer-type patches, strategies
-    without a transformers export hook, dynamic strategies other than ``dynamic_ntk``, and a
-    model's own dynamic rope kept as it is (``native`` on a ``dynamic`` config);
-    ``InvalidInput`` for bad lengths and for ``freeze_dynamic_at`` with any strategy but
-    ``dynamic_ntk`` (``check_freeze``).
+    SelfExtend, DCA, STRING …), log-n, ``dynamic_block`` ≠ 1, per-layer-type patches (without
+    ``per_layer_type``), strategies without a transformers export hook, dynamic strategies other
+    than ``dynamic_ntk``, and a model's own dynamic rope kept as it is (``native`` on a ``dynamic``
+    config, or a kept layer type shipped dynamic); ``InvalidInput`` for bad lengths and for
+    ``freeze_dynamic_at`` with any strategy but ``dynamic_ntk`` (``check_freeze``).
     """
     serve_length = check_length(serve_length)
     freeze_dynamic_at = check_freeze(handle, freeze_dynamic_at)
@@ -67,40 +88,84 @@ def served_rope_parameters(handle: PatchHandle, engine: str, serve_length: int, 
                             f"{engine} setting; export without it")
     if handle.options.get("dynamic_block", 1) != 1:
         raise ExportRefused(f"{engine}: dynamic_block={handle.options['dynamic_block']} has no {engine} setting")
-    if handle.layer_types != [None]:
-        raise ExportRefused(f"{engine}: per-layer-type rotary patches ({handle.layer_types}) are not exported; "
-                            "only models with one set of rope parameters")
+    if handle.layer_types != [None] and not per_layer_type:
+        raise ExportRefused(f"{engine}: per-layer-type rotary patches ({handle.layer_types}) are not exported by this "
+                            "engine; only models with one set of rope parameters")
     if strat.export is None:
         raise ExportRefused(f"{engine}: {name} has no transformers rope type to translate (no export hook), so "
                             f"{engine} cannot express it")
-    ctx = dict(handle.contexts.get(None, handle.context))
+    if handle.layer_types == [None]:
+        ctx = dict(handle.contexts.get(None, handle.context))
+        rp, frozen, notes = _served_type(handle, engine, serve_length, freeze_dynamic_at, freeze_default, None, ctx)
+        return ServedRope(rp, ctx, serve_length, name, frozen, notes)
+    return _served_layer_types(handle, engine, serve_length, freeze_dynamic_at, freeze_default)
+
+
+def _served_layer_types(handle: PatchHandle, engine: str, serve_length: int, freeze_dynamic_at: int | None,
+                        freeze_default: bool) -> ServedRope:
+    """``served_rope_parameters`` of a per-layer-type model: each patched type translated from its own
+    context (``_served_type``), each other type of the config as shipped."""
     text = text_config(handle.model.config)
-    base = dict(text.rope_parameters)
+    shipped = text.rope_parameters
+    layer_types, contexts, notes, frozen = {}, {}, [], None
+    for lt, base in shipped.items():
+        if not isinstance(base, dict):
+            continue
+        if lt in handle.layer_types:
+            contexts[lt] = dict(handle.contexts[lt])
+            rp, frozen, more = _served_type(handle, engine, serve_length, freeze_dynamic_at, freeze_default, lt,
+                                            contexts[lt])
+            notes += [f"{lt}: {n}" for n in more]
+        else:
+            contexts[lt] = rope_config_of(text, lt).context()
+            rp = dict(base)
+            if "dynamic" in str(rp.get("rope_type")):
+                raise ExportRefused(f"{engine}: the {lt} layers keep the model's own rope type {rp['rope_type']!r}, "
+                                    f"which recomputes its base from the sequence length; {engine} serves one static "
+                                    f"rotation (patch {lt} too, with layer_types)")
+        layer_types[lt] = rp
+    first = handle.layer_types[0]
+    kept = [lt for lt in layer_types if lt not in handle.layer_types]
+    if kept:
+        notes.append(f"{', '.join(kept)}: kept as shipped (not patched)")
+    return ServedRope(layer_types[first], contexts[first], serve_length, handle.strategy_obj.name, frozen, notes,
+                      layer_types, contexts, list(handle.layer_types))
+
+
+def _served_type(handle: PatchHandle, engine: str, serve_length: int, freeze_dynamic_at: int | None,
+                 freeze_default: bool, lt: str | None, ctx: dict[str, Any]
+                 ) -> tuple[dict[str, Any], int | None, list[str]]:
+    """``(rope_parameters, F or None, notes)`` one layer type ``lt`` (None: the one set) serves, from
+    its context ``ctx``; refusals as ``served_rope_parameters``'."""
+    strat = handle.strategy_obj
+    name = strat.name
+    text = text_config(handle.model.config)
+    base = dict(text.rope_parameters if lt is None else text.rope_parameters[lt])
     # a dynamic strategy is frozen below: the training window as max_position_embeddings, the only value
     # the `dynamic` hook accepts; a static one gets the config's (what transformers derives a missing factor from)
     mpe = ctx["original_max_position_embeddings"] if strat.dynamic else getattr(text, "max_position_embeddings", None)
-    rp = native_rope_parameters(handle, base, mpe)
+    rp = native_rope_parameters(handle, base, mpe, lt)
     if rp is None:
         raise ExportRefused(f"{engine}: {name} with these parameters has no transformers rope type to translate")
     if not strat.dynamic and "dynamic" in str(rp.get("rope_type")):  # the model's own dynamic rope, kept
         raise ExportRefused(f"{engine}: the model's own rope type {rp['rope_type']!r} recomputes its base from the "
                             f"sequence length and {engine} serves one static rotation; patch dynamic_ntk:factor="
                             f"{rp.get('factor', 1.0):g} instead, which can be frozen at a length (--freeze-dynamic-at)")
-    out = ServedRope(rp, ctx, serve_length, name)
-    if strat.dynamic and name != "longrope":  # LongRoPE: two static sets, each engine picks one
-        if name != "dynamic_ntk":
-            raise ExportRefused(f"{engine}: {name} recomputes its frequencies from the sequence length; {engine} "
-                                "serves one static rotation and only dynamic_ntk can be frozen")
-        if freeze_dynamic_at is None and not freeze_default:
-            raise ExportRefused(f"{engine}: dynamic NTK recomputes its base from the sequence length and {engine} "
-                                "has no dynamic rope (it would run plain RoPE); name a length to freeze it at "
-                                "(--freeze-dynamic-at)")
-        out.frozen_at = at = freeze_dynamic_at or serve_length
-        out.rope_parameters = _frozen_dynamic(rp, ctx, at)
-        out.notes.append(f"dynamic NTK frozen at {at} tokens: every sequence is served with the base ropescale "
-                         f"uses at {at} (ropescale's own dynamic rule is vanilla up to "
-                         f"{ctx['original_max_position_embeddings']} and rescales with the length)")
-    return out
+    notes: list[str] = []
+    if not strat.dynamic or name == "longrope":  # LongRoPE: two static sets, each engine picks one
+        return rp, None, notes
+    if name != "dynamic_ntk":
+        raise ExportRefused(f"{engine}: {name} recomputes its frequencies from the sequence length; {engine} "
+                            "serves one static rotation and only dynamic_ntk can be frozen")
+    if freeze_dynamic_at is None and not freeze_default:
+        raise ExportRefused(f"{engine}: dynamic NTK recomputes its base from the sequence length and {engine} "
+                            "has no dynamic rope (it would run plain RoPE); name a length to freeze it at "
+                            "(--freeze-dynamic-at)")
+    at = freeze_dynamic_at or serve_length
+    notes.append(f"dynamic NTK frozen at {at} tokens: every sequence is served with the base ropescale "
+                 f"uses at {at} (ropescale's own dynamic rule is vanilla up to "
+                 f"{ctx['original_max_position_embeddings']} and rescales with the length)")
+    return _frozen_dynamic(rp, ctx, at), at, notes
 
 
 def _frozen_dynamic(rp: dict[str, Any], ctx: dict[str, Any], at: int) -> dict[str, Any]:

@@ -4,7 +4,9 @@ An ``EngineRope`` is one engine's rotary embedding for one served length: per-pa
 frequencies, the cos/sin magnitude and the softmax scale. ``ropescale_rope`` reads it from a
 patched model, each engine's ``rope`` (``ropescale.serving.engines``: ``vllm_rope``,
 ``llama_cpp_rope``) from an exported config re-implementing that engine's formulas, and
-``compare`` says whether two agree.
+``compare`` says whether two agree. A per-layer-type model (Gemma 3) has one per layer type:
+``ropescale_layer_ropes`` (patched types and the types kept as shipped) against an engine's
+per-type ``rope``, compared by ``compare_layers``.
 
 Shapes: d = rotary dim (even), d/2 = rotary pairs. Units: frequencies in radians per token,
 lengths in tokens, angles in radians.
@@ -19,9 +21,10 @@ import torch
 
 from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.patching import PatchHandle, current_patch
+from ropescale.rotary import attention_scaling_of, find_rotary_modules, layer_types_of
 
 __all__ = ["FREQ_TOL", "MAGNITUDE_TOL", "MAX_LENGTH", "EngineRope", "ExportRefused", "Verdict", "check_length",
-           "compare", "patch_handle", "ropescale_rope"]
+           "compare", "compare_layers", "patch_handle", "ropescale_layer_ropes", "ropescale_rope"]
 
 # the longest length served, exported or compared [tokens]: RoPE angles come from float32 positions,
 # exact integers only up to 2^24 (the harness's lengths have the same bound: eval.config.MAX_LENGTH)
@@ -171,3 +174,51 @@ def compare(ours: EngineRope, theirs: EngineRope, length: int) -> Verdict:
     same = not reasons
     verdict = "same" if same else "differs: " + "; ".join(reasons)
     return Verdict(length, rel, max_rel, mag, soft, angle, same, verdict)
+
+
+def ropescale_layer_ropes(model_or_handle, length: int) -> dict[str | None, EngineRope]:
+    """What the patched model computes at L = ``length`` [tokens] per layer type of its rotary module:
+    the patched types (``ropescale_rope``) first, then the types the patch kept, read from the
+    module's own buffers (``{lt}_inv_freq`` ``[d/2]``, ``{lt}_attention_scaling``): exactly what
+    those layers rotate by. ``{None: ropescale_rope(...)}`` for a model with one set. Raises as
+    ``ropescale_rope``."""
+    handle = patch_handle(model_or_handle)
+    if handle.layer_types == [None]:
+        return {None: ropescale_rope(handle, length)}
+    out: dict[str | None, EngineRope] = {lt: ropescale_rope(handle, length, lt) for lt in handle.layer_types}
+    for _, module in find_rotary_modules(handle.model):
+        for lt in layer_types_of(module):
+            if lt in out:
+                continue
+            inv = getattr(module, f"{lt}_inv_freq").detach().to(torch.float64).cpu()
+            out[lt] = EngineRope(inv, attention_scaling_of(module, lt), 1.0, f"ropescale: {lt} kept as shipped")
+    return out
+
+
+def compare_layers(ours: dict[str | None, EngineRope], theirs: dict[str | None, EngineRope], length: int) -> Verdict:
+    """``compare`` per layer type: ``ours`` and ``theirs`` map each layer type to its ``EngineRope``
+    (``ropescale_layer_ropes``; an engine's per-type ``rope``). ``same`` only when every type of
+    ``ours`` is the same in ``theirs``; ``verdict`` names each type that differs (or that the engine
+    does not compute) with its reasons. The numbers are the worst over the types: largest relative
+    frequency difference (``rel_freq_diff``: that type's ``[d/2]``), magnitude and softmax-scale
+    differences, largest angle difference. Raises ``InvalidInput`` for a bad length."""
+    length = check_length(length, "length")
+    verdicts, reasons = {}, []
+    for lt, mine in ours.items():
+        if lt not in theirs:
+            reasons.append(f"{lt}: the engine computes no rotation for these layers")
+            continue
+        v = verdicts[lt] = compare(mine, theirs[lt], length)
+        if not v.same:
+            reasons.append(f"{lt}: {v.verdict.removeprefix('differs: ')}")
+    if not verdicts:
+        return Verdict(length, torch.zeros(0, dtype=torch.float64), math.inf, math.inf, math.inf, math.inf, False,
+                       "differs: " + "; ".join(reasons))
+    worst = max(verdicts.values(), key=lambda v: v.max_rel_freq_diff)
+    same = not reasons
+    return Verdict(length, worst.rel_freq_diff, worst.max_rel_freq_diff,
+                   max(v.magnitude_diff for v in verdicts.values()),
+                   max(v.softmax_scale_diff for v in verdicts.values()),
+                   max(v.max_angle_diff for v in verdicts.values()), same,
+                   ("same (per layer type: " + ", ".join(str(lt) for lt in verdicts) + ")") if same
+                   else "differs: " + "; ".join(reasons))

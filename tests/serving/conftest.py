@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import build, tiny_llama_config
+from tests.conftest import build, tiny_gemma3_config, tiny_llama_config
 
 T = 64  # tiny_llama_config's max_position_embeddings: the training window
 D = 16  # its head_dim (64 hidden / 4 heads): the rotary dim
@@ -39,6 +39,22 @@ def patched(name: str, **params):
 
     model = build(LlamaForCausalLM, tiny_llama_config())
     ropescale.patch(model, name, **params)
+    return model
+
+
+G_T, G_D = 64, 16  # tiny_gemma3_config's window and head_dim
+LOCAL, GLOBAL = 10000.0, 1000000.0  # its sliding and full_attention rope_theta, as Gemma 3 ships them
+
+
+def gemma3_patched(name: str, *, layer_types=None, full=None, **params):
+    """A tiny Gemma 3 (``tiny_gemma3_config(**full)``) patched with ``name`` (default layer types: the
+    global ones only, as ropescale patches Gemma 3)."""
+    from transformers import Gemma3ForCausalLM
+
+    import ropescale
+
+    model = build(Gemma3ForCausalLM, tiny_gemma3_config(**(full or {})))
+    ropescale.patch(model, name, layer_types=layer_types, **params)
     return model
 
 

@@ -6,7 +6,8 @@ import torch
 import ropescale
 from ropescale.errors import InvalidInput
 from ropescale.serving import EngineRope, compare, ropescale_rope
-from tests.serving.conftest import THETA, D, T, patched, vanilla_inv_freq
+from ropescale.serving.rope import compare_layers, ropescale_layer_ropes
+from tests.serving.conftest import G_D, GLOBAL, LOCAL, THETA, D, T, gemma3_patched, patched, vanilla_inv_freq
 
 
 def test_ropescale_rope_reads_the_patch_at_the_served_length():
@@ -63,3 +64,24 @@ def test_compare_an_engine_failure_or_nan_is_never_same():
     v = compare(_rope([1.0]), _rope([math.nan], math.nan), 128)
     assert not v.same
     assert not compare(_rope([1.0, 2.0]), _rope([1.0]), 8).same
+
+
+def test_ropescale_layer_ropes_gives_the_patched_types_first_then_the_kept_ones_as_shipped():
+    ropes = ropescale_layer_ropes(gemma3_patched("linear", factor=4.0), 256)
+    assert list(ropes) == ["full_attention", "sliding_attention"]
+    assert torch.allclose(ropes["full_attention"].inv_freq, vanilla_inv_freq(GLOBAL, G_D) / 4, rtol=1e-6)
+    assert torch.allclose(ropes["sliding_attention"].inv_freq, vanilla_inv_freq(LOCAL, G_D), rtol=1e-6)
+    assert ropes["sliding_attention"].magnitude == 1.0
+    assert list(ropescale_layer_ropes(patched("linear", factor=4.0), 256)) == [None]
+
+
+def test_compare_layers_is_same_only_when_every_type_is_and_names_the_types_that_differ():
+    ours = {"full_attention": _rope([1.0, 0.1], 1.2), "sliding_attention": _rope([1.0, 0.5])}
+    v = compare_layers(ours, {"sliding_attention": _rope([1.0, 0.5]), "full_attention": _rope([1.0, 0.1], 1.2)}, 10)
+    assert v.same and v.verdict == "same (per layer type: full_attention, sliding_attention)"
+    v = compare_layers(ours, {"full_attention": _rope([1.0, 0.1], 1.2), "sliding_attention": _rope([1.0, 0.25])}, 10)
+    assert not v.same and v.verdict.startswith("differs: sliding_attention: frequencies differ by up to 0.5")
+    assert v.max_rel_freq_diff == pytest.approx(0.5) and v.max_angle_diff == pytest.approx(0.25 * 9)
+    v = compare_layers(ours, {"full_attention": _rope([1.0, 0.1], 1.0)}, 10)
+    assert not v.same and "full_attention: cos/sin magnitude" in v.verdict
+    assert "sliding_attention: the engine computes no rotation" in v.verdict
