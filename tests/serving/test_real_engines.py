@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from ropescale.serving import compare, export_vllm, ropescale_rope, vllm_rope
-from tests.serving.conftest import FREQUENCY, LONG, SHORT, THETA, T, patched
+from ropescale.serving.engines.vllm import vllm_layer_ropes
+from ropescale.serving.rope import ropescale_layer_ropes
+from tests.serving.conftest import FREQUENCY, LONG, SHORT, THETA, T, gemma3_patched, patched
 
 VLLM_PYTHON = os.environ.get("ROPESCALE_VLLM_PYTHON")
 pytestmark = pytest.mark.skipif(not VLLM_PYTHON, reason="set ROPESCALE_VLLM_PYTHON to a Python with vLLM")
@@ -63,3 +65,24 @@ def test_real_vllm_has_the_quirks_vllm_rope_reproduces():
         mine = vllm_rope(config, length)
         assert torch.allclose(torch.tensor(real["inv_freq"], dtype=torch.float64), mine.inv_freq, rtol=1e-5, atol=0)
         assert abs(real["magnitude"] - mine.magnitude) <= 1e-6
+
+
+def test_real_vllm_rotates_each_gemma3_layer_type_as_ropescale_and_vllm_layer_ropes_say():
+    """Each layer type's parameters of a Gemma 3 export through vLLM's get_rope, as its gemma3.py passes
+    them (``rope_parameters[layer_type]``, the config's one max_position_embeddings)."""
+    cases, expected = [], []
+    for name, params, layer_types in (("yarn", {"factor": 4.0}, None), ("linear", {"factor": 4.0}, None),
+                                      ("ntk", {"factor": 4.0}, None),
+                                      ("yarn", {"factor": 4.0}, ["sliding_attention", "full_attention"])):
+        model = gemma3_patched(name, layer_types=layer_types, **params)
+        export = export_vllm(model, 256)
+        ours, mine = ropescale_layer_ropes(model, 256), vllm_layer_ropes(export.config, 256)
+        for lt, rp in export.config["rope_parameters"].items():
+            cases.append({"config": {**export.config, "rope_parameters": rp}, "max_model_len": 256})
+            expected.append((ours[lt], mine[lt]))
+    for real, (ours, mine) in zip(_probe(json.loads(json.dumps(cases, default=str))), expected):
+        real_freq = torch.tensor(real["inv_freq"], dtype=torch.float64)
+        for side in (ours, mine):
+            assert torch.allclose(real_freq, side.inv_freq, rtol=1e-5, atol=0)
+            assert abs(real["magnitude"] - side.magnitude) <= 1e-6
+        assert real["cache"] >= 256

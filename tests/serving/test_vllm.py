@@ -1,8 +1,10 @@
 """vLLM: every frequency strategy exported and read back by vllm_rope gives ropescale's rotation;
 vllm_rope checked against vLLM's formulas written out here from its source
 (vllm/model_executor/layers/rotary_embedding/*.py, vllm/config/model.py, v0.32 line); every
-known non-parity detected and named."""
+known non-parity detected and named. Gemma 3: rope parameters per layer type, as vLLM's gemma3.py
+reads them (``config.rope_parameters[layer_type]`` per attention layer)."""
 
+import copy
 import math
 
 import pytest
@@ -10,7 +12,23 @@ import torch
 
 from ropescale.errors import InvalidInput
 from ropescale.serving import ExportRefused, compare, export_vllm, ropescale_rope, vllm_rope
-from tests.serving.conftest import FREQUENCY, LONG, RELATIVE, SHORT, THETA, D, T, patched
+from ropescale.serving.engines.vllm import vllm_layer_ropes
+from ropescale.serving.rope import compare_layers, ropescale_layer_ropes
+from tests.serving.conftest import (
+    FREQUENCY,
+    G_D,
+    G_T,
+    GLOBAL,
+    LOCAL,
+    LONG,
+    RELATIVE,
+    SHORT,
+    THETA,
+    D,
+    T,
+    gemma3_patched,
+    patched,
+)
 
 FREQ_TOL, MAG_TOL = 1e-5, 1e-6
 
@@ -204,3 +222,106 @@ def test_save_patched_configs_left_at_the_training_window_are_refused():
 
 def test_unknown_rope_types_fail():
     assert "unknown rope type" in _differs(patched("vanilla"), _config({"rope_type": "bogus"}), 64)
+
+
+# ---- Gemma 3: rope parameters per layer type ------------------------------------------------------
+
+GEMMA3 = {"yarn": ("yarn", {"factor": 4.0}), "linear": ("linear", {"factor": 4.0}), "ntk": ("ntk", {"factor": 4.0}),
+          "dynamic_ntk": ("dynamic_ntk", {"factor": 2.0})}
+SHIPPED_SLIDING = {"rope_type": "default", "rope_theta": LOCAL}
+
+
+@pytest.mark.parametrize("length", [128, 256])
+@pytest.mark.parametrize("case", sorted(GEMMA3))
+def test_gemma3_global_patch_is_served_per_layer_type(case, length):
+    """ropescale scales Gemma 3's global layers and keeps the sliding ones: vLLM gets each type's
+    parameters, the sliding ones exactly as shipped, and rotates every layer type as ropescale does."""
+    name, params = GEMMA3[case]
+    model = gemma3_patched(name, **params)
+    export = export_vllm(model, length)
+    assert export.config["rope_parameters"]["sliding_attention"] == SHIPPED_SLIDING
+    assert export.config["max_position_embeddings"] >= length and export.max_model_len == length
+    theirs = vllm_layer_ropes(export.config, length)
+    assert set(theirs) == {"sliding_attention", "full_attention"}
+    assert all(t.failure is None for t in theirs.values())
+    verdict = compare_layers(ropescale_layer_ropes(model, length), theirs, length)
+    assert verdict.same and verdict.verdict.startswith("same"), verdict.verdict
+
+
+def test_gemma3_export_writes_the_keys_vllm_reads():
+    yarn = export_vllm(gemma3_patched("yarn", factor=4.0), 256)
+    assert yarn.config["rope_parameters"]["full_attention"] == {
+        "rope_type": "yarn", "rope_theta": GLOBAL, "factor": 4.0, "original_max_position_embeddings": G_T,
+        "attention_factor": pytest.approx(0.1 * math.log(4) + 1), "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": True}
+    assert yarn.config["max_position_embeddings"] == 256 and yarn.config["model_type"] == "gemma3_text"
+    assert yarn.hf_overrides == {"rope_parameters": yarn.config["rope_parameters"], "max_position_embeddings": 256}
+    # vLLM takes a gemma3 config's length as already scaled: linear needs mpe = L, not ⌈L/s⌉ as for Llama
+    linear = export_vllm(gemma3_patched("linear", factor=4.0), 256)
+    assert linear.config["rope_parameters"]["full_attention"] == {"rope_type": "linear", "factor": 4.0,
+                                                                  "rope_theta": GLOBAL}
+    assert linear.config["max_position_embeddings"] == 256
+    ntk = export_vllm(gemma3_patched("ntk", factor=4.0), 256).config["rope_parameters"]["full_attention"]
+    assert ntk == {"rope_type": "default", "rope_theta": pytest.approx(GLOBAL * 4 ** (G_D / (G_D - 2)))}
+    assert any("rope_parameters[layer_type]" in n for n in yarn.notes)
+
+
+def test_gemma3_shipped_linear_global_layers_are_replaced_by_the_patch():
+    """Gemma 3 4B+ ships linear ×8 on its global layers: the patch replaces it there, the sliding
+    layers stay as shipped."""
+    model = gemma3_patched("yarn", factor=4.0, full={"rope_type": "linear", "factor": 8.0})
+    export = export_vllm(model, 256)
+    assert export.config["rope_parameters"]["full_attention"]["rope_type"] == "yarn"
+    assert export.config["rope_parameters"]["sliding_attention"] == SHIPPED_SLIDING
+    assert compare_layers(ropescale_layer_ropes(model, 256), vllm_layer_ropes(export.config, 256), 256).same
+
+
+def test_gemma3_patch_of_the_sliding_layers_is_served_too():
+    """vLLM 0.32.0's Gemma 3 passes each layer its own type's rope parameters to get_rope, so a patch
+    of the sliding layers is expressed as well (measured: real vLLM 0.32.0 within 1.3e-6 log p)."""
+    model = gemma3_patched("yarn", factor=4.0, layer_types=["sliding_attention", "full_attention"])
+    export = export_vllm(model, 256)
+    sliding = export.config["rope_parameters"]["sliding_attention"]
+    assert sliding["rope_type"] == "yarn" and sliding["rope_theta"] == LOCAL
+    assert compare_layers(ropescale_layer_ropes(model, 256), vllm_layer_ropes(export.config, 256), 256).same
+
+
+def test_vllm_rope_per_layer_type_shows_a_wrong_key():
+    model = gemma3_patched("yarn", factor=4.0)
+    export = export_vllm(model, 256)
+    ours = ropescale_layer_ropes(model, 256)
+    sliding_at_global_base = copy.deepcopy(export.config)
+    sliding_at_global_base["rope_parameters"]["sliding_attention"]["rope_theta"] = GLOBAL
+    v = compare_layers(ours, vllm_layer_ropes(sliding_at_global_base, 256), 256)
+    assert not v.same and v.verdict.startswith("differs: sliding_attention: frequencies differ"), v.verdict
+    half_factor = copy.deepcopy(export.config)
+    half_factor["rope_parameters"]["full_attention"]["factor"] = 2.0
+    v = compare_layers(ours, vllm_layer_ropes(half_factor, 256), 256)
+    assert not v.same and v.verdict.startswith("differs: full_attention: ") and "sliding" not in v.verdict
+    # a Gemma 3 config's length is not scaled by the factor: linear with mpe = T is refused at 4T
+    linear = copy.deepcopy(export_vllm(gemma3_patched("linear", factor=4.0), 256).config)
+    linear["max_position_embeddings"] = G_T
+    assert vllm_rope(linear, 256, layer_type="full_attention").failure.startswith(
+        f"vLLM refuses max_model_len 256 > {G_T}")
+    # per-layer-type parameters in a model vLLM reads one set for
+    other = vllm_layer_ropes({**export.config, "model_type": "olmo3"}, 256)
+    assert all("reads one set of rope parameters" in r.failure for r in other.values())
+    with pytest.raises(InvalidInput, match="per layer type .*name one of them"):
+        vllm_rope(export.config, 256)
+
+
+def test_per_layer_type_patches_of_other_families_are_refused_in_one_line():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import ropescale
+
+    config = AutoConfig.for_model("olmo3", vocab_size=256, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=64, sliding_window=16, eos_token_id=1, pad_token_id=1,
+                                  layer_types=["sliding_attention", "full_attention"])
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ropescale.patch(model, "yarn", factor=4.0)
+    with pytest.raises(ExportRefused, match=r"^vLLM: vLLM 0\.32\.0's olmo3 model reads one set of rope parameters") \
+            as err:
+        export_vllm(model, 256)
+    assert "\n" not in str(err.value)

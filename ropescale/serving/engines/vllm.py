@@ -17,6 +17,11 @@ longrope   ``max_position_embeddings`` = max(⌈T·s⌉, L), ``short_mscale``/``
            ``max_model_len`` > T
 =========  ===================================================================================
 
+A per-layer-type model (Gemma 3, Gemma 3n: ``PER_LAYER_TYPE``) gets ``rope_parameters`` keyed by layer type —
+each patched type by the table, the others as shipped — which vLLM's gemma3.py/gemma3n.py read per
+attention layer, and ``max_position_embeddings`` ≥ L (vLLM does not scale a gemma3 config's length by a
+factor); ``vllm_layer_ropes`` computes each type's rotation.
+
 ``vllm_rope`` re-implements what vLLM computes from such a config (``get_rope`` and the
 rotary classes in ``vllm/model_executor/layers/rotary_embedding/``: ``__init__.py``,
 ``base.py``, ``linear_scaling_rope.py``, ``ntk_scaling_rope.py``, ``dynamic_ntk_scaling_rope.py``,
@@ -42,6 +47,7 @@ from typing import Any
 
 import torch
 
+from ropescale.errors import InvalidInput
 from ropescale.models import save_patched
 from ropescale.rope_config import text_config
 from ropescale.serving.engines import Engine
@@ -49,9 +55,14 @@ from ropescale.serving.output import staged
 from ropescale.serving.plan import served_rope_parameters
 from ropescale.serving.rope import EngineRope, ExportRefused, check_length, patch_handle
 
-__all__ = ["ENGINE", "VLLM_FILE", "VllmEngine", "VllmExport", "export_vllm", "vllm_rope"]
+__all__ = ["ENGINE", "PER_LAYER_TYPE", "VERSION", "VLLM_FILE", "VllmEngine", "VllmExport", "export_vllm",
+           "nested_layer_types", "vllm_layer_ropes", "vllm_rope"]
 
 ENGINE = "vLLM"
+VERSION = "0.32.0"  # the release whose sources the rules and re-implementations here were read from
+# model types whose vLLM 0.32.0 model reads rope_parameters[layer_type] per attention layer
+# (vllm/model_executor/models/gemma3.py, gemma3n.py; gemma3_mm.py and gemma3n_mm.py wrap them)
+PER_LAYER_TYPE = ("gemma3", "gemma3_text", "gemma3n", "gemma3n_text")
 VLLM_FILE = "vllm.json"  # beside the exported config.json: max_model_len, hf_overrides, notes
 
 
@@ -79,16 +90,74 @@ def export_vllm(model_or_handle, serve_length: int, *, freeze_dynamic_at: int | 
 
     ``freeze_dynamic_at``: dynamic NTK is served static at this length F (default L): vLLM's
     ``dynamic`` type is static too, and plain RoPE unless ``max_trained_positions`` is set.
+    A per-layer-type model (Gemma 3, Gemma 3n: ``PER_LAYER_TYPE``) gets ``rope_parameters`` per layer
+    type — the patched types translated, the others as shipped — which vLLM 0.32.0's model reads per
+    layer (``config.rope_parameters[layer_type]``, gemma3.py/gemma3n.py), and
+    ``max_position_embeddings`` ≥ L: vLLM takes a gemma3 config's length unscaled by any factor
+    (``_get_and_verify_max_len``) and the unscaled layers' cos/sin cache holds that many positions.
     Raises ``ExportRefused`` ("vLLM: ...", one line) for what vLLM cannot express: relative
     rules (ReRoPE, Leaky ReRoPE, SelfExtend, DCA, STRING), log-n, ``dynamic_block``,
-    strategies without a transformers export hook, YaRN with L > ⌈T·s⌉; ``InvalidInput`` for an
-    unpatched model or bad lengths.
+    strategies without a transformers export hook, YaRN with L > ⌈T·s⌉, per-layer-type patches of a
+    family whose vLLM model reads one set; ``InvalidInput`` for an unpatched model or bad lengths.
     """
     handle = patch_handle(model_or_handle)
-    served = served_rope_parameters(handle, ENGINE, serve_length, freeze_dynamic_at=freeze_dynamic_at)
-    rp, ctx, length = dict(served.rope_parameters), served.context, served.serve_length
-    t = ctx["original_max_position_embeddings"]
+    served = served_rope_parameters(handle, ENGINE, serve_length, freeze_dynamic_at=freeze_dynamic_at,
+                                    per_layer_type=True)
+    length = served.serve_length
     notes = list(served.notes)
+    if served.layer_types is None:
+        rp, mpe, drop_top_orig, more = _translate(dict(served.rope_parameters), served.context, length)
+        rope_parameters = rp
+        notes += more
+    else:
+        rope_parameters, mpe, drop_top_orig = _per_layer_type(handle, served, notes)
+    config = handle.model.config.to_dict()
+    text = config.get("text_config", config) if text_config(handle.model.config) is not handle.model.config else config
+    before = {k: copy.deepcopy(text.get(k)) for k in ("rope_parameters", "max_position_embeddings")}
+    text["rope_parameters"] = rope_parameters
+    text["max_position_embeddings"] = int(mpe)
+    overrides = {k: text[k] for k in before if text[k] != before[k]}
+    if drop_top_orig and "original_max_position_embeddings" in text:
+        del text["original_max_position_embeddings"]
+        overrides["original_max_position_embeddings"] = None
+    if text is not config:
+        overrides = {"text_config": overrides} if overrides else {}
+    return VllmExport(config, copy.deepcopy(overrides), length, notes)
+
+
+def _per_layer_type(handle, served, notes: list[str]) -> tuple[dict[str, Any], int, bool]:
+    """``(rope_parameters per layer type, max_position_embeddings, drop the top-level window)`` of a
+    per-layer-type export: each type translated by ``_translate``; mpe the largest any type needs and
+    at least L (see ``export_vllm``). ``ExportRefused`` for a family outside ``PER_LAYER_TYPE``."""
+    model_type = handle.model.config.model_type
+    if model_type not in PER_LAYER_TYPE:
+        raise ExportRefused(f"vLLM: vLLM {VERSION}'s {model_type} model reads one set of rope parameters for every "
+                            f"layer; per-layer-type patches ({handle.layer_types}) are exported for the families it "
+                            f"reads per layer type ({', '.join(PER_LAYER_TYPE)})")
+    length = served.serve_length
+    out, mpes, drop = {}, [length], False
+    for lt, rp in served.layer_types.items():
+        if lt not in served.patched_types:
+            out[lt] = dict(rp)
+            continue
+        out[lt], mpe, drop_lt, more = _translate(dict(rp), served.layer_contexts[lt], length)
+        mpes.append(mpe)
+        drop = drop or drop_lt
+        notes += [f"{lt}: {n}" for n in more]
+    mpe = max(mpes)
+    notes.append(f"per layer type: vLLM's {model_type} reads rope_parameters[layer_type] for each layer; "
+                 f"max_position_embeddings = {mpe} (>= the served length: vLLM does not scale a gemma3 config's "
+                 "length by the factor, and the unscaled layers' cos/sin cache holds that many positions)")
+    return out, mpe, drop
+
+
+def _translate(rp: dict[str, Any], ctx: dict[str, Any], length: int
+               ) -> tuple[dict[str, Any], int, bool, list[str]]:
+    """One set of transformers rope parameters → ``(vLLM's rope parameters, max_position_embeddings,
+    drop the top-level original_max_position_embeddings, notes)`` at served length L = ``length``
+    (the module docstring's table). ``ExportRefused`` for YaRN with L > ⌈T·s⌉ and unknown types."""
+    t = ctx["original_max_position_embeddings"]
+    notes = []
     kind = rp["rope_type"]
     drop_top_orig = False
     if kind == "default":
@@ -114,18 +183,7 @@ def export_vllm(model_or_handle, serve_length: int, *, freeze_dynamic_at: int | 
                      f"(max_model_len {'>' if length > t else '<='} T = {t}); ropescale switches per sequence length")
     else:  # a rope type a newer hook may write
         raise ExportRefused(f"vLLM: no translation for transformers rope type {kind!r}")
-    config = handle.model.config.to_dict()
-    text = config.get("text_config", config) if text_config(handle.model.config) is not handle.model.config else config
-    before = {k: copy.deepcopy(text.get(k)) for k in ("rope_parameters", "max_position_embeddings")}
-    text["rope_parameters"] = rp
-    text["max_position_embeddings"] = int(mpe)
-    overrides = {k: text[k] for k in before if text[k] != before[k]}
-    if drop_top_orig and "original_max_position_embeddings" in text:
-        del text["original_max_position_embeddings"]
-        overrides["original_max_position_embeddings"] = None
-    if text is not config:
-        overrides = {"text_config": overrides} if overrides else {}
-    return VllmExport(config, copy.deepcopy(overrides), length, notes)
+    return rp, mpe, drop_top_orig, notes
 
 
 def _inv_freq(base: float, rotary_dim: int) -> torch.Tensor:
@@ -133,20 +191,45 @@ def _inv_freq(base: float, rotary_dim: int) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
 
 
-def _derived_max_len(text: dict[str, Any], rp: dict[str, Any]) -> float:
+def _derived_max_len(text: dict[str, Any], rp: dict[str, Any], model_type: str = "") -> float:
     """vllm/config/model.py ``_get_and_verify_max_len`` (v0.32.0): the longest ``max_model_len`` vLLM
     accepts without ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``: mpe, times ``factor`` unless the type is
     su/longrope/llama3/yarn/deepseek_yarn/deepseek_llama_scaling (YaRN's mpe is taken as already
-    scaled, as transformers' ``_compute_yarn_parameters`` assumes)."""
+    scaled, as transformers' ``_compute_yarn_parameters`` assumes) or the model type contains
+    ``gemma3`` (taken as already scaled too)."""
     derived = float(text.get("max_position_embeddings", 2048))
     kind = rp.get("rope_type", "default")
+    if "gemma3" in model_type:
+        return derived
     if kind not in ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling"):
         derived *= rp.get("factor", 1.0) or 1.0
     return derived
 
 
-def vllm_rope(config: dict[str, Any], max_model_len: int, *, allow_long_max_model_len: bool = False) -> EngineRope:
+def nested_layer_types(config: dict[str, Any]) -> list[str]:
+    """The layer types a config.json dict's ``rope_parameters`` is keyed by ([] for one set)."""
+    text = config.get("text_config", config) if "num_attention_heads" not in config else config
+    rp = text.get("rope_parameters")
+    if not isinstance(rp, dict) or not rp or not all(isinstance(v, dict) for v in rp.values()):
+        return []
+    return list(rp)
+
+
+def vllm_layer_ropes(config: dict[str, Any], max_model_len: int) -> dict[str | None, EngineRope]:
+    """``vllm_rope`` of every layer type of ``config`` (``{None: ...}`` for one set of rope parameters):
+    what each type's layers compute in vLLM."""
+    types = nested_layer_types(config)
+    if not types:
+        return {None: vllm_rope(config, max_model_len)}
+    return {lt: vllm_rope(config, max_model_len, layer_type=lt) for lt in types}
+
+
+def vllm_rope(config: dict[str, Any], max_model_len: int, *, allow_long_max_model_len: bool = False,
+              layer_type: str | None = None) -> EngineRope:
     """What vLLM computes for ``config`` (a config.json dict) served with ``max_model_len`` [tokens].
+
+    ``layer_type``: for ``rope_parameters`` keyed by layer type (Gemma 3), whose layers: the models of
+    ``PER_LAYER_TYPE`` pass ``get_rope`` ``rope_parameters[layer_type]`` and the one mpe (others: ``failure``).
 
     Formulas by ``rope_type`` (see the module docstring for the sources), frequencies in float32
     as vLLM computes them:
@@ -169,21 +252,23 @@ def vllm_rope(config: dict[str, Any], max_model_len: int, *, allow_long_max_mode
     refuses a ``max_model_len`` above ``_get_and_verify_max_len`` (unless
     ``allow_long_max_model_len``, i.e. ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1``), or returns NaN from the
     first position past its cos/sin cache, or does not know the rope type.
-    Raises ``InvalidInput`` for a bad length.
+    Raises ``InvalidInput`` for a bad length, or a ``layer_type`` missing or not in the config (one line).
     """
     max_model_len = check_length(max_model_len, "max_model_len")
     text = config.get("text_config", config) if "num_attention_heads" not in config else config
-    rp = text.get("rope_parameters")
-    if not rp:  # transformers 4 style
-        rp = {**(text.get("rope_scaling") or {}), "rope_theta": text.get("rope_theta", 10000)}
-        rp.setdefault("rope_type", rp.pop("type", "default"))
+    model_type = str(config.get("model_type", ""))
+    rp = _layer_rope_parameters(config, text, layer_type)
+    if rp is None:
+        return EngineRope(torch.full((1,), math.nan, dtype=torch.float64), math.nan, 1.0, f"vLLM {model_type} model",
+                          f"vLLM {VERSION}'s {model_type} model reads one set of rope parameters, not "
+                          "rope_parameters per layer type")
     kind = rp.get("rope_type", rp.get("type", "default"))
     base = float(rp.get("rope_theta", 10000))
     head = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
     partial = rp.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0)) or 1.0
     d = int(head * partial)
     mpe = int(text.get("max_position_embeddings", 8192))  # vLLM's Llama: getattr(config, ..., 8192)
-    magnitude, note = 1.0, f"vLLM rope_type {kind!r}"
+    magnitude, note = 1.0, f"vLLM rope_type {kind!r}" + (f" ({layer_type} layers)" if layer_type else "")
     if kind == "default":
         inv, cache = _inv_freq(base, d), mpe
     elif kind == "linear":
@@ -211,7 +296,7 @@ def vllm_rope(config: dict[str, Any], max_model_len: int, *, allow_long_max_mode
         return EngineRope(_inv_freq(base, d).double() * math.nan, math.nan, 1.0, note,
                           f"vLLM: unknown rope type {kind!r} (get_rope raises ValueError)")
     failure = None
-    derived = _derived_max_len(text, {**rp, "rope_type": kind})
+    derived = _derived_max_len(text, {**rp, "rope_type": kind}, model_type)
     if max_model_len > derived and not allow_long_max_model_len:
         failure = (f"vLLM refuses max_model_len {max_model_len} > {int(derived)} derived from the config "
                    "(VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 runs it)")
@@ -219,6 +304,25 @@ def vllm_rope(config: dict[str, Any], max_model_len: int, *, allow_long_max_mode
         failure = (f"vLLM returns NaN from position {cache} on: its cos/sin cache holds {cache} positions "
                    f"(max_model_len {max_model_len})")
     return EngineRope(inv.to(torch.float64), float(magnitude), 1.0, note, failure)
+
+
+def _layer_rope_parameters(config: dict[str, Any], text: dict[str, Any], layer_type: str | None
+                           ) -> dict[str, Any] | None:
+    """The rope parameters vLLM passes ``get_rope`` for ``layer_type``'s layers: the config's one set
+    (a transformers 4 ``rope_scaling`` + ``rope_theta`` too), or ``rope_parameters[layer_type]``; None
+    where the model type reads one set of a config keyed by layer type. ``InvalidInput`` (one line)
+    for a ``layer_type`` the config is not keyed by."""
+    rp = text.get("rope_parameters")
+    types = nested_layer_types(config)
+    if types or layer_type is not None:
+        if layer_type not in types:
+            raise InvalidInput(f"layer_type={layer_type!r}: the config's rope_parameters are "
+                               + (f"per layer type {types}; name one of them" if types else "one set for every layer"))
+        return rp[layer_type] if str(config.get("model_type", "")) in PER_LAYER_TYPE else None
+    if not rp:  # transformers 4 style
+        rp = {**(text.get("rope_scaling") or {}), "rope_theta": text.get("rope_theta", 10000)}
+        rp.setdefault("rope_type", rp.pop("type", "default"))
+    return rp
 
 
 def _yarn(rp: dict[str, Any], base: float, d: int) -> tuple[torch.Tensor, float, int]:
@@ -301,8 +405,12 @@ class VllmEngine(Engine):
             (stage / VLLM_FILE).write_text(json.dumps(record, indent=1, default=str) + "\n", encoding="utf-8")
         return output, []
 
-    def rope(self, translation: VllmExport, length: int, context: dict[str, Any]) -> EngineRope:
-        return vllm_rope(translation.config, translation.max_model_len)
+    def rope(self, translation: VllmExport, length: int, context: dict[str, Any]
+             ) -> EngineRope | dict[str, EngineRope]:
+        """``vllm_rope`` of the exported config; per layer type (``vllm_layer_ropes``) where its
+        ``rope_parameters`` are."""
+        ropes = vllm_layer_ropes(translation.config, translation.max_model_len)
+        return ropes.get(None, ropes)
 
     def serve_command(self, translation: VllmExport, path: Path, serve_length: int | None) -> str:
         return translation.serve_command(str(path))
