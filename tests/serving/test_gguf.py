@@ -2,7 +2,9 @@
 ropescale's rotation; llama_cpp_rope checked against llama.cpp's formulas written out here from
 its source (src/llama-model.cpp load_hparams, src/llama-context.cpp cparams,
 ggml/src/ggml-cpu/ops.cpp rope_yarn*); the GGUF round trip through gguf's reader; every known
-non-parity detected and named."""
+non-parity detected and named. Gemma 3: its llama.cpp architecture rotates the sliding-window layers
+at ``rope.freq_base_swa``, unscaled, and the global ones with the rope keys (src/models/gemma3.cpp,
+``llama_model::get_rope_freq_base/scale``)."""
 
 import math
 
@@ -20,10 +22,26 @@ from ropescale.serving import (
     rewrite_gguf,
     ropescale_rope,
 )
+from ropescale.serving.engines.llama_cpp import llama_cpp_layer_ropes
 from ropescale.serving.gguf import ROPE_TENSORS
-from tests.conftest import tiny_llama_config
-from tests.serving.conftest import FREQUENCY, LONG, RELATIVE, SHORT, THETA, D, T, patched
-from tests.serving.tiny_gguf import write_tiny_llama_gguf
+from ropescale.serving.rope import compare_layers, ropescale_layer_ropes
+from tests.conftest import tiny_gemma3_config, tiny_llama_config
+from tests.serving.conftest import (
+    FREQUENCY,
+    G_D,
+    G_T,
+    GLOBAL,
+    LOCAL,
+    LONG,
+    RELATIVE,
+    SHORT,
+    THETA,
+    D,
+    T,
+    gemma3_patched,
+    patched,
+)
+from tests.serving.tiny_gguf import write_tiny_gemma3_gguf, write_tiny_llama_gguf
 
 gguf = pytest.importorskip("gguf")
 V = gguf.GGUFValueType
@@ -373,4 +391,138 @@ def test_longrope_is_refused_where_llama_cpp_reads_rope_factors_long_short(arch,
     out = tmp_path / "out" / "model.gguf"
     with pytest.raises(ExportRefused, match=match):
         rewrite_gguf(src, out, gguf_rope(model, 256))
+    assert not out.parent.exists()
+
+
+# ---- Gemma 3: sliding-window layers at rope.freq_base_swa, global layers with the rope keys --------
+
+GEMMA3 = {"yarn": ("yarn", {"factor": 4.0}), "linear": ("linear", {"factor": 4.0}), "ntk": ("ntk", {"factor": 4.0}),
+          "dynamic_ntk": ("dynamic_ntk", {"factor": 2.0})}
+SWA = {"sliding_attention": True, "full_attention": False}
+
+
+@pytest.fixture(scope="module")
+def gemma3_gguf(tmp_path_factory):
+    """A tiny Gemma 3 GGUF as llama.cpp's converter writes it, with a stale linear ×8 on its global layers."""
+    stale = {"gemma3.rope.scaling.type": ("linear", V.STRING), "gemma3.rope.scaling.factor": (8.0, V.FLOAT32)}
+    return write_tiny_gemma3_gguf(tmp_path_factory.mktemp("gemma3") / "base.gguf", tiny_gemma3_config(),
+                                  extra_kv=stale)
+
+
+@pytest.mark.parametrize("length", [128, 256])
+@pytest.mark.parametrize("case", sorted(GEMMA3))
+def test_gemma3_global_patch_is_written_for_llama_cpps_global_layers(case, length, gemma3_gguf, tmp_path):
+    name, params = GEMMA3[case]
+    model = gemma3_patched(name, **params)
+    rope = gguf_rope(model, length, freeze_dynamic_at=length if name == "dynamic_ntk" else None)
+    assert rope.arch == "gemma3" and rope.swa_types == SWA
+    out = rewrite_gguf(gemma3_gguf, tmp_path / "model.gguf", rope)
+    kv, tensors = read_gguf_rope(out)
+    assert kv["gemma3.rope.freq_base_swa"] == LOCAL and kv["gemma3.attention.sliding_window"] == 16
+    theirs = llama_cpp_layer_ropes(kv, tensors, length, G_D, rope.swa_types)
+    assert all(t.failure is None for t in theirs.values())
+    verdict = compare_layers(ropescale_layer_ropes(model, length), theirs, length)
+    assert verdict.same, verdict.verdict
+
+
+def test_gemma3_export_writes_the_keys_llama_cpp_applies_to_the_global_layers(gemma3_gguf, tmp_path):
+    yarn = gguf_rope(gemma3_patched("yarn", factor=4.0), 256)
+    assert yarn.kv == {"gemma3.rope.freq_base": (GLOBAL, V.FLOAT32), "gemma3.rope.scaling.type": ("yarn", V.STRING),
+                       "gemma3.rope.scaling.factor": (4.0, V.FLOAT32),
+                       "gemma3.rope.scaling.original_context_length": (G_T, V.UINT32),
+                       "gemma3.rope.scaling.attn_factor": (pytest.approx(1.0), V.FLOAT32),
+                       "gemma3.rope.freq_base_swa": (LOCAL, V.FLOAT32)}
+    linear = gguf_rope(gemma3_patched("linear", factor=4.0), 256)
+    assert linear.kv == {"gemma3.rope.freq_base": (GLOBAL, V.FLOAT32),
+                         "gemma3.rope.scaling.type": ("linear", V.STRING),
+                         "gemma3.rope.scaling.factor": (4.0, V.FLOAT32),
+                         "gemma3.rope.freq_base_swa": (LOCAL, V.FLOAT32)}
+    assert not linear.tensors
+    out = rewrite_gguf(gemma3_gguf, tmp_path / "model.gguf", linear)
+    kv, _ = read_gguf_rope(out)  # the stale linear ×8 is replaced, every other key copied
+    assert kv["gemma3.rope.scaling.factor"] == 4.0 and kv["general.name"] == "tiny-gemma3"
+    # the sliding layers' own patched base (NTK is rope_type default): rope.freq_base_swa carries it
+    both = gguf_rope(gemma3_patched("ntk", factor=4.0, layer_types=["sliding_attention", "full_attention"]), 256)
+    assert both.kv["gemma3.rope.freq_base_swa"][0] == pytest.approx(LOCAL * 4 ** (G_D / (G_D - 2)))
+
+
+def _gemma3_kv(**rope):
+    return {"general.architecture": "gemma3", "gemma3.context_length": G_T, "gemma3.rope.freq_base": GLOBAL,
+            "gemma3.rope.freq_base_swa": LOCAL, "gemma3.attention.sliding_window": 16,
+            **{f"gemma3.rope.{k}": v for k, v in rope.items()}}
+
+
+def test_llama_cpp_sliding_layers_rotate_at_their_own_base_unscaled():
+    local = [LOCAL ** (-2 * i / G_D) for i in range(G_D // 2)]
+    glob = [GLOBAL ** (-2 * i / G_D) for i in range(G_D // 2)]
+    linear = _gemma3_kv(**{"scaling.type": "linear", "scaling.factor": 4.0})
+    _close(llama_cpp_rope(linear, {}, 256, G_D, sliding=True), local)
+    _close(llama_cpp_rope(linear, {}, 256, G_D), [f / 4 for f in glob])
+    yarn = _gemma3_kv(**{"scaling.type": "yarn", "scaling.factor": 4.0, "scaling.original_context_length": G_T})
+    _close(llama_cpp_rope(yarn, {}, 256, G_D, sliding=True), local)  # the ramp mixes equal frequencies
+    assert llama_cpp_rope(yarn, {}, 256, G_D).magnitude == pytest.approx(0.1 * math.log(4) + 1, abs=MAG_TOL)
+    # rope.scaling.attn_factor reaches every layer, the sliding ones too
+    assert llama_cpp_rope({**yarn, "gemma3.rope.scaling.attn_factor": 0.9}, {}, 256, G_D,
+                          sliding=True).magnitude == pytest.approx(0.9, abs=MAG_TOL)
+    # no freq_base_swa: llama.cpp's default 10000; no sliding window: every layer is global
+    _close(llama_cpp_rope({**linear, "gemma3.rope.freq_base_swa": 500.0}, {}, 256, G_D, sliding=True),
+           [500.0 ** (-2 * i / G_D) for i in range(G_D // 2)])
+    no_window = {k: v for k, v in linear.items() if k != "gemma3.attention.sliding_window"}
+    _close(llama_cpp_rope(no_window, {}, 256, G_D, sliding=True), [f / 4 for f in glob])
+    # gemma3's graph passes no frequency factors: a rope_freqs tensor is never read
+    _close(llama_cpp_rope(linear, {"rope_freqs.weight": np.full(G_D // 2, 3.0, np.float32)}, 256, G_D),
+           [f / 4 for f in glob])
+
+
+def test_a_wrong_gemma3_key_shows_which_layer_type_differs():
+    model = gemma3_patched("yarn", factor=4.0)
+    rope = gguf_rope(model, 256)
+    ours = ropescale_layer_ropes(model, 256)
+    kv = {**_gemma3_kv(), **{k: v[0] for k, v in rope.kv.items()}}
+    assert compare_layers(ours, llama_cpp_layer_ropes(kv, {}, 256, G_D, SWA), 256).same
+    v = compare_layers(ours, llama_cpp_layer_ropes({**kv, "gemma3.rope.freq_base_swa": GLOBAL}, {}, 256, G_D, SWA),
+                       256)
+    assert not v.same and v.verdict.startswith("differs: sliding_attention: frequencies differ"), v.verdict
+    v = compare_layers(ours, llama_cpp_layer_ropes({**kv, "gemma3.rope.scaling.factor": 2.0}, {}, 256, G_D, SWA), 256)
+    assert not v.same and v.verdict.startswith("differs: full_attention: ") and "sliding" not in v.verdict
+    no_window = {k: v for k, v in kv.items() if k != "gemma3.attention.sliding_window"}
+    v = compare_layers(ours, llama_cpp_layer_ropes(no_window, {}, 256, G_D, SWA), 256)
+    assert not v.same and "sliding_attention: " in v.verdict  # scaled as the global layers
+
+
+@pytest.mark.parametrize(("name", "params", "match"), [
+    ("yarn", {"factor": 4.0, "layer_types": ["sliding_attention", "full_attention"]},
+     r"rotates gemma3's sliding-window layers at rope.freq_base_swa with no rope scaling .*sliding_attention \(yarn\)"
+     r" cannot be expressed; patch full_attention only \(--layer-types full_attention\)"),
+    ("linear", {"factor": 4.0, "layer_types": ["sliding_attention"]}, r"sliding_attention \(linear\) cannot"),
+    ("yarn", {"factor": 4.0, "attention_factor": 1.3},
+     r"multiplies every layer's cos/sin by rope.scaling.attn_factor, the sliding-window layers' too"),
+    ("llama3", {"factor": 4.0}, r"rotates gemma3 with no frequency factors .*rope_freqs.weight would be ignored"),
+])
+def test_what_llama_cpp_cannot_express_on_gemma3_is_refused_in_one_line(name, params, match):
+    with pytest.raises(ExportRefused, match=match) as err:
+        gguf_rope(gemma3_patched(name, **params), 256)
+    assert str(err.value).startswith("llama.cpp: ") and "\n" not in str(err.value)
+    assert "llama-cpp-python 0.3.36" in str(err.value)
+
+
+@pytest.mark.parametrize(("gguf_file", "match"), [
+    ("llama", r"is a llama GGUF; the llama.cpp of llama-cpp-python 0.3.36 gives sliding-window layers their own "
+              r"rope only in gemma3, gemma3n"),
+    ("no-window", r"has no gemma3.attention.sliding_window, so .* rotates every layer as a global one"),
+    ("other-swa-base", r"freq_base_swa 500 but the patched model's sliding layers' rope_theta is 10000"),
+])
+def test_a_gguf_that_would_not_apply_the_layer_types_is_refused_before_writing(gguf_file, match, tmp_path):
+    src = tmp_path / f"{gguf_file}.gguf"
+    if gguf_file == "llama":
+        write_tiny_llama_gguf(src, tiny_llama_config(rope_theta=GLOBAL))
+    else:
+        config = tiny_gemma3_config()
+        if gguf_file == "other-swa-base":
+            config.rope_parameters["sliding_attention"]["rope_theta"] = 500.0
+        write_tiny_gemma3_gguf(src, config, sliding_window=gguf_file != "no-window")
+    out = tmp_path / "out" / "model.gguf"
+    with pytest.raises(ExportRefused, match=match) as err:
+        rewrite_gguf(src, out, gguf_rope(gemma3_patched("yarn", factor=4.0), 256))
+    assert "\n" not in str(err.value)
     assert not out.parent.exists()

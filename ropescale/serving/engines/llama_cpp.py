@@ -22,6 +22,13 @@ longrope   ``type = none``, ``rope_freqs`` = the long (L > T) or short factors, 
            the served length, and ``attn_factor`` = the attention factor
 =========  ===================================================================================
 
+Per-layer-type models (Gemma 3, Gemma 3n: ``SWA_ARCH``) are written for their own architecture, whose
+graph rotates sliding-window layers at ``rope.freq_base_swa`` unscaled and every other layer with the keys
+above (``SWA_ROPE_ARCHS``): the global type's parameters as the table says, the sliding base as
+``freq_base_swa``; a scaled sliding type, a YaRN attention factor other than the default (it reaches the
+sliding layers too) and rope tensors (never read there) are refused. ``llama_cpp_layer_ropes`` computes
+each type's rotation.
+
 Dynamic NTK is refused unless frozen (``freeze_dynamic_at``): llama.cpp has no dynamic rope and the
 converter drops it silently (the GGUF then runs vanilla RoPE).
 
@@ -52,15 +59,27 @@ import numpy as np
 import torch
 
 from ropescale.errors import InvalidInput
+from ropescale.rope_config import text_config
 from ropescale.serving.engines import Engine
-from ropescale.serving.gguf import LONGROPE_ARCHS, GgufRope, check_arch_reads_tensors, gguf_module, rewrite_gguf
+from ropescale.serving.gguf import (
+    LLAMA_CPP,
+    LONGROPE_ARCHS,
+    SWA_ROPE_ARCHS,
+    GgufRope,
+    check_arch_reads_tensors,
+    gguf_module,
+    rewrite_gguf,
+)
 from ropescale.serving.output import same_path
 from ropescale.serving.plan import served_rope_parameters
 from ropescale.serving.rope import EngineRope, ExportRefused, check_length, patch_handle
 
-__all__ = ["ENGINE", "LlamaCppEngine", "gguf_rope", "llama_cpp_rope"]
+__all__ = ["ENGINE", "SWA_ARCH", "LlamaCppEngine", "gguf_rope", "llama_cpp_layer_ropes", "llama_cpp_rope"]
 
 ENGINE = "llama.cpp"
+# transformers model types of per-layer-type models → the llama.cpp architecture their converter writes
+# (conversion/gemma.py: Gemma3ForCausalLM/Gemma3ForConditionalGeneration → gemma3, Gemma3n → gemma3n)
+SWA_ARCH = {"gemma3_text": "gemma3", "gemma3": "gemma3", "gemma3n_text": "gemma3n", "gemma3n": "gemma3n"}
 _DEFAULT_BETAS = (32.0, 1.0)
 
 
@@ -68,25 +87,41 @@ def gguf_rope(model_or_handle, serve_length: int, *, freeze_dynamic_at: int | No
               arch: str = "llama") -> GgufRope:
     """The GGUF rope metadata that makes llama.cpp rotate as the patched model does at ``serve_length``.
 
-    See the module docstring for the table. Raises ``ExportRefused`` ("llama.cpp: ...", one line)
+    See the module docstring for the table; a per-layer-type model (Gemma 3, Gemma 3n) is written
+    for its llama.cpp architecture (``SWA_ARCH``, whatever ``arch`` says) by ``_layer_types``.
+    Raises ``ExportRefused`` ("llama.cpp: ...", one line)
     for relative rules (ReRoPE, Leaky ReRoPE, SelfExtend, DCA, STRING), log-n, ``dynamic_block``,
     strategies without a transformers export hook, non-default YaRN betas, dynamic NTK
-    without ``freeze_dynamic_at``, and ``rope_freqs`` (llama3, longrope) for an ``arch`` that loads
-    ``rope_factors_long/short`` instead (phi3, phimoe); ``InvalidInput`` for an unpatched model or bad lengths;
-    ``GgufUnavailable`` without the ``gguf`` package.
+    without ``freeze_dynamic_at``, ``rope_freqs`` (llama3, longrope) for an ``arch`` that loads
+    ``rope_factors_long/short`` instead (phi3, phimoe) or none (gemma3, gemma3n), and per-layer-type
+    patches llama.cpp cannot apply (``_layer_types``); ``InvalidInput`` for an unpatched model or bad
+    lengths; ``GgufUnavailable`` without the ``gguf`` package.
     """
     gguf = gguf_module()
-    t_ = gguf.GGUFValueType
     handle = patch_handle(model_or_handle)
     served = served_rope_parameters(handle, ENGINE, serve_length, freeze_dynamic_at=freeze_dynamic_at,
-                                    freeze_default=False)
-    rp, ctx, length = served.rope_parameters, served.context, served.serve_length
+                                    freeze_default=False, per_layer_type=True)
+    if served.layer_types is not None:
+        return _layer_types(handle, served, gguf)
+    rp, ctx = served.rope_parameters, served.context
+    kv, tensors, notes = _kind_keys(gguf, rp, ctx, served.serve_length, arch)
+    out = GgufRope(arch, kv, tensors, list(served.notes) + notes, int(ctx["dim"]), float(ctx["rope_theta"]),
+                   rp["rope_type"])
+    check_arch_reads_tensors(out)
+    return out
+
+
+def _kind_keys(gguf, rp: dict[str, Any], ctx: dict[str, Any], length: int, arch: str
+               ) -> tuple[dict[str, tuple[Any, Any]], dict[str, np.ndarray], list[str]]:
+    """``(kv, tensors, notes)``: one set of transformers rope parameters ``rp`` (context ``ctx``) as
+    llama.cpp's ``{arch}.rope.*`` keys and rope tensors at served length L = ``length``."""
+    t_ = gguf.GGUFValueType
     d, t = ctx["dim"], ctx["original_max_position_embeddings"]
     kind = rp["rope_type"]
     k = f"{arch}.rope."
     kv: dict[str, tuple[Any, Any]] = {k + "freq_base": (float(rp["rope_theta"]), t_.FLOAT32)}
     tensors: dict[str, np.ndarray] = {}
-    notes = list(served.notes)
+    notes = []
     if kind == "default":
         kv[k + "scaling.type"] = ("none", t_.STRING)
     elif kind == "linear":
@@ -95,7 +130,7 @@ def gguf_rope(model_or_handle, serve_length: int, *, freeze_dynamic_at: int | No
     elif kind == "yarn":
         betas = (float(rp["beta_fast"]), float(rp["beta_slow"]))
         if betas != _DEFAULT_BETAS:
-            raise ExportRefused(f"llama.cpp: the llama architecture never reads rope.scaling.yarn_beta_*, so "
+            raise ExportRefused(f"llama.cpp: the {arch} architecture never reads rope.scaling.yarn_beta_*, so "
                                 f"beta_fast={betas[0]:g}/beta_slow={betas[1]:g} would run as 32/1; export betas 32/1 "
                                 f"or serve with --yarn-beta-fast {betas[0]:g} --yarn-beta-slow {betas[1]:g}")
         if rp.get("truncate", True) is False:
@@ -123,9 +158,65 @@ def gguf_rope(model_or_handle, serve_length: int, *, freeze_dynamic_at: int | No
                      f"{'>' if long else '<='} T = {t}); ropescale switches per sequence length")
     else:
         raise ExportRefused(f"llama.cpp: no translation for transformers rope type {kind!r}")
-    out = GgufRope(arch, kv, tensors, notes, int(d), float(ctx["rope_theta"]), kind)
+    return kv, tensors, notes
+
+
+def _layer_types(handle, served, gguf) -> GgufRope:
+    """A per-layer-type model's GGUF rope (``ServedRope.layer_types``): its llama.cpp architecture
+    (``SWA_ARCH``) rotates the sliding-window layers at ``rope.freq_base_swa`` with no scaling and
+    every other layer with the ``rope.*`` keys (``SWA_ROPE_ARCHS``; converter: ``freq_base_swa``
+    from ``rope_parameters.sliding_attention.rope_theta``, the scaling keys from ``full_attention``'s).
+    So: the one non-sliding type's parameters as ``_kind_keys``; each sliding type's ``rope_theta``
+    as ``freq_base_swa``. ``ExportRefused`` for a family llama.cpp has no such architecture for,
+    other layouts than sliding + one global type, a sliding type with a scaled rope type (any but
+    ``default``), sliding types with different bases or dims, and a YaRN attention factor other
+    than 0.1·ln s + 1 (``rope.scaling.attn_factor`` multiplies the sliding layers' cos/sin too)."""
+    config = handle.model.config
+    arch = SWA_ARCH.get(config.model_type)
+    if arch is None:
+        raise ExportRefused(f"llama.cpp: the llama.cpp of {LLAMA_CPP} gives layer types their own rope only in "
+                            f"{', '.join(SWA_ROPE_ARCHS)} ({', '.join(SWA_ARCH)} models); {config.model_type}'s "
+                            f"per-layer-type patch ({handle.layer_types}) cannot be expressed")
+    sliding = [lt for lt in served.layer_types if "sliding" in lt]
+    other = [lt for lt in served.layer_types if lt not in sliding]
+    if not sliding or len(other) != 1:
+        raise ExportRefused(f"llama.cpp: {arch} has sliding-window layers and one global set of rope keys; the "
+                            f"layer types {list(served.layer_types)} do not map onto them")
+    full = other[0]
+    scaled = [f"{lt} ({served.layer_types[lt].get('rope_type', 'default')})" for lt in sliding
+              if served.layer_types[lt].get("rope_type", "default") != "default"]
+    if scaled:
+        raise ExportRefused(f"llama.cpp: the llama.cpp of {LLAMA_CPP} rotates {arch}'s sliding-window layers at "
+                            f"rope.freq_base_swa with no rope scaling (rope_freq_scale_train_swa is fixed at 1), so "
+                            f"{', '.join(scaled)} cannot be expressed; patch {full} only (--layer-types {full})")
+    bases = {float(served.layer_types[lt]["rope_theta"]) for lt in sliding}
+    dims = {int(served.layer_contexts[lt]["dim"]) for lt in served.layer_types}
+    if len(bases) != 1 or len(dims) != 1:
+        raise ExportRefused(f"llama.cpp: {arch} has one rope.freq_base_swa and one rope.dimension_count; the layer "
+                            f"types' bases {sorted(bases)} / rotary dims {sorted(dims)} differ")
+    rp, ctx = served.layer_types[full], served.layer_contexts[full]
+    if rp["rope_type"] == "yarn" and abs(float(rp["attention_factor"]) - _yarn_default(rp)) > 1e-6:
+        raise ExportRefused(f"llama.cpp: the llama.cpp of {LLAMA_CPP} multiplies every layer's cos/sin by "
+                            f"rope.scaling.attn_factor, the sliding-window layers' too, so a YaRN attention_factor "
+                            f"of {float(rp['attention_factor']):g} on {full} only cannot be expressed (the default "
+                            f"0.1·ln s + 1 = {_yarn_default(rp):g} can)")
+    kv, tensors, notes = _kind_keys(gguf, rp, ctx, served.serve_length, arch)
+    base_swa = bases.pop()
+    kv[f"{arch}.rope.freq_base_swa"] = (base_swa, gguf.GGUFValueType.FLOAT32)
+    notes = list(served.notes) + [f"{full}: {n}" for n in notes] + [
+        f"{', '.join(sliding)}: rope.freq_base_swa = {base_swa:g}, unscaled (llama.cpp's sliding-window layers)"]
+    kept_base = float(served.layer_contexts[sliding[0]]["rope_theta"])
+    out = GgufRope(arch, kv, tensors, notes, dims.pop(), float(ctx["rope_theta"]), rp["rope_type"],
+                   {lt: lt in sliding for lt in served.layer_types},
+                   getattr(text_config(config), "sliding_window", None), kept_base)
     check_arch_reads_tensors(out)
     return out
+
+
+def _yarn_default(rp: dict[str, Any]) -> float:
+    """YaRN's default attention factor 0.1·ln s + 1 (1 for s ≤ 1)."""
+    s = float(rp["factor"])
+    return 0.1 * math.log(s) + 1.0 if s > 1 else 1.0
 
 
 def _llama3_divisors(rp: dict[str, Any], d: int) -> np.ndarray:
@@ -152,7 +243,7 @@ def _value(v: Any) -> Any:
 
 def llama_cpp_rope(kv: dict[str, Any], tensors: dict[str, np.ndarray], n_ctx: int, head_dim: int, *,
                    yarn_beta_fast: float | None = None, yarn_beta_slow: float | None = None,
-                   yarn_attn_factor: float | None = None) -> EngineRope:
+                   yarn_attn_factor: float | None = None, sliding: bool = False) -> EngineRope:
     """What llama.cpp computes for a GGUF's rope metadata ``kv`` (key → value, or ``GgufRope.kv``'s
     ``(value, type)``) and rope ``tensors`` (name → ``[d/2]``) at context size ``n_ctx`` [tokens].
 
@@ -169,6 +260,10 @@ def llama_cpp_rope(kv: dict[str, Any], tensors: dict[str, np.ndarray], n_ctx: in
     YaRN, where the runtime factor is overwritten by get_mscale(s)/(1 + 0.1·ln s) = 1 (so a runtime
     ``--yarn-attn-factor`` is lost) and multiplied by ``rope.scaling.attn_factor``; without YaRN
     the runtime factor (default 1) times ``rope.scaling.attn_factor``.
+    ``sliding``: a sliding-window layer's rotation; in ``SWA_ROPE_ARCHS`` (gemma3: with
+    ``attention.sliding_window`` > 0) base ``rope.freq_base_swa`` (default 10000) and ``freq_scale`` 1
+    (YaRN's ramp then mixes equal frequencies), the runtime ``yarn_ext_factor``/``yarn_attn_factor`` of
+    every layer (``rope.scaling.attn_factor`` reaches it) and no ``rope_freqs``; elsewhere as any layer.
     ``failure``: an unknown ``rope.scaling.type`` (llama.cpp aborts loading the model).
     Raises ``InvalidInput`` for a bad ``n_ctx`` or a ``kv`` without ``general.architecture``.
     """
@@ -190,6 +285,10 @@ def llama_cpp_rope(kv: dict[str, Any], tensors: dict[str, np.ndarray], n_ctx: in
     rope_attn = f32(kv.get(r + "scaling.attn_factor", 1.0))
     log_mul = float(kv.get(r + "scaling.yarn_log_multiplier", 0.0))
     note = f"llama.cpp rope.scaling.type {kind!r}"
+    swa = sliding and arch in SWA_ROPE_ARCHS and (arch != "gemma3" or
+                                                  float(kv.get(f"{arch}.attention.sliding_window", 0) or 0) > 0)
+    if sliding:
+        note += "; sliding-window layer: rope.freq_base_swa, unscaled" if swa else "; sliding layer rotated as global"
     if kind not in ("none", "linear", "yarn", "longrope"):
         nan = torch.full((n_dims // 2,), math.nan, dtype=torch.float64)
         return EngineRope(nan, math.nan, 1.0, note, f"llama.cpp aborts loading: unknown rope.scaling.type {kind!r}")
@@ -207,6 +306,8 @@ def llama_cpp_rope(kv: dict[str, Any], tensors: dict[str, np.ndarray], n_ctx: in
     for key in ("scaling.yarn_beta_fast", "scaling.yarn_beta_slow"):
         if r + key in kv and arch == "llama":
             note += f"; {r + key} not read by the llama architecture"
+    if swa:  # llama_model::get_rope_freq_base/scale: the sliding layers' own base, rope_freq_scale_train_swa = 1
+        base, freq_scale = f32(kv.get(r + "freq_base_swa", 10000.0)), f32(1.0)
 
     def corr_dim(n_rot):
         return f32(n_dims) * f32(math.log(f32(n_orig) / (f32(n_rot) * f32(2) * f32(math.pi)))) / (
@@ -214,16 +315,36 @@ def llama_cpp_rope(kv: dict[str, Any], tensors: dict[str, np.ndarray], n_ctx: in
 
     low = max(f32(0), f32(math.floor(corr_dim(beta_fast))))
     high = min(f32(n_dims - 1), f32(math.ceil(corr_dim(beta_slow))))
-    if kind == "longrope" or arch in LONGROPE_ARCHS:  # rope_factors_long/short loaded instead of rope_freqs
-        n_ctx_seq = -(-n_ctx // 256) * 256  # llama-context.cpp pads the context to a multiple of 256
-        long = n_ctx_seq > n_orig
-        ff = tensors.get("rope_factors_long.weight" if long else "rope_factors_short.weight")
-        note += f"; {'long' if long else 'short'} factors (context {n_ctx_seq} after padding, T = {n_orig})"
-    else:
-        ff = tensors.get("rope_freqs.weight", tensors.get("rope_freqs"))
+    ff, more = _factors(arch, kind, tensors, n_ctx, n_orig)
+    note += more
     out = _thetas(n_dims, base, ff, freq_scale, ext, low, high)
     magnitude = attn * (f32(1.0) + f32(0.1) * f32(math.log(f32(1.0) / freq_scale))) if ext != 0 else attn
     return EngineRope(torch.from_numpy(out), float(magnitude), 1.0, note)
+
+
+def _factors(arch: str, kind: str, tensors: dict[str, np.ndarray], n_ctx: int, n_orig: int
+             ) -> tuple[np.ndarray | None, str]:
+    """``(frequency factors [d/2] or None, note)`` the graph of ``arch`` passes ``ggml_rope_ext``:
+    none for ``SWA_ROPE_ARCHS``; ``rope_factors_long/short`` for longrope and Phi-3 types, by the
+    context ``n_ctx`` padded to a multiple of 256 against T = ``n_orig`` (llama-context.cpp);
+    otherwise ``rope_freqs``."""
+    if arch in SWA_ROPE_ARCHS:
+        return None, ""
+    if kind == "longrope" or arch in LONGROPE_ARCHS:
+        n_ctx_seq = -(-n_ctx // 256) * 256
+        long = n_ctx_seq > n_orig
+        ff = tensors.get("rope_factors_long.weight" if long else "rope_factors_short.weight")
+        return ff, f"; {'long' if long else 'short'} factors (context {n_ctx_seq} after padding, T = {n_orig})"
+    return tensors.get("rope_freqs.weight", tensors.get("rope_freqs")), ""
+
+
+def llama_cpp_layer_ropes(kv: dict[str, Any], tensors: dict[str, np.ndarray], n_ctx: int, head_dim: int,
+                          swa_types: dict[str, bool]) -> dict[str | None, EngineRope]:
+    """``llama_cpp_rope`` per layer type: ``swa_types`` (``GgufRope.swa_types``: layer type → rotated
+    as a sliding-window layer) → each type's rotation; ``{None: ...}`` for an empty one (one set)."""
+    if not swa_types:
+        return {None: llama_cpp_rope(kv, tensors, n_ctx, head_dim)}
+    return {lt: llama_cpp_rope(kv, tensors, n_ctx, head_dim, sliding=is_swa) for lt, is_swa in swa_types.items()}
 
 
 def _yarn_attn_factor(s, log_mul: float):
@@ -286,13 +407,20 @@ class LlamaCppEngine(Engine):
     def write(self, model, tokenizer, translation: GgufRope, output: Path, *, gguf=None) -> tuple[Path, list[str]]:
         return rewrite_gguf(gguf, output / "model.gguf", translation), []  # staged there: whole or nothing
 
-    def rope(self, translation: GgufRope, length: int, context: dict[str, Any]) -> EngineRope:
-        """``llama_cpp_rope`` of the metadata as a llama-architecture GGUF of the model holds it
-        (``context_length`` T, ``rope.dimension_count`` d)."""
-        dim = context["dim"]
-        kv = {"general.architecture": "llama", "llama.context_length": context["original_max_position_embeddings"],
-              "llama.rope.dimension_count": dim, **translation.kv}
-        return llama_cpp_rope(kv, translation.tensors, length, dim)
+    def rope(self, translation: GgufRope, length: int, context: dict[str, Any]
+             ) -> EngineRope | dict[str, EngineRope]:
+        """``llama_cpp_rope`` of the metadata as a GGUF of the model holds it (``context_length`` T,
+        ``rope.dimension_count`` d; a llama-architecture one, or for a per-layer-type export its own
+        architecture with ``attention.sliding_window``): per layer type (``llama_cpp_layer_ropes``)
+        for a per-layer-type export."""
+        dim = translation.dim or context["dim"]
+        arch = translation.arch if translation.swa_types else "llama"
+        kv = {"general.architecture": arch, f"{arch}.context_length": context["original_max_position_embeddings"],
+              f"{arch}.rope.dimension_count": dim, **translation.for_arch(arch).kv}
+        if translation.sliding_window:
+            kv[f"{arch}.attention.sliding_window"] = translation.sliding_window
+        ropes = llama_cpp_layer_ropes(kv, translation.tensors, length, dim, translation.swa_types)
+        return ropes.get(None, ropes)
 
     def serve_command(self, translation: GgufRope, path: Path, serve_length: int) -> str:
         return f"llama-cli -m {path} -c {serve_length}"
