@@ -193,7 +193,7 @@ def _case_rows(run: Run, drivers: dict[str, EngineDriver], spec, length: int, tr
     """One strategy × length: the model patched, ropescale's own rotation (and log-probabilities on
     ``ids``), then one row per engine filled by its driver, and the ``baseline`` rows."""
     from ropescale import patch
-    from ropescale.serving.rope import ropescale_rope
+    from ropescale.serving.rope import ropescale_layer_ropes, ropescale_rope
     from ropescale.strategies import get_strategy
 
     params = get_strategy(spec.name).resolve(spec.params, length=length, train_length=train)
@@ -206,7 +206,8 @@ def _case_rows(run: Run, drivers: dict[str, EngineDriver], spec, length: int, tr
         ours_lp = our_logprobs(run.model, ids) if ids is not None and ours is not None else None
         # only dynamic NTK has a static form; the engines refuse the other dynamic rules themselves
         freeze = length if (freeze_dynamic and spec.name == "dynamic_ntk") else None
-        case = Case(spec.display, length, handle, ours, why, freeze, ids, ours_lp)
+        layers = ropescale_layer_ropes(handle, length) if ours is not None and handle.layer_types != [None] else None
+        case = Case(spec.display, length, handle, ours, why, freeze, ids, ours_lp, layers)
         rows = []
         for name, driver in drivers.items():
             row = ParityRow(name, spec.display, length, "", "")

@@ -29,7 +29,7 @@ import torch
 from ropescale.errors import InvalidInput
 from ropescale.patching import PatchHandle
 from ropescale.serving.engines import Engine
-from ropescale.serving.rope import EngineRope, ExportRefused, compare
+from ropescale.serving.rope import EngineRope, ExportRefused, compare, compare_layers
 
 from . import DRIVERS, EngineFailed, engine_python, require_engine, run_engine
 
@@ -48,7 +48,9 @@ class Case:
     display: the strategy as the user wrote it; length: L [tokens]; handle: the active patch;
     ours: what ropescale computes at L (None for a relative rule: ``why`` says so); freeze: the
     length dynamic NTK is exported frozen at (None: not frozen); ids: the end-to-end windows of L
-    token ids (None without ``--end-to-end``), ours_lp: ropescale's log-probabilities on them [nats].
+    token ids (None without ``--end-to-end``), ours_lp: ropescale's log-probabilities on them [nats];
+    ours_layers: for a per-layer-type model, what ropescale computes per layer type
+    (``ropescale_layer_ropes``: the patched types, ``ours``'s first, and those kept as shipped), else None.
     """
 
     display: str
@@ -59,6 +61,7 @@ class Case:
     freeze: int | None = None
     ids: list[list[int]] | None = None
     ours_lp: list[list[float]] | None = None
+    ours_layers: dict[str, EngineRope] | None = None
 
     @property
     def slug(self) -> str:
@@ -152,10 +155,19 @@ def link_model(src: Path, dst: Path, config: dict) -> Path:
     return dst
 
 
-def fill(row, ours: EngineRope, theirs: EngineRope, length: int, source: str, angle: float | None = None) -> None:
-    """``row``'s verdict and numbers from ``compare(ours, theirs, length)``; ``angle``: the largest
-    angle difference measured over an engine's own cos/sin table (default: ``compare``'s)."""
-    v = compare(ours, theirs, length)
+def fill(row, ours: EngineRope | dict[str, EngineRope], theirs: EngineRope | dict[str, EngineRope], length: int,
+         source: str, angle: float | None = None) -> None:
+    """``row``'s verdict and numbers from ``compare(ours, theirs, length)`` — or, for a per-layer-type
+    model (both dicts: layer type → ``EngineRope``), ``compare_layers`` over every type, the
+    magnitudes being the first type's (the first patched one); ``angle``: the largest angle
+    difference measured over an engine's own cos/sin table (default: ``compare``'s)."""
+    if isinstance(theirs, dict) or isinstance(ours, dict):
+        if not (isinstance(theirs, dict) and isinstance(ours, dict)):
+            raise InvalidInput("per-layer-type rotations compare only with per-layer-type rotations")
+        v = compare_layers(ours, theirs, length)
+        theirs = theirs.get(next(iter(ours)), next(iter(theirs.values())))
+    else:
+        v = compare(ours, theirs, length)
     row.source, row.verdict, row.same = source, v.verdict, v.same
     row.max_rel_freq_diff = v.max_rel_freq_diff
     row.magnitude_engine, row.softmax_scale_engine = theirs.magnitude, theirs.softmax_scale
@@ -217,7 +229,8 @@ class EngineDriver:
 
     def reimplemented(self, row, case: Case, translation) -> None:
         absent = f"; {self.label} not installed" if self.python_env is not None else ""
-        fill(row, case.ours, self.engine.rope(translation, case.length, case.context), case.length,
+        theirs = self.engine.rope(translation, case.length, case.context)
+        fill(row, case.ours_layers if isinstance(theirs, dict) else case.ours, theirs, case.length,
              f"re-implementation ({self.engine.rope_source or self.engine.name}{absent})")
 
     def baseline_ready(self) -> bool:

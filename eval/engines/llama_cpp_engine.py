@@ -6,8 +6,9 @@ is installed (``ROPESCALE_LLAMA_CPP_PYTHON``, ``<root>/llama``), its driver scri
 (``llama_cpp_driver.py``) loads every GGUF and answers its metadata as the runtime read it, which
 ``llama_cpp_rope`` turns into the rotation (the rotation itself runs inside ggml's graph, which
 llama-cpp-python does not expose; the end-to-end log-probabilities check it). Otherwise the row is
-``llama_cpp_rope`` on the exported metadata. ``--baseline``: llama.cpp's converter run on
-save_patched's folder (needs llama.cpp installed).
+``llama_cpp_rope`` on the exported metadata. A per-layer-type export (Gemma 3) is compared layer type
+by layer type (``llama_cpp_layer_ropes``: the sliding-window layers at ``rope.freq_base_swa``,
+unscaled). ``--baseline``: llama.cpp's converter run on save_patched's folder (needs llama.cpp installed).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ropescale.errors import InvalidInput
-from ropescale.serving.engines.llama_cpp import llama_cpp_rope
+from ropescale.serving.engines.llama_cpp import llama_cpp_layer_ropes
 from ropescale.serving.gguf import read_gguf_rope, rewrite_gguf
 
 from . import llama_cpp_source, run_engine
@@ -54,7 +55,7 @@ class LlamaCppDriver(EngineDriver):
                 self.run.gguf = self._convert_base()
             path = rewrite_gguf(self.run.gguf, self.run.exports / "gguf" / f"{case.slug}.gguf", translation)
         if self.installed:
-            self.pending.append((row, case.ours, path, case.length, case.context["dim"]))
+            self.pending.append((row, case, path, translation.dim or case.context["dim"], translation.swa_types))
         else:
             self.reimplemented(row, case, translation)
         if case.ids is not None:
@@ -84,7 +85,9 @@ class LlamaCppDriver(EngineDriver):
         path = self.run.exports / "as-written" / f"{case.slug}.gguf"
         row.export = "GGUF from convert_hf_to_gguf.py"
         self.conversions.append({"model": str(folder), "out": str(path)})
-        self.pending.append((row, case.ours, path, case.length, case.context["dim"]))
+        # the converter writes a per-layer-type model's sliding base as rope.freq_base_swa
+        swa = {lt: "sliding" in lt for lt in case.ours_layers} if case.ours_layers else {}
+        self.pending.append((row, case, path, case.context["dim"], swa))
         if case.ids is not None:
             self.jobs.append((row, {"gguf": str(path), "n_ctx": case.length, "ids": case.ids, "ours": case.ours_lp}))
 
@@ -100,15 +103,16 @@ class LlamaCppDriver(EngineDriver):
                                      "jobs": self.conversions}, script="convert_gguf.py", log_dir=run.logs)
         if self.pending:
             run.say(f"llama.cpp: runtime metadata of {len(self.pending)} GGUFs")
-            res = run_engine("llama.cpp", {"mode": "rope", "cases": [{"gguf": str(p), "n_ctx": n}
-                                                                     for _, _, p, n, _ in self.pending]},
+            res = run_engine("llama.cpp", {"mode": "rope", "cases": [{"gguf": str(p), "n_ctx": c.length}
+                                                                     for _, c, p, _, _ in self.pending]},
                              log_dir=run.logs)
             version = res.get("llama_cpp", "?")
             self.version = f"llama-cpp-python {version}"
             asked = [case_name(r) for r, *_ in self.pending]
-            for (row, ours, path, length, dim), got in zip(self.pending, self.answers(res, "cases", asked, ("meta",))):
+            for (row, case, path, dim, swa), got in zip(self.pending, self.answers(res, "cases", asked, ("meta",))):
                 kv = {k: _json_value(v) for k, v in got["meta"].items()}
                 _, tensors = read_gguf_rope(path)
-                fill(row, ours, llama_cpp_rope(kv, tensors, length, dim), length,
+                theirs = llama_cpp_layer_ropes(kv, tensors, case.length, dim, swa)
+                fill(row, case.ours if None in theirs else case.ours_layers, theirs.get(None, theirs), case.length,
                      f"llama.cpp {version} runtime metadata + llama_cpp_rope")
         self.end_to_end()

@@ -2,7 +2,8 @@
 
 ``export_for(model, "transformers", L, folder)`` loaded with ``AutoModelForCausalLM.from_pretrained``
 (no ropescale), its own rotary module run at positions 0 … L−1 (a dynamic type updates as in
-generation's first forward), and with ``--end-to-end`` its log-probabilities on the held-out windows.
+generation's first forward; per layer type for a per-layer-type model: Gemma 3's module takes the
+type), and with ``--end-to-end`` its log-probabilities on the held-out windows.
 """
 
 from __future__ import annotations
@@ -12,12 +13,26 @@ import time
 
 import torch
 
+from ropescale.rotary import layer_types_of
 from ropescale.serving.export import export_for
 from ropescale.serving.rope import EngineRope
 
 from .base import Case, EngineDriver, angle_table_diff, e2e_numbers, fill, our_logprobs
 
 __all__ = ["TransformersDriver"]
+
+
+def _rotation(rotary, length: int, layer_type: str | None, source: str
+              ) -> tuple[EngineRope, torch.Tensor, torch.Tensor]:
+    """``(EngineRope, cos, sin)``: the rotary module's own cos/sin ``[L, d/2]`` at positions 0 … L−1 (of
+    ``layer_type``'s layers for a per-layer-type module), θ from the angle at position 1, the
+    magnitude from position 0."""
+    with torch.no_grad():
+        args = () if layer_type is None else (layer_type,)
+        cos, sin = rotary(torch.zeros(1, length, 1), torch.arange(length)[None], *args)
+    half = cos.shape[-1] // 2
+    cos, sin = cos[0, :, :half].double(), sin[0, :, :half].double()
+    return EngineRope(torch.atan2(sin[1], cos[1]), float(torch.hypot(cos[0], sin[0]).mean()), 1.0, source), cos, sin
 
 
 class TransformersDriver(EngineDriver):
@@ -39,14 +54,17 @@ class TransformersDriver(EngineDriver):
             return
         source = f"transformers {transformers.__version__} from_pretrained + its rotary module"
         plain = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        rotary = next(mod for mod in plain.modules() if hasattr(mod, "inv_freq"))
+        rotary = next(mod for mod in plain.modules() if layer_types_of(mod))
         length = case.length
-        with torch.no_grad():
-            cos, sin = rotary(torch.zeros(1, length, 1), torch.arange(length)[None])
-        half = cos.shape[-1] // 2
-        cos, sin = cos[0, :, :half].double(), sin[0, :, :half].double()
-        theirs = EngineRope(torch.atan2(sin[1], cos[1]), float(torch.hypot(cos[0], sin[0]).mean()), 1.0, source)
-        fill(row, case.ours, theirs, length, source, angle=angle_table_diff(cos, sin, case.ours.inv_freq))
+        ours = case.ours_layers or {None: case.ours}
+        theirs, angles = {}, []
+        for lt, mine in ours.items():
+            theirs[lt], cos, sin = _rotation(rotary, length, lt, source)
+            angles.append(angle_table_diff(cos, sin, mine.inv_freq))
+        if case.ours_layers is None:
+            fill(row, case.ours, theirs[None], length, source, angle=angles[0])
+        else:
+            fill(row, ours, theirs, length, source, angle=max(angles))
         row.export = "; ".join(result.notes) or "config.json rope_parameters as saved"
         if case.ids is not None:
             start = time.perf_counter()

@@ -31,7 +31,8 @@ vectors at positions 0 … L−1 (neox style, as Llama). With ``model``, the con
 vLLM's own ``ModelConfig(model=DIR, max_model_len=N, hf_overrides=...)`` first (its rope
 standardisation and its ``max_model_len`` check; a refusal is reported as ``error``) and
 ``get_rope`` gets what vLLM's Llama passes it: ``head_dim``, ``max_position_embeddings``,
-``rope_parameters``. ``cos[m][i]`` = magnitude·cos(angle of pair i at position m); positions
+``rope_parameters`` — with ``"layer_type": T`` in the case, ``rope_parameters[T]``, as vLLM's
+Gemma 3 attention passes each layer's. ``cos[m][i]`` = magnitude·cos(angle of pair i at position m); positions
 past what the module can rotate are reported as ``cache_length`` (and left out) instead of an
 error; ``inv_freq`` [rad/token] is the angle at position 1, ``magnitude`` the mean cos/sin norm at
 position 0. ``{"error": line}`` for a case vLLM refuses.
@@ -177,8 +178,11 @@ def _from_model(case: dict):
     mc = ModelConfig(model=case["model"], dtype="float32", max_model_len=int(case["max_model_len"]), **kwargs)
     text = mc.hf_text_config
     head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    rope_parameters = dict(text.rope_parameters)
+    if case.get("layer_type"):  # Gemma 3's attention: get_rope(..., rope_parameters=config.rope_parameters[layer_type])
+        rope_parameters = dict(rope_parameters[case["layer_type"]])
     return mc, {"head_size": int(head), "max_position": int(getattr(text, "max_position_embeddings", 8192)),
-                "rope_parameters": dict(text.rope_parameters), "max_model_len_used": int(mc.max_model_len)}
+                "rope_parameters": rope_parameters, "max_model_len_used": int(mc.max_model_len)}
 
 
 def _get_rope(get_rope, head: int, rot: int, max_position: int, rope_parameters: dict):

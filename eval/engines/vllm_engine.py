@@ -5,6 +5,8 @@ tokenizer linked). Where vLLM is installed (``ROPESCALE_VLLM_PYTHON``, ``<root>/
 script (``vllm_driver.py``) reads every folder through vLLM's ``ModelConfig`` and applies its rotary
 class (``get_rope``, ``forward_native``) to unit vectors at positions 0 … L−1 — every angle measured;
 positions past its cos/sin cache are a failure. Otherwise the row is ``vllm_rope``'s re-implementation.
+A per-layer-type export (Gemma 3) is read once per layer type (``rope_parameters[layer_type]``, as
+vLLM's model passes each layer's to ``get_rope``) and compared type by type.
 ``--baseline``: save_patched's config.json given to vLLM as it is.
 """
 
@@ -14,6 +16,7 @@ import math
 
 import torch
 
+from ropescale.serving.engines.vllm import nested_layer_types, vllm_layer_ropes
 from ropescale.serving.rope import EngineRope
 
 from . import run_engine
@@ -36,8 +39,8 @@ class VllmDriver(EngineDriver):
     def serve(self, row, case: Case, translation) -> None:
         folder = link_model(self.run.src, self.run.exports / "vllm" / case.slug, translation.config)
         if self.installed:
-            self.pending.append((row, case.ours, {"model": str(folder), "max_model_len": translation.max_model_len,
-                                                  "length": case.length}))
+            self._ask(row, case, {"model": str(folder), "max_model_len": translation.max_model_len,
+                                  "length": case.length}, translation.config)
         else:
             self.reimplemented(row, case, translation)
         if case.ids is not None:
@@ -45,54 +48,79 @@ class VllmDriver(EngineDriver):
                                     "ids": case.ids, "ours": case.ours_lp}))
 
     def add_baseline(self, row, case: Case, folder, config: dict) -> None:
-        from ropescale.serving.engines.vllm import vllm_rope
-
         row.export = f"max_model_len {case.length}; max_position_embeddings as saved"
         if self.installed:
-            self.pending.append((row, case.ours, {"model": str(folder), "max_model_len": case.length,
-                                                  "length": case.length}))
+            self._ask(row, case, {"model": str(folder), "max_model_len": case.length, "length": case.length}, config)
         else:
-            fill(row, case.ours, vllm_rope(config, case.length), case.length,
+            theirs = vllm_layer_ropes(config, case.length)
+            ours = case.ours if None in theirs else case.ours_layers
+            fill(row, ours, theirs.get(None, theirs), case.length,
                  f"re-implementation ({self.engine.rope_source}; vLLM not installed)")
         if case.ids is not None:
             row.notes = "end to end with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"
             self.jobs.append((row, {"model": str(folder), "max_model_len": case.length + 1, "ids": case.ids,
                                     "ours": case.ours_lp}))
 
+    def _ask(self, row, case: Case, request: dict, config: dict) -> None:
+        """One rope request for ``row`` — one per layer type (``layer_type`` in the request) for a
+        per-layer-type ``config``."""
+        types = nested_layer_types(config)
+        if not types:
+            self.pending.append((row, case.ours, request))
+            return
+        for lt in types:
+            self.pending.append((row, case.ours_layers, {**request, "layer_type": lt}))
+
     def finish(self) -> None:
         if self.pending:
             self.run.say(f"vLLM: rotary classes for {len(self.pending)} exports")
             res = run_engine("vllm", {"mode": "rope", "cases": [c for *_, c in self.pending]}, log_dir=self.run.logs)
-            self.version = f"vLLM {res.get('vllm', '?')}"
-            asked = [case_name(r) for r, *_ in self.pending]
-            for (row, ours, case), got in zip(self.pending, self.answers(res, "cases", asked,
-                                                                         ("error", "cos", "sin", "evaluated"))):
-                _fill_real(row, ours, got, case["length"], res.get("vllm", "?"))
+            version = res.get("vllm", "?")
+            self.version = f"vLLM {version}"
+            asked = [case_name(r) + (f" ({c['layer_type']})" if "layer_type" in c else "") for r, _, c in self.pending]
+            got = self.answers(res, "cases", asked, ("error", "cos", "sin", "evaluated"))
+            per_type: dict[int, list] = {}
+            for (row, ours, case), answer in zip(self.pending, got):
+                if "layer_type" in case:  # gathered: one row from every layer type's answer
+                    per_type.setdefault(id(row), [row, ours, case["length"], {}])[3][case["layer_type"]] = answer
+                else:
+                    _fill_real(row, ours, {None: answer}, case["length"], version)
+            for row, ours, length, answers in per_type.values():
+                _fill_real(row, ours, answers, length, version)
         self.end_to_end()
 
 
-def _fill_real(row, ours, got: dict, length: int, version: str) -> None:
-    """A row from vLLM's rotary module: θ from the angle at position 1, magnitude from position 0,
-    the angle difference over every evaluated position; a cache shorter than L is a failure."""
-    source = f"vLLM {version} ModelConfig + get_rope ({got.get('class', '?')}.forward_native)"
-    if "error" in got:
-        error = got["error"]
-        if "Value error, " in error:  # pydantic's wrapping of vLLM's own sentence
-            error = error.split("Value error, ", 1)[1].split(" To allow", 1)[0]
-        row.source, row.verdict, row.same = source, f"differs: vLLM refuses it: {error}", False
-        return
-    cos, sin = torch.tensor(got["cos"], dtype=torch.float64), torch.tensor(got["sin"], dtype=torch.float64)
-    if cos.shape[0] < 2:
-        row.source, row.verdict, row.same = source, "differs: vLLM's rotary module computed no angles", False
-        return
-    inv = torch.atan2(sin[1], cos[1])
-    magnitude = float(torch.hypot(cos[0], sin[0]).mean())
-    failure = None
-    if got["evaluated"] < length:
-        failure = (f"vLLM's cos/sin cache holds {got['cache_length']} positions (NaN past it), fewer than the "
-                   f"served {length}")
-    theirs = EngineRope(inv, magnitude, 1.0, source, failure)
-    fill(row, ours, theirs, length, source,
-         angle=angle_table_diff(cos, sin, ours.inv_freq) if failure is None else math.inf)
-    row.extra = {"vllm_class": got.get("class"), "cache_length": got.get("cache_length"),
-                 "max_position": got.get("max_position")}
+def _fill_real(row, ours, answers: dict, length: int, version: str) -> None:
+    """A row from vLLM's rotary module (``answers``: layer type → the driver's answer; ``{None: ...}``
+    for one set, ``ours`` then one ``EngineRope``, else per layer type): θ from the angle at position 1,
+    magnitude from position 0, the angle difference over every evaluated position; a cache shorter
+    than L is a failure."""
+    classes = sorted({str(a.get("class", "?")) for a in answers.values()})
+    source = f"vLLM {version} ModelConfig + get_rope ({', '.join(classes)}.forward_native)"
+    theirs, angles = {}, []
+    for lt, got in answers.items():
+        where = "" if lt is None else f"{lt}: "
+        if "error" in got:
+            error = got["error"]
+            if "Value error, " in error:  # pydantic's wrapping of vLLM's own sentence
+                error = error.split("Value error, ", 1)[1].split(" To allow", 1)[0]
+            row.source, row.verdict, row.same = source, f"differs: {where}vLLM refuses it: {error}", False
+            return
+        cos, sin = torch.tensor(got["cos"], dtype=torch.float64), torch.tensor(got["sin"], dtype=torch.float64)
+        if cos.shape[0] < 2:
+            row.source, row.same = source, False
+            row.verdict = f"differs: {where}vLLM's rotary module computed no angles"
+            return
+        failure = None
+        if got["evaluated"] < length:
+            failure = (f"vLLM's cos/sin cache holds {got['cache_length']} positions (NaN past it), fewer than the "
+                       f"served {length}")
+        theirs[lt] = EngineRope(torch.atan2(sin[1], cos[1]), float(torch.hypot(cos[0], sin[0]).mean()), 1.0, source,
+                                failure)
+        mine = ours[lt] if isinstance(ours, dict) and lt in ours else ours
+        angles.append(math.inf if failure is not None or isinstance(mine, dict)
+                      else angle_table_diff(cos, sin, mine.inv_freq))
+    fill(row, ours, theirs.get(None, theirs), length, source, angle=max(angles))
+    first = next(iter(answers.values()))
+    row.extra = {"vllm_class": first.get("class"), "cache_length": first.get("cache_length"),
+                 "max_position": first.get("max_position")}

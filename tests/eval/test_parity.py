@@ -221,6 +221,41 @@ def test_end_to_end_with_a_fake_engine_reports_its_nan_positions(tiny_model_dir,
     assert paths["plot"].stat().st_size > 1000
 
 
+def test_gemma3_rows_compare_every_layer_type_without_the_engines(tiny_gemma3_dir, tmp_path, no_engines):
+    """Gemma 3 (main: every engine refused, "per-layer-type rotary patches ... are not exported"; the
+    transformers row failed to find a rotary module with ``inv_freq``): the sliding layers at their own
+    base unscaled, the global ones scaled, in every engine."""
+    rows, _ = run_parity(str(tiny_gemma3_dir), [parse_strategy(s) for s in ("yarn:factor=4", "linear:factor=4")],
+                         [256], engines=["transformers", "vllm", "llama.cpp"], output=tmp_path / "o")
+    assert [(r.engine, r.strategy, r.verdict) for r in rows] == [
+        (e, s, "same (per layer type: full_attention, sliding_attention)")
+        for s in ("yarn:factor=4", "linear:factor=4") for e in ("transformers", "vllm", "llama.cpp")]
+    assert "re-implementation" in rows[1].source and "llama_cpp_rope" in rows[2].source
+    assert rows[0].magnitude_ropescale == pytest.approx(0.1 * math.log(4) + 1) == rows[1].magnitude_engine
+
+
+def test_a_vllm_answering_per_layer_type_is_compared_type_by_type(tiny_gemma3_dir, tmp_path, monkeypatch):
+    from ropescale.strategies.frequency import rope_inv_freq
+
+    local, full = rope_inv_freq(16, 10000.0).double(), rope_inv_freq(16, 1e6).double() / 4  # linear ×4, global only
+
+    def tables(sliding, full_attention):  # asked in the exported config's order (saved sorted: full, sliding)
+        return {"vllm": "fake", "cases": [_vllm_table_result(t, 256)["cases"][0] for t in (full_attention, sliding)]}
+
+    def row():
+        return run_parity(str(tiny_gemma3_dir), [parse_strategy("linear:factor=4")], [256], engines=["vllm"],
+                          output=tmp_path / "o")[0][0]
+
+    _fake_engine(tmp_path, monkeypatch, tables(local, full))
+    r = row()
+    assert r.verdict == "same (per layer type: full_attention, sliding_attention)", r.verdict
+    assert r.source.startswith("vLLM fake ModelConfig + get_rope (FakeRotaryEmbedding")
+    _fake_engine(tmp_path, monkeypatch, tables(local / 4, full))  # the sliding layers scaled too
+    r = row()
+    assert r.same is False and r.verdict.startswith("differs: sliding_attention: frequencies differ"), r.verdict
+    assert "full_attention" not in r.verdict and r.max_angle_diff > 1e-2
+
+
 def test_plain_transformers_rows_load_the_export_without_ropescale(tiny_model_dir, tmp_path, text_file):
     rows, _ = run_parity(str(tiny_model_dir), [parse_strategy(s) for s in ("dynamic_ntk", "yarn", "rerope")], [64],
                          engines=["transformers"], end_to_end=True, data=str(text_file), output=tmp_path / "o")
