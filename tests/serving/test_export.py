@@ -21,7 +21,7 @@ from ropescale.serving import (
     ropescale_rope,
     vllm_rope,
 )
-from tests.serving.tiny_gguf import write_tiny_llama_gguf
+from tests.serving.tiny_gguf import write_tiny_gemma3_gguf, write_tiny_llama_gguf
 
 T, D = 32, 16  # tiny_model_dir's window and head_dim
 
@@ -110,6 +110,68 @@ def test_llama_cpp_engine_rewrites_the_given_gguf(loaded, tmp_path, base_gguf):
     assert result.command == f"llama-cli -m {result.path} -c 128"
     kv, tensors = read_gguf_rope(result.path)
     assert compare(ropescale_rope(model, 128), llama_cpp_rope(kv, tensors, 128, D), 128).same
+
+
+# ---- Gemma 3: per-layer-type rope parameters (main refused: "per-layer-type rotary patches ... are not exported") --
+
+@pytest.fixture(scope="module")
+def gemma3_gguf(tmp_path_factory, tiny_gemma3_dir):
+    from transformers import AutoConfig
+
+    return write_tiny_gemma3_gguf(tmp_path_factory.mktemp("g3") / "base.gguf",
+                                  AutoConfig.from_pretrained(tiny_gemma3_dir))
+
+
+@pytest.mark.parametrize("strategy", ["yarn:factor=4", "linear:factor=4"])
+def test_cli_patch_gemma3_for_vllm_writes_each_layer_types_rope_and_transformers_reproduces_it(run, tmp_path,
+                                                                                                tiny_gemma3_dir,
+                                                                                                strategy):
+    """``ropescale patch --engine vllm`` on Gemma 3 scales its global layers only, as vLLM reads the
+    config (rope_parameters per layer type), and plain transformers loading the folder gives the
+    patched model's logits at 4T."""
+    from transformers import AutoModelForCausalLM
+
+    res = run("patch", "--model", tiny_gemma3_dir, "--strategy", strategy, "--engine", "vllm",
+              "--serve-length", "256", "-o", tmp_path / "v")
+    assert res.exit_code == 0, res.output
+    config = json.loads((tmp_path / "v" / "config.json").read_text())
+    rp = config["rope_parameters"]
+    assert rp["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000.0}
+    assert rp["full_attention"]["rope_type"] == strategy.split(":")[0] and rp["full_attention"]["factor"] == 4.0
+    assert rp["full_attention"]["rope_theta"] == 1000000.0 and config["max_position_embeddings"] == 256
+    assert json.loads((tmp_path / "v" / "vllm.json").read_text())["max_model_len"] == 256
+    assert f"vllm serve {tmp_path / 'v'} --max-model-len 256" in res.output
+    model, _ = ropescale.load_model(str(tiny_gemma3_dir), device="cpu")
+    name, _, factor = strategy.partition(":factor=")
+    ropescale.patch(model, name, factor=float(factor))
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "v", dtype=torch.float32).eval()
+    ids = torch.arange(1, 257)[None] % 4000
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, model(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_cli_patch_gemma3_for_llama_cpp_writes_the_global_rope_keys_and_the_sliding_base(run, tmp_path,
+                                                                                         tiny_gemma3_dir, gemma3_gguf):
+    res = run("patch", "--model", tiny_gemma3_dir, "--strategy", "yarn:factor=4", "--engine", "llama.cpp",
+              "--serve-length", "256", "--gguf", gemma3_gguf, "-o", tmp_path / "g")
+    assert res.exit_code == 0, res.output
+    kv, _ = read_gguf_rope(tmp_path / "g" / "model.gguf")
+    assert kv["gemma3.rope.scaling.type"] == "yarn" and kv["gemma3.rope.scaling.factor"] == 4.0
+    assert kv["gemma3.rope.scaling.original_context_length"] == 64 and kv["gemma3.rope.freq_base"] == 1e6
+    assert kv["gemma3.rope.freq_base_swa"] == 10000.0 and kv["gemma3.attention.sliding_window"] == 16
+
+
+def test_cli_a_gemma3_patch_of_the_sliding_layers_is_refused_for_llama_cpp_in_one_line(run, tmp_path,
+                                                                                       tiny_gemma3_dir, gemma3_gguf):
+    res = run("patch", "--model", tiny_gemma3_dir, "--strategy", "yarn:factor=4", "--layer-types",
+              "sliding_attention,full_attention", "--engine", "llama.cpp", "--serve-length", "256", "--gguf",
+              gemma3_gguf, "-o", tmp_path / "g")
+    assert res.exit_code == 1
+    last = res.output.rstrip("\n").split("\n")[-1]
+    assert last.startswith("Error: llama.cpp: the llama.cpp of llama-cpp-python 0.3.36 rotates gemma3's "
+                           "sliding-window layers at rope.freq_base_swa with no rope scaling"), res.output
+    assert "patch full_attention only (--layer-types full_attention)" in last
+    assert not (tmp_path / "g").exists()
 
 
 def test_the_old_name_gguf_is_llama_cpp_with_one_deprecation_warning(loaded, tmp_path, base_gguf):

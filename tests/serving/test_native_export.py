@@ -20,7 +20,7 @@ import ropescale
 from cli import main
 from ropescale.models import REFERENCE_MODEL
 from ropescale.serving import ExportRefused, compare, get_engine
-from ropescale.serving.rope import EngineRope
+from ropescale.serving.rope import EngineRope, compare_layers
 from tests.census.build import build as census_build
 from tests.census.build import text_config, tiny_config
 from tests.census.catalog import CausalLMType
@@ -176,8 +176,6 @@ REFUSED = {
     ("dynamic", "vllm"): "vLLM: the model's own rope type 'dynamic' recomputes its base",
     ("dynamic", "llama.cpp"): "llama.cpp: the model's own rope type 'dynamic' recomputes its base",
     ("yarn_gpt_oss", "llama.cpp"): "llama.cpp: its YaRN ramp always floors/ceils",
-    ("linear_gemma3", "vllm"): "vLLM: per-layer-type rotary patches",
-    ("linear_gemma3", "llama.cpp"): "llama.cpp: per-layer-type rotary patches",
 }
 ENGINE_CASES = ["linear", "dynamic", "yarn", "yarn_gpt_oss", "llama3", "llama3_llama4", "longrope", "longrope_phi3",
                 "linear_gemma3"]
@@ -185,15 +183,17 @@ L = 64  # within every case's ⌈T·s⌉ (vLLM's YaRN cache) and past every wind
 
 
 @torch.no_grad()
-def _transformers_rope(model, length: int) -> EngineRope:
+def _transformers_rope(model, length: int) -> EngineRope | dict[str, EngineRope]:
     """What the source model's own rotary module (transformers' code) rotates by at ``length``: its
-    buffers after a forward over positions 0 … length−1 (dynamic and LongRoPE update there)."""
+    buffers after a forward over positions 0 … length−1 (dynamic and LongRoPE update there); per
+    layer type for a per-layer-type module (Gemma 3)."""
     rotary = model.model.rotary_emb
     if hasattr(rotary, "inv_freq"):
         rotary(torch.zeros(1, length, 1), torch.arange(length)[None])
         return EngineRope(rotary.inv_freq.double(), float(rotary.attention_scaling), 1.0, "transformers")
-    return EngineRope(rotary.full_attention_inv_freq.double(), float(rotary.full_attention_attention_scaling), 1.0,
-                      "transformers")
+    return {lt: EngineRope(getattr(rotary, f"{lt}_inv_freq").double(),
+                           float(getattr(rotary, f"{lt}_attention_scaling")), 1.0, "transformers")
+            for lt in ("full_attention", "sliding_attention")}
 
 
 @pytest.mark.parametrize("engine", ["vllm", "llama.cpp"])
@@ -211,5 +211,6 @@ def test_native_for_static_engines_serves_the_models_own_rotation_or_refuses(cas
         assert str(e).startswith(REFUSED[case, engine]) and "\n" not in str(e)
         return
     assert (case, engine) not in REFUSED
-    verdict = compare(_transformers_rope(source, L), eng.rope(translation, L, handle.context), L)
+    ours, theirs = _transformers_rope(source, L), eng.rope(translation, L, handle.context)
+    verdict = compare_layers(ours, theirs, L) if isinstance(ours, dict) else compare(ours, theirs, L)
     assert verdict.same, verdict.verdict
