@@ -6,20 +6,31 @@ one-line ``ExportRefused`` naming the engine and the reason for what it cannot e
 engines are registered entries (``ropescale.serving.engines``: ``transformers``, ``vllm``,
 ``llama.cpp``, and plugins through the ``ropescale.engines`` entry points); ``export_for`` names
 none of them. ``ropescale_rope`` / ``vllm_rope`` / ``llama_cpp_rope`` say what each side rotates
-by at a served length (``EngineRope``); ``compare`` gives the verdict.
+by at a served length (``EngineRope``); ``compare`` gives the verdict — per layer type for a model
+with several (Gemma 3: ``ropescale_layer_ropes``, ``vllm_layer_ropes``, ``llama_cpp_layer_ropes``,
+``compare_layers``).
 
     from ropescale.serving import export_for
     export_for(model, "vllm", 1024, "out/yarn-vllm", tokenizer=tok)
 """
 
 from ropescale.serving.engines import ENGINES, Engine, UnknownEngineError, engine_names, get_engine
-from ropescale.serving.engines.llama_cpp import gguf_rope, llama_cpp_rope
-from ropescale.serving.engines.vllm import VllmExport, export_vllm, vllm_rope
+from ropescale.serving.engines.llama_cpp import gguf_rope, llama_cpp_layer_ropes, llama_cpp_rope
+from ropescale.serving.engines.vllm import VllmExport, export_vllm, vllm_layer_ropes, vllm_rope
 from ropescale.serving.export import ExportResult, check_export, export_for
 from ropescale.serving.gguf import GgufRope, GgufUnavailable, read_gguf_rope, rewrite_gguf
-from ropescale.serving.rope import EngineRope, ExportRefused, Verdict, compare, ropescale_rope
+from ropescale.serving.rope import (
+    EngineRope,
+    ExportRefused,
+    Verdict,
+    compare,
+    compare_layers,
+    ropescale_layer_ropes,
+    ropescale_rope,
+)
 
 __all__ = ["ENGINES", "Engine", "EngineRope", "ExportRefused", "ExportResult", "GgufRope", "GgufUnavailable",
-           "UnknownEngineError", "Verdict", "VllmExport", "check_export", "compare", "engine_names", "export_for",
-           "export_vllm", "get_engine", "gguf_rope", "llama_cpp_rope", "read_gguf_rope", "rewrite_gguf",
-           "ropescale_rope", "vllm_rope"]
+           "UnknownEngineError", "Verdict", "VllmExport", "check_export", "compare", "compare_layers", "engine_names",
+           "export_for", "export_vllm", "get_engine", "gguf_rope", "llama_cpp_layer_ropes", "llama_cpp_rope",
+           "read_gguf_rope", "rewrite_gguf", "ropescale_layer_ropes", "ropescale_rope", "vllm_layer_ropes",
+           "vllm_rope"]

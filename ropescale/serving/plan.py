@@ -56,10 +56,6 @@ class ServedRope:
     layer_contexts: dict[str, dict[str, Any]] = field(default_factory=dict)
     patched_types: list[str] = field(default_factory=list)
 
-    def kept_types(self) -> list[str]:
-        """The layer types served exactly as shipped ([] for one set)."""
-        return [lt for lt in self.layer_types or {} if lt not in self.patched_types]
-
 
 def served_rope_parameters(handle: PatchHandle, engine: str, serve_length: int, *,
                            freeze_dynamic_at: int | None = None, freeze_default: bool = True,
