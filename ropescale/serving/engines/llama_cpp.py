@@ -180,8 +180,8 @@ def _layer_types(handle, served, gguf) -> GgufRope:
     sliding = [lt for lt in served.layer_types if "sliding" in lt]
     other = [lt for lt in served.layer_types if lt not in sliding]
     if not sliding or len(other) != 1:
-        raise ExportRefused(f"llama.cpp: {arch} has sliding-window layers and one global set of rope keys; the "
-                            f"layer types {list(served.layer_types)} do not map onto them")
+        raise ExportRefused(f"llama.cpp: the llama.cpp of {LLAMA_CPP} gives {arch} sliding-window layers and one "
+                            f"global set of rope keys; the layer types {list(served.layer_types)} do not map onto them")
     full = other[0]
     scaled = [f"{lt} ({served.layer_types[lt].get('rope_type', 'default')})" for lt in sliding
               if served.layer_types[lt].get("rope_type", "default") != "default"]
@@ -192,8 +192,9 @@ def _layer_types(handle, served, gguf) -> GgufRope:
     bases = {float(served.layer_types[lt]["rope_theta"]) for lt in sliding}
     dims = {int(served.layer_contexts[lt]["dim"]) for lt in served.layer_types}
     if len(bases) != 1 or len(dims) != 1:
-        raise ExportRefused(f"llama.cpp: {arch} has one rope.freq_base_swa and one rope.dimension_count; the layer "
-                            f"types' bases {sorted(bases)} / rotary dims {sorted(dims)} differ")
+        raise ExportRefused(f"llama.cpp: the llama.cpp of {LLAMA_CPP} reads one {arch}.rope.freq_base_swa and one "
+                            f"rope.dimension_count; the layer types' bases {sorted(bases)} / rotary dims "
+                            f"{sorted(dims)} differ")
     rp, ctx = served.layer_types[full], served.layer_contexts[full]
     if rp["rope_type"] == "yarn" and abs(float(rp["attention_factor"]) - _yarn_default(rp)) > 1e-6:
         raise ExportRefused(f"llama.cpp: the llama.cpp of {LLAMA_CPP} multiplies every layer's cos/sin by "
