@@ -14,6 +14,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# tests that run several processes at once (launched gloo groups, processes racing on one folder or study):
+# one worker runs them all, one after another, while the other runs single-process tests — two such tests at
+# once put five or six processes on two cores, where gloo and OpenMP spin while they wait
+PROCESSES = pytest.mark.xdist_group("processes")
+
 
 def free_port() -> int:
     """A port nothing listens on (launched tests on one machine must not share torchrun's 29500)."""

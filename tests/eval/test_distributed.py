@@ -8,6 +8,7 @@ import pytest
 
 from eval.config import build_config
 from eval.sweep import RESULTS, read_results, run_sweep
+from tests.launch import PROCESSES
 
 METRICS = {"perplexity": ("ppl", "nll", "tokens", "windows", "nll_by_position"),
            "passkey": ("accuracy", "accuracy_ci", "candidate_accuracy", "candidate_accuracy_ci", "by_depth")}
@@ -51,6 +52,7 @@ def launched(tmp_path_factory, tiny_model_dir, text_file):
     return tmp, res, lines
 
 
+@PROCESSES
 @pytest.mark.parametrize("task", ["perplexity", "passkey"])
 def test_two_processes_write_what_one_process_writes(tmp_path, tiny_model_dir, text_file, task, launched):
     single = run_sweep(build_config(_raw(task, tiny_model_dir, text_file)), tmp_path / "one", progress=False)
@@ -89,6 +91,7 @@ def test_device_map_reaches_from_pretrained(tiny_model_dir, monkeypatch):
     assert seen["device_map"] == "balanced"  # accelerate's big-model inference places the layers
 
 
+@PROCESSES
 def test_two_sweeps_in_a_launched_process_share_its_group_which_closes_at_exit(launched):
     """Each sweep closed its gloo group, so the next sweep in the process (a fine-tuning run's second
     after-training evaluation) set a second one up, which hangs or fails to connect; now the sweeps work

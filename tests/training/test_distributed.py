@@ -16,11 +16,12 @@ from ropescale.runs.manifest import folder_lock
 from ropescale.training import build_finetune_config, finetune
 from ropescale.training.report import read_log
 from ropescale.training.sequence_parallel import deepspeed_available
-from tests.launch import launch_two
+from tests.launch import PROCESSES, launch_two
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@PROCESSES
 def test_two_processes_give_one_process_loss_curve_and_only_the_main_process_writes(tmp_path, tiny_run):
     raw = tiny_run(strategy="yarn", steps=4, batch_size=4, checkpoint_every=2)
     finetune(build_finetune_config(raw), tmp_path / "one", progress=False)
@@ -64,6 +65,7 @@ for out in sys.argv[2:]:
 """
 
 
+@PROCESSES
 def test_a_refusal_reaches_every_process_and_later_runs_in_the_process_share_its_group(tmp_path, tiny_run):
     """Only the main process holds the folder's lock and writes the manifest: its refusal (another run
     holds the folder; the folder holds the finished one-process run) reached the other process as gloo's
@@ -94,6 +96,7 @@ def test_a_refusal_reaches_every_process_and_later_runs_in_the_process_share_its
     assert not (tmp_path / "busy" / "manifest.json").exists()  # refused before anything was written
 
 
+@PROCESSES
 def test_a_shipped_config_finishes_under_accelerate_launch_with_its_after_training_evaluations(tmp_path):
     """`accelerate launch --multi_gpu --num_processes 2 cli.py finetune configs/finetune-yarn.yaml --strategy
     rerope --set parallelism.sequence=2` trained and saved, then hung in its after-training evaluations

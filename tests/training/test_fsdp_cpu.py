@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from eval.config import ConfigError
 from ropescale.training import build_finetune_config, finetune
 from ropescale.training.report import read_log
+from tests.launch import PROCESSES
 from tests.training.test_sharding import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,6 +27,7 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(next((folder / "model").glob("*.safetensors")))
 
 
+@PROCESSES
 def test_two_sharded_processes_train_what_one_process_trains_and_resume_exactly(tmp_path, tiny_run):
     raw = tiny_run(strategy="yarn", steps=4, batch_size=4, checkpoint_every=2)
     finetune(build_finetune_config(raw), tmp_path / "one", progress=False)

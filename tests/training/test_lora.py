@@ -20,7 +20,7 @@ from ropescale.training.loop import causal_lm_loss
 from ropescale.training.lora import LoraSettings, apply_lora, embedding_and_norm_modules, save_trained
 from ropescale.training.report import read_log
 from tests.conftest import build, tiny_llama_config
-from tests.launch import free_port
+from tests.launch import PROCESSES, free_port
 from tests.training.test_config import cli, one_line_error, write  # noqa: F401 (write: fixture)
 from tests.training.test_gradients import IDS
 
@@ -323,6 +323,7 @@ def test_a_lora_run_killed_with_sigkill_resumes_to_the_uninterrupted_adapter(tmp
                                 for r, x in zip(read_log(tmp_path / "straight"), read_log(killed))]
 
 
+@PROCESSES
 def test_two_processes_train_lora_with_checkpointing_as_one_does(tmp_path, tiny_run):
     """DDP (two gloo processes) with frozen base weights, LoRA+ and non-reentrant checkpointing:
     the same loss curve as one process with the whole batch, the same adapter."""

@@ -18,6 +18,7 @@ from ropescale.runs.config import ConfigError
 from ropescale.training import build_finetune_config, finetune, resolve
 from ropescale.training.report import read_log
 from ropescale.training.sequence_parallel import check_sequence_parallel, deepspeed_available, with_positions
+from tests.launch import PROCESSES
 from tests.training.test_sharding import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,6 +52,7 @@ def test_two_process_sequence_parallel_step_equals_one_process_for_every_kind_of
 
 
 @needs_deepspeed
+@PROCESSES
 @pytest.mark.parametrize("sharding", [None, "fsdp"])  # data parallel (DDP) or sharded (FSDP2) gradients
 def test_finetune_with_sequence_parallelism_follows_the_one_process_loss_curve(tmp_path, tiny_run, sharding):
     raw = tiny_run(strategy="rerope", steps=4, batch_size=2, checkpoint_every=2)
@@ -145,6 +147,7 @@ def test_model_checks_run_when_the_config_is_resolved(tiny_run):
 
 
 @needs_deepspeed
+@PROCESSES
 def test_one_process_cannot_hold_a_group_of_two(tmp_path, tiny_run):
     with pytest.raises(ConfigError, match=r"parallelism.sequence: 2 does not divide the 1 launched process\(es\); "
                                           r"launch a multiple of 2"):

@@ -14,6 +14,7 @@ import pytest
 from eval.config import ConfigError
 from ropescale.training import build_finetune_config, finetune
 from ropescale.training.config import fsdp_plugin_kwargs
+from tests.launch import PROCESSES
 from tests.training.test_config import cli, one_line_error, write  # noqa: F401 (write: fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,6 +86,7 @@ def test_auto_device_without_cuda_refuses_a_plugin_file_before_training(tmp_path
     assert not (tmp_path / "out").exists()
 
 
+@PROCESSES
 def test_accelerate_drops_fsdp_on_cpu_processes(tmp_path):
     """Why the refusal: two processes launched as the training run launches them, with an FSDP
     plugin, get plain DDP — every process holds the whole model."""

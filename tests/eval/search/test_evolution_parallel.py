@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from eval.search.evolution import run_evolution
+from tests.launch import PROCESSES
 
 ROOT = Path(__file__).resolve().parents[3]
 TARGET = [1, 1.05, 1.2, 1.6, 2.2, 2.9, 3.5, 4]
@@ -52,6 +53,7 @@ def _sq(f, s):
     return sum((a - b) ** 2 for a, b in zip(f, TARGET))
 
 
+@PROCESSES
 def test_two_processes_make_and_score_the_serial_candidates(tmp_path):
     serial = run_evolution(_sq, **KW)
     script = tmp_path / "run.py"

@@ -21,6 +21,7 @@ import ropescale
 from cli import main
 from ropescale.models import REFERENCE_MODEL, load_model
 from ropescale.runs.data import DataSpec, load_documents, tokenize_documents
+from tests.launch import PROCESSES
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -100,6 +101,7 @@ def test_killed_during_a_trial_and_while_writing_resumes_to_the_uninterrupted_se
     assert [r["trial"] for r in _table(out)] == ["0", "1", "2", "3"]  # the killed trial is not a row
 
 
+@PROCESSES
 def test_two_processes_started_together_on_a_fresh_folder_share_it(tmp_path, config):
     # both reach the storage's creation at the same moment (a barrier): on main one of them could die
     # with "table ... already exists" / a UNIQUE constraint traceback

@@ -17,6 +17,7 @@ import pytest
 from eval.search.space import Dimension
 from eval.search.tuner import WORKER, Outcome, Refused, StudyError, best_trial, finished, optuna, run_study
 from ropescale.runs.config import ConfigError
+from tests.launch import PROCESSES
 
 ROOT = Path(__file__).resolve().parents[3]
 SPACE = [Dimension("x", "float", -5.0, 5.0), Dimension("n", "int", 1, 64, log=True)]
@@ -113,6 +114,7 @@ def test_budget_below_one_is_refused(tmp_path):
         run_study(SPACE, bowl, storage=_url(tmp_path), study_name="s", budget=0)
 
 
+@PROCESSES
 def test_two_processes_share_one_study(tmp_path):
     url = _url(tmp_path)
     optuna().create_study(storage=url, study_name="s", direction="minimize")  # created once, before both start
@@ -223,6 +225,7 @@ def test_a_non_finite_constraint_is_a_failed_trial(tmp_path):
     assert best_trial(study) == (None, False)
 
 
+@PROCESSES
 def test_processes_started_together_on_a_fresh_storage_create_it_once(tmp_path):
     # three processes reach Optuna's storage creation at the same moment (a barrier), on a study.db
     # that does not exist yet; three rounds. On main most rounds lost a process to "table ...
