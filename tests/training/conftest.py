@@ -11,7 +11,7 @@ def heldout_file(tmp_path_factory):
     return path
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def tiny_run(tiny_model_dir, text_file, heldout_file):
     """A raw fine-tuning config on the tiny model (T = 32): a few steps at L = 64."""
 
