@@ -27,6 +27,7 @@ import torch
 from ropescale.compat import peft_wrapping
 from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.patching import PatchHandle, current_patch, patch, unpatch
+from ropescale.pip_models import PIP_MODELS, PipModelError, pip_model_path
 
 __all__ = [
     "ADAPTER_FILE",
@@ -70,7 +71,15 @@ def _looks_like_path(name: str) -> bool:
 def resolve_model(name_or_path: str) -> str:
     """Short name → bundled path; anything else unchanged (a path or a hub id).
 
-    Raises ``ModelLoadError`` for a path that does not exist or holds no model."""
+    A pip model's name (``gemma-3-270m``, ``ropescale.pip_models``) → its cached folder, made on first use.
+
+    Raises ``ModelLoadError`` for a path that does not exist or holds no model, and for a pip model
+    that cannot be made ready (package missing, damaged)."""
+    if name_or_path in PIP_MODELS:
+        try:
+            return str(pip_model_path(name_or_path))
+        except PipModelError as e:
+            raise ModelLoadError(str(e)) from None
     path = MODEL_ALIASES.get(name_or_path)
     if path is None:
         local = Path(name_or_path).expanduser()

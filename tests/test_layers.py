@@ -118,7 +118,7 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
                           "ropescale.lm_head")},
     {"rotary and attention": ("ropescale.rotary", "ropescale.layer_rope", "ropescale.attention")},
     {"patching": ("ropescale.patching",)},
-    {"save and load": ("ropescale.export", "ropescale.models")},
+    {"save and load": ("ropescale.export", "ropescale.models", "ropescale.pip_models")},
     {"runs": ("ropescale.runs",)},
     {"training": ("ropescale.training",), "serving": ("ropescale.serving",)},
     {"package face": ("ropescale$",)},

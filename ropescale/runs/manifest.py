@@ -28,6 +28,7 @@ import torch
 from ropescale._version import __version__
 from ropescale.errors import OutputError, RopescaleError
 from ropescale.models import weights_fingerprint
+from ropescale.pip_models import model_licence
 from ropescale.runs.processes import on_main
 
 __all__ = [
@@ -148,9 +149,17 @@ def _check_manifest(output: Path, ident: dict[str, Any], config: dict[str, Any],
         tmp = path.with_name(f".{MANIFEST}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"identity": ident, "identity_hash": digest, "config": config,
                                    "processes": processes, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-                                  | ({"patches": patches} if patches else {}), indent=1) + "\n", encoding="utf-8")
+                                  | ({"patches": patches} if patches else {})
+                                  | ({"licence": licence} if (licence := _licence(config)) else {}),
+                                  indent=1) + "\n", encoding="utf-8")
         os.replace(tmp, path)
     return digest
+
+
+def _licence(config: dict[str, Any]) -> dict[str, str] | None:
+    """The licence of the run's model where it carries one (a pip model: ``ropescale.pip_models``)."""
+    model = config.get("model") if isinstance(config, dict) else None
+    return model_licence(model) if isinstance(model, str) and model else None
 
 
 def record_patch(output: Path, strategy: str, layers: list[dict[str, Any]]) -> None:
