@@ -171,6 +171,21 @@ class OutputHead:
                                          reduction="none", ignore_index=IGNORE).view(b, -1))  # [b, c]
         return torch.cat(parts, dim=1)
 
+    def token_kl(self, reference: torch.Tensor, hidden: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+        """KL(P_reference ‖ P) ``[b, n]`` float32 [nats] of the next-token distributions the head
+        gives at each position, from ``reference`` and ``hidden`` ``[b, n, d]`` (the same positions of
+        two forwards), ``chunk`` positions at a time (default: half ``chunk_size_for``'s — two
+        distributions a chunk). Σ_v p_ref(v) · (log p_ref(v) − log p(v)), in float32; a position whose
+        two distributions are equal to rounding can come out a few ulps below 0, kept at 0."""
+        b, n = hidden.shape[:2]
+        chunk = chunk or max(1, chunk_size_for(self.vocab_size, b, dtype=hidden.dtype) // 2)
+        parts = []
+        for s in range(0, n, chunk):
+            ref = F.log_softmax(self.logits(reference[:, s : s + chunk]).float(), dim=-1)  # [b, c, V]
+            own = F.log_softmax(self.logits(hidden[:, s : s + chunk]).float(), dim=-1)  # [b, c, V]
+            parts.append(F.kl_div(own, ref, reduction="none", log_target=True).sum(-1).clamp_min(0))  # [b, c]
+        return torch.cat(parts, dim=1)
+
 
 def _chunk_loss_sum(head: OutputHead, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits = head.logits(hidden).float()  # [b, c, V]

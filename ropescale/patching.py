@@ -11,7 +11,9 @@ Patch *after* ``from_pretrained``: loading recomputes ``inv_freq`` of rotary mod
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -73,6 +75,7 @@ class PatchHandle:
     _hooks: list = field(default_factory=list, repr=False)
     _restore: list = field(default_factory=list, repr=False)
     _active: bool = field(default=False, repr=False)
+    _call: dict[str, Any] = field(default_factory=dict, repr=False)  # patch()'s keyword arguments
 
     @property
     def active(self) -> bool:
@@ -94,6 +97,27 @@ class PatchHandle:
         self._active = False
         if getattr(self.model, _HANDLE_ATTR, None) is self:
             delattr(self.model, _HANDLE_ATTR)
+
+    @contextmanager
+    def suspended(self) -> Iterator[nn.Module]:
+        """Inside the block, the model as it was before the patch (bit for bit, as after ``unpatch``);
+        on leaving it, the same patch again — this handle stays the model's active patch. What
+        KL(P_unpatched ‖ P_patched) compares (``ropescale.runs.scoring``) without a second copy of
+        the weights. A training length set with ``train_at`` is set again. Raises ``RuntimeError``
+        after ``unpatch``."""
+        if not self.active:
+            raise RuntimeError("this patch has been undone; patch the model again")
+        training = [f.training_length for f in self._frequencies]
+        self.unpatch()
+        try:
+            yield self.model
+        finally:
+            again = patch(self.model, self.strategy, **self._call)
+            for f in fields(self):  # this object takes the new patch's state: callers hold this one
+                setattr(self, f.name, getattr(again, f.name))
+            setattr(self.model, _HANDLE_ATTR, self)
+            for f, length in zip(self._frequencies, training):
+                f.set_training_length(length)
 
     def train_at(self, length: int | None) -> None:
         """Train toward target length ``length`` [tokens]: in training mode, dynamic strategies use
@@ -269,6 +293,9 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
                            logn=logn, attention_path=attention_path, block_size=block_size)
     modules, sites = rotary_sites(model)
     handle = PatchHandle(model, strategy, params, {}, layers=probe_layers(model, modules, sites))
+    handle._call = {"original_max_position_embeddings": original_max_position_embeddings, "layer_types": layer_types,
+                    "dynamic_cache": dynamic_cache, "dynamic_block": dynamic_block, "logn": logn and rule is None,
+                    "attention_path": attention_path, "block_size": block_size, "temperature": temperature, **params}
     handle.temperature = rule or (Temperature("logn") if logn else None)
     text = _config_of(model, model)
     handle.own_temperature = {r: shipped(text, r) for r in (True, False)}  # read before a patch changes it

@@ -141,6 +141,22 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def sharp_model_dir(tmp_path_factory, tiny_model_dir):
+    """``tiny_model_dir``'s model with its LM head × 40: a random model's next-token distributions
+    are nearly uniform, so what a patch moves them by (KL ~ 1e-8) drowns in float32 rounding; a
+    larger head makes them peaked, as a trained model's are."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)
+    path = tmp_path_factory.mktemp("sharp-model")
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_gemma3_dir(tmp_path_factory):
     """A saved tiny random Gemma 3 (``tiny_gemma3_config``) with the bundled tokenizer."""
     from transformers import AutoTokenizer, Gemma3ForCausalLM

@@ -221,6 +221,9 @@ def check_engine(cfg, source: str = "config", processes: int = 1) -> None:
     if not supports(task_cls):
         raise ConfigError(f"{source}: engine: vllm scores perplexity and the retrieval tasks (passkey, needle, "
                           f"niah_multikey); {cfg.task} has no vLLM scoring — use engine: transformers")
+    if cfg.task == "perplexity" and cfg.options.kl:
+        raise ConfigError(f"{source}: perplexity: kl: the KL to the unpatched model needs the whole next-token "
+                          "distribution, and vLLM returns the target's log-probability only — use engine: transformers")
     for spec in cfg.strategies:
         why = unservable(spec.name, logn=spec.logn, temperature=spec.temperature,
                          dynamic_block=cfg.task == "perplexity" and bool(cfg.options.dynamic_block))

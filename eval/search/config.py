@@ -16,6 +16,7 @@
     retrieval_weight: 0          # > 0: adds the passkey answer's log-likelihood term
     needle_weight: 0             # > 0: adds LongRoPE2's needle-driven term (needles in the search text)
     epsilon: 0.05                # constraint: PPL at T ≤ (1 + ε) × vanilla's
+    max_kl: 0.02                 # optional constraint: KL(P_unpatched ‖ P) at T ≤ this [nats/token]
     heldout: kjv-heldout         # the reported eval data, refused as the search split
     engine: transformers         # or vllm: every candidate scored by vLLM (eval.engines.vllm_eval), as eval's
     vllm: {tensor_parallel_size: 1}   # engine: vllm's options, as eval's
@@ -111,6 +112,9 @@ class SearchConfig(BaseModel):
                                                        "answer token of needles planted in the search text")
     needle_trials: Int = Field(4, ge=1, description="needle prompts per candidate (at the longest length)")
     epsilon: Real = Field(0.05, ge=0, description="constraint: PPL at T ≤ (1 + ε) × vanilla's")
+    max_kl: Real | None = Field(None, gt=0, description=(
+        "constraint: mean KL(P_unpatched ‖ P_candidate) per token at T ≤ this [nats] (the short-context cost); "
+        "none: no KL constraint"))
     evolution: dict[str, Any] = Field(default_factory=dict, description=(
         "method evolution: LongRoPE's hyper-parameters (population, iterations, elite, mutation_prob, "
         "crossover_prob, variant); left out: the authors' defaults"))
@@ -178,6 +182,9 @@ class SearchConfig(BaseModel):
         if self.vllm != VllmOptions() and self.engine != "vllm":  # a dumped config's defaults read back
             raise ValueError(f"vllm: options of engine: vllm, but engine is {self.engine}; set engine: vllm or "
                              "leave vllm: out")
+        if self.max_kl is not None and self.engine != "transformers":
+            raise ValueError("max_kl: the KL to the unpatched model needs the whole next-token distribution, and "
+                             "vLLM returns the target's log-probability only — use engine: transformers")
         if self.length_weights is not None:
             w = self.length_weights
             if len(w) != len(self.lengths):

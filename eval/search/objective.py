@@ -20,7 +20,9 @@ length, so one spec serves every length) the objective [nats per token] is
 - Constraint (LongRoPE's short-context concern): c(θ) = PPL_T(θ) / ((1 + ε) · PPL_T(vanilla)) − 1,
   PPL at the training window T on ``max_windows`` windows of the search split; feasible when
   c ≤ 0. It is reported with every trial; the tuner uses it as an Optuna constraint (TPE) or a
-  penalty (CMA-ES) — see ``eval.search.tuner``.
+  penalty (CMA-ES) — see ``eval.search.tuner``. With ``max_kl`` = κ, the short-context cost joins
+  it: c(θ) = max(c_PPL, KL_T(θ) / κ − 1), KL_T the mean KL(P_unpatched ‖ P_θ) per token over the
+  same windows at T (``ropescale.runs.scoring.window_nll(kl=True)``), reported as ``kl_train``.
 
 The model is loaded once, and checked with the data before any trial: a model without a rotary
 embedding, data too short for a length (or for T), a search split holding a held-out document are
@@ -72,10 +74,12 @@ class Measurement:
     seconds: float
     needle_nll: float | None = None  # LongRoPE2's needle-driven term (eval.search.needle_objective)
     parity: float | None = None  # engine: vllm: |Δ mean NLL| of the first window against transformers [nats]
+    kl_train: float | None = None  # with max_kl: mean KL(P_unpatched ‖ P_candidate) per token at T [nats]
 
     def row(self) -> dict:
         """Flat columns for ``trials.csv`` (``parity`` only where vLLM scored)."""
-        out = {k: v for k, v in asdict(self).items() if k not in ("nll", "ppl") and (k != "parity" or v is not None)}
+        out = {k: v for k, v in asdict(self).items()
+               if k not in ("nll", "ppl") and (k not in ("parity", "kl_train") or v is not None)}
         out.update({f"ppl@{length}": v for length, v in self.ppl.items()})
         return out
 
@@ -163,8 +167,11 @@ class SearchObjective:
 
     def _nll(self, length: int) -> float:
         """Token-weighted mean NLL [nats per token] of the search windows of ``length`` tokens."""
+        return self._score(length).mean_nll
+
+    def _score(self, length: int, kl: bool = False):
         return score_windows(self.model, self.docs, self.windows[length], length=length, buckets=1,
-                             device=self.device).mean_nll
+                             device=self.device, kl=kl)
 
     @torch.no_grad()
     def _retrieval_nll(self) -> float:
@@ -202,16 +209,22 @@ class SearchObjective:
         if needle is not None:
             objective += self.cfg.needle_weight * needle
         constraint = ppl_train / ((1 + self.cfg.epsilon) * self.vanilla_ppl_train) - 1
+        kl = got.get("kl")
+        if kl is not None:
+            constraint = max(constraint, kl / self.cfg.max_kl - 1)
         nll = {L: nll[L] for L in self.cfg.lengths}
         return params, Measurement(objective=objective, nll=nll, ppl={L: math.exp(v) for L, v in nll.items()},
                                    ppl_train=ppl_train, constraint=constraint, retrieval_nll=retrieval,
                                    seconds=round(time.perf_counter() - t0, 3), needle_nll=needle,
-                                   parity=got.get("parity"))
+                                   parity=got.get("parity"), kl_train=kl)
 
     def _measure_here(self) -> dict:
         """The patched model's terms, scored in this process: mean NLL per length (the target
         lengths and T), the passkey and needle answers' (None when not in the objective)."""
-        return {"nll": {L: self._nll(L) for L in self.windows},
+        kl = self.cfg.max_kl is not None
+        scores = {L: self._score(L, kl=kl and self.train_length == L) for L in self.windows}
+        return {"nll": {L: s.mean_nll for L, s in scores.items()},
+                "kl": scores[self.train_length].mean_kl if kl else None,
                 "retrieval": self._retrieval_nll() if self.passkeys else None,
                 "needle": answer_nll(self.model, self.needles, self.device) if self.needles else None}
 

@@ -40,6 +40,7 @@ def identity(cfg: SearchConfig, docs) -> dict:
                          **cfg.model_dump(mode="json", include=set(keep)),
                          # LongRoPE2's needle term: in the identity only when used, so earlier studies still resume
                          **(cfg.model_dump(include={"needle_weight", "needle_trials"}) if cfg.needle_weight else {}),
+                         **({"max_kl": cfg.max_kl} if cfg.max_kl is not None else {}),
                          # vLLM's numbers are another experiment's (within the parity tolerance); report_to is not
                          **({"engine": cfg.engine} if cfg.engine != "transformers" else {})},
                         model=cfg.model, docs=docs)

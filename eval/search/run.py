@@ -198,6 +198,8 @@ def _rows(study) -> list[dict]:
         row["feasible"] = None if a.get("constraint") is None else a["constraint"] <= 0
         row.update({k: v for k, v in a.items() if k.startswith("ppl@")})
         row.update({k: a.get(k) for k in ("ppl_train", "retrieval_nll", "seconds", INVALID, FAILED)})
+        if a.get("kl_train") is not None:  # the KL constraint's measure, when the search has one
+            row["kl_train"] = a["kl_train"]
         if a.get("needle_nll") is not None:  # LongRoPE2's needle term, when the search has it
             row["needle_nll"] = a["needle_nll"]
         if a.get("parity") is not None:  # engine: vllm: the first window's |Δ mean NLL| against transformers
@@ -222,7 +224,8 @@ def _markdown(cfg: SearchConfig, study, best: dict, rows: list[dict], front: lis
         + (f" + {cfg.retrieval_weight:g} × passkey answer NLL" if cfg.retrieval_weight else "")
         + (f" + {cfg.needle_weight:g} × needle answer NLL" if cfg.needle_weight else ""),
         f"- constraint: PPL at T ≤ (1 + {cfg.epsilon:g}) × vanilla's"
-        + (f" ({attrs['vanilla_ppl_train']:.3f})" if "vanilla_ppl_train" in attrs else ""),
+        + (f" ({attrs['vanilla_ppl_train']:.3f})" if "vanilla_ppl_train" in attrs else "")
+        + (f"; KL(unpatched ‖ candidate) at T ≤ {cfg.max_kl:g} nats/token" if cfg.max_kl is not None else ""),
         f"- fixed: {json.dumps(cfg.fixed)}", "",
         f"**Best** (trial {best['trial']}{'' if best['feasible'] else ', no feasible trial'}): `{best['spec']}` — "
         f"J {best['objective']:.4f}, PPL " + ", ".join(f"@{k} {v:.3f}" for k, v in best["ppl"].items())

@@ -24,7 +24,7 @@ __all__ = ["SearchTrackers", "trial_numbers"]
 
 def trial_numbers(attrs: dict[str, Any], params: dict[str, Any]) -> dict[str, float]:
     """The scalars of one complete trial (its Optuna user attributes and sampled parameters)."""
-    keys = ("objective", "constraint", "ppl_train", "retrieval_nll", "needle_nll", "seconds", "parity")
+    keys = ("objective", "constraint", "ppl_train", "kl_train", "retrieval_nll", "needle_nll", "seconds", "parity")
     out = {k: attrs[k] for k in keys if isinstance(attrs.get(k), (int, float))}
     out |= {k: v for k, v in attrs.items() if k.startswith("ppl@") and isinstance(v, (int, float))}
     out |= {f"param/{k}": v for k, v in params.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}

@@ -1,5 +1,12 @@
 """Perplexity over windows of L tokens of the data source (``ropescale.runs.windows`` cuts them,
-``ropescale.runs.scoring`` scores them). PPL = exp(total NLL / scored tokens), token-weighted."""
+``ropescale.runs.scoring`` scores them). PPL = exp(total NLL / scored tokens), token-weighted.
+
+With ``kl: true``, also what the strategy costs where the model needs no scaling: the KL divergence
+KL(P_unpatched ‖ P_patched) of the next-token distributions on the same windows (nats per scored
+token, token-weighted: ``kl``), over each window's first ``kl_first_tokens`` predictions
+(``kl_first``: short prompts) and per position bucket — as llama.cpp's ``--kl-divergence`` measures a
+quantization's drift (``perplexity.cpp``: mean KLD over the scored tokens of each chunk). 0 for
+``vanilla``. One more forward per window (the patch suspended, ``PatchHandle.suspended``)."""
 
 from __future__ import annotations
 
@@ -28,6 +35,8 @@ class PerplexityOptions(TaskOptions):
         "positions per chunk of the LM head and loss (memory ≈ chunk × V × 12 bytes); "
         "default: from a 256 MiB budget"))
     position_buckets: int = Field(16, ge=1, le=1024, description="NLL-by-position buckets per window")
+    kl: bool = Field(False, description="also KL(P_unpatched ‖ P_patched) per token [nats] (one more forward a window)")
+    kl_first_tokens: int = Field(128, ge=1, description="kl: the first predictions of each window reported apart")
     dynamic_block: int | None = Field(None, ge=1, description=(
         "dynamic strategies: score tokens [kB, (k+1)B) with a forward over the first (k+1)B tokens, "
         "the scale generation would use (1 = per position); default: one scale per window"))
@@ -37,13 +46,17 @@ class PerplexityOptions(TaskOptions):
             raise ValueError(f"stride {self.stride} is longer than the shortest length {min(lengths)}")
 
     def key(self) -> dict[str, Any]:
-        # batch_size and logits_chunk change numbers by float noise only: not part of the identity
-        return (self.model_dump(exclude={"batch_size", "logits_chunk"})
-                | {"stride": self.stride if self.mode == "sliding" else None})
+        # batch_size and logits_chunk change numbers by float noise only: not part of the identity;
+        # neither is kl when off (folders from before it resume)
+        out = self.model_dump(exclude={"batch_size", "logits_chunk"}) | {
+            "stride": self.stride if self.mode == "sliding" else None}
+        if not self.kl:
+            del out["kl"], out["kl_first_tokens"]
+        return out
 
 
 # written at the top level of a config before tasks existed; still read there
-LEGACY_KEYS = tuple(k for k in PerplexityOptions.model_fields if k != "logits_chunk")
+LEGACY_KEYS = tuple(k for k in PerplexityOptions.model_fields if k not in ("logits_chunk", "kl", "kl_first_tokens"))
 
 
 def _dynamic_semantics(block: int | None) -> str:
@@ -81,15 +94,19 @@ class Perplexity(Task):
         o = self.options
         dims = model_dims(model)
         head = o.logits_chunk * dims.vocab * 12 * o.batch_size if o.logits_chunk else DEFAULT_BUDGET
+        device = {"activations": forward_bytes(dims, length + 1, model.dtype.itemsize, batch=o.batch_size)
+                  + 24 * o.batch_size * length, "LM head": head}
+        if o.kl:  # the unpatched forward's last hidden state, kept beside the patched one's
+            device["KL reference"] = o.batch_size * (length + 1) * dims.hidden * model.dtype.itemsize
         return Need(what=f"perplexity at {length} tokens ({o.batch_size} window{'s' * (o.batch_size > 1)} a batch)",
-                    device={"activations": forward_bytes(dims, length + 1, model.dtype.itemsize, batch=o.batch_size)
-                            + 24 * o.batch_size * length, "LM head": head})
+                    device=device)
 
     def measure(self, model, windows, indices, *, length, strategy, device, desc) -> list:
         o = self.options
         parts = window_nll(model, self.documents, [windows[i] for i in indices], length=length, bos_token_id=self.bos,
                            batch_size=o.batch_size, buckets=o.position_buckets, device=device, desc=desc,
-                           prefix_block=o.dynamic_block if strategy.dynamic else None, logits_chunk=o.logits_chunk)
+                           prefix_block=o.dynamic_block if strategy.dynamic else None, logits_chunk=o.logits_chunk,
+                           kl=o.kl, kl_first=o.kl_first_tokens)
         return list(zip(indices, parts))
 
     def combine(self, parts, windows, *, length, strategy) -> dict[str, Any]:
@@ -97,7 +114,8 @@ class Perplexity(Task):
         block = o.dynamic_block if strategy.dynamic else None
         ordered = [p for _, p in sorted((x for part in parts for x in part), key=lambda x: x[0])]
         s = combine_windows(ordered, length, o.position_buckets)
-        return {"ppl": math.exp(s.mean_nll), "nll": s.mean_nll, "tokens": s.tokens, "windows": len(windows),
+        kl = {"kl": s.mean_kl, "kl_first": s.mean_kl_first, "kl_first_tokens": o.kl_first_tokens} if o.kl else {}
+        return {"ppl": math.exp(s.mean_nll), "nll": s.mean_nll, **kl, "tokens": s.tokens, "windows": len(windows),
                 "mode": o.mode, "stride": (o.stride or length // 2) if o.mode == "sliding" else None,
                 "add_bos": o.add_bos, "dynamic": _dynamic_semantics(block) if strategy.dynamic else None,
                 "nll_by_position": s.by_position()}
@@ -109,4 +127,24 @@ class Perplexity(Task):
         paths = {"plot": output / "ppl_vs_length.png", "position_plot": output / "nll_vs_position.png"}
         plot_metric(records, "ppl", "perplexity", paths["plot"])
         plot_position(records, paths["position_plot"])
+        if any(r.get("kl") is not None for r in records):
+            paths["kl_plot"] = output / "kl_vs_length.png"
+            plot_metric([r for r in records if r.get("kl") is not None], "kl",
+                        "KL(unpatched ‖ patched) [nats/token]", paths["kl_plot"])
         return paths
+
+    @classmethod
+    def report(cls, records: list[dict]) -> str:
+        """With ``kl``: the KL tables (every scored token; each window's first predictions)."""
+        from ..report import markdown_table
+
+        measured = [r for r in records if r.get("kl") is not None]
+        if not measured:
+            return ""
+        first = measured[0].get("kl_first_tokens")
+        out = []
+        for key, label in (("kl", "every scored token"), ("kl_first", f"each window's first {first} predictions")):
+            metric = Metric(key=key, label=label, higher_is_better=False, fmt="{:.4f}")
+            out += [f"**KL(P_unpatched ‖ P_patched)** [nats/token], {label} (lower is better; 0 = the model as "
+                    "loaded)", "", markdown_table(measured, metric)]
+        return "\n".join(out)

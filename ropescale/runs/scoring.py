@@ -30,6 +30,8 @@ class Score:
     tokens: int = 0
     bucket_nll: list[float] = field(default_factory=list)
     bucket_tokens: list[int] = field(default_factory=list)
+    bucket_kl: list[float] | None = None  # summed KL(P_unpatched ‖ P_patched) per bucket [nats], when measured
+    kl_first: tuple[float, int] | None = None  # summed KL and tokens over each window's first predictions
 
     def __post_init__(self) -> None:
         self.bucket_nll = self.bucket_nll or [0.0] * self.buckets
@@ -39,12 +41,26 @@ class Score:
     def mean_nll(self) -> float:
         return self.nll / self.tokens
 
+    @property
+    def mean_kl(self) -> float | None:
+        """Mean KL(P_unpatched ‖ P_patched) per scored token [nats]; None when not measured."""
+        return None if self.bucket_kl is None else sum(self.bucket_kl) / self.tokens
+
+    @property
+    def mean_kl_first(self) -> float | None:
+        """Mean KL over each window's first predictions (``window_nll``'s ``kl_first``) [nats]."""
+        return None if self.kl_first is None or not self.kl_first[1] else self.kl_first[0] / self.kl_first[1]
+
     def by_position(self) -> list[dict]:
         """Per bucket: window positions ``[start, end)``, mean NLL and token count."""
         edges = [self.length * k // self.buckets for k in range(self.buckets + 1)]
-        return [{"start": edges[k], "end": edges[k + 1], "tokens": self.bucket_tokens[k],
+        rows = [{"start": edges[k], "end": edges[k + 1], "tokens": self.bucket_tokens[k],
                  "nll": self.bucket_nll[k] / self.bucket_tokens[k] if self.bucket_tokens[k] else None}
                 for k in range(self.buckets)]
+        if self.bucket_kl is not None:
+            for row, kl in zip(rows, self.bucket_kl):
+                row["kl"] = kl / row["tokens"] if row["tokens"] else None
+        return rows
 
 
 def _batches(windows: list[Window], batch_size: int):
@@ -55,29 +71,61 @@ def _batches(windows: list[Window], batch_size: int):
             yield group[i : i + batch_size]
 
 
-def _forward_nll(model, head: OutputHead | None, ids: torch.Tensor, first: int, chunk: int | None) -> torch.Tensor:
+def _reference(model, forward):
+    """``forward()`` run with the model's active patch suspended (``PatchHandle.suspended``): the
+    unpatched model's output; None when no patch is active (the model is its own reference)."""
+    from ropescale.patching import current_patch
+
+    handle = current_patch(model)
+    if handle is None:
+        return None
+    with handle.suspended():
+        return forward()
+
+
+def _forward_nll(model, head: OutputHead | None, ids: torch.Tensor, first: int, chunk: int | None,
+                 kl: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """NLL ``[b, n - first]`` float32 (on the model's device) of targets ``ids[:, first:]``
     (``first`` ≥ 1) from one forward over ``ids`` ``[b, n]``: through the chunked head when it
     reproduces the model's own logits (``OutputHead.verify``: checked on the first batch of a
-    call, one host read), else from full logits."""
+    call, one host read), else from full logits. With ``kl``, also KL(P_unpatched ‖ P) ``[b, n -
+    first]`` at the same positions, the reference from a forward with the patch suspended (zeros
+    when no patch is active); else None."""
     if head is not None and head.mismatch is None:
         hidden, own = head.run(input_ids=ids, use_cache=False)  # [b, n, d], [b, 1, V]
         if head.verify(hidden, own):
-            return head.token_nll(hidden[:, first - 1 : -1], ids[:, first:], chunk)
+            nll = head.token_nll(hidden[:, first - 1 : -1], ids[:, first:], chunk)
+            if not kl:
+                return nll, None
+            ref = _reference(model, lambda: head.run(input_ids=ids, use_cache=False)[0])  # [b, n, d]
+            if ref is None:
+                return nll, torch.zeros_like(nll)
+            return nll, head.token_kl(ref[:, first - 1 : -1], hidden[:, first - 1 : -1], chunk and max(1, chunk // 2))
     logits = model(input_ids=ids, use_cache=False).logits[:, first - 1 : -1]  # [b, n-first, V]
-    return F.cross_entropy(logits.flatten(0, 1).float(), ids[:, first:].flatten(),
-                           reduction="none").view(ids.shape[0], -1)
+    nll = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, first:].flatten(),
+                          reduction="none").view(ids.shape[0], -1)
+    if not kl:
+        return nll, None
+    ref = _reference(model, lambda: model(input_ids=ids, use_cache=False).logits[:, first - 1 : -1])
+    if ref is None:
+        return nll, torch.zeros_like(nll)
+    own = F.log_softmax(logits.float(), dim=-1)  # [b, n-first, V]
+    ref = F.log_softmax(ref.float(), dim=-1)
+    return nll, F.kl_div(own, ref, reduction="none", log_target=True).sum(-1).clamp_min(0)  # ≥ 0 (rounding)
 
 
-def _nll(model, head, ids: torch.Tensor, block: int | None, chunk: int | None) -> torch.Tensor:
-    """Next-token NLL ``[b, n-1]`` of ``ids`` ``[b, n]``: one forward, or with ``block`` B the
-    targets in [kB, (k+1)B) from a forward over the first (k+1)·B tokens — a dynamic strategy then
-    sees, per block, the length generation would have reached."""
+def _nll(model, head, ids: torch.Tensor, block: int | None, chunk: int | None,
+         kl: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Next-token NLL ``[b, n-1]`` of ``ids`` ``[b, n]`` (and with ``kl`` the KL to the unpatched
+    model ``[b, n-1]``): one forward, or with ``block`` B the targets in [kB, (k+1)B) from a forward
+    over the first (k+1)·B tokens — a dynamic strategy then sees, per block, the length generation
+    would have reached."""
     if not block:
-        return _forward_nll(model, head, ids, 1, chunk)
+        return _forward_nll(model, head, ids, 1, chunk, kl)
     n = ids.shape[1]
-    return torch.cat([_forward_nll(model, head, ids[:, : min(start + block, n)], max(start, 1), chunk)
-                      for start in range(0, n, block)], dim=1)
+    parts = [_forward_nll(model, head, ids[:, : min(start + block, n)], max(start, 1), chunk, kl)
+             for start in range(0, n, block)]
+    return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1) if kl else None
 
 
 @torch.no_grad()
@@ -85,16 +133,20 @@ def window_nll(model, docs: list[torch.Tensor], windows: list[Window], *, length
                bos_token_id: int | None = None, batch_size: int = 1, buckets: int = 16,
                device: torch.device | str = "cpu", desc: str | None = None,
                prefix_block: int | None = None, logits_chunk: int | None = None,
-               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+               kl: bool = False, kl_first: int = 0) -> list[tuple[torch.Tensor, ...]]:
     """Per window, in order: its summed next-token NLL per position bucket ``[buckets]`` float64
     and its scored tokens per bucket ``[buckets]`` (the parts ``combine_windows`` adds up; a
-    data-parallel run computes them for its share of the windows).
+    data-parallel run computes them for its share of the windows) — with ``kl``, then its summed
+    KL(P_unpatched ‖ P_patched) per bucket ``[buckets]`` and ``[KL sum, tokens]`` over its scored
+    targets at window index ≤ ``kl_first`` (the first ``kl_first`` predictions).
 
     Memory is O(n·d): the LM head and the loss run over ``logits_chunk`` positions at a time
     (``ropescale.lm_head``; default from a memory budget), never over ``[n, V]`` logits — unless
     the model's head cannot be reproduced, which is detected on the first batch (against the
     model's own last-position logits) and falls back to full logits with a warning. The accounting
-    stays on the device until the end (no host sync per window).
+    stays on the device until the end (no host sync per window). KL adds a second forward per
+    window with the active patch suspended (``PatchHandle.suspended``: no second copy of the
+    weights) and one more ``[b, n, d]`` hidden state.
 
     Args:
         model: causal LM (transformers ``*ForCausalLM``).
@@ -105,6 +157,8 @@ def window_nll(model, docs: list[torch.Tensor], windows: list[Window], *, length
         desc: progress-bar label; None disables the bar.
         prefix_block: score block-wise (see ``_nll``) instead of one forward per window.
         logits_chunk: positions per chunk of the LM head [tokens]; None: from a memory budget.
+        kl: also the KL divergence to the unpatched model (nats per token; 0 with no active patch).
+        kl_first: the first predictions per window the second KL sum covers [tokens].
     """
     try:
         head = OutputHead(model)
@@ -119,33 +173,47 @@ def window_nll(model, docs: list[torch.Tensor], windows: list[Window], *, length
             ids = F.pad(ids, (1, 0), value=bos_token_id)
         ids = ids.to(device)
         acc = torch.float32 if ids.device.type == "mps" else torch.float64  # MPS has no float64
-        nll = _nll(model, head, ids, prefix_block, logits_chunk).to(acc)  # [b, n-1]
+        nll, div = _nll(model, head, ids, prefix_block, logits_chunk, kl)  # [b, n-1] each
+        nll = nll.to(acc)
         target_pos = torch.arange(1, ids.shape[1], device=ids.device)  # window index of each target
         bucket = (target_pos * buckets) // length  # [n-1]
-        for row, w in zip(nll, batch):
-            keep = (target_pos >= (w.score_from - w.start + offset)).double()  # [n-1]
+        early = (target_pos <= kl_first).to(acc)  # [n-1]: the first kl_first predictions
+        for i, w in enumerate(batch):
+            keep = (target_pos >= (w.score_from - w.start + offset)).to(acc)  # [n-1]
             zeros = torch.zeros(buckets, dtype=acc, device=ids.device)
-            out.append((zeros.scatter_add(0, bucket, row * keep), zeros.scatter_add(0, bucket, keep)))
+            part = [zeros.scatter_add(0, bucket, nll[i] * keep), zeros.scatter_add(0, bucket, keep)]
+            if kl:
+                row = div[i].to(acc) * keep
+                part += [zeros.scatter_add(0, bucket, row), torch.stack([(row * early).sum(), (keep * early).sum()])]
+            out.append(torch.cat(part))  # [2·buckets (+ buckets + 2)]
         bar.update(len(batch))
     bar.close()
     if not out:
         return out
-    sums = torch.stack([t for pair in out for t in pair]).cpu().double()  # one transfer: [2·windows, buckets]
-    return [(sums[2 * i], sums[2 * i + 1]) for i in range(len(out))]
+    sums = torch.stack(out).cpu().double()  # one transfer: [windows, 2·buckets (+ buckets + 2)]
+    return [tuple(row.split([buckets, buckets, buckets, 2][: 4 if kl else 2])) for row in sums]
 
 
-def combine_windows(parts: list[tuple[torch.Tensor, torch.Tensor]], length: int, buckets: int) -> Score:
+def combine_windows(parts: list[tuple[torch.Tensor, ...]], length: int, buckets: int) -> Score:
     """Add up per-window parts *in window order* (so any split across processes gives the same
-    float64 sums as one process)."""
-    bucket_nll = torch.zeros(buckets, dtype=torch.float64)
-    bucket_tok = torch.zeros(buckets, dtype=torch.float64)
-    for nll, tok in parts:
-        bucket_nll += nll
-        bucket_tok += tok
+    float64 sums as one process); parts with KL (``window_nll(kl=True)``) add its sums too."""
+    width = len(parts[0]) if parts else 2
+    sums = [torch.zeros(t.shape, dtype=torch.float64) for t in parts[0]] if parts else []
+    for part in parts:
+        if len(part) != width:
+            raise ValueError("window parts with and without KL cannot be combined")
+        for total, t in zip(sums, part):
+            total += t
     score = Score(length, buckets)
+    if not parts:
+        return score
+    bucket_nll, bucket_tok = sums[:2]
     score.bucket_nll = bucket_nll.tolist()
     score.bucket_tokens = [int(t) for t in bucket_tok.tolist()]
     score.nll, score.tokens = float(bucket_nll.sum()), int(bucket_tok.sum())
+    if width == 4:
+        score.bucket_kl = sums[2].tolist()
+        score.kl_first = (float(sums[3][0]), int(sums[3][1]))
     return score
 
 

@@ -177,3 +177,30 @@ def test_rebuild_reports_refuses_a_file_without_records_before_writing(tmp_path)
     with pytest.raises(InvalidInput, match=r"no such results file"):
         rebuild_reports(tmp_path / "missing.jsonl", tmp_path / "plots")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.jsonl"]
+
+
+def test_kl_cells_report_the_short_context_cost(tmp_path, sharp_model_dir, text_file):
+    """``perplexity: {kl: true}``: every cell records KL(P_unpatched ‖ P_patched); vanilla's is 0, at
+    L ≤ T linear ×2 moves the distributions (what a static factor costs short prompts) and
+    dynamic NTK (s = 1 there) does not; results.md gets the KL tables and kl_vs_length.png is drawn.
+    Turning kl on is another experiment; off, folders from before it resume."""
+    from eval.engines.vllm_eval import check_engine
+    from eval.tasks.perplexity import PerplexityOptions
+    from ropescale.runs.config import ConfigError
+
+    cfg = config(sharp_model_dir, text_file, strategies=["vanilla", "linear:factor=2", "dynamic_ntk"],
+                 perplexity={"kl": True, "kl_first_tokens": 8})
+    records = {(r["strategy"], r["length"]): r for r in run_sweep(cfg, tmp_path, progress=False)}
+    for length in (32, 64):
+        assert records[("vanilla", length)]["kl"] == 0.0
+        assert records[("linear:factor=2", length)]["kl"] > 1e-6
+        assert records[("linear:factor=2", length)]["kl_first"] > 0
+    assert records[("dynamic_ntk", 32)]["kl"] == 0.0 and records[("dynamic_ntk", 64)]["kl"] > 0
+    assert all(r["kl_first_tokens"] == 8 and "kl" in r["nll_by_position"][0] for r in records.values())
+    md = (tmp_path / "results.md").read_text()
+    assert "**KL(P_unpatched ‖ P_patched)** [nats/token], each window's first 8 predictions" in md
+    assert (tmp_path / "kl_vs_length.png").stat().st_size > 0
+    assert "kl" not in PerplexityOptions().key() and PerplexityOptions(kl=True).key()["kl"] is True
+    with pytest.raises(ConfigError, match="perplexity: kl: .*vLLM returns the target's log-probability only"):
+        check_engine(build_config({"model": str(sharp_model_dir), "lengths": [32], "strategies": ["yarn"],
+                                   "engine": "vllm", "perplexity": {"kl": True}}))
