@@ -24,10 +24,11 @@ def len_label(length: int, train: int | None) -> str:
 
 
 def plot_metric(records: list[dict], key: str, label: str, path: Path, *, ci: str | None = None,
-                second: tuple[str, str, str | None] | None = None, chance: str | None = None) -> None:
+                second: tuple[str, str, str | None] | None = None, chance: str | None = None,
+                level: tuple[float, str] | None = None) -> None:
     """``key`` against length, one line per strategy (with ``ci`` intervals as error bars); with
     ``second`` = (key, label, ci key), a second panel beside it; ``chance`` names a field drawn
-    as a dotted level on it."""
+    as a dotted level on it; ``level`` = (value, words) a dotted level on the first panel."""
     plt = pyplot()
     panels = [(key, label, ci)] + ([second] if second else [])
     fig, axes = plt.subplots(1, len(panels), figsize=(8.5 if len(panels) == 1 else 13, 4.5), squeeze=False)
@@ -42,6 +43,10 @@ def plot_metric(records: list[dict], key: str, label: str, path: Path, *, ci: st
                 ax.errorbar(x, y, yerr=err, label=s, capsize=3, elinewidth=0.8, **style)
             else:
                 ax.plot(x, y, label=s, **style)
+        if level is not None and k == key:
+            ax.axhline(level[0], color="black", ls=":", lw=1)
+            ax.annotate(level[1], (1, level[0]), xycoords=("axes fraction", "data"), xytext=(-55, 3),
+                        textcoords="offset points", fontsize=8)
         if chance and k != key:
             ax.axhline(records[0][chance], color="black", ls=":", lw=1)
             ax.annotate("chance", (1, records[0][chance]), xycoords=("axes fraction", "data"),

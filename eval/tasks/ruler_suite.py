@@ -14,6 +14,17 @@ says over how many), ``scores`` = ``{task: score}``, ``refused`` = ``{task: reas
 task the prompt token counts. Reports: the average as strategies × lengths, one table per length
 with every task's score beside the average, ``score_vs_length.png`` (one line per strategy) and
 ``task_heatmap.png`` (task × length, one panel per strategy).
+
+**Effective length** (RULER's §4: the longest length at which a model still scores at least a
+threshold; the paper's threshold is Llama-2-7B's average at its 4K window, 85.6): per strategy,
+the largest measured length L whose average, and every measured shorter length's, is at or above
+the threshold — a dip below it ends the reach even where a longer length recovers. None when the
+shortest measured length already falls below. The threshold is ``threshold`` when given (a
+number, %), else RULER's convention for an extended model: the unscaled model's own average at its
+window — the ``vanilla`` cell at T (none without that cell). In ``results.md`` (a table under the
+averages), ``effective_length.json`` (``{strategy: length or null}`` with the threshold and where it
+came from) and ``score_vs_length.png`` (the threshold drawn as a dotted level). A given threshold
+is recorded with the run (its identity); left out, runs from before the option resume.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ from .base import Task, get_task
 from .prompts import PromptError
 from .ruler_base import RulerOptions, RulerTask
 
-__all__ = ["DEFAULT_TASKS", "RulerSuite", "RulerSuiteOptions"]
+__all__ = ["DEFAULT_TASKS", "RulerSuite", "RulerSuiteOptions", "effective_length", "effective_lengths"]
 
 DEFAULT_TASKS = ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
                  "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe"]
@@ -41,6 +52,12 @@ DEFAULT_TASKS = ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multik
 class RulerSuiteOptions(RulerOptions):
     tasks: list[str] = Field(default_factory=lambda: list(DEFAULT_TASKS), min_length=1,
                              description="RULER tasks to run (default: the 11 synthetic ones)")
+    threshold: float | None = Field(None, ge=0, le=100, allow_inf_nan=False, description=(
+        "effective length's threshold (RULER average, %); default the vanilla cell's average at T"))
+
+    def key(self) -> dict[str, Any]:
+        # left at its default (the vanilla cell at T): out of the key, so runs from before the option resume
+        return {k: v for k, v in super().key().items() if k != "threshold" or v is not None}
 
     @field_validator("tasks")
     @classmethod
@@ -72,7 +89,7 @@ class RulerSuite(Task):
 
     @cached_property
     def tasks(self) -> dict[str, RulerTask]:
-        shared = self.options.model_dump(exclude={"tasks"})
+        shared = self.options.model_dump(exclude={"tasks", "threshold"})
         out = {}
         for name in self.options.tasks:
             cls = get_task(name)
@@ -135,12 +152,13 @@ class RulerSuite(Task):
 
     @classmethod
     def report(cls, records: list[dict]) -> str:
-        """Per length: every task's score beside the average, strategies as rows (— where refused)."""
+        """The effective length per strategy, then per length: every task's score beside the
+        average, strategies as rows (— where refused)."""
         from ..plots import len_label, strategies_of
 
         tasks = records[0]["tasks"]
         train = records[0].get("train_length")
-        parts = []
+        parts = _effective_report(records)
         for length in sorted({r["length"] for r in records}):
             rows = {r["strategy"]: r for r in records if r["length"] == length}
             parts += [f"**{len_label(length, train)}** (RULER score, %; average over the tasks that fit)", "",
@@ -161,9 +179,60 @@ class RulerSuite(Task):
 
     @classmethod
     def plots(cls, records: list[dict], output: Path) -> dict[str, Path]:
+        import json
+
         from ..plots import plot_metric, plot_task_heatmaps
 
-        paths = {"plot": output / "score_vs_length.png", "heatmap": output / "task_heatmap.png"}
-        plot_metric(records, "score", "RULER average score (%)", paths["plot"])
+        paths = {"plot": output / "score_vs_length.png", "heatmap": output / "task_heatmap.png",
+                 "effective_length": output / "effective_length.json"}
+        summary = effective_lengths(records)
+        level = (summary["threshold"], "threshold") if summary["threshold"] is not None else None
+        plot_metric(records, "score", "RULER average score (%)", paths["plot"], level=level)
         plot_task_heatmaps(records, paths["heatmap"])
+        paths["effective_length"].write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
         return paths
+
+
+def effective_length(scores: dict[int, float | None], threshold: float) -> int | None:
+    """The largest length of ``scores`` (``{length [tokens]: average %}``) whose score, and every
+    shorter length's, is ≥ ``threshold``; None when the shortest is below (or has no score)."""
+    reach = None
+    for length in sorted(scores):
+        score = scores[length]
+        if score is None or score < threshold:
+            break
+        reach = length
+    return reach
+
+
+def effective_lengths(records: list[dict]) -> dict[str, Any]:
+    """``{"threshold": %, "threshold_from": words, "effective_length": {strategy: length | None}}``
+    over the suite's records (threshold: the records' option, else the vanilla cell at T; without
+    either, threshold None and no lengths)."""
+    from ..plots import strategies_of
+
+    options = records[0].get("options") or {}
+    threshold, source = options.get("threshold"), "given (threshold)"
+    if threshold is None:
+        train = records[0].get("train_length")
+        base = [r for r in records if r["strategy"] == "vanilla" and r["length"] == train and r["score"] is not None]
+        if not base:
+            return {"threshold": None, "threshold_from": f"no threshold given and no vanilla cell at T = {train}",
+                    "effective_length": {}}
+        threshold, source = base[0]["score"], f"the vanilla cell's average at T = {train}"
+    reach = {s: effective_length({r["length"]: r["score"] for r in records if r["strategy"] == s}, threshold)
+             for s in strategies_of(records)}
+    return {"threshold": threshold, "threshold_from": source, "effective_length": reach}
+
+
+def _effective_report(records: list[dict]) -> list[str]:
+    summary = effective_lengths(records)
+    if summary["threshold"] is None:
+        return [f"**Effective length**: not computed ({summary['threshold_from']}; set ruler.threshold)", ""]
+    lengths = sorted({r["length"] for r in records})
+    out = [f"**Effective length** (the longest length whose RULER average, and every shorter measured length's, "
+           f"is ≥ {summary['threshold']:.1f}: {summary['threshold_from']}; measured lengths {lengths})", "",
+           "| strategy | effective length |", "|---|---:|"]
+    for s, reach in summary["effective_length"].items():
+        out.append(f"| {s} | {reach if reach is not None else f'< {lengths[0]}'} |")
+    return out + [""]
