@@ -17,9 +17,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# pytest-xdist runs one worker per core: each takes its share of the cores (two threads without workers)
+# pytest-xdist runs one worker per core: each takes its share of the cores (two threads without workers),
+# and so does every process a test starts (a CLI run, a crash runner, a memory probe): with OpenMP's
+# default of one thread per core, a child of one worker spun on the core the other worker was using
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
+_THREADS = max(1, min(2, (os.cpu_count() or 1) // _WORKERS))
+torch.set_num_threads(_THREADS)
+os.environ["OMP_NUM_THREADS"] = str(_THREADS)
 
 from ropescale.compat import cache_kwarg  # noqa: E402
 from ropescale.models import REFERENCE_MODEL  # noqa: E402
