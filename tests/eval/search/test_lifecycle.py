@@ -15,9 +15,9 @@ from tests.load_counts import count_loads
 pytestmark = pytest.mark.slow
 
 TPE = {"model": "reference", "strategy": "yarn", "fixed": {"factor": 4}, "lengths": [256],
-       "search": {"beta_fast": [4, 64]}, "budget": 1, "max_windows": 1, "seed": 0, "threads": 2}
+       "search": {"beta_fast": [4, 64]}, "budget": 1, "max_windows": 1, "seed": 0}
 EVOLUTION = {"model": "reference", "strategy": "longrope", "method": "evolution", "lengths": [256], "budget": 2,
-             "max_windows": 1, "threads": 2, "evolution": {"population": 2, "iterations": 0, "elite": 1}}
+             "max_windows": 1, "evolution": {"population": 2, "iterations": 0, "elite": 1}}
 
 
 @pytest.fixture

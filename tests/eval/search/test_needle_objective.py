@@ -14,8 +14,7 @@ from ropescale.models import load_model
 from ropescale.runs.data import DataSpec, load_documents, tokenize_documents
 
 RAW = {"model": "reference", "strategy": "yarn", "fixed": {"factor": 2}, "lengths": [256],
-       "search": {"beta_fast": [4, 64], "beta_slow": [0.25, 2]}, "budget": 1, "max_windows": 1, "seed": 0,
-       "threads": 2}
+       "search": {"beta_fast": [4, 64], "beta_slow": [0.25, 2]}, "budget": 1, "max_windows": 1, "seed": 0}
 
 
 def test_answer_nll_equals_one_forward_per_answer_token():

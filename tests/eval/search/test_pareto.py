@@ -49,7 +49,7 @@ def test_a_search_with_the_retrieval_term_writes_pareto_png(tmp_path):
 
     raw = {"model": "reference", "strategy": "yarn", "fixed": {"factor": 4}, "lengths": [512],
            "search": {"beta_fast": [4, 64], "beta_slow": [0.25, 2], "attention_factor": [0.9, 1.4]},
-           "budget": 2, "max_windows": 2, "retrieval_weight": 1, "retrieval_trials": 2, "seed": 0, "threads": 2}
+           "budget": 2, "max_windows": 2, "retrieval_weight": 1, "retrieval_trials": 2, "seed": 0}
     run_search(build_search_config(raw), tmp_path / "s", progress=False)
     png = tmp_path / "s" / "pareto.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 RAW = {"model": "reference", "strategy": "yarn", "fixed": {"factor": 4}, "lengths": [512],
        "search": {"beta_fast": [4, 64], "beta_slow": [0.25, 2], "attention_factor": [0.9, 1.4]},
-       "budget": 3, "max_windows": 2, "seed": 0, "threads": 2}
+       "budget": 3, "max_windows": 2, "seed": 0}
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_resuming_runs_only_what_is_left_and_another_search_is_refused(searched,
 
 
 LONGROPE = {"model": "reference", "strategy": "longrope", "method": "evolution", "lengths": [512], "budget": 6,
-            "max_windows": 1, "threads": 2, "evolution": {"population": 4, "iterations": 1, "elite": 2}}
+            "max_windows": 1, "evolution": {"population": 4, "iterations": 1, "elite": 2}}
 
 
 def test_evolution_writes_a_longrope_spec_that_patch_applies_and_resumes(tmp_path):
