@@ -448,6 +448,37 @@ def _layer_table(rows: list[dict]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells)
 
 
+def _patch_profiles(model, spec, profiles: str, output, engine, serve_length, gguf_path, freeze_dynamic_at, device,
+                    **options) -> None:
+    """``patch --profiles``: every check that needs no model first, then one export per factor."""
+    import ropescale
+    from ropescale.models import resolve_model
+    from ropescale.runs.profiles import check_factors
+    from ropescale.serving.export import check_export
+    from ropescale.serving.profiles import PROFILES_FILE, export_profiles
+
+    if serve_length is not None or freeze_dynamic_at is not None:
+        raise InvalidInput("--profiles: each profile serves its own reach (s·T tokens); leave --serve-length and "
+                           "--freeze-dynamic-at out")
+    try:
+        factors = check_factors([float(x) for x in profiles.split(",")], "--profiles")
+    except ValueError as e:  # a word where a number is meant (InvalidInput is a ValueError: kept as it is)
+        raise e if isinstance(e, InvalidInput) else InvalidInput(
+            f"--profiles: {profiles!r} is not a comma-separated list of scale factors (e.g. 1,2,4)") from None
+    if spec.profiles or "factor" in spec.params:
+        raise InvalidInput("--profiles gives the factors; leave factor (and profiles) out of --strategy")
+    source = Path(resolve_model(model))
+    check_export(engine, 2, output, gguf=gguf_path, source=source if source.is_dir() else None)
+    m, tok = ropescale.load_model(model, device=device)
+    ropescale.unpatch(m)
+    results = export_profiles(m, spec.name, factors, engine, output, tokenizer=tok, gguf=gguf_path,
+                              patch_options={**options, "logn": spec.logn, "temperature": spec.temperature},
+                              **spec.params)
+    for f, result in zip(factors, results):
+        click.echo(f"saved {spec.name} ×{f:g} for {engine} (serves {result.serve_length} tokens) to {result.path}")
+    click.echo(f"the rule: {Path(output) / PROFILES_FILE} (ropescale.serving.profiles.select_profile)")
+
+
 @main.command("patch")
 @click.option("--model", required=True, help="bundled name, local path or hub id")
 @click.option("--strategy", "strategy_spec", required=True, metavar="NAME[:k=v,...]",
@@ -469,10 +500,13 @@ def _layer_table(rows: list[dict]) -> str:
 @click.option("--freeze-dynamic-at", type=int,
               help="dynamic NTK, vllm and llama.cpp: serve it static at this length (vllm default: the serve "
                    "length)")
+@click.option("--profiles", metavar="S1,S2,...", help="request-length profiles: one export per scale factor "
+              "(OUT/profile-<s>x, each serving s·T tokens) and OUT/profiles.json with the rule picking one per "
+              "request; the strategy without its factor")
 @click.option("--device", default="cpu", show_default=True, help="where to load the model: cpu, cuda, cuda:1 ...")
 @click.option("--quiet", "-q", is_flag=True, help="no progress output (transformers' loading bars)")
 def patch_cmd(model, strategy_spec, output, dry_run, original_max_position_embeddings, layer_types,
-              dynamic_cache, dynamic_block, engine, serve_length, gguf_path, freeze_dynamic_at, device,
+              dynamic_cache, dynamic_block, engine, serve_length, gguf_path, freeze_dynamic_at, profiles, device,
               quiet) -> None:
     """Save a patched model for an engine. transformers: strategies it implements are written into
     config.json (plain from_pretrained reproduces them: checked by loading the folder back), others
@@ -501,6 +535,11 @@ def patch_cmd(model, strategy_spec, output, dry_run, original_max_position_embed
     if output is None:
         raise InvalidInput("patch needs --output (the folder to write), or --dry-run")
     spec = _strategy(strategy_spec)
+    if profiles is not None:
+        _patch_profiles(model, spec, profiles, output, engine, serve_length, gguf_path, freeze_dynamic_at, device,
+                        original_max_position_embeddings=original_max_position_embeddings,
+                        layer_types=layer_types.split(",") if layer_types else None)
+        return
     from ropescale.models import resolve_model
     from ropescale.serving.export import check_export
 

@@ -194,8 +194,8 @@ def summary_text(summary: dict[str, Any], output: str | Path) -> str:
 
 def _frequencies(spec: StrategySpec, cfg: RotaryConfig, length: int):
     strat = get_strategy(spec.name)
-    params = strat.resolve(spec.params, length=length, train_length=cfg.train_length,
-                           context={"dual_chunk_attention_config": cfg.dual_chunk_attention_config})
+    params = spec.resolve(length=length, train_length=cfg.train_length,
+                          context={"dual_chunk_attention_config": cfg.dual_chunk_attention_config})
     context = {"dim": cfg.dim, "rope_theta": cfg.rope_theta, "original_max_position_embeddings": cfg.train_length,
                "seq_len": length, "dual_chunk_attention_config": cfg.dual_chunk_attention_config}
     return params, strat.compute(context, params)

@@ -179,7 +179,7 @@ def attention_stats(model, ids: torch.Tensor, spec) -> dict:
         raise InvalidInput(f"attention statistics need attention weights; {strat.name} computes attention in its "
                          "own kernel and returns none (measure frequency strategies only)")
     length, train = ids.shape[1], current_train_length(model)
-    params = strat.resolve(spec.params, length=length, train_length=train)
+    params = spec.resolve(length=length, train_length=train)
     before = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:

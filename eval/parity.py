@@ -194,9 +194,8 @@ def _case_rows(run: Run, drivers: dict[str, EngineDriver], spec, length: int, tr
     ``ids``), then one row per engine filled by its driver, and the ``baseline`` rows."""
     from ropescale import patch
     from ropescale.serving.rope import ropescale_layer_ropes, ropescale_rope
-    from ropescale.strategies import get_strategy
 
-    params = get_strategy(spec.name).resolve(spec.params, length=length, train_length=train)
+    params = spec.resolve(length=length, train_length=train)
     with patch(run.model, spec.name, original_max_position_embeddings=train, logn=spec.logn,
                temperature=spec.temperature, **params) as handle:
         try:

@@ -54,7 +54,8 @@ def cell_id(experiment: str, spec: StrategySpec, length: int) -> str:
     """Stable id of a cell: the experiment's identity hash (task, options, model weights, data
     tokens, dtype, library versions: ``ropescale.runs.manifest``) with the strategy and length, hashed."""
     key = {"experiment": experiment, "strategy": spec.name, "params": spec.params, "logn": spec.logn,
-           **({"temperature": spec.temperature} if spec.temperature else {}), "length": length}
+           **({"temperature": spec.temperature} if spec.temperature else {}),
+           **({"profiles": spec.profiles} if spec.profiles else {}), "length": length}
     return hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -140,9 +141,7 @@ def resolve_cells(cfg: EvalConfig, train_length: int) -> dict[tuple[str, int], d
     for length in cfg.lengths:
         for spec in cfg.strategies:
             try:
-                out[spec.display, length] = get_strategy(spec.name).resolve(spec.params, length=length,
-                                                                            train_length=train_length,
-                                                                            context=context)
+                out[spec.display, length] = spec.resolve(length=length, train_length=train_length, context=context)
             except ValueError as e:
                 raise InvalidInput(f"strategy {spec.display} at length {length} (training window T = "
                                    f"{train_length}): {' '.join(str(e).split())}") from None
@@ -154,7 +153,7 @@ def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec
     """Patch, measure this process's share of the examples, gather the parts, combine, unpatch;
     the cell's record (without id and environment)."""
     strat = get_strategy(spec.name)
-    params = strat.resolve(spec.params, length=length, train_length=train_len, context=configured_context(cfg.model))
+    params = spec.resolve(length=length, train_length=train_len, context=configured_context(cfg.model))
     note = None
     if strat.kind == "attention" and params.get("window", 0) >= length:
         note = (f"window {params['window']} >= length {length}: the rule never applies at this length, "

@@ -98,6 +98,8 @@ class StrategySpec(BaseModel):
     label: str | None = None
     logn: bool = False  # log-n query scaling on top of the strategy
     temperature: str | dict | None = None  # another query temperature (ropescale.temperature) instead
+    # request-length profiles (ropescale.serving.profiles): the factor per example, from these, by its length
+    profiles: list[Any] | None = None  # checked (check_factors): numbers >= 1, no bool
 
     @model_validator(mode="after")
     def _check(self) -> StrategySpec:
@@ -108,6 +110,15 @@ class StrategySpec(BaseModel):
         rule = parse_temperature(self.temperature)
         if rule is not None and self.logn:
             raise ValueError("logn and temperature: name one query temperature")
+        if self.profiles is not None:
+            from ropescale.runs.profiles import check_factors
+
+            object.__setattr__(self, "profiles", check_factors(self.profiles, f"{self.name}: profiles"))
+            if "factor" not in {p.name for p in strat.params} or strat.dynamic:
+                raise ValueError(f"{self.name}: profiles pick a static scale factor per request; {self.name} has "
+                                 "none (profiles serve a static frequency strategy with a factor: yarn, linear, ntk)")
+            if "factor" in self.params:
+                raise ValueError(f"{self.name}: profiles give the factor; leave factor out")
         strat.validate(self.params, partial=True)  # auto parameters left out are filled per length (resolve)
         # numpy numbers (accepted as numbers) as the Python ones they hold: displays, cell ids and manifests
         # (JSON) read them as written in Python
@@ -120,7 +131,19 @@ class StrategySpec(BaseModel):
             return self.label
         return (self.name + (":" + ",".join(f"{k}={v}" for k, v in self.params.items()) if self.params else "")
                 + ("+logn" if self.logn else "")
-                + (f"+{parse_temperature(self.temperature).spec()}" if self.temperature else ""))
+                + (f"+{parse_temperature(self.temperature).spec()}" if self.temperature else "")
+                + (f"+profiles={'/'.join(f'{f:g}' for f in self.profiles)}" if self.profiles else ""))
+
+    def resolve(self, *, length: int, train_length: int, context: dict[str, Any] | None = None) -> dict:
+        """The strategy's parameters for a run at L = ``length`` tokens on a model trained on T =
+        ``train_length`` (``Strategy.resolve``); with ``profiles``, the factor the profiles' rule picks
+        for an example of L tokens (``ropescale.serving.profiles.select_factor``)."""
+        params = self.params
+        if self.profiles:
+            from ropescale.runs.profiles import select_factor
+
+            params = {**params, "factor": select_factor(self.profiles, train_length, length)}
+        return get_strategy(self.name).resolve(params, length=length, train_length=train_length, context=context)
 
 
 def _plain(value: Any) -> Any:
@@ -189,15 +212,17 @@ def _parse_strategy(entry: Any) -> StrategySpec:
                 raise ValueError(f"strategy {entry!r}: expected key=value, got {item!r}")
             params[key.strip()] = _value(value, f"strategy {entry!r}")
         logn, temperature = params.pop("logn", False), params.pop("temperature", None)
-        return StrategySpec(name=name.strip(), params=params, logn=logn, temperature=temperature)
+        profiles = params.pop("profiles", None)
+        return StrategySpec(name=name.strip(), params=params, logn=logn, temperature=temperature, profiles=profiles)
     if isinstance(entry, dict):
         entry = dict(entry)
         if "name" not in entry:
             raise ValueError(f"strategy entry {entry} has no 'name'")
         name, label, logn = entry.pop("name"), entry.pop("label", None), entry.pop("logn", False)
-        temperature = entry.pop("temperature", None)
+        temperature, profiles = entry.pop("temperature", None), entry.pop("profiles", None)
         params = entry.pop("params", {}) | entry
-        return StrategySpec(name=name, params=params, label=label, logn=logn, temperature=temperature)
+        return StrategySpec(name=name, params=params, label=label, logn=logn, temperature=temperature,
+                            profiles=profiles)
     raise ValueError(f"strategy entry must be a name or a mapping, got {entry!r}")
 
 

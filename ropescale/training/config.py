@@ -278,9 +278,13 @@ class FinetuneConfig(ConfigModel):
     @classmethod
     def _strategy(cls, v: Any) -> Any:
         try:
-            return parse_strategy(v)
+            spec = parse_strategy(v)
         except (KeyError, ValueError) as e:
             raise ValueError(str(e).strip("'\"")) from None
+        if spec.profiles:
+            raise ValueError(f"{spec.display}: profiles pick a factor per served request; fine-tune with one factor "
+                             "(each profile's, or the largest) and export profiles from it")
+        return spec
 
     @field_validator("data", mode="before")
     @classmethod

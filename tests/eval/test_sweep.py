@@ -204,3 +204,28 @@ def test_kl_cells_report_the_short_context_cost(tmp_path, sharp_model_dir, text_
     with pytest.raises(ConfigError, match="perplexity: kl: .*vLLM returns the target's log-probability only"):
         check_engine(build_config({"model": str(sharp_model_dir), "lengths": [32], "strategies": ["yarn"],
                                    "engine": "vllm", "perplexity": {"kl": True}}))
+
+
+def test_profiles_score_each_cell_as_the_static_factor_the_rule_picks(tmp_path, tiny_model_dir, text_file):
+    """``{name: yarn, profiles: [1, 2, 4]}`` (T = 32): a cell of L tokens is scored as static YaRN at the
+    smallest factor whose reach covers L (1 at 32, 2 at 64, 4 at 128 and past it), the same numbers as
+    the static cells; its cells are not the static ones (the rule is part of their identity)."""
+    from ropescale.runs.config import parse_strategy
+
+    lengths = [32, 64, 128, 256]
+    static = ["yarn:factor=1", "yarn:factor=2", "yarn:factor=4"]
+    cfg = config(tiny_model_dir, text_file, lengths=lengths, strategies=[{"name": "yarn", "profiles": [4, 1, 2]},
+                                                                           *static], max_windows=2)
+    records = {(r["strategy"], r["length"]): r for r in run_sweep(cfg, tmp_path, progress=False)}
+    picked = {32: 1, 64: 2, 128: 4, 256: 4}
+    for length, factor in picked.items():
+        mine = records[("yarn+profiles=1/2/4", length)]
+        assert mine["params"]["factor"] == factor
+        assert mine["ppl"] == records[(f"yarn:factor={factor}", length)]["ppl"]
+    assert records[("yarn+profiles=1/2/4", 64)]["ppl"] != records[("yarn:factor=4", 64)]["ppl"]
+    assert parse_strategy("yarn:profiles=[1,2,4],beta_fast=16").profiles == [1.0, 2.0, 4.0]
+    for entry, words in (({"name": "dynamic_ntk", "profiles": [1, 2]}, "no static scale factor|none"),
+                         ({"name": "yarn", "factor": 2, "profiles": [1, 2]}, "leave factor out"),
+                         ({"name": "yarn", "profiles": [1, True]}, "True is not a scale factor")):
+        with pytest.raises(ValueError, match=words):
+            parse_strategy(entry)

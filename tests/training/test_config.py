@@ -45,6 +45,7 @@ def write(tmp_path, tiny_run):
     ({"steps": -5}, ["steps: must be at least 1"]),
     ({"strategy": "yarnn"}, ["strategy: unknown strategy 'yarnn'", "did you mean 'yarn'"]),
     ({"strategy": "yarn:beta_fast=-1"}, ["strategy:", "beta_fast=-1", "out of range"]),
+    ({"strategy": "yarn:profiles=[1,2]"}, ["strategy: yarn+profiles=1/2: profiles pick a factor per served request"]),
     ({"pose": True, "length": 32}, ["pose: length 32 is not above the model's original window T = 32"]),
     ({"pose": True, "length": 24}, ["pose: length 24 is not above"]),
     ({"pose": True, "strategy": "rerope"}, ["pose: rerope is a truncation rule", "position_ids"]),
