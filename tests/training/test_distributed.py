@@ -28,14 +28,15 @@ TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory, tiny_run):
-    """One launch of two processes running the three tests' fine-tunings in turn in one process group
+    """One launch of two processes running the four tests' fine-tunings in turn in one process group
     (``distributed_worker.py``): the two-process loss curve through ``cli.py finetune``; the refused runs
-    and a fresh one through ``finetune``, while this process holds one folder's lock; the shipped config
-    through ``cli.py finetune`` with its after-training evaluations. Returns the folder, the launch's
-    result and the JSON lines by part."""
+    and a fresh one through ``finetune``, while this process holds one folder's lock; LoRA with
+    checkpointing through ``cli.py finetune``; the shipped config through ``cli.py finetune`` with its
+    after-training evaluations. Returns the folder, the launch's result and the JSON lines by part."""
     tmp = tmp_path_factory.mktemp("launched")
     curve = tiny_run(strategy="yarn", steps=4, batch_size=4, checkpoint_every=2)
     (tmp / "ft.yaml").write_text(json.dumps({**curve, "batch_size": 2}))
+    (tmp / "lora.yaml").write_text(json.dumps({**lora_run(tiny_run), "batch_size": 2}))
     refused = tiny_run(strategy="rerope", steps=1, batch_size=1, eval=None)
     finetune(build_finetune_config(refused), tmp / "finished", progress=False)
     if deepspeed_available():  # not part of the run's identity: the same experiment as the one-process run's
@@ -44,6 +45,7 @@ def launched(tmp_path_factory, tiny_run):
     extra += ["--set", "report_to=[tensorboard]"] if TENSORBOARD else []
     plan = [{"part": "curve", "cli": ["finetune", str(tmp / "ft.yaml"), "-o", str(tmp / "two")]},
             {"part": "refusal", "raw": refused, "outs": [str(tmp / n) for n in ("busy", "finished", "fresh")]},
+            {"part": "lora", "cli": ["finetune", str(tmp / "lora.yaml"), "-q", "-o", str(tmp / "lora-two")]},
             {"part": "shipped", "cli": ["finetune", str(ROOT / "configs" / "finetune-yarn.yaml"), "-q", "--steps", "2",
                                         "--set", "batch_size=1", "--set", "threads=1",
                                         "--set", "eval.data.max_documents=1", "--set", "eval.max_windows=1",
@@ -80,6 +82,33 @@ def test_two_processes_give_one_process_loss_curve_and_only_the_main_process_wri
     assert files(tmp / "two") == files(tmp_path / "one")
 
 
+def lora_run(tiny_run) -> dict:
+    """LoRA (LoRA+ on embeddings and norms, saved as an adapter) with non-reentrant checkpointing, 3 steps."""
+    return tiny_run(strategy="yarn", steps=3, batch_size=4, lr=1e-2, eval=None, checkpoint_every=10,
+                    gradient_checkpointing=True, lora={"trainable_embeddings_norms": True, "save": "adapter"})
+
+
+@PROCESSES
+def test_two_processes_train_lora_with_checkpointing_as_one_does(tmp_path, tiny_run, launched):
+    """DDP (two gloo processes) with frozen base weights, LoRA+ and non-reentrant checkpointing:
+    the same loss curve as one process with the whole batch, the same adapter. (In the shared launch,
+    after two other runs in the process group, as users run several.)"""
+    from safetensors.torch import load_file
+
+    from eval.finetune import run_finetune
+    from tests.training.test_lora import losses
+
+    tmp, _, by_part = launched
+    assert by_part["lora"] == [{"part": "lora", "open": True}] * 2
+    run_finetune(build_finetune_config(lora_run(tiny_run)), tmp_path / "one", progress=False)
+    assert json.loads((tmp / "lora-two" / "model" / "finetune.json").read_text())["processes"] == 2
+    assert losses(tmp / "lora-two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
+    a, b = (load_file(d / "model" / "adapter_model.safetensors") for d in (tmp_path / "one", tmp / "lora-two"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k] - b[k]).abs().max() <= 1e-4 * a[k].abs().max(), k
+
+
 @PROCESSES
 def test_a_refusal_reaches_every_process_and_later_runs_in_the_process_share_its_group(launched):
     """Only the main process holds the folder's lock and writes the manifest: its refusal (another run
@@ -109,7 +138,7 @@ def test_a_shipped_config_finishes_under_accelerate_launch_with_its_after_traini
     rerope --set parallelism.sequence=2` trained and saved, then hung in its after-training evaluations
     (each closed the process group; the next set a second one up) — whatever the strategy. Small: 2 steps,
     one held-out book, both of the config's evaluation tasks at a few windows, one thread per process;
-    sequence-parallel where DeepSpeed is installed. Run after two other runs in the same launched process."""
+    sequence-parallel where DeepSpeed is installed. Run after three other runs in the same launched process."""
     tmp, res, by_part = launched
     assert by_part["shipped"] == [{"part": "shipped", "open": True}] * 2
     assert res.stdout.count("fine-tuned yarn:factor=4 for 2 steps") == 1, res.stdout  # the main process reports

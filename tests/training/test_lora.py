@@ -20,7 +20,6 @@ from ropescale.training.loop import causal_lm_loss
 from ropescale.training.lora import LoraSettings, apply_lora, embedding_and_norm_modules, save_trained
 from ropescale.training.report import read_log
 from tests.conftest import build, tiny_llama_config
-from tests.launch import PROCESSES, free_port
 from tests.training.test_config import cli, one_line_error, write  # noqa: F401 (write: fixture)
 from tests.training.test_gradients import IDS
 
@@ -323,34 +322,7 @@ def test_a_lora_run_killed_with_sigkill_resumes_to_the_uninterrupted_adapter(tmp
                                 for r, x in zip(read_log(tmp_path / "straight"), read_log(killed))]
 
 
-@PROCESSES
-def test_two_processes_train_lora_with_checkpointing_as_one_does(tmp_path, tiny_run):
-    """DDP (two gloo processes) with frozen base weights, LoRA+ and non-reentrant checkpointing:
-    the same loss curve as one process with the whole batch, the same adapter."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    raw = tiny_run(strategy="yarn", steps=3, batch_size=4, lr=1e-2, eval=None, checkpoint_every=10,
-                   gradient_checkpointing=True, lora={"trainable_embeddings_norms": True, "save": "adapter"})
-    finetune(build_finetune_config(raw), tmp_path / "one", progress=False)
-    cfg = tmp_path / "ft.yaml"
-    cfg.write_text(json.dumps({**raw, "batch_size": 2}))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
-    res = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                          "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
-                          "--dynamo_backend", "no",
-                          str(root / "cli.py"), "finetune", str(cfg), "-q", "-o", str(tmp_path / "two")],
-                         capture_output=True, text=True, env=env, timeout=300, cwd=root)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert json.loads((tmp_path / "two" / "model" / "finetune.json").read_text())["processes"] == 2
-    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
-    a, b = (load_file(tmp_path / run / "model" / "adapter_model.safetensors") for run in ("one", "two"))
-    assert a.keys() == b.keys()
-    for k in a:
-        assert (a[k] - b[k]).abs().max() <= 1e-4 * a[k].abs().max(), k
+# the two-process LoRA run: tests/training/test_distributed.py (it shares that module's one launch)
 
 
 def test_an_adapter_folder_without_a_patch_record_takes_its_base_models_window(tmp_path, tiny_model_dir):
