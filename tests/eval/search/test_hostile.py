@@ -1,4 +1,4 @@
-"""``ropescale search`` against hostile cases, through the CLI (click's runner, or real processes
+"""``ropescale search`` against hostile cases, through the CLI (click's runner, or real forked processes
 for kill -9 and two processes at once) on a tiny random model (T = 32, lengths 64): every bad input
 is one line and exit 1 with nothing written, a search killed anywhere resumes to the uninterrupted
 result, two processes on one fresh folder share it."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import math
-import subprocess
+import multiprocessing
 import sys
 from pathlib import Path
 
@@ -22,8 +22,6 @@ from cli import main
 from ropescale.models import REFERENCE_MODEL, load_model
 from ropescale.runs.data import DataSpec, load_documents, tokenize_documents
 from tests.launch import PROCESSES
-
-ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +60,41 @@ def _one_error_line(result) -> str:
     return lines[0]
 
 
-def _crash(*args: str, timeout: float = 600) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.eval.search.crash", *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+class _Forked:
+    """``tests.eval.search.crash ARGS`` in a forked process — a real process, killed by a real SIGKILL,
+    without an interpreter's start-up (torch, transformers and the CLI are already imported here) —
+    with ``Popen``'s ``communicate`` and ``returncode``; its output in ``log``."""
+
+    def __init__(self, log: Path, args: tuple[str, ...]):
+        self.log = log
+        self.proc = multiprocessing.get_context("fork").Process(target=self._run, args=(str(log), list(args)))
+        self.proc.start()
+
+    @staticmethod
+    def _run(log: str, args: list[str]) -> None:
+        import io
+        import os
+
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        sys.stdout = sys.stderr = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), write_through=True)
+        torch.set_num_threads(1)  # a fresh thread pool: the parent's OpenMP threads did not come along
+        from tests.eval.search import crash
+
+        crash.main(args)
+
+    def communicate(self, timeout: float = 600) -> tuple[str, None]:
+        self.proc.join(timeout)
+        return self.log.read_text(encoding="utf-8", errors="replace"), None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.exitcode
+
+
+def _crash(log: Path, *args: str) -> _Forked:
+    return _Forked(log, args)
 
 
 def _table(folder: Path) -> list[dict]:
@@ -83,7 +113,7 @@ def test_killed_during_a_trial_and_while_writing_resumes_to_the_uninterrupted_se
     assert _search(cfg, "-o", str(whole)).exit_code == 0
     out = tmp_path / "killed"
     for kill in ("manifest:1", "ask:2", "write:1"):
-        proc = _crash("--kill", kill, "cli", "search", cfg, "-o", str(out), "-q")
+        proc = _crash(tmp_path / f"{kill}.log", "--kill", kill, "cli", "search", cfg, "-o", str(out), "-q")
         log = proc.communicate(timeout=600)[0]
         assert proc.returncode == -9, (kill, log)
         # whatever the kill left is whole: no cut manifest.json, trials.csv or best.json
@@ -106,8 +136,8 @@ def test_two_processes_started_together_on_a_fresh_folder_share_it(tmp_path, con
     # both reach the storage's creation at the same moment (a barrier): on main one of them could die
     # with "table ... already exists" / a UNIQUE constraint traceback
     cfg, out = config(budget=6), tmp_path / "shared"
-    procs = [_crash("--barrier", str(tmp_path / "barrier"), "cli", "search", cfg, "-o", str(out), "-q")
-             for _ in range(2)]
+    procs = [_crash(tmp_path / f"{i}.log", "--barrier", str(tmp_path / "barrier"), "cli", "search", cfg, "-o",
+                    str(out), "-q") for i in range(2)]
     logs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs
     rows = _table(out)
