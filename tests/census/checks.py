@@ -202,24 +202,23 @@ def rope_evidence(config, model) -> list[str]:
     return ev
 
 
-def _fingerprint(model) -> list:
-    """What a patch could leave behind, compared without a forward: every parameter and buffer
-    (non-persistent ones too: inv_freq), each module's class, forward, hook counts and plain
-    attributes (a rotary module's attention_scaling), and the attention implementation."""
-    out = [getattr(model.config, "_attn_implementation", None)]
+def _fingerprint(model) -> tuple[list, list]:
+    """What a patch could leave behind, compared without a forward: each module's class, forward, hook
+    counts and plain attributes (a rotary module's attention_scaling) and the attention implementation;
+    then every parameter and buffer (non-persistent ones too: inv_freq), copied."""
+    meta = [getattr(model.config, "_attn_implementation", None)]
     for name, m in model.named_modules():
         plain = sorted((k, v) for k, v in vars(m).items()
                        if isinstance(v, (bool, int, float, str, type(None))) and not k.startswith("__"))
         forward = getattr(m.forward, "__func__", m.forward)
-        out.append((name, type(m), forward, len(m._forward_hooks), len(m._forward_pre_hooks), plain))
-    out += [(n, t.detach().clone()) for n, t in [*model.named_parameters(), *model.named_buffers()]]
-    return out
+        meta.append((name, type(m), forward, len(m._forward_hooks), len(m._forward_pre_hooks), plain))
+    tensors = [(n, t.detach().clone()) for n, t in [*model.named_parameters(), *model.named_buffers()]]
+    return meta, tensors
 
 
-def _same(a: list, b: list) -> bool:
-    return len(a) == len(b) and all(
-        torch.equal(x[1], y[1]) if isinstance(x, tuple) and len(x) == 2 and torch.is_tensor(x[1]) else x == y
-        for x, y in zip(a, b))
+def _same(a: tuple[list, list], b: tuple[list, list]) -> bool:
+    return a[0] == b[0] and len(a[1]) == len(b[1]) and all(
+        n == m and torch.equal(x, y) for (n, x), (m, y) in zip(a[1], b[1]))
 
 
 class _Session:
