@@ -285,7 +285,8 @@ def _run_locked(cfg: EvalConfig, output: Path, progress: bool, state) -> list[di
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         # a patch saved with the model is removed: it would stack under the sweep's strategies
-        model = load_run_model(cfg.model, inputs, dtype=cfg.dtype, device=str(device), device_map=cfg.device_map)
+        model = load_run_model(cfg.model, inputs, dtype=cfg.dtype, device=str(device), device_map=cfg.device_map,
+                               local_attention=True)
         if cfg.device_map:
             device = model.get_input_embeddings().weight.device  # inputs go where the embeddings are
         train_len = loaded_window(model, cfg.model, cfg.original_max_position_embeddings, purpose="sweep")

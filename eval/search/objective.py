@@ -128,7 +128,7 @@ class SearchObjective:
         # the run's lifecycle (ropescale.runs.lifecycle): tokenizer and data once, then the model and T
         inputs = load_inputs(cfg.model, cfg.data.spec(), check=lambda texts: _check_disjoint(cfg, texts))
         self.docs, self.tokenizer = inputs.docs, inputs.tokenizer
-        self.model = load_run_model(cfg.model, inputs, dtype=cfg.dtype, device=str(self.device))
+        self.model = load_run_model(cfg.model, inputs, dtype=cfg.dtype, device=str(self.device), local_attention=True)
         self.train_length = loaded_window(self.model, f"model: {cfg.model}", cfg.original_max_position_embeddings,
                                           purpose="search")
         self.context = configured_context(cfg.model)  # DCA's defaults from the model's config, as the patch reads them

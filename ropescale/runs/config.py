@@ -233,6 +233,8 @@ class DataConfig(ConfigModel):
     split: str = "test"
     text_column: str = "text"
     max_documents: int | None = Field(None, ge=1)
+    join: bool = Field(False, description="the documents as one text, in order, separated by a blank line "
+                                          "(windows longer than any one document: books of a corpus read in turn)")
 
     def spec(self) -> DataSpec:
         return DataSpec(**self.model_dump())

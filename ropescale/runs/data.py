@@ -38,6 +38,7 @@ class DataSpec:
     split: str = "test"
     text_column: str = "text"
     max_documents: int | None = None
+    join: bool = False  # the documents as one, in order, separated by a blank line
 
     def describe(self) -> str:
         """Short stable name for results files."""
@@ -45,7 +46,7 @@ class DataSpec:
             base = self.source
         else:
             base = ":".join(x for x in (self.source, self.config, self.split) if x)
-        return base + (f"[:{self.max_documents}]" if self.max_documents else "")
+        return base + (f"[:{self.max_documents}]" if self.max_documents else "") + (" joined" if self.join else "")
 
 
 def _rows(rows: Iterable[dict], column: str, where: str) -> Iterable[str]:
@@ -105,7 +106,8 @@ REPLACED_WARNING = 0.01  # share of characters that were not valid UTF-8 above w
 
 
 def load_documents(spec: DataSpec) -> list[str]:
-    """The source's documents as strings (empty ones dropped), at most ``max_documents``.
+    """The source's documents as strings (empty ones dropped), at most ``max_documents``; with
+    ``join``, those as one document, in order, separated by a blank line.
 
     Bytes that are not UTF-8 are read as U+FFFD; when more than 1% of the characters are, a
     warning says so (the text is probably not text)."""
@@ -122,7 +124,7 @@ def load_documents(spec: DataSpec) -> list[str]:
         logging.getLogger("ropescale").warning(
             "%s: %.0f%% of the characters are not valid UTF-8 and were replaced; is this really text?",
             spec.describe(), 100 * replaced)
-    return docs
+    return ["\n\n".join(docs)] if spec.join else docs
 
 
 def tokenize_documents(tokenizer, docs: list[str]) -> list[torch.Tensor]:

@@ -64,6 +64,7 @@ class ModelDims:
     sliding_layers: int = 0  # layers whose KV cache keeps at most ``sliding_window`` tokens
     sliding_window: int | None = None
     eager: bool = False  # attention materialises [heads, n, n] scores
+    dense_masks: bool = False  # sliding-window layers get a [n, n] mask (transformers' sdpa / eager)
 
 
 def model_dims(model_or_config) -> ModelDims:
@@ -87,7 +88,8 @@ def model_dims(model_or_config) -> ModelDims:
     impl = getattr(config, "_attn_implementation", None) or getattr(text, "_attn_implementation", None)
     return ModelDims(layers=layers, heads=heads, kv_heads=kv, head_dim=head_dim, hidden=hidden,
                      intermediate=inter, vocab=int(getattr(text, "vocab_size", 0) or 0), sliding_layers=sliding,
-                     sliding_window=window, eager=impl == "eager")
+                     sliding_window=window, eager=impl == "eager",
+                     dense_masks=sliding > 0 and (impl or "sdpa") in ("sdpa", "eager"))
 
 
 def kv_cache_bytes(dims: ModelDims, tokens: int, itemsize: int, *, batch: int = 1) -> int:
@@ -101,13 +103,17 @@ def forward_bytes(dims: ModelDims, tokens: int, itemsize: int, *, batch: int = 1
     """Peak activations of one inference forward over ``batch`` × ``tokens`` (no grad): the residual
     stream and a normed copy, q/k/v, the attention output, the MLP's gate/up/product, the rotary
     cos/sin (float32) and position ids, the logits kept (float32) — plus the [heads, n, n] scores
-    and their softmax under eager attention. Fused (SDPA / flash) attention is O(n)."""
+    and their softmax under eager attention, and the sliding-window layers' [n, n] bool mask with
+    the float copy PyTorch's SDPA makes of it (``dense_masks``: transformers' sdpa and eager build one;
+    ``ropescale.attention.local`` does not). Fused (SDPA / flash) attention is otherwise O(n)."""
     n = batch * tokens
     per_token = itemsize * (3 * dims.hidden + (dims.heads + 2 * dims.kv_heads) * dims.head_dim + 3 * dims.intermediate)
     per_token += 4 * 2 * dims.head_dim + 8  # cos/sin, position ids
     out = n * per_token + batch * logits_positions * dims.vocab * 4
     if dims.eager:
         out += 2 * batch * dims.heads * tokens * tokens * itemsize
+    if dims.dense_masks:
+        out += batch * tokens * tokens * (1 + itemsize)
     return out
 
 

@@ -69,3 +69,18 @@ def test_utf16_text_is_refused_naming_the_file(tmp_path, where):
     (tmp_path / "u16.txt").write_text("In the beginning God created the heaven", encoding="utf-16")
     with pytest.raises(DataError, match=r"u16.txt: the text has NUL characters.*UTF-16.*iconv"):
         load_documents(DataSpec(str(tmp_path / where)))
+
+
+def test_join_reads_the_documents_as_one_text_in_order(tmp_path):
+    """``data.join``: one document, the others in their order, separated by a blank line (windows longer
+    than any one book); named apart, so its runs are other experiments; off, nothing changes."""
+    from ropescale.runs.config import DataConfig
+
+    books = load_documents(DataSpec("kjv-heldout"))
+    joined = load_documents(DataConfig(source="kjv-heldout", join=True).spec())
+    assert joined == [books[0] + "\n\n" + "\n\n".join(books[1:])]
+    assert len(joined[0]) == sum(map(len, books)) + 2 * (len(books) - 1)
+    assert DataSpec("kjv-heldout", join=True).describe() == "kjv-heldout joined"
+    assert DataConfig(source="kjv-heldout").spec().describe() == "kjv-heldout"
+    two = load_documents(DataSpec("kjv-heldout", max_documents=2, join=True))
+    assert two == [books[0] + "\n\n" + books[1]]
