@@ -4,7 +4,8 @@
   truncation rules) and their per-model state;
 - ``truncated``: the truncation rules' paths (naive n × n oracle, blocked, fused) and the router;
 - ``regions``: the fused CPU flash kernels over a rule's regions, with backward;
-- ``flex``: the same regions in FlexAttention (compiled on CUDA).
+- ``flex``: the same regions in FlexAttention (compiled on CUDA);
+- ``local``: the model's own attention with sliding windows at O(n·w), without n × n masks (CPU).
 
 The public names of ``interface`` are re-exported here.
 """
