@@ -21,6 +21,11 @@ bfloat16: a GPU). Cases, each in a fresh process:
 ``--layers N`` builds the shape with N decoder layers instead (``bench/gpu_check.py`` measures 1
 and 2 and extrapolates to the shape's depth).
 
+``--model NAME`` measures a real model instead (``ropescale.load_model``: ``gemma-3-270m``, a folder), in
+float32 on the CPU, with two cases: ``ppl`` as the harness runs it — sliding-window layers through
+``ropescale.attention.local`` — and ``ppl (dense masks)``, the same scoring through transformers' sdpa
+and the ``[n, n]`` masks it builds for sliding-window layers (bool, plus SDPA's float copy).
+
 Memory: CPU — peak RSS of the process (glibc serves allocations over 128 KiB by mmap, so freed
 tensors leave RSS at once); CUDA — ``torch.cuda.max_memory_allocated``. ``base`` is measured in the
 same process just before the case (process + weights, after a 16-token warm-up). The floor is
@@ -59,6 +64,7 @@ SHAPES = {
                num_attention_heads=32, num_key_value_heads=8, head_dim=128, dtype="bfloat16"),
 }
 CASES = ("ppl", "ppl (before)", "passkey", "finetune", "finetune (before)", "lora")
+MODEL_CASES = ("ppl", "ppl (dense masks)")
 
 
 def _model(shape: str, length: int, device: str, layers: int | None = None):
@@ -97,7 +103,7 @@ def floor_bytes(case: str, config, n: int, dtype, weights: int, trainable: int =
     e = torch.finfo(dtype).bits // 8
     layer = e * n * (2 * d + 3 * f)
     head_eval = chunk_size_for(V, 1, dtype=dtype) * V * (e + (4 if e < 4 else 0) + 4)
-    if case in ("ppl", "ppl (before)"):
+    if case.startswith("ppl"):
         return e * n * d + max(layer, head_eval)
     if case == "passkey":
         return layer + 2 * layers * n * kv * e + V * 4
@@ -161,14 +167,28 @@ def _full_logit_nll(model, ids):
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none")
 
 
-def worker(case: str, shape: str, length: int, device: str, layers: int | None = None) -> dict:
+def _real_model(name: str, case: str):
+    """A real model as the harness loads it: local attention for ``ppl``, sdpa's masks for ``ppl (dense masks)``."""
+    import torch
+
+    from ropescale.attention.local import enable_local_attention
+    from ropescale.models import load_model
+
+    model, _ = load_model(name, device="cpu")
+    if case == "ppl" and not enable_local_attention(model):
+        raise SystemExit(f"{name}: local attention does not apply (no sliding-window layers?)")
+    return model, torch.float32
+
+
+def worker(case: str, shape: str, length: int, device: str, layers: int | None = None,
+           model_name: str | None = None) -> dict:
     import torch
 
     from ropescale.lm_head import causal_lm_loss
     from ropescale.runs.scoring import score_windows
     from ropescale.runs.windows import make_windows
 
-    model, dtype = _model(shape, length, device, layers)
+    model, dtype = _real_model(model_name, case) if model_name else _model(shape, length, device, layers)
     n = length
     ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0)).to(device)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -185,8 +205,9 @@ def worker(case: str, shape: str, length: int, device: str, layers: int | None =
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     base = _current(device)
-    floor = base + floor_bytes(case, model.config, n, dtype, weights, trainable)
-    if case == "ppl":
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    floor = base + floor_bytes(case, config, n, dtype, weights, trainable)
+    if case in ("ppl", "ppl (dense masks)"):
         docs = [ids[0].cpu()]
         score_windows(model, docs, make_windows([n], n), length=n, device=device)
     elif case == "ppl (before)":
@@ -226,10 +247,12 @@ def _passkey(model, n: int, device: str) -> None:
                  desc=None)
 
 
-def run_case(case: str, shape: str, length: int, device: str, limit_gb: float, layers: int | None = None) -> dict:
+def run_case(case: str, shape: str, length: int, device: str, limit_gb: float, layers: int | None = None,
+             model_name: str | None = None) -> dict:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
     args = [sys.executable, __file__, "--worker", case, "--shape", shape, "--lengths", str(length),
             "--device", device, "--limit-gb", str(limit_gb)] + (["--layers", str(layers)] if layers else [])
+    args += ["--model", model_name] if model_name else []
     out = subprocess.run(args, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         tail = (out.stderr.strip().splitlines() or ["killed"])[-1]
@@ -247,6 +270,7 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--limit-gb", type=float, default=14.0, help="CPU: address-space cap of a case's process")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
+    ap.add_argument("--model", default=None, help="a real model (gemma-3-270m, a folder) instead of the shape; CPU")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -254,7 +278,7 @@ def main() -> None:
         if args.device == "cpu":  # a case that cannot fit fails with MemoryError instead of swapping the machine
             cap = int(args.limit_gb * 2**30)
             resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
-        print(json.dumps(worker(args.worker, args.shape, lengths[0], args.device, args.layers)))
+        print(json.dumps(worker(args.worker, args.shape, lengths[0], args.device, args.layers, args.model)))
         return
 
     import torch
@@ -264,20 +288,25 @@ def main() -> None:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     s = SHAPES[args.shape]
     print(f"machine: {machine()}")
-    print(f"model: random Llama, V = {s['vocab_size']:,}, hidden {s['hidden_size']}, head_dim {s['head_dim']}, "
-          f"{s['num_attention_heads']} heads / {s['num_key_value_heads']} KV heads, MLP {s['intermediate_size']}, "
-          f"{args.layers or s['num_hidden_layers']} layers, {s['dtype']}, untied head; device {args.device}; batch 1")
+    if args.model:
+        print(f"model: {args.model} (ropescale.load_model), float32, device cpu; batch 1; one window of n tokens")
+    else:
+        print(f"model: random Llama, V = {s['vocab_size']:,}, hidden {s['hidden_size']}, head_dim {s['head_dim']}, "
+              f"{s['num_attention_heads']} heads / {s['num_key_value_heads']} KV heads, MLP {s['intermediate_size']}, "
+              f"{args.layers or s['num_hidden_layers']} layers, {s['dtype']}, untied head; device {args.device}; "
+              "batch 1")
     print(f"memory: {'peak RSS (fresh process per case)' if args.device == 'cpu' else 'max_memory_allocated'}; "
           "floor = base (process + weights, measured) + what the case must hold (see the docstring)\n")
     print(f"{'case':<18} {'length':>6} {'base GiB':>9} {'floor GiB':>10} {'peak GiB':>9} {'peak/floor':>10} "
           f"{'before/now':>10}")
-    wanted = args.cases.split(",")
+    wanted = MODEL_CASES if args.model else args.cases.split(",")
     for length in lengths:
         results = {}
-        for case in CASES:
+        for case in MODEL_CASES if args.model else CASES:
             if case not in wanted:
                 continue
-            r = results[case] = run_case(case, args.shape, length, args.device, args.limit_gb, args.layers)
+            r = results[case] = run_case(case, args.shape, length, args.device, args.limit_gb, args.layers,
+                                         args.model)
             if "error" in r:
                 print(f"{case:<18} {length:>6} {r['error']:>40}", flush=True)
                 continue

@@ -117,6 +117,9 @@ def _vanilla(dim: int, base: float) -> torch.Tensor:
     return base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
 
 
+_SAMPLE = 4096  # m evaluated per step of the walk before all L of them
+
+
 def _failure_steps(dim: int, length: int, log_base: float,
                    bounds_at: float | None = None) -> tuple[float, float] | None:
     """How far (in ln b) from ``b = e^log_base`` vanilla B is certified to stay negative somewhere
@@ -127,11 +130,18 @@ def _failure_steps(dim: int, length: int, log_base: float,
     See ``smallest_base`` for the bounds. Each is the largest certificate over the failing m.
     """
     w = torch.arange(0, dim, 2, dtype=torch.float64) / dim  # w_i = 2i/d: θ_i = e^(−w_i·u), u = ln b
-    m = torch.arange(length, dtype=torch.float64)[:, None]
-    a = m * torch.exp(-w * log_base)  # [L, d/2]: m·θ_i
-    curve = torch.cos(a).sum(-1)  # B(m)
-    neg = curve < 0
-    if not bool(neg.any()):
+    theta = torch.exp(-w * log_base)  # [d/2]
+    m, a, b = None, None, None
+    # every failing m certifies a step: a strided sample of the m first (a few thousand), all of them
+    # only when no sampled m fails (a pass must be checked at every m < L)
+    for stride in dict.fromkeys((max(1, length // _SAMPLE), 1)):
+        m = torch.arange(0, length, stride, dtype=torch.float64)[:, None]
+        a = m * theta  # [L / stride, d/2]: m·θ_i
+        curve = torch.cos(a).sum(-1)  # B(m)
+        neg = curve < 0
+        if bool(neg.any()):
+            break
+    else:
         return None
     m, a, b = m[neg], a[neg], curve[neg]
     slope = (torch.sin(a) * a * w).sum(-1)  # dB/du
