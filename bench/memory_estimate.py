@@ -1,0 +1,224 @@
+"""Peak GPU memory of a training step, estimated on any machine: the real step traced on fake tensors.
+
+    python bench/memory_estimate.py [--shape 8b|small] [--length 131072[,262144]] [--stack baseline]
+                                    [--layers N] [--card H100=78.7,H200=139] [--json]
+
+The step is the one ``bench/memory.py``'s ``lora`` case and ``bench/gpu_check.py`` measure on a GPU — LoRA
+(r = 8 on q, k, v, o, through ``ropescale.training.lora.apply_lora``) on a frozen bf16 base, activation
+checkpointing (``ropescale.training.loop.enable_checkpointing``), the chunked loss
+(``ropescale.lm_head.causal_lm_loss``, recomputed in backward) and fused AdamW — on a random Llama of the
+shape (``8b``: Llama 3 8B's, V = 128,256), one sequence of n tokens. It runs under
+``torch._subclasses.fake_tensor.FakeTensorMode``: every op computes shapes only, nothing is allocated, an
+8B step at 128k takes ~40 s on 2 CPU cores. A ``TorchDispatchMode`` adds each new tensor storage's bytes
+when an op creates it and subtracts them when the storage is freed; the peak of that count, with the
+weights, buffers and inputs counted from the start, is what ``torch.cuda.max_memory_allocated`` reports
+for the same step (allocator rounding and the CUDA context aside).
+
+What the GPU step does and a CPU trace would not, the trace does as CUDA would: attention is
+PyTorch's SDPA with ``is_causal`` and grouped-query heads (``enable_gqa``), no mask — what transformers
+runs for an unpadded batch on CUDA (under fake tensors it cannot see that the mask is all ones and
+would build an n × n one); the LM head's reproduction check, a host read made once per run, counts as
+passed.
+
+Why not ``torch.distributed._tools.mem_tracker.MemTracker``: it installs a gradient hook on every
+parameter (a frozen LoRA base refuses one) and refuses modules called twice in one step (the chunked
+head, checkpoint recomputation). The count here has no module attribution, only the total.
+
+Checked against the H100 (``docs/gpu.md``, issue 31: peak 32.19 GiB at 32k, 83.69 GiB at 128k for the
+8B LoRA step): see ``docs/gpu.md`` "The memory estimate without a GPU". ``--stack``: ``baseline`` is
+today's stack; checkpoint offload and the tiled MLP (issue 38) are not built yet and are refused.
+
+The longest length that fits a card: at fixed depth the step's peak is affine in n (flash attention and
+every activation are O(n); the loss chunk is fixed), so two traces give the line, solved for the card
+and checked by one more trace at the answer (rounded down to a multiple of 1,024).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import weakref
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+GiB = 2**30
+STACKS = {"baseline": "LoRA r 8 (q, k, v, o) + activation checkpointing + chunked loss + fused AdamW"}
+NOT_BUILT = {"offload": "checkpoint offload", "offload+tiled": "checkpoint offload and the tiled MLP"}
+ATTENTION = "ropescale_estimate_sdpa"
+
+
+class PeakBytes(TorchDispatchMode):
+    """Live bytes of the tensor storages ops create while active (and of those ``track``-ed before),
+    freed when their storage is; ``peak`` the most at once. Storages are told apart by their
+    address (``_cdata``), so views and in-place results count once."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.now = 0
+        self.peak = 0
+
+    def track(self, tensor) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            return
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key in self.live:
+            return
+        self.live[key] = storage.nbytes()
+        self.now += self.live[key]
+        self.peak = max(self.peak, self.now)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.now -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            self.track(t)
+        return out
+
+
+def _causal_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' sdpa as it runs on CUDA for an unpadded batch: causal, no mask, GQA in the kernel."""
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                                           dropout_p=dropout, enable_gqa=True)  # [b, n_h, s, h_d]
+    return out.transpose(1, 2).contiguous(), None  # [b, s, n_h, h_d]
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION, _causal_sdpa)
+    AttentionMaskInterface.register(ATTENTION, lambda *args, **kwargs: None)
+
+
+def _meta_model(shape: str, n: int, layers: int | None):
+    """The LoRA-wrapped model of ``shape``, as the lora recipe prepares it, on the meta device (PEFT's
+    adapter casts cannot run on fake tensors)."""
+    from bench.memory import _model
+    from ropescale.training.loop import enable_checkpointing
+    from ropescale.training.lora import LoraSettings, apply_lora
+
+    model, _ = _model(shape, n, "meta", layers)
+    model.set_attn_implementation(ATTENTION)
+    enable_checkpointing(model)
+    model = apply_lora(model, LoraSettings())
+    model.train()
+    return model
+
+
+def _to_fake(model):
+    """Each parameter and buffer replaced by a fake tensor (in the active FakeTensorMode) of its shape,
+    dtype and grad flag."""
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
+                                                              requires_grad=p.requires_grad)
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype)
+    return model
+
+
+def estimate(shape: str, n: int, *, stack: str = "baseline", layers: int | None = None) -> dict:
+    """Trace one training step at ``n`` tokens; ``{"peak_gib", "base_gib", "seconds", ...}`` where base
+    is the weights, buffers and inputs, peak the most bytes alive at once during the step."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ropescale.lm_head import OutputHead, causal_lm_loss
+
+    if stack not in STACKS:
+        raise SystemExit(f"--stack {stack}: {NOT_BUILT.get(stack, 'unknown stack')} is not built yet; "
+                         f"stacks: {', '.join(STACKS)}")
+    _register_attention()
+    t0 = time.perf_counter()
+    model = _meta_model(shape, n, layers)
+    with FakeTensorMode():
+        _to_fake(model)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
+        ids = torch.zeros(1, n, dtype=torch.long)
+        count = PeakBytes()
+        for t in (*model.parameters(), *model.buffers(), ids):
+            count.track(t)
+        base = count.now
+        head = OutputHead(model)
+        head.verified = True  # the run's one host read, on its first step
+        with count:
+            loss = causal_lm_loss(model, ids, head=head)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return {"shape": shape, "length": n, "stack": stack, "layers": model.config.num_hidden_layers,
+            "base_gib": base / GiB, "peak_gib": count.peak / GiB, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def longest(shape: str, card_gib: float, *, stack: str = "baseline", layers: int | None = None,
+            probes: tuple[int, int] = (32_768, 131_072)) -> dict:
+    """The longest n (a multiple of 1,024) whose traced peak fits ``card_gib``: the affine fit through
+    two traces, checked by a third at the answer and stepped down by 1% until it fits."""
+    (n1, p1), (n2, p2) = ((n, estimate(shape, n, stack=stack, layers=layers)["peak_gib"]) for n in probes)
+    slope = (p2 - p1) / (n2 - n1)  # GiB per token
+    n = int((n1 + (card_gib - p1) / slope) // 1024 * 1024)
+    while n >= 1024:
+        got = estimate(shape, n, stack=stack, layers=layers)["peak_gib"]
+        if got <= card_gib:
+            return {"card_gib": card_gib, "longest": n, "peak_gib": got, "gib_per_1k_tokens": slope * 1024}
+        n = int(n * 0.99) // 1024 * 1024
+    return {"card_gib": card_gib, "longest": 0, "peak_gib": None, "gib_per_1k_tokens": slope * 1024}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="8b", help="small | 8b (bench/memory.py's shapes)")
+    ap.add_argument("--length", default="32768,65536,131072", help="comma-separated n [tokens]")
+    ap.add_argument("--stack", default="baseline", help=f"{', '.join(STACKS)} (built); "
+                                                        f"{', '.join(NOT_BUILT)} (not yet)")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
+    ap.add_argument("--card", default="H100=78.7,H200=139",
+                    help="NAME=GiB free on a card, comma-separated ('' for none): the longest length that fits")
+    ap.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    args = ap.parse_args()
+
+    from bench.common import machine
+    from bench.memory import SHAPES
+
+    if args.shape not in SHAPES:
+        raise SystemExit(f"--shape {args.shape}: choose one of {', '.join(SHAPES)}")
+    try:
+        lengths = [int(x) for x in args.length.split(",") if x]
+        cards = {k: float(v) for k, v in (c.split("=") for c in args.card.split(",") if c)}
+    except ValueError:
+        raise SystemExit("--length takes integers, --card NAME=GiB pairs") from None
+    rows = [estimate(args.shape, n, stack=args.stack, layers=args.layers) for n in lengths]
+    fits = {name: longest(args.shape, gib, stack=args.stack, layers=args.layers) for name, gib in cards.items()}
+    out = {"machine": machine(), "torch": torch.__version__, "stack": STACKS.get(args.stack), "rows": rows,
+           "longest": fits}
+    if args.json:
+        print(json.dumps(out))
+        return
+    s = SHAPES[args.shape]
+    print(f"traced on: {out['machine']}")
+    print(f"model: random Llama {args.shape}, V = {s['vocab_size']:,}, hidden {s['hidden_size']}, "
+          f"{args.layers or s['num_hidden_layers']} layers, {s['dtype']}; one sequence; stack {args.stack}: "
+          f"{out['stack']}")
+    print(f"{'length':>9} {'base GiB':>9} {'peak GiB':>9} {'trace s':>8}")
+    for r in rows:
+        print(f"{r['length']:>9} {r['base_gib']:>9.2f} {r['peak_gib']:>9.2f} {r['seconds']:>8}")
+    for name, f in fits.items():
+        print(f"longest on {name} ({f['card_gib']:g} GiB): {f['longest']:,} tokens "
+              f"(peak {f['peak_gib'] or 0:.1f} GiB; {f['gib_per_1k_tokens']:.3f} GiB per 1k tokens)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""bench/memory_estimate.py: the byte count against arithmetic, the fake-tensor trace against the same step on
+real tensors, the longest length against traces around it. (Its agreement with the H100's measured peaks is
+in docs/gpu.md: a GPU cannot be a test's oracle here.)"""
+
+import pytest
+import torch
+
+from bench import memory_estimate as est
+
+
+def test_the_count_follows_storages_not_tensors():
+    count = est.PeakBytes()
+    with count:
+        a = torch.empty(1000)  # 4,000 bytes
+        b = torch.empty(500, dtype=torch.float64)  # 4,000
+        view = a.view(10, 100)  # no storage of its own
+        a.add_(1.0)  # in place: none either
+        assert count.now == 8000
+        del a, view
+        assert count.now == 4000  # a's storage went with its last view
+        c = torch.empty(250, dtype=torch.int32)  # 1,000
+        assert count.now == 5000
+    assert count.peak == 8000
+    del b, c
+
+
+def _real_step(n: int) -> tuple[int, int]:
+    """The estimated step on real CPU tensors, counted the same way: (base bytes, peak bytes)."""
+    from bench.memory import _model
+    from ropescale.lm_head import OutputHead, causal_lm_loss
+    from ropescale.training.loop import enable_checkpointing
+    from ropescale.training.lora import LoraSettings, apply_lora
+
+    est._register_attention()
+    model, _ = _model("small", n, "cpu", 1)
+    model.set_attn_implementation(est.ATTENTION)
+    enable_checkpointing(model)
+    model = apply_lora(model, LoraSettings())
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
+    ids = torch.zeros(1, n, dtype=torch.long)
+    count = est.PeakBytes()
+    for t in (*model.parameters(), *model.buffers(), ids):
+        count.track(t)
+    base = count.now
+    head = OutputHead(model)
+    head.verified = True
+    with count:
+        loss = causal_lm_loss(model, ids, head=head)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return base, count.peak
+
+
+def test_the_fake_trace_counts_what_the_real_step_allocates():
+    """Oracle: the same step run on real tensors (nothing faked), counted storage by storage."""
+    base, peak = _real_step(512)
+    got = est.estimate("small", 512, layers=1)
+    assert got["base_gib"] * est.GiB == base
+    assert got["peak_gib"] * est.GiB == peak
+
+
+def test_longest_is_the_last_length_that_fits():
+    fits, over = (est.estimate("small", n, layers=1)["peak_gib"] for n in (6144, 7168))
+    card = (fits + over) / 2
+    got = est.longest("small", card, layers=1, probes=(2048, 4096))
+    assert got["longest"] == 6144 and got["peak_gib"] == fits
+
+
+def test_stacks_not_built_are_refused_in_one_line():
+    with pytest.raises(SystemExit, match="checkpoint offload is not built yet"):
+        est.estimate("small", 1024, stack="offload")
