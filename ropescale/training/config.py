@@ -253,6 +253,11 @@ class FinetuneConfig(ConfigModel):
     gradient_checkpointing: bool = Field(
         False, description="recompute each decoder layer's activations in backward (transformers' non-reentrant "
                            "checkpointing): activation memory of one layer instead of all; same loss and gradients")
+    activation_offload: bool = Field(
+        False, description="with gradient_checkpointing: the tensors the step keeps for backward — each checkpointed "
+                           "layer's input, the loss chunks' hidden states — held in host memory (pinned where there "
+                           "is a GPU; torch.autograd.graph.save_on_cpu) and copied back in backward; same loss and "
+                           "gradients, n × hidden × layers bytes off the device")
     loss_chunk_size: int | None = Field(
         None, ge=0, description="positions per chunk of the LM head in the loss (ropescale.lm_head: [chunk, V] "
                                 "logits at a time, recomputed in backward); None: chosen from a memory budget; "
@@ -349,6 +354,9 @@ class FinetuneConfig(ConfigModel):
         if windows > MAX_WINDOWS:
             raise ValueError(f"steps × grad_accum × batch_size = {windows} training windows per process; at most "
                              f"{MAX_WINDOWS} (their indices overflow)")
+        if self.activation_offload and not self.gradient_checkpointing:
+            raise ValueError("activation_offload: needs gradient_checkpointing: true (without it every activation, and "
+                             "every weight a layer keeps for backward, would be copied to the host each step)")
         if self.mixed_precision == "fp16" and self.device == "cpu":
             raise ValueError("mixed_precision: fp16 needs a CUDA device; on CPU use bf16 or no")
         if self.sharding is not None and self.device == "cpu" and self.sharding != "fsdp":
@@ -382,8 +390,8 @@ class FinetuneConfig(ConfigModel):
         # what is trained (float tolerance); leaving them out keeps earlier runs' manifests valid
         # sequence parallelism too: the same global batches, each window's loss and gradient split over a group
         out = self.model_dump(mode="json", exclude={"output", "device", "threads", "keep_checkpoints",
-                                                    "gradient_checkpointing", "loss_chunk_size", "parallelism",
-                                                    "report_to"})
+                                                    "gradient_checkpointing", "activation_offload", "loss_chunk_size",
+                                                    "parallelism", "report_to"})
         if out.get("eval"):
             out["eval"].pop("after", None)
         if not self.pose.enabled or self.pose.sampling == "paper":  # runs from before the key resume

@@ -46,7 +46,7 @@ import json
 import math
 import shutil
 import time
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import ExitStack, contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -80,6 +80,7 @@ __all__ = [
     "CheckpointWriteError",
     "causal_lm_loss",
     "enable_checkpointing",
+    "offloaded_activations",
     "finetune",
 ]
 
@@ -133,6 +134,18 @@ def enable_checkpointing(model, source: str = "config") -> None:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     except ValueError as e:
         raise ConfigError(f"{source}: gradient_checkpointing: {e}") from None
+
+
+def offloaded_activations(enabled: bool):
+    """``activation_offload``: the forward's tensors kept for backward go to host memory
+    (``torch.autograd.graph.save_on_cpu``, pinned where a GPU is there: asynchronous copies) and come back
+    in backward. With checkpointing those are each decoder layer's input and the loss chunks' hidden
+    states — what grows with layers × n — since a checkpointed region keeps nothing else; the layer
+    recomputed in backward stays on the device. The backward runs outside this context (the copies back
+    are the pack's unpack). A null context when off."""
+    if not enabled:
+        return nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
 
 
 def _patch_for_training(model, cfg: FinetuneConfig, run: ResolvedRun):
@@ -552,7 +565,8 @@ def _micro_step(cfg: FinetuneConfig, acc, loop: _Loop, batch, losses: list) -> A
     backward; at an optimiser step the global gradient norm clipped (returned; None otherwise),
     the optimiser and the schedule stepped."""
     with acc.accumulate(loop.model):
-        with acc.autocast():  # the chunked head runs outside the model's forward, under the same precision
+        # the chunked head runs outside the model's forward, under the same precision; only the forward offloads
+        with acc.autocast(), offloaded_activations(cfg.activation_offload):
             if loop.sp is None:
                 loss = loop.in_forward(causal_lm_loss, batch, chunk_size=loop.chunk_size, head=loop.head)
             else:  # this process's share of the window's loss, × P: the group's gradients add up

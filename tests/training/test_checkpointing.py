@@ -89,3 +89,61 @@ def test_a_run_with_checkpointing_trains_as_one_without(tmp_path, tiny_run, stra
     out = finetune(build_finetune_config({**raw, "gradient_checkpointing": True}), tmp_path / "ckpt", progress=False)
     assert out["config"]["gradient_checkpointing"] is True
     assert losses(tmp_path / "ckpt") == pytest.approx(losses(tmp_path / "plain"), rel=1e-5)
+
+
+def _counting_offload(monkeypatch) -> dict:
+    """``torch.autograd.graph.save_on_cpu`` with its packs counted: how the loop's offload is seen to act."""
+    real, seen = torch.autograd.graph.save_on_cpu, {"packs": 0, "pinned": []}
+
+    class Counting(real):
+        def __init__(self, pin_memory=False, **kw):
+            super().__init__(pin_memory=pin_memory, **kw)
+            seen["pinned"].append(pin_memory)
+            pack = self.pack_hook
+
+            def counted(tensor):
+                seen["packs"] += 1
+                return pack(tensor)
+
+            self.pack_hook = counted
+
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", Counting)
+    return seen
+
+
+@pytest.mark.parametrize("case", ["linear", "rerope (fused)"])
+def test_offloaded_activations_give_the_same_loss_and_gradients(case, monkeypatch):
+    """Oracle: the same step with checkpointing and no offload. The offload really acts: the checkpointed
+    layers' inputs (and the loss chunks' hidden states) pass through save_on_cpu's pack, one per layer or more."""
+    from ropescale.training import loop
+
+    strategy, kwargs, batch = CASES[case]
+    model = build(LlamaForCausalLM, tiny_llama_config())
+    seen = _counting_offload(monkeypatch)
+    with ropescale.patch(model, strategy, **kwargs):
+        loss, expected = loss_and_grads(model, batch, checkpointing=True, chunk_size=None)
+        assert seen["packs"] == 0
+        model.zero_grad()
+        with loop.offloaded_activations(True):
+            got_loss = causal_lm_loss(model, batch, chunk_size=None)
+        got_loss.backward()
+        got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert seen["packs"] >= model.config.num_hidden_layers and seen["pinned"] == [False]  # no GPU: not pinned
+    assert got_loss == loss
+    assert_same_grads(got, expected, rtol=0)
+
+
+def test_activation_offload_needs_checkpointing(tiny_run):
+    from ropescale.training.config import ConfigError
+
+    with pytest.raises(ConfigError, match="activation_offload: needs gradient_checkpointing"):
+        build_finetune_config(tiny_run(activation_offload=True))
+    cfg = build_finetune_config(tiny_run(activation_offload=True, gradient_checkpointing=True))
+    assert cfg.identity() == build_finetune_config(tiny_run()).identity()  # same numbers: the same run
+
+
+def test_a_run_with_activation_offload_trains_as_one_without(tmp_path, tiny_run):
+    raw = tiny_run(strategy="yarn", steps=3, eval=None, checkpoint_every=10, gradient_checkpointing=True)
+    finetune(build_finetune_config(raw), tmp_path / "plain", progress=False)
+    finetune(build_finetune_config({**raw, "activation_offload": True}), tmp_path / "offload", progress=False)
+    assert losses(tmp_path / "offload") == losses(tmp_path / "plain")
