@@ -26,7 +26,9 @@ head, checkpoint recomputation). The count here has no module attribution, only 
 
 Checked against the H100 (``docs/gpu.md``, issue 31: peak 32.19 GiB at 32k, 83.69 GiB at 128k for the
 8B LoRA step): see ``docs/gpu.md`` "The memory estimate without a GPU". ``--stack``: ``baseline`` is
-today's stack; checkpoint offload and the tiled MLP (issue 38) are not built yet and are refused.
+today's stack. ``activation_offload`` exists in training but its trace does not run yet (under fake tensors,
+torch's checkpoint finds the recomputed loss chunk's saved tensors differ from the forward's); the tiled
+MLP (issue 38) is not built. Both are refused by name.
 
 The longest length that fits a card: at fixed depth the step's peak is affine in n (flash attention and
 every activation are O(n); the loss chunk is fixed), so two traces give the line, solved for the card
@@ -50,7 +52,9 @@ from torch.utils._pytree import tree_leaves
 
 GiB = 2**30
 STACKS = {"baseline": "LoRA r 8 (q, k, v, o) + activation checkpointing + chunked loss + fused AdamW"}
-NOT_BUILT = {"offload": "checkpoint offload", "offload+tiled": "checkpoint offload and the tiled MLP"}
+NOT_BUILT = {"offload": "tracing checkpoint offload (activation_offload: torch's checkpoint refuses its "
+                       "recomputation under fake tensors)",
+             "offload+tiled": "the tiled MLP"}
 ATTENTION = "ropescale_estimate_sdpa"
 
 

@@ -80,8 +80,8 @@ __all__ = [
     "CheckpointWriteError",
     "causal_lm_loss",
     "enable_checkpointing",
-    "offloaded_activations",
     "finetune",
+    "offloaded_activations",
 ]
 
 MODEL_DIR = "model"
@@ -138,14 +138,15 @@ def enable_checkpointing(model, source: str = "config") -> None:
 
 def offloaded_activations(enabled: bool):
     """``activation_offload``: the forward's tensors kept for backward go to host memory
-    (``torch.autograd.graph.save_on_cpu``, pinned where a GPU is there: asynchronous copies) and come back
-    in backward. With checkpointing those are each decoder layer's input and the loss chunks' hidden
-    states — what grows with layers × n — since a checkpointed region keeps nothing else; the layer
-    recomputed in backward stays on the device. The backward runs outside this context (the copies back
-    are the pack's unpack). A null context when off."""
+    (``torch.autograd.graph.save_on_cpu``, pinned where an accelerator is there — asynchronous
+    copies —, a plain copy on a CPU-only machine) and come back in backward. With checkpointing
+    those are each decoder layer's input and the loss chunks' hidden states — what grows with
+    layers × n — since a checkpointed region keeps nothing else; the layer recomputed in backward
+    stays on the device. The backward runs outside this context (the copies back are the pack's
+    unpack). A null context when off."""
     if not enabled:
         return nullcontext()
-    return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+    return torch.autograd.graph.save_on_cpu(pin_memory=True)  # torch pins only where it can
 
 
 def _patch_for_training(model, cfg: FinetuneConfig, run: ResolvedRun):
