@@ -26,9 +26,10 @@ head, checkpoint recomputation). The count here has no module attribution, only 
 
 Checked against the H100 (``docs/gpu.md``, issue 31: peak 32.19 GiB at 32k, 83.69 GiB at 128k for the
 8B LoRA step): see ``docs/gpu.md`` "The memory estimate without a GPU". ``--stack``: ``baseline`` is
-today's stack. ``activation_offload`` exists in training but its trace does not run yet (under fake tensors,
-torch's checkpoint finds the recomputed loss chunk's saved tensors differ from the forward's); the tiled
-MLP (issue 38) is not built. Both are refused by name.
+today's stack; ``offload`` adds ``activation_offload`` (``ropescale.training.loop.enable_checkpointing``):
+what its ``save_on_cpu`` packs is booked to host memory (``host_gib``), and each input it brings back for
+a layer's recomputation to the device again; ``offload+tiled`` adds ``tiled_mlp``
+(``ropescale.training.tiled_mlp``, DeepSpeed's ``TiledMLP``: needs ``ropescale[scale]``).
 
 The longest length that fits a card: at fixed depth the step's peak is affine in n (flash attention and
 every activation are O(n); the loss chunk is fixed), so two traces give the line, solved for the card
@@ -51,10 +52,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 GiB = 2**30
-STACKS = {"baseline": "LoRA r 8 (q, k, v, o) + activation checkpointing + chunked loss + fused AdamW"}
-NOT_BUILT = {"offload": "tracing checkpoint offload (activation_offload: torch's checkpoint refuses its "
-                       "recomputation under fake tensors)",
-             "offload+tiled": "the tiled MLP"}
+STACKS = {"baseline": "LoRA r 8 (q, k, v, o) + activation checkpointing + chunked loss + fused AdamW",
+          "offload": "baseline + activation_offload (each checkpointed layer's input in host memory)",
+          "offload+tiled": "offload + tiled_mlp (DeepSpeed's TiledMLP, ⌈n / hidden⌉ slices)"}
 ATTENTION = "ropescale_estimate_sdpa"
 
 
@@ -65,9 +65,10 @@ class PeakBytes(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.live: dict[int, int] = {}
-        self.now = 0
-        self.peak = 0
+        self.live: dict[int, tuple[int, bool]] = {}  # storage → (bytes, in host memory)
+        self.now = self.peak = 0  # on the device
+        self.host_now = self.host_peak = 0  # moved to host memory (activation_offload)
+        self.to_host = False  # set while save_on_cpu packs: what is created then lives on the host
 
     def track(self, tensor) -> None:
         if not isinstance(tensor, torch.Tensor):
@@ -76,13 +77,22 @@ class PeakBytes(TorchDispatchMode):
         key = storage._cdata
         if key in self.live:
             return
-        self.live[key] = storage.nbytes()
-        self.now += self.live[key]
-        self.peak = max(self.peak, self.now)
+        size = storage.nbytes()
+        self.live[key] = (size, self.to_host)
+        if self.to_host:
+            self.host_now += size
+            self.host_peak = max(self.host_peak, self.host_now)
+        else:
+            self.now += size
+            self.peak = max(self.peak, self.now)
         weakref.finalize(storage, self._free, key)
 
     def _free(self, key: int) -> None:
-        self.now -= self.live.pop(key, 0)
+        size, host = self.live.pop(key, (0, False))
+        if host:
+            self.host_now -= size
+        else:
+            self.now -= size
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -98,6 +108,29 @@ def _causal_sdpa(module, query, key, value, attention_mask, scaling=None, dropou
     return out.transpose(1, 2).contiguous(), None  # [b, s, n_h, h_d]
 
 
+def _host_booked_offload(count: PeakBytes):
+    """``torch.autograd.graph.save_on_cpu`` whose packs ``count`` books to host memory, and whose unpacks
+    give a device copy back (the trace runs on one fake device; on a GPU these are the copies out and in)."""
+    real = torch.autograd.graph.save_on_cpu
+
+    class Booked(real):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            pack, unpack = self.pack_hook, self.unpack_hook
+
+            def booked(tensor):
+                count.to_host = True
+                try:
+                    return pack(tensor)
+                finally:
+                    count.to_host = False
+
+            self.pack_hook = booked
+            self.unpack_hook = lambda packed: unpack(packed).clone()
+
+    return Booked
+
+
 def _register_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
@@ -106,7 +139,7 @@ def _register_attention() -> None:
     AttentionMaskInterface.register(ATTENTION, lambda *args, **kwargs: None)
 
 
-def _meta_model(shape: str, n: int, layers: int | None):
+def _meta_model(shape: str, n: int, layers: int | None, offload: bool = False, tiled: bool = False):
     """The LoRA-wrapped model of ``shape``, as the lora recipe prepares it, on the meta device (PEFT's
     adapter casts cannot run on fake tensors)."""
     from bench.memory import _model
@@ -115,7 +148,11 @@ def _meta_model(shape: str, n: int, layers: int | None):
 
     model, _ = _model(shape, n, "meta", layers)
     model.set_attn_implementation(ATTENTION)
-    enable_checkpointing(model)
+    enable_checkpointing(model, offload=offload)
+    if tiled:
+        from ropescale.training.tiled_mlp import enable_tiled_mlp
+
+        enable_tiled_mlp(model)
     model = apply_lora(model, LoraSettings())
     model.train()
     return model
@@ -143,11 +180,10 @@ def estimate(shape: str, n: int, *, stack: str = "baseline", layers: int | None 
     from ropescale.lm_head import OutputHead, causal_lm_loss
 
     if stack not in STACKS:
-        raise SystemExit(f"--stack {stack}: {NOT_BUILT.get(stack, 'unknown stack')} is not built yet; "
-                         f"stacks: {', '.join(STACKS)}")
+        raise SystemExit(f"--stack {stack}: unknown; stacks: {', '.join(STACKS)}")
     _register_attention()
     t0 = time.perf_counter()
-    model = _meta_model(shape, n, layers)
+    model = _meta_model(shape, n, layers, offload=stack.startswith("offload"), tiled=stack.endswith("tiled"))
     with FakeTensorMode():
         _to_fake(model)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
@@ -158,13 +194,19 @@ def estimate(shape: str, n: int, *, stack: str = "baseline", layers: int | None 
         base = count.now
         head = OutputHead(model)
         head.verified = True  # the run's one host read, on its first step
-        with count:
-            loss = causal_lm_loss(model, ids, head=head)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        real_offload = torch.autograd.graph.save_on_cpu
+        torch.autograd.graph.save_on_cpu = _host_booked_offload(count)
+        try:
+            with count:
+                loss = causal_lm_loss(model, ids, head=head)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        finally:
+            torch.autograd.graph.save_on_cpu = real_offload
     return {"shape": shape, "length": n, "stack": stack, "layers": model.config.num_hidden_layers,
-            "base_gib": base / GiB, "peak_gib": count.peak / GiB, "seconds": round(time.perf_counter() - t0, 1)}
+            "base_gib": base / GiB, "peak_gib": count.peak / GiB, "host_gib": count.host_peak / GiB,
+            "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def longest(shape: str, card_gib: float, *, stack: str = "baseline", layers: int | None = None,
@@ -186,8 +228,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="8b", help="small | 8b (bench/memory.py's shapes)")
     ap.add_argument("--length", default="32768,65536,131072", help="comma-separated n [tokens]")
-    ap.add_argument("--stack", default="baseline", help=f"{', '.join(STACKS)} (built); "
-                                                        f"{', '.join(NOT_BUILT)} (not yet)")
+    ap.add_argument("--stack", default="baseline", help=", ".join(STACKS))
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
     ap.add_argument("--card", default="H100=78.7,H200=139",
                     help="NAME=GiB free on a card, comma-separated ('' for none): the longest length that fits")
@@ -216,9 +257,9 @@ def main() -> None:
     print(f"model: random Llama {args.shape}, V = {s['vocab_size']:,}, hidden {s['hidden_size']}, "
           f"{args.layers or s['num_hidden_layers']} layers, {s['dtype']}; one sequence; stack {args.stack}: "
           f"{out['stack']}")
-    print(f"{'length':>9} {'base GiB':>9} {'peak GiB':>9} {'trace s':>8}")
+    print(f"{'length':>9} {'base GiB':>9} {'peak GiB':>9} {'host GiB':>9} {'trace s':>8}")
     for r in rows:
-        print(f"{r['length']:>9} {r['base_gib']:>9.2f} {r['peak_gib']:>9.2f} {r['seconds']:>8}")
+        print(f"{r['length']:>9} {r['base_gib']:>9.2f} {r['peak_gib']:>9.2f} {r['host_gib']:>9.2f} {r['seconds']:>8}")
     for name, f in fits.items():
         print(f"longest on {name} ({f['card_gib']:g} GiB): {f['longest']:,} tokens "
               f"(peak {f['peak_gib'] or 0:.1f} GiB; {f['gib_per_1k_tokens']:.3f} GiB per 1k tokens)")

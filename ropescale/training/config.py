@@ -258,6 +258,10 @@ class FinetuneConfig(ConfigModel):
                            "layer's input, the loss chunks' hidden states — held in host memory (pinned where there "
                            "is a GPU; torch.autograd.graph.save_on_cpu) and copied back in backward; same loss and "
                            "gradients, n × hidden × layers bytes off the device")
+    tiled_mlp: bool | int = Field(
+        False, description="each decoder layer's MLP over slices of the sequence (DeepSpeed's TiledMLP, "
+                           "pip install 'ropescale[scale]'): true → ⌈n / hidden⌉ slices, or a count; one slice's "
+                           "MLP activations at a time; same loss and gradients to float rounding")
     loss_chunk_size: int | None = Field(
         None, ge=0, description="positions per chunk of the LM head in the loss (ropescale.lm_head: [chunk, V] "
                                 "logits at a time, recomputed in backward); None: chosen from a memory budget; "
@@ -357,6 +361,13 @@ class FinetuneConfig(ConfigModel):
         if self.activation_offload and not self.gradient_checkpointing:
             raise ValueError("activation_offload: needs gradient_checkpointing: true (without it every activation, and "
                              "every weight a layer keeps for backward, would be copied to the host each step)")
+        if self.tiled_mlp is not False:
+            from ropescale.training.tiled_mlp import tiled_mlp_available
+
+            if self.tiled_mlp is not True and self.tiled_mlp < 1:
+                raise ValueError(f"tiled_mlp: true or a number of slices (at least 1); got {self.tiled_mlp}")
+            if not tiled_mlp_available():
+                raise ValueError("tiled_mlp: DeepSpeed's TiledMLP is not installed: pip install 'ropescale[scale]'")
         if self.mixed_precision == "fp16" and self.device == "cpu":
             raise ValueError("mixed_precision: fp16 needs a CUDA device; on CPU use bf16 or no")
         if self.sharding is not None and self.device == "cpu" and self.sharding != "fsdp":
@@ -390,8 +401,8 @@ class FinetuneConfig(ConfigModel):
         # what is trained (float tolerance); leaving them out keeps earlier runs' manifests valid
         # sequence parallelism too: the same global batches, each window's loss and gradient split over a group
         out = self.model_dump(mode="json", exclude={"output", "device", "threads", "keep_checkpoints",
-                                                    "gradient_checkpointing", "activation_offload", "loss_chunk_size",
-                                                    "parallelism", "report_to"})
+                                                    "gradient_checkpointing", "activation_offload", "tiled_mlp",
+                                                    "loss_chunk_size", "parallelism", "report_to"})
         if out.get("eval"):
             out["eval"].pop("after", None)
         if not self.pose.enabled or self.pose.sampling == "paper":  # runs from before the key resume

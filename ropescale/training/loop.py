@@ -46,7 +46,7 @@ import json
 import math
 import shutil
 import time
-from contextlib import ExitStack, contextmanager, nullcontext, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -72,6 +72,7 @@ from ropescale.training.heldout import HeldOut
 from ropescale.training.pose import PoseSampler
 from ropescale.training.report import LOG, TrainingLog, plot_training, read_log
 from ropescale.training.sharding import full_state_dict, load_sharded, save_sharded, shard_model
+from ropescale.training.tiled_mlp import enable_tiled_mlp
 
 __all__ = [
     "CHECKPOINTS",
@@ -81,7 +82,6 @@ __all__ = [
     "causal_lm_loss",
     "enable_checkpointing",
     "finetune",
-    "offloaded_activations",
 ]
 
 MODEL_DIR = "model"
@@ -121,11 +121,17 @@ def causal_lm_loss(model, batch: dict[str, torch.Tensor], *, chunk_size: int | N
     return chunked_lm_loss(model, ids, position_ids=pos, attention_mask=mask, chunk_size=chunk_size, head=head)
 
 
-def enable_checkpointing(model, source: str = "config") -> None:
+def enable_checkpointing(model, source: str = "config", *, offload: bool = False) -> None:
     """transformers' non-reentrant activation checkpointing on every decoder layer of ``model``
     (``activation_checkpointing_enable``, formerly ``gradient_checkpointing_enable``): in training
     mode each layer keeps only its input and recomputes the rest in backward (same RNG state, so
-    dropout draws the same masks). Raises ``ConfigError`` for a model that does not support it."""
+    dropout draws the same masks). Raises ``ConfigError`` for a model that does not support it.
+
+    ``offload`` (``activation_offload``): each checkpointed layer's input — what it keeps — goes to
+    host memory as the layer runs and comes back for its recomputation, through
+    ``torch.autograd.graph.save_on_cpu`` around the layer's checkpoint call (pinned where there is a
+    GPU; a plain copy on a CPU-only machine), as transformers' own ``offload=True`` does (whose
+    pinned buffers fail on a machine without an accelerator)."""
     kwargs = {"use_reentrant": False}
     try:
         if hasattr(model, "activation_checkpointing_enable"):
@@ -134,19 +140,22 @@ def enable_checkpointing(model, source: str = "config") -> None:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     except ValueError as e:
         raise ConfigError(f"{source}: gradient_checkpointing: {e}") from None
+    if offload:
+        layers = [m for m in model.modules() if callable(getattr(m, "_gradient_checkpointing_func", None))]
+        if not layers:
+            raise ConfigError(f"{source}: activation_offload: {type(model).__name__} checkpoints no layer through "
+                              "transformers' checkpointing function, so there is nothing to offload")
+        for layer in layers:
+            layer._gradient_checkpointing_func = _offloaded(layer._gradient_checkpointing_func)
 
 
-def offloaded_activations(enabled: bool):
-    """``activation_offload``: the forward's tensors kept for backward go to host memory
-    (``torch.autograd.graph.save_on_cpu``, pinned where an accelerator is there — asynchronous
-    copies —, a plain copy on a CPU-only machine) and come back in backward. With checkpointing
-    those are each decoder layer's input and the loss chunks' hidden states — what grows with
-    layers × n — since a checkpointed region keeps nothing else; the layer recomputed in backward
-    stays on the device. The backward runs outside this context (the copies back are the pack's
-    unpack). A null context when off."""
-    if not enabled:
-        return nullcontext()
-    return torch.autograd.graph.save_on_cpu(pin_memory=True)  # torch pins only where it can
+def _offloaded(checkpoint_fn):
+    """``checkpoint_fn`` with what it saves (the layer's inputs) kept in host memory."""
+    def run(*args, **kwargs):
+        with torch.autograd.graph.save_on_cpu(pin_memory=True):  # torch pins only where a GPU is
+            return checkpoint_fn(*args, **kwargs)
+
+    return run
 
 
 def _patch_for_training(model, cfg: FinetuneConfig, run: ResolvedRun):
@@ -369,7 +378,9 @@ def _prepare(cfg: FinetuneConfig, run: ResolvedRun, acc, source: str, *, trained
     except ValueError as e:  # InvalidInput too: a parameter this model's sizes refuse
         raise ConfigError(f"{source}: strategy: {' '.join(str(e).split())}") from None
     if cfg.gradient_checkpointing:  # before PEFT: the decoder layers are the base model's
-        enable_checkpointing(model, source)
+        enable_checkpointing(model, source, offload=cfg.activation_offload)
+    if cfg.tiled_mlp is not False:  # before PEFT too: the MLPs are the base model's
+        enable_tiled_mlp(model, None if cfg.tiled_mlp is True else cfg.tiled_mlp, source)
     recipe = cfg.training_recipe()
     model = recipe.prepare(model, cfg, source)  # what trains: all weights, LoRA, ... (ropescale.training.recipes)
     _check_sequence_parallel(model, cfg, run, source)
@@ -566,8 +577,7 @@ def _micro_step(cfg: FinetuneConfig, acc, loop: _Loop, batch, losses: list) -> A
     backward; at an optimiser step the global gradient norm clipped (returned; None otherwise),
     the optimiser and the schedule stepped."""
     with acc.accumulate(loop.model):
-        # the chunked head runs outside the model's forward, under the same precision; only the forward offloads
-        with acc.autocast(), offloaded_activations(cfg.activation_offload):
+        with acc.autocast():  # the chunked head runs outside the model's forward, under the same precision
             if loop.sp is None:
                 loss = loop.in_forward(causal_lm_loss, batch, chunk_size=loop.chunk_size, head=loop.head)
             else:  # this process's share of the window's loss, × P: the group's gradients add up
