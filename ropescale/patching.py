@@ -157,9 +157,11 @@ class PatchHandle:
                 row["applied"] = "unknown rotation: refused for relative rules"
             else:
                 ctx = self.sites.get(info.site) or _site_context(self.model, info.site)
+                # a relative rule is one rule from the primary layer type's context; each layer's own θ is its own
+                own = _site_context(self.model, info.site) if self.strategy_obj.kind == "attention" else ctx
                 rp = layer_rope_parameters_of(self.model, info.site)
                 row |= {"frequencies": str(info.site), "rope_type": rp.get("rope_type", "default"),
-                        "rope_theta": ctx.get("rope_theta"), "rotary_dim": info.dim,
+                        "rope_theta": own.get("rope_theta"), "rotary_dim": info.dim,
                         "channels": [info.start, info.start + info.dim],
                         "layout": ("interleaved" if info.interleaved else "halves")
                         + (", mirrored" if info.sign < 0 else ""),

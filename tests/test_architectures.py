@@ -155,3 +155,16 @@ def test_phi3_5_moe_recomputing_its_frequencies_is_patched_and_restored():
             torch.testing.assert_close(model(ids).logits, linear, rtol=0, atol=1e-5)
         assert torch.equal(model(ids).logits, before)
         assert model.config.rope_parameters["rope_type"] == "longrope"
+
+
+@pytest.mark.parametrize("strategy", ["rerope", "yarn"])
+def test_the_layer_report_gives_each_layer_types_own_theta(strategy):
+    """Gemma 3's sliding layers rotate with θ = 10⁴, its global ones with 10⁶ (the config's per-type
+    rope_parameters): the report says so under a relative rule (one rule, from the global type's
+    context) as under a frequency rule."""
+    model = family_model("gemma3")
+    cfg = model.config.rope_parameters
+    with ropescale.patch(model, strategy, **({"window": 16} if strategy == "rerope" else {"factor": 2.0})) as h:
+        theta = {r["frequencies"].rsplit("[", 1)[1].rstrip("]"): r["rope_theta"] for r in h.report()}
+    assert theta == {lt: cfg[lt]["rope_theta"] for lt in ("sliding_attention", "full_attention")}
+    assert theta["sliding_attention"] != theta["full_attention"]
