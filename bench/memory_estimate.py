@@ -210,18 +210,23 @@ def estimate(shape: str, n: int, *, stack: str = "baseline", layers: int | None 
 
 
 def longest(shape: str, card_gib: float, *, stack: str = "baseline", layers: int | None = None,
-            probes: tuple[int, int] = (32_768, 131_072)) -> dict:
+            probes: tuple[int, int] = (32_768, 131_072), check: bool = True) -> dict:
     """The longest n (a multiple of 1,024) whose traced peak fits ``card_gib``: the affine fit through
-    two traces, checked by a third at the answer and stepped down by 1% until it fits."""
+    two traces, checked by a third at the answer and stepped down by 1% until it fits (``check=False``:
+    the fit alone, ``"checked": False`` — a trace at a million tokens takes many minutes)."""
     (n1, p1), (n2, p2) = ((n, estimate(shape, n, stack=stack, layers=layers)["peak_gib"]) for n in probes)
     slope = (p2 - p1) / (n2 - n1)  # GiB per token
     n = int((n1 + (card_gib - p1) / slope) // 1024 * 1024)
+    if not check:
+        return {"card_gib": card_gib, "longest": n, "peak_gib": p1 + (n - n1) * slope,
+                "gib_per_1k_tokens": slope * 1024, "checked": False}
     while n >= 1024:
         got = estimate(shape, n, stack=stack, layers=layers)["peak_gib"]
         if got <= card_gib:
-            return {"card_gib": card_gib, "longest": n, "peak_gib": got, "gib_per_1k_tokens": slope * 1024}
+            return {"card_gib": card_gib, "longest": n, "peak_gib": got, "gib_per_1k_tokens": slope * 1024,
+                    "checked": True}
         n = int(n * 0.99) // 1024 * 1024
-    return {"card_gib": card_gib, "longest": 0, "peak_gib": None, "gib_per_1k_tokens": slope * 1024}
+    return {"card_gib": card_gib, "longest": 0, "peak_gib": None, "gib_per_1k_tokens": slope * 1024, "checked": True}
 
 
 def main() -> None:
@@ -232,6 +237,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
     ap.add_argument("--card", default="H100=78.7,H200=139",
                     help="NAME=GiB free on a card, comma-separated ('' for none): the longest length that fits")
+    ap.add_argument("--fit-only", action="store_true",
+                    help="the longest length from the affine fit alone (no trace at that length)")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     args = ap.parse_args()
 
@@ -246,7 +253,8 @@ def main() -> None:
     except ValueError:
         raise SystemExit("--length takes integers, --card NAME=GiB pairs") from None
     rows = [estimate(args.shape, n, stack=args.stack, layers=args.layers) for n in lengths]
-    fits = {name: longest(args.shape, gib, stack=args.stack, layers=args.layers) for name, gib in cards.items()}
+    fits = {name: longest(args.shape, gib, stack=args.stack, layers=args.layers, check=not args.fit_only)
+            for name, gib in cards.items()}
     out = {"machine": machine(), "torch": torch.__version__, "stack": STACKS.get(args.stack), "rows": rows,
            "longest": fits}
     if args.json:
@@ -261,8 +269,9 @@ def main() -> None:
     for r in rows:
         print(f"{r['length']:>9} {r['base_gib']:>9.2f} {r['peak_gib']:>9.2f} {r['host_gib']:>9.2f} {r['seconds']:>8}")
     for name, f in fits.items():
+        how = "traced" if f["checked"] else "from the fit, not traced there"
         print(f"longest on {name} ({f['card_gib']:g} GiB): {f['longest']:,} tokens "
-              f"(peak {f['peak_gib'] or 0:.1f} GiB; {f['gib_per_1k_tokens']:.3f} GiB per 1k tokens)")
+              f"(peak {f['peak_gib'] or 0:.1f} GiB, {how}; {f['gib_per_1k_tokens']:.3f} GiB per 1k tokens)")
 
 
 if __name__ == "__main__":
