@@ -131,7 +131,6 @@ def _failure_steps(dim: int, length: int, log_base: float,
     """
     w = torch.arange(0, dim, 2, dtype=torch.float64) / dim  # w_i = 2i/d: θ_i = e^(−w_i·u), u = ln b
     theta = torch.exp(-w * log_base)  # [d/2]
-    m, a, b = None, None, None
     # every failing m certifies a step: a strided sample of the m first (a few thousand), all of them
     # only when no sampled m fails (a pass must be checked at every m < L)
     for stride in dict.fromkeys((max(1, length // _SAMPLE), 1)):

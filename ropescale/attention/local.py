@@ -40,7 +40,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from ropescale.attention.interface import _keep_mask, _padding_only_mask
 from ropescale.attention.regions import RegionAttention, _Plan, band_calls, causal_calls, near_block
 
-__all__ = ["LOCAL", "enable_local_attention", "local_attention", "uses_dense_window_masks"]
+__all__ = ["LOCAL", "enable_local_attention", "local_attention"]
 
 LOCAL = "ropescale_local"
 _CHECK_EXTRA = 17  # tokens past the window in the enabling check: every band call kind runs
@@ -89,13 +89,6 @@ def _window(model) -> int | None:
     if types:
         return window if any("sliding" in str(t) for t in types) else None
     return window if getattr(text, "use_sliding_window", True) else None
-
-
-def uses_dense_window_masks(model) -> bool:
-    """Whether ``model``'s sliding-window layers get an n × n mask (transformers' ``sdpa`` or ``eager``):
-    what the memory estimate counts (``ropescale.runs.memory``)."""
-    impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
-    return _window(model) is not None and impl in ("sdpa", "eager")
 
 
 def _hidden(model, ids: torch.Tensor) -> torch.Tensor:

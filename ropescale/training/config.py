@@ -254,10 +254,10 @@ class FinetuneConfig(ConfigModel):
         False, description="recompute each decoder layer's activations in backward (transformers' non-reentrant "
                            "checkpointing): activation memory of one layer instead of all; same loss and gradients")
     activation_offload: bool = Field(
-        False, description="with gradient_checkpointing: the tensors the step keeps for backward — each checkpointed "
-                           "layer's input, the loss chunks' hidden states — held in host memory (pinned where there "
-                           "is a GPU; torch.autograd.graph.save_on_cpu) and copied back in backward; same loss and "
-                           "gradients, n × hidden × layers bytes off the device")
+        False, description="with gradient_checkpointing: what each checkpointed layer keeps — its input — held in "
+                           "host memory (torch.autograd.graph.save_on_cpu around the layer's checkpoint call, pinned "
+                           "where there is a GPU) and copied back for its recomputation; same loss and gradients, "
+                           "n × hidden × layers values off the device")
     tiled_mlp: bool | int = Field(
         False, description="each decoder layer's MLP over slices of the sequence (DeepSpeed's TiledMLP, "
                            "pip install 'ropescale[scale]'): true → ⌈n / hidden⌉ slices, or a count; one slice's "

@@ -10,7 +10,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import ropescale
-from ropescale.attention.local import LOCAL, enable_local_attention, local_attention, uses_dense_window_masks
+from ropescale.attention.local import LOCAL, enable_local_attention, local_attention
 from ropescale.runs.memory import forward_bytes, model_dims
 from tests.conftest import build, tiny_gemma3_config, with_cache
 from tests.families import family_model
@@ -65,9 +65,9 @@ def test_local_attention_gives_sdpa_with_its_masks(family):
     mask = torch.ones_like(IDS)
     mask[1, :7] = 0
     expected = _logits(model, attention_mask=mask)
-    assert uses_dense_window_masks(model)
+    assert model_dims(model).dense_masks
     assert enable_local_attention(model)
-    assert model.config._attn_implementation == LOCAL and not uses_dense_window_masks(model)
+    assert model.config._attn_implementation == LOCAL and not model_dims(model).dense_masks
     got = _logits(model, attention_mask=mask)
     torch.testing.assert_close(got[0], expected[0], rtol=0, atol=2e-5)
     torch.testing.assert_close(got[1, 7:], expected[1, 7:], rtol=0, atol=2e-5)  # padded rows: no one reads them
