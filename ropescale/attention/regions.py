@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+from torch._guards import detect_fake_mode
 
 __all__ = ["Call", "RegionAttention", "band_calls", "causal_calls", "chunk_calls", "near_block"]
 
@@ -195,7 +196,18 @@ def _additive(visible: torch.Tensor, dtype) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
 
 
-@lru_cache(maxsize=64)
+def _real_only_cache(fn):
+    """``lru_cache`` that is bypassed while a FakeTensorMode is active: a mask built from fake
+    tensors (a memory trace, a host-sync test) must never serve a real forward later."""
+    cached = lru_cache(maxsize=64)(fn)
+
+    def get(*args):
+        return fn(*args) if detect_fake_mode() is not None else cached(*args)
+    get.cache_clear = cached.cache_clear
+    return get
+
+
+@_real_only_cache
 def _band_rows(call: Call, c0: int) -> torch.Tensor | None:
     """``[1, 1, B]`` bool: the rows of a blocked call's shared mask that see a key, or None when all
     do (a row that sees none gets lse 0 from the kernel, not −inf)."""
@@ -205,7 +217,7 @@ def _band_rows(call: Call, c0: int) -> torch.Tensor | None:
     return None if all(has) else torch.tensor(has)[None, None]  # decided in Python: no host read
 
 
-@lru_cache(maxsize=64)
+@_real_only_cache
 def _band_additive(call: Call, c0: int, dtype) -> torch.Tensor:
     """The additive band mask of a call without padding: built once per shape, not per layer."""
     mask = _additive(_band_mask(call, c0), dtype)

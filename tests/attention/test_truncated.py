@@ -780,3 +780,21 @@ def test_patch_takes_numpy_numbers_and_refuses_non_finite_ones_in_one_line():
             ropescale.patch(model, "dca", chunk_size=bad)
         assert str(e.value) == f"dca: parameter chunk_size={shown} must be a finite whole number; allowed: >= 2"
 
+
+
+def test_a_fake_trace_leaves_no_fake_mask_for_a_real_forward():
+    """A memory trace (FakeTensorMode) of the same shapes must not fill the band-mask cache with
+    fake tensors that a later real forward then reads (seen in CI: the estimator's trace, then
+    a real Gemma 3 sweep in the same process)."""
+    rule = self_extend(4, 32)
+
+    def run():
+        inv = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+        q, k, v = (torch.randn(1, 4, 300, 16) for _ in range(3))
+        pos = torch.arange(300).float()[None]
+        return fused_attention(q, k, v, pos, pos, rule, inv, 1.0, scale=0.25, block=64)
+
+    with FakeTensorMode():
+        run()
+    out = run()
+    assert type(out) is torch.Tensor and torch.isfinite(out).all()
