@@ -29,7 +29,12 @@ Checked against the H100 (``docs/gpu.md``, issue 31: peak 32.19 GiB at 32k, 83.6
 today's stack; ``offload`` adds ``activation_offload`` (``ropescale.training.loop.enable_checkpointing``):
 what its ``save_on_cpu`` packs is booked to host memory (``host_gib``), and each input it brings back for
 a layer's recomputation to the device again; ``offload+tiled`` adds ``tiled_mlp``
-(``ropescale.training.tiled_mlp``, DeepSpeed's ``TiledMLP``: needs ``ropescale[scale]``).
+(``ropescale.training.tiling``, DeepSpeed's ``TiledMLP``: needs ``ropescale[scale]``);
+``offload+tiled+norms+amp`` adds ``tiled_norms`` (the same tiling for the RMSNorms) and
+``mixed_precision: bf16`` — the step under autocast (the CPU's autocast in the trace, CUDA's on the GPU:
+both run matmuls and attention in bfloat16), the LoRA adapters (float32) taking the bf16 activations
+without PEFT's float32 copy (``apply_lora(..., autocast=True)``), as ``ropescale finetune`` runs
+with ``dtype: bfloat16`` and ``mixed_precision: bf16``.
 
 The longest length that fits a card: at fixed depth the step's peak is affine in n (flash attention and
 every activation are O(n); the loss chunk is fixed), so two traces give the line, solved for the card
@@ -54,7 +59,9 @@ from torch.utils._pytree import tree_leaves
 GiB = 2**30
 STACKS = {"baseline": "LoRA r 8 (q, k, v, o) + activation checkpointing + chunked loss + fused AdamW",
           "offload": "baseline + activation_offload (each checkpointed layer's input in host memory)",
-          "offload+tiled": "offload + tiled_mlp (DeepSpeed's TiledMLP, ⌈n / hidden⌉ slices)"}
+          "offload+tiled": "offload + tiled_mlp (DeepSpeed's TiledMLP, ⌈n / hidden⌉ slices)",
+          "offload+tiled+norms+amp": "offload+tiled + tiled_norms + mixed_precision: bf16 (autocast; the adapters "
+                                     "take the activations without PEFT's float32 copy)"}
 ATTENTION = "ropescale_estimate_sdpa"
 
 
@@ -139,7 +146,8 @@ def _register_attention() -> None:
     AttentionMaskInterface.register(ATTENTION, lambda *args, **kwargs: None)
 
 
-def _meta_model(shape: str, n: int, layers: int | None, offload: bool = False, tiled: bool = False):
+def _meta_model(shape: str, n: int, layers: int | None, offload: bool = False, tiled: bool = False,
+                norms: bool = False, autocast: bool = False):
     """The LoRA-wrapped model of ``shape``, as the lora recipe prepares it, on the meta device (PEFT's
     adapter casts cannot run on fake tensors)."""
     from bench.memory import _model
@@ -149,11 +157,14 @@ def _meta_model(shape: str, n: int, layers: int | None, offload: bool = False, t
     model, _ = _model(shape, n, "meta", layers)
     model.set_attn_implementation(ATTENTION)
     enable_checkpointing(model, offload=offload)
-    if tiled:
-        from ropescale.training.tiled_mlp import enable_tiled_mlp
+    if tiled or norms:
+        from ropescale.training.tiling import enable_tiled_mlp, enable_tiled_norms
 
-        enable_tiled_mlp(model)
-    model = apply_lora(model, LoraSettings())
+        if tiled:
+            enable_tiled_mlp(model)
+        if norms:
+            enable_tiled_norms(model)
+    model = apply_lora(model, LoraSettings(), autocast=autocast)
     model.train()
     return model
 
@@ -183,7 +194,10 @@ def estimate(shape: str, n: int, *, stack: str = "baseline", layers: int | None 
         raise SystemExit(f"--stack {stack}: unknown; stacks: {', '.join(STACKS)}")
     _register_attention()
     t0 = time.perf_counter()
-    model = _meta_model(shape, n, layers, offload=stack.startswith("offload"), tiled=stack.endswith("tiled"))
+    parts = stack.split("+")
+    amp = "amp" in parts
+    model = _meta_model(shape, n, layers, offload="offload" in parts, tiled="tiled" in parts, norms="norms" in parts,
+                        autocast=amp)
     with FakeTensorMode():
         _to_fake(model)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
@@ -197,7 +211,7 @@ def estimate(shape: str, n: int, *, stack: str = "baseline", layers: int | None 
         real_offload = torch.autograd.graph.save_on_cpu
         torch.autograd.graph.save_on_cpu = _host_booked_offload(count)
         try:
-            with count:
+            with count, torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
                 loss = causal_lm_loss(model, ids, head=head)
                 loss.backward()
                 opt.step()

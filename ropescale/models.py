@@ -182,7 +182,7 @@ def _from_pretrained(loader, name: str, path: str, **kwargs):
 
 def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "auto",
                attn_implementation: str | None = None, device_map: str | dict | None = None,
-               tokenizer: Any = None, served: bool = False) -> tuple[Any, Any]:
+               tokenizer: Any = None, served: bool = False, quantization: str | None = None) -> tuple[Any, Any]:
     """``(model, tokenizer)`` in eval mode; re-applies a saved ``ropescale.json`` patch.
     ``tokenizer``: the model's tokenizer when the caller has loaded it already (``load_tokenizer``),
     returned as it is instead of loaded again.
@@ -195,6 +195,10 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "auto
 
     ``device_map`` (``"auto"``, ``"balanced"``, a dict): spread the model over the devices of this
     machine with accelerate (a model larger than one GPU); ``device`` is then ignored.
+
+    ``quantization="nf4"``: QLoRA's base (Dettmers et al. 2023, arXiv:2305.14314) — the linear layers'
+    weights in 4-bit NormalFloat with double quantization through bitsandbytes
+    (``transformers.BitsAndBytesConfig``), computed in ``dtype``, placed on ``device`` (CUDA only).
 
     Raises ``ValueError`` for an unknown ``dtype`` or device, and ``ModelLoadError`` (one line)
     for a missing folder, unreadable model files, or a hub id that cannot be fetched (offline,
@@ -210,9 +214,15 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "auto
         if served:
             raise ModelLoadError(f"{name_or_path}: is a LoRA adapter folder, which plain transformers does not serve; "
                                  "its rotation is the patch it was trained with: patch its base model instead")
+        if quantization is not None:
+            raise ModelLoadError(f"{name_or_path}: is a LoRA adapter folder; a {quantization} base is loaded from a "
+                                 "plain model folder (merge the adapter into its base first)")
         return _load_adapter(name_or_path, path, base, dtype=dtype, device=device,
                              attn_implementation=attn_implementation, device_map=device_map, tokenizer=tokenizer)
     kwargs = {"dtype": _DTYPES[dtype]}
+    if quantization is not None:
+        kwargs["quantization_config"] = _quantization_config(quantization, _DTYPES[dtype])
+        device_map = {"": str(resolve_device(device))}  # bitsandbytes quantizes as the weights reach the GPU
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     record = _patch_record(path)
@@ -231,6 +241,16 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "auto
     if record:
         _apply_record(model, record)
     return model, tokenizer
+
+
+def _quantization_config(quantization: str, compute_dtype):
+    """transformers' ``BitsAndBytesConfig`` for ``quantization`` (only ``nf4``: QLoRA's settings)."""
+    if quantization != "nf4":
+        raise InvalidInput(f"quantization {quantization!r} unknown; the one there is: nf4")
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute_dtype)
 
 
 def _patch_record(path: str | Path) -> dict[str, Any] | None:

@@ -84,7 +84,7 @@ def test_an_unknown_stack_is_refused_in_one_line():
         est.estimate("small", 1024, stack="tiled")
 
 
-@pytest.mark.skipif(not __import__("ropescale.training.tiled_mlp").training.tiled_mlp.tiled_mlp_available(),
+@pytest.mark.skipif(not __import__("ropescale.training.tiling").training.tiling.tiled_mlp_available(),
                     reason="DeepSpeed is not installed (ropescale[scale])")
 def test_the_tiled_mlp_lowers_the_recomputed_layers_peak():
     """The recomputed layer's MLP — gate, up and their product, 3 × n × f bf16 values at once (the 8B shape,
@@ -93,3 +93,16 @@ def test_the_tiled_mlp_lowers_the_recomputed_layers_peak():
     off = est.estimate("8b", n, layers=1, stack="offload")
     tiled = est.estimate("8b", n, layers=1, stack="offload+tiled")
     assert off["peak_gib"] - tiled["peak_gib"] >= 2 * n * f * 2 / est.GiB
+
+
+@pytest.mark.skipif(not __import__("ropescale.training.tiling").training.tiling.tiled_mlp_available(),
+                    reason="DeepSpeed is not installed (ropescale[scale])")
+def test_tiled_norms_and_autocast_adapters_lower_the_recomputed_layers_peak():
+    """What the recomputed layer still holds after tiling its MLP is float32 [n, hidden]: PEFT's copy of each
+    adapter's input (q, k, v, o) and the RMSNorms' intermediates and backward temporaries. Tiled norms and the
+    adapters on autocast's path (the 8B shape, one layer) drop the traced peak by at least four of them."""
+    n, hidden = 8192, 4096
+    tiled = est.estimate("8b", n, layers=1, stack="offload+tiled")
+    new = est.estimate("8b", n, layers=1, stack="offload+tiled+norms+amp")
+    assert new["base_gib"] == tiled["base_gib"]
+    assert tiled["peak_gib"] - new["peak_gib"] >= 4 * n * hidden * 4 / est.GiB

@@ -73,17 +73,19 @@ def load_inputs(model: str, data: DataSpec | None = None, *, check=None) -> RunI
 
 
 def load_run_model(model: str, inputs: RunInputs, *, dtype: str = "float32", device: str = "auto",
-                   device_map: str | dict | None = None, unpatched: bool = True, local_attention: bool = False):
+                   device_map: str | dict | None = None, unpatched: bool = True, local_attention: bool = False,
+                   quantization: str | None = None):
     """The weights of ``model`` (``ropescale.models.load_model``) with the run's tokenizer, in eval
     mode; ``unpatched``: a patch saved with the model removed (the run applies its own).
     ``local_attention``: sliding-window layers without n × n masks on the CPU
     (``ropescale.attention.local.enable_local_attention``: only where a check forward shows it exact),
-    for runs that only evaluate."""
+    for runs that only evaluate. ``quantization``: ``load_model``'s (``"nf4"``: QLoRA's 4-bit base)."""
     from ropescale.attention.local import enable_local_attention
     from ropescale.models import load_model
     from ropescale.patching import unpatch
 
-    net, _ = load_model(model, dtype=dtype, device=device, device_map=device_map, tokenizer=inputs.tokenizer)
+    net, _ = load_model(model, dtype=dtype, device=device, device_map=device_map, tokenizer=inputs.tokenizer,
+                        quantization=quantization)
     if unpatched:
         unpatch(net)
     if local_attention and device_map is None:

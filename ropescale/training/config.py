@@ -244,6 +244,10 @@ class FinetuneConfig(ConfigModel):
     max_grad_norm: float | None = Field(1.0, gt=0, description="clip the global gradient norm (None: no clipping)")
     seed: int = Field(0, ge=0)
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    dtype: Literal["float32", "bfloat16", "nf4"] = Field(
+        "float32", description="the weights as loaded: bfloat16 halves a frozen base (LoRA, LongLoRA; with "
+                               "mixed_precision: bf16), nf4 is QLoRA's 4-bit base (bitsandbytes, CUDA, pip install "
+                               "'ropescale[qlora]') — what trains stays float32")
     device: str = "auto"
     threads: int | None = Field(None, ge=1)
     checkpoint_every: int = Field(100, ge=1, description="steps between save_state checkpoints")
@@ -262,6 +266,10 @@ class FinetuneConfig(ConfigModel):
         False, description="each decoder layer's MLP over slices of the sequence (DeepSpeed's TiledMLP, "
                            "pip install 'ropescale[scale]'): true → ⌈n / hidden⌉ slices, or a count; one slice's "
                            "MLP activations at a time; same loss and gradients to float rounding")
+    tiled_norms: bool | int = Field(
+        False, description="each norm over the residual stream (decoder layers' and the final one) over slices of "
+                           "the sequence the same way (DeepSpeed's TiledMLP): only its input kept, one slice's "
+                           "float32 intermediates at a time; the same output, gradients to float rounding")
     loss_chunk_size: int | None = Field(
         None, ge=0, description="positions per chunk of the LM head in the loss (ropescale.lm_head: [chunk, V] "
                                 "logits at a time, recomputed in backward); None: chosen from a memory budget; "
@@ -358,16 +366,6 @@ class FinetuneConfig(ConfigModel):
         if windows > MAX_WINDOWS:
             raise ValueError(f"steps × grad_accum × batch_size = {windows} training windows per process; at most "
                              f"{MAX_WINDOWS} (their indices overflow)")
-        if self.activation_offload and not self.gradient_checkpointing:
-            raise ValueError("activation_offload: needs gradient_checkpointing: true (without it every activation, and "
-                             "every weight a layer keeps for backward, would be copied to the host each step)")
-        if self.tiled_mlp is not False:
-            from ropescale.training.tiled_mlp import tiled_mlp_available
-
-            if self.tiled_mlp is not True and self.tiled_mlp < 1:
-                raise ValueError(f"tiled_mlp: true or a number of slices (at least 1); got {self.tiled_mlp}")
-            if not tiled_mlp_available():
-                raise ValueError("tiled_mlp: DeepSpeed's TiledMLP is not installed: pip install 'ropescale[scale]'")
         if self.mixed_precision == "fp16" and self.device == "cpu":
             raise ValueError("mixed_precision: fp16 needs a CUDA device; on CPU use bf16 or no")
         if self.sharding is not None and self.device == "cpu" and self.sharding != "fsdp":
@@ -382,11 +380,39 @@ class FinetuneConfig(ConfigModel):
             raise ValueError(f"lora: the lora section is the lora recipe; recipe: {self.recipe.name} is also given — "
                              "keep one")
         recipe = self.training_recipe()
+        self._check_memory_options(recipe)
         if self.sharding is not None and not recipe.shards:
             raise ValueError(f"sharding: not combined with {recipe.name} here (LoRA freezes the base weights, so "
                              "with gradient_checkpointing an 8B model trains on one GPU); use sharding for full "
                              "fine-tuning")
         return self
+
+    def _check_memory_options(self, recipe) -> None:
+        """``activation_offload``, the tilings and ``dtype``: what each needs (``ValueError``, one line)."""
+        if self.activation_offload and not self.gradient_checkpointing:
+            raise ValueError("activation_offload: needs gradient_checkpointing: true (without it every activation, and "
+                             "every weight a layer keeps for backward, would be copied to the host each step)")
+        for key in ("tiled_mlp", "tiled_norms"):
+            value = getattr(self, key)
+            if value is False:
+                continue
+            from ropescale.training.tiling import tiled_mlp_available
+
+            if value is not True and value < 1:
+                raise ValueError(f"{key}: true or a number of slices (at least 1); got {value}")
+            if not tiled_mlp_available():
+                raise ValueError(f"{key}: DeepSpeed's TiledMLP is not installed: pip install 'ropescale[scale]'")
+        if self.dtype == "float32":
+            return
+        if self.mixed_precision != "bf16":
+            raise ValueError(f"dtype: {self.dtype} computes under autocast: set mixed_precision: bf16 too (the "
+                             f"trained weights stay float32 and meet the {self.dtype} base there)")
+        if not recipe.frozen_base:
+            raise ValueError(f"dtype: {self.dtype} is for a frozen base (lora, longlora); recipe {recipe.name} trains "
+                             "every weight, whose master copy stays float32 (mixed_precision: bf16 computes in "
+                             "bfloat16)")
+        if self.dtype == "nf4":
+            check_nf4(self.device)
 
     def training_recipe(self):
         """The ``ropescale.training.recipes.Recipe`` this run trains with (``lora:`` → ``lora``)."""
@@ -402,14 +428,32 @@ class FinetuneConfig(ConfigModel):
         # sequence parallelism too: the same global batches, each window's loss and gradient split over a group
         out = self.model_dump(mode="json", exclude={"output", "device", "threads", "keep_checkpoints",
                                                     "gradient_checkpointing", "activation_offload", "tiled_mlp",
-                                                    "loss_chunk_size", "parallelism", "report_to"})
+                                                    "tiled_norms", "loss_chunk_size", "parallelism", "report_to"})
         if out.get("eval"):
             out["eval"].pop("after", None)
         if not self.pose.enabled or self.pose.sampling == "paper":  # runs from before the key resume
             out["pose"].pop("sampling", None)
         if out.get("recipe") == {"name": "full", "options": {}}:  # the default: runs from before the key resume
             out.pop("recipe")
+        if out.get("dtype") == "float32":  # the default: runs from before the key resume
+            out.pop("dtype")
         return out
+
+
+def check_nf4(device: str) -> None:
+    """``dtype: nf4`` (QLoRA's 4-bit base) needs bitsandbytes and a CUDA device: ``ValueError`` in one
+    line otherwise (``device``: the config's, or the device the run resolved to)."""
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" or device.startswith("mps"):
+        raise ValueError(f"dtype: nf4 quantizes the base with bitsandbytes on a CUDA device; this run is on {device} "
+                         "(use dtype: bfloat16 there)")
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError("dtype: nf4 needs bitsandbytes: pip install 'ropescale[qlora]'")
 
 
 SHARDING_ON_CPU = ("sharding: an FSDP plugin file is accelerate's, which shards only on GPUs (on CPU processes it "

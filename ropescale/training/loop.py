@@ -66,13 +66,20 @@ from ropescale.runs.processes import on_main, process_state
 from ropescale.runs.trackers import check_installed, flat_settings
 from ropescale.training.checkpoints import CHECKPOINTS, CheckpointWriteError, save_checkpoint
 from ropescale.training.checkpoints import complete_checkpoints as _checkpoints
-from ropescale.training.config import SHARDING_ON_CPU, FinetuneConfig, ResolvedRun, fsdp_plugin_kwargs, resolve
+from ropescale.training.config import (
+    SHARDING_ON_CPU,
+    FinetuneConfig,
+    ResolvedRun,
+    check_nf4,
+    fsdp_plugin_kwargs,
+    resolve,
+)
 from ropescale.training.data import TrainingWindows, token_stream
 from ropescale.training.heldout import HeldOut
 from ropescale.training.pose import PoseSampler
 from ropescale.training.report import LOG, TrainingLog, plot_training, read_log
 from ropescale.training.sharding import full_state_dict, load_sharded, save_sharded, shard_model
-from ropescale.training.tiled_mlp import enable_tiled_mlp
+from ropescale.training.tiling import enable_tiled_mlp, enable_tiled_norms
 
 __all__ = [
     "CHECKPOINTS",
@@ -368,7 +375,15 @@ def _prepare(cfg: FinetuneConfig, run: ResolvedRun, acc, source: str, *, trained
     dataset = TrainingWindows(stream, pose.span if pose else cfg.length, examples, cfg.seed, pose)
     set_seed(cfg.seed)  # before the model: a recipe's initialisation (LoRA's A) draws from it
     # unpatched once an adapter base is merged (_patch_for_training)
-    model = load_run_model(cfg.model, inputs, device="cpu", unpatched=False)
+    if cfg.dtype == "nf4":  # QLoRA: bitsandbytes quantizes the base on the run's GPU as it loads
+        try:
+            check_nf4(str(acc.device))
+        except ValueError as e:
+            raise ConfigError(f"{source}: {e}") from None
+        model = load_run_model(cfg.model, inputs, device=str(acc.device), unpatched=False, dtype="bfloat16",
+                               quantization="nf4")
+    else:
+        model = load_run_model(cfg.model, inputs, device="cpu", unpatched=False, dtype=cfg.dtype)
     if hasattr(model, "merge_and_unload") and hasattr(model, "peft_config"):  # a saved adapter as the base
         model = model.merge_and_unload()
     try:
@@ -381,6 +396,10 @@ def _prepare(cfg: FinetuneConfig, run: ResolvedRun, acc, source: str, *, trained
         enable_checkpointing(model, source, offload=cfg.activation_offload)
     if cfg.tiled_mlp is not False:  # before PEFT too: the MLPs are the base model's
         enable_tiled_mlp(model, None if cfg.tiled_mlp is True else cfg.tiled_mlp, source)
+    if cfg.tiled_norms is not False:
+        enable_tiled_norms(model, None if cfg.tiled_norms is True else cfg.tiled_norms, source)
+    if cfg.tiled_norms is not False:
+        enable_tiled_norms(model, None if cfg.tiled_norms is True else cfg.tiled_norms, source)
     recipe = cfg.training_recipe()
     model = recipe.prepare(model, cfg, source)  # what trains: all weights, LoRA, ... (ropescale.training.recipes)
     _check_sequence_parallel(model, cfg, run, source)

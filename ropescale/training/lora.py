@@ -138,13 +138,21 @@ def check_lora(model, lora: LoraSettings, targets: list[str] | None, key: str = 
                           f"{', '.join(leaves)})")
 
 
-def apply_lora(model, lora: LoraSettings, source: str = "config", key: str = "lora"):
+def apply_lora(model, lora: LoraSettings, source: str = "config", key: str = "lora", *, autocast: bool = False):
     """Wrap a (patched) causal LM in PEFT's LoRA: the base weights frozen, LoRA matrices on
     ``lora.target_modules`` (default ``q_proj, k_proj, v_proj, o_proj`` when the model has them,
     else PEFT's default for the architecture), ``modules_to_save`` (plus, with
     ``trainable_embeddings_norms``, ``embedding_and_norm_modules``) trained fully and saved with
     the adapter. The ropescale patch (rotary module swapped, attention function set) is left as it
     is and stays active inside the wrapper; ``current_patch`` reaches it through PEFT.
+
+    Trainable parameters are float32 whatever the base's dtype (PEFT's adapters are; a
+    ``modules_to_save`` copy of a bfloat16 module is cast), the master weights of mixed precision.
+    ``autocast``: the run computes under ``torch.autocast`` (``mixed_precision``): PEFT's cast of each
+    adapter's input to the adapter's float32 is switched off (``cast_input_dtype_enabled``, what
+    ``peft.helpers.disable_input_dtype_casting`` sets), since autocast casts it straight back to
+    bfloat16 for the matmul — the same numbers, without a float32 copy of the activations per adapted
+    layer (2 GiB each for Llama 3 8B at 128k, 7 GiB of the recomputed layer's peak; bench/memory_estimate.py).
 
     Returns the ``PeftModel``. Raises ``ConfigError`` (one line naming ``key``) for target
     modules the model does not have, a rank above the target layers' smallest dimension and
@@ -169,6 +177,13 @@ def apply_lora(model, lora: LoraSettings, source: str = "config", key: str = "lo
         raise ConfigError(f"{source}: {key}: {first}") from None
     if current_patch(wrapped) is not handle:  # the patch must survive the wrapping
         raise RuntimeError("the ropescale patch is not reachable through the PEFT model")
+    for p in wrapped.parameters():
+        if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32:
+            p.data = p.data.float()
+    if autocast:
+        for module in wrapped.modules():
+            if hasattr(module, "cast_input_dtype_enabled"):  # PEFT's BaseTunerLayer
+                module.cast_input_dtype_enabled = False
     return wrapped
 
 

@@ -333,3 +333,100 @@ def test_an_adapter_folder_without_a_patch_record_takes_its_base_models_window(t
     (tmp_path / "adapter_config.json").write_text("{}")
     with pytest.raises(ropescale.models.ModelLoadError, match="names no base_model_name_or_path"):
         model_training_length(str(tmp_path))
+
+
+def _float32_activation_copies(model, batch, hidden: int) -> tuple[int, torch.Tensor, dict]:
+    """One bf16-autocast step of ``model``: how many float32 copies of [·, s, hidden] activations the
+    step makes (``aten._to_copy`` to float32 of a tensor with ``hidden`` columns and more than one
+    row per position), the loss, and the adapters' gradients."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and out.dtype == torch.float32 and out.dim() == 3 \
+                    and out.shape[-1] == hidden and args[0].dtype == torch.bfloat16:
+                Copies.count += 1
+            return out
+
+    model.zero_grad()
+    with Copies(), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = causal_lm_loss(model, batch, chunk_size=16)
+        loss.backward()
+    return Copies.count, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_under_autocast_the_adapters_take_the_activations_without_a_float32_copy():
+    """A bfloat16 base under bf16 autocast: PEFT casts each adapter's input to float32 and autocast casts it
+    straight back, so switching the cast off (``apply_lora(..., autocast=True)``) gives the same loss and
+    gradients bit for bit, without those float32 copies (one per adapted layer's input in forward). The
+    trainable weights are float32 either way."""
+    results = {}
+    for autocast in (False, True):
+        model = build(LlamaForCausalLM, tiny_llama_config()).to(torch.bfloat16)
+        model = apply_lora(model, LoraSettings(target_modules=["q_proj", "o_proj"]), autocast=autocast)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:  # B starts at zero: give the adapters a path for the gradient of A
+                torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(1))
+        assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
+        results[autocast] = _float32_activation_copies(model, {"input_ids": IDS}, model.config.hidden_size)
+    (copies_cast, loss_cast, grads_cast), (copies, loss, grads) = results[False], results[True]
+    # the cast's copies: q_proj's and o_proj's inputs in each layer, and gradients on their way back (the
+    # rest are the RMSNorms' own float32)
+    assert copies_cast - copies >= 2 * model.config.num_hidden_layers
+    assert torch.equal(loss, loss_cast)
+    assert set(grads) == set(grads_cast) and len(grads) == 4 * model.config.num_hidden_layers
+    for n in grads:
+        assert torch.equal(grads[n], grads_cast[n]), n
+
+
+def test_a_bfloat16_base_trains_lora_in_mixed_precision(tmp_path, tiny_run):
+    """``dtype: bfloat16`` loads the frozen base in bfloat16 (the merged model saved in it), the adapters
+    train in float32, and the loss follows the float32 base's bf16 run within bf16 rounding."""
+    raw = tiny_run(strategy="yarn", steps=3, lr=1e-2, eval=None, checkpoint_every=10, mixed_precision="bf16",
+                   lora={"save": "merged"})
+    finetune(build_finetune_config(raw), tmp_path / "f32", progress=False)
+    finetune(build_finetune_config({**raw, "dtype": "bfloat16"}), tmp_path / "b16", progress=False)
+    assert losses(tmp_path / "b16") == pytest.approx(losses(tmp_path / "f32"), rel=2e-2)
+    assert losses(tmp_path / "b16") != losses(tmp_path / "f32")  # the base really was bfloat16
+    dtypes = {v.dtype for v in load_file(next((tmp_path / "b16" / "model").glob("*.safetensors"))).values()
+              if v.is_floating_point()}
+    assert torch.bfloat16 in dtypes
+    assert build_finetune_config({**raw, "dtype": "float32"}).identity() == build_finetune_config(raw).identity()
+    assert build_finetune_config({**raw, "dtype": "bfloat16"}).identity() != build_finetune_config(raw).identity()
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    ({"lora": True}, "dtype: bfloat16 computes under autocast: set mixed_precision: bf16"),
+    ({"mixed_precision": "bf16"}, r"dtype: bfloat16 is for a frozen base \(lora, longlora\); recipe full"),
+])
+def test_a_bfloat16_base_needs_lora_and_mixed_precision(tiny_run, extra, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        build_finetune_config(tiny_run(dtype="bfloat16", **extra))
+
+
+def test_a_4bit_base_is_refused_in_one_line_where_bitsandbytes_cannot_run(tiny_run):
+    """QLoRA's ``dtype: nf4`` (bitsandbytes, CUDA): on the CPU — given, or what ``device: auto`` resolves to on
+    this machine — one line before anything loads; on a CUDA device without bitsandbytes, the install line."""
+    raw = tiny_run(lora=True, mixed_precision="bf16", dtype="nf4")
+    with pytest.raises(ConfigError, match="dtype: nf4 quantizes the base with bitsandbytes on a CUDA device; this run "
+                                          "is on cpu"):
+        build_finetune_config(raw)
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: device auto resolves to it")
+    with pytest.raises(ConfigError, match="dtype: nf4 quantizes the base .* this run is on cpu"):
+        build_finetune_config({**raw, "device": "auto"})
+    if __import__("importlib").util.find_spec("bitsandbytes") is None:
+        with pytest.raises(ConfigError, match=r"dtype: nf4 needs bitsandbytes: pip install 'ropescale\[qlora\]'"):
+            build_finetune_config({**raw, "device": "cuda"})
+    with pytest.raises(ConfigError, match="dtype: nf4 is for a frozen base"):
+        build_finetune_config({**raw, "lora": None, "device": "cuda"})
+
+
+def test_only_nf4_quantization_is_known(tiny_model_dir):
+    from ropescale.models import load_model
+
+    with pytest.raises(ValueError, match="quantization 'int3' unknown; the one there is: nf4"):
+        load_model(str(tiny_model_dir), quantization="int3", device="cpu")

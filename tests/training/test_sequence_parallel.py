@@ -53,13 +53,17 @@ def test_two_process_sequence_parallel_step_equals_one_process_for_every_kind_of
 
 @needs_deepspeed
 @PROCESSES
-@pytest.mark.parametrize("sharding", [None, "fsdp"])  # data parallel (DDP) or sharded (FSDP2) gradients
+# data parallel (DDP) or sharded (FSDP2) gradients; "+memory": with every memory option of the stack (checkpointing,
+# offload, tiled MLP and norms) on top of sequence parallelism and FSDP — the one-process run has none of them
+@pytest.mark.parametrize("sharding", [None, "fsdp", "fsdp+memory"])
 def test_finetune_with_sequence_parallelism_follows_the_one_process_loss_curve(tmp_path, tiny_run, sharding):
     raw = tiny_run(strategy="rerope", steps=4, batch_size=2, checkpoint_every=2)
     finetune(build_finetune_config(raw), tmp_path / "one", progress=False)
     cfg = tmp_path / "sp.yaml"
+    memory = {"gradient_checkpointing": True, "activation_offload": True, "tiled_mlp": 2, "tiled_norms": 2}
     # 2 processes × 1 window: the same global batch
-    cfg.write_text(json.dumps({**raw, "batch_size": 1, **({"sharding": sharding} if sharding else {})}))
+    cfg.write_text(json.dumps({**raw, "batch_size": 1, **({"sharding": "fsdp"} if sharding else {}),
+                               **(memory if sharding == "fsdp+memory" else {})}))
     res = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                           "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
                           "--dynamo_backend", "no", str(ROOT / "cli.py"), "finetune", str(cfg), "-q",
@@ -68,6 +72,8 @@ def test_finetune_with_sequence_parallelism_follows_the_one_process_loss_curve(t
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((tmp_path / "sp" / "model" / "finetune.json").read_text())
     assert summary["parallelism"] == {"data": 1, "sequence": 2, "sharded": sharding is not None}
+    if sharding == "fsdp+memory":
+        assert {k: summary["config"][k] for k in memory} == memory
     one, sp = read_log(tmp_path / "one"), read_log(tmp_path / "sp")
     assert [r["step"] for r in one] == [r["step"] for r in sp]
     for a, b in zip(one, sp):

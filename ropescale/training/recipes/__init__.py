@@ -56,6 +56,7 @@ class Recipe:
     label: ClassVar[str] = ""
     requires: ClassVar[tuple[tuple[str, str], ...]] = ()  # (module, pip requirement)
     shards: ClassVar[bool] = True
+    frozen_base: ClassVar[bool] = False  # the base weights do not train (they may load in bfloat16: `dtype`)
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)

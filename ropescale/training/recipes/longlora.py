@@ -62,6 +62,7 @@ class LongLora(Recipe):
     label = " + LongLoRA"
     requires = (("peft", "ropescale[lora]"),)
     shards = False
+    frozen_base = True
 
     def settings(self, model, source: str = "config"):
         """The ``LoraSettings`` this recipe amounts to on ``model`` (``ConfigError`` for
@@ -75,7 +76,8 @@ class LongLora(Recipe):
     def prepare(self, model, cfg, source: str = "config"):
         from ropescale.training.lora import apply_lora
 
-        return apply_lora(model, self.settings(model, source), source, "recipe")
+        autocast = cfg is not None and cfg.mixed_precision != "no"
+        return apply_lora(model, self.settings(model, source), source, "recipe", autocast=autocast)
 
     def save(self, model, tokenizer, output: str | Path, *, state_dict: dict | None = None) -> Path:
         from ropescale.training.lora import LoraSettings, save_trained

@@ -19,10 +19,12 @@ class Lora(Recipe):
     label = " + LoRA"
     requires = (("peft", "ropescale[lora]"),)
     shards = False  # LoRA freezes the base weights: with gradient_checkpointing an 8B model fits one GPU
+    frozen_base = True
 
     def prepare(self, model, cfg, source: str = "config"):
         key = "lora" if cfg is not None and cfg.lora is not None else "recipe"  # where the options were given
-        return apply_lora(model, self.options, source, key)
+        autocast = cfg is not None and cfg.mixed_precision != "no"  # mixed precision: the adapters on autocast's path
+        return apply_lora(model, self.options, source, key, autocast=autocast)
 
     def save(self, model, tokenizer, output: str | Path, *, state_dict: dict | None = None) -> Path:
         return save_trained(model, tokenizer, output, self.options, state_dict=state_dict)
