@@ -157,12 +157,16 @@ class BlockMaskCache:
     """The block masks of the last call, owned by one patched model (``ropescale.attention`` keeps
     one on its truncation state). Every layer of one forward passes the same lengths, the same
     ``keep`` tensor and the same ``position_ids``, so the masks are built once per forward, not once
-    per layer (``create_block_mask`` evaluates the mask over all s_q × s_k pairs). Holds the last
-    masks only (weak references to the tensors they were built from, with their versions), so it
-    never pins a forward's tensors beyond the next one."""
+    per layer (``create_block_mask`` evaluates the mask over all s_q × s_k pairs); masks that depend
+    on shapes alone (distance rules, and chunk rules' offset-free block lists, ``structure``) are kept
+    across forwards, so a steady-state forward without padding builds none (``builds`` counts). Holds
+    the last masks only (weak references to the tensors they were built from, with their versions),
+    so it never pins a forward's tensors beyond the next one."""
 
     def __init__(self):
         self.key, self.refs, self.masks = None, (), None
+        self.lists_key, self.lists = None, None  # chunk rules' offset-free block structure (``_chunk_structure``)
+        self.builds = 0  # masks built (``create_block_mask`` or block lists): a steady state adds none
 
     @staticmethod
     def _refs(tensors: tuple) -> tuple:
@@ -182,8 +186,18 @@ class BlockMaskCache:
         tensors = (keep, positions)
         if key != self.key or not self._same(tensors):
             self.masks = build()
+            self.builds += 1
             self.key, self.refs = key, self._refs(tensors)
         return self.masks
+
+    def structure(self, key: tuple, build):
+        """The block structure for ``key`` (lengths, rule, window, device): built once, whatever the
+        positions (``_chunk_structure``)."""
+        if key != self.lists_key:
+            self.lists = build()
+            self.builds += 1
+            self.lists_key = key
+        return self.lists
 
 
 def _region_empty(region: Region, s_k: int, sliding_window: int | None) -> bool:
@@ -218,10 +232,77 @@ def region_block_masks(b: int, s_q: int, s_k: int, rule: RelativeRule, sliding_w
                                s_q, s_k, device=device)
                     for r in rule.regions]
 
+    key = (b, s_q, s_k, rule, sliding_window, str(device), tensor_type, scores)
+    if cache is not None and rule.by_chunk and keep is None and offsets is not None:
+        # the block structure bounds each chunk region over every offset, so it is built once per key;
+        # each call gives it a mask_mod reading this call's offsets (exact on its partial blocks)
+        structure = cache.structure(key, lambda: _chunk_structure(s_q, s_k, rule, sliding_window, device, scores))
+        return [None if m is None else _with_mask_mod(m, _region_mask_mod(s_k - s_q, r, sliding_window, None,
+                                                                          offsets, device))
+                for r, m in zip(rule.regions, structure, strict=True)]
     if cache is None or (rule.by_chunk and positions is None):
         return build()
-    return cache.get((b, s_q, s_k, rule, sliding_window, str(device), tensor_type, scores), keep, build,
-                     positions if rule.by_chunk else None)
+    return cache.get(key, keep, build, positions if rule.by_chunk else None)
+
+
+def _with_mask_mod(mask, mask_mod):
+    """``mask`` (a ``BlockMask``) with another ``mask_mod``: the same block lists, no build."""
+    import copy
+
+    out = copy.copy(mask)
+    out.mask_mod = mask_mod
+    return out
+
+
+def _chunk_structure(s_q: int, s_k: int, rule: RelativeRule, sliding_window: int | None, device,
+                     scores: int | None, block: int = 128) -> list:
+    """One ``BlockMask`` per region whose block lists hold for every row offset o: a chunk region's
+    pairs (slot distance d = c0 + t − j ≥ 0) have chunk distance ⌊(t + c0 + o)/c⌋ − ⌊(j + o)/c⌋, which
+    over all o is ⌊d/c⌋ or ⌈d/c⌉. So a block whose d range is [d₀, d₁] is full for every o when
+    lo ≤ ⌊d₀/c⌋ and ⌈d₁/c⌉ < hi (and 0 ≤ d₀, d₁ < W), and can hold a visible pair only when
+    ⌈d₁/c⌉ ≥ lo and ⌊max(d₀, 0)/c⌋ < hi (and d₁ ≥ 0, d₀ < W); blocks in between, and those cut by the
+    sequence's end, are partial, where the kernel evaluates the call's own mask_mod. Built from
+    O((s_q/B)·(s_k/B)) integers on the device (no host read), once per lengths, rule and window; distance
+    regions are built as ``region_block_masks`` builds them. Chunk regions' masks carry no mask_mod yet:
+    the caller sets the call's own (``_with_mask_mod``)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    c0 = s_k - s_q
+    n_q, n_k = -(-s_q // block), -(-s_k // block)
+    never = 2**62
+    window = sliding_window or never
+    t0 = torch.arange(n_q, device=device) * block  # first query row of each block
+    t1 = torch.clamp(t0 + block, max=s_q) - 1
+    j0 = torch.arange(n_k, device=device) * block
+    j1 = torch.clamp(j0 + block, max=s_k) - 1
+    d0 = (t0[:, None] + c0) - j1[None, :]  # [n_q, n_k]: the block's smallest slot distance
+    d1 = (t1[:, None] + c0) - j0[None, :]  # its largest
+    cut = ((t1 - t0 + 1) < block)[:, None] | ((j1 - j0 + 1) < block)[None, :]  # blocks the sequence's end cuts
+    out = []
+    for r in rule.regions:
+        if not r.chunk:
+            out.append(None if _region_empty(r, s_k, sliding_window) else
+                       _mask_builder(torch.device(device), scores)(
+                           _region_mask_mod(c0, r, sliding_window, None, None, device), None, None, s_q, s_k,
+                           device=device))
+            continue
+        c, hi = r.chunk, never if r.hi is None else r.hi
+        low = torch.div(d0.clamp(min=0), c, rounding_mode="floor")  # ⌊max(d₀, 0)/c⌋
+        high = -torch.div(-d1, c, rounding_mode="floor")  # ⌈d₁/c⌉
+        possible = (d1 >= 0) & (d0 < window) & (high >= r.lo) & (low < hi)
+        full = possible & ~cut & (d0 >= 0) & (d1 < window) & (low >= r.lo) & (high < hi)
+        partial = possible & ~full
+        out.append(BlockMask.from_kv_blocks(*_kv_lists(partial), *_kv_lists(full), BLOCK_SIZE=block,
+                                            seq_lengths=(s_q, s_k)))
+    return out
+
+
+def _kv_lists(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool ``[n_q, n_k]`` → ``kv_num_blocks`` ``[1, 1, n_q]`` and ``kv_indices`` ``[1, 1, n_q, n_k]`` (the
+    listed blocks first, in order), as ``BlockMask`` takes them."""
+    count = blocks.sum(-1, dtype=torch.int32)  # [n_q]
+    order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # [n_q, n_k]
+    return count[None, None], order[None, None]
 
 
 @lru_cache(maxsize=16)

@@ -209,6 +209,11 @@ def test_flex_path_never_reads_tensor_values_on_the_host():
         for kw in ({"keep": keep, "sliding_window": 100, "softcap": 5.0}, {}):  # the last one as below
             out = flex_attention_path(q, k, v, pos, pos, self_extend(4, 32), inv, 1.0, scale=0.25, **kw)
             assert out.shape == q.shape
+        cache = BlockMaskCache()  # DCA's block structure, built once, and a second call reading new offsets
+        for shift in (0.0, 7.0):
+            out = flex_attention_path(q, k, v, pos + shift, pos + shift, dca(14, 3, 2.0, False, 16), inv, 1.0,
+                                      scale=0.25, masks=cache, positions=pos)
+            assert out.shape == q.shape
         with pytest.raises(DataDependentOutputException):
             int(q.sum())
     inv = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))  # real tensors, same shapes: masks not reused
@@ -267,25 +272,47 @@ def test_block_masks_are_built_compiled_on_cuda():
 
 
 @pytest.mark.parametrize("strategy,params", [("dca", {"chunk_size": 24, "local_window": 4}), ("rerope", {"window": 8})])
-def test_masks_are_built_once_per_forward_for_chunk_rules_too(monkeypatch, strategy, params):
-    """Chunk rules' masks follow the positions: they are shared by the layers of one forward through
-    the model's position_ids (the same tensor in every layer) and rebuilt for the next forward;
-    distance rules' masks are kept while the shapes are."""
+def test_masks_are_built_once_per_shape_for_chunk_rules_too(monkeypatch, strategy, params):
+    """The layers of a forward share their masks, and a steady-state forward builds none: distance rules'
+    masks depend on shapes alone, chunk rules' block lists are built to hold for every row offset, and each
+    call reads its own offsets inside the mask (``test_chunk_structure_equals_the_oracle_for_any_offsets``)."""
     from ropescale.attention import flex as flex_regions
 
-    built = []
-    real = flex_regions.create_block_mask
+    built = []  # create_block_mask calls (distance regions) and chunk structures built (all a chunk rule's regions)
+    real, real_structure = flex_regions.create_block_mask, flex_regions._chunk_structure
     monkeypatch.setattr(flex_regions, "create_block_mask", lambda *a, **kw: built.append(1) or real(*a, **kw))
+    monkeypatch.setattr(flex_regions, "_chunk_structure", lambda *a, **kw: built.append(1) or real_structure(*a, **kw))
     model = family_model("llama")
     assert model.config.num_hidden_layers > 1
     regions = len(ropescale.strategies.get_strategy(strategy).compute(
         {"original_max_position_embeddings": 32}, ropescale.strategies.get_strategy(strategy).validate(params)).regions)
     with torch.no_grad(), ropescale.patch(model, strategy, attention_path="flex", **params):
         before = len(built)  # patch() probes the routing with a forward of its own
-        model(IDS[:, :60])
-        assert len(built) - before == regions  # not regions × layers
-        model(IDS[:, :60])  # distance rules' masks depend on shapes alone; chunk rules' on the new positions
-        assert len(built) - before == (2 * regions if strategy == "dca" else regions)
+        first = model(IDS[:, :60]).logits
+        assert len(built) - before == (1 if strategy == "dca" else regions)  # not regions × layers
+        again = model(IDS[:, :60], position_ids=torch.arange(60)[None]).logits  # a new position_ids tensor
+        assert len(built) - before == (1 if strategy == "dca" else regions)  # a steady-state forward builds none
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rule", [dca(14, 3, 2.0, False, 16), dca(20, 4, 1.0, True, 16), dca(32, 5, 1.0, False, 16)])
+def test_chunk_structure_equals_the_oracle_for_any_offsets(rule):
+    """The block lists built once (``_chunk_structure``: blocks of 128, so 300 tokens have full, partial and
+    cut blocks) serve calls with any row offsets — rows starting 0, 37, 5 and 129 positions late, a
+    KV-cache split and a sliding window — each equal to the naive oracle, and none builds again."""
+    g = torch.Generator().manual_seed(3)
+    cache = BlockMaskCache()
+    for s_q, s_k, shifts, window in ((300, 300, (0, 37), None), (300, 300, (5, 129), None),
+                                     (100, 300, (0, 61), None), (300, 300, (11, 0), 200)):
+        q = torch.randn(2, 4, s_q, 16, generator=g)
+        k, v = (torch.randn(2, 2, s_k, 16, generator=g) for _ in range(2))
+        k_pos = torch.arange(s_k, dtype=torch.float32)[None] + torch.tensor(shifts, dtype=torch.float32)[:, None]
+        q_pos = k_pos[:, s_k - s_q:]
+        kw = {"scale": 0.3, "sliding_window": window}
+        with torch.no_grad():
+            out = flex_attention_path(q, k, v, q_pos, k_pos, rule, INV, 1.0, masks=cache, positions=k_pos, **kw)
+        _assert_close_rel([out], [naive_attention(q, k, v, q_pos, k_pos, rule, INV, 1.0, **kw)])
+    assert cache.builds == 3  # one structure per (lengths, window): the second call with new offsets built none
 
 
 @pytest.fixture
