@@ -24,4 +24,9 @@ PY
 timeout "${TIMEOUT:-500}" python3 bench/gpu_check.py --out "$OUT" --budget-s "${BUDGET:-420}" "$@"
 rc=$?
 echo "gpu_check exit $rc"
+# issue 38: the LoRA step with the new memory stack at 128k, 256k, 512k (needs DeepSpeed for the tilings;
+# LORA_STACK=0 skips it)
+if [ "${LORA_STACK:-1}" = 1 ]; then
+    timeout "${STACK_TIMEOUT:-400}" python3 bench/lora_stack.py --out "$OUT" || echo "lora_stack exit $?"
+fi
 exit $rc
