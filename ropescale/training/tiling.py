@@ -16,7 +16,9 @@ input, and in backward recomputes it slice by slice with each slice's gradient, 
 slice's intermediates exist at a time; the output and the gradients are the whole module's
 (float sums in another order; a norm is per token, so its output is bit for bit the same). Each
 tiled module gets an instance ``forward`` that calls ``TiledMLP.apply`` with its own forward; its
-weights are untouched, so saving, LoRA, checkpointing and FSDP see the same module. Shards: the
+weights are untouched, so saving, LoRA, checkpointing and FSDP see the same module; each slice runs
+under the forward's autocast state, in backward too (``TiledMLP`` itself does not restore it, and
+backward runs outside the forward's autocast). Shards: the
 given count, or ⌈n / hidden⌉ per call (DeepSpeed's and ALST's choice: slices about as long as the
 model is wide).
 
@@ -27,6 +29,8 @@ Source: Arctic Long Sequence Training (Bekman et al. 2025, arXiv:2506.13996), De
 from __future__ import annotations
 
 import math
+
+import torch
 
 from ropescale.runs.config import ConfigError
 
@@ -75,7 +79,17 @@ def _tile(module, shards: int | None, name: str) -> None:
             return _own(x, *args, **kwargs)
         n = shards or max(1, math.ceil(x.shape[-2] / x.shape[-1]))
         params = [p for p in _module.parameters() if p.requires_grad]
-        return TiledMLP.apply(lambda _m, part: _own(part), _module, x, n, params)
+        # TiledMLP recomputes the module in backward, where the forward's autocast is no longer on (the
+        # engine runs backward outside it): each slice runs under the forward's autocast state, as
+        # torch.utils.checkpoint's recomputation does
+        kind = x.device.type
+        on, dtype = torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
+
+        def run(_m, part):
+            with torch.autocast(kind, dtype=dtype, enabled=on):
+                return _own(part)
+
+        return TiledMLP.apply(run, _module, x, n, params)
 
     tiled.ropescale_tiled = name
     module.forward = tiled

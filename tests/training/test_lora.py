@@ -246,12 +246,20 @@ def test_bf16_on_cpu_with_checkpointing_and_lora(tmp_path, tiny_run):
     assert {v.dtype for v in stored.values()} == {torch.float32}
 
 
-def test_a_killed_lora_run_resumes_to_the_same_adapter(tmp_path, tiny_run):
+MEMORY_STACK = {"activation_offload": True, "tiled_mlp": 2, "tiled_norms": True, "mixed_precision": "bf16",
+                "dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("stack", [{}, MEMORY_STACK], ids=["plain", "memory-stack"])
+def test_a_killed_lora_run_resumes_to_the_same_adapter(tmp_path, tiny_run, stack):
     """With LoRA dropout: the resumed run draws the masks the uninterrupted one draws (the data
     loader's seed draw took one number from the global RNG after the checkpoint's state was
-    restored, so the masks from step 3 on differed)."""
+    restored, so the masks from step 3 on differed). With the long-context memory options too
+    (offload, both tilings, a bf16 base under autocast): bit for bit."""
+    if stack:
+        pytest.importorskip("deepspeed")
     raw = tiny_run(strategy="yarn", steps=4, lr=1e-2, eval=None, checkpoint_every=2, gradient_checkpointing=True,
-                   lora={"trainable_embeddings_norms": True, "save": "adapter", "dropout": 0.1})
+                   lora={"trainable_embeddings_norms": True, "save": "adapter", "dropout": 0.1}, **stack)
     finetune(build_finetune_config(raw), tmp_path / "straight", progress=False)
     assert finetune(build_finetune_config(raw), tmp_path / "killed", progress=False, stop_after=3)["model"] is None
     assert finetune(build_finetune_config(raw), tmp_path / "killed", progress=False)["resumed_from"] == 2

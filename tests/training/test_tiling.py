@@ -111,3 +111,22 @@ def test_tiled_norms_leave_per_head_norms_alone():
                                                  head_dim=16))
     assert enable_tiled_norms(model) == 5
     assert not hasattr(model.model.layers[0].self_attn.q_norm.forward, "ropescale_tiled")
+
+
+def test_the_tiled_recomputation_in_backward_runs_under_the_forwards_autocast():
+    """Backward runs outside the forward's autocast; TiledMLP recomputes the MLP there, so without its state
+    the recomputation of a float32 model under bf16 autocast would run in float32 (and a bf16 base with
+    float32 inputs would not run at all). Every matmul of the MLP, forward and recomputed, is bf16."""
+    import torch
+
+    model = build(LlamaForCausalLM, tiny_llama_config())
+    enable_tiled_mlp(model, 2)
+    seen = []
+    mlp = next(m for n, m in model.named_modules() if n.endswith("layers.0.mlp"))
+    mlp.down_proj.register_forward_hook(lambda _m, args, out: seen.append((torch.is_grad_enabled(), out.dtype)))
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = causal_lm_loss(model, {"input_ids": IDS}, chunk_size=16)
+    loss.backward()
+    assert {grad for grad, _ in seen} == {False, True}  # the no-grad forward and the recomputation in backward
+    assert {dtype for _, dtype in seen} == {torch.bfloat16}
