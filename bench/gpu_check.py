@@ -48,7 +48,9 @@ d. ``cost``: the base transformer (1 decoder layer; no LM head) per rule through
    an untimed warm-up that compiles — and peak memory above the pre-run allocation, as ratios to
    vanilla at the same length; block-mask builds and dynamo compilations in a steady-state
    forward; every variant's runs follow each other (a GPU's speed does not drift like a shared
-   CPU's).
+   CPU's). The SDPA kernel vanilla ran (torch's profiler) is recorded, and ``flex (1 region)`` —
+   plain RoPE through the rules' path as one FlexAttention call (ReRoPE with a window past every
+   distance) — separates FlexAttention's own cost from the rules'.
 e. ``oracle+``: section a in bfloat16 (what the model runs), then a batch of two with left
    padding (a key mask), a KV-cache split (1024 queries on 4096 keys), one decoding step
    (eager route), a sliding window and soft-capping, for rerope and dca.
@@ -99,6 +101,7 @@ COST_PARAMS = {  # as bench/truncation_cost.py at T = 128 (window T/2, group 8),
     "self_extend": {"window": 4096, "group_size": 8}, "string": {},  # the authors' defaults: S = 2703, W = 128
     "dca": {},  # ChunkLlama's defaults: chunk_size 6144, local_window 1024 (chunks of 5120)
 }
+FLEX_ONE = "flex (1 region)"  # FlexAttention's own cost: plain RoPE through the rules' path, one region
 MEMORY_CASES = ("ppl", "passkey", "lora")
 REFUSE_LENGTH = 1 << 20  # tokens: the estimate must refuse it on an 80 GB GPU
 GiB, MiB = 2**30, 2**20
@@ -248,7 +251,8 @@ def peak(device: str) -> int:
 
 
 def instrument(check: Check) -> None:
-    """Count block-mask builds (``flex_regions._mask_builder``'s functions) and eager FlexAttention
+    """Count block-mask builds (``flex_regions._mask_builder``'s functions and chunk rules' block-list
+    structures, ``_chunk_structure``) and eager FlexAttention
     on CUDA (its dense reference ``math_attention`` on real tensors above ``EAGER_SCORES``)."""
     from ropescale.attention import flex as flex_regions
 
@@ -263,6 +267,13 @@ def instrument(check: Check) -> None:
         return counted
 
     flex_regions._mask_builder = builder
+    real_structure = flex_regions._chunk_structure  # DCA's offset-free block lists: one build per shape
+
+    def structure(*a, **kw):
+        check.mask_builds += 1
+        return real_structure(*a, **kw)
+
+    flex_regions._chunk_structure = structure
     try:  # the module, not the operator of the same name that torch._higher_order_ops exports
         hop = importlib.import_module("torch._higher_order_ops.flex_attention")
     except ImportError:
@@ -623,8 +634,11 @@ def cost_run(check: Check, model, variant: str, n: int, device: str, backward: b
     # the default path (FlexAttention on CUDA); on the CPU "flex" too, so the plumbing runs it (its
     # backward hands over to the CPU kernels there)
     path = {} if device == "cuda" else {"attention_path": "flex"}
-    patch = (ropescale.patch(model, variant, original_max_position_embeddings=TRAIN, **COST_PARAMS[variant], **path)
-             if variant != "vanilla" else None)
+    if variant == FLEX_ONE:  # ReRoPE with a window past every distance: plain RoPE, one FlexAttention call
+        patch = ropescale.patch(model, "rerope", original_max_position_embeddings=TRAIN, window=n + 1, **path)
+    else:
+        patch = (ropescale.patch(model, variant, original_max_position_embeddings=TRAIN, **COST_PARAMS[variant],
+                                 **path) if variant != "vanilla" else None)
     try:
         g0, b0 = compiles(), check.mask_builds
         _timed(model, ids, backward, device)  # warm-up: compiles, builds the masks
@@ -636,11 +650,25 @@ def cost_run(check: Check, model, variant: str, n: int, device: str, backward: b
         for _ in range(repeats - 1):
             r["seconds"] = min(r["seconds"], _timed(model, ids, backward, device))
         r["memory"] = peak(device) - before
+        if variant == "vanilla":
+            r["sdpa_kernel"] = sdpa_kernels(model, ids)
         return r
     finally:
         if patch is not None:
             patch.unpatch()
         model.requires_grad_(False)
+
+
+def sdpa_kernels(model, ids) -> str:
+    """The SDPA kernels one no-grad forward of ``model`` ran (the aten ops the dispatcher picked: flash,
+    efficient, cuDNN or math), from torch's profiler."""
+    from torch.profiler import profile
+
+    with torch.no_grad(), profile() as prof:
+        model.model(input_ids=ids, use_cache=False)
+    names = {e.key for e in prof.key_averages() if "scaled_dot_product" in e.key or "attention" in e.key.lower()}
+    picked = sorted(n for n in names if n.startswith("aten::_"))
+    return ", ".join(picked) or ", ".join(sorted(names)) or "none seen"
 
 
 def section_cost(check: Check, args) -> None:
@@ -656,7 +684,7 @@ def section_cost(check: Check, args) -> None:
     for n in args.cost_lengths:
         repeats = 3 if n <= 32768 else 2
         for backward in (False, True):
-            for variant in ("vanilla", *RULES):
+            for variant in ("vanilla", FLEX_ONE, *RULES):
                 check.case("cost", f"{n} {variant} {'fwd+bwd' if backward else 'fwd'}",
                            lambda variant=variant, backward=backward, n=n, repeats=repeats: cost_run(
                                check, model, variant, n, args.device, backward, repeats),
@@ -749,17 +777,22 @@ def _render_cost(rows: list) -> list[str]:
              "(warm-up / steady) | steady compiles | eager flex | error |",
              "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|"]
     base = {(r["length"], r["mode"]): r for r in rows if r["variant"] == "vanilla" and "memory" in r}
+    kernels: set[str] = set()
     for r in rows:
         b = base.get((r["length"], r["mode"]))
         t = f"{r['seconds']:.3f}" if "memory" in r else ""
         tx = f"{r['seconds'] / b['seconds']:.2f}" if b and "memory" in r else ""
         mx = f"{r['memory'] / max(b['memory'], 1):.2f}" if b and "memory" in r else ""
         mib = f"{r['memory'] / MiB:.0f}" if "memory" in r else ""
+        if r.get("sdpa_kernel"):
+            kernels.add(r["sdpa_kernel"])
         lines.append(f"| {r['length']} | {r['variant']} | {r['mode']} | {t} | {tx} | {mib} | {mx} | "
                      f"{r.get('warmup_compiles', '')} | {r.get('warmup_mask_builds', '')} / "
                      f"{r.get('steady_mask_builds', '')} | {r.get('steady_compiles', '')} | "
                      f"{r.get('eager_flex_calls', '')} | {_err(r)} |")
-    return [*lines, ""]
+    return [*lines, "", f"vanilla's SDPA kernels: {'; '.join(sorted(kernels)) or 'not recorded'}; "
+            f"`{FLEX_ONE}`: plain RoPE as one FlexAttention call (ReRoPE, window past every distance), so a "
+            "rule's time × over it is the rule's own cost and its time × is FlexAttention's", ""]
 
 
 def render(data: dict) -> str:
