@@ -203,8 +203,8 @@ def _case_rows(run: Run, drivers: dict[str, EngineDriver], spec, length: int, tr
         except InvalidInput as e:  # a relative rule: no single inv_freq
             ours, why = None, str(e)
         ours_lp = our_logprobs(run.model, ids) if ids is not None and ours is not None else None
-        # only dynamic NTK has a static form; the engines refuse the other dynamic rules themselves
-        freeze = length if (freeze_dynamic and spec.name == "dynamic_ntk") else None
+        # only a freezable strategy (dynamic NTK) has a static form; the engines refuse the other dynamic rules
+        freeze = length if (freeze_dynamic and handle.strategy_obj.served == "freeze") else None
         layers = ropescale_layer_ropes(handle, length) if ours is not None and handle.layer_types != [None] else None
         case = Case(spec.display, length, handle, ours, why, freeze, ids, ours_lp, layers)
         rows = []

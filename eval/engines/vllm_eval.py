@@ -253,9 +253,9 @@ def unservable(name: str, *, logn: bool = False, temperature: Any = None, dynami
         return "a query temperature (log-n or another rule) has no vLLM setting"
     if strat.export is None:
         return "no transformers rope type to translate, so vLLM cannot express it"
-    if strat.dynamic and (static_only or name not in ("dynamic_ntk", "longrope")):
+    if strat.dynamic and (static_only or strat.served is None):
         return "recomputes its frequencies from the sequence length; vLLM serves one static rotation"
-    if strat.dynamic and dynamic_block and name == "dynamic_ntk":
+    if strat.dynamic and dynamic_block and strat.served == "freeze":
         return "dynamic_block scores block-wise with a scale per prefix; vLLM serves one static rotation"
     return None
 
@@ -329,7 +329,8 @@ def score_cell_vllm(cfg, task, model, examples, spec, params: dict, length: int,
     with patch(model, spec.name, original_max_position_embeddings=train_len, logn=spec.logn,
                temperature=spec.temperature, **params) as handle:
         try:  # dynamic NTK: the one scale the transformers engine uses for a whole window of L
-            exp = export_vllm(handle, serve, freeze_dynamic_at=length if spec.name == "dynamic_ntk" else None)
+            freeze = length if handle.strategy_obj.served == "freeze" else None
+            exp = export_vllm(handle, serve, freeze_dynamic_at=freeze)
         except ExportRefused as e:
             raise ConfigError(f"{spec.display} @ {length}: {e} (engine: vllm)") from None
         ours = transformers_logprobs(model, reqs[parity_index]["ids"], device)

@@ -148,9 +148,9 @@ def _served_type(handle: PatchHandle, engine: str, serve_length: int, freeze_dyn
                             f"sequence length and {engine} serves one static rotation; patch dynamic_ntk:factor="
                             f"{rp.get('factor', 1.0):g} instead, which can be frozen at a length (--freeze-dynamic-at)")
     notes: list[str] = []
-    if not strat.dynamic or name == "longrope":  # LongRoPE: two static sets, each engine picks one
+    if not strat.dynamic or strat.served == "sets":  # LongRoPE: two static sets, each engine picks one
         return rp, None, notes
-    if name != "dynamic_ntk":
+    if strat.served != "freeze":
         raise ExportRefused(f"{engine}: {name} recomputes its frequencies from the sequence length; {engine} "
                             "serves one static rotation and only dynamic_ntk can be frozen")
     if freeze_dynamic_at is None and not freeze_default:
@@ -180,9 +180,9 @@ def check_freeze(handle: PatchHandle, freeze_dynamic_at: int | None) -> int | No
         return None
     at = check_length(freeze_dynamic_at, "freeze_dynamic_at")
     strat = handle.strategy_obj
-    if strat.name != "dynamic_ntk":
+    if strat.served != "freeze":
         why = (f"{strat.name} is static: its rotation does not depend on the length" if not strat.dynamic else
-               "longrope picks its short or long factors from the served length" if strat.name == "longrope" else
+               f"{strat.name} picks its short or long factors from the served length" if strat.served == "sets" else
                f"{strat.name} has no static form to freeze")
         raise InvalidInput(f"freeze_dynamic_at={at} (--freeze-dynamic-at) applies to dynamic_ntk only; {why}; "
                            "leave it out")

@@ -200,8 +200,9 @@ def llama3(dim: int, rope_theta: float, original_max_position_embeddings: int, f
           help="s for the attention factor (max_position_embeddings / L_train in Phi-3)"),
     Param("attention_factor", None, low=0.0, low_open=True,
           help="override for the cos/sin scale; default √(1 + ln s / ln L_train)"),
-), export=_export_longrope, source="Ding et al. 2024, LongRoPE, arXiv:2402.13753 (github.com/microsoft/LongRoPE); "
-          "transformers rope_type 'longrope'")
+), export=_export_longrope, served="sets",
+          source="Ding et al. 2024, LongRoPE, arXiv:2402.13753 (github.com/microsoft/LongRoPE); "
+                 "transformers rope_type 'longrope'")
 def longrope(dim: int, rope_theta: float, original_max_position_embeddings: int, seq_len: int,
              short_factor: list[float], long_factor: list[float], factor: float,
              attention_factor: float | None) -> RopeFrequencies:

@@ -76,7 +76,7 @@ def ntk(dim: int, rope_theta: float, factor: float) -> RopeFrequencies:
 
 @register("dynamic_ntk",
           params=(Param("factor", 1.0, low=1.0, log=True, help="s in the base formula; 1 gives α = L/L_train"),),
-          export=_export_dynamic_ntk,
+          export=_export_dynamic_ntk, served="freeze",
           source="emozilla 2023, Dynamically scaled RoPE (reddit r/LocalLLaMA 14mrgpr); "
                  "transformers rope_type 'dynamic'")
 def dynamic_ntk(dim: int, rope_theta: float, original_max_position_embeddings: int,

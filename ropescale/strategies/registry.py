@@ -53,6 +53,7 @@ from ropescale.registry import Registry, loading_plugin
 __all__ = [
     "AUTO_KINDS",
     "CONTEXT_ARGS",
+    "DYNAMIC_SERVING",
     "OPTIONAL_CONTEXT",
     "REGISTRY",
     "STRATEGY_KINDS",
@@ -78,6 +79,11 @@ _REQUIRED = object()
 StrategyKind = Literal["frequency", "attention"]
 """``"frequency"``: the function returns ``RopeFrequencies``; ``"attention"``: a ``RelativeRule``."""
 STRATEGY_KINDS: tuple[str, ...] = get_args(StrategyKind)
+
+DynamicServing = Literal["freeze", "sets"]
+"""How engines with one static rotation serve a dynamic strategy: ``"freeze"`` — its static form at a
+chosen length (dynamic NTK); ``"sets"`` — static sets the engine picks from by the served length (LongRoPE)."""
+DYNAMIC_SERVING: tuple[str, ...] = get_args(DynamicServing)
 
 AutoKind = Literal["scale", "length", "half_train"]
 """How a parameter left out is filled from the target length L and the training window T."""
@@ -283,6 +289,10 @@ class Strategy:
     softmax: Callable[[dict], float] | None = None  # validated params → softmax-scale multiplier (1: none)
     origin: str = ""  # where it was registered, when not by ropescale: "plugin 'x' (pkg.mod)" or "module pkg.mod"
     keeps_model: bool = False  # it keeps the model as it is (native): its own parameters, temperature
+    # how a dynamic strategy is served by engines with one static rotation: "freeze" (a static form at a
+    # chosen length: dynamic NTK), "sets" (static sets an engine picks from by the served length: LongRoPE),
+    # None (no static form: refused)
+    served: DynamicServing | None = None
 
     @property
     def label(self) -> str:
@@ -432,14 +442,17 @@ REGISTRY: Registry[Strategy] = Registry("strategy", "strategies", UnknownStrateg
 def register(name: str, *, params: tuple[Param, ...] = (), source: str,
              kind: StrategyKind = "frequency", check: Callable[[dict], None] | None = None,
              export: Exporter | None = None, softmax: Callable[[dict], float] | None = None,
-             keeps_model: bool = False):
+             keeps_model: bool = False, served: DynamicServing | None = None):
     """Decorator adding a strategy function to ``REGISTRY`` under ``name``; ``export`` is its
     transformers ``rope_parameters`` writer (``Exporter``), if transformers can express it;
     ``softmax`` (validated params → float) a factor on attention's softmax scale, where the strategy has one;
-    ``keeps_model``: the strategy is the model's own rotation, left untouched (``Strategy.keeps_model``).
-    Raises ``TypeError`` for an unknown ``kind`` or a signature that does not match ``params``."""
+    ``keeps_model``: the strategy is the model's own rotation, left untouched (``Strategy.keeps_model``);
+    ``served``: how engines with one static rotation serve a dynamic strategy (``Strategy.served``).
+    Raises ``TypeError`` for an unknown ``kind`` or ``served`` or a signature that does not match ``params``."""
     if kind not in STRATEGY_KINDS:
         raise TypeError(f"{name}: kind={kind!r}; choose one of {', '.join(STRATEGY_KINDS)}")
+    if served is not None and served not in DYNAMIC_SERVING:
+        raise TypeError(f"{name}: served={served!r}; choose one of {', '.join(DYNAMIC_SERVING)} or None")
 
     def deco(fn: Callable[..., RopeFrequencies]) -> Callable[..., RopeFrequencies]:
         sig = inspect.signature(fn).parameters
@@ -457,7 +470,7 @@ def register(name: str, *, params: tuple[Param, ...] = (), source: str,
         module = getattr(fn, "__module__", "") or ""
         origin = "" if module.startswith("ropescale.") else (loading_plugin(module) or f"module {module}")
         REGISTRY.add(name, Strategy(name, fn, params, source, kind, check, needs, export, softmax, origin,
-                                    keeps_model))
+                                    keeps_model, served))
         return fn
 
     return deco

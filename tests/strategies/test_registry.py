@@ -49,6 +49,21 @@ def test_dynamic_flag_follows_signature():
     assert not get_strategy("yarn").dynamic
 
 
+def test_how_a_dynamic_strategy_is_served_is_declared_at_register():
+    """Engines serve one static rotation: dynamic NTK can be frozen at a length, LongRoPE's two static sets are
+    picked by the served length, other dynamic rules have no static form; the serving code reads this, never
+    a strategy's name. An unknown value is refused when registering."""
+    served = {s.name: s.served for s in REGISTRY.values() if s.dynamic}
+    assert served.pop("dynamic_ntk") == "freeze" and served.pop("longrope") == "sets"
+    assert served and set(served.values()) == {None}
+    assert {s.served for s in REGISTRY.values() if not s.dynamic} == {None}
+    with pytest.raises(TypeError, match=r"served='later'; choose one of freeze, sets or None"):
+        @register("served_test_only", source="test", served="later")
+        def bad(dim, rope_theta):
+            return RopeFrequencies(None, 1.0)
+    assert "served_test_only" not in REGISTRY
+
+
 # --- hostile numbers: inf, nan, numpy scalars, booleans, integral floats -----------------------
 
 def _numeric_params():
