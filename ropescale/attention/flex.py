@@ -48,6 +48,7 @@ Dual Chunk Attention (An et al. 2024, arXiv:2402.17463).
 
 from __future__ import annotations
 
+import copy
 import warnings
 import weakref
 from contextlib import contextmanager, nullcontext
@@ -247,8 +248,6 @@ def region_block_masks(b: int, s_q: int, s_k: int, rule: RelativeRule, sliding_w
 
 def _with_mask_mod(mask, mask_mod):
     """``mask`` (a ``BlockMask``) with another ``mask_mod``: the same block lists, no build."""
-    import copy
-
     out = copy.copy(mask)
     out.mask_mod = mask_mod
     return out

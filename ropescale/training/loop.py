@@ -375,15 +375,14 @@ def _prepare(cfg: FinetuneConfig, run: ResolvedRun, acc, source: str, *, trained
     dataset = TrainingWindows(stream, pose.span if pose else cfg.length, examples, cfg.seed, pose)
     set_seed(cfg.seed)  # before the model: a recipe's initialisation (LoRA's A) draws from it
     # unpatched once an adapter base is merged (_patch_for_training)
+    device, dtype, quantization = "cpu", cfg.dtype, None
     if cfg.dtype == "nf4":  # QLoRA: bitsandbytes quantizes the base on the run's GPU as it loads
         try:
             check_nf4(str(acc.device))
         except ValueError as e:
             raise ConfigError(f"{source}: {e}") from None
-        model = load_run_model(cfg.model, inputs, device=str(acc.device), unpatched=False, dtype="bfloat16",
-                               quantization="nf4")
-    else:
-        model = load_run_model(cfg.model, inputs, device="cpu", unpatched=False, dtype=cfg.dtype)
+        device, dtype, quantization = str(acc.device), "bfloat16", "nf4"
+    model = load_run_model(cfg.model, inputs, device=device, unpatched=False, dtype=dtype, quantization=quantization)
     if hasattr(model, "merge_and_unload") and hasattr(model, "peft_config"):  # a saved adapter as the base
         model = model.merge_and_unload()
     try:
@@ -396,8 +395,6 @@ def _prepare(cfg: FinetuneConfig, run: ResolvedRun, acc, source: str, *, trained
         enable_checkpointing(model, source, offload=cfg.activation_offload)
     if cfg.tiled_mlp is not False:  # before PEFT too: the MLPs are the base model's
         enable_tiled_mlp(model, None if cfg.tiled_mlp is True else cfg.tiled_mlp, source)
-    if cfg.tiled_norms is not False:
-        enable_tiled_norms(model, None if cfg.tiled_norms is True else cfg.tiled_norms, source)
     if cfg.tiled_norms is not False:
         enable_tiled_norms(model, None if cfg.tiled_norms is True else cfg.tiled_norms, source)
     recipe = cfg.training_recipe()

@@ -24,18 +24,37 @@ def _step(model, batch):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("shards", [None, 3])
-@pytest.mark.parametrize("stack", ["plain", "checkpointing+offload", "lora"])
-def test_tiled_mlp_gives_the_plain_mlps_loss_and_gradients(shards, stack):
-    """Oracle: the same model and batch without tiling. Each MLP's own forward runs once per slice."""
+def _stacked(stack: str):
+    """The tiny Llama with the memory options ``stack`` names: plain, checkpointing+offload(+mlp: MLPs tiled
+    in 3 slices), or lora (checkpointing, then PEFT's LoRA)."""
     model = build(LlamaForCausalLM, tiny_llama_config())
-    if stack == "checkpointing+offload":
+    if stack.startswith("checkpointing+offload"):
         enable_checkpointing(model, offload=True)
+        if stack.endswith("+mlp"):
+            enable_tiled_mlp(model, 3)
     if stack == "lora":
         from ropescale.training.lora import LoraSettings, apply_lora
 
         enable_checkpointing(model)
         model = apply_lora(model, LoraSettings())
+    return model
+
+
+def _assert_same_step(got_loss, got, loss, expected) -> set:
+    """The tiled step's loss and gradients equal the plain one's; returns the parameters with a nonzero
+    gradient (at least half of them: LoRA's A is zero while B is)."""
+    assert got_loss == pytest.approx(loss.item(), rel=1e-6)
+    nonzero = {n for n, g in expected.items() if g.abs().max() > 0}
+    assert len(nonzero) >= len(expected) // 2
+    assert_same_grads({n: got[n] for n in nonzero}, {n: expected[n] for n in nonzero}, rtol=1e-5)
+    return nonzero
+
+
+@pytest.mark.parametrize("shards", [None, 3])
+@pytest.mark.parametrize("stack", ["plain", "checkpointing+offload", "lora"])
+def test_tiled_mlp_gives_the_plain_mlps_loss_and_gradients(shards, stack):
+    """Oracle: the same model and batch without tiling. Each MLP's own forward runs once per slice."""
+    model = _stacked(stack)
     batch = {"input_ids": IDS}  # [2, 100]; hidden 64: ⌈100 / 64⌉ = 2 slices by default
     with ropescale.patch(model, "yarn", factor=2.0):
         loss, expected = _step(model, batch)
@@ -47,18 +66,14 @@ def test_tiled_mlp_gives_the_plain_mlps_loss_and_gradients(shards, stack):
     per_forward = shards or 2
     assert len(calls) >= 2 * per_forward  # slices in forward and again in backward
     assert max(calls[:per_forward]) == -(-100 // per_forward)  # the forward: slices of the 100 positions
-    assert got_loss == pytest.approx(loss.item(), rel=1e-6)
-    nonzero = {n for n, g in expected.items() if g.abs().max() > 0}  # LoRA's A: zero while B is zero
-    assert len(nonzero) >= len(expected) // 2
-    assert_same_grads({n: got[n] for n in nonzero}, {n: expected[n] for n in nonzero}, rtol=1e-5)
+    _assert_same_step(got_loss, got, loss, expected)
 
 
 def test_a_run_with_tiled_mlp_trains_as_one_without(tmp_path, tiny_run):
     raw = tiny_run(strategy="yarn", steps=3, eval=None, checkpoint_every=10, gradient_checkpointing=True)
     finetune(build_finetune_config(raw), tmp_path / "plain", progress=False)
     finetune(build_finetune_config({**raw, "tiled_mlp": 2, "tiled_norms": True, "activation_offload": True}),
-             tmp_path / "tiled",
-             progress=False)
+             tmp_path / "tiled", progress=False)
     assert losses(tmp_path / "tiled") == pytest.approx(losses(tmp_path / "plain"), rel=1e-5)
 
 
@@ -76,15 +91,7 @@ def test_tiled_norms_give_the_plain_norms_loss_and_gradients(stack):
     """Oracle: the same model and batch without tiling; the norms' own weights train in the plain stack
     (their gradients summed over slices). Each norm runs once per slice; q/k-style norms over another
     width are left alone."""
-    model = build(LlamaForCausalLM, tiny_llama_config())
-    if stack == "checkpointing+offload+mlp":
-        enable_checkpointing(model, offload=True)
-        enable_tiled_mlp(model, 3)
-    if stack == "lora":
-        from ropescale.training.lora import LoraSettings, apply_lora
-
-        enable_checkpointing(model)
-        model = apply_lora(model, LoraSettings())
+    model = _stacked(stack)
     batch = {"input_ids": IDS}  # [2, 100]; hidden 64: ⌈100 / 64⌉ = 2 slices by default
     with ropescale.patch(model, "ntk", factor=2.0):
         loss, expected = _step(model, batch)
@@ -95,12 +102,9 @@ def test_tiled_norms_give_the_plain_norms_loss_and_gradients(stack):
         assert enable_tiled_norms(model) == 5  # a second call does not tile twice
         got_loss, got = _step(model, batch)
     assert calls[:2] == [50, 50]  # the forward: two slices of the 100 positions (then again in backward)
-    assert got_loss == pytest.approx(loss.item(), rel=1e-6)
-    nonzero = {n for n, g in expected.items() if g.abs().max() > 0}
-    assert len(nonzero) >= len(expected) // 2
+    nonzero = _assert_same_step(got_loss, got, loss, expected)
     if stack == "plain":
         assert any("layernorm" in n for n in nonzero)
-    assert_same_grads({n: got[n] for n in nonzero}, {n: expected[n] for n in nonzero}, rtol=1e-5)
 
 
 def test_tiled_norms_leave_per_head_norms_alone():
