@@ -66,7 +66,9 @@ class ParityRow:
     exported_by: ``ropescale`` (this project's export for the engine) or, with ``baseline``, what a
     user got before it (the driver's ``as_written``: save_patched's config.json as vLLM's config;
     llama.cpp's converter on that folder).
-    max_abs_dlogp, ppl_ropescale, ppl_engine, nan_positions, tokens: end-to-end only (None otherwise).
+    max_abs_dlogp, mean_abs_dlogp, ppl_ropescale, ppl_engine, nan_positions, tokens: end-to-end only
+    (None otherwise); the mean |Δ log p| is the robust one where an engine's kernels differ per token
+    (llama.cpp's quantized matmuls), the max the one that catches a single wrong position.
     """
 
     engine: str
@@ -84,6 +86,7 @@ class ParityRow:
     export: str = ""
     notes: str = ""
     max_abs_dlogp: float | None = None
+    mean_abs_dlogp: float | None = None
     ppl_ropescale: float | None = None
     ppl_engine: float | None = None
     nan_positions: int | None = None
@@ -245,7 +248,7 @@ _COLUMNS = ["engine", "exported_by", "strategy", "length", "verdict", "same", "m
             "ppl_engine",
             "nan_positions", "tokens", "max_rel_freq_diff", "max_angle_diff", "magnitude_ropescale",
             "magnitude_engine", "softmax_scale_ropescale", "softmax_scale_engine", "source", "export", "notes",
-            "engine_seconds", "model", "data", "windows", "train_length"]
+            "engine_seconds", "model", "data", "windows", "train_length", "mean_abs_dlogp"]
 
 
 def _fmt(x: Any, spec: str = ".3g") -> str:
@@ -268,11 +271,12 @@ def markdown(rows: list[ParityRow], meta: dict) -> str:
             f"lengths {', '.join(map(str, meta['lengths']))}, engines: "
             + "; ".join(meta["engines"])
             + (f"; end to end on `{meta['data']}`, {meta['windows']} window(s) per length, "
-               "float32 both sides, llama.cpp with an f32 KV cache" if e2e else "")
+               "float32 both sides" + (", llama.cpp with an f32 KV cache" if "llama.cpp" in {r.engine for r in rows}
+                                       else "") if e2e else "")
             + f"; dynamic NTK {'frozen at L' if meta.get('freeze_dynamic', True) else 'not frozen'}.")
     by = any(r.exported_by != "ropescale" for r in rows)
     cols = ["engine"] + (["exported by"] if by else []) + ["strategy", "L", "verdict"]
-    cols += ["max \\|Δ log p\\|", "PPL ropescale", "PPL engine"] if e2e else []
+    cols += ["max \\|Δ log p\\|", "mean \\|Δ log p\\|", "PPL ropescale", "PPL engine"] if e2e else []
     cols += ["max rel Δθ", "max Δangle (rad)", "magnitude (ours / engine)", "source"]
     lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
@@ -280,7 +284,7 @@ def markdown(rows: list[ParityRow], meta: dict) -> str:
             [f"`{r.strategy}`", str(r.length), r.verdict.replace("|", "\\|")]
         if e2e:
             cells += [_fmt(r.max_abs_dlogp, ".2g") + (f" ({r.nan_positions} NaN)" if r.nan_positions else ""),
-                      _fmt(r.ppl_ropescale, ".5g"), _fmt(r.ppl_engine, ".5g")]
+                      _fmt(r.mean_abs_dlogp, ".2g"), _fmt(r.ppl_ropescale, ".5g"), _fmt(r.ppl_engine, ".5g")]
         mag = "—" if r.magnitude_engine is None else \
             f"{_fmt(r.magnitude_ropescale, '.6g')} / {_fmt(r.magnitude_engine, '.6g')}"
         cells += [_fmt(r.max_rel_freq_diff, ".2g"), _fmt(r.max_angle_diff, ".2g"), mag, r.source]

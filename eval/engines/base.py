@@ -119,8 +119,8 @@ def angle_table_diff(cos: torch.Tensor, sin: torch.Tensor, inv_freq: torch.Tenso
 
 
 def e2e_numbers(ours: list[list[float]], theirs: list[list[float]]) -> dict[str, float | int]:
-    """max |Δ log p| [nats] over every position of every window, NaN positions on the engine's side
-    (counted, and making the max inf), perplexities exp(−mean log p) of both sides, token count."""
+    """max and mean |Δ log p| [nats] over every position of every window, NaN positions on the engine's
+    side (counted, and making both inf), perplexities exp(−mean log p) of both sides, token count."""
     a = torch.tensor([x for row in ours for x in row], dtype=torch.float64)
     b = torch.tensor([x for row in theirs for x in row], dtype=torch.float64)
     if a.shape != b.shape:
@@ -128,6 +128,7 @@ def e2e_numbers(ours: list[list[float]], theirs: list[list[float]]) -> dict[str,
     nan = int(torch.isnan(b).sum())
     diff = (a - b).abs()
     return {"max_abs_dlogp": math.inf if nan else float(diff.max()),
+            "mean_abs_dlogp": math.inf if nan else float(diff.mean()),
             "ppl_ropescale": float(torch.exp(-a.mean())),
             "ppl_engine": math.nan if nan else float(torch.exp(-b.mean())),
             "nan_positions": nan, "tokens": int(a.numel())}

@@ -68,10 +68,11 @@ def test_angle_table_diff_measures_the_wrapped_rotation_difference():
 def test_e2e_numbers_max_difference_perplexities_and_nan():
     ours = [[-1.0, -2.0], [-3.0]]
     same = e2e_numbers(ours, [[-1.0, -2.0], [-3.0]])
-    assert same == {"max_abs_dlogp": 0.0, "ppl_ropescale": pytest.approx(math.exp(2.0)),
+    assert same == {"max_abs_dlogp": 0.0, "mean_abs_dlogp": 0.0, "ppl_ropescale": pytest.approx(math.exp(2.0)),
                     "ppl_engine": pytest.approx(math.exp(2.0)), "nan_positions": 0, "tokens": 3}
     off = e2e_numbers(ours, [[-1.0, -2.5], [-2.9]])
     assert off["max_abs_dlogp"] == pytest.approx(0.5) and off["ppl_engine"] == pytest.approx(math.exp(6.4 / 3))
+    assert off["mean_abs_dlogp"] == pytest.approx((0.0 + 0.5 + 0.1) / 3)
     nan = e2e_numbers(ours, [[-1.0, math.nan], [-3.0]])
     assert nan["nan_positions"] == 1 and nan["max_abs_dlogp"] == math.inf and math.isnan(nan["ppl_engine"])
     with pytest.raises(RopescaleError, match="log-prob counts differ"):
@@ -288,7 +289,7 @@ def test_cli_unknown_engine_is_one_line(tiny_model_dir, tmp_path, no_engines):
     res = CliRunner().invoke(main, ["parity", "--model", str(tiny_model_dir), "--strategy", "linear", "--lengths", "64",
                                     "--engines", "tgi", "-o", str(tmp_path / "o")])
     assert res.exit_code == 1
-    assert res.output.strip() == "Error: --engines tgi: choose from llama.cpp, transformers, vllm"
+    assert res.output.strip() == "Error: --engines tgi: choose from llama.cpp, mlx, transformers, vllm"
 
 
 def test_cli_takes_the_old_engine_name_gguf_with_one_note(tiny_model_dir, tmp_path, no_engines):

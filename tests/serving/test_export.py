@@ -221,8 +221,8 @@ def test_refusals_and_bad_input_write_nothing(loaded, tmp_path, base_gguf):
         export_for(model, "llama.cpp", 128, tmp_path / "a", gguf=base_gguf)
     assert not (tmp_path / "a").exists()
     model, tok = loaded("vanilla")
-    with pytest.raises(UnknownEngineError, match="^unknown engine 'onnx'; known engines: llama.cpp, transformers, "
-                                                 "vllm$"):
+    with pytest.raises(UnknownEngineError, match="^unknown engine 'onnx'; known engines: llama.cpp, mlx, "
+                                                 "transformers, vllm$"):
         export_for(model, "onnx", 128, tmp_path / "b", tokenizer=tok)
     for kwargs, match in [({"target": "llama.cpp"}, "^the llama.cpp engine rewrites an existing GGUF: .*--gguf"),
                           ({"target": "vllm", "tokenizer": None}, "tokenizer"),
@@ -318,7 +318,7 @@ def test_freeze_dynamic_at_with_the_transformers_target_names_the_static_strateg
               "-o", out)
     assert res.exit_code == 1, res.output
     assert _last(res).startswith("Error: freeze_dynamic_at=64 (--freeze-dynamic-at) is for the engines that serve "
-                                 "one static rotation (llama.cpp, vllm)")
+                                 "one static rotation (llama.cpp, mlx, vllm)")
     assert _last(res).endswith("patch ntk:factor=3.0 instead")  # s·F/T − (s − 1) = 2·64/32 − 1
     res = run("patch", "--model", tiny_model_dir, "--strategy", "dynamic_ntk:factor=2", "--freeze-dynamic-at", T,
               "-o", out)
@@ -546,3 +546,27 @@ def test_cli_a_gguf_cut_short_is_one_line(run, tmp_path, tiny_model_dir, base_gg
     assert res.exit_code == 1, res.output
     assert _last(res).startswith(f"Error: {short}: not a readable GGUF (cut short, corrupted or not a GGUF: ")
     assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("strategy, params", [("yarn", {"factor": 4.0, "attention_factor": 1.3}),
+                                              ("longrope", {"factor": 4.0, "short_factor": [1.0] * (D // 2),
+                                                            "long_factor": [1.0 + 0.4 * i for i in range(D // 2)]}),
+                                              ("llama3", {"factor": 4.0})])
+def test_mlx_engine_writes_mlx_lms_keys_and_transformers_still_reads_the_folder(loaded, tmp_path, strategy, params):
+    """The MLX folder carries mlx-lm's transformers 4 keys (rope_theta, rope_scaling), which plain
+    transformers 5 reads too: both give the patched model's logits at 4T, and ropescale.json the patch."""
+    from transformers import AutoModelForCausalLM
+
+    model, tok = loaded(strategy, **params)
+    result = export_for(model, "mlx", 4 * T, tmp_path / "m", tokenizer=tok)
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["rope_scaling"]["type"] == strategy and "rope_theta" in config
+    assert json.loads((tmp_path / "m" / "mlx.json").read_text())["keys"]["rope_scaling"] == config["rope_scaling"]
+    assert result.command == f"mlx_lm.server --model {result.path}"
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).eval()
+    reloaded, _ = ropescale.load_model(str(tmp_path / "m"), device="cpu")
+    ids = torch.arange(1, 4 * T + 1)[None] % 200
+    with torch.no_grad():
+        want = model(ids).logits
+        torch.testing.assert_close(plain(ids).logits, want, rtol=0, atol=1e-5)
+        torch.testing.assert_close(reloaded(ids).logits, want, rtol=0, atol=1e-5)

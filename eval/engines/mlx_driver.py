@@ -1,0 +1,101 @@
+"""MLX driver: runs inside mlx-lm's own environment (never imports ropescale).
+
+    python mlx_driver.py REQUEST.json RESULT.json
+
+Modes (``request["mode"]``):
+
+``rope``: ``{"cases": [{"model": DIR, "length": L, "layer_type": T | null}, ...]}`` → per case
+``{"class": name, "layer": i, "cos": [[...]], "sin": [[...]]}``: mlx-lm's own model built from the folder's
+config.json (``mlx_lm.utils.load_config`` and the model class ``_get_classes`` picks; its weights are
+never evaluated), the rotary module of the first layer of type T (gemma3_text: a sliding layer for
+``sliding_attention``, a global one otherwise; other models: layer 0) applied to unit vectors at
+positions 0 … L−1: ``cos[m][i]`` = magnitude·cos(angle of pair i at position m) (pairs i, i + d/2).
+``{"error": line}`` for a case mlx-lm refuses.
+
+``logprobs``: ``{"jobs": [{"model": DIR, "ids": [[int, ...], ...]}, ...]}`` → ``{"jobs": [{"logprobs":
+[[float, ...], ...], "seconds": s} | {"error": line}, ...], "mlx": version}``: ``mlx_lm.utils.load_model``
+of the folder, one forward per sequence (float32), ``logprobs[k][j]`` = log p(ids[j+1] | ids[:j+1])
+(log-softmax in float64).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _version() -> str:
+    import mlx.core as mx
+    import mlx_lm
+
+    return f"mlx-lm {mlx_lm.__version__} (mlx {mx.__version__})"
+
+
+def _layers(model):
+    inner = getattr(model, "model", None) or getattr(model, "language_model", None) or model
+    inner = getattr(inner, "model", inner)
+    return inner.layers
+
+
+def rope(request: dict) -> dict:
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.utils import _get_classes, load_config
+
+    out = []
+    for case in request["cases"]:
+        try:
+            config = load_config(Path(case["model"]))
+            model_class, args_class = _get_classes(config)
+            model = model_class(args_class.from_dict(config))
+            layers = _layers(model)
+            idx = 0
+            if case.get("layer_type") and case["layer_type"] != "sliding_attention":
+                idx = next((i for i, layer in enumerate(layers)
+                            if not getattr(layer.self_attn, "is_sliding", False)), 0)
+            attn = layers[idx].self_attn
+            d = attn.head_dim if hasattr(attn, "head_dim") else config["head_dim"]
+            n = int(case["length"])
+            x = mx.concatenate([mx.ones((1, 1, n, d // 2)), mx.zeros((1, 1, n, d // 2))], axis=-1)
+            y = np.array(attn.rope(x).astype(mx.float32))[0, 0]
+            out.append({"class": type(attn.rope).__name__, "layer": idx, "cos": y[:, : d // 2].tolist(),
+                        "sin": y[:, d // 2:].tolist()})
+        except Exception as e:  # noqa: BLE001 — mlx-lm refusing a config is a result
+            out.append({"error": f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"})
+    return {"cases": out, "mlx": _version()}
+
+
+def logprobs(request: dict) -> dict:
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.utils import load_model
+
+    out = []
+    for job in request["jobs"]:
+        start = time.perf_counter()
+        try:
+            model, _ = load_model(Path(job["model"]))
+        except Exception as e:  # noqa: BLE001 — a refusal is a result, the next job still runs
+            out.append({"error": f"{type(e).__name__}: {' '.join(str(e).split())[:400]}",
+                        "seconds": time.perf_counter() - start})
+            continue
+        rows = []
+        for ids in job["ids"]:
+            logits = np.array(model(mx.array([ids])).astype(mx.float32))[0].astype(np.float64)
+            logits -= logits.max(-1, keepdims=True)
+            logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+            rows.append([float(logp[j, ids[j + 1]]) for j in range(len(ids) - 1)])
+        out.append({"logprobs": rows, "seconds": time.perf_counter() - start})
+    return {"jobs": out, "mlx": _version()}
+
+
+def main() -> None:
+    request = json.loads(Path(sys.argv[1]).read_text(encoding="utf-8"))
+    result = {"rope": rope, "logprobs": logprobs}[request["mode"]](request)
+    Path(sys.argv[2]).write_text(json.dumps(result), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
