@@ -494,12 +494,12 @@ def _patch_profiles(model, spec, profiles: str, output, engine, serve_length, gg
 @click.option("--engine", cls=VocabOption, deprecated=("--target",), type=EngineChoice(), default="transformers",
               show_default=True, help="the engine to serve it with")
 @click.option("--serve-length", type=int, help="length to serve (tokens); required for the engines serving one static "
-              "rotation (vllm, llama.cpp, mlx)")
+              "rotation (vllm, llama.cpp, mlx, sglang)")
 @click.option("--gguf", "gguf_path", type=click.Path(dir_okay=False),
               help="llama.cpp: the unpatched model's GGUF to rewrite (llama.cpp's converter output)")
 @click.option("--freeze-dynamic-at", type=int,
-              help="dynamic NTK, vllm, llama.cpp and mlx: serve it static at this length (vllm and mlx default: "
-                   "the serve length)")
+              help="dynamic NTK, vllm, llama.cpp, mlx, sglang: serve it static at this length (default but for "
+                   "llama.cpp: the serve length)")
 @click.option("--profiles", metavar="S1,S2,...", help="request-length profiles: one export per scale factor "
               "(OUT/profile-<s>x, each serving s·T tokens) and OUT/profiles.json with the rule picking one per "
               "request; the strategy without its factor")
@@ -513,8 +513,9 @@ def patch_cmd(model, strategy_spec, output, dry_run, original_max_position_embed
     need ropescale.load_model. vllm: the folder with the config.json vLLM computes the same rotation
     from, and vllm.json (max_model_len, hf_overrides). llama.cpp: OUT/model.gguf, the --gguf file with
     its rope metadata rewritten. mlx: the folder with the rope keys mlx-lm reads (rope_theta,
-    rope_scaling), and mlx.json. What an engine cannot express is refused with the reason. native
-    keeps the model as plain transformers serves --model (a folder ropescale wrote included) and
+    rope_scaling), and mlx.json. sglang: the folder with the config.json SGLang computes the same
+    rotation from, and sglang.json (context_length). What an engine cannot express is refused with
+    the reason. native keeps the model as plain transformers serves --model (a folder ropescale wrote included) and
     exports its own rope parameters. --dry-run prints, per attention layer, the rope type, θ, rotary
     dim, layout, T and the rule applied (or "no RoPE, untouched")."""
     import ropescale
@@ -767,7 +768,7 @@ def reference_card(model, threads, plot) -> None:
               callback=_length_list, help="served lengths L in tokens, comma-separated (e.g. 512,1024); repeatable")
 @click.option("--engines", "engine_list", cls=VocabOption, deprecated=("--engine",),
               default="transformers,vllm,llama.cpp", show_default=True,
-              help="comma-separated: transformers (in process), vllm, llama.cpp, mlx")
+              help="comma-separated: transformers (in process), vllm, llama.cpp, mlx, sglang")
 @click.option("--end-to-end", is_flag=True,
               help="also score held-out text through the real engines (needs them installed: bench/engines/install.sh)")
 @click.option("--data", default="kjv-heldout", show_default=True, help="text for --end-to-end")
@@ -786,9 +787,9 @@ def reference_card(model, threads, plot) -> None:
 @click.option("--quiet", "-q", is_flag=True, help="no progress output")
 def parity(model, strategy_specs, lengths, engine_list, end_to_end, data, windows, freeze_dynamic, gguf_path,
            baseline, output, device, quiet) -> None:
-    """Per engine (plain transformers, vLLM, llama.cpp, MLX) × strategy × length: the frequencies, cos/sin magnitude and
-    softmax scale the engine computes from ropescale's export against ropescale's, the largest
-    angle difference up to L and a verdict — from the engine's own code where installed, from
+    """Per engine (plain transformers, vLLM, llama.cpp, MLX, SGLang) × strategy × length: the
+    frequencies, cos/sin magnitude and softmax scale the engine computes from ropescale's export
+    against ropescale's, the largest angle difference up to L and a verdict — from the engine's own code where installed, from
     ropescale's re-implementation otherwise; with --end-to-end, held-out log-probabilities through
     the real engine. Writes parity.md, parity.csv, parity.png to OUTPUT."""
     run_parity, write_parity = harness("parity", "run_parity", "write_parity")

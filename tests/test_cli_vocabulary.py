@@ -24,7 +24,7 @@ CONCEPTS = {
 }
 FORBIDDEN = {name: concept for concept, (_, names) in CONCEPTS.items() for name in names}
 # the one name of each engine (what `patch --engine` and `parity --engines` accept); not the file format
-ENGINES = {"transformers", "vllm", "llama.cpp", "mlx"}
+ENGINES = {"transformers", "vllm", "llama.cpp", "mlx", "sglang"}
 # commands that load a model but take no --device / -q, and why
 NO_DEVICE = {
     "reference card": "the bundled CPU model's card: figures measured on CPU threads (--threads)",

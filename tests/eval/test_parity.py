@@ -289,7 +289,7 @@ def test_cli_unknown_engine_is_one_line(tiny_model_dir, tmp_path, no_engines):
     res = CliRunner().invoke(main, ["parity", "--model", str(tiny_model_dir), "--strategy", "linear", "--lengths", "64",
                                     "--engines", "tgi", "-o", str(tmp_path / "o")])
     assert res.exit_code == 1
-    assert res.output.strip() == "Error: --engines tgi: choose from llama.cpp, mlx, transformers, vllm"
+    assert res.output.strip() == "Error: --engines tgi: choose from llama.cpp, mlx, sglang, transformers, vllm"
 
 
 def test_cli_takes_the_old_engine_name_gguf_with_one_note(tiny_model_dir, tmp_path, no_engines):

@@ -221,7 +221,7 @@ def test_refusals_and_bad_input_write_nothing(loaded, tmp_path, base_gguf):
         export_for(model, "llama.cpp", 128, tmp_path / "a", gguf=base_gguf)
     assert not (tmp_path / "a").exists()
     model, tok = loaded("vanilla")
-    with pytest.raises(UnknownEngineError, match="^unknown engine 'onnx'; known engines: llama.cpp, mlx, "
+    with pytest.raises(UnknownEngineError, match="^unknown engine 'onnx'; known engines: llama.cpp, mlx, sglang, "
                                                  "transformers, vllm$"):
         export_for(model, "onnx", 128, tmp_path / "b", tokenizer=tok)
     for kwargs, match in [({"target": "llama.cpp"}, "^the llama.cpp engine rewrites an existing GGUF: .*--gguf"),
@@ -318,7 +318,7 @@ def test_freeze_dynamic_at_with_the_transformers_target_names_the_static_strateg
               "-o", out)
     assert res.exit_code == 1, res.output
     assert _last(res).startswith("Error: freeze_dynamic_at=64 (--freeze-dynamic-at) is for the engines that serve "
-                                 "one static rotation (llama.cpp, mlx, vllm)")
+                                 "one static rotation (llama.cpp, mlx, sglang, vllm)")
     assert _last(res).endswith("patch ntk:factor=3.0 instead")  # s·F/T − (s − 1) = 2·64/32 − 1
     res = run("patch", "--model", tiny_model_dir, "--strategy", "dynamic_ntk:factor=2", "--freeze-dynamic-at", T,
               "-o", out)

@@ -1,0 +1,281 @@
+"""The SGLang engine: a patched model exported for SGLang, and SGLang's rotary code re-implemented.
+
+SGLang 0.5.23 reads a model folder through transformers 5.19 (its pinned version), so its Llama
+(``models/llama.py``) passes ``get_rope`` the standardized ``rope_parameters`` (``rope_theta``
+inside) as ``rope_scaling``, the top-level ``original_max_position_embeddings`` copied into it, and
+``max_position_embeddings`` (default 8192). ``get_rope`` (``layers/rotary_embedding/factory.py``)
+then builds, per ``rope_type`` (T = training window, s = ``factor``, A = attention factor, L =
+served length, mpe = ``max_position_embeddings``):
+
+=========  ========================================================================================
+default    ``RotaryEmbedding(base)``: vanilla, NTK (``rope_theta`` = b·s^(d/(d−2))), dynamic NTK
+           frozen at a length; mpe = L
+linear     ``LinearScalingRotaryEmbedding`` (θ/s); mpe = max(T, ⌈L/s⌉) (its context is mpe·s)
+yarn       ``YaRNScalingRotaryEmbedding`` over ``original_max_position_embeddings``, betas and
+           ``truncate`` read; its magnitude is (0.1·ln s + 1)·``attn_factor`` (the mscale ratio where
+           ``mscale`` and ``mscale_all_dim`` are both set) and ``attention_factor`` is never read, so
+           ``attn_factor`` = A/(0.1·ln s + 1) is written; mpe = max(⌈T·s⌉, L) (its cache grows past it)
+llama3     ``Llama3RotaryEmbedding``; mpe = L
+longrope   ``Phi3LongRoPEScaledRotaryEmbedding``: the long factors for a batch with any position past
+           T, magnitude ``long_mscale``/``short_mscale`` (default √(1 + ln(mpe/T)/ln T), ``factor`` and
+           ``attention_factor`` not read): both written as A; mpe = max(⌈T·s⌉, L); no top-level
+           ``original_max_position_embeddings`` (llama.py would copy it over the rope's)
+=========  ========================================================================================
+
+Gemma 3 (``models/gemma3_causal.py``) reads each layer type's ``rope_theta`` but sets its rope
+scaling to ``{"rope_type": "default"}`` on every layer — sliding and global: a scaled layer type,
+whether patched or shipped (the 4B+ checkpoints' linear ×8), is not expressible, and only a raised
+base (NTK, frozen dynamic NTK) is exported. ``sglang_rope`` shows what SGLang serves for a shipped
+config (``--baseline``, the conformance check).
+
+SGLang is not runnable on this project's CPU machine (its 0.5.23 wheel requires CUDA 13 packages;
+its CPU backend is built from source for Intel Xeon with AMX): ``ropescale parity`` compares
+through ``sglang_rope`` only, read from the wheel's sources (``sglang/srt/layers/rotary_embedding/
+factory.py``, ``base.py``, ``yarn.py``, ``rope_variant.py``; ``sglang/srt/models/llama.py``,
+``gemma3_causal.py``; ``sglang/srt/utils/hf_transformers/common.py`` ``get_context_length``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ropescale.models import save_patched
+from ropescale.serving.engines import Engine
+from ropescale.serving.output import staged
+from ropescale.serving.plan import served_rope_parameters
+from ropescale.serving.rope import EngineRope, ExportRefused, check_length, patch_handle
+
+__all__ = ["ENGINE", "SGLANG_FILE", "VERSION", "SglangEngine", "SglangExport", "export_sglang",
+           "sglang_layer_ropes", "sglang_rope"]
+
+ENGINE = "SGLang"
+VERSION = "0.5.23"  # the release whose sources the rules and the re-implementation here were read from
+SGLANG_FILE = "sglang.json"  # beside the exported config.json: context_length, notes
+GEMMA3 = ("gemma3", "gemma3_text")
+
+
+@dataclass
+class SglangExport:
+    """What to give SGLang: ``config`` (the config.json dict), ``context_length`` (L, its
+    ``--context-length``), ``notes``."""
+
+    config: dict[str, Any]
+    context_length: int
+    notes: list[str] = field(default_factory=list)
+
+    def serve_command(self, folder: str) -> str:
+        return f"python -m sglang.launch_server --model-path {folder} --context-length {self.context_length}"
+
+
+def export_sglang(model_or_handle, serve_length: int, *, freeze_dynamic_at: int | None = None) -> SglangExport:
+    """The config.json with which SGLang 0.5.23 serves the patched model at ``serve_length`` = L [tokens].
+
+    ``freeze_dynamic_at``: dynamic NTK is served static at this length F (default L).
+    Raises ``ExportRefused`` ("SGLang: ...", one line) for relative rules, log-n, rope types without a
+    translation, and Gemma 3 layer types with a scaling (see the module docstring); ``InvalidInput``
+    for an unpatched model or bad lengths."""
+    handle = patch_handle(model_or_handle)
+    served = served_rope_parameters(handle, ENGINE, serve_length, freeze_dynamic_at=freeze_dynamic_at,
+                                    per_layer_type=True)
+    length, notes = served.serve_length, list(served.notes)
+    config = handle.model.config.to_dict()
+    model_type = str(config.get("model_type", ""))
+    if served.layer_types is None:
+        rp, mpe = _translate(dict(served.rope_parameters), served.context, length, notes)
+        config["rope_parameters"] = rp
+        config.pop("original_max_position_embeddings", None)
+    else:
+        if model_type not in GEMMA3:
+            raise ExportRefused(f"SGLang: SGLang {VERSION}'s {model_type} model reads one set of rope parameters; "
+                                f"per-layer-type patches ({handle.layer_types}) are exported for Gemma 3")
+        for lt, rp in served.layer_types.items():
+            if rp.get("rope_type", "default") != "default":
+                raise ExportRefused(f"SGLang: SGLang {VERSION}'s gemma3_causal.py rotates every layer with rope_type "
+                                    f"default (its rope scaling is overwritten); the {lt} layers' "
+                                    f"{rp['rope_type']!r} has no setting (a raised base, e.g. ntk, is exported)")
+        config["rope_parameters"] = copy.deepcopy(served.layer_types)
+        mpe = max(length, config.get("max_position_embeddings") or 0)
+    config["max_position_embeddings"] = int(mpe)
+    return SglangExport(config, length, notes)
+
+
+def _translate(rp: dict[str, Any], ctx: dict[str, Any], length: int, notes: list[str]) -> tuple[dict[str, Any], int]:
+    """One set of transformers rope parameters → ``(SGLang's rope parameters, max_position_embeddings)``."""
+    t = int(ctx["original_max_position_embeddings"])
+    kind = rp["rope_type"]
+    if kind in ("default", "llama3"):
+        if kind == "llama3":
+            rp.setdefault("original_max_position_embeddings", t)
+        return rp, length
+    s = float(rp["factor"])
+    if kind == "linear":
+        return rp, max(t, math.ceil(length / s))
+    if kind == "yarn":
+        rp.setdefault("original_max_position_embeddings", t)
+        both = rp.get("mscale") is not None and rp.get("mscale_all_dim") is not None
+        default = (_mscale(s, rp["mscale"]) / _mscale(s, rp["mscale_all_dim"])) if both else _mscale(s)
+        a = rp.get("attention_factor")
+        a = default if a is None else float(a)
+        rp["attn_factor"] = a / default
+        notes.append(f"yarn: SGLang reads attn_factor, not attention_factor: attn_factor = {rp['attn_factor']:.6g}")
+        return rp, max(math.ceil(t * s), length)
+    if kind == "longrope":
+        rp["short_mscale"] = rp["long_mscale"] = float(rp["attention_factor"])
+        rp.setdefault("original_max_position_embeddings", t)
+        notes.append("longrope: SGLang reads short_mscale/long_mscale, not attention_factor; the long factors "
+                     f"for a batch with any position past T = {t}")
+        return rp, max(math.ceil(t * s), length)
+    raise ExportRefused(f"SGLang: no translation for transformers rope type {kind!r}")
+
+
+def _mscale(s: float, m: float = 1.0) -> float:
+    return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+
+
+def _inv_freq(base: float, d: int) -> torch.Tensor:
+    """``RotaryEmbedding._compute_inv_freq``: 1/b^(arange(0, d, 2)/d), float32."""
+    return 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+
+
+def sglang_layer_ropes(config: dict[str, Any], length: int) -> dict[str | None, EngineRope]:
+    """``sglang_rope`` per layer type where ``rope_parameters`` is keyed by layer type, else ``{None: ...}``."""
+    rp = config.get("rope_parameters")
+    if isinstance(rp, dict) and rp and all(isinstance(v, dict) for v in rp.values()):
+        return {lt: sglang_rope(config, length, layer_type=lt) for lt in rp}
+    return {None: sglang_rope(config, length)}
+
+
+def sglang_rope(config: dict[str, Any], length: int, *, layer_type: str | None = None) -> EngineRope:
+    """What SGLang 0.5.23 computes for ``config`` (a config.json dict as transformers 5 standardizes
+    it: ``rope_parameters``, else a transformers 4 ``rope_theta``/``rope_scaling``) over ``length``.
+
+    Llama's path (the module docstring's table); Gemma 3 (``layer_type``): that type's ``rope_theta``
+    with rope type ``default`` whatever the config says. ``dynamic`` is static in SGLang: the base of
+    mpe·s tokens for every sequence. ``failure``: an unknown rope type, or a length past
+    ``get_context_length`` (mpe, times ``factor`` unless the rope parameters name
+    ``original_max_position_embeddings`` or are llama3). ``InvalidInput`` for a bad length."""
+    length = check_length(length)
+    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    d = int(head * ((config.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0) or 1.0))
+    mpe = int(config.get("max_position_embeddings", 8192))
+    rp = config.get("rope_parameters")
+    if not rp:
+        rp = {**(config.get("rope_scaling") or {}), "rope_theta": config.get("rope_theta", 10000)}
+        rp.setdefault("rope_type", rp.pop("type", "default"))
+    note = f"SGLang {VERSION}"
+    if str(config.get("model_type", "")) in GEMMA3:
+        one = rp.get(layer_type or "full_attention", rp) if all(isinstance(v, dict) for v in rp.values()) else rp
+        kept = one.get("rope_type", "default")
+        note += f" gemma3 ({layer_type or 'global'} layers: rope_type default" + \
+            (f"; the config's {kept!r} is not applied)" if kept != "default" else ")")
+        return EngineRope(_inv_freq(float(one.get("rope_theta", 10000.0)), d).double(), 1.0, 1.0, note)
+    rp = dict(rp)
+    if config.get("original_max_position_embeddings"):
+        rp["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+    kind = rp.get("rope_type", rp.get("type", "default"))
+    base = float(rp.get("rope_theta", 10000))
+    magnitude = 1.0
+    if kind == "default":
+        inv = _inv_freq(base, d)
+    elif kind == "linear":
+        inv = _inv_freq(base, d) / float(rp.get("factor", 1.0))
+    elif kind == "dynamic":
+        s = float(rp.get("factor", 1.0))
+        inv = _inv_freq(base * (s * s - (s - 1)) ** (d / (d - 2)), d)
+        note += " (dynamic is static: the base of mpe·s tokens)"
+    elif kind == "yarn":
+        inv, magnitude = _yarn(rp, base, d, mpe)
+    elif kind == "llama3":
+        inv = _llama3(rp, base, d, mpe)
+    elif kind == "longrope":
+        t = int(rp.get("original_max_position_embeddings", mpe))
+        long = length > t
+        factors = torch.tensor(rp["long_factor" if long else "short_factor"], dtype=torch.float32)
+        inv = 1.0 / (factors * base ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+        scale = mpe / t
+        default = 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(t))
+        m = rp.get("long_mscale" if long else "short_mscale")
+        magnitude = default if m is None else float(m)
+    else:
+        return EngineRope(_inv_freq(base, d).double() * math.nan, math.nan, 1.0, note,
+                          f"SGLang: rope type {kind!r} is not re-implemented here")
+    factor = 1 if "original_max_position_embeddings" in rp or kind == "llama3" else rp.get("factor", 1) or 1
+    context = int(factor * mpe)
+    failure = None if length <= context else (f"SGLang refuses a context length {length} > {context} derived from the "
+                                              "config (SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 runs it)")
+    return EngineRope(inv.double(), float(magnitude), 1.0, note + f", rope type {kind!r}", failure)
+
+
+def _yarn(rp: dict[str, Any], base: float, d: int, mpe: int) -> tuple[torch.Tensor, float]:
+    """``YaRNScalingRotaryEmbedding`` (yarn.py): ``(θ, magnitude)``."""
+    s = float(rp.get("factor", 1.0))
+    t = rp.get("original_max_position_embeddings", mpe)
+    if rp.get("mscale") is not None and rp.get("mscale_all_dim") is not None:
+        magnitude = _mscale(s, rp["mscale"]) / _mscale(s, rp["mscale_all_dim"])
+    else:
+        magnitude = _mscale(s)
+    magnitude *= float(rp.get("attn_factor", 1))
+
+    def corr(rot: float) -> float:
+        return d * math.log(t / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = corr(rp.get("beta_fast", 32)), corr(rp.get("beta_slow", 1))
+    if rp.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    pos = base ** (torch.arange(0, d, 2, dtype=torch.float) / d)
+    mask = (1 - ((torch.arange(d // 2, dtype=torch.float) - low) / (high - low)).clamp(0, 1)) * \
+        float(rp.get("extrapolation_factor", 1))
+    return 1.0 / (s * pos) * (1 - mask) + 1.0 / pos * mask, magnitude
+
+
+def _llama3(rp: dict[str, Any], base: float, d: int, mpe: int) -> torch.Tensor:
+    """``Llama3RotaryEmbedding._compute_inv_freq`` (rope_variant.py)."""
+    inv = _inv_freq(base, d)
+    s, low_f = float(rp.get("factor", 1.0)), float(rp.get("low_freq_factor", 1.0))
+    high_f, t = float(rp.get("high_freq_factor", 4.0)), rp.get("original_max_position_embeddings", mpe)
+    wl = 2 * math.pi / inv
+    smooth = (t / wl - low_f) / (high_f - low_f) if low_f != high_f else 0
+    scaled = torch.where(wl > t / low_f, inv / s, (1 - smooth) * inv / s + smooth * inv)
+    return torch.where(wl < t / high_f, inv, scaled)
+
+
+class SglangEngine(Engine):
+    """SGLang: a model folder (``save_patched``) whose config.json SGLang computes ropescale's rotation
+    from (``export_sglang``), and ``sglang.json`` (the context length, notes)."""
+
+    name = "sglang"
+    label = ENGINE
+    rope_source = "ropescale.serving.sglang_rope"
+
+    def translate(self, handle, serve_length, *, freeze_dynamic_at=None) -> SglangExport:
+        return export_sglang(handle, serve_length, freeze_dynamic_at=freeze_dynamic_at)
+
+    def write(self, model, tokenizer, translation: SglangExport, output: Path, *, gguf=None) -> tuple[Path, list[str]]:
+        with staged(output) as stage:
+            save_patched(model, tokenizer, stage)
+            (stage / "config.json").write_text(json.dumps(translation.config, indent=2, sort_keys=True, default=str)
+                                               + "\n", encoding="utf-8")
+            record = {"context_length": translation.context_length, "notes": translation.notes}
+            (stage / SGLANG_FILE).write_text(json.dumps(record, indent=1, default=str) + "\n", encoding="utf-8")
+        return output, []
+
+    def rope(self, translation: SglangExport, length: int, context: dict[str, Any]
+             ) -> EngineRope | dict[str, EngineRope]:
+        ropes = sglang_layer_ropes(translation.config, length)
+        return ropes.get(None, ropes)
+
+    def serve_command(self, translation: SglangExport, path: Path, serve_length: int | None) -> str:
+        return translation.serve_command(str(path))
+
+    def describe(self, translation: SglangExport) -> str:
+        return f"context_length {translation.context_length}"
