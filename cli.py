@@ -789,9 +789,9 @@ def parity(model, strategy_specs, lengths, engine_list, end_to_end, data, window
            baseline, output, device, quiet) -> None:
     """Per engine (plain transformers, vLLM, llama.cpp, MLX, SGLang) × strategy × length: the
     frequencies, cos/sin magnitude and softmax scale the engine computes from ropescale's export
-    against ropescale's, the largest angle difference up to L and a verdict — from the engine's own code where installed, from
-    ropescale's re-implementation otherwise; with --end-to-end, held-out log-probabilities through
-    the real engine. Writes parity.md, parity.csv, parity.png to OUTPUT."""
+    against ropescale's, the largest angle difference up to L and a verdict — from the engine's own
+    code where installed, from ropescale's re-implementation otherwise; with --end-to-end, held-out
+    log-probabilities through the real engine. Writes parity.md, parity.csv, parity.png to OUTPUT."""
     run_parity, write_parity = harness("parity", "run_parity", "write_parity")
 
     specs = [_strategy(s) for s in strategy_specs]
