@@ -162,7 +162,7 @@ RopescaleGroup.group_class = type  # `reference`'s subcommands get the same clas
 
 class EngineChoice(click.Choice):
     """The registered serving engines by their one name each (``ropescale.serving.engines``:
-    ``transformers``, ``vllm``, ``llama.cpp`` and plugins' engines, read when first needed); an old
+    ``transformers``, ``vllm``, ``llama.cpp``, ``mlx``, ``sglang`` and plugins' engines, read when first needed); an old
     name (``gguf``, the file format ``patch --target`` named llama.cpp by) still parses, with a note."""
 
     def __init__(self) -> None:

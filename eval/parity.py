@@ -1,6 +1,6 @@
 """``ropescale parity``: does a serving engine rotate (and score text) as ropescale's patched model does?
 
-For a model, strategies and served lengths L, per engine (transformers, vLLM, llama.cpp, a plugin's)
+For a model, strategies and served lengths L, per engine (transformers, vLLM, llama.cpp, MLX, SGLang, a plugin's)
 × strategy × L — each engine through its driver (``eval.engines``: ``EngineDriver``; this module names
 no engine):
 

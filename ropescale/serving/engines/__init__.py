@@ -2,7 +2,7 @@
 
 An engine is one registered entry (``ENGINES``, the project's ``ropescale.registry.Registry``):
 every module of this package is imported on first lookup (``transformers``, ``vllm``,
-``llama_cpp``), and an installed package adds engines through the ``ropescale.engines``
+``llama_cpp``, ``mlx``, ``sglang``), and an installed package adds engines through the ``ropescale.engines``
 entry-point group. Subclassing ``Engine`` with a ``name`` registers it. Its steps, in the order
 ``ropescale.serving.export_for`` runs them:
 
@@ -21,7 +21,7 @@ The harness side (``ropescale parity``: the real engine run as a subprocess, end
 log-probabilities) is the engine's driver in ``eval/engines/`` (``eval.engines.base``); an
 engine without one is compared through ``rope`` alone.
 
-One name per engine: ``transformers``, ``vllm``, ``llama.cpp``. ``gguf``, the file format
+One name per engine: ``transformers``, ``vllm``, ``llama.cpp``, ``mlx``, ``sglang``. ``gguf``, the file format
 llama.cpp's export was once named by, still resolves to ``llama.cpp`` with a ``FutureWarning``.
 """
 
