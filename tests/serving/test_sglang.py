@@ -83,3 +83,12 @@ def test_sglang_serves_gemma3s_shipped_linear_global_layers_unscaled():
     assert "the config's 'linear' is not applied" in ropes["full_attention"].note
     local = torch.tensor([1e4 ** (-2 * i / 16) for i in range(8)], dtype=torch.float64)
     assert torch.allclose(ropes["sliding_attention"].inv_freq, local, rtol=1e-6)
+
+
+def test_a_multimodal_config_is_read_through_its_text_config():
+    from tests.conftest import tiny_gemma3_config
+
+    text = tiny_gemma3_config(rope_type="linear", factor=8.0).to_dict()
+    nested = {"model_type": "gemma3", "text_config": text}
+    for lt, rope in sglang_layer_ropes(nested, 256).items():
+        assert torch.equal(rope.inv_freq, sglang_layer_ropes(text, 256)[lt].inv_freq)

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from ropescale.models import save_patched
+from ropescale.rope_config import text_config
 from ropescale.serving.engines import Engine
 from ropescale.serving.output import staged
 from ropescale.serving.plan import served_rope_parameters
@@ -87,10 +88,12 @@ def export_sglang(model_or_handle, serve_length: int, *, freeze_dynamic_at: int 
     length, notes = served.serve_length, list(served.notes)
     config = handle.model.config.to_dict()
     model_type = str(config.get("model_type", ""))
+    # a multimodal config keeps its language model's keys under text_config, which SGLang's text model reads
+    text = config["text_config"] if text_config(handle.model.config) is not handle.model.config else config
     if served.layer_types is None:
         rp, mpe = _translate(dict(served.rope_parameters), served.context, length, notes)
-        config["rope_parameters"] = rp
-        config.pop("original_max_position_embeddings", None)
+        text["rope_parameters"] = rp
+        text.pop("original_max_position_embeddings", None)
     else:
         if model_type not in GEMMA3:
             raise ExportRefused(f"SGLang: SGLang {VERSION}'s {model_type} model reads one set of rope parameters; "
@@ -100,9 +103,9 @@ def export_sglang(model_or_handle, serve_length: int, *, freeze_dynamic_at: int 
                 raise ExportRefused(f"SGLang: SGLang {VERSION}'s gemma3_causal.py rotates every layer with rope_type "
                                     f"default (its rope scaling is overwritten); the {lt} layers' "
                                     f"{rp['rope_type']!r} has no setting (a raised base, e.g. ntk, is exported)")
-        config["rope_parameters"] = copy.deepcopy(served.layer_types)
-        mpe = max(length, config.get("max_position_embeddings") or 0)
-    config["max_position_embeddings"] = int(mpe)
+        text["rope_parameters"] = copy.deepcopy(served.layer_types)
+        mpe = max(length, text.get("max_position_embeddings") or 0)
+    text["max_position_embeddings"] = int(mpe)
     return SglangExport(config, length, notes)
 
 
@@ -144,9 +147,14 @@ def _inv_freq(base: float, d: int) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float) / d))
 
 
+def _text(config: dict[str, Any]) -> dict[str, Any]:
+    """A config.json dict's language-model part (``text_config`` of a multimodal one)."""
+    return config.get("text_config", config) if "num_attention_heads" not in config else config
+
+
 def sglang_layer_ropes(config: dict[str, Any], length: int) -> dict[str | None, EngineRope]:
     """``sglang_rope`` per layer type where ``rope_parameters`` is keyed by layer type, else ``{None: ...}``."""
-    rp = config.get("rope_parameters")
+    rp = _text(config).get("rope_parameters")
     if isinstance(rp, dict) and rp and all(isinstance(v, dict) for v in rp.values()):
         return {lt: sglang_rope(config, length, layer_type=lt) for lt in rp}
     return {None: sglang_rope(config, length)}
@@ -162,6 +170,8 @@ def sglang_rope(config: dict[str, Any], length: int, *, layer_type: str | None =
     ``get_context_length`` (mpe, times ``factor`` unless the rope parameters name
     ``original_max_position_embeddings`` or are llama3). ``InvalidInput`` for a bad length."""
     length = check_length(length)
+    model_type = str(config.get("model_type", ""))
+    config = _text(config)
     head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     d = int(head * ((config.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0) or 1.0))
     mpe = int(config.get("max_position_embeddings", 8192))
@@ -170,7 +180,7 @@ def sglang_rope(config: dict[str, Any], length: int, *, layer_type: str | None =
         rp = {**(config.get("rope_scaling") or {}), "rope_theta": config.get("rope_theta", 10000)}
         rp.setdefault("rope_type", rp.pop("type", "default"))
     note = f"SGLang {VERSION}"
-    if str(config.get("model_type", "")) in GEMMA3:
+    if model_type in GEMMA3:
         one = rp.get(layer_type or "full_attention", rp) if all(isinstance(v, dict) for v in rp.values()) else rp
         kept = one.get("rope_type", "default")
         note += f" gemma3 ({layer_type or 'global'} layers: rope_type default" + \
