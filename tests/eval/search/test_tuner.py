@@ -34,11 +34,11 @@ def _url(tmp_path, name="study.db") -> str:
 
 @pytest.mark.parametrize("method", ["tpe", "cmaes"])
 def test_finds_a_known_optimum(tmp_path, method):
-    study = run_study(SPACE, bowl, storage=_url(tmp_path), study_name="s", method=method, seed=1, budget=80)
+    study = run_study(SPACE, bowl, storage=_url(tmp_path), study_name="s", method=method, seed=1, budget=50)
     best, feasible = best_trial(study)
     assert feasible
     assert abs(best.params["x"] - 1.3) < 0.3 and abs(best.params["n"] - 20) <= 4
-    assert len(finished(study)) == 80
+    assert len(finished(study)) == 50
 
 
 def test_the_best_trial_is_feasible(tmp_path):
