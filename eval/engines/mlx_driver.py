@@ -15,7 +15,7 @@ positions 0 … L−1: ``cos[m][i]`` = magnitude·cos(angle of pair i at positio
 ``logprobs``: ``{"jobs": [{"model": DIR, "ids": [[int, ...], ...]}, ...]}`` → ``{"jobs": [{"logprobs":
 [[float, ...], ...], "seconds": s} | {"error": line}, ...], "mlx": version}``: ``mlx_lm.utils.load_model``
 of the folder, one forward per sequence (float32), ``logprobs[k][j]`` = log p(ids[j+1] | ids[:j+1])
-(log-softmax in float64).
+(log-softmax in float64, ``CHUNK`` positions at a time: a 262k vocabulary at 2k tokens is 4 GiB per float64 copy).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+CHUNK = 256  # rows of the [n, V] logits turned into float64 log-probabilities at a time
 
 
 def _version() -> str:
@@ -83,10 +85,14 @@ def logprobs(request: dict) -> dict:
             continue
         rows = []
         for ids in job["ids"]:
-            logits = np.array(model(mx.array([ids])).astype(mx.float32))[0].astype(np.float64)
-            logits -= logits.max(-1, keepdims=True)
-            logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-            rows.append([float(logp[j, ids[j + 1]]) for j in range(len(ids) - 1)])
+            logits = np.array(model(mx.array([ids])).astype(mx.float32))[0]  # [n, V] float32
+            row = []
+            for a in range(0, len(ids) - 1, CHUNK):  # float64 log-softmax, CHUNK rows at a time: O(CHUNK·V) more memory
+                part = logits[a:min(a + CHUNK, len(ids) - 1)].astype(np.float64)
+                part -= part.max(-1, keepdims=True)
+                lse = np.log(np.exp(part).sum(-1))
+                row += [float(part[j, ids[a + j + 1]] - lse[j]) for j in range(part.shape[0])]
+            rows.append(row)
         out.append({"logprobs": rows, "seconds": time.perf_counter() - start})
     return {"jobs": out, "mlx": _version()}
 
