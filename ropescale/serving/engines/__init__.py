@@ -27,16 +27,19 @@ llama.cpp's export was once named by, still resolves to ``llama.cpp`` with a ``F
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 from typing import Any, ClassVar
 
 from ropescale.errors import UnknownNameError
+from ropescale.models import save_patched
 from ropescale.patching import PatchHandle
 from ropescale.registry import Registry
+from ropescale.serving.output import staged
 from ropescale.serving.rope import EngineRope
 
-__all__ = ["ALIASES", "ENGINES", "Engine", "UnknownEngineError", "engine_names", "get_engine"]
+__all__ = ["ALIASES", "ENGINES", "Engine", "UnknownEngineError", "engine_names", "get_engine", "write_model_folder"]
 
 # old names → the engine's one name (each resolved with a FutureWarning)
 ALIASES = {"gguf": "llama.cpp"}
@@ -104,6 +107,19 @@ class Engine:
     def describe(self, translation) -> str:
         """One line: what the export set (a parity table's ``export`` column)."""
         return ""
+
+
+def write_model_folder(model, tokenizer, output: Path, config: dict[str, Any], record_file: str,
+                       record: dict[str, Any]) -> Path:
+    """What a folder engine (vLLM, MLX, SGLang) writes: ``save_patched``'s folder with ``config`` as its
+    config.json and ``record`` (the engine's settings and notes) as ``record_file`` beside it, staged
+    (whole or nothing). Returns ``output``."""
+    with staged(output) as stage:
+        save_patched(model, tokenizer, stage)
+        (stage / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n",
+                                           encoding="utf-8")
+        (stage / record_file).write_text(json.dumps(record, indent=1, default=str) + "\n", encoding="utf-8")
+    return output
 
 
 ENGINES: Registry[type[Engine]] = Registry("engine", "engines", UnknownEngineError, package=__name__,

@@ -44,9 +44,7 @@ from typing import Any
 
 import torch
 
-from ropescale.models import save_patched
-from ropescale.serving.engines import Engine
-from ropescale.serving.output import staged
+from ropescale.serving.engines import Engine, write_model_folder
 from ropescale.serving.plan import served_rope_parameters
 from ropescale.serving.rope import EngineRope, ExportRefused, check_length, patch_handle
 
@@ -61,8 +59,6 @@ MLX_FILE = "mlx.json"  # beside the exported config.json: the keys written, note
 MODEL_TYPES = {"llama": 10000.0, "qwen2": 1000000.0, "qwen3": None, "olmo2": 10000.0}
 REMAP = {"mistral": "llama", "iquestcoder": "llama", "xverse": "llama"}  # mlx_lm.utils.MODEL_REMAPPING (its part here)
 GEMMA3 = "gemma3_text"
-_SCALING_KEYS = ("rope_theta", "rope_scaling", "max_position_embeddings", "rope_local_base_freq",
-                 "sliding_window_pattern")
 
 
 @dataclass
@@ -89,7 +85,8 @@ def export_mlx(model_or_handle, serve_length: int, *, freeze_dynamic_at: int | N
     layer of Gemma 3); ``InvalidInput`` for an unpatched model or bad lengths.
     """
     handle = patch_handle(model_or_handle)
-    model_type = mlx_model_type(handle.model.config.to_dict())
+    config = handle.model.config.to_dict()
+    model_type = mlx_model_type(config)
     if model_type not in MODEL_TYPES and model_type != GEMMA3:
         raise ExportRefused(f"MLX: {VERSION}'s {model_type} model is not one whose rope keys ropescale has read "
                             f"(exported: {', '.join([*MODEL_TYPES, GEMMA3])})")
@@ -105,8 +102,7 @@ def export_mlx(model_or_handle, serve_length: int, *, freeze_dynamic_at: int | N
         if model_type != GEMMA3:
             raise ExportRefused(f"MLX: {VERSION}'s {model_type} model reads one set of rope parameters for every "
                                 f"layer; per-layer-type patches ({handle.layer_types}) are exported for {GEMMA3}")
-        keys = _gemma3(handle.model.config.to_dict(), served, length, notes)
-    config = handle.model.config.to_dict()
+        keys = _gemma3(config, served, length, notes)
     config["rope_parameters"] = served.layer_types or served.rope_parameters  # for plain transformers
     config.pop("rope_scaling", None)
     config.update(keys)
@@ -219,26 +215,25 @@ def mlx_rope(config: dict[str, Any], length: int, *, layer_type: str | None = No
     """
     length = check_length(length)
     model_type = mlx_model_type(config)
-    text = config
-    head = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     d = int(head)
     note = f"{VERSION} {model_type}"
     if model_type == GEMMA3:
         if layer_type == "sliding_attention":
-            return EngineRope(_inv_freq(float(text.get("rope_local_base_freq", 10000.0)), d).double(), 1.0, 1.0,
+            return EngineRope(_inv_freq(float(config.get("rope_local_base_freq", 10000.0)), d).double(), 1.0, 1.0,
                               note + " (sliding layers: rope_local_base_freq)")
-        base, scaling, mpe = float(text.get("rope_theta", 1000000.0)), text.get("rope_scaling"), 32768
+        base, scaling, mpe = float(config.get("rope_theta", 1000000.0)), config.get("rope_scaling"), 32768
         note += f" ({layer_type or 'global'} layers)"
     elif model_type in MODEL_TYPES:
-        base, scaling, mpe = text.get("rope_theta", MODEL_TYPES[model_type]), text.get("rope_scaling"), None
-        if model_type == "qwen3" and text.get("rope_parameters"):  # qwen3.py's __post_init__ falls back to them
-            base = text["rope_parameters"].get("rope_theta") if base is None else base
-            scaling = text["rope_parameters"] if scaling is None else scaling
+        base, scaling, mpe = config.get("rope_theta", MODEL_TYPES[model_type]), config.get("rope_scaling"), None
+        if model_type == "qwen3" and config.get("rope_parameters"):  # qwen3.py's __post_init__ falls back to them
+            base = config["rope_parameters"].get("rope_theta") if base is None else base
+            scaling = config["rope_parameters"] if scaling is None else scaling
         base = float(base)
     else:
         return EngineRope(torch.full((d // 2,), math.nan, dtype=torch.float64), math.nan, 1.0, note,
                           f"MLX: no re-implementation of {VERSION}'s {model_type} model")
-    mpe = text.get("max_position_embeddings", mpe)
+    mpe = config.get("max_position_embeddings", mpe)
     kind = (scaling or {}).get("type") or (scaling or {}).get("rope_type", "default")
     magnitude = 1.0
     if kind in ("default", "linear"):
@@ -309,13 +304,8 @@ class MlxEngine(Engine):
         return export_mlx(handle, serve_length, freeze_dynamic_at=freeze_dynamic_at)
 
     def write(self, model, tokenizer, translation: MlxExport, output: Path, *, gguf=None) -> tuple[Path, list[str]]:
-        with staged(output) as stage:
-            save_patched(model, tokenizer, stage)
-            (stage / "config.json").write_text(json.dumps(translation.config, indent=2, sort_keys=True, default=str)
-                                               + "\n", encoding="utf-8")
-            record = {"serve_length": translation.serve_length, "keys": translation.keys, "notes": translation.notes}
-            (stage / MLX_FILE).write_text(json.dumps(record, indent=1, default=str) + "\n", encoding="utf-8")
-        return output, []
+        record = {"serve_length": translation.serve_length, "keys": translation.keys, "notes": translation.notes}
+        return write_model_folder(model, tokenizer, output, translation.config, MLX_FILE, record), []
 
     def rope(self, translation: MlxExport, length: int, context: dict[str, Any]) -> EngineRope | dict[str, EngineRope]:
         """``mlx_rope`` of the exported config; per layer type for gemma3_text."""

@@ -38,7 +38,6 @@ factory.py``, ``base.py``, ``yarn.py``, ``rope_variant.py``; ``sglang/srt/models
 from __future__ import annotations
 
 import copy
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,10 +45,8 @@ from typing import Any
 
 import torch
 
-from ropescale.models import save_patched
 from ropescale.rope_config import text_config
-from ropescale.serving.engines import Engine
-from ropescale.serving.output import staged
+from ropescale.serving.engines import Engine, write_model_folder
 from ropescale.serving.plan import served_rope_parameters
 from ropescale.serving.rope import EngineRope, ExportRefused, check_length, patch_handle
 
@@ -271,13 +268,8 @@ class SglangEngine(Engine):
         return export_sglang(handle, serve_length, freeze_dynamic_at=freeze_dynamic_at)
 
     def write(self, model, tokenizer, translation: SglangExport, output: Path, *, gguf=None) -> tuple[Path, list[str]]:
-        with staged(output) as stage:
-            save_patched(model, tokenizer, stage)
-            (stage / "config.json").write_text(json.dumps(translation.config, indent=2, sort_keys=True, default=str)
-                                               + "\n", encoding="utf-8")
-            record = {"context_length": translation.context_length, "notes": translation.notes}
-            (stage / SGLANG_FILE).write_text(json.dumps(record, indent=1, default=str) + "\n", encoding="utf-8")
-        return output, []
+        record = {"context_length": translation.context_length, "notes": translation.notes}
+        return write_model_folder(model, tokenizer, output, translation.config, SGLANG_FILE, record), []
 
     def rope(self, translation: SglangExport, length: int, context: dict[str, Any]
              ) -> EngineRope | dict[str, EngineRope]:

@@ -48,10 +48,8 @@ from typing import Any
 import torch
 
 from ropescale.errors import InvalidInput
-from ropescale.models import save_patched
 from ropescale.rope_config import text_config
-from ropescale.serving.engines import Engine
-from ropescale.serving.output import staged
+from ropescale.serving.engines import Engine, write_model_folder
 from ropescale.serving.plan import served_rope_parameters
 from ropescale.serving.rope import EngineRope, ExportRefused, check_length, patch_handle
 
@@ -396,14 +394,9 @@ class VllmEngine(Engine):
         return export_vllm(handle, serve_length, freeze_dynamic_at=freeze_dynamic_at)
 
     def write(self, model, tokenizer, translation: VllmExport, output: Path, *, gguf=None) -> tuple[Path, list[str]]:
-        with staged(output) as stage:
-            save_patched(model, tokenizer, stage)
-            (stage / "config.json").write_text(json.dumps(translation.config, indent=2, sort_keys=True, default=str)
-                                               + "\n", encoding="utf-8")
-            record = {"max_model_len": translation.max_model_len, "hf_overrides": translation.hf_overrides,
-                      "notes": translation.notes}
-            (stage / VLLM_FILE).write_text(json.dumps(record, indent=1, default=str) + "\n", encoding="utf-8")
-        return output, []
+        record = {"max_model_len": translation.max_model_len, "hf_overrides": translation.hf_overrides,
+                  "notes": translation.notes}
+        return write_model_folder(model, tokenizer, output, translation.config, VLLM_FILE, record), []
 
     def rope(self, translation: VllmExport, length: int, context: dict[str, Any]
              ) -> EngineRope | dict[str, EngineRope]:
