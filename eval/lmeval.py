@@ -71,7 +71,7 @@ def check_model_args(args: dict[str, Any]) -> dict[str, Any]:
     options, ``dtype``/``device``/``max_length`` and ``HFLM``'s own), parameters in range and
     present, patch options of the right kind. Returns the validated strategy parameters.
     Raises ``ModelArgsError`` in one line."""
-    from ropescale.models import _DTYPES, MODEL_ALIASES, ModelLoadError, resolve_model
+    from ropescale.models import DTYPES, MODEL_ALIASES, ModelLoadError, resolve_model
     from ropescale.patching import DYNAMIC_CACHE_MODES
     from ropescale.strategies import UnknownStrategyError
 
@@ -103,8 +103,8 @@ def check_model_args(args: dict[str, Any]) -> dict[str, Any]:
     except ValueError as e:
         raise fail(str(e)) from None
     dtype = args.get("dtype", "float32")
-    if dtype not in _DTYPES:
-        raise fail(f"dtype={dtype!r}; choose one of {', '.join(_DTYPES)}")
+    if dtype not in DTYPES:
+        raise fail(f"dtype={dtype!r}; choose one of {', '.join(DTYPES)}")
     checks = {
         "original_max_position_embeddings": (lambda v: _whole(v, 2), "must be a whole number of tokens >= 2"),
         "dynamic_cache": (lambda v: v in DYNAMIC_CACHE_MODES, f"; choose one of {', '.join(DYNAMIC_CACHE_MODES)}"),

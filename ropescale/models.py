@@ -56,7 +56,7 @@ REFERENCE_MODEL = Path(__file__).parent / "reference" / "kjv-llama"
 MODEL_ALIASES = {"reference": REFERENCE_MODEL, "kjv-llama": REFERENCE_MODEL}
 PATCH_FILE = "ropescale.json"
 ADAPTER_FILE = "adapter_config.json"  # PEFT's
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ModelLoadError(RopescaleError, ValueError):
@@ -206,8 +206,8 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "auto
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    if dtype not in _DTYPES:
-        raise InvalidInput(f"dtype {dtype!r} unknown; choose one of {', '.join(_DTYPES)}")
+    if dtype not in DTYPES:
+        raise InvalidInput(f"dtype {dtype!r} unknown; choose one of {', '.join(DTYPES)}")
     path = resolve_model(name_or_path)
     base = adapter_base(path)
     if base is not None:
@@ -219,9 +219,9 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "auto
                                  "plain model folder (merge the adapter into its base first)")
         return _load_adapter(name_or_path, path, base, dtype=dtype, device=device,
                              attn_implementation=attn_implementation, device_map=device_map, tokenizer=tokenizer)
-    kwargs = {"dtype": _DTYPES[dtype]}
+    kwargs = {"dtype": DTYPES[dtype]}
     if quantization is not None:
-        kwargs["quantization_config"] = _quantization_config(quantization, _DTYPES[dtype])
+        kwargs["quantization_config"] = _quantization_config(quantization, DTYPES[dtype])
         device_map = {"": str(resolve_device(device))}  # bitsandbytes quantizes as the weights reach the GPU
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation

@@ -1,16 +1,17 @@
 """Patch a loaded Hugging Face causal LM with a strategy, in place and reversibly.
 
-Frequency strategies replace the model's rotary module (``ropescale.rotary``); truncation rules
-make it an identity and move RoPE into attention (``ropescale.attention.interface``); log-n scaling wraps
-attention. The original module object is kept untouched and put back by ``unpatch``, so logits
-are restored bit for bit.
+This module orchestrates; the model side lives in ``ropescale.rotary`` (finding and probing the rotary
+modules, swapping their frequencies, the KV cache, per-family quirks) and the attention side in
+``ropescale.attention``. Frequency strategies swap each rotary module's own buffers
+(``ropescale.rotary.frequencies``); relative-position rules make RoPE an identity and move it into attention
+(``ropescale.attention.interface``); a query temperature (log-n) wraps attention. What a patch changes is
+kept and put back by ``unpatch``, so logits are restored bit for bit.
 
 Patch *after* ``from_pretrained``: loading recomputes ``inv_freq`` of rotary modules.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
@@ -20,20 +21,24 @@ import torch
 from torch import nn
 
 from ropescale.errors import InvalidInput
-from ropescale.layer_rope import LayerRope, RotarySite, layers_without_attention, probe_layers
-from ropescale.rotary import (
-    FrequencyPatch,
+from ropescale.rotary import quirks
+from ropescale.rotary.cache import CacheWatch, WatchedRotaries, decoder_of
+from ropescale.rotary.frequencies import FrequencyEntry, FrequencyPatch, strategy_entry
+from ropescale.rotary.modules import (
     NoRotaryEmbeddingError,
-    _buffer,
-    _config_of,
-    _Entry,
     attention_scaling_of,
+    default_layer_types,
     find_rotary_modules,
-    ignores_buffers,
+    inv_freq_name,
+    layer_rope_parameters_of,
     layer_types_of,
     rope_context,
     rotary_sites,
+    site_context,
+    text_config_of,
 )
+from ropescale.rotary.probe import layers_without_attention, probe_layers
+from ropescale.rotary.sites import LayerRope, RotarySite
 from ropescale.strategies import Strategy, get_strategy
 from ropescale.temperature import NATIVE, Temperature, parse_temperature, shipped
 
@@ -57,7 +62,7 @@ class PatchHandle:
     """What ``patch`` changed; ``unpatch()`` (or leaving the ``with`` block) restores it.
 
     ``layers``: what each attention layer does with positions, read from the model
-    (``ropescale.layer_rope.probe_layers``; None when its attention is not observable); ``report()``
+    (``ropescale.rotary.probe.probe_layers``; None when its attention is not observable); ``report()``
     says per layer what the patch did there."""
 
     model: nn.Module
@@ -156,9 +161,9 @@ class PatchHandle:
             elif info.kind == "unknown":
                 row["applied"] = "unknown rotation: refused for relative rules"
             else:
-                ctx = self.sites.get(info.site) or _site_context(self.model, info.site)
+                ctx = self.sites.get(info.site) or site_context(self.model, info.site)
                 # a relative rule is one rule from the primary layer type's context; each layer's own θ is its own
-                own = _site_context(self.model, info.site) if self.strategy_obj.kind == "attention" else ctx
+                own = site_context(self.model, info.site) if self.strategy_obj.kind == "attention" else ctx
                 rp = layer_rope_parameters_of(self.model, info.site)
                 row |= {"frequencies": str(info.site), "rope_type": rp.get("rope_type", "default"),
                         "rope_theta": own.get("rope_theta"), "rotary_dim": info.dim,
@@ -201,39 +206,9 @@ class PatchHandle:
         self.unpatch()
 
 
-def _site_context(model: nn.Module, site: RotarySite) -> dict[str, Any]:
-    modules = dict(model.named_modules())
-    try:
-        return rope_context(model, modules[site.module_name], site.layer_type)
-    except (KeyError, NoRotaryEmbeddingError):
-        return {}
-
-
-def layer_rope_parameters_of(model: nn.Module, site: RotarySite) -> dict[str, Any]:
-    """The config's ``rope_parameters`` of the layer type a frequency set belongs to ({} if none)."""
-    from ropescale.rope_config import layer_rope_parameters
-
-    modules = dict(model.named_modules())
-    try:
-        return layer_rope_parameters(_config_of(model, modules[site.module_name]), site.layer_type)
-    except (KeyError, ValueError):
-        return {}
-
-
 def current_patch(model: nn.Module) -> PatchHandle | None:
     """The active ``PatchHandle`` of ``model``, or None."""
     return getattr(model, _HANDLE_ATTR, None)
-
-
-def _default_layer_types(model: nn.Module, module: nn.Module, available: list[str | None]) -> list[str | None]:
-    """All types, except sliding-window ones when the model mixes them with global attention:
-    a sliding layer never sees relative positions beyond its window, so it needs no scaling
-    (Gemma 3's own long-context configs scale only ``full_attention``)."""
-    if available == [None]:
-        return available
-    cfg = _config_of(model, module)
-    keep = [t for t in available if "sliding" not in t] if getattr(cfg, "sliding_window", None) else available
-    return keep or available
 
 
 DYNAMIC_CACHE_MODES = ("recompute", "rerotate")
@@ -253,7 +228,7 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
             all but sliding-window types. The others keep the model's own frequencies.
         dynamic_cache: dynamic strategies under a KV cache: ``"recompute"`` (exact; re-runs the
             cached prefix whenever the frequencies change) or ``"rerotate"`` (re-rotates cached
-            keys only; cheaper, approximate past layer 0). See ``ropescale.cache``.
+            keys only; cheaper, approximate past layer 0). See ``ropescale.rotary.cache``.
         dynamic_block: dynamic strategies take L rounded up to a multiple of this [tokens], so
             the frequencies (and, with ``"recompute"``, the prefix) change once per block.
         logn: also scale queries by max(1, ln(p+1)/ln(L_train)) (Su 2023), through the
@@ -299,7 +274,7 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
                     "dynamic_cache": dynamic_cache, "dynamic_block": dynamic_block, "logn": logn and rule is None,
                     "attention_path": attention_path, "block_size": block_size, "temperature": temperature, **params}
     handle.temperature = rule or (Temperature("logn") if logn else None)
-    text = _config_of(model, model)
+    text = text_config_of(model, model)
     handle.own_temperature = {r: shipped(text, r) for r in (True, False)}  # read before a patch changes it
     if keep_own:
         handle.options["temperature"] = NATIVE
@@ -342,34 +317,14 @@ def _check_options(model: nn.Module, strat: Strategy, *, original_max_position_e
                          "call unpatch() first")
     found = find_rotary_modules(model)
     if not found:
-        cfg = _config_of(model, model)
-        rope_config = getattr(cfg, "rotary_dim", None) or hasattr(cfg, "rotary_value")  # GPT-J, CodeGen; RoFormer
-        table = next((m for m in model.modules() if type(m).__name__.endswith(("RotaryEmbedding",
-                                                                                "SinusoidalPositionalEmbedding"))
-                      and (m._buffers or rope_config)), None)
-        if table is not None and (rope_config or type(table).__name__.endswith("RotaryEmbedding")):
-            raise NoRotaryEmbeddingError(
-                f"{type(model).__name__} applies RoPE from a precomputed sinusoidal table ({type(table).__name__}), "
-                "not from an "
-                "`inv_freq` buffer; ropescale changes RoPE through the frequencies and cannot patch this family")
+        quirks.refuse("unrotated", model)
         raise NoRotaryEmbeddingError(
             f"{type(model).__name__} has no rotary embedding: no submodule holds an `inv_freq` "
             "(or `<layer_type>_inv_freq`) buffer; models with learned or ALiBi positions, or none, cannot be "
             "patched")
     _refuse_inapplicable(strat, layer_types=layer_types, dynamic_cache=dynamic_cache, dynamic_block=dynamic_block,
                          attention_path=attention_path, block_size=block_size)
-    deaf = next(((n, m) for n, m in found if ignores_buffers(m)), None)
-    if deaf is not None:
-        raise NoRotaryEmbeddingError(
-            f"{type(model).__name__}: its rotary module {deaf[0]} ({type(deaf[1]).__name__}) recomputes its "
-            "frequencies from the config at every call instead of reading its inv_freq buffer, through which "
-            "ropescale changes RoPE: this family cannot be patched")
-    nested = next((n for n, _ in found if re.search(r"\.\d+\.[^.]+\.[^.]+\.", n)), None)
-    if nested is not None:
-        raise NoRotaryEmbeddingError(
-            f"{type(model).__name__}: a rotary module inside a part of an attention layer ({nested}) rotates keys "
-            "the layer compresses or indexes itself (DeepSeek-V4's compressors), at positions of its own; "
-            "ropescale cannot patch them consistently with the layer's queries")
+    quirks.refuse("modules", model, found)
     return found
 
 
@@ -377,34 +332,10 @@ def _layers_of(handle: PatchHandle, site: RotarySite) -> list[LayerRope]:
     return [info for info in handle.layers or [] if info.kind == "rope" and info.site == site]
 
 
-def _decoder(model: nn.Module, parent: nn.Module) -> nn.Module:
-    """The module whose forward takes the tokens and the KV cache: the model's decoder where it
-    names one, else the module holding the rotary module."""
-    get = getattr(model, "get_decoder", None)
-    try:
-        decoder = get() if callable(get) else None
-    except (AttributeError, NotImplementedError, TypeError, ValueError):
-        decoder = None
-    return decoder if isinstance(decoder, nn.Module) and decoder is not model else parent
-
-
-class _Watched:
-    """Every patched rotary module as one for the KV-cache watch: the model recomputes its prefix
-    once when any of them would change its frequencies."""
-
-    def __init__(self, frequencies: list[FrequencyPatch], dynamic_cache: str):
-        self.frequencies, self.dynamic_cache = frequencies, dynamic_cache
-
-    def would_change(self, seq_len: int) -> bool:
-        return any(f.would_change(seq_len) for f in self.frequencies)
-
-
 def _patch_frequency(model: nn.Module, handle: PatchHandle, strat: Strategy, found, modules, train_override,
                      layer_types, dynamic_cache: str, dynamic_block: int, logn: bool) -> PatchHandle:
     """Frequency strategies: each rotary module's own buffers swapped for the strategy's (chosen
     layer types; the others kept), plus log-n scaling in attention."""
-    from ropescale.cache import CacheWatch
-
     params = handle.params
     if strat.dynamic and dynamic_cache == "rerotate" and handle.layers is None:
         raise InvalidInput("dynamic_cache='rerotate' re-rotates the cached keys of the layers that rotate; this "
@@ -413,7 +344,7 @@ def _patch_frequency(model: nn.Module, handle: PatchHandle, strat: Strategy, fou
     try:
         for name, module in found:
             available = layer_types_of(module)
-            chosen = list(layer_types) if layer_types is not None else _default_layer_types(model, module, available)
+            chosen = list(layer_types) if layer_types is not None else default_layer_types(model, module, available)
             unknown = [t for t in chosen if t not in available]
             if unknown:
                 raise InvalidInput(f"layer_types {unknown} not in this model's rotary module; it has {available}")
@@ -425,16 +356,8 @@ def _patch_frequency(model: nn.Module, handle: PatchHandle, strat: Strategy, fou
                 if context["original_max_position_embeddings"] is None and any(
                         k in strat.needs for k in ("original_max_position_embeddings", "seq_len")):
                     raise InvalidInput(f"{strat.name} needs original_max_position_embeddings; the config has none")
-                start = {**context, "seq_len": context["original_max_position_embeddings"],
-                         "model_inv_freq": getattr(module, _buffer(lt)).detach(),  # native's: as shipped
-                         "model_attention_scaling": attention_scaling_of(module, lt)}
-                zero = getattr(module, _buffer(lt)).detach() == 0  # pairs the model leaves unrotated (p-RoPE)
-                entry = _Entry(getattr(module, _buffer(lt)), attention_scaling_of(module, lt), strat, params, context,
-                               start["seq_len"] if strat.dynamic else None, dynamic_block, zero)
-                entry.inv_freq, entry.attention_scaling = entry._compute(start["seq_len"] or 1) if strat.dynamic \
-                    else _static(strat, start, params, zero)
                 if not strat.keeps_model:  # the model as shipped: its buffers and updates stay its own
-                    entries[lt] = entry
+                    entries[lt] = strategy_entry(module, lt, strat, params, context, dynamic_block)
                 site = RotarySite(name, lt)
                 cache_layers[lt] = _layers_of(handle, site)
                 handle.sites[site] = context
@@ -443,17 +366,17 @@ def _patch_frequency(model: nn.Module, handle: PatchHandle, strat: Strategy, fou
             frequencies = FrequencyPatch(module, entries, dynamic_cache, cache_layers)
             frequencies.apply()
             handle._frequencies.append(frequencies)
-            for lt in chosen:
-                _rescale_softmax(model, handle, strat, RotarySite(name, lt), modules)
+            for lt in chosen:  # a family's own softmax scale under the shipped rope (quirks: DeepSeek's mscale²)
+                handle._restore += quirks.apply_overrides("site", model, handle, strat, RotarySite(name, lt), modules)
             handle._active = True
             handle.layer_types = chosen
-        _replace_shipped_temperature(model, handle, strat)
+        handle._restore += quirks.apply_overrides("patch", model, handle, strat)  # shipped temperatures (β)
         dynamic = [f for f in handle._frequencies if f.dynamic]
         if dynamic:
             name, module = found[0]
             parent = modules[name.rpartition(".")[0]] if "." in name else model
-            watch = CacheWatch(_Watched(dynamic, dynamic_cache))
-            handle._hooks += watch.attach(_decoder(model, parent))
+            watch = CacheWatch(WatchedRotaries(dynamic, dynamic_cache))
+            handle._hooks += watch.attach(decoder_of(model, parent))
             for f in dynamic:
                 f.use_watch(watch)
             handle.options |= {"dynamic_cache": dynamic_cache, "dynamic_block": dynamic_block}
@@ -468,78 +391,6 @@ def _patch_frequency(model: nn.Module, handle: PatchHandle, strat: Strategy, fou
         raise
     setattr(model, _HANDLE_ATTR, handle)
     return handle
-
-
-def native_softmax_scale(rope_parameters: dict[str, Any]) -> float:
-    """The factor a model's attention multiplies its softmax scale by, as its config ships it: DeepSeek's
-    families (``yarn_apply_mscale``) use mscale(s, ``mscale_all_dim``)² under any scaled rope type, else 1."""
-    from ropescale.strategies.by_parts import yarn_get_mscale
-
-    if rope_parameters.get("rope_type", "default") == "default" or not rope_parameters.get("mscale_all_dim"):
-        return 1.0
-    return yarn_get_mscale(float(rope_parameters["factor"]), float(rope_parameters["mscale_all_dim"])) ** 2
-
-
-def _rescale_softmax(model, handle: PatchHandle, strat: Strategy, site: RotarySite, modules) -> None:
-    """Attention's softmax scale of the layers rotating with ``site``: the model's own factor (DeepSeek's
-    mscale²) replaced by the strategy's (``Strategy.softmax_scale``; ``keeps_model`` ones keep the model's), so
-    ``vanilla`` is the unscaled model and ``yarn`` with ``mscale_all_dim`` equals transformers' own."""
-    shipped = native_softmax_scale(layer_rope_parameters_of(model, site))
-    if strat.keeps_model or shipped == strat.softmax_scale(handle.params) == 1.0:
-        return
-    if handle.layers is None:
-        if shipped == strat.softmax_scale(handle.params):
-            return
-        raise InvalidInput(f"{strat.name} changes the attention softmax scale this model's config sets "
-                           f"(mscale_all_dim), but its attention layers cannot be observed to rescale them")
-    saved = []
-    for info in _layers_of(handle, site):
-        attn = modules.get(info.name)
-        if attn is None or not isinstance(getattr(attn, "scaling", None), float) or not info.head_dim:
-            continue
-        # whether this attention applies the config's mscale² is read from it, not assumed from the config:
-        # DeepSeek's families multiply it into ``scaling``; Ministral 3 ships mscale_all_dim and does not
-        native = shipped if abs(attn.scaling * info.head_dim ** 0.5 - shipped) <= 1e-6 * shipped else 1.0
-        ours = strat.softmax_scale(handle.params)
-        if ours != native:
-            saved.append((attn, attn.scaling))
-            attn.scaling = attn.scaling / native * ours
-
-    def restore() -> None:
-        for attn, value in saved:
-            attn.scaling = value
-
-    handle._restore.append(restore)
-
-
-def _replace_shipped_temperature(model: nn.Module, handle: PatchHandle, strat: Strategy) -> None:
-    """A strategy that does not keep the model (``native`` does) replaces the model's shipped scaling, including
-    the query temperature its attention reads from the config at every forward (Mistral's ``llama_4_scaling_beta``):
-    set to 0 while patched, so ``vanilla`` is the unscaled model — unless the patch keeps the model's own
-    temperature (``temperature="native"``), or adds a rule of its own instead (``temperature="beta:beta=…"``)."""
-    if strat.keeps_model or handle.options.get("temperature") == NATIVE:
-        return
-    text = _config_of(model, model)
-    rp = getattr(text, "rope_parameters", None)
-    saved = []
-    for params in ([rp] if isinstance(rp, dict) else []) + [v for v in (rp or {}).values() if isinstance(v, dict)]:
-        if params.get("llama_4_scaling_beta"):
-            saved.append((params, params["llama_4_scaling_beta"]))
-            params["llama_4_scaling_beta"] = 0.0
-
-    def restore() -> None:
-        for params, beta in saved:
-            params["llama_4_scaling_beta"] = beta
-
-    if saved:
-        handle._restore.append(restore)
-
-
-def _static(strat: Strategy, context: dict[str, Any], params: dict[str, Any], zero) -> tuple:
-    from ropescale.rotary import keep_zero
-
-    inv_freq, scaling = strat.compute(context, params)
-    return keep_zero(inv_freq, zero), scaling
 
 
 def _refuse_inapplicable(strat: Strategy, **options: Any) -> None:
@@ -579,12 +430,7 @@ def _patch_attention(model, handle: PatchHandle, strat: Strategy, found, modules
             f"{type(model).__name__}: layer {unknown[0].index} ({unknown[0].name}) rotates q and k in a way "
             "ropescale does not recognise (no frequency set, channel range, pairing and sign of the model "
             f"reproduces it); {strat.name} cannot be applied")
-    additive = next((info for info in handle.layers if info.additive_mask), None)
-    if additive is not None:
-        raise NoRotaryEmbeddingError(
-            f"{type(model).__name__}: layer {additive.index} ({additive.name}) adds a learned per-head bias to its "
-            f"attention scores through the mask (Doge's dynamic mask); {strat.name}'s kernels take padding masks "
-            "only and would drop it")
+    quirks.refuse("layers", model, handle.layers, strat.name)
     rotating = [info for info in handle.layers if info.kind == "rope"]
     if not rotating:
         raise NoRotaryEmbeddingError(f"{type(model).__name__}: no attention layer rotates q and k; "
@@ -597,19 +443,19 @@ def _patch_attention(model, handle: PatchHandle, strat: Strategy, found, modules
     by_module = {}
     for info in rotating:
         module = modules[info.site.module_name]
-        inv_freq = getattr(module, _buffer(info.site.layer_type)).detach().clone() * info.sign  # [d/2]
+        inv_freq = getattr(module, inv_freq_name(info.site.layer_type)).detach().clone() * info.sign  # [d/2]
         by_module[modules[info.name]] = (info, inv_freq)
     handle.context, handle.layer_types, handle.contexts = context, [None], {None: context}
     handle.sites = {info.site: context for info in rotating}
     try:
         for _, module in found:  # RoPE as the identity: zero frequencies, the modules' own scale kept
-            entries = {lt: _Entry(torch.zeros_like(getattr(module, _buffer(lt))), attention_scaling_of(module, lt))
-                       for lt in layer_types_of(module)}
+            entries = {lt: FrequencyEntry(torch.zeros_like(getattr(module, inv_freq_name(lt))),
+                                          attention_scaling_of(module, lt)) for lt in layer_types_of(module)}
             frequencies = FrequencyPatch(module, entries)
             frequencies.apply()
             handle._frequencies.append(frequencies)
         handle._active = True
-        _replace_shipped_temperature(model, handle, strat)
+        handle._restore += quirks.apply_overrides("patch", model, handle, strat)
         rotaries = [m for _, m in found]
         indexers = [ix for info in rotating if info.full_mask for ix in find_indexers(modules[info.name])]
         if indexers:  # they select keys with the model's own rotation, not the identity the rule leaves

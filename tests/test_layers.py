@@ -114,9 +114,9 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
     {"errors": ("ropescale.errors",), "version": ("ropescale._version",), "compat": ("ropescale.compat",),
      "registry": ("ropescale.registry",)},
     {"strategies": ("ropescale.strategies",), "reference corpus": ("ropescale.reference",)},
-    {"model primitives": ("ropescale.rope_config", "ropescale.temperature", "ropescale.cache", "ropescale.geometry",
-                          "ropescale.lm_head")},
-    {"rotary and attention": ("ropescale.rotary", "ropescale.layer_rope", "ropescale.attention")},
+    {"model primitives": ("ropescale.rope_config", "ropescale.temperature", "ropescale.geometry", "ropescale.lm_head")},
+    {"attention": ("ropescale.attention",)},
+    {"model side": ("ropescale.rotary",)},
     {"patching": ("ropescale.patching",)},
     {"save and load": ("ropescale.export", "ropescale.models", "ropescale.pip_models")},
     {"runs": ("ropescale.runs",)},
@@ -240,8 +240,8 @@ def test_the_wheel_holds_no_generic_top_level_names(tmp_path):
 def test_the_rotary_modules_fields_are_written_only_by_the_module():
     """State belongs to its owner: no other library module assigns a field of a rotary module's
     ``FrequencyPatch`` (the training loop wrote ``training_length``, the cache hooks ``cache``/``history``/
-    ``n_new``; now ``set_training_length``, ``use_watch`` and ``ropescale.cache.CacheWatch`` own them)."""
-    rotary = ast.parse((ROOT / "ropescale" / "rotary.py").read_text(encoding="utf-8"))
+    ``n_new``; now ``set_training_length``, ``use_watch`` and ``ropescale.rotary.cache.CacheWatch`` own them)."""
+    rotary = ast.parse((ROOT / "ropescale" / "rotary" / "frequencies.py").read_text(encoding="utf-8"))
     cls = next(n for n in ast.walk(rotary) if isinstance(n, ast.ClassDef) and n.name == "FrequencyPatch")
     fields = {t.attr for n in ast.walk(cls) if isinstance(n, (ast.Assign, ast.AnnAssign))
               for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
@@ -250,7 +250,7 @@ def test_the_rotary_modules_fields_are_written_only_by_the_module():
     assert {"training_length", "watch", "entries"} <= fields
     writes = []
     for path in (ROOT / "ropescale").rglob("*.py"):
-        if path.name == "rotary.py":
+        if path == ROOT / "ropescale" / "rotary" / "frequencies.py":
             continue
         for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) else []
@@ -259,3 +259,51 @@ def test_the_rotary_modules_fields_are_written_only_by_the_module():
                         and not (isinstance(x.value, ast.Name) and x.value.id == "self")):
                     writes.append(f"{path.relative_to(ROOT)}:{n.lineno} {ast.unparse(x)}")
     assert writes == []
+
+
+def private_crossings(sources: dict[str, Path] | None = None) -> list[str]:
+    """Every ``from <project module> import _name`` (and ``<imported project module>._name``) in a module
+    other than the one that defines it: a private name is its module's own."""
+    sources = _sources() if sources is None else sources
+    bad = []
+    for name, path in sorted(sources.items()):
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        aliases = set()  # names bound to a project module here
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    origin = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    origin = node.module or ""
+                if origin.split(".")[0] not in TOP:
+                    continue
+                for a in node.names:
+                    if f"{origin}.{a.name}" in sources:
+                        aliases.add(a.asname or a.name)
+                    elif a.name.startswith("_") and not a.name.startswith("__") and origin != name:
+                        bad.append(f"{name}:{node.lineno} from {origin} import {a.name}")
+            elif isinstance(node, ast.Import):
+                aliases |= {a.asname for a in node.names if a.asname and a.name.split(".")[0] in TOP}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                bad.append(f"{name}:{node.lineno} {node.value.id}.{node.attr}")
+    return bad
+
+
+def test_no_private_name_crosses_modules():
+    """A name with a leading underscore is used only in the module that defines it (issue 40: patching.py
+    imported ``_buffer``, ``_config_of``, ``_Entry`` and called ``entry._compute``; the probe imported
+    attention's ``_base_attention``)."""
+    assert private_crossings() == []
+
+
+def test_the_private_crossing_check_sees_one(tmp_path):
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("from eval.x import _hidden\nfrom eval import y\ny._inner()\nfrom eval.x import shown\n")
+    b.write_text("import os\nos._exit\n")
+    assert private_crossings({"eval.a": a, "eval.b": b, "eval.y": b}) == [
+        "eval.a:1 from eval.x import _hidden", "eval.a:3 y._inner"]
+

@@ -299,7 +299,7 @@ def transformers_logprobs(model, ids: list[int], device) -> torch.Tensor:
     return logits.log_softmax(-1).gather(1, x[0, 1:, None])[:, 0].cpu()
 
 
-def _served_folder(src: Path, dst: Path, config: dict) -> Path:
+def vllm_model_folder(src: Path, dst: Path, config: dict) -> Path:
     """A model folder for vLLM: ``config`` as config.json, every other file of ``src`` linked."""
     import json
 
@@ -334,7 +334,7 @@ def score_cell_vllm(cfg, task, model, examples, spec, params: dict, length: int,
         except ExportRefused as e:
             raise ConfigError(f"{spec.display} @ {length}: {e} (engine: vllm)") from None
         ours = transformers_logprobs(model, reqs[parity_index]["ids"], device)
-    folder = _served_folder(Path(resolve_model(cfg.model)), output / "vllm" / slug, exp.config)
+    folder = vllm_model_folder(Path(resolve_model(cfg.model)), output / "vllm" / slug, exp.config)
     max_model_len = cfg.vllm.max_model_len or serve + 1
     got = run_engine("vllm", {"mode": "score", "model": str(folder), "max_model_len": max_model_len,
                               "dtype": cfg.dtype, "tensor_parallel_size": cfg.vllm.tensor_parallel_size,

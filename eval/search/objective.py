@@ -176,11 +176,11 @@ class SearchObjective:
     @torch.no_grad()
     def _retrieval_nll(self) -> float:
         """Mean NLL per answer token of the passkey answers (one full forward per prompt)."""
-        from ..tasks.retrieval import _candidate_scores_full
+        from ..tasks.retrieval import candidate_scores_full
 
         total, tokens = 0.0, 0
         for ex in self.passkeys:
-            total -= float(_candidate_scores_full(self.model, ex.prompt.ids, [ex.candidates[0]], self.device)[0])
+            total -= float(candidate_scores_full(self.model, ex.prompt.ids, [ex.candidates[0]], self.device)[0])
             tokens += len(ex.candidates[0])
         return total / tokens
 

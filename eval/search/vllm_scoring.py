@@ -31,12 +31,12 @@ from ropescale.runs.config import ConfigError
 
 from ..engines.vllm_eval import (
     EngineDisagrees,
-    _served_folder,
     check_processes,
     require_vllm,
     tolerance,
     transformers_logprobs,
     unservable,
+    vllm_model_folder,
 )
 
 __all__ = ["check_search_engine", "vllm_measure"]
@@ -110,7 +110,7 @@ def vllm_measure(objective, handle, served: Path) -> dict:
         raise Refused(f"{e} (engine: vllm)") from None
     first = next(i for i, w in enumerate(what) if w[0] == "window" and w[1] == max(cfg.lengths))
     ours = transformers_logprobs(objective.model, reqs[first]["ids"], objective.device)
-    folder = _served_folder(Path(resolve_model(cfg.model)), served, exp.config)
+    folder = vllm_model_folder(Path(resolve_model(cfg.model)), served, exp.config)
     request = {"mode": "score", "model": str(folder), "max_model_len": cfg.vllm.max_model_len or serve + 1,
                "dtype": cfg.dtype, "tensor_parallel_size": cfg.vllm.tensor_parallel_size,
                "data_parallel_size": cfg.vllm.data_parallel_size, "requests": reqs}

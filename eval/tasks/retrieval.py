@@ -176,7 +176,7 @@ class RetrievalTask(Task):
             out = model(input_ids=ids, use_cache=True, logits_to_keep=1)  # only the last position's logits
             last = out.logits[0, -1].float().log_softmax(-1)  # [V]
             if strategy.dynamic:
-                scores = _candidate_scores_full(model, ex.prompt.ids, ex.candidates, device)
+                scores = candidate_scores_full(model, ex.prompt.ids, ex.candidates, device)
             else:
                 scores = _candidate_scores_cached(model, last, output_cache(out), ex.candidates, device)
             generated = _greedy(model, last, output_cache(out),
@@ -238,7 +238,7 @@ def _candidate_scores_cached(model, last: torch.Tensor, cache, candidates: list[
     return (scores + torch.stack(rest)).cpu()
 
 
-def _candidate_scores_full(model, prompt: list[int], candidates: list[list[int]], device) -> torch.Tensor:
+def candidate_scores_full(model, prompt: list[int], candidates: list[list[int]], device) -> torch.Tensor:
     """As ``_candidate_scores_cached``, with one full forward over prompt + candidate per
     candidate (one at a time: activations of one sequence, not K)."""
     n, out = len(prompt), []

@@ -106,7 +106,9 @@ def logn_factor(position_ids: torch.Tensor, original_max_position_embeddings: in
     return scale.clamp(min=1.0)
 
 
-def _base_attention(module, base: str):
+def base_attention(module, base: str):
+    """The attention function ``base`` (an ``AttentionInterface`` name) that ``module`` would run: its own
+    modeling file's ``eager_attention_forward`` for ``"eager"``. Raises ``RuntimeError`` when that file has none."""
     if base == "eager":  # every modeling file defines its own eager function
         fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
         if fn is None:
@@ -166,7 +168,7 @@ def _logn_attention(module, query, key, value, attention_mask, **kwargs):
     position_ids = _text_positions(position_ids)[..., -query.shape[2]:]  # [b, s_q]
     scale = state.rule.factor(position_ids, state.train).to(query.dtype)  # [b, s_q]
     query = query * scale[:, None, :, None]  # [b, n_h, s_q, h_d]
-    fn = _base_attention(module, state.base)
+    fn = base_attention(module, state.base)
     layer = _LayerAs(module, state.base) if _is_flash(state.base) else module
     return fn(layer, query, key, value, attention_mask, **kwargs)
 
@@ -270,7 +272,7 @@ class _Truncation:
     full_masks: bool = False  # masks as the model builds them, per query (an indexer selected keys in them)
 
 
-def _keep_mask(attention_mask):
+def keep_mask(attention_mask):
     """transformers' mask (None, bool keep-mask, or additive float) → bool keep-mask or None."""
     if attention_mask is None or attention_mask.dtype == torch.bool:
         return attention_mask
@@ -318,7 +320,7 @@ def _selected(module, keep, kwargs: dict, query: torch.Tensor, s_k: int):
             position_ids = torch.arange(s_k - s_q, s_k, device=query.device)
         position_ids = (position_ids if position_ids.dim() > 1 else position_ids[None]).expand(b, -1)
         mask = build(blocks, keep, s_k, query.dtype, query.device, position_ids)  # additive [b, n_h, s_q, s_k]
-        keep = _keep_mask(mask)
+        keep = keep_mask(mask)
     return keep
 
 
@@ -334,7 +336,7 @@ def _truncation_attention(module, query, key, value, attention_mask, scaling=Non
             rule = state.temperature or Temperature("logn")
             pos = _text_positions(position_ids)[..., -query.shape[2]:]  # [b, s_q]
             query = query * rule.factor(pos, state.logn).to(query.dtype)[:, None, :, None]  # [b, n_h, s_q, h_d]
-        fn = _base_attention(module, state.base)
+        fn = base_attention(module, state.base)
         return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap,
                   sliding_window=sliding_window, **kwargs)
     info, inv_freq = layer
@@ -359,7 +361,7 @@ def _truncation_attention(module, query, key, value, attention_mask, scaling=Non
         d, e = info.start, info.start + info.dim
         query = torch.cat((query[..., d:e], query[..., :d], query[..., e:]), -1)  # [b, n_h, s_q, h_d]
         key = torch.cat((key[..., d:e], key[..., :d], key[..., e:]), -1)  # [b, n_kv, s_k, h_d]
-    keep = _selected(module, _keep_mask(attention_mask), kwargs, query, s_k)
+    keep = _selected(module, keep_mask(attention_mask), kwargs, query, s_k)
     v_dim = value.shape[-1]
     if v_dim != query.shape[-1]:  # MLA: values narrower (or wider) than q/k: zero-padded, cut after
         width = max(v_dim, query.shape[-1])
@@ -378,7 +380,7 @@ def _truncation_attention(module, query, key, value, attention_mask, scaling=Non
     return out.transpose(1, 2).contiguous(), None  # [b, s_q, n_h, h_v]
 
 
-def _padding_only_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, **_):
+def padding_only_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, **_):
     """Mask function for the truncation rules: only which keys are real tokens, ``[b, 1, 1, s_k]``
     bool, or None without padding. The kernel applies causality and sliding windows itself, so
     no ``[b, 1, s_q, s_k]`` mask is ever built (transformers builds one for sliding layers)."""
@@ -412,7 +414,7 @@ def enable_truncation(model, rule: RelativeRule, layers: dict, rotaries: list, *
     name = f"{TRUNCATION}_{base}" if without_rope else TRUNCATION
     AttentionInterface.register(name, _truncation_attention)  # on first use, not at import
     if not without_rope:
-        AttentionMaskInterface.register(name, _padding_only_mask)
+        AttentionMaskInterface.register(name, padding_only_mask)
     else:  # layers without RoPE must see exactly the mask their own attention builds
         mask = AttentionMaskInterface._global_mapping.get(base)
         if mask is not None:

@@ -37,8 +37,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
-from ropescale.attention.interface import _keep_mask, _padding_only_mask
-from ropescale.attention.regions import RegionAttention, _Plan, band_calls, causal_calls, near_block
+from ropescale.attention.interface import keep_mask, padding_only_mask
+from ropescale.attention.regions import RegionAttention, RegionPlan, band_calls, causal_calls, near_block
 
 __all__ = ["LOCAL", "enable_local_attention", "local_attention"]
 
@@ -58,7 +58,7 @@ def local_attention(module, query, key, value, attention_mask, scaling=None, dro
     update) → ``([b, s_q, n_h, h_v], None)``, as transformers' attention functions return. ``attention_mask``
     is padding only (``[b, 1, 1, s_k]``) or None; a full ``[b, 1, s_q, s_k]`` mask (a model that built its
     own, or a probe's) goes to ``sdpa`` with it, unchanged."""
-    keep = _keep_mask(attention_mask)
+    keep = keep_mask(attention_mask)
     if (keep is not None and keep.shape[-2] != 1) or dropout or kwargs.get("softcap") or query.device.type != "cpu":
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       sliding_window=sliding_window, **kwargs)
@@ -69,7 +69,7 @@ def local_attention(module, query, key, value, attention_mask, scaling=None, dro
         calls = causal_calls(s_q, s_k, 0)
     if keep is not None:
         keep = keep.expand(query.shape[0], 1, 1, s_k)[:, 0, 0]  # [b, s_k]
-    plan = _Plan([(0, calls)], s_k - s_q, scaling or query.shape[-1] ** -0.5, keep)
+    plan = RegionPlan([(0, calls)], s_k - s_q, scaling or query.shape[-1] ** -0.5, keep)
     out = RegionAttention.apply(query, key, value, _same, plan, kwargs.get("s_aux"))  # [b, n_h, s_q, h_v]
     return out.transpose(1, 2).contiguous(), None  # [b, s_q, n_h, h_v]
 
@@ -98,7 +98,7 @@ def _hidden(model, ids: torch.Tensor) -> torch.Tensor:
 
 def _register() -> None:
     AttentionInterface.register(LOCAL, local_attention)  # on first use, not at import
-    AttentionMaskInterface.register(LOCAL, _padding_only_mask)
+    AttentionMaskInterface.register(LOCAL, padding_only_mask)
 
 
 def enable_local_attention(model) -> bool:

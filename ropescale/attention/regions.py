@@ -225,7 +225,7 @@ def _band_additive(call: Call, c0: int, dtype) -> torch.Tensor:
 
 
 @dataclass
-class _Plan:
+class RegionPlan:
     """Everything but tensors: the calls of each region (``parts``: region index, its calls) and
     how to run them."""
 
@@ -241,7 +241,7 @@ def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _run(calls: list[Call], plan: _Plan, q, k, v, out, lse, covered: list):
+def _run(calls: list[Call], plan: RegionPlan, q, k, v, out, lse, covered: list):
     """Forward of ``calls`` for rotated q ``[b, n_h, s_q, h_d]`` and k, v, into ``out``
     ``[b, n_h, s_q, h_d]`` and ``lse`` ``[b, n_h, s_q]`` (``_accumulate_dtype``) in place: rows no earlier call
     reached (``covered`` lists the row ranges done) are written, the others merged."""
@@ -264,7 +264,7 @@ def _cover(covered: list, t0: int, t1: int) -> None:
         covered.append((t0, t1))
 
 
-def _forward_call(call: Call, plan: _Plan, q, k, v):
+def _forward_call(call: Call, plan: RegionPlan, q, k, v):
     """Yields (row selector, out ``[b', n_h, rows, h_d]``, lse) for one call."""
     keep, dtype = plan.keep, q.dtype
     if call.blocks:
@@ -304,7 +304,7 @@ def _merge(out, lse, rows, part, part_lse):
     l.copy_(new)
 
 
-def _backward_call(call: Call, plan: _Plan, g, q, k, v, out, lse, dq, dk, dv):
+def _backward_call(call: Call, plan: RegionPlan, g, q, k, v, out, lse, dq, dk, dv):
     """Adds one call's gradients to ``dq``, ``dk``, ``dv`` (``_accumulate_dtype``, shapes of q, k, v), given the
     merged ``out`` and ``lse`` (with +inf on rows that saw no key, so their weights are 0)."""
     keep, dtype = plan.keep, q.dtype
@@ -347,7 +347,7 @@ class RegionAttention(torch.autograd.Function):
     Returns ``[b, n_h, s_q, h_v]`` in q's dtype."""
 
     @staticmethod
-    def forward(ctx, q, k, v, rot, plan: _Plan, sinks=None):
+    def forward(ctx, q, k, v, rot, plan: RegionPlan, sinks=None):
         b, n_h, s_q, _ = q.shape
         acc = _accumulate_dtype(q.dtype)
         out = torch.zeros(b, n_h, s_q, v.shape[-1], dtype=acc, device=q.device)  # rows no call reaches: 0

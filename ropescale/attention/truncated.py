@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from ropescale.attention.regions import RegionAttention, _Plan, band_calls, causal_calls, chunk_calls, near_block
+from ropescale.attention.regions import RegionAttention, RegionPlan, band_calls, causal_calls, chunk_calls, near_block
 from ropescale.strategies.truncation import Region, RelativeRule
 
 __all__ = ["blocked_attention", "fused_attention", "fused_route", "naive_attention", "rotate", "slot_offsets"]
@@ -130,10 +130,10 @@ def _region_calls(region: Region, s_q: int, s_k: int, sliding_window: int | None
 
 
 def _plan(s_q: int, s_k: int, rule: RelativeRule, sliding_window: int | None, scale: float, keep,
-          offset: int | None = None) -> _Plan:
+          offset: int | None = None) -> RegionPlan:
     """The calls of every region; ``offset`` is the position of key slot 0 (chunk regions)."""
     parts = [(r, _region_calls(region, s_q, s_k, sliding_window, offset)) for r, region in enumerate(rule.regions)]
-    return _Plan(parts, s_k - s_q, scale, None if keep is None else keep[:, 0, 0])
+    return RegionPlan(parts, s_k - s_q, scale, None if keep is None else keep[:, 0, 0])
 
 
 def fused_route(device_type: str, *, softcap: float | None = None, dropout: float = 0.0, keep=None,

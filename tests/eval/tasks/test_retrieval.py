@@ -10,8 +10,8 @@ from eval.tasks.retrieval import (
     Example,
     RetrievalOptions,
     _candidate_scores_cached,
-    _candidate_scores_full,
     _greedy,
+    candidate_scores_full,
     contains_match,
     first_integer_match,
     summarise,
@@ -77,7 +77,7 @@ def test_candidate_scores_and_greedy_on_hand_built_logits():
     out = model(torch.tensor([prompt]))
     last = out.logits[0, -1].float().log_softmax(-1)
     cached = _candidate_scores_cached(model, last, BigramCache(), cands, "cpu")
-    full = _candidate_scores_full(model, prompt, cands, "cpu")
+    full = candidate_scores_full(model, prompt, cands, "cpu")
     assert cached.tolist() == pytest.approx(oracle, abs=1e-6) and full.tolist() == pytest.approx(oracle, abs=1e-6)
     # greedy: the argmax chain of the table from the prompt's last token
     chain, t = [], prompt[-1]
@@ -94,7 +94,7 @@ def test_cached_candidates_equal_full_forwards_on_a_real_model(tiny_llama):
         out = tiny_llama(input_ids=torch.tensor([prompt]), use_cache=True)
         last = out.logits[0, -1].float().log_softmax(-1)
         cached = _candidate_scores_cached(tiny_llama, last, output_cache(out), cands, "cpu")
-        full = _candidate_scores_full(tiny_llama, prompt, cands, "cpu")
+        full = candidate_scores_full(tiny_llama, prompt, cands, "cpu")
         naive = []
         for c in cands:  # the textbook way: one sequence at a time
             lp = tiny_llama(torch.tensor([prompt + c])).logits[0].double().log_softmax(-1)

@@ -1,4 +1,4 @@
-"""What each layer does with positions (``ropescale.layer_rope``) and the per-layer report, on the model
+"""What each layer does with positions (``ropescale.rotary.probe``) and the per-layer report, on the model
 families of 2025–26 whose layers differ: NoPE layers (SmolLM3, Llama 4, Cohere 2), interleaving decided in
 attention (GLM), a mirrored rotate_half (NanoChat), MLA with its rotary channels last and narrower values
 (DeepSeek-V3), several frequency sets (Gemma 3), proportional RoPE (Gemma 4), half-width cos/sin
@@ -14,7 +14,7 @@ import torch
 import transformers as T
 
 import ropescale
-from ropescale.layer_rope import rotate_pairs
+from ropescale.rotary import rotate_pairs
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, pad_token_id=None)

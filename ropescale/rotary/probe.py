@@ -30,61 +30,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["LayerRope", "RotarySite", "layers_without_attention", "probe_layers", "rotate_pairs"]
+from ropescale.rotary.modules import inv_freq_name
+from ropescale.rotary.quirks import PROBE_CONTRACTS
+from ropescale.rotary.sites import LayerRope, RotarySite
+
+__all__ = ["layers_without_attention", "probe_layers", "rotate_pairs"]
 
 PROBE = "ropescale_probe"
 PROBE_LEAN = "ropescale_probe_lean"  # the same recorder with padding-only masks
 _PROBE_ATTR = "_ropescale_probe"
 _POSITIONS = (3, 7)  # the contract must hold at both
-
-
-@dataclass(frozen=True)
-class RotarySite:
-    """One set of frequencies of the model: rotary module ``module_name`` (qualified name) and its
-    layer type (``None`` for a module with one set; Gemma 3's ``sliding_attention``, …)."""
-
-    module_name: str
-    layer_type: str | None = None
-
-    def __str__(self) -> str:
-        return self.module_name + (f"[{self.layer_type}]" if self.layer_type else "")
-
-
-@dataclass(frozen=True)
-class LayerRope:
-    """What one attention layer does with positions.
-
-    index: the layer's cache index (``layer_idx``, else call order); name: its qualified module name;
-    kind: ``"rope"`` (it rotates q and k as described below), ``"none"`` (no RoPE: q and k do not
-    depend on positions) or ``"unknown"`` (it rotates, but no contract ropescale knows reproduces it);
-    site: the frequency set it rotates with (``"rope"`` only); full_mask: an indexer reads or selects keys from
-    the full causal mask (DeepSeek-V3.2's DSA, Qwen4's QSA, MiniMax M3's blocks), so attention gets masks as the model
-    builds them;
-    additive_mask: its mask adds a learned per-head bias; start, dim: the rotary
-    channels [start, start + dim) of each q/k head; interleaved: pairs (2i, 2i+1) instead of (i, i + d/2);
-    sign: +1 (the Llama lineage) or −1 (a mirrored ``rotate_half``); head_dim, v_head_dim: q/k and value
-    head dims (they differ under MLA); passes_position_ids: whether the model hands ``position_ids`` to
-    the attention function (else ropescale takes them from the rotary module's call).
-    """
-
-    index: int
-    name: str
-    kind: str
-    site: RotarySite | None = None
-    start: int = 0
-    dim: int = 0
-    interleaved: bool = False
-    sign: int = 1
-    head_dim: int = 0
-    v_head_dim: int = 0
-    passes_position_ids: bool = True
-    full_mask: bool = False  # an indexer reads or selects from the full causal mask (DSA, QSA, MiniMax M3)
-    additive_mask: bool = False  # the mask carries a per-head additive bias (Doge's dynamic mask)
-
-    @property
-    def rotates(self) -> bool:
-        """Whether q and k depend on positions in this layer (``"rope"`` or ``"unknown"``)."""
-        return self.kind != "none"
 
 
 def rotate_pairs(x: torch.Tensor, angles: torch.Tensor, *, start: int, interleaved: bool,
@@ -115,7 +70,7 @@ class _Recorder:
 
 
 def _record(module, query, key, value, attention_mask, **kwargs):
-    from ropescale.attention.interface import _base_attention  # the model's own implementation runs the forward
+    from ropescale.attention.interface import base_attention  # the model's own implementation runs the forward
 
     rec = getattr(module, _PROBE_ATTR)
     if module not in rec.calls:
@@ -127,21 +82,21 @@ def _record(module, query, key, value, attention_mask, **kwargs):
                              kwargs.get("position_ids") is not None,
                              any(k.endswith("indices") and v is not None for k, v in kwargs.items()), additive)
         rec.order.append(module)
-    return _base_attention(module, rec.base)(module, query, key, value, attention_mask, **kwargs)
+    return base_attention(module, rec.base)(module, query, key, value, attention_mask, **kwargs)
 
 
 def _register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    from ropescale.attention.interface import _padding_only_mask
+    from ropescale.attention.interface import padding_only_mask
 
     AttentionInterface.register(PROBE, _record)
     AttentionInterface.register(PROBE_LEAN, _record)
     mask = AttentionMaskInterface._global_mapping.get("sdpa")
     if mask is not None:
         AttentionMaskInterface.register(PROBE, mask)
-    AttentionMaskInterface.register(PROBE_LEAN, _padding_only_mask)  # what the relative rules build: padding only
+    AttentionMaskInterface.register(PROBE_LEAN, padding_only_mask)  # what the relative rules build: padding only
 
 
 @contextlib.contextmanager
@@ -169,7 +124,7 @@ def _frequencies_zeroed(modules: dict[str, nn.Module], sites: list[RotarySite]):
     saved = []
     for site in sites:
         module = modules[site.module_name]
-        name = "inv_freq" if site.layer_type is None else f"{site.layer_type}_inv_freq"
+        name = inv_freq_name(site.layer_type)
         buf = module._buffers[name]
         saved.append((module, name, buf))
         module._buffers[name] = torch.zeros_like(buf)
@@ -220,24 +175,24 @@ def _forward(model, recorder: _Recorder, position: int, inputs: dict | None = No
 def _site_tables(model, modules, sites) -> dict[RotarySite, torch.Tensor]:
     out = {}
     for site in sites:
-        name = "inv_freq" if site.layer_type is None else f"{site.layer_type}_inv_freq"
+        name = inv_freq_name(site.layer_type)
         out[site] = modules[site.module_name]._buffers[name].detach().float()
     return out
 
 
 def _match(q0: torch.Tensor, q1: torch.Tensor, angles_of, head_dim: int, tables) -> tuple | None:
-    """The first contract (site, start, interleaved, sign) that turns q0 into q1 at every probed
-    position (``angles_of(inv_freq, sign, p)`` → ``[d/2]`` angles)."""
+    """The first contract (site, start, d, interleaved, sign) — a frequency set of the model and a rotation of
+    ``ropescale.rotary.quirks.PROBE_CONTRACTS`` — that turns q0 into q1 at every probed position
+    (``angles_of(inv_freq, sign, p)`` → ``[d/2]`` angles)."""
     for site, inv_freq in tables.items():
         d = 2 * inv_freq.numel()
         if d > head_dim:
             continue
-        for start in dict.fromkeys((0, head_dim - d)):
-            for interleaved in (False, True):
-                for sign in (1, -1):
-                    if all(_close(rotate_pairs(q0[p], angles_of(inv_freq, sign, p), start=start,
-                                               interleaved=interleaved), q1[p]) for p in _POSITIONS):
-                        return site, start, d, interleaved, sign
+        for c in PROBE_CONTRACTS:
+            start = c.start_channel(head_dim, d)
+            if all(_close(rotate_pairs(q0[p], angles_of(inv_freq, c.sign, p), start=start,
+                                       interleaved=c.interleaved), q1[p]) for p in _POSITIONS):
+                return site, start, d, c.interleaved, c.sign
     return None
 
 
@@ -271,7 +226,7 @@ def probe_layers(model: nn.Module, modules: dict[str, nn.Module], sites: list[Ro
     changes (a sweep or a search patches one model hundreds of times; the probe costs ~6 forwards)."""
     key = (getattr(model.config, "_attn_implementation", None), tuple(modules),
            tuple((site, tuple(modules[site.module_name]._buffers[
-               "inv_freq" if site.layer_type is None else f"{site.layer_type}_inv_freq"].shape)) for site in sites))
+               inv_freq_name(site.layer_type)].shape)) for site in sites))
     kept = model.__dict__.get(_PROBED)
     if kept is not None and kept[0] == key:
         return kept[1]
@@ -289,7 +244,7 @@ def _probe(model: nn.Module, modules: dict[str, nn.Module], sites: list[RotarySi
     modules. Runs 1 + 2·2 forwards of p + 1 ≤ 8 tokens per batch row, each layer's input held fixed between the
     forwards it is compared across (forward pre-hooks); the model is left as it was. A layer is without RoPE
     when its q and k do not move with the frequencies (``patch`` first checks that every rotary module's
-    output follows its buffers: ``rotary.ignores_buffers``).
+    output follows its buffers: ``ropescale.rotary.quirks.ignores_buffers``).
     """
     can_set = getattr(model, "_can_set_attn_implementation", None)
     if callable(can_set) and not can_set():  # attention written in the modeling file (Falcon): nothing to watch

@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaForCausalLM
 
 import ropescale
-from ropescale.cache import rerotate_keys, rotate_half
+from ropescale.rotary.cache import rerotate_keys, rotate_half
 from tests.conftest import build, tiny_llama_config, with_cache
 
 PROMPT = torch.randint(0, 256, (2, 56), generator=torch.Generator().manual_seed(0))  # T = 64

@@ -25,10 +25,11 @@ Shapes: b = batch, n_kv = key/value heads, s = cached length, h_d = head dim.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from ropescale.compat import cache_from_kwargs
 
-__all__ = ["CacheWatch", "rerotate_cache", "rerotate_keys", "rotate_half"]
+__all__ = ["CacheWatch", "WatchedRotaries", "decoder_of", "rerotate_cache", "rerotate_keys", "rotate_half"]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -42,7 +43,7 @@ def rerotate_keys(keys: torch.Tensor, positions: torch.Tensor, old: tuple[torch.
     """Keys ``[b, n_kv, s, h_d]`` rotated at ``positions`` ``[b, s]`` with ``old``
     ``(inv_freq, attention_scaling)`` → as if rotated with ``new``. The rotary channels are
     [start, start + d) in halves (or ``interleaved``) pairs, turned by sign·p·θ (the layer's
-    ``ropescale.layer_rope.LayerRope``). Returns a new tensor."""
+    ``ropescale.rotary.sites.LayerRope``). Returns a new tensor."""
     old_freq, old_scale = old
     new_freq, new_scale = new
     d = 2 * new_freq.numel()
@@ -154,3 +155,25 @@ class CacheWatch:
             if getattr(output, "hidden_states", None) is not None:
                 output.hidden_states = tuple(h[:, -n:] for h in output.hidden_states)
         return output
+
+
+class WatchedRotaries:
+    """Every patched rotary module (``ropescale.rotary.frequencies.FrequencyPatch``) as one for the KV-cache
+    watch: the model recomputes its prefix once when any of them would change its frequencies."""
+
+    def __init__(self, frequencies: list, dynamic_cache: str):
+        self.frequencies, self.dynamic_cache = frequencies, dynamic_cache
+
+    def would_change(self, seq_len: int) -> bool:
+        return any(f.would_change(seq_len) for f in self.frequencies)
+
+
+def decoder_of(model: nn.Module, parent: nn.Module) -> nn.Module:
+    """The module whose forward takes the tokens and the KV cache: the model's decoder where it
+    names one (``get_decoder``), else ``parent`` (the module holding the rotary module)."""
+    get = getattr(model, "get_decoder", None)
+    try:
+        decoder = get() if callable(get) else None
+    except (AttributeError, NotImplementedError, TypeError, ValueError):
+        decoder = None
+    return decoder if isinstance(decoder, nn.Module) and decoder is not model else parent
