@@ -31,7 +31,6 @@ and a line asking to report it).
 from __future__ import annotations
 
 import errno
-import importlib
 import sys
 import traceback
 from pathlib import Path
@@ -39,19 +38,15 @@ from typing import Any
 
 import click
 
-from ropescale.errors import InvalidInput, RopescaleError
-from ropescale.strategies import REGISTRY, strategy_names
+from ropescale.errors import RopescaleError
 
-# the harness: the folder `eval/` in a checkout (`python cli.py`, the tests); installed, the package
-# `ropescale_eval` and this file `ropescale_cli.cli` (pyproject's package-dir), so site-packages holds
-# no generic `eval` or `cli`
-HARNESS = "ropescale_eval" if __package__ == "ropescale_cli" else "eval"
-
-
-def harness(module: str, *names: str) -> tuple[Any, ...]:
-    """``names`` from the harness module ``module`` (``harness("sweep", "run_sweep")``)."""
-    mod = importlib.import_module(f"{HARNESS}.{module}")
-    return tuple(getattr(mod, n) for n in names)
+# what each command does: the harness's `commands` module — the folder `eval/` in a checkout (`python cli.py`,
+# the tests); installed, the package `ropescale_eval` and this file `ropescale_cli.cli` (pyproject's
+# package-dir), so site-packages holds no generic `eval` or `cli`
+if __package__ == "ropescale_cli":
+    from ropescale_eval import commands
+else:
+    from eval import commands
 
 
 BUG_EXIT = 70  # EX_SOFTWARE (sysexits.h): an internal error, not the user's input
@@ -179,30 +174,7 @@ class EngineChoice(click.Choice):
         pass
 
     def convert(self, value, param, ctx):
-        return super().convert(_engine_name(value), param, ctx)
-
-
-def _engine_name(value: str) -> str:
-    """An engine's one name for ``value``: an old name (``gguf``) with a note on stderr."""
-    from ropescale.serving.engines import ALIASES
-
-    if value in ALIASES:
-        click.echo(f"Warning: engine {value!r} is deprecated; use {ALIASES[value]!r}", err=True)
-        return ALIASES[value]
-    return value
-
-
-def _strategy(spec: str):
-    """``NAME[:k=v,...]`` from the command line → ``StrategySpec``; ``parse_strategy`` signals a
-    bad spec (unknown name, parameter out of range) with a one-line ``ValueError``."""
-    from ropescale.runs.config import parse_strategy
-
-    try:
-        return parse_strategy(spec)
-    except RopescaleError:
-        raise
-    except ValueError as e:
-        raise InvalidInput(str(e)) from None
+        return super().convert(commands.engine_name(value), param, ctx)
 
 
 @click.group(cls=RopescaleGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -214,31 +186,13 @@ def main() -> None:
 @main.command()
 def strategies() -> None:
     """List strategies, their parameters (with defaults) and sources."""
-    for name in strategy_names():
-        s = REGISTRY[name]
-        click.secho(name, bold=True, nl=False)
-        click.echo(f"  [{s.kind}{', dynamic' if s.dynamic else ''}]  {s.summary}")
-        for p in s.params:
-            default = ("required" if p.required else f"default {p.default}")
-            if p.auto:
-                default += f"; sweep: {p.auto_text}"
-            click.echo(f"    {p.name} ({p.kind.__name__}, {p.range_text()}; {default}) {p.help}")
-        click.echo(f"    source: {s.source}")
+    commands.list_strategies()
 
 
 @main.command()
 def tasks() -> None:
     """List evaluation tasks, their metrics and options."""
-    get_task, task_names = harness("tasks", "get_task", "task_names")
-
-    for name in task_names():
-        t = get_task(name)
-        click.secho(name, bold=True, nl=False)
-        click.echo(f"  {t.summary()}" + ("  [reads data]" if t.uses_data else ""))
-        click.echo("    metrics: " + ", ".join(f"{m.key} ({'higher' if m.higher_is_better else 'lower'} is better)"
-                                           for m in t.metrics))
-        for key, field in t.Options.model_fields.items():
-            click.echo(f"    {name}.{key} (default {field.default!r}) {field.description or ''}".rstrip())
+    commands.list_tasks()
 
 
 def _lengths(ctx, param, value):
@@ -256,13 +210,6 @@ def _length_list(ctx, param, values):
     for value in values:
         out += _lengths(ctx, param, value)
     return out
-
-
-def _no_progress_bars() -> None:
-    """``-q`` on commands whose only progress output is transformers' loading bars."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
 
 
 def _common_options(fn):
@@ -290,32 +237,6 @@ def _common_options(fn):
     return fn
 
 
-def _run(config, overrides, output, flags: dict, quiet: bool, *, only_task: str | None = None) -> None:
-    from ropescale.runs.config import ConfigError, load_raw
-
-    build_config, = harness("config", "build_config")
-    markdown_report, = harness("report", "markdown_report")
-    run_sweep, = harness("sweep", "run_sweep")
-
-    raw, source = load_raw(config, overrides, flags)
-    if only_task and raw.get("task", only_task) != only_task:
-        raise ConfigError(f"{source}: task is {raw['task']!r}; `ropescale sweep` and the perplexity flags "
-                          f"({', '.join(PERPLEXITY_FLAGS.values())}) run perplexity only: "
-                          f"use `ropescale eval{' ' + config if config else ''}` without them")
-    cfg = build_config(raw, source)
-    out = output or cfg.output
-    if not out:
-        raise ConfigError(f"{source}: output: no results folder; give --output DIR or set output:")
-    records = run_sweep(cfg, out, progress=not quiet)
-    click.echo(markdown_report(records))
-    click.echo(f"results in {out}/ (results.jsonl, results.csv, results.md and plots)")
-
-
-# the perplexity task's own flags (its options at a config's top level), on `eval` and its alias `sweep`
-PERPLEXITY_FLAGS = {"mode": "--mode", "stride": "--stride", "max_windows": "--max-windows",
-                    "batch_size": "--batch-size", "dynamic_block": "--dynamic-block"}
-
-
 def _perplexity_options(fn):
     """The perplexity task's flags (``PERPLEXITY_FLAGS``); another task refuses them."""
     for opt in reversed([
@@ -330,23 +251,6 @@ def _perplexity_options(fn):
     return fn
 
 
-def _evaluate(task: str | None, config, overrides, output, model, data, strategy_specs, lengths, device, device_map,
-              dtype, quiet, engine, mode, stride, max_windows, batch_size, dynamic_block, *,
-              perplexity_only: bool = False) -> None:
-    """`eval` (``task``: ``--task``, ``None`` when not given) and `sweep` (``perplexity_only``: the
-    config's task must be perplexity): the flags over the config, then the run."""
-    perplexity = {"mode": mode, "stride": stride, "max_windows": max_windows, "batch_size": batch_size,
-                  "dynamic_block": dynamic_block}
-    given = [PERPLEXITY_FLAGS[k] for k, v in perplexity.items() if v is not None]
-    if given and task not in (None, "perplexity"):
-        raise InvalidInput(f"{', '.join(given)}: the perplexity task's flags; --task {task} takes its options "
-                           f"with --set {task}.KEY=VALUE")
-    flags = {"task": task, "model": model, "data": data, "lengths": lengths, "device": device, "dtype": dtype,
-             "device_map": device_map, "engine": engine, **perplexity, "strategies": list(strategy_specs) or None}
-    perplexity_only = perplexity_only or (bool(given) and task is None)  # the config's task must take them
-    _run(config, overrides, output, flags, quiet, only_task="perplexity" if perplexity_only else None)
-
-
 @main.command("eval")
 @_common_options
 @_perplexity_options
@@ -354,14 +258,14 @@ def _evaluate(task: str | None, config, overrides, output, model, data, strategy
 def eval_cmd(task, **options) -> None:
     """Run a task (perplexity, passkey, needle, …) for each strategy at each length; resumable;
     writes results.jsonl/csv/md and the task's plots."""
-    _evaluate(task, **options)
+    commands.evaluate(task, **options)
 
 
 # `sweep` is `eval --task perplexity`: the same parameters (less --task) and the same body; a config
 # of another task is refused rather than run as perplexity
 sweep = VocabCommand(
     "sweep", params=[p for p in eval_cmd.params if p.name != "task"],
-    callback=lambda **options: _evaluate(None, **options, perplexity_only=True),
+    callback=lambda **options: commands.evaluate(None, **options, perplexity_only=True),
     short_help="Alias of `eval --task perplexity`.",
     help="Alias of `ropescale eval --task perplexity`: perplexity of each strategy at each length; resumable. "
          "A config of another task is refused.")
@@ -383,28 +287,7 @@ main.add_command(sweep)
 def finetune(config, overrides, output, model, strategy_spec, data, length, steps, device, quiet) -> None:
     """Fine-tune a patched model at the target length (accelerate; resumable; PoSE), save it with
     its patch, and evaluate it. Runs under `accelerate launch` for several processes."""
-    from ropescale.runs.config import ConfigError
-    from ropescale.training import load_finetune_config
-
-    run_finetune, = harness("finetune", "run_finetune")
-
-    flags = {"model": model, "strategy": strategy_spec, "data": data, "length": length, "steps": steps,
-             "device": device}
-    cfg = load_finetune_config(config, list(overrides), flags)
-    out = output or cfg.output
-    if not out:
-        raise ConfigError(f"{config or 'flags'}: output: no run folder; give --output DIR or set output:")
-    summary = run_finetune(cfg, out, progress=not quiet, source=config or "flags")
-    if not summary["main_process"]:
-        return  # launched on several processes: the main one reports
-    markdown_report, = harness("report", "markdown_report")
-
-    for records in summary["evaluations"].values():
-        click.echo(markdown_report(records))
-    ppl = summary.get("ppl") or {}
-    click.echo(f"fine-tuned {summary['label']} for {summary['steps']} steps (final loss {summary['final_loss']:.3f}"
-               + (", held-out PPL " + ", ".join(f"{k}: {v:.2f}" for k, v in ppl.items()) if ppl else "")
-               + f"); model in {summary['model']}")
+    commands.finetune(config, overrides, output, model, strategy_spec, data, length, steps, device, quiet)
 
 
 @main.command()
@@ -418,65 +301,7 @@ def search(config, overrides, output, device, quiet) -> None:
     """Search a strategy's numeric parameters for a model and target length(s) on a search split
     (Optuna TPE or CMA-ES; resumable; several processes may share a folder); writes best.json,
     trials.csv, results.md and search.png."""
-    from ropescale.runs.config import ConfigError, load_raw
-
-    build_search_config, = harness("search.config", "build_search_config")
-    run_search, = harness("search.run", "run_search")
-
-    raw, source = load_raw(config, overrides, {"device": device})
-    cfg = build_search_config(raw, source)
-    out = output or cfg.output
-    if not out:
-        raise ConfigError(f"{config}: output: no search folder; give --output DIR or set output:")
-    best = run_search(cfg, out, progress=not quiet)
-    ppl = ", ".join(f"@{k} {v:.3f}" for k, v in best["ppl"].items())
-    click.echo(f"best of {best['evaluations']} candidates: {best['spec']} (objective {best['objective']:.4f}, "
-               f"PPL {ppl}, PPL@T {best['ppl_train']:.3f}{'' if best['feasible'] else ', infeasible'})")
-    click.echo(f"results in {out}/ (best.json, trials.csv, results.md, search.png)")
-
-
-def _layer_table(rows: list[dict]) -> str:
-    """``PatchHandle.report()`` as a text table, one line per attention layer."""
-    if not rows:
-        return "(the model's attention layers could not be observed: no per-layer report)"
-    cols = [("layer", "layer"), ("rope", "rope"), ("rope_type", "rope type"), ("rope_theta", "θ"),
-            ("rotary_dim", "dim"), ("layout", "layout"), ("original_max_position_embeddings", "T"),
-            ("applied", "applied"), ("temperature", "temperature")]
-    cells = [[h for _, h in cols]] + [["" if r.get(k) is None else f"{r[k]:g}" if isinstance(r.get(k), float)
-                                        else str(r[k]) for k, _ in cols] for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells)
-
-
-def _patch_profiles(model, spec, profiles: str, output, engine, serve_length, gguf_path, freeze_dynamic_at, device,
-                    **options) -> None:
-    """``patch --profiles``: every check that needs no model first, then one export per factor."""
-    import ropescale
-    from ropescale.models import resolve_model
-    from ropescale.runs.profiles import check_factors
-    from ropescale.serving.export import check_export
-    from ropescale.serving.profiles import PROFILES_FILE, export_profiles
-
-    if serve_length is not None or freeze_dynamic_at is not None:
-        raise InvalidInput("--profiles: each profile serves its own reach (s·T tokens); leave --serve-length and "
-                           "--freeze-dynamic-at out")
-    try:
-        factors = check_factors([float(x) for x in profiles.split(",")], "--profiles")
-    except ValueError as e:  # a word where a number is meant (InvalidInput is a ValueError: kept as it is)
-        raise e if isinstance(e, InvalidInput) else InvalidInput(
-            f"--profiles: {profiles!r} is not a comma-separated list of scale factors (e.g. 1,2,4)") from None
-    if spec.profiles or "factor" in spec.params:
-        raise InvalidInput("--profiles gives the factors; leave factor (and profiles) out of --strategy")
-    source = Path(resolve_model(model))
-    check_export(engine, 2, output, gguf=gguf_path, source=source if source.is_dir() else None)
-    m, tok = ropescale.load_model(model, device=device)
-    ropescale.unpatch(m)
-    results = export_profiles(m, spec.name, factors, engine, output, tokenizer=tok, gguf=gguf_path,
-                              patch_options={**options, "logn": spec.logn, "temperature": spec.temperature},
-                              **spec.params)
-    for f, result in zip(factors, results):
-        click.echo(f"saved {spec.name} ×{f:g} for {engine} (serves {result.serve_length} tokens) to {result.path}")
-    click.echo(f"the rule: {Path(output) / PROFILES_FILE} (ropescale.serving.profiles.select_profile)")
+    commands.search(config, overrides, output, device, quiet)
 
 
 @main.command("patch")
@@ -518,50 +343,9 @@ def patch_cmd(model, strategy_spec, output, dry_run, original_max_position_embed
     the reason. native keeps the model as plain transformers serves --model (a folder ropescale wrote included) and
     exports its own rope parameters. --dry-run prints, per attention layer, the rope type, θ, rotary
     dim, layout, T and the rule applied (or "no RoPE, untouched")."""
-    import ropescale
-
-    if quiet:
-        _no_progress_bars()
-    if dry_run:
-        spec = _strategy(strategy_spec)
-        # a strategy keeping the model's own rotation starts from the folder as plain transformers serves it
-        m, _ = ropescale.load_model(model, device=device, served=REGISTRY.lookup(spec.name).keeps_model)
-        ropescale.unpatch(m)
-        handle = ropescale.patch(m, spec.name, original_max_position_embeddings=original_max_position_embeddings,
-                                 layer_types=layer_types.split(",") if layer_types else None,
-                                 dynamic_cache=dynamic_cache, dynamic_block=dynamic_block, logn=spec.logn,
-                                 **spec.params)
-        click.echo(f"{spec.display} on {model} (dry run: nothing written)")
-        click.echo(_layer_table(handle.report()))
-        return
-    if output is None:
-        raise InvalidInput("patch needs --output (the folder to write), or --dry-run")
-    spec = _strategy(strategy_spec)
-    if profiles is not None:
-        _patch_profiles(model, spec, profiles, output, engine, serve_length, gguf_path, freeze_dynamic_at, device,
-                        original_max_position_embeddings=original_max_position_embeddings,
-                        layer_types=layer_types.split(",") if layer_types else None)
-        return
-    from ropescale.models import resolve_model
-    from ropescale.serving.export import check_export
-
-    source = Path(resolve_model(model))
-    # what needs no model is refused before loading it (export_for checks it all again)
-    check_export(engine, serve_length, output, gguf=gguf_path, freeze_dynamic_at=freeze_dynamic_at,
-                 source=source if source.is_dir() else None)
-    m, tok = ropescale.load_model(model, device=device, served=REGISTRY.lookup(spec.name).keeps_model)
-    ropescale.unpatch(m)
-    ropescale.patch(m, spec.name, original_max_position_embeddings=original_max_position_embeddings,
-                    layer_types=layer_types.split(",") if layer_types else None,
-                    dynamic_cache=dynamic_cache, dynamic_block=dynamic_block, logn=spec.logn,
-                    **spec.params)
-    result = ropescale.export_for(m, engine, serve_length, output, tokenizer=tok, gguf=gguf_path,
-                                  freeze_dynamic_at=freeze_dynamic_at)
-    click.echo(f"saved {spec.display} patch of {model} for {engine} to {result.path}")
-    for note in result.notes:
-        click.echo(f"  {note}")
-    if result.usage:
-        click.echo(result.usage)
+    commands.patch(model, strategy_spec, output, dry_run, original_max_position_embeddings, layer_types,
+                   dynamic_cache, dynamic_block, engine, serve_length, gguf_path, freeze_dynamic_at, profiles, device,
+                   quiet)
 
 
 @main.command()
@@ -586,23 +370,8 @@ def inspect(model, head_dim, rope_theta, training_length, strategy_specs, length
     """Draw what each strategy does to the rotary geometry: wavelengths per pair, rotation angles
     and aliasing, long-range decay, the base bound; writes PNGs and summary.json. With --model
     (its weights loaded) also prints, per strategy, the per-layer table patch --dry-run prints."""
-    rotary_config, attention_input, inspected_model, run_inspect, summary_text = harness(
-        "inspect", "rotary_config", "attention_input", "inspected_model", "inspect", "summary_text")
-
-    specs = [_strategy(s) for s in strategy_specs]
-    cfg = rotary_config(model, head_dim, rope_theta, training_length)
-    if model and quiet:
-        _no_progress_bars()
-    extra = attention_input(model, specs, data, length, device=device) if attention else None
-    load = None if not model else (lambda: extra["model"]) if extra else (lambda: inspected_model(model, device)[0])
-    summary = run_inspect(cfg, specs, length, output, pairs=list(pairs) or None, attention=extra, load_model=load)
-    click.echo(summary_text(summary, output), nl=False)
-    for display, rows in summary.get("layers", {}).items():
-        if isinstance(rows, dict):
-            click.echo(f"{display} on {model}: refused: {rows['refused']}")
-        else:
-            click.echo(f"{display} on {model}, per layer:")
-            click.echo(_layer_table(rows))
+    commands.inspect(model, head_dim, rope_theta, training_length, strategy_specs, length, pairs, attention, data,
+                     output, device, quiet)
 
 
 def _ints(low: int, *, high: int | None = None, even: bool = False):
@@ -640,8 +409,7 @@ def base_bound(dims, lengths) -> None:
     power-law fit beside it when d = 128 is asked for; a cell no base reaches (d = 2) is "—", with a
     note. The defaults give the README's table (minutes on a CPU: each entry is a certified search
     over every m < L)."""
-    base_bound_table, = harness("inspect", "base_bound_table")
-    click.echo(base_bound_table(dims, lengths, paper_fit=128 in dims), nl=False)
+    commands.base_bound(dims, lengths)
 
 
 def _steps(ctx, param, value: str) -> list[int]:
@@ -668,13 +436,7 @@ def compare(runs, length, output, title, at, before) -> None:
     steps in one figure, and Markdown tables (PPL by step; each run's last evaluation with the
     first step reaching the first run's final PPL); with --before, the harness's perplexity and
     passkey results of each run's strategy on the base model next to the fine-tuned model's."""
-    read_runs, compare_runs = harness("compare", "read_runs", "compare")
-    check_figure, = harness("writable", "check_figure")
-    check_figure(output, f"-o {output}")  # a figure it cannot save or write: one line, before reading the runs
-    # a folder that is not a run, a length it has no PPL at: InvalidInput, one line and exit 1 as everywhere
-    records = read_runs(list(runs), length, list(before))
-    click.echo(compare_runs(records, list(runs), length, output, title=title, at=at, before=list(before)))
-    click.echo(f"\nfigure: {output}")
+    commands.compare(list(runs), length, output, title, at, list(before))
 
 
 @main.command("lm-eval", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
@@ -683,16 +445,7 @@ def compare(runs, length, output, title, at, before) -> None:
 def lm_eval_cmd(args) -> None:
     """lm-evaluation-harness with the `ropescale` model registered (needs the lm-eval extra):
     ropescale lm-eval --model ropescale --model_args pretrained=reference,strategy=yarn,factor=8 --tasks ..."""
-    try:
-        ModelArgsError, lm_eval_main = harness("lmeval", "ModelArgsError", "main")
-    except ImportError as e:
-        if not (e.name or "").startswith("lm_eval"):
-            raise  # not the optional dependency missing: a bug
-        raise click.ClickException(f"lm-eval is not installed ({e}); pip install 'ropescale[lm-eval]'") from None
-    try:
-        lm_eval_main(list(args))
-    except ModelArgsError as e:  # bad model_args, no arguments, a missing --include_path: one line, named
-        raise ModelArgsError(f"lm-eval: {e}") from None
+    commands.lm_eval(list(args))
 
 
 @main.command()
@@ -700,9 +453,7 @@ def lm_eval_cmd(args) -> None:
 @click.option("--output", "-o", type=click.Path(file_okay=False), help="default: beside RESULTS")
 def plot(results, output) -> None:
     """Rebuild results.csv/md and the plots from a results.jsonl."""
-    rebuild_reports, = harness("sweep", "rebuild_reports")
-    for kind, p in rebuild_reports(results, output).items():
-        click.echo(f"{kind}: {p}")
+    commands.plot(results, output)
 
 
 @main.group()
@@ -740,8 +491,7 @@ def reference() -> None:
 def reference_train(**options) -> None:
     """Train the reference model: a small Llama on the KJV training books that can copy and
     retrieve inside its window (about 55 min on 2 CPU cores for the bundled two stages)."""
-    train, = harness("reference.train", "train")
-    train(**options)
+    commands.reference_train(**options)
 
 
 @reference.command("card")
@@ -754,10 +504,7 @@ def reference_card(model, threads, plot) -> None:
     """Measure a reference model on the held-out books (perplexity at T and 8T, passkey at T,
     copy probe), store the figures in its training.json and write its model card (README.md);
     about 3 minutes on 2 CPU cores."""
-    import json
-
-    write_card, = harness("reference.card", "write_card")
-    click.echo(json.dumps(write_card(model, threads=threads, plot=plot), indent=1))
+    commands.reference_card(model, threads, plot)
 
 
 @main.command()
@@ -792,20 +539,8 @@ def parity(model, strategy_specs, lengths, engine_list, end_to_end, data, window
     against ropescale's, the largest angle difference up to L and a verdict — from the engine's own
     code where installed, from ropescale's re-implementation otherwise; with --end-to-end, held-out
     log-probabilities through the real engine. Writes parity.md, parity.csv, parity.png to OUTPUT."""
-    run_parity, write_parity = harness("parity", "run_parity", "write_parity")
-
-    specs = [_strategy(s) for s in strategy_specs]
-    engines = [_engine_name(e.strip()) for e in engine_list.split(",") if e.strip()]
-    say = (lambda m: click.echo(m, err=True)) if not quiet and sys.stderr.isatty() else None
-    rows, meta = run_parity(model, specs, list(lengths), engines=engines, end_to_end=end_to_end, data=data,
-                            windows=windows, output=output, freeze_dynamic=freeze_dynamic, gguf=gguf_path,
-                            baseline=baseline, say=say, device=device)
-    paths = write_parity(rows, output, meta)
-    for r in rows:
-        e2e = "" if r.max_abs_dlogp is None else f"  max|Δlog p| {r.max_abs_dlogp:.2g}"
-        base = "" if r.exported_by == "ropescale" else " [as written]"
-        click.echo(f"{r.engine:<9} {r.strategy + base:<32} L={r.length:<6} {r.verdict[:110]}{e2e}")
-    click.echo(f"written to {output}/: {', '.join(p.name for p in paths.values())}")
+    commands.parity(model, strategy_specs, lengths, engine_list, end_to_end, data, windows, freeze_dynamic, gguf_path,
+                    baseline, output, device, quiet)
 
 
 if __name__ == "__main__":

@@ -307,3 +307,40 @@ def test_the_private_crossing_check_sees_one(tmp_path):
     assert private_crossings({"eval.a": a, "eval.b": b, "eval.y": b}) == [
         "eval.a:1 from eval.x import _hidden", "eval.a:3 y._inner"]
 
+
+
+def _command_bodies(source: str) -> dict[str, list[ast.stmt]]:
+    """Each click command function of ``source`` → its statements after the docstring."""
+    out = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef) and any(
+                isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.func.attr in ("command", "group")
+                for d in node.decorator_list):
+            body = node.body[1:] if node.body and isinstance(node.body[0], ast.Expr) and isinstance(
+                getattr(node.body[0], "value", None), ast.Constant) else node.body
+            out[node.name] = body
+    return out
+
+
+def _logic(body: list[ast.stmt]) -> bool:
+    """Anything but one call of ``commands.<name>(...)`` (a group's body may be empty)."""
+    return not (body == [] or (len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Call)
+                                and ast.unparse(body[0].value.func).startswith("commands.")))
+
+
+def test_cli_py_declares_commands_and_calls_the_harness_for_each():
+    """cli.py is the entry point and stays thin (issue 40, item 5): options and one call per command into
+    ``eval/commands.py``, imported plainly (the layer test sees the edge), no ``importlib`` lookup."""
+    source = (ROOT / "cli.py").read_text(encoding="utf-8")
+    bodies = _command_bodies(source)
+    assert len(bodies) >= 14 and "patch_cmd" in bodies and "reference_card" in bodies
+    assert [name for name, body in bodies.items() if _logic(body)] == []
+    assert "importlib" not in source
+    assert "eval.commands" in import_graph()["cli"]
+
+
+def test_the_thin_cli_check_sees_logic():
+    source = ('@main.command()\ndef a():\n    """doc."""\n    commands.a(1)\n\n'
+              '@main.command()\ndef b(x):\n    if x:\n        commands.b()\n\n'
+              '@main.group()\ndef c():\n    """doc."""\n')
+    assert [n for n, body in _command_bodies(source).items() if _logic(body)] == ["b"]
