@@ -28,7 +28,7 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from eval.tasks.ruler_suite import RulerSuite, RulerSuiteOptions
+    from eval.tasks.ruler.suite import RulerSuite, RulerSuiteOptions
     from ropescale.models import REFERENCE_MODEL
     from ropescale.patching import patch
     from ropescale.runs.memory import fmt_gib

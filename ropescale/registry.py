@@ -67,14 +67,17 @@ class Registry(dict, Generic[T]):
         self.load_plugins()
 
     def import_package(self) -> None:
-        """Import every module of ``package`` once (each registers its entries)."""
+        """Import every module of ``package`` once, in its sub-packages too (a family of entries in a folder
+        of its own: RULER's tasks in ``eval/tasks/ruler/``); each registers its entries. Names starting with
+        ``_`` and those in ``skip`` are left out."""
         if self._imported:
             return
         self._imported = True
         pkg = importlib.import_module(self.package)
-        for mod in pkgutil.iter_modules(pkg.__path__):
-            if not mod.name.startswith("_") and mod.name not in self.skip:
-                importlib.import_module(f"{self.package}.{mod.name}")
+        for mod in pkgutil.walk_packages(pkg.__path__, f"{self.package}."):
+            parts = mod.name[len(self.package) + 1:].split(".")
+            if not any(p.startswith("_") for p in parts) and parts[0] not in self.skip:
+                importlib.import_module(mod.name)
 
     def load_plugins(self) -> None:
         """Load every entry point of the ``plugins`` group once (importing its module registers

@@ -106,7 +106,7 @@ class LongPPL(Task):
             return None
         from ropescale.models import load_model
 
-        from .ruler_cache import tokenizer_fingerprint
+        from .ruler.cache import tokenizer_fingerprint
 
         model, tok = load_model(self.options.evaluator)
         if tokenizer_fingerprint(tok) != tokenizer_fingerprint(self.tokenizer):

@@ -222,7 +222,7 @@ class NiahMultikey(RetrievalTask):
     """Multi-key needle in a haystack of real text (RULER niah_multikey_1): the value of one of
     several keys."""
 
-    name = "niah_multikey_depths"  # "niah_multikey" is RULER's niah_multikey_1 (eval.tasks.ruler_niah)
+    name = "niah_multikey_depths"  # "niah_multikey" is RULER's niah_multikey_1 (eval.tasks.ruler.niah)
     Options = NiahMultikeyOptions
     match = staticmethod(contains_match)
     uses_data = True

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from eval.report import write_reports
-from eval.tasks.ruler_suite import RulerSuiteOptions, effective_length, effective_lengths
+from eval.tasks.ruler.suite import RulerSuiteOptions, effective_length, effective_lengths
 
 
 def _records(scores: dict[str, dict[int, float | None]], train: int = 128, threshold=None) -> list[dict]:
@@ -54,7 +54,7 @@ def test_a_given_threshold_wins_and_none_without_vanilla_at_t(tmp_path):
 
 
 def test_the_threshold_stays_out_of_the_tasks_and_of_the_identity_unless_given():
-    from eval.tasks.ruler_suite import RulerSuite
+    from eval.tasks.ruler.suite import RulerSuite
 
     assert "threshold" not in RulerSuiteOptions(tasks=["vt"]).key()
     assert RulerSuiteOptions(tasks=["vt"], threshold=85.6).key()["threshold"] == 85.6

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from eval.config import ConfigError, build_config
 from eval.tasks import get_task
 from eval.tasks.prompts import PromptError
-from eval.tasks.ruler_qa_gen import hotpot_from_rows, read_hotpotqa, read_squad, squad_from_rows
+from eval.tasks.ruler.qa_gen import hotpot_from_rows, read_hotpotqa, read_squad, squad_from_rows
 from ropescale.models import REFERENCE_MODEL
 from ropescale.runs.data import DataError
 

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from eval.tasks.prompts import PromptError
-from eval.tasks.ruler_spec import (
+from eval.tasks.ruler.spec import (
     TooLong,
     postprocess_pred,
     sample_score,
@@ -16,7 +16,7 @@ from eval.tasks.ruler_spec import (
     string_match_all,
     string_match_part,
 )
-from eval.tasks.ruler_text import JoinedWords, _category, sent_tokenize
+from eval.tasks.ruler.text import JoinedWords, _category, sent_tokenize
 
 
 # --- RULER, as its authors wrote it -------------------------------------------------------------

@@ -15,9 +15,9 @@ from eval.config import ConfigError, build_config
 from eval.sweep import run_sweep
 from eval.tasks import get_task
 from eval.tasks.prompts import PromptError
-from eval.tasks.ruler_base import greedy_batch, model_template
-from eval.tasks.ruler_cache import cached_samples
-from eval.tasks.ruler_spec import RulerSample
+from eval.tasks.ruler.base import greedy_batch, model_template
+from eval.tasks.ruler.cache import cached_samples
+from eval.tasks.ruler.spec import RulerSample
 from ropescale.errors import OutputError
 from ropescale.models import REFERENCE_MODEL
 from ropescale.patching import patch
@@ -149,7 +149,7 @@ def test_a_cache_that_cannot_be_written_is_read_or_bypassed_with_one_warning(tmp
 
     import filelock
 
-    from eval.tasks import ruler_cache
+    from eval.tasks.ruler import cache as ruler_cache
 
     made, key = [], {"task": "x", "length": 64}
     stored = cached_samples(key, 2, _made(made), directory=tmp_path / "ro")[0]
@@ -207,7 +207,10 @@ def test_no_draw_is_shorter_than_the_floor_a_refusal_is_decided_from(task, lengt
     floor must never exceed a real draw. Lengths where the draws at the smallest haystack keep
     failing (the floor fits, the draws do not): 40 real draws each (max_draws), every one at least
     the floor — the generators' own draws are the oracle."""
-    from eval.tasks import ruler_cwe_gen, ruler_niah_gen, ruler_spec, ruler_vt_gen
+    from eval.tasks.ruler import cwe_gen as ruler_cwe_gen
+    from eval.tasks.ruler import niah_gen as ruler_niah_gen
+    from eval.tasks.ruler import spec as ruler_spec
+    from eval.tasks.ruler import vt_gen as ruler_vt_gen
     from tests.eval.tasks.test_ruler_golden import make_task
 
     seen = []

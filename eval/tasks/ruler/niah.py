@@ -16,7 +16,7 @@ niah_multiquery    essay     words → numbers       4 keys                 4 ke
 
 ``essay`` is the data source (the bundled KJV held-out books by default; a local text or a
 ``datasets`` id such as PG-19: RULER's is Paul Graham's essays). Prompts, answers and lengths are
-``niah.py``'s (``ruler_niah_gen``); metric ``string_match_all``; 128 tokens generated.
+``niah.py``'s (``niah_gen``); metric ``string_match_all``; 128 tokens generated.
 ``niah_multikey`` (the name before this module) is niah_multikey_1.
 """
 
@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from .base import TASKS
-from .ruler_base import RulerTask
-from .ruler_niah_gen import NiahConfig, generate_niah
+from ..base import TASKS
+from .base import RulerTask
+from .niah_gen import NiahConfig, generate_niah
 
 __all__ = ["CONFIGS", "NiahTask"]
 

@@ -22,8 +22,8 @@ from pydantic import BaseModel, Field, TypeAdapter, ValidationError, model_valid
 
 from ropescale.runs.data import DataError
 
-from .ruler_base import RulerOptions, RulerTask
-from .ruler_qa_gen import generate_qa, hotpot_from_rows, read_hotpotqa, read_squad, squad_from_rows
+from .base import RulerOptions, RulerTask
+from .qa_gen import generate_qa, hotpot_from_rows, read_hotpotqa, read_squad, squad_from_rows
 
 __all__ = ["LAYOUTS", "QaOptions", "QaTask", "read_dataset"]
 

@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .prompts import PromptError
-from .ruler_spec import FAMILIES, RulerSample, split_answer_prefix
-from .ruler_text import Draws
+from ..prompts import PromptError
+from .spec import FAMILIES, RulerSample, split_answer_prefix
+from .text import Draws
 
 __all__ = ["generate_fwe"]
 
@@ -26,7 +26,7 @@ __all__ = ["generate_fwe"]
 def generate_fwe(*, count: Callable[[str], int], template: str, max_seq_length: int, num_samples: int, seed: int,
                  tokens_to_generate: int = 50, alpha: float = 2.0, coded_wordlen: int = 6, vocab_size: int = -1,
                  what: str = "fwe") -> list[RulerSample]:
-    """``freq_words_extraction.py``'s samples (see ``ruler_niah_gen.generate_niah``)."""
+    """``freq_words_extraction.py``'s samples (see ``niah_gen.generate_niah``)."""
     from scipy.special import zeta
 
     d = Draws(seed)

@@ -1,14 +1,14 @@
 """RULER's variable tracking, ``vt`` (Hsieh et al. 2024, arXiv:2404.06654; NVIDIA/RULER ``c3f5e3b4``
 ``scripts/data/synthetic/variable_tracking.py`` with ``scripts/synthetic.yaml``'s ``vt``: noise
 haystack, 1 chain of 4 hops): every variable holding a value, after one in-context example.
-Prompts from ``ruler_vt_gen``; metric ``string_match_all``; 30 tokens generated."""
+Prompts from ``vt_gen``; metric ``string_match_all``; 30 tokens generated."""
 
 from __future__ import annotations
 
 from pydantic import Field
 
-from .ruler_base import RulerOptions, RulerTask
-from .ruler_vt_gen import generate_vt
+from .base import RulerOptions, RulerTask
+from .vt_gen import generate_vt
 
 __all__ = ["VariableTracking", "VtOptions"]
 

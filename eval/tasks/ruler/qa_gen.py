@@ -15,8 +15,8 @@ import heapq
 import random
 from collections.abc import Callable, Iterable
 
-from .ruler_spec import FAMILIES, RulerSample, TooLong, binary_search, shrink_until_fits, split_answer_prefix
-from .ruler_text import Draws
+from .spec import FAMILIES, RulerSample, TooLong, binary_search, shrink_until_fits, split_answer_prefix
+from .text import Draws
 
 __all__ = ["DOCUMENT_PROMPT", "generate_qa", "hotpot_from_rows", "read_hotpotqa", "read_squad", "squad_from_rows"]
 

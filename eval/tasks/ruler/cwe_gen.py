@@ -3,7 +3,7 @@
 
 A numbered list of words in which ``num_cw`` words appear ``freq_cw`` times and the rest
 ``freq_ucw`` times (below 4096 tokens: 6 and 1), after ``num_fewshot`` solved examples; the answer
-is the common words. Words are wonderwords' nouns, adjectives and verbs (``ruler_text.cwe_words``);
+is the common words. Words are wonderwords' nouns, adjectives and verbs (``text.cwe_words``);
 a list longer than those (about 100k tokens and up) draws from RULER's ``json/english_words.json``,
 which is read from ``english_words`` (a local copy) — refused in one line without it.
 """
@@ -15,9 +15,9 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-from .prompts import PromptError
-from .ruler_spec import FAMILIES, RulerSample, TooLong, binary_search, shrink_until_fits, split_answer_prefix
-from .ruler_text import Draws, cwe_words
+from ..prompts import PromptError
+from .spec import FAMILIES, RulerSample, TooLong, binary_search, shrink_until_fits, split_answer_prefix
+from .text import Draws, cwe_words
 
 __all__ = ["generate_cwe", "load_english_words"]
 
@@ -34,7 +34,7 @@ def generate_cwe(*, count: Callable[[str], int], template: str, max_seq_length: 
                  tokens_to_generate: int = 120, freq_cw: int = 30, freq_ucw: int = 3, num_cw: int = 10,
                  num_fewshot: int = 1, english_words: str | None = None, what: str = "cwe",
                  max_draws: int | None = None) -> list[RulerSample]:
-    """``common_words_extraction.py``'s samples (see ``ruler_niah_gen.generate_niah``)."""
+    """``common_words_extraction.py``'s samples (see ``niah_gen.generate_niah``)."""
     d = Draws(seed)
     words = cwe_words(seed)
     randle: list[str] | None = None

@@ -2,7 +2,7 @@
 reused by every strategy, run and process.
 
 A cache entry is one compressed JSON file named by the sha256 of its key, holding the key and the
-samples (``ruler_spec.RulerSample.to_json``); it is read and written under a file lock
+samples (``spec.RulerSample.to_json``); it is read and written under a file lock
 (``filelock``), so processes of a data-parallel run (or two runs at once) generate each entry
 once and the others wait and read it. RULER's generators draw their size search before any sample,
 so the first k samples of a run of n are the samples of a run of k: an entry with at least the
@@ -36,8 +36,8 @@ from pydantic import BaseModel, ConfigDict
 
 from ropescale.errors import OutputError
 
-from .prompts import PromptError
-from .ruler_spec import RulerSample
+from ..prompts import PromptError
+from .spec import RulerSample
 
 __all__ = ["CacheStats", "cache_dir", "cached_samples", "key_digest", "tokenizer_fingerprint"]
 

@@ -2,7 +2,7 @@
 strategies × lengths, each cell scored per task and by RULER's average.
 
 ``task: ruler`` with ``ruler: {tasks: [...], num_samples: ..., ...}`` (the options every RULER task
-shares, ``ruler_base.RulerOptions``; task settings at RULER's defaults). Every task's samples come
+shares, ``base.RulerOptions``; task settings at RULER's defaults). Every task's samples come
 from its own generator and the sample cache, so a sweep of many strategies generates them once,
 and a second run not at all. A task whose prompts cannot fit a length (RULER's templates and
 haystack steps are long: at 1024 tokens and below many cannot) is refused at that length, in one
@@ -39,9 +39,9 @@ from pydantic import Field, ValidationError, field_validator
 from ropescale.runs.config import NestedErrors, error_parts
 from ropescale.runs.memory import Need
 
-from .base import Task, get_task
-from .prompts import PromptError
-from .ruler_base import RulerOptions, RulerTask
+from ..base import Task, get_task
+from ..prompts import PromptError
+from .base import RulerOptions, RulerTask
 
 __all__ = ["DEFAULT_TASKS", "RulerSuite", "RulerSuiteOptions", "effective_length", "effective_lengths"]
 
@@ -154,7 +154,7 @@ class RulerSuite(Task):
     def report(cls, records: list[dict]) -> str:
         """The effective length per strategy, then per length: every task's score beside the
         average, strategies as rows (— where refused)."""
-        from ..plots import len_label, strategies_of
+        from ...plots import len_label, strategies_of
 
         tasks = records[0]["tasks"]
         train = records[0].get("train_length")
@@ -181,7 +181,7 @@ class RulerSuite(Task):
     def plots(cls, records: list[dict], output: Path) -> dict[str, Path]:
         import json
 
-        from ..plots import plot_metric, plot_task_heatmaps
+        from ...plots import plot_metric, plot_task_heatmaps
 
         paths = {"plot": output / "score_vs_length.png", "heatmap": output / "task_heatmap.png",
                  "effective_length": output / "effective_length.json"}
@@ -209,7 +209,7 @@ def effective_lengths(records: list[dict]) -> dict[str, Any]:
     """``{"threshold": %, "threshold_from": words, "effective_length": {strategy: length | None}}``
     over the suite's records (threshold: the records' option, else the vanilla cell at T; without
     either, threshold None and no lengths)."""
-    from ..plots import strategies_of
+    from ...plots import strategies_of
 
     options = records[0].get("options") or {}
     threshold, source = options.get("threshold"), "given (threshold)"

@@ -1,14 +1,14 @@
 """RULER's frequent words extraction, ``fwe`` (Hsieh et al. 2024, arXiv:2404.06654; NVIDIA/RULER
 ``c3f5e3b4`` ``scripts/data/synthetic/freq_words_extraction.py`` with ``scripts/synthetic.yaml``'s
 ``fwe``: alpha 2.0): the three most frequent coded words of a Zipf-distributed text. Prompts from
-``ruler_fwe_gen``; metric ``string_match_all``; 50 tokens generated."""
+``fwe_gen``; metric ``string_match_all``; 50 tokens generated."""
 
 from __future__ import annotations
 
 from pydantic import Field
 
-from .ruler_base import RulerOptions, RulerTask
-from .ruler_fwe_gen import generate_fwe
+from .base import RulerOptions, RulerTask
+from .fwe_gen import generate_fwe
 
 __all__ = ["FreqWords", "FweOptions"]
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .prompts import PromptError
+from ..prompts import PromptError
 
 __all__ = ["FAMILIES", "REPORT_EVERY", "Family", "RulerSample", "TooLong", "binary_search", "join_template",
            "postprocess_pred", "shrink_until_fits", "string_match_all", "string_match_part"]

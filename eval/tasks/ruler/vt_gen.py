@@ -15,8 +15,8 @@ import string
 from collections.abc import Callable
 from typing import Literal
 
-from .ruler_spec import FAMILIES, RulerSample, TooLong, binary_search, shrink_until_fits, split_answer_prefix
-from .ruler_text import DEPTHS, NOISE, Draws, sent_tokenize
+from .spec import FAMILIES, RulerSample, TooLong, binary_search, shrink_until_fits, split_answer_prefix
+from .text import DEPTHS, NOISE, Draws, sent_tokenize
 
 __all__ = ["generate_vt"]
 
@@ -166,7 +166,7 @@ def generate_vt(*, count: Callable[[str], int], template: str, max_seq_length: i
                 tokens_to_generate: int = 30, num_chains: int = 1, num_hops: int = 4,
                 type_haystack: Literal["noise", "essay"] = "noise", essay: list[str] | None = None,
                 what: str = "vt", max_draws: int | None = None) -> list[RulerSample]:
-    """``variable_tracking.py``'s samples (see ``ruler_niah_gen.generate_niah`` for the arguments)."""
+    """``variable_tracking.py``'s samples (see ``niah_gen.generate_niah`` for the arguments)."""
     if type_haystack == "essay" and not essay:
         raise ValueError("the essay haystack needs a text")
     gen = _VT(Draws(seed), template, num_chains, num_hops, type_haystack, essay)

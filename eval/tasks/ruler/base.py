@@ -1,5 +1,5 @@
 """What every RULER task shares (Hsieh et al. 2024, arXiv:2404.06654; NVIDIA/RULER ``c3f5e3b4``):
-samples from RULER's own generators (``ruler_*_gen``), cached (``ruler_cache``), read by the model
+samples from RULER's own generators (``*_gen``), cached (``cache``), read by the model
 with RULER's template and answer prefix, answered by batched greedy decoding with the KV cache for
 RULER's per-task generation budget, scored with RULER's metric.
 
@@ -45,11 +45,11 @@ from ropescale.compat import cache_kwarg, output_cache
 from ropescale.runs.data import DataError
 from ropescale.runs.memory import PY_LIST_SLOT, Need, forward_bytes, kv_cache_bytes, model_dims
 
-from .base import Metric, Task, TaskOptions, progress
-from .prompts import PromptError
-from .ruler_cache import CacheStats, cached_samples, tokenizer_fingerprint
-from .ruler_spec import FAMILIES, Family, RulerSample, join_template, postprocess_pred, sample_score
-from .ruler_text import essay_words, generator_versions
+from ..base import Metric, Task, TaskOptions, progress
+from ..prompts import PromptError
+from .cache import CacheStats, cached_samples, tokenizer_fingerprint
+from .spec import FAMILIES, Family, RulerSample, join_template, postprocess_pred, sample_score
+from .text import essay_words, generator_versions
 
 __all__ = ["RULER_COMMIT", "RulerExample", "RulerOptions", "RulerTask", "check_model_template", "greedy_batch",
            "model_template"]
@@ -168,8 +168,8 @@ class RulerTask(Task):
         source = self.source or "the data source"
         if not text.strip():
             raise DataError(f"{source}: no text for the essay haystack")
-        from .needle import MIN_SENTENCES
-        from .niah_multikey import split_sentences
+        from ..needle import MIN_SENTENCES
+        from ..niah_multikey import split_sentences
 
         sentences = split_sentences(text)
         distinct = set(sentences)
@@ -287,7 +287,7 @@ class RulerTask(Task):
 
     @classmethod
     def plots(cls, records: list[dict], output: Path) -> dict[str, Path]:
-        from ..plots import plot_metric
+        from ...plots import plot_metric
 
         path = output / "score_vs_length.png"
         plot_metric(records, "score", "RULER score (%)", path)

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from .ruler_spec import FAMILIES, RulerSample, TooLong, binary_search, shrink_until_fits, split_answer_prefix
-from .ruler_text import DEPTHS, NOISE, Draws, niah_words, sent_tokenize
+from .spec import FAMILIES, RulerSample, TooLong, binary_search, shrink_until_fits, split_answer_prefix
+from .text import DEPTHS, NOISE, Draws, niah_words, sent_tokenize
 
 __all__ = ["NEEDLE", "NiahConfig", "generate_niah"]
 
@@ -125,8 +125,8 @@ def generate_niah(cfg: NiahConfig, *, count: Callable[[str], int], template: str
                   num_samples: int, seed: int, tokens_to_generate: int = 128, essay: list[str] | None = None,
                   what: str = "niah", max_draws: int | None = None) -> list[RulerSample]:
     """``niah.py``'s samples. ``count``: a text's token count (``len(tokenizer.tokenize(text))``);
-    ``template``: the model template joined with the task's (``ruler_spec.join_template``);
-    ``essay``: the essay haystack's words (``ruler_text.essay_words``). Raises ``PromptError``
+    ``template``: the model template joined with the task's (``spec.join_template``);
+    ``essay``: the essay haystack's words (``text.essay_words``). Raises ``PromptError``
     where nothing fits ``max_seq_length``."""
     gen = _Niah(cfg, Draws(seed), template, seed, essay)
     if cfg.type_haystack == "essay":

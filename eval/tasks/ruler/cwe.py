@@ -1,14 +1,14 @@
 """RULER's common words extraction, ``cwe`` (Hsieh et al. 2024, arXiv:2404.06654; NVIDIA/RULER
 ``c3f5e3b4`` ``scripts/data/synthetic/common_words_extraction.py`` with ``scripts/synthetic.yaml``'s
 ``cwe``: freq_cw 30, freq_ucw 3, num_cw 10): the ten most common words of a numbered list. Prompts
-from ``ruler_cwe_gen``; metric ``string_match_all``; 120 tokens generated."""
+from ``cwe_gen``; metric ``string_match_all``; 120 tokens generated."""
 
 from __future__ import annotations
 
 from pydantic import Field
 
-from .ruler_base import RulerOptions, RulerTask
-from .ruler_cwe_gen import generate_cwe
+from .base import RulerOptions, RulerTask
+from .cwe_gen import generate_cwe
 
 __all__ = ["CommonWords", "CweOptions"]
 
