@@ -220,13 +220,22 @@ def enable_logn(model, original_max_position_embeddings: int, rule: Temperature 
             model.config._attn_implementation = to
     else:
         switch = model.set_attn_implementation
+    return _route(model, name, current, state, hooks, _LOGN_ATTR, switch)
+
+
+def _route(model, name: str, current: str, state, hooks: list, attr: str, switch=None):
+    """Switch ``model`` to the attention implementation ``name`` (through ``switch``, default the public
+    setter) and check that every layer goes through it (``check_routed``); returns the undo: the
+    ``hooks`` removed, ``current`` back, the per-model state ``attr`` cleared from every submodule. Undone at
+    once when the check raises."""
+    switch = switch or model.set_attn_implementation
     switch(name)
 
     def restore() -> None:
         for h in hooks:
             h.remove()
         switch(current)
-        _clear_on_modules(model, _LOGN_ATTR)
+        _clear_on_modules(model, attr)
 
     try:
         check_routed(model, name, state)
@@ -423,17 +432,4 @@ def enable_truncation(model, rule: RelativeRule, layers: dict, rotaries: list, *
     _set_on_modules(model, _TRUNCATION_ATTR, state)
 
     hooks = _capture_positions(rotaries, state)
-    model.set_attn_implementation(name)
-
-    def restore() -> None:
-        for h in hooks:
-            h.remove()
-        model.set_attn_implementation(current)
-        _clear_on_modules(model, _TRUNCATION_ATTR)
-
-    try:
-        check_routed(model, name, state)
-    except Exception:
-        restore()
-        raise
-    return restore
+    return _route(model, name, current, state, hooks, _TRUNCATION_ATTR)

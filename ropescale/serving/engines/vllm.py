@@ -334,6 +334,8 @@ def _yarn(rp: dict[str, Any], base: float, d: int) -> tuple[torch.Tensor, float,
         magnitude = _mscale(s, rp["mscale"]) / _mscale(s, rp["mscale_all_dim"])
     else:
         magnitude = _mscale(s)
+    # vLLM's YaRN written out again, on purpose, beside ropescale's own (strategies/by_parts.py): it is the parity
+    # oracle for what vLLM computes, so it must not call the code it is compared with
     pos = base ** (torch.arange(0, d, 2, dtype=torch.float) / d)
     extrap, interp = 1.0 / pos, 1.0 / (s * pos)
 
