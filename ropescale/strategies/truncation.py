@@ -171,22 +171,29 @@ def self_extend(group_size: int, window: int) -> RelativeRule:
     return _two(window, lambda i: torch.floor(i / group_size) + shift, lambda j: torch.floor(j / group_size))
 
 
-def _string_pair(s: int, w: int) -> None:
-    if not 0 <= w < s:
-        raise InvalidInput(f"string: local_window={w} must be below shifted_offset={s} (both in tokens)")
+def _local_below(rule: str, outer: str, size: int, local: int, origin: str = "") -> None:
+    """``local_window`` below the rule's outer size (STRING's ``shifted_offset``, DCA's ``chunk_size``) [tokens]."""
+    if not 0 <= local < size:
+        raise InvalidInput(f"{rule}: local_window={local} must be below {outer}={size} (both in tokens){origin}")
 
 
-def _string_check(p: dict) -> None:
-    """W < S when both are given (without a training window; ``resolve`` checks the defaults)."""
-    if p["shifted_offset"] is not None and p["local_window"] is not None:
-        _string_pair(p["shifted_offset"], p["local_window"])
+def _local_below_when_given(rule: str, outer: str):
+    """The registry's check: ``_local_below`` when both are given (without a training window; ``resolve``
+    checks the T-derived defaults)."""
+    def check(p: dict) -> None:
+        if p[outer] is not None and p["local_window"] is not None:
+            _local_below(rule, outer, p[outer], p["local_window"])
+    return check
+
+
+_string_check = _local_below_when_given("string", "shifted_offset")
 
 
 def _string_defaults(shifted_offset: int | None, local_window: int | None,
                      original_max_position_embeddings: int) -> tuple[int, int]:
     s = int(0.33 * original_max_position_embeddings) if shifted_offset is None else shifted_offset
     w = min(128, s // 8) if local_window is None else local_window
-    _string_pair(s, w)
+    _local_below("string", "shifted_offset", s, w)
     return s, w
 
 
@@ -226,16 +233,7 @@ def string(shifted_offset: int | None, local_window: int | None, attention_facto
     return rule
 
 
-def _dca_pair(size: int, local: int, shipped: tuple[str, ...] = ()) -> None:
-    if not 0 <= local < size:
-        origin = f" ({', '.join(shipped)} from the model's dual_chunk_attention_config)" if shipped else ""
-        raise InvalidInput(f"dca: local_window={local} must be below chunk_size={size} (both in tokens){origin}")
-
-
-def _dca_check(p: dict) -> None:
-    """local_window < chunk_size when both are given (``resolve`` checks the T-derived defaults)."""
-    if p["chunk_size"] is not None and p["local_window"] is not None:
-        _dca_pair(p["chunk_size"], p["local_window"])
+_dca_check = _local_below_when_given("dca", "chunk_size")
 
 
 def _shipped_size(dual: dict | None, key: str, param: str) -> int | None:
@@ -264,7 +262,8 @@ def _dca_sizes(chunk_size: int | None, local_window: int | None, original_max_po
         shipped += ["local_window"] if local is not None else []
     size = t * 3 // 4 if size is None else size
     local = t // 8 if local is None else local
-    _dca_pair(size, local, tuple(shipped))
+    _local_below("dca", "chunk_size", size, local,
+                 f" ({', '.join(shipped)} from the model's dual_chunk_attention_config)" if shipped else "")
     return size, local
 
 
