@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from ropescale.errors import InvalidInput
-from ropescale.runs.plotting import pyplot
+from ropescale.runs.plotting import pyplot, save_figure
 from ropescale.training.report import LOG, eval_curve, read_log, steps_to_reach
 
 from .sweep import read_results
@@ -48,11 +48,9 @@ def plot_runs(runs: dict[str, list[dict]], length: int, path: Path, *, title: st
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 

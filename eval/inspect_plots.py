@@ -11,7 +11,7 @@ import torch
 from ropescale import geometry as geo
 from ropescale.errors import InvalidInput
 from ropescale.patching import find_rotary_modules, patch, rope_context
-from ropescale.runs.plotting import line_style, pyplot
+from ropescale.runs.plotting import line_style, pyplot, save_figure
 from ropescale.strategies import get_strategy
 
 SINK_TOKENS = 4  # "the first tokens" whose share of attention is reported
@@ -23,9 +23,7 @@ _CLASS_COLOURS = {"unchanged": "tab:green", "interpolated": "tab:blue", "extrapo
 
 
 def _save(fig, path: Path) -> None:
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    pyplot().close(fig)
+    save_figure(fig, path, rect=(0, 0, 1, 0.97), bbox_tight=True)  # room for the suptitle
 
 
 def _title(cfg, length: int) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ropescale.runs.plotting import legend, line_style, mark_train, pyplot
+from ropescale.runs.plotting import legend, line_style, mark_train, pyplot, save_figure
 
 __all__ = ["len_label", "plot_depth_heatmaps", "plot_metric", "plot_position", "plot_task_heatmaps", "strategies_of"]
 
@@ -60,9 +60,7 @@ def plot_metric(records: list[dict], key: str, label: str, path: Path, *, ci: st
     data = f" on {r['data']}" if r.get("data") else ""
     fig.suptitle(f"{r.get('task', 'perplexity')}: {r['model']}{data}", fontsize=10)
     legend(axes[0][-1], len(names))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_depth_heatmaps(records: list[dict], key: str, path: Path) -> None:
@@ -100,8 +98,7 @@ def plot_depth_heatmaps(records: list[dict], key: str, path: Path) -> None:
     r = records[0]
     data = f" on {r['data']}" if r.get("data") else ""
     fig.suptitle(f"{r.get('task')}: {key.replace('_', ' ')} by depth and length — {r['model']}{data}", fontsize=10)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    save_figure(fig, path, layout=False, bbox_tight=True)  # a colour bar: no tight_layout
 
 
 def plot_position(records: list[dict], path: Path) -> None:
@@ -123,9 +120,7 @@ def plot_position(records: list[dict], path: Path) -> None:
     ax.set_title("loss by position", fontsize=10)
     ax.grid(alpha=0.3)
     legend(ax, len(rows))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_task_heatmaps(records: list[dict], path: Path) -> None:
@@ -163,5 +158,4 @@ def plot_task_heatmaps(records: list[dict], path: Path) -> None:
     r = records[0]
     data = f" on {r['data']}" if r.get("data") else ""
     fig.suptitle(f"RULER: score by task and length — {r['model']}{data}", fontsize=10)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    save_figure(fig, path, layout=False, bbox_tight=True)  # a colour bar: no tight_layout

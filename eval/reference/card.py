@@ -17,6 +17,7 @@ import torch
 
 from ropescale.errors import InvalidInput
 from ropescale.reference import kjv
+from ropescale.runs.plotting import pyplot, save_figure
 
 from ..writable import check_figure, check_folder
 from .train import check_cores, copy_probe, token_stream
@@ -114,11 +115,7 @@ ropescale reference card --model DIR
 
 def plot_training(summary: dict, path: Path) -> None:
     """Training loss and the copy probe (first vs second copy) against step, both stages."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     s1 = summary.get("stage1") or summary
     offset = s1["steps"] if s1 is not summary else 0
     stages = [(s1, 0)] + ([(summary, offset)] if s1 is not summary else [])
@@ -146,9 +143,7 @@ def plot_training(summary: dict, path: Path) -> None:
     a.set_title("training loss (shaded: copy-heavy mix)", fontsize=10)
     a.legend(fontsize=8)
     b.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # what the card and the curves read of training.json (a stage-2 model's stage 1 under "stage1")

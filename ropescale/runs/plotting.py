@@ -6,7 +6,7 @@ runs without a display stay cheap.
 
 from __future__ import annotations
 
-__all__ = ["legend", "line_style", "mark_train", "pyplot"]
+__all__ = ["legend", "line_style", "mark_train", "pyplot", "save_figure"]
 
 
 def pyplot():
@@ -44,8 +44,11 @@ def mark_train(ax, train: int | None) -> None:
                     xytext=(4, -12), textcoords="offset points", fontsize=8, color="grey")
 
 
-def save_figure(fig, path) -> None:
-    """Lay out ``fig``, write it to ``path`` (PNG, 120 dpi) and free it."""
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def save_figure(fig, path, *, layout: bool = True, rect: tuple | None = None, bbox_tight: bool = False) -> None:
+    """Lay out ``fig`` (``tight_layout``, within ``rect`` when given; not with ``layout=False``: a figure
+    with a colour bar), write it to ``path`` (PNG, 120 dpi; cropped to its content with ``bbox_tight``)
+    and free it: how every figure ropescale writes is finished."""
+    if layout:
+        fig.tight_layout(**({"rect": rect} if rect is not None else {}))
+    fig.savefig(path, dpi=120, **({"bbox_inches": "tight"} if bbox_tight else {}))
     pyplot().close(fig)

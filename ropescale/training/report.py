@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from ropescale.errors import InvalidInput
-from ropescale.runs.plotting import pyplot
+from ropescale.runs.plotting import pyplot, save_figure
 
 __all__ = ["LOG", "TrainingLog", "eval_curve", "plot_training", "read_log", "steps_to_reach"]
 
@@ -130,7 +130,5 @@ def plot_training(records: list[dict], path: Path, title: str) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
