@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..prompts import PromptError
-from .spec import FAMILIES, RulerSample, TooLong, binary_search, shrink_until_fits, split_answer_prefix
+from .spec import FAMILIES, RulerSample, binary_search, fitting, shrink_until_fits, split_answer_prefix
 from .text import Draws, cwe_words
 
 __all__ = ["generate_cwe", "load_english_words"]
@@ -78,12 +78,7 @@ def generate_cwe(*, count: Callable[[str], int], template: str, max_seq_length: 
                           max(estimated, incremental * 2), max_seq_length)
     num_words = found if found is not None else incremental
 
-    def attempt(size: int) -> tuple[str, list[str], int]:
-        text, answer = input_output(size)
-        length = count(text) + tokens_to_generate
-        if length > max_seq_length:
-            raise TooLong(length, max_seq_length)
-        return text, answer, length
+    attempt = fitting(input_output, count, tokens_to_generate, max_seq_length)
 
     def floor(size: int) -> int:  # the words left out (each at least one token of a real draw): nothing drawn
         return count(input_output(size, blank=True)[0]) + tokens_to_generate

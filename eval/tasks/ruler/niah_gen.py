@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from .spec import FAMILIES, RulerSample, TooLong, binary_search, shrink_until_fits, split_answer_prefix
+from .spec import FAMILIES, RulerSample, binary_search, fitting, shrink_until_fits, split_answer_prefix
 from .text import DEPTHS, NOISE, Draws, niah_words, sent_tokenize
 
 __all__ = ["NEEDLE", "NiahConfig", "generate_niah"]
@@ -141,12 +141,7 @@ def generate_niah(cfg: NiahConfig, *, count: Callable[[str], int], template: str
                           max(estimated, incremental * 2), max_seq_length)
     num_haystack = found if found is not None else incremental
 
-    def attempt(size: int) -> tuple[str, list[str], int]:
-        text, answer = gen.input_output(size)
-        length = count(text) + tokens_to_generate
-        if length > max_seq_length:
-            raise TooLong(length, max_seq_length)
-        return text, answer, length
+    attempt = fitting(gen.input_output, count, tokens_to_generate, max_seq_length)
 
     blank = _Blank(cfg, Draws(seed), template, seed, essay)
 

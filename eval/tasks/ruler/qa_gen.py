@@ -15,7 +15,7 @@ import heapq
 import random
 from collections.abc import Callable, Iterable
 
-from .spec import FAMILIES, RulerSample, TooLong, binary_search, shrink_until_fits, split_answer_prefix
+from .spec import FAMILIES, RulerSample, binary_search, fitting, shrink_until_fits, split_answer_prefix
 from .text import Draws
 
 __all__ = ["DOCUMENT_PROMPT", "generate_qa", "hotpot_from_rows", "read_hotpotqa", "read_squad", "squad_from_rows"]
@@ -110,12 +110,8 @@ def generate_qa(qas: list[dict], docs: list[str], *, count: Callable[[str], int]
     family = FAMILIES["qa"]
     out = []
     for index in range(num_samples):
-        def attempt(size: int, index=index) -> tuple[str, list[str], int]:
-            text, answer = input_output(index + pre_samples, size)
-            length = count(text) + tokens_to_generate
-            if length > max_seq_length:
-                raise TooLong(length, max_seq_length)
-            return text, answer, length
+        attempt = fitting(lambda size, index=index: input_output(index + pre_samples, size), count,
+                          tokens_to_generate, max_seq_length)
 
         def floor(size: int, index=index) -> int:  # the question's own paragraphs and the shortest others
             return count(input_output(index + pre_samples, size, pick=shortest)[0]) + tokens_to_generate

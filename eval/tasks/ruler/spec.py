@@ -131,6 +131,20 @@ class TooLong(Exception):
         return f"{self.total} tokens with the generation budget, more than {self.limit}"
 
 
+def fitting(input_output: Callable[[int], tuple[str, list[str]]], count: Callable[[str], int], budget: int,
+            max_seq_length: int) -> Callable[[int], tuple[str, list[str], int]]:
+    """The ``attempt`` of ``shrink_until_fits`` every generator uses: one draw ``input_output(size)`` →
+    ``(text, answers, tokens)``, the tokens counted with the generation ``budget``; ``TooLong`` past
+    ``max_seq_length``."""
+    def attempt(size: int) -> tuple[str, list[str], int]:
+        text, answer = input_output(size)
+        length = count(text) + budget
+        if length > max_seq_length:
+            raise TooLong(length, max_seq_length)
+        return text, answer, length
+    return attempt
+
+
 def shrink_until_fits(attempt: Callable[[int], Any], size: int, incremental: int, *, what: str,
                       floor: Callable[[int], int], max_draws: int | None = None) -> Any:
     """RULER's per-sample loop, draw for draw: ``attempt(size)``; on failure (too long, or a draw

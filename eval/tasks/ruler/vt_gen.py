@@ -15,7 +15,7 @@ import string
 from collections.abc import Callable
 from typing import Literal
 
-from .spec import FAMILIES, RulerSample, TooLong, binary_search, shrink_until_fits, split_answer_prefix
+from .spec import FAMILIES, RulerSample, binary_search, fitting, shrink_until_fits, split_answer_prefix
 from .text import DEPTHS, NOISE, Draws, sent_tokenize
 
 __all__ = ["generate_vt"]
@@ -144,12 +144,7 @@ def _run(gen: _VT, blank: _VT, count: Callable[[str], int], *, num_samples: int,
             text = text[:cutoff] + g.randomize_icl(icl_text) + "\n" + text[cutoff:]
         return text, answer
 
-    def attempt(size: int) -> tuple[str, list[str], int]:
-        text, answer = text_of(gen, size)
-        length = count(text) + ttg
-        if length > max_seq_length:
-            raise TooLong(length, max_seq_length)
-        return text, answer, length
+    attempt = fitting(lambda size: text_of(gen, size), count, ttg, max_seq_length)
 
     def floor(size: int) -> int:
         return count(text_of(blank, size)[0]) + ttg
