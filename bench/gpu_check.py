@@ -87,6 +87,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import torch._dynamo
 
+from bench.common import sync, timed_step
 from bench.memory import SHAPES, _model, _passkey, floor_bytes, prepare_lora, train_step
 
 RULES = ("rerope", "leaky_rerope", "self_extend", "string", "dca")
@@ -220,9 +221,6 @@ def release() -> None:
         torch.cuda.empty_cache()
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def allocated(device: str) -> int:
@@ -606,24 +604,6 @@ def section_verdicts(check: Check, args) -> None:
 # ---------------------------------------------------------------------------------------- d: cost
 
 
-def _timed(model, ids, backward: bool, device: str) -> float:
-    if backward:
-        out = model.model(input_ids=ids, use_cache=False).last_hidden_state.sum()
-        sync(device)
-        t0 = time.perf_counter()
-        out.backward()
-        sync(device)
-        seconds = time.perf_counter() - t0
-        model.zero_grad(set_to_none=True)
-        return seconds
-    with torch.no_grad():
-        sync(device)
-        t0 = time.perf_counter()
-        model.model(input_ids=ids, use_cache=False)
-        sync(device)
-        return time.perf_counter() - t0
-
-
 def cost_run(check: Check, model, variant: str, n: int, device: str, backward: bool, repeats: int) -> dict:
     """Warm-up (compiles), then ``repeats`` timed runs; peak memory above the pre-run allocation
     over the timed runs; block-mask builds and compilations in one steady-state forward."""
@@ -641,14 +621,14 @@ def cost_run(check: Check, model, variant: str, n: int, device: str, backward: b
                                  **path) if variant != "vanilla" else None)
     try:
         g0, b0 = compiles(), check.mask_builds
-        _timed(model, ids, backward, device)  # warm-up: compiles, builds the masks
+        timed_step(model, ids, backward)  # warm-up: compiles, builds the masks
         r = {"warmup_compiles": compiles() - g0, "warmup_mask_builds": check.mask_builds - b0}
         before = reset_peak(device)
         g0, b0 = compiles(), check.mask_builds
-        r["seconds"] = _timed(model, ids, backward, device)
+        r["seconds"] = timed_step(model, ids, backward)
         r["steady_compiles"], r["steady_mask_builds"] = compiles() - g0, check.mask_builds - b0
         for _ in range(repeats - 1):
-            r["seconds"] = min(r["seconds"], _timed(model, ids, backward, device))
+            r["seconds"] = min(r["seconds"], timed_step(model, ids, backward))
         r["memory"] = peak(device) - before
         if variant == "vanilla":
             r["sdpa_kernel"] = sdpa_kernels(model, ids)

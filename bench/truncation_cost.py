@@ -39,7 +39,6 @@ import os
 import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -71,36 +70,6 @@ def _setup(length: int, device: str):
     return model, doc[:length][None].to(device)  # [1, length]
 
 
-def _sync(device: str) -> None:
-    """Wait for the GPU's queued work (CUDA launches return before the kernels finish)."""
-    import torch
-
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _once(model, ids, backward: bool) -> float:
-    """Seconds of one forward (no grad), or of one backward after a forward with autograd."""
-    import torch
-
-    device = ids.device.type
-    if backward:
-        out = model.model(input_ids=ids, use_cache=False).last_hidden_state.sum()
-        _sync(device)
-        t0 = time.perf_counter()
-        out.backward()
-        _sync(device)
-        seconds = time.perf_counter() - t0
-        model.zero_grad(set_to_none=True)
-        return seconds
-    with torch.no_grad():
-        _sync(device)
-        t0 = time.perf_counter()
-        model.model(input_ids=ids, use_cache=False)
-        _sync(device)
-        return time.perf_counter() - t0
-
-
 def _warm_up(model, ids, backward: bool, variant: str) -> None:
     """One untimed run per variant. On CUDA at the full length (forward, and backward when timed),
     so torch.compile compiles the flex kernel for this length before anything is measured; on the
@@ -108,19 +77,22 @@ def _warm_up(model, ids, backward: bool, variant: str) -> None:
     shape with dynamo: seconds per call otherwise)."""
     import torch
 
+    from bench.common import timed_step
+
     if ids.device.type != "cuda":
         with torch.no_grad():
             model.model(input_ids=ids if "flex" in variant else ids[:, :16], use_cache=False)
         return
-    _once(model, ids, False)
+    timed_step(model, ids, False)
     if backward:
-        _once(model, ids, True)
+        timed_step(model, ids, True)
 
 
 def time_worker(variants: list[str], length: int, repeats: int, backward: bool, device: str) -> None:
     """Best-of-``repeats`` seconds per variant, the variants interleaved round by round in one
     process, so drifts of the machine's speed hit every variant alike."""
     import ropescale
+    from bench.common import timed_step
 
     model, ids = _setup(length, device)
     model.requires_grad_(backward)
@@ -133,7 +105,7 @@ def time_worker(variants: list[str], length: int, repeats: int, backward: bool, 
         for variant in variants:
             name, params, opts = VARIANTS[variant]
             with ropescale.patch(model, name, **params, **opts):
-                best[variant] = min(best[variant], _once(model, ids, backward))
+                best[variant] = min(best[variant], timed_step(model, ids, backward))
     print(json.dumps(best))
 
 
@@ -143,6 +115,7 @@ def memory_worker(variant: str, length: int, backward: bool, device: str) -> Non
     import torch
 
     import ropescale
+    from bench.common import timed_step
 
     model, ids = _setup(length, device)
     name, params, opts = VARIANTS[variant]
@@ -154,11 +127,11 @@ def memory_worker(variant: str, length: int, backward: bool, device: str) -> Non
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        _once(model, ids, backward)
+        timed_step(model, ids, backward)
         peak = torch.cuda.max_memory_allocated()
     else:
         before = rss_bytes()
-        _once(model, ids, backward)
+        timed_step(model, ids, backward)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps({"memory": max(peak - before, 0)}))
 
