@@ -34,17 +34,20 @@ def _url(tmp_path, name="study.db") -> str:
 
 @pytest.mark.parametrize("method", ["tpe", "cmaes"])
 def test_finds_a_known_optimum(tmp_path, method):
-    study = run_study(SPACE, bowl, storage=_url(tmp_path), study_name="s", method=method, seed=1, budget=50)
+    # 30 trials (50 before; each ~0.2 s, mostly SQLite commits): seed 1 is within the tolerance after 23 (TPE)
+    # and 14 (CMA-ES) trials; 30 uniform draws put one in the tolerance box with ~18% chance (50: ~28%)
+    study = run_study(SPACE, bowl, storage=_url(tmp_path), study_name="s", method=method, seed=1, budget=30)
     best, feasible = best_trial(study)
     assert feasible
     assert abs(best.params["x"] - 1.3) < 0.3 and abs(best.params["n"] - 20) <= 4
-    assert len(finished(study)) == 50
+    assert len(finished(study)) == 30
 
 
 def test_the_best_trial_is_feasible(tmp_path):
     # minimum of x² at x = 0, but only x ≥ 1 is allowed (c = 1 − x ≤ 0): the best lies just above 1
     f = lambda p: Outcome(p["x"] ** 2, constraint=1.0 - p["x"])
-    study = run_study(SPACE[:1], f, storage=_url(tmp_path), study_name="s", seed=0, budget=60)
+    # 25 trials (60 before): the best feasible one (x = 1.096) is found at trial 19 of seed 0
+    study = run_study(SPACE[:1], f, storage=_url(tmp_path), study_name="s", seed=0, budget=25)
     best, feasible = best_trial(study)
     assert feasible and 1.0 <= best.params["x"] < 1.5
     assert any(t.user_attrs["constraint"] > 0 for t in study.trials)  # infeasible ones were tried and skipped
@@ -129,13 +132,13 @@ def test_two_processes_share_one_study(tmp_path):
             "(ready / f'ready-{sys.argv[1]}').touch()\n"
             "while len(list(ready.glob('ready-*'))) < 2: time.sleep(0.01)\n"
             "slow_bowl = lambda p: (time.sleep(0.1), bowl(p))[1]  # each trial long enough for the other to ask\n"
-            f"run_study(SPACE, slow_bowl, storage={url!r}, study_name='s', seed=0, budget=16)\n")
+            f"run_study(SPACE, slow_bowl, storage={url!r}, study_name='s', seed=0, budget=8)\n")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(i)], cwd=ROOT) for i in range(2)]
     assert [p.wait(timeout=300) for p in procs] == [0, 0]
     study = optuna().load_study(study_name="s", storage=url)
     done = finished(study)
     # each process stops when the study holds the budget; at most one trial over it per extra process
-    assert 16 <= len(done) <= 17
+    assert 8 <= len(done) <= 9  # (a budget of 8, 16 before: the barrier, not the length, makes them overlap)
     workers = {t.user_attrs[WORKER] for t in done}
     assert len(workers) == 2  # both evaluated candidates
     assert len({tuple(sorted(t.params.items())) for t in done}) == len(done)  # no candidate twice
@@ -236,7 +239,7 @@ def test_processes_started_together_on_a_fresh_storage_create_it_once(tmp_path):
     for r in range(3):
         url, barrier = _url(tmp_path, f"r{r}.db"), tmp_path / f"barrier{r}"
         procs = [multiprocessing.get_context("fork").Process(
-            target=crash.main, args=(["--barrier", str(barrier), "--parties", "3", "tuner", url, "tpe", "0", "6"],))
+            target=crash.main, args=(["--barrier", str(barrier), "--parties", "3", "tuner", url, "tpe", "0", "3"],))
             for _ in range(3)]
         for p in procs:
             p.start()
@@ -245,7 +248,9 @@ def test_processes_started_together_on_a_fresh_storage_create_it_once(tmp_path):
         assert [p.exitcode for p in procs] == [0, 0, 0], f"round {r}"
         assert len(list(barrier.iterdir())) == 3  # all went through the barrier
         study = optuna().load_study(study_name="s", storage=url)
-        assert 6 <= len(finished(study)) <= 8  # each stops at the budget: at most one over it per extra process
+        # each stops at the budget (3: the race is in creating the storage, before any trial; 6 before): at most
+        # one over it per extra process
+        assert 3 <= len(finished(study)) <= 5
         assert not study.get_trials(states=(optuna().trial.TrialState.FAIL,))
 
 
