@@ -33,6 +33,7 @@ __all__ = ["CacheWatch", "WatchedRotaries", "decoder_of", "rerotate_cache", "rer
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``rotate_half``: ``x`` ``[..., d]`` → ``[-x2, x1]`` of its halves (x1 = x[..., :d/2])."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 

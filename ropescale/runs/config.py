@@ -92,6 +92,10 @@ class ConfigModel(BaseModel):
 
 
 class StrategySpec(BaseModel):
+    """A strategy as an experiment names it (``NAME[:k=v,...]`` or a mapping): its registry ``name``,
+    ``params``, a display ``label``, a query temperature (``logn``, ``temperature``), request-length
+    ``profiles``."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: str
     params: dict[str, Any] = Field(default_factory=dict)
@@ -227,6 +231,9 @@ def _parse_strategy(entry: Any) -> StrategySpec:
 
 
 class DataConfig(ConfigModel):
+    """A config's ``data:`` section: the source (kjv-heldout, a local file or folder, a hub dataset id),
+    its config, split, text column, how many documents, whether to join them."""
+
     model_config = ConfigDict(extra="forbid")
     source: str = "kjv-heldout"
     config: str | None = None

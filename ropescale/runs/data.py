@@ -33,6 +33,9 @@ class DataError(RopescaleError, ValueError):
 
 @dataclass(frozen=True)
 class DataSpec:
+    """Where documents come from (``load_documents``): ``source`` and, for hub datasets, ``config``,
+    ``split``, ``text_column``; ``max_documents`` keeps the first ones; ``join`` makes them one."""
+
     source: str
     config: str | None = None
     split: str = "test"

@@ -46,6 +46,7 @@ class InsufficientMemoryError(InvalidInput):
 
 
 def fmt_gib(n: float) -> str:
+    """``n`` bytes as GiB for a table: one decimal below 100 GiB."""
     g = n / GiB
     return f"{g:.1f} GiB" if g < 100 else f"{g:,.0f} GiB"
 
@@ -68,6 +69,7 @@ class ModelDims:
 
 
 def model_dims(model_or_config) -> ModelDims:
+    """``ModelDims`` read from a model's config (or a config; its text config for multimodal ones)."""
     config = getattr(model_or_config, "config", model_or_config)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = int(getattr(text, "hidden_size", 0) or getattr(text, "n_embd", 0) or 0)

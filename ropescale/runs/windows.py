@@ -28,6 +28,9 @@ class WindowError(RopescaleError, ValueError):
 
 
 class Window(NamedTuple):
+    """One scoring window: tokens [``start``, ``end``) of document ``doc``, scored from ``score_from`` on
+    (earlier tokens are context only, sliding mode)."""
+
     doc: int
     start: int
     end: int

@@ -477,6 +477,7 @@ def register(name: str, *, params: tuple[Param, ...] = (), source: str,
 
 
 def strategy_names() -> list[str]:
+    """The registered strategies' names, sorted (plugins' included)."""
     return REGISTRY.names()
 
 

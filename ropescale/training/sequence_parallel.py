@@ -65,6 +65,7 @@ _LOGN = "ropescale_logn_"
 
 
 def deepspeed_available() -> bool:
+    """Whether DeepSpeed is installed (its Ulysses sequence parallelism; the ``deepspeed`` extra)."""
     return importlib.util.find_spec("deepspeed") is not None
 
 

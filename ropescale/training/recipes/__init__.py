@@ -82,6 +82,7 @@ RECIPES: Registry[type[Recipe]] = Registry("recipe", "recipes", UnknownRecipeErr
 
 
 def recipe_names() -> list[str]:
+    """The registered recipes' names, sorted (plugins' included)."""
     return RECIPES.names()
 
 

@@ -9,6 +9,8 @@ from ropescale.training.recipes import Recipe
 
 
 class Full(Recipe):
+    """Full fine-tuning: every parameter trained, the model saved whole with its patch."""
+
     name = "full"
 
     def prepare(self, model, cfg, source: str = "config"):

@@ -23,6 +23,8 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # LongLoRA's targets for Lla
 
 
 class LongLoraOptions(RecipeOptions):
+    """LongLoRA's options: LoRA rank and scale, and the parameters trained fully (embeddings, norms)."""
+
     r: int = Field(8, ge=1, description="LoRA rank (LongLoRA: 8)")
     alpha: float = Field(16.0, gt=0, description="the update is scaled by alpha / r (LongLoRA: 16)")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA branch's input (LongLoRA: 0)")
@@ -57,6 +59,9 @@ def fully_trained_modules(model, patterns: list[str], source: str = "config") ->
 
 
 class LongLora(Recipe):
+    """LongLoRA's "LoRA+" (Chen et al. 2023, arXiv:2309.12307; dvlab-research/LongLoRA): LoRA on q, k, v, o
+    plus fully trained embeddings and norms (its S²-Attn is not part of the recipe: see the module docstring)."""
+
     name = "longlora"
     Options = LongLoraOptions
     label = " + LongLoRA"

@@ -14,6 +14,9 @@ __all__ = ["DEFAULT_LORA_TARGETS", "Lora", "LoraSettings"]
 
 
 class Lora(Recipe):
+    """LoRA (Hu et al. 2021, arXiv:2106.09685) through peft: the base frozen, adapters trained; saved merged
+    or as the adapter."""
+
     name = "lora"
     Options = LoraSettings
     label = " + LoRA"
