@@ -195,6 +195,11 @@ def _top_level_keys(task: str) -> list[str]:
 
 
 def build_config(raw: Any, source: str = "config") -> EvalConfig:
+    """An experiment's ``EvalConfig`` from its raw mapping (YAML, ``--set`` and flags merged by ``load_raw``).
+
+    Raises:
+        ConfigError: not a mapping, or a key or value the config refuses: one line ``SOURCE: key.path: message``.
+    """
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a mapping of keys (model, data, lengths, strategies, ...)")
     try:

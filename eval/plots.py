@@ -12,10 +12,12 @@ __all__ = ["len_label", "plot_depth_heatmaps", "plot_metric", "plot_position", "
 
 
 def strategies_of(records: list[dict]) -> list[str]:
+    """The records' strategies, in first-seen order."""
     return list(dict.fromkeys(r["strategy"] for r in records))
 
 
 def len_label(length: int, train: int | None) -> str:
+    """An axis label for a length [tokens]: ``"512 (4T)"`` against the training window T."""
     if not train:
         return str(length)
     ratio = length / train

@@ -34,6 +34,8 @@ def _byte_level(model_dir: Path) -> bool:
 
 
 def convert(request: dict) -> dict:
+    """Run llama.cpp's converter (``convert_hf_to_gguf.py`` from ``source``) on the model folder ``model``;
+    a request with ``jobs`` converts each. Returns the written GGUF's path (per job)."""
     if "jobs" in request:
         return {"jobs": [convert({k: v for k, v in {**request, **job}.items() if k != "jobs"})
                          for job in request["jobs"]]}
@@ -71,6 +73,7 @@ def convert(request: dict) -> dict:
 
 
 def main() -> int:
+    """Read one JSON request on stdin, write the JSON answer on stdout (the driver protocol)."""
     request_path, result_path = sys.argv[1:3]  # read first: convert() sets sys.argv for the converter
     request = json.loads(Path(request_path).read_text(encoding="utf-8"))
     result = convert(request)

@@ -36,6 +36,8 @@ def _llama(path: str, n_ctx: int, *, vocab_only: bool = False):
 
 
 def logprobs(request: dict) -> dict:
+    """Per job (a GGUF, its ``n_ctx`` and token windows): llama.cpp's log-probability of each next token
+    [nats], with the seconds taken."""
     import llama_cpp
     import numpy as np
 
@@ -76,6 +78,7 @@ def _meta(model) -> dict:
 
 
 def rope(request: dict) -> dict:
+    """Per case (a GGUF and ``n_ctx``): the rope parameters llama.cpp reads from it, as its model reports them."""
     import llama_cpp
 
     out = []
@@ -90,6 +93,7 @@ def rope(request: dict) -> dict:
 
 
 def main() -> int:
+    """Read one JSON request on stdin (``mode``: rope or logprobs), write the JSON answer on stdout."""
     request = json.loads(Path(sys.argv[1]).read_text(encoding="utf-8"))
     result = {"logprobs": logprobs, "rope": rope}[request["mode"]](request)
     with open(sys.argv[2], "w", encoding="utf-8") as f:

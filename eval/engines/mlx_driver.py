@@ -42,6 +42,8 @@ def _layers(model):
 
 
 def rope(request: dict) -> dict:
+    """Per case (an exported folder, L, a layer type): mlx-lm's own rotary module of that layer type applied to
+    unit vectors at positions 0 … L−1, as cos and sin tables (see the module docstring)."""
     import mlx.core as mx
     import numpy as np
     from mlx_lm.utils import _get_classes, load_config
@@ -70,6 +72,8 @@ def rope(request: dict) -> dict:
 
 
 def logprobs(request: dict) -> dict:
+    """Per job (an exported folder and token windows): mlx-lm's log-probability of each next token [nats]
+    (float64 log-softmax, 256 positions at a time)."""
     import mlx.core as mx
     import numpy as np
     from mlx_lm.utils import load_model
@@ -98,6 +102,7 @@ def logprobs(request: dict) -> dict:
 
 
 def main() -> None:
+    """Read one JSON request on stdin (``mode``: rope or logprobs), write the JSON answer on stdout."""
     request = json.loads(Path(sys.argv[1]).read_text(encoding="utf-8"))
     result = {"rope": rope, "logprobs": logprobs}[request["mode"]](request)
     Path(sys.argv[2]).write_text(json.dumps(result), encoding="utf-8")

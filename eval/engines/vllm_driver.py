@@ -56,6 +56,7 @@ def _env() -> None:
 
 
 def logprobs(request: dict) -> dict:
+    """Per job (an exported folder and token windows): vLLM's prompt log-probability of each next token [nats]."""
     # the prompt is L tokens and one is generated: max_model_len L + 1 may exceed the config's length
     os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     import vllm
@@ -98,6 +99,7 @@ def logprobs(request: dict) -> dict:
 
 
 def score(request: dict) -> dict:
+    """One scoring request of the harness's vLLM engine: log-probabilities or generations per prompt."""
     os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # the token generated after a full window
     import vllm
     from vllm import LLM, SamplingParams
@@ -129,6 +131,8 @@ def score(request: dict) -> dict:
 
 
 def rope(request: dict) -> dict:
+    """Per case: vLLM's own rotary module from ``get_rope(...)``, built as its Llama builds it from the exported
+    config, and its cos/sin tables up to L (see the module docstring)."""
     import torch
     import vllm
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
@@ -232,6 +236,7 @@ def _rotate(module, head: int, rot: int, n: int):
 
 
 def main() -> int:
+    """Read one JSON request on stdin (``mode``: rope, logprobs or score), write the JSON answer on stdout."""
     _env()
     request = json.loads(Path(sys.argv[1]).read_text(encoding="utf-8"))
     result = {"logprobs": logprobs, "rope": rope, "score": score}[request["mode"]](request)

@@ -78,6 +78,7 @@ class EngineDisagrees(RopescaleError, RuntimeError):
 
 
 def engine_version(engine: str) -> str:
+    """The version string a record names for the scoring ``engine`` (vLLM's comes from its driver)."""
     if engine == "transformers":
         import transformers
 
@@ -86,6 +87,8 @@ def engine_version(engine: str) -> str:
 
 
 def tolerance(opts: VllmOptions, dtype: str) -> float:
+    """The largest |Δ log p| [nats] allowed between vLLM and transformers on the parity check: the config's
+    ``parity_tolerance``, else 1e-4 in float32 and 5e-2 in half precision."""
     if opts.parity_tolerance is not None:
         return opts.parity_tolerance
     return 1e-4 if dtype == "float32" else 5e-2
@@ -100,6 +103,7 @@ def _is_retrieval(task_cls) -> bool:
 
 
 def supports(task_cls) -> bool:
+    """Whether vLLM can score the task: perplexity and the retrieval tasks."""
     return task_cls.name == "perplexity" or _is_retrieval(task_cls)
 
 

@@ -80,6 +80,7 @@ def write_csv(rows: list[dict], path: Path) -> None:
 
 
 def fmt(v) -> str:
+    """A table cell: floats to 4 significant digits, None empty."""
     if v is None:
         return ""
     if isinstance(v, float):

@@ -65,6 +65,7 @@ class Prompt:
 
 
 def encode(tokenizer, text: str) -> list[int]:
+    """``text``'s token ids, without special tokens."""
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

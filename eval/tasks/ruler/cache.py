@@ -43,6 +43,7 @@ __all__ = ["CacheStats", "cache_dir", "cached_samples", "key_digest", "tokenizer
 
 
 def cache_dir() -> Path:
+    """Where generated RULER samples are kept: ``$ROPESCALE_CACHE/ruler`` (default ``~/.cache/ropescale``)."""
     root = os.environ.get("ROPESCALE_CACHE") or Path.home() / ".cache" / "ropescale"
     return Path(root) / "ruler"
 
@@ -62,6 +63,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def key_digest(key: dict[str, Any]) -> str:
+    """A cache file's name from what decides its samples (24 hex digits of the sorted JSON's sha256)."""
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
 
 
