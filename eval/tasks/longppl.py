@@ -42,6 +42,8 @@ __all__ = ["LongPPL", "LongPPLOptions", "key_tokens", "short_context_nll", "toke
 
 
 class LongPPLOptions(TaskOptions):
+    """LongPPL's options (each field's description says what it sets)."""
+
     alpha: float = Field(2.0, description="LSD threshold (nats): key tokens gain more than this from the long context")
     beta: float = Field(-2.0, description="LCL threshold (nats): key tokens' long-context log-probability above this")
     short: int | None = Field(None, ge=1, description="short context (tokens); default the training window T")

@@ -45,6 +45,8 @@ def make_prompt(tokenizer, units, *, length: int, depth: float, word: str, numbe
 
 
 class NeedleOptions(RetrievalOptions):
+    """The needle task's options: the retrieval options (depths, trials, candidates …) and the magic number's digits."""
+
     digits: int = Field(7, ge=1, le=12, description="digits of the magic number (RULER: 7)")
 
     def key(self) -> dict[str, Any]:

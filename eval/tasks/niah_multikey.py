@@ -194,6 +194,8 @@ def _first_tokens(tokenizer, pool: list[tuple[str, list[int]]], h: int) -> list[
 
 
 class NiahMultikeyOptions(RetrievalOptions):
+    """niah_multikey_depths' options: the retrieval options, the keys and the depths."""
+
     digits: int = Field(7, ge=1, le=12, description="digits of each magic number (RULER: 7)")
     keys: int = Field(4, ge=2, le=len(WORDS), description="needles in the haystack, each with its own key and "
                                                            "value; one is asked for (RULER niah_multikey_1: 4)")

@@ -37,6 +37,8 @@ def make_prompt(tokenizer, units, *, length: int, depth: float, key: str, preamb
 
 
 class PasskeyOptions(RetrievalOptions):
+    """The passkey task's options: the retrieval options (depths, trials, digits …) and the landmark-attention line."""
+
     preamble: bool = Field(False, description="start with the landmark-attention task line")
 
 

@@ -26,6 +26,8 @@ __all__ = ["LEGACY_KEYS", "Perplexity", "PerplexityOptions"]
 
 
 class PerplexityOptions(TaskOptions):
+    """The perplexity task's options: chunk or sliding windows, stride, batch, the cap on windows."""
+
     mode: Literal["chunk", "sliding"] = "chunk"
     stride: int | None = Field(None, ge=1, description="sliding mode; default length // 2")
     max_windows: int | None = Field(None, ge=1, description="cap on windows per length")

@@ -72,6 +72,9 @@ def contains_match(output: str, answer: str) -> bool:
 
 
 class RetrievalOptions(TaskOptions):
+    """What every retrieval task shares: depths, trials, the key's digits, candidates scored by likelihood, greedy
+    decoding's extra tokens, seed."""
+
     depths: list[float] = Field(default=[0.0, 0.2, 0.4, 0.6, 0.8, 1.0], min_length=1,
                                 description="needle depths, fractions of the haystack (0 = start)")
     trials: int = Field(10, ge=1, description="examples per (length, depth), each with its own seeded key")
@@ -117,6 +120,8 @@ class RetrievalOptions(TaskOptions):
 
 @dataclass(frozen=True)
 class Example:
+    """One retrieval example: its prompt, the candidates' tokens (the answer first) and its depth's index."""
+
     prompt: Prompt
     candidates: list[list[int]]  # answer's tokens first, then the distractors'
     depth_index: int

@@ -63,6 +63,9 @@ _MARK = "\uffffTASK\uffff"
 
 
 class RulerOptions(TaskOptions):
+    """What every RULER task shares: samples, seed, the model template, the generation budget, batch, the sample
+    cache and the draw cap."""
+
     num_samples: int = Field(500, ge=1, description="samples per length (RULER: 500)")
     seed: int = Field(42, description="RULER's random_seed")
     template: str = Field("base", description="base (RULER's default), chat (the tokenizer's chat template), or a "

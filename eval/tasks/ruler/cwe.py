@@ -14,6 +14,8 @@ __all__ = ["CommonWords", "CweOptions"]
 
 
 class CweOptions(RulerOptions):
+    """RULER cwe's options (its word counts, at RULER's defaults)."""
+
     freq_cw: int = Field(30, ge=1, description="repeats of each common word (≥ 4096 tokens; RULER: 30)")
     freq_ucw: int = Field(3, ge=1, description="repeats of each other word (≥ 4096 tokens; RULER: 3)")
     num_cw: int = Field(10, ge=1, description="common words (RULER: 10)")

@@ -14,6 +14,8 @@ __all__ = ["FreqWords", "FweOptions"]
 
 
 class FweOptions(RulerOptions):
+    """RULER fwe's options: the Zipf exponent, coded word length and vocabulary (RULER's defaults)."""
+
     alpha: float = Field(2.0, gt=1.0, description="Zipf exponent of the word counts (RULER: 2.0)")
     coded_wordlen: int = Field(6, ge=1, description="letters per coded word (RULER: 6)")
     vocab_size: int = Field(-1, ge=-1, description="coded words; -1: (length − budget) // 50, as RULER")

@@ -99,6 +99,8 @@ def _offline() -> bool:
 
 
 class QaOptions(RulerOptions):
+    """RULER qa's options: a local copy of the data set (SQuAD, HotpotQA) and the questions skipped first."""
+
     dataset_path: str | None = Field(None, description="a local copy of the data set's raw JSON (as RULER reads it)")
     pre_samples: int = Field(0, ge=0, description="questions skipped first (RULER's pre_samples)")
 

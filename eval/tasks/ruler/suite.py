@@ -50,6 +50,8 @@ DEFAULT_TASKS = ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multik
 
 
 class RulerSuiteOptions(RulerOptions):
+    """The RULER suite's options: which tasks, and the threshold of the effective length."""
+
     tasks: list[str] = Field(default_factory=lambda: list(DEFAULT_TASKS), min_length=1,
                              description="RULER tasks to run (default: the 11 synthetic ones)")
     threshold: float | None = Field(None, ge=0, le=100, allow_inf_nan=False, description=(

@@ -14,6 +14,8 @@ __all__ = ["VariableTracking", "VtOptions"]
 
 
 class VtOptions(RulerOptions):
+    """RULER vt's options (chains and hops, at RULER's defaults)."""
+
     num_chains: int = Field(1, ge=1, description="chains of assignments (RULER vt: 1)")
     num_hops: int = Field(4, ge=1, description="hops per chain (RULER vt: 4)")
 
