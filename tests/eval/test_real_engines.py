@@ -71,18 +71,23 @@ def test_llama_cpp_end_to_end_detects_what_the_converter_loses(tmp_path):
     from eval.parity import _windows
 
     src = engines.llama_cpp_source()
-    for spec, params in (("yarn", {"factor": 4.0, "attention_factor": 1.0}), ("dynamic_ntk", {})):
+    cases = (("yarn", {"factor": 4.0, "attention_factor": 1.0}), ("dynamic_ntk", {}))
+    ours, ids = {}, None
+    for spec, params in cases:
         m, tok = ropescale.load_model("reference", device="cpu")
         ropescale.unpatch(m)
         ropescale.patch(m, spec, **params)
-        folder = ropescale.save_patched(m, tok, tmp_path / spec)
-        gguf = tmp_path / f"{spec}.gguf"
-        engines.run_engine("llama.cpp", {"mode": "convert", "model": str(folder), "out": str(gguf),
-                                         "source": str(src), "outtype": "f32"}, script="convert_gguf.py")
-        ids = _windows(tok, "kjv-heldout", [512], 1)[512]
-        got = engines.run_engine("llama.cpp", {"mode": "logprobs", "jobs": [{"gguf": str(gguf), "n_ctx": 512,
-                                                                            "ids": ids}]})
-        diff = e2e_numbers(our_logprobs(m, ids), got["jobs"][0]["logprobs"])
+        ropescale.save_patched(m, tok, tmp_path / spec)
+        ids = ids or _windows(tok, "kjv-heldout", [512], 1)[512]
+        ours[spec] = our_logprobs(m, ids)
+    # one converter process and one llama.cpp process for both cases (each starts in seconds)
+    engines.run_engine("llama.cpp", {"mode": "convert", "source": str(src), "outtype": "f32", "jobs": [
+        {"model": str(tmp_path / spec), "out": str(tmp_path / f"{spec}.gguf")} for spec, _ in cases]},
+        script="convert_gguf.py")
+    got = engines.run_engine("llama.cpp", {"mode": "logprobs", "jobs": [
+        {"gguf": str(tmp_path / f"{spec}.gguf"), "n_ctx": 512, "ids": ids} for spec, _ in cases]})
+    for (spec, _), job in zip(cases, got["jobs"]):
+        diff = e2e_numbers(ours[spec], job["logprobs"])
         assert diff["max_abs_dlogp"] > 1e-2, (spec, diff)
 
 
