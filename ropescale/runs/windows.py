@@ -38,6 +38,9 @@ class Window(NamedTuple):
 
 
 def chunk_windows(doc_lengths: list[int], length: int, bos: bool = False) -> list[Window]:
+    """Non-overlapping windows of ``length`` tokens per document (``length`` − 1 of text after a BOS), each token
+    scored once; the first token of a window without BOS is context only. A document's tail shorter than a
+    window is left out."""
     n = length - int(bos)
     first = 0 if bos else 1
     return [Window(d, s, s + n, s + first)
@@ -45,6 +48,9 @@ def chunk_windows(doc_lengths: list[int], length: int, bos: bool = False) -> lis
 
 
 def sliding_windows(doc_lengths: list[int], length: int, stride: int, bos: bool = False) -> list[Window]:
+    """Windows of at most ``length`` tokens starting every ``stride`` tokens per document, each scoring only the
+    tokens the previous window did not (every token scored once, with up to ``length`` − ``stride`` of context).
+    Raises ``WindowError`` unless 0 < ``stride`` ≤ the window's text length."""
     if not 0 < stride <= length - int(bos):
         raise WindowError(f"stride must be between 1 and the window length; got stride={stride}, length={length}")
     n = length - int(bos)
