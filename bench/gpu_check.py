@@ -20,7 +20,7 @@ decoder layers as each measurement needs, L_train = 8192 for the rules. Sections
 order; every case catches its own exception (one line in the tables, the traceback in
 ``gpu_check.log``) and runs only while the budget lasts:
 
-a. ``oracle``: each relative rule (rerope, leaky_rerope, self_extend, string, dca) through
+a. ``oracle``: each relative-position rule (rerope, leaky_rerope, self_extend, string, dca) through
    ``flex_attention_path`` — compiled FlexAttention on CUDA — against the naive n × n oracle
    (``naive_attention``: explicit relative positions, float32 arithmetic; run in query blocks so
    4k tokens fit) at

@@ -5,7 +5,7 @@
 For each length: tokens/s of ``ropescale.runs.scoring.score_windows`` under each ``--strategies`` patch
 (what a sweep cell does: patched model, NLL by position bucket) and of the baseline loop (plain
 forward of the unpatched model, nothing else), interleaved over ``--repeats`` rounds; prints
-best-of ratios. Goals: ≥ 0.9 for a frequency strategy, ≥ 0.8 for a truncation rule (which also
+best-of ratios. Goals: ≥ 0.9 for a frequency strategy, ≥ 0.8 for a relative-position rule (which also
 pays for its second rotation and the far region), whose window is L_train / 2 as in a sweep.
 """
 

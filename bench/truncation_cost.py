@@ -1,4 +1,4 @@
-"""Peak memory and time of the truncation rules vs vanilla SDPA, forward and backward.
+"""Peak memory and time of the relative-position rules vs vanilla SDPA, forward and backward.
 
     python bench/truncation_cost.py [--lengths 2048,4096,8192,16384] [--naive-max 1024]
                                     [--flex-max N] [--device cpu|cuda] [--no-backward]

@@ -4,7 +4,7 @@ For a model (its config only: d, ``rope_theta``, training window T and its own f
 bare configuration, and each strategy at target length L, writes into the output folder:
 
 - ``wavelengths.png``: λ_i per rotary pair before and after, log axis, T and L marked, each pair
-  coloured by its class (``ropescale.geometry.classify_pairs``); truncation rules instead get
+  coloured by its class (``ropescale.geometry.classify_pairs``); relative-position rules instead get
   ``relative_positions.png``, their map p(i, j) at L;
 - ``angles.png``: rotation angle mod 2π against distance for chosen pairs (default the fastest),
   short range and 1 … L, with the first aliasing distance (He & Xu, Figs. 1–2);
@@ -124,7 +124,7 @@ def attention_input(model: str | None, strategies: list[StrategySpec], data: str
                     device: str = "cpu") -> dict[str, Any]:
     """``inspect``'s ``attention=``: ``{"model": the unpatched model, "ids": [1, L] token ids}``,
     the first ``length`` tokens of ``data`` (``ropescale.runs.data``). Raises ``InvalidInput``
-    without a model, for a strategy that computes attention in its own kernel (a truncation rule:
+    without a model, for a strategy that computes attention in its own kernel (a relative-position rule:
     no attention weights to measure), or for text shorter than ``length``; checked before the
     model's weights are loaded except the last."""
     if not model:
@@ -173,7 +173,7 @@ def layer_reports(model, strategies: list[StrategySpec], params: list[dict]) -> 
 
 def summary_text(summary: dict[str, Any], output: str | Path) -> str:
     """``inspect``'s summary as the lines ``ropescale inspect`` prints: the configuration, per
-    strategy its pair classes, first aliasing distance and first B(m) < 0 (a truncation rule: its
+    strategy its pair classes, first aliasing distance and first B(m) < 0 (a relative-position rule: its
     largest relative position), the smallest base for L and the files written to ``output``."""
     length = summary["length"]
     lines = [f"{summary['source']}: d={summary['dim']}, rope_theta={summary['rope_theta']:g}, "
@@ -204,7 +204,7 @@ def _frequencies(spec: StrategySpec, cfg: RotaryConfig, length: int):
 def _strategy_summary(spec: StrategySpec, cfg: RotaryConfig, length: int, pairs: list[int]) -> dict[str, Any]:
     params, out = _frequencies(spec, cfg, length)
     record: dict[str, Any] = {"strategy": spec.display, "name": spec.name, "params": params}
-    if not isinstance(out, RopeFrequencies):  # a truncation rule: relative positions, not frequencies
+    if not isinstance(out, RopeFrequencies):  # a relative-position rule: relative positions, not frequencies
         # the map on a grid of at most GRID × GRID positions (what the figure shows), never [L, L]
         grid = torch.arange(0, length, -(-length // GRID), dtype=torch.float64)[None]  # [1, g], g ≤ GRID
         p = out.relative_positions(grid, grid)[0].tril()  # [g, g]

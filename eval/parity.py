@@ -203,7 +203,7 @@ def _case_rows(run: Run, drivers: dict[str, EngineDriver], spec, length: int, tr
                temperature=spec.temperature, **params) as handle:
         try:
             ours, why = ropescale_rope(handle, length), ""
-        except InvalidInput as e:  # a relative rule: no single inv_freq
+        except InvalidInput as e:  # a relative-position rule: no single inv_freq
             ours, why = None, str(e)
         ours_lp = our_logprobs(run.model, ids) if ids is not None and ours is not None else None
         # only a freezable strategy (dynamic NTK) has a static form; the engines refuse the other dynamic rules

@@ -127,7 +127,7 @@ class PatchHandle:
     def train_at(self, length: int | None) -> None:
         """Train toward target length ``length`` [tokens]: in training mode, dynamic strategies use
         L = max(``length``, max(position_ids) + 1) (``FrequencyPatch.set_training_length``);
-        None undoes it. Static strategies and truncation rules do not depend on L: no effect. Raises
+        None undoes it. Static strategies and relative-position rules do not depend on L: no effect. Raises
         ``InvalidInput`` for a length that is not a whole number >= 1, ``RuntimeError`` after unpatch."""
         if not self.active:
             raise RuntimeError("this patch has been undone; patch the model again")
@@ -159,10 +159,10 @@ class PatchHandle:
             if info.kind == "none":
                 row["applied"] = "no RoPE, untouched"
             elif info.kind == "unknown":
-                row["applied"] = "unknown rotation: refused for relative rules"
+                row["applied"] = "unknown rotation: refused for relative-position rules"
             else:
                 ctx = self.sites.get(info.site) or site_context(self.model, info.site)
-                # a relative rule is one rule from the primary layer type's context; each layer's own θ is its own
+                # a relative-position rule is one rule from the primary layer type's context; each layer's θ is its own
                 own = site_context(self.model, info.site) if self.strategy_obj.kind == "attention" else ctx
                 rp = layer_rope_parameters_of(self.model, info.site)
                 row |= {"frequencies": str(info.site), "rope_type": rp.get("rope_type", "default"),
@@ -236,7 +236,7 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
         temperature: another query-temperature rule instead of log-n (``ropescale.temperature``):
             ``"llama4"`` (Llama 4's stepped one), ``"beta:beta=0.1"`` (Mistral's ``llama_4_scaling_beta``),
             ``"logn"``, a mapping, or None. Exact under the KV cache like log-n.
-        attention_path: truncation rules only: ``"fused"`` (default: the rule's regions in fused
+        attention_path: relative-position rules only: ``"fused"`` (default: the rule's regions in fused
             CPU kernels, about the cost of vanilla attention, with backward; on a non-CPU device
             it runs ``"flex"``), ``"flex"`` (the regions in FlexAttention, compiled on CUDA;
             eager and unfused on the CPU, where torch has no FlexAttention backward, so training
@@ -244,7 +244,7 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
             ``"fused"`` uses for attention dropout, and on the CPU for soft-capping) or
             ``"naive"`` (explicit n × n relative positions; the tests' oracle). All are exact and
             differentiable.
-        block_size: truncation rules only: query/key block of the blocked path [tokens].
+        block_size: relative-position rules only: query/key block of the blocked path [tokens].
         **params: the strategy's parameters (validated).
 
     Returns a ``PatchHandle``; ``handle.unpatch()`` or ``with patch(...):`` restores the model.
@@ -395,9 +395,9 @@ def _patch_frequency(model: nn.Module, handle: PatchHandle, strat: Strategy, fou
 
 def _refuse_inapplicable(strat: Strategy, **options: Any) -> None:
     """``ValueError`` naming the options given away from their defaults that ``strat`` does not
-    use: ``layer_types`` (frequency strategies only: a truncation rule acts in every layer's
+    use: ``layer_types`` (frequency strategies only: a relative-position rule acts in every layer's
     attention), ``dynamic_cache``/``dynamic_block`` (dynamic strategies), ``attention_path``/
-    ``block_size`` (truncation rules)."""
+    ``block_size`` (relative-position rules)."""
     defaults = {"layer_types": None, "dynamic_cache": "recompute", "dynamic_block": 1, "attention_path": "fused",
                 "block_size": 512}
     applies = {"layer_types": strat.kind != "attention", "dynamic_cache": strat.dynamic,
@@ -412,7 +412,7 @@ def _refuse_inapplicable(strat: Strategy, **options: Any) -> None:
 
 def _patch_attention(model, handle: PatchHandle, strat: Strategy, found, modules, train_override,
                      logn: bool, path: str, block: int) -> PatchHandle:
-    """Relative rules: every rotary module's frequencies set to zero (RoPE becomes the identity, times
+    """Relative-position rules: every rotary module's frequencies set to zero (RoPE becomes the identity, times
     each module's own attention factor, in whatever format the model consumes), and the rule applied
     inside the attention of each layer that rotates — with that layer's own frequencies, channels,
     pairing and sign, as ``probe_layers`` read them; layers without RoPE keep the model's attention."""

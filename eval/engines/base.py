@@ -46,7 +46,7 @@ class Case:
     """One strategy × served length of a parity run, the same for every engine.
 
     display: the strategy as the user wrote it; length: L [tokens]; handle: the active patch;
-    ours: what ropescale computes at L (None for a relative rule: ``why`` says so); freeze: the
+    ours: what ropescale computes at L (None for a relative-position rule: ``why`` says so); freeze: the
     length dynamic NTK is exported frozen at (None: not frozen); ids: the end-to-end windows of L
     token ids (None without ``--end-to-end``), ours_lp: ropescale's log-probabilities on them [nats];
     ours_layers: for a per-layer-type model, what ropescale computes per layer type

@@ -244,7 +244,7 @@ def check_engine(cfg, source: str = "config", processes: int = 1) -> None:
 
 def unservable(name: str, *, logn: bool = False, temperature: Any = None, dynamic_block: bool = False,
                static_only: bool = False) -> str | None:
-    """Why vLLM cannot serve strategy ``name`` (one clause), or None: a relative rule, a query
+    """Why vLLM cannot serve strategy ``name`` (one clause), or None: a relative-position rule, a query
     temperature, no transformers rope type, a strategy recomputed from the length (dynamic NTK and
     LongRoPE excepted, served frozen at a cell's length — unless ``static_only``: several lengths in
     one engine), dynamic NTK scored block-wise (``dynamic_block``)."""

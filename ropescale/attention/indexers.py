@@ -4,7 +4,7 @@ Sparse-attention families (DeepSeek-V3.2's DSA and its descendants GLM-MoE-DSA, 
 HY-V4; Qwen4's QSA) give each attention layer an *indexer*, a small scorer that picks, per query,
 the keys the layer may attend to (``index_topk`` / ``indexer_budget`` of them). The indexer rotates its
 own queries and keys with the position embeddings the layer receives — the model's rotary output.
-A relative rule sets the rotary modules' frequencies to zero (RoPE as the identity, the rule rotates
+A relative-position rule sets the rotary modules' frequencies to zero (RoPE as the identity, the rule rotates
 inside attention), so without this module the indexer would score position-blind and select other
 keys: at lengths inside the rule's window the patched model would no longer equal the model.
 

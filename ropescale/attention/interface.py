@@ -1,5 +1,5 @@
 """Attention-side rules, plugged in through transformers' ``AttentionInterface``: log-n query
-scaling and the truncation rules (ReRoPE, Leaky ReRoPE, SelfExtend).
+scaling and the relative-position rules (ReRoPE, Leaky ReRoPE, SelfExtend).
 
 An attention function registered under a new name receives, per layer, ``query``
 ``[b, n_h, s_q, h_d]`` and ``key``/``value`` ``[b, n_kv, s_k, h_d]`` *after* RoPE (and after the
@@ -22,7 +22,7 @@ log-n scaling (Su 2023, "Scaling attention by log n"; bojone/rerope): queries at
 are multiplied by max(1, ln(p + 1) / ln(L_train)), keeping attention entropy roughly constant as
 the context grows past the training window. Positions inside the window are untouched.
 
-Truncation rules need q and k *un-rotated*: ``patch`` swaps the rotary module for
+Relative-position rules need q and k *un-rotated*: ``patch`` swaps the rotary module for
 ``IdentityRotary`` (cos = 1, sin = 0, so the model's own ``apply_rotary_pos_emb`` is a no-op and
 the KV cache holds un-rotated keys) and ``ropescale_truncation`` rotates them itself, per region
 (``ropescale.attention.truncated``). Query positions come from ``position_ids``; key positions
@@ -62,7 +62,7 @@ __all__ = [
 
 LOGN_PREFIX = "ropescale_logn_"
 _LOGN_ATTR = "_ropescale_logn"  # on each submodule while log-n is on: a _LogN
-_TRUNCATION_ATTR = "_ropescale_truncation"  # on each submodule while a truncation rule is on
+_TRUNCATION_ATTR = "_ropescale_truncation"  # on each submodule while a relative-position rule is on
 
 
 def _set_on_modules(model, attr: str, value) -> None:
@@ -390,7 +390,7 @@ def _truncation_attention(module, query, key, value, attention_mask, scaling=Non
 
 
 def padding_only_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, **_):
-    """Mask function for the truncation rules: only which keys are real tokens, ``[b, 1, 1, s_k]``
+    """Mask function for the relative-position rules: only which keys are real tokens, ``[b, 1, 1, s_k]``
     bool, or None without padding. The kernel applies causality and sliding windows itself, so
     no ``[b, 1, s_q, s_k]`` mask is ever built (transformers builds one for sliding layers)."""
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
@@ -408,7 +408,7 @@ def _base_for_nope(model) -> str:
 def enable_truncation(model, rule: RelativeRule, layers: dict, rotaries: list, *, path: str, block: int,
                       logn: int | None, without_rope: bool = False, temperature: Temperature | None = None,
                       full_masks: bool = False):
-    """Route ``model``'s attention through the relative rule; returns the undo function.
+    """Route ``model``'s attention through the relative-position rule; returns the undo function.
 
     ``layers``: attention module → (``LayerRope``, its ``inv_freq`` × sign) for every layer that
     rotates; the others (``without_rope``: there are some) keep the model's own attention function and

@@ -279,7 +279,7 @@ def blocked_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scali
                       keep=None, scale: float, softcap: float | None = None,
                       sliding_window: int | None = None, interleaved: bool = False, dropout: float = 0.0,
                       block: int = 512, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """A relative rule's attention over query blocks × key blocks of ``block`` slots with an
+    """A relative-position rule's attention over query blocks × key blocks of ``block`` slots with an
     online softmax: O(block²) scores at a time, each pair scored in its region (``_block_scores``),
     where the region kernels cannot follow (``fused_route``: attention dropout, soft-capping, a
     per-query ``keep`` mask, a chunk rule under a sliding window). Shapes: q [b, n_h,

@@ -8,7 +8,7 @@
 - ``quirks``: what a family does differently, in one declared table (``QUIRKS``, ``PROBE_CONTRACTS``);
 - ``sites``: the names they share (``RotarySite``, ``LayerRope``).
 
-``ropescale.patching`` orchestrates these; the attention side of the relative rules is ``ropescale.attention``.
+``ropescale.patching`` orchestrates these; the attention side of the relative-position rules is ``ropescale.attention``.
 """
 
 from ropescale.rotary.modules import (

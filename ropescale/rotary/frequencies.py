@@ -199,7 +199,7 @@ class FrequencyPatch:
     def own(self):
         """The module's own ``inv_freq`` and ``attention_scaling`` meanwhile (its ``rope_type`` still reads
         ``default``), the strategy's put back after: what the model would compute, for a reader that must
-        keep it (a sparse-attention indexer under a relative rule, ``ropescale.attention.indexers``)."""
+        keep it (a sparse-attention indexer under a relative-position rule, ``ropescale.attention.indexers``)."""
         m, swapped = self.module, []
         for name, value, is_buffer in self._saved:
             if name == "rope_type":

@@ -96,7 +96,7 @@ def _register() -> None:
     mask = AttentionMaskInterface._global_mapping.get("sdpa")
     if mask is not None:
         AttentionMaskInterface.register(PROBE, mask)
-    AttentionMaskInterface.register(PROBE_LEAN, padding_only_mask)  # what the relative rules build: padding only
+    AttentionMaskInterface.register(PROBE_LEAN, padding_only_mask)  # the relative-position rules' masks: padding only
 
 
 @contextlib.contextmanager

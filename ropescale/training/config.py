@@ -1,6 +1,6 @@
 """Fine-tuning configuration: YAML / ``--set`` / flags → validated ``FinetuneConfig``.
 
-One run = one model, one strategy (frequency rule or truncation rule, with ``logn``), trained for
+One run = one model, one strategy (frequency rule or relative-position rule, with ``logn``), trained for
 ``steps`` optimiser steps on windows of ``length`` tokens from a data source the harness reads
 (``ropescale.runs.data``), then saved with ``ropescale.save_patched``. Parameters the harness fills from
 the target length (``factor`` = L / T, ``n_max`` = L, truncation ``window`` = T / 2) are filled the
@@ -232,7 +232,7 @@ class FinetuneConfig(ConfigModel):
     data: DataConfig = Field(default_factory=lambda: DataConfig(source="kjv-train"))
     length: int = Field(ge=2, description="target length L [tokens]: the training windows (PoSE: the reach)")
     original_max_position_embeddings: int | None = Field(None, ge=2, description="override the model's window T")
-    attention_path: str | None = Field(None, description="truncation rules: ropescale.patch's attention_path")
+    attention_path: str | None = Field(None, description="relative-position rules: ropescale.patch's attention_path")
     steps: int = Field(description="optimiser steps", le=MAX_STEPS)
     batch_size: int = Field(4, ge=1, description="windows per process per micro-step")
     grad_accum: int = Field(1, ge=1, description="micro-steps per optimiser step")
@@ -356,8 +356,8 @@ class FinetuneConfig(ConfigModel):
         from ropescale.strategies import get_strategy
 
         if self.pose.enabled and get_strategy(self.strategy.name).kind == "attention":
-            raise ValueError(f"pose: {self.strategy.name} is a truncation rule: it places keys by their slot in the "
-                             "window, not by position_ids, so PoSE's skipped positions never reach it; "
+            raise ValueError(f"pose: {self.strategy.name} is a relative-position rule: it places keys by their slot "
+                             "in the window, not by position_ids, so PoSE's skipped positions never reach it; "
                              "use PoSE with a frequency strategy")
         if self.eval is not None and self.eval.data.spec().describe() == self.data.spec().describe():
             raise ValueError(f"eval.data: {self.data.source} is also the training data; held-out perplexity must "
@@ -462,7 +462,7 @@ SHARDING_ON_CPU = ("sharding: an FSDP plugin file is accelerate's, which shards 
 
 def build_finetune_config(raw: Any, source: str = "config") -> FinetuneConfig:
     """Validate a raw mapping. Raises ``ConfigError`` naming the key (unknown key with the known
-    ones, steps ≤ 0, unknown strategy, PoSE with a truncation rule, ...)."""
+    ones, steps ≤ 0, unknown strategy, PoSE with a relative-position rule, ...)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a mapping of keys (model, strategy, data, length, steps, ...)")
     try:

@@ -19,7 +19,7 @@ What makes a long window fit (an 8B model at 32k tokens): ``gradient_checkpointi
 non-reentrant checkpointing: each decoder layer's activations are recomputed in backward, so one
 layer's are held at a time; the patch lives in the rotary module, computed once outside the
 layers, and in the attention function, recomputed with its layer — frequency, dynamic, log-n and
-truncation rules alike); the loss from ``ropescale.lm_head`` (the LM head over chunks of
+relative-position rules alike); the loss from ``ropescale.lm_head`` (the LM head over chunks of
 ``loss_chunk_size`` positions, recomputed in backward: never the ``[b, s, V]`` logits); the
 ``lora`` / ``longlora`` recipes (PEFT adapters on a frozen base model, applied by the recipe's
 ``prepare`` *after* the patch, which stays active inside the PEFT wrapper; LongLoRA's embeddings

@@ -11,7 +11,7 @@ Each process of a sequence-parallel group holds ``s_l`` consecutive tokens of th
 ``UlyssesSPAttentionHF`` exchanges q, k, v (all-to-all: ``[b, n_h, s_l, h_d]`` → ``[b, n_h / P,
 s, h_d]``) and all-gathers ``position_ids`` to ``[b, s]``, so the attention function the model
 was patched with runs unchanged on the *whole* window for its share of heads and on the
-*global* positions: the relative rules' region kernels (ReRoPE, Leaky ReRoPE, SelfExtend, DCA,
+*global* positions: the relative-position rules' region kernels (ReRoPE, Leaky ReRoPE, SelfExtend, DCA,
 STRING; ``ropescale_truncation``), log-n query scaling (``ropescale_logn_<base>``), layers without
 RoPE (``ropescale_truncation_<base>`` hands them to the base), and the model's own function under a
 frequency strategy. A second all-to-all gives each process its tokens back for all heads.
@@ -40,7 +40,7 @@ window, or the number of processes; an attention implementation that does not tr
 mask as causal (eager, flex_attention, and wrappers of them: Ulysses drops the model's masks,
 rebuilt for the shard's length, and calls the function with none); sliding-window layers under
 a frequency strategy (the window lives in the dropped mask — accelerate refuses them for the
-same reason; the truncation rules' kernels apply the window themselves); PoSE with a flash
+same reason; the relative-position rules' kernels apply the window themselves); PoSE with a flash
 kernel (which reads position ids that jump as packed sequences once the mask is gone).
 """
 
@@ -112,8 +112,8 @@ def check_sequence_parallel(size: int, *, config, kind: str, window: int, pose: 
         sliding = ["sliding_attention"]
     if kind == "frequency" and sliding:
         raise ConfigError(f"{key}: the model has {', '.join(sliding)} layers, whose window lives in the attention "
-                          "mask that Ulysses drops: a frequency strategy would train them full-causal; use a "
-                          "relative rule (rerope, self_extend, dca, ...), whose kernel applies the window itself")
+                          "mask that Ulysses drops: a frequency strategy would train them full-causal; use a relative-"
+                          "position rule (rerope, self_extend, dca, ...), whose kernel applies the window itself")
     if attn_implementation is None:
         return
     base = _base_of(attn_implementation)

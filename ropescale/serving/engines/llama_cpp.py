@@ -90,7 +90,7 @@ def gguf_rope(model_or_handle, serve_length: int, *, freeze_dynamic_at: int | No
     See the module docstring for the table; a per-layer-type model (Gemma 3, Gemma 3n) is written
     for its llama.cpp architecture (``SWA_ARCH``, whatever ``arch`` says) by ``_layer_types``.
     Raises ``ExportRefused`` ("llama.cpp: ...", one line)
-    for relative rules (ReRoPE, Leaky ReRoPE, SelfExtend, DCA, STRING), log-n, ``dynamic_block``,
+    for relative-position rules (ReRoPE, Leaky ReRoPE, SelfExtend, DCA, STRING), log-n, ``dynamic_block``,
     strategies without a transformers export hook, non-default YaRN betas, dynamic NTK
     without ``freeze_dynamic_at``, ``rope_freqs`` (llama3, longrope) for an ``arch`` that loads
     ``rope_factors_long/short`` instead (phi3, phimoe) or none (gemma3, gemma3n), and per-layer-type

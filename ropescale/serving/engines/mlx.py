@@ -80,7 +80,7 @@ def export_mlx(model_or_handle, serve_length: int, *, freeze_dynamic_at: int | N
 
     ``freeze_dynamic_at``: dynamic NTK is served static at this length F (default L).
     Raises ``ExportRefused`` ("MLX: ...", one line) for a model type outside ``MODEL_TYPES`` and
-    ``gemma3_text``, relative rules, log-n and what the module docstring's table cannot express
+    ``gemma3_text``, relative-position rules, log-n and what the module docstring's table cannot express
     (YaRN ``truncate: false``, an attention factor below the rope type's floor, a scaled sliding
     layer of Gemma 3); ``InvalidInput`` for an unpatched model or bad lengths.
     """

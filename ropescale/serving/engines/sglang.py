@@ -76,7 +76,7 @@ def export_sglang(model_or_handle, serve_length: int, *, freeze_dynamic_at: int 
     """The config.json with which SGLang 0.5.23 serves the patched model at ``serve_length`` = L [tokens].
 
     ``freeze_dynamic_at``: dynamic NTK is served static at this length F (default L).
-    Raises ``ExportRefused`` ("SGLang: ...", one line) for relative rules, log-n, rope types without a
+    Raises ``ExportRefused`` ("SGLang: ...", one line) for relative-position rules, log-n, rope types without a
     translation, and Gemma 3 layer types with a scaling (see the module docstring); ``InvalidInput``
     for an unpatched model or bad lengths."""
     handle = patch_handle(model_or_handle)

@@ -7,7 +7,7 @@ target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0, bias="n
 so they are saved with an adapter too; a merged save holds the trained embeddings and norms.
 
 Not included: LongLoRA's shifted sparse attention (S²-Attn) — attention is the strategy's part
-(ropescale's truncation rules); this recipe only decides what trains.
+(ropescale's relative-position rules); this recipe only decides what trains.
 """
 
 from __future__ import annotations
