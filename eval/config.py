@@ -7,7 +7,7 @@ config reads back as the same ``EvalConfig``).
 
 A strategy entry is a name (``yarn``), a name with parameters (``yarn:factor=4,beta_fast=16``)
 or a mapping (``{name: yarn, factor: 4, label: yarn-s4}``). Parameters the strategy fills
-automatically (``factor`` of linear/ntk/yarn) are set per length to max(1, L / L_train) when
+automatically (``factor`` of linear/ntk/yarn) are set per length to max(1, L / T) when
 left out. Every error names the key: ``ConfigError: quickstart.yaml: strategies.2: ...``.
 """
 

@@ -14,7 +14,7 @@ hands the arguments to lm-eval's own CLI unchanged (``main``); from Python, ``im
 ``lm_eval.simple_evaluate(model="ropescale", ...)``.
 
 ``max_length`` (lm-eval's context window for rolling perplexity and truncation) defaults to
-``factor × L_train`` when the strategy has a ``factor``, else to the model's own window.
+``factor × T`` when the strategy has a ``factor``, else to the model's own window.
 
 Bad ``model_args`` (no ``pretrained``, a model folder that is not there, an unknown strategy, key
 or dtype, a parameter out of range or missing, a bad patch option) raise ``ModelArgsError`` (a

@@ -2,7 +2,7 @@
 
 ``results.csv``: one row per (strategy, length) cell, every scalar field of the record.
 ``results.md``: one table per metric of the task, strategies as rows and lengths as columns
-(L_train marked), under a line saying which model, data and settings produced it. The task adds
+(T marked), under a line saying which model, data and settings produced it. The task adds
 its own figures (``Task.plots``): perplexity draws ``ppl_vs_length.png`` and
 ``nll_vs_position.png``; the retrieval tasks draw ``accuracy_vs_length.png`` (with 95%
 intervals) and ``depth_heatmap.png`` (depth × length, one panel per strategy).

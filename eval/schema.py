@@ -35,7 +35,7 @@ class Record(BaseModel):
     params: dict[str, Any] = Field(description="resolved strategy parameters, sweep-filled ones included")
     logn: bool = Field(description="log-n query scaling on")
     length: int = Field(description="L: window / example length in tokens")
-    train_length: int = Field(description="L_train (T): the training window the strategies scale from")
+    train_length: int = Field(description="T: the training window the strategies scale from [tokens]")
     model: str = Field(description="model as given: bundled name, local path or hub id")
     data: str | None = Field(None, description="data source (tasks that read text), with [:max_documents]")
     options: dict[str, Any] | None = Field(None, description="the task's options that change its numbers")

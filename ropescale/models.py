@@ -420,7 +420,7 @@ def model_fingerprint(name_or_path: str) -> str:
 # --- the patch as transformers rope_parameters ------------------------------------------------------
 # Strategies transformers implements are written natively by their registry ``export`` hook (beside each
 # strategy in ``ropescale.strategies``): ``vanilla`` (``default``), ``ntk`` (a raised ``rope_theta``:
-# b·s^(d/(d−2))), ``linear``, ``dynamic_ntk`` (``dynamic``; only when L_train is ``max_position_embeddings``,
+# b·s^(d/(d−2))), ``linear``, ``dynamic_ntk`` (``dynamic``; only when T is ``max_position_embeddings``,
 # which transformers' formula uses), ``yarn``, ``llama3``, ``longrope``. Attention factors are written
 # explicitly so no default can drift. For any other strategy the rope type is set to a marker that
 # transformers refuses to build (``KeyError`` naming ``ropescale.load_model``) instead of silently running

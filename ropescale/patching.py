@@ -223,7 +223,7 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
     Args:
         model: a loaded HF model with RoPE (any family whose rotary module has ``inv_freq``).
         strategy: registry name (``ropescale strategies`` lists them).
-        original_max_position_embeddings: training window L_train [tokens]; default from config.
+        original_max_position_embeddings: training window T [tokens]; default from config.
         layer_types: for per-layer-type rotary modules (Gemma 3), which types to patch; default
             all but sliding-window types. The others keep the model's own frequencies.
         dynamic_cache: dynamic strategies under a KV cache: ``"recompute"`` (exact; re-runs the
@@ -231,7 +231,7 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
             keys only; cheaper, approximate past layer 0). See ``ropescale.rotary.cache``.
         dynamic_block: dynamic strategies take L rounded up to a multiple of this [tokens], so
             the frequencies (and, with ``"recompute"``, the prefix) change once per block.
-        logn: also scale queries by max(1, ln(p+1)/ln(L_train)) (Su 2023), through the
+        logn: also scale queries by max(1, ln(p+1)/ln(T)) (Su 2023), through the
             attention interface (``ropescale.attention.interface``); works with any strategy.
         temperature: another query-temperature rule instead of log-n (``ropescale.temperature``):
             ``"llama4"`` (Llama 4's stepped one), ``"beta:beta=0.1"`` (Mistral's ``llama_4_scaling_beta``),

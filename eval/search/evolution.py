@@ -427,7 +427,7 @@ def run_evolution(objective: Callable[[list[float], int], float], *, dim: int, s
     must apply it itself; it is always 0 unless ``search_start_tokens`` (then drawn from
     {0} ∪ {1, 2, 4, …, 64} up to ``max_start_tokens``).
 
-    ``dim``: rotary dim d (even, ≥ 4); ``scale``: s = L / L_train ≥ 1 (the grid's top is ≈ 1 + s);
+    ``dim``: rotary dim d (even, ≥ 4); ``scale``: s = L / T ≥ 1 (the grid's top is ≈ 1 + s);
     ``yarn_factors``: the initial individual (see ``yarn_init_factors``), s everywhere when None.
     Hyper-parameters left None take the authors' defaults (``DEFAULTS``). ``budget`` caps the
     evaluations (default: all, population + iterations × (population − elite)). ``journal``: a JSONL

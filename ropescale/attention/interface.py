@@ -19,7 +19,7 @@ from the layer (``_LogN`` / ``_Truncation``, set on every submodule), so ``check
 whether a 2-token forward reached it — no global state.
 
 log-n scaling (Su 2023, "Scaling attention by log n"; bojone/rerope): queries at position p
-are multiplied by max(1, ln(p + 1) / ln(L_train)), keeping attention entropy roughly constant as
+are multiplied by max(1, ln(p + 1) / ln(T)), keeping attention entropy roughly constant as
 the context grows past the training window. Positions inside the window are untouched.
 
 Relative-position rules need q and k *un-rotated*: ``patch`` swaps the rotary module for
@@ -101,7 +101,7 @@ def check_routed(model, name: str, state) -> None:
 
 
 def logn_factor(position_ids: torch.Tensor, original_max_position_embeddings: int) -> torch.Tensor:
-    """max(1, ln(p + 1) / ln(L_train)) for positions ``[b, s]`` → ``[b, s]`` float32."""
+    """max(1, ln(p + 1) / ln(T)) for positions ``[b, s]`` → ``[b, s]`` float32."""
     scale = torch.log(position_ids.float() + 1) / math.log(original_max_position_embeddings)
     return scale.clamp(min=1.0)
 
@@ -122,7 +122,7 @@ class _LogN:
     """Per-model query-temperature state, set on every submodule while it is on (log-n or another
     ``ropescale.temperature`` rule)."""
 
-    train: int  # L_train [tokens]
+    train: int  # T [tokens]
     base: str  # the wrapped attention implementation's name
     calls: int = 0  # attention calls that went through the wrapper (check_routed)
     rule: Temperature = field(default_factory=lambda: Temperature("logn"))
@@ -272,7 +272,7 @@ class _Truncation:
     layers: dict  # attention module → (LayerRope, inv_freq [d/2] × the layer's sign); absent: no RoPE
     path: str  # a key of _PATHS: "fused", "flex", "blocked" or "naive"
     block: int
-    logn: int | None  # L_train when a query temperature is on
+    logn: int | None  # T when a query temperature is on
     temperature: Temperature | None = None  # which one (None with logn set: log-n)
     base: str = "sdpa"  # the model's own attention, which layers without RoPE keep
     calls: int = 0  # attention calls that reached the rule (check_routed)

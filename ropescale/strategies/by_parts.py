@@ -1,8 +1,8 @@
 """Per-dimension frequency rules: each rotary pair treated by its wavelength.
 
 Notation: d = rotary dim, b = ``rope_theta``, θ_i = b^(−2i/d) [radians per token],
-λ_i = 2π/θ_i its wavelength [tokens], r_i = L_train/λ_i the rotations it makes over the
-training window, s = ``factor``, L = current length, L_train = ``original_max_position_embeddings``.
+λ_i = 2π/θ_i its wavelength [tokens], r_i = T/λ_i the rotations it makes over the
+training window, s = ``factor``, L = current length, T = ``original_max_position_embeddings``.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ __all__ = ["base_truncation", "dynamic_yarn", "llama3", "longrope", "longrope_at
 
 _BETAS = (
     Param("beta_fast", 32.0, low=0.0, low_open=True, log=True,
-          help="pairs with more than beta_fast rotations in L_train are not interpolated"),
+          help="pairs with more than beta_fast rotations in T are not interpolated"),
     Param("beta_slow", 1.0, low=0.0, low_open=True, log=True,
-          help="pairs with fewer than beta_slow rotations in L_train are fully interpolated"),
+          help="pairs with fewer than beta_slow rotations in T are fully interpolated"),
 )
 _ATTENTION_FACTOR = Param("attention_factor", None, low=0.0, low_open=True,
                           help="override for the cos/sin scale; default 0.1·ln(s) + 1")
@@ -39,9 +39,9 @@ def yarn_ramp(dim: int, rope_theta: float, original_max_position_embeddings: int
               beta_fast: float, beta_slow: float, truncate: bool = True) -> torch.Tensor:
     """NTK-by-parts ``inv_freq`` ``[d/2]``: θ_i·(1 − ramp_i) + (θ_i/s)·ramp_i.
 
-    With the correction dim fcd(r) = d·ln(L_train / (2π·r)) / (2·ln b), low = ⌊fcd(beta_fast)⌋ and
+    With the correction dim fcd(r) = d·ln(T / (2π·r)) / (2·ln b), low = ⌊fcd(beta_fast)⌋ and
     high = ⌈fcd(beta_slow)⌉ (not rounded when ``truncate`` is False, as gpt-oss ships it) clamped to
-    [0, d−1], ramp_i = clamp((i − low)/(high − low), 0, 1): fast pairs (many rotations in L_train) keep
+    [0, d−1], ramp_i = clamp((i − low)/(high − low), 0, 1): fast pairs (many rotations in T) keep
     θ_i, slow pairs are interpolated to θ_i/s.
     """
     theta = rope_inv_freq(dim, rope_theta)
@@ -102,8 +102,8 @@ def _export_llama3(params: dict, context: dict, base: dict, max_position_embeddi
 
 
 def longrope_attention_factor(factor: float, original_max_position_embeddings: int) -> float:
-    """LongRoPE's cos/sin scale (unitless): √(1 + ln s / ln L_train) for s = ``factor`` > 1, else 1;
-    L_train = ``original_max_position_embeddings`` [tokens] — transformers' ``_compute_longrope_parameters``."""
+    """LongRoPE's cos/sin scale (unitless): √(1 + ln s / ln T) for s = ``factor`` > 1, else 1;
+    T = ``original_max_position_embeddings`` [tokens] — transformers' ``_compute_longrope_parameters``."""
     if factor <= 1:
         return 1.0
     return math.sqrt(1 + math.log(factor) / math.log(original_max_position_embeddings))
@@ -159,7 +159,7 @@ def yarn(dim: int, rope_theta: float, original_max_position_embeddings: int, fac
           source="Peng et al. 2023, YaRN §3.3 (Dynamic-YaRN), arXiv:2309.00071")
 def dynamic_yarn(dim: int, rope_theta: float, original_max_position_embeddings: int, seq_len: int,
                  beta_fast: float, beta_slow: float) -> RopeFrequencies:
-    """Dynamic YaRN: ``yarn`` with s = max(1, L/L_train) at the current length L."""
+    """Dynamic YaRN: ``yarn`` with s = max(1, L/T) at the current length L."""
     factor = max(1.0, seq_len / original_max_position_embeddings)
     return yarn(dim, rope_theta, original_max_position_embeddings, factor, beta_fast, beta_slow, None)
 
@@ -172,16 +172,16 @@ def _llama3_check(p: dict) -> None:
 
 @register("llama3", params=(
     Param("factor", kind=float, low=1.0, auto="scale", log=True,
-          help="s applied to the low-frequency band (8 in Llama 3.1); a sweep uses L / L_train"),
-    Param("low_freq_factor", 1.0, low=0.0, low_open=True, log=True, help="λ > L_train/low_freq_factor is interpolated"),
-    Param("high_freq_factor", 4.0, low=0.0, low_open=True, log=True, help="λ < L_train/high_freq_factor is kept"),
+          help="s applied to the low-frequency band (8 in Llama 3.1); a sweep uses L / T"),
+    Param("low_freq_factor", 1.0, low=0.0, low_open=True, log=True, help="λ > T/low_freq_factor is interpolated"),
+    Param("high_freq_factor", 4.0, low=0.0, low_open=True, log=True, help="λ < T/high_freq_factor is kept"),
 ), check=_llama3_check, export=_export_llama3, source="Meta 2024, The Llama 3 Herd of Models, arXiv:2407.21783; "
                                "transformers rope_type 'llama3'")
 def llama3(dim: int, rope_theta: float, original_max_position_embeddings: int, factor: float,
            low_freq_factor: float, high_freq_factor: float) -> RopeFrequencies:
-    """Llama 3.1 wavelength bands: θ_i kept where λ_i < L_train/high_freq_factor, θ_i/s where
-    λ_i > L_train/low_freq_factor, and in between θ_i·((1 − g)/s + g) with
-    g = (L_train/λ_i − low_freq_factor)/(high_freq_factor − low_freq_factor)."""
+    """Llama 3.1 wavelength bands: θ_i kept where λ_i < T/high_freq_factor, θ_i/s where
+    λ_i > T/low_freq_factor, and in between θ_i·((1 − g)/s + g) with
+    g = (T/λ_i − low_freq_factor)/(high_freq_factor − low_freq_factor)."""
     theta = rope_inv_freq(dim, rope_theta)
     wavelen = 2 * math.pi / theta
     low_wavelen = original_max_position_embeddings / low_freq_factor
@@ -194,20 +194,20 @@ def llama3(dim: int, rope_theta: float, original_max_position_embeddings: int, f
 
 
 @register("longrope", params=(
-    Param("short_factor", kind=list, low=0.0, low_open=True, help="per-pair rescale λ_i for L ≤ L_train ([d/2])"),
-    Param("long_factor", kind=list, low=0.0, low_open=True, help="per-pair rescale λ_i for L > L_train ([d/2])"),
+    Param("short_factor", kind=list, low=0.0, low_open=True, help="per-pair rescale λ_i for L ≤ T ([d/2])"),
+    Param("long_factor", kind=list, low=0.0, low_open=True, help="per-pair rescale λ_i for L > T ([d/2])"),
     Param("factor", kind=float, low=1.0, auto="scale", log=True,
-          help="s for the attention factor (max_position_embeddings / L_train in Phi-3)"),
+          help="s for the attention factor (max_position_embeddings / T in Phi-3)"),
     Param("attention_factor", None, low=0.0, low_open=True,
-          help="override for the cos/sin scale; default √(1 + ln s / ln L_train)"),
+          help="override for the cos/sin scale; default √(1 + ln s / ln T)"),
 ), export=_export_longrope, served="sets",
           source="Ding et al. 2024, LongRoPE, arXiv:2402.13753 (github.com/microsoft/LongRoPE); "
                  "transformers rope_type 'longrope'")
 def longrope(dim: int, rope_theta: float, original_max_position_embeddings: int, seq_len: int,
              short_factor: list[float], long_factor: list[float], factor: float,
              attention_factor: float | None) -> RopeFrequencies:
-    """LongRoPE: θ_i / λ_i with searched per-pair factors λ (``long_factor`` when L > L_train,
-    else ``short_factor``); cos and sin × √(1 + ln s / ln L_train) (1 when s ≤ 1).
+    """LongRoPE: θ_i / λ_i with searched per-pair factors λ (``long_factor`` when L > T,
+    else ``short_factor``); cos and sin × √(1 + ln s / ln T) (1 when s ≤ 1).
 
     Raises ``ValueError`` when a factor list does not have d/2 entries.
     """

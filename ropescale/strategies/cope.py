@@ -1,7 +1,7 @@
 """CoPE: clipped RoPE — the lowest frequencies softly clipped toward zero.
 
 Notation: d = rotary dim, b = ``rope_theta``, θ_i = b^(−2i/d) [radians per token], λ_i = 2π/θ_i its
-wavelength [tokens], L_train = ``original_max_position_embeddings``, n = d/2 pairs, c = ``clip``.
+wavelength [tokens], T = ``original_max_position_embeddings``, n = d/2 pairs, c = ``clip``.
 
 Pairs whose wavelength exceeds the training window never turn a full period in training, and past it
 their angles leave the range the model saw; CoPE multiplies the last c frequencies by a raised-cosine
@@ -21,7 +21,7 @@ from ropescale.strategies.registry import Param, RopeFrequencies, register
 __all__ = ["cope", "cope_taper"]
 
 CLIP = Param("clip", None, kind=int, low=0, high=512,
-             help="pairs clipped, slowest first; default: those whose wavelength 2π/θ_i exceeds L_train")
+             help="pairs clipped, slowest first; default: those whose wavelength 2π/θ_i exceeds T")
 
 
 def cope_taper(n: int, clip: int) -> torch.Tensor:
@@ -38,7 +38,7 @@ def cope_taper(n: int, clip: int) -> torch.Tensor:
           source="Li et al. 2026, CoPE: Clipped RoPE, arXiv:2602.05258 (github.com/hrlics/CoPE modeling_cope.py "
                  "@ ed52ba5)")
 def cope(dim: int, rope_theta: float, original_max_position_embeddings: int, clip: int | None) -> RopeFrequencies:
-    """θ_i × taper_i (``cope_taper``), attention factor 1. ``clip`` None: the pairs with λ_i > L_train
+    """θ_i × taper_i (``cope_taper``), attention factor 1. ``clip`` None: the pairs with λ_i > T
     (the authors fix c = 20 of 64 for Llama 3 8B, whose window leaves 29 such pairs)."""
     theta = rope_inv_freq(dim, rope_theta)
     if clip is None:

@@ -1,7 +1,7 @@
 """Global frequency rules: every rotary pair rescaled or rebased the same way.
 
 Notation: d = rotary dim, b = ``rope_theta``, i = pair index 0 … d/2−1, s = ``factor``,
-L = current sequence length, L_train = ``original_max_position_embeddings``.
+L = current sequence length, T = ``original_max_position_embeddings``.
 Vanilla RoPE rotates pair i of a token at position m by m·θ_i with θ_i = b^(−2i/d);
 ``inv_freq`` is the vector θ ``[d/2]`` in radians per token.
 """
@@ -17,7 +17,7 @@ from ropescale.strategies.registry import Param, RopeFrequencies, register
 __all__ = ["FACTOR", "dynamic_ntk", "linear", "ntk", "pi_over_2n", "rope_inv_freq", "vanilla"]
 
 FACTOR = Param("factor", kind=float, low=1.0, auto="scale", log=True,
-                help="scale s (context extension ratio); a sweep uses L / L_train")
+                help="scale s (context extension ratio); a sweep uses L / T")
 
 
 def _export_vanilla(params: dict, context: dict, base: dict, max_position_embeddings: int | None) -> dict:
@@ -36,7 +36,7 @@ def _export_ntk(params: dict, context: dict, base: dict, max_position_embeddings
 
 def _export_dynamic_ntk(params: dict, context: dict, base: dict, max_position_embeddings: int | None) -> dict | None:
     """transformers' ``dynamic`` divides L by ``max_position_embeddings``: only equivalent when
-    that is the window L_train the patch uses."""
+    that is the window T the patch uses."""
     if context["original_max_position_embeddings"] != max_position_embeddings:
         return None
     return {"rope_type": "dynamic", "factor": params["factor"]}
@@ -75,15 +75,15 @@ def ntk(dim: int, rope_theta: float, factor: float) -> RopeFrequencies:
 
 
 @register("dynamic_ntk",
-          params=(Param("factor", 1.0, low=1.0, log=True, help="s in the base formula; 1 gives α = L/L_train"),),
+          params=(Param("factor", 1.0, low=1.0, log=True, help="s in the base formula; 1 gives α = L/T"),),
           export=_export_dynamic_ntk, served="freeze",
           source="emozilla 2023, Dynamically scaled RoPE (reddit r/LocalLLaMA 14mrgpr); "
                  "transformers rope_type 'dynamic'")
 def dynamic_ntk(dim: int, rope_theta: float, original_max_position_embeddings: int,
                 seq_len: int, factor: float) -> RopeFrequencies:
-    """Dynamic NTK: for L > L_train, b' = b · (s·L/L_train − (s − 1))^(d/(d−2)); vanilla otherwise.
+    """Dynamic NTK: for L > T, b' = b · (s·L/T − (s − 1))^(d/(d−2)); vanilla otherwise.
 
-    Recomputed from the current length L, so a forward up to L_train is exactly vanilla.
+    Recomputed from the current length L, so a forward up to T is exactly vanilla.
     """
     if seq_len <= original_max_position_embeddings:
         return vanilla(dim, rope_theta)

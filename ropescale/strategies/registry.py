@@ -8,7 +8,7 @@ and how a sweep fills it in automatically).
 Context arguments (units in brackets):
     dim: rotary dimension d (even) = 2 · len(inv_freq); ``head_dim`` unless partial rotary.
     rope_theta: RoPE base b.
-    original_max_position_embeddings: training window L_train [tokens].
+    original_max_position_embeddings: training window T [tokens].
     seq_len: current sequence length L [tokens]; naming it makes the strategy *dynamic*
         (recomputed per forward from ``max(position_ids) + 1``).
     model_inv_freq, model_attention_scaling: the loaded model's own ``inv_freq`` ``[d/2]`` and cos/sin

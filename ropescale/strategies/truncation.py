@@ -119,7 +119,7 @@ def _two(window: int, far_q: PositionMap, far_k: PositionMap | None, attention_f
 
 
 _WINDOW = Param("window", 512, kind=int, low=1, auto="half_train", log=True,
-                help="neighbour window w [tokens]; a sweep uses L_train / 2")
+                help="neighbour window w [tokens]; a sweep uses T / 2")
 
 
 @register("rerope", kind="attention", params=(_WINDOW,),
@@ -138,19 +138,19 @@ def _leaky_check(p: dict) -> None:
     _WINDOW,
     Param("k", None, low=1.0, log=True, help="leak: positions beyond w advance 1/k per token (default 16)"),
     Param("target_length", None, low=2.0, auto=None,
-          help="instead of k: longest sequence [tokens], mapped onto L_train"),
+          help="instead of k: longest sequence [tokens], mapped onto T"),
 ), check=_leaky_check, source="Su 2023, Leaky ReRoPE (kexue.fm/archives/9708; github.com/bojone/rerope)")
 def leaky_rerope(window: int, k: float | None, target_length: float | None,
                  original_max_position_embeddings: int) -> RelativeRule:
     """Leaky ReRoPE: p(i, j) = i − j for i − j < w, else w + (i − j − w)/k.
 
-    With ``target_length`` L, k = (L − 1 − w)/(L_train − 1 − w), so the largest relative position
-    L − 1 lands on L_train − 1 (k ≥ 1). Raises ``ValueError`` when w ≥ L_train − 1 then.
+    With ``target_length`` L, k = (L − 1 − w)/(T − 1 − w), so the largest relative position
+    L − 1 lands on T − 1 (k ≥ 1). Raises ``ValueError`` when w ≥ T − 1 then.
     """
     if target_length is not None:
         room = original_max_position_embeddings - 1 - window
         if room <= 0:
-            raise InvalidInput(f"leaky_rerope: window={window} leaves no room below L_train="
+            raise InvalidInput(f"leaky_rerope: window={window} leaves no room below T="
                              f"{original_max_position_embeddings} for target_length")
         k = max(1.0, (target_length - 1 - window) / room)
     k = 16.0 if k is None else k
@@ -165,7 +165,7 @@ def self_extend(group_size: int, window: int) -> RelativeRule:
     """SelfExtend: p(i, j) = i − j inside the window, else ⌊i/G⌋ − ⌊j/G⌋ + w − ⌊w/G⌋.
 
     Far queries sit at ⌊i/G⌋ + w − ⌊w/G⌋ and far keys at ⌊j/G⌋, so grouped distances continue
-    from w at the window's edge; usable length ≈ (L_train − w)·G + w.
+    from w at the window's edge; usable length ≈ (T − w)·G + w.
     """
     shift = window - window // group_size
     return _two(window, lambda i: torch.floor(i / group_size) + shift, lambda j: torch.floor(j / group_size))
@@ -199,7 +199,7 @@ def _string_defaults(shifted_offset: int | None, local_window: int | None,
 
 @register("string", kind="attention", params=(
     Param("shifted_offset", None, kind=int, low=1, log=True,
-          help="S: distances ≥ S are shifted down by S − W [tokens]; default int(0.33 · L_train), the authors'"),
+          help="S: distances ≥ S are shifted down by S − W [tokens]; default int(0.33 · T), the authors'"),
     Param("local_window", None, kind=int, low=0,
           help="W: where shifted distances restart [tokens]; default min(128, S // 8) (the authors use 128)"),
     Param("attention_factor", None, low=0.0, low_open=True,
@@ -270,12 +270,12 @@ def _dca_sizes(chunk_size: int | None, local_window: int | None, original_max_po
 @register("dca", kind="attention", params=(
     Param("chunk_size", None, kind=int, low=2, log=True,
           help="largest relative position [tokens]; default the model's dual_chunk_attention_config.chunk_size, "
-               "else 3 · L_train // 4 (ChunkLlama's)"),
+               "else 3 · T // 4 (ChunkLlama's)"),
     Param("local_window", None, kind=int, low=0,
           help="chunks are chunk_size − local_window positions long [tokens]; default the model's "
-               "dual_chunk_attention_config.local_size, else L_train // 8"),
+               "dual_chunk_attention_config.local_size, else T // 8"),
     Param("scale", 1.0, low=1.0, auto="scale", log=True,
-          help="s = L / L_train for the temperature; a sweep uses max(1, L / L_train)"),
+          help="s = L / T for the temperature; a sweep uses max(1, L / T)"),
     Param("vllm_temperature", False, kind=bool,
           help="vLLM's temperature max(1, 0.1·ln s + 1) instead of ChunkLlama's 0.05·ln s + 1"),
 ), check=_dca_check, source="An et al. 2024, Training-Free Long-Context Scaling of Large Language Models (Dual Chunk "

@@ -120,7 +120,7 @@ def test_a_sweep_writes_its_reports_under_an_ascii_locale(tmp_path):
                          "must be below chunk_size=3 (both in tokens)"),
     ("string:local_window=12", "strategy string:local_window=12 at length 32 (training window T = 32): string: "
                                "local_window=12 must be below shifted_offset=10 (both in tokens)"),
-    ("leaky_rerope:window=40,target_length=64", "leaky_rerope: window=40 leaves no room below L_train=32"),
+    ("leaky_rerope:window=40,target_length=64", "leaky_rerope: window=40 leaves no room below T=32"),
 ])
 def test_every_cell_is_checked_before_anything_is_written(tmp_path, tiny_model_dir, text_file, strategy, message):
     """A strategy whose parameters fail only with the training window (defaults derived from T)
