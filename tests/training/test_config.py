@@ -48,7 +48,7 @@ def write(tmp_path, tiny_run):
     ({"strategy": "yarn:profiles=[1,2]"}, ["strategy: yarn+profiles=1/2: profiles pick a factor per served request"]),
     ({"pose": True, "length": 32}, ["pose: length 32 is not above the model's original window T = 32"]),
     ({"pose": True, "length": 24}, ["pose: length 24 is not above"]),
-    ({"pose": True, "strategy": "rerope"}, ["pose: rerope is a truncation rule", "position_ids"]),
+    ({"pose": True, "strategy": "rerope"}, ["pose: rerope is a relative-position rule", "position_ids"]),
     ({"pose": {"chunks": 40, "sampling": "paper"}}, ["pose.chunks: 40 chunks cannot split a window of T = 32"]),
     ({"mixed_precision": "fp16"}, ["fp16 needs a CUDA device"]),
     ({"lr": 0}, ["lr: Input should be greater than 0"]),
