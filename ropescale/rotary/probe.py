@@ -190,6 +190,8 @@ def _match(q0: torch.Tensor, q1: torch.Tensor, angles_of, head_dim: int, tables)
             continue
         for c in PROBE_CONTRACTS:
             start = c.start_channel(head_dim, d)
+            if c.start == "tail" and start == 0:  # d = head_dim: the head contracts were these, already tried
+                continue
             if all(_close(rotate_pairs(q0[p], angles_of(inv_freq, c.sign, p), start=start,
                                        interleaved=c.interleaved), q1[p]) for p in _POSITIONS):
                 return site, start, d, c.interleaved, c.sign
