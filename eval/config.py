@@ -33,7 +33,8 @@ from ropescale.runs.config import (
     read_yaml,
 )
 
-from .engines.vllm_eval import ENGINES, VllmOptions
+from .engines.scoring import DEFAULT, scoring_engine, scoring_engine_names
+from .engines.vllm_eval import VllmOptions
 from .tasks.base import TaskOptions, get_task, task_names
 from .tasks.perplexity import LEGACY_KEYS
 
@@ -93,8 +94,9 @@ class EvalConfig(ConfigModel):
     device_map: str | None = Field(None, description="auto / balanced / sequential: spread a model larger than "
                                                       "one GPU over this node's devices (accelerate)")
     threads: int | None = Field(None, ge=1, description="torch threads (at most this machine's CPU count)")
-    engine: Literal[ENGINES] = Field("transformers", description="what scores the cells: transformers (in this "
-                                     "process) or vllm (serving what `patch --engine vllm` writes; eval.engines)")
+    engine: str = Field(DEFAULT, description="what scores the cells: transformers (in this process), vllm "
+                        "(serving what `patch --engine vllm` writes) or a plugin's scoring engine "
+                        "(eval.engines.scoring)")
     vllm: VllmOptions | None = Field(None, description="engine: vllm's tensor_parallel_size, data_parallel_size, "
                                      "max_model_len, parity_tolerance (only with engine: vllm; its defaults there)")
     output: str | None = None
@@ -175,11 +177,20 @@ class EvalConfig(ConfigModel):
         self.options.check_lengths(self.lengths)
         return self
 
+    @field_validator("engine")
+    @classmethod
+    def _engine(cls, v: str) -> str:
+        known = scoring_engine_names()
+        if v not in known:
+            raise ValueError(f"unknown scoring engine {v!r}; choose from {', '.join(known)}")
+        return v
+
     @model_validator(mode="after")
     def _engine_section(self) -> EvalConfig:
-        if self.engine == "vllm" and self.vllm is None:
+        wants = scoring_engine(self.engine).options == "vllm"
+        if wants and self.vllm is None:
             self.vllm = VllmOptions()
-        elif self.engine != "vllm" and self.vllm is not None:  # it would be ignored without a word
+        elif not wants and self.vllm is not None:  # it would be ignored without a word
             raise ValueError(f"vllm: settings of engine: vllm, but this config's engine is {self.engine} (which "
                              "would ignore them); set engine: vllm, or drop the vllm: section")
         return self

@@ -20,7 +20,7 @@ from ropescale.runs.data import load_documents, tokenize_documents
 from ropescale.training import FinetuneConfig, ResolvedRun, finetune
 
 from .config import EvalConfig, build_config
-from .engines.vllm_eval import check_engine
+from .engines.scoring import scoring_engine
 from .sweep import run_sweep
 from .tasks.base import get_task
 
@@ -55,14 +55,14 @@ class HarnessEvaluations:
     def check(self, cfg: FinetuneConfig, run: ResolvedRun, source: str, *, processes: int = 1) -> None:
         """Build every experiment's examples at every length, as the harness will on the saved
         model (same tokenizer, same window T), and check what an experiment's engine refuses
-        (``engine: vllm``: not installed, a rule it cannot serve, ``processes`` > 1 launched).
+        (``eval.engines.scoring``; ``engine: vllm``: not installed, a rule it cannot serve, ``processes`` > 1
+        launched).
         Raises ``ConfigError`` in one line."""
         configs = after_configs(cfg, run, cfg.model, source)
         if not configs:
             return
         for i, (_, ecfg) in enumerate(configs):
-            if ecfg.engine == "vllm":
-                check_engine(ecfg, f"{source}: eval.after.{i}", processes=processes)
+            scoring_engine(ecfg.engine).check(ecfg, f"{source}: eval.after.{i}", processes=processes)
         tokenizer = load_tokenizer(cfg.model)
         for i, (_, ecfg) in enumerate(configs):
             task_cls = get_task(ecfg.task)

@@ -40,7 +40,7 @@ from ropescale.runs.processes import process_state
 from ropescale.strategies import get_strategy
 
 from .config import EvalConfig, StrategySpec, resolved_dtype
-from .engines.vllm_eval import check_engine, engine_version, score_cell_vllm
+from .engines.scoring import DEFAULT, scoring_engine
 from .report import write_reports
 from .schema import SCHEMA_VERSION, Record
 from .tasks.base import Task, get_task
@@ -126,7 +126,7 @@ def experiment_fields(cfg: EvalConfig, uses_data: bool) -> dict:
     return {"task": cfg.task, "options": cfg.options.key(), "model": cfg.model,
             "data": cfg.data.spec().describe() if uses_data else None, "dtype": cfg.dtype,
             "original_max_position_embeddings": cfg.original_max_position_embeddings,
-            **({"engine": cfg.engine} if cfg.engine != "transformers" else {})}
+            **({"engine": cfg.engine} if cfg.engine != DEFAULT else {})}
 
 
 def resolve_cells(cfg: EvalConfig, train_length: int) -> dict[tuple[str, int], dict]:
@@ -161,11 +161,11 @@ def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec
         logging.getLogger("ropescale").warning("%s @ %d: %s", spec.display, length, note)
     t0 = time.perf_counter()
     share = list(range(state.process_index, len(examples), state.num_processes))
-    engine = {"engine": "transformers", "engine_version": engine_version("transformers")}
+    scorer = scoring_engine(cfg.engine)
+    engine = {"engine": scorer.name, "engine_version": scorer.version()} if scorer.in_process else {}
     try:
-        if cfg.engine == "vllm":  # the patch's export served by vLLM; its first example checked against ours
-            result = score_cell_vllm(cfg, task, model, examples, spec, params, length, train_len, device, output)
-            engine = {}
+        if not scorer.in_process:  # the engine scores the cell from the task's requests (eval.engines.scoring)
+            result = scorer.score_cell(cfg, task, model, examples, spec, params, length, train_len, device, output)
         else:
             result = _measure(cfg, task, model, examples, share, spec, strat, params, length, train_len, device,
                               progress, state, output)
@@ -251,8 +251,8 @@ def run_sweep(cfg: EvalConfig, output: str | Path, *, progress: bool = True) -> 
     # group is the process's: set up by its first run, kept for the next (a fine-tuning run's
     # after-training evaluations run here on its group), closed at exit (ropescale.runs.processes)
     state = process_state(cpu=resolve_device(cfg.device).type == "cpu")
-    if cfg.engine == "vllm":  # what vLLM cannot do is refused before anything loads or is written
-        check_engine(cfg, processes=state.num_processes)
+    # what the scoring engine cannot do is refused before anything loads or is written
+    scoring_engine(cfg.engine).check(cfg, processes=state.num_processes)
     # T as the model's config gives it (no weights loaded): every cell's parameters, before the folder, the
     # manifest or the first cell
     train_len = configured_window(cfg.model, cfg.original_max_position_embeddings, missing_ok=True)

@@ -64,7 +64,8 @@ INSTALL = "bench/engines/install.sh"
 # the drivers by engine name (``eval.engines.base.EngineDriver`` subclasses register on definition);
 # the driver scripts beside them run in the engines' own environments and are never imported
 DRIVERS: Registry[type] = Registry("engine driver", "engine drivers", UnknownEngineError, package=__name__,
-                                   skip=("base", "vllm_driver", "llama_cpp_driver", "convert_gguf", "vllm_eval"),
+                                   skip=("base", "vllm_driver", "llama_cpp_driver", "mlx_driver", "convert_gguf",
+                                         "vllm_eval", "scoring"),
                                    plugins="ropescale.engines")
 
 

@@ -8,13 +8,11 @@ linked), then vLLM's driver (``vllm_driver.py`` mode ``score``, in vLLM's own en
 ``eval.engines.run_engine``) loads it once — ``tensor_parallel_size``, ``data_parallel_size`` and
 ``max_model_len`` passed through — and runs the task's requests:
 
-- ``perplexity``: each window's token ids as a prompt, its log-probabilities from vLLM's prompt
-  log-probs (``prompt_logprobs=0``), bucketed and combined exactly as the transformers engine
-  does (``Perplexity.combine``);
-- the retrieval tasks (``passkey``, ``needle``, ``niah_multikey``: ``RetrievalTask``'s scoring): greedy
-  generation of the answer's token count + ``greedy_extra_tokens`` after the prompt, checked by
-  the task's match; each candidate key's summed log-probability after the prompt from prompt
-  log-probs; combined by the task (``RetrievalTask.combine``).
+the requests the task makes (``Task.engine_requests``: prompts whose log-probabilities vLLM returns
+from its prompt log-probs, ``prompt_logprobs=0``, and prompts it continues greedily), turned back
+into the task's part by the task (``Task.engine_parts``) and combined as the transformers engine's
+(``Task.combine``): every task that asks only for log-probabilities and generations
+(``eval.engines.scoring``) — perplexity, passkey, needle, niah_multikey.
 
 The exactness check: the first example of every cell — its window (perplexity) or its prompt with
 the answer (retrieval) — is also scored by the patched transformers model, and the cell is
@@ -28,7 +26,8 @@ no more tokens than asked, the version and timing fields): a short or incomplete
 ``EngineFailed`` in one line and the cell is not recorded.
 
 Refused before anything loads (``check_engine``, one ``ConfigError`` line): vLLM not installed
-(how to install it), a task without vLLM scoring, strategies vLLM cannot express (relative
+(how to install it), a task that asks for more than vLLM answers (``Task.engine_asks``) or whose
+options it cannot score (``Task.engine_refusal``), strategies vLLM cannot express (relative
 rules, a query temperature — log-n or another rule —, strategies without a transformers rope
 type, dynamic ones but dynamic NTK — frozen at L, the one scale the transformers engine uses
 per window — and LongRoPE; perplexity's
@@ -50,10 +49,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ropescale.errors import RopescaleError
 from ropescale.runs.config import ConfigError, ConfigModel
 
-__all__ = ["ENGINES", "EngineDisagrees", "VllmOptions", "check_engine", "checked_answer", "engine_version",
-           "score_cell_vllm", "transformers_logprobs"]
+from .scoring import DEFAULT, ScoringEngine, scoring_engine
 
-ENGINES = ("transformers", "vllm")
+__all__ = ["EngineDisagrees", "VllmOptions", "VllmScoring", "check_engine", "checked_answer", "score_cell_vllm",
+           "transformers_logprobs"]
 _LINK_SKIP = {"config.json", "ropescale.json"}
 
 
@@ -77,94 +76,12 @@ class EngineDisagrees(RopescaleError, RuntimeError):
     """vLLM and transformers score a cell's first example differently beyond the tolerance."""
 
 
-def engine_version(engine: str) -> str:
-    """The version string a record names for the scoring ``engine`` (vLLM's comes from its driver)."""
-    if engine == "transformers":
-        import transformers
-
-        return transformers.__version__
-    return "unknown"
-
-
 def tolerance(opts: VllmOptions, dtype: str) -> float:
     """The largest |Δ log p| [nats] allowed between vLLM and transformers on the parity check: the config's
     ``parity_tolerance``, else 1e-4 in float32 and 5e-2 in half precision."""
     if opts.parity_tolerance is not None:
         return opts.parity_tolerance
     return 1e-4 if dtype == "float32" else 5e-2
-
-
-# --- what each task asks vLLM for, and how the answers become the task's parts
-
-def _is_retrieval(task_cls) -> bool:
-    from ..tasks.retrieval import RetrievalTask
-
-    return issubclass(task_cls, RetrievalTask) and task_cls.measure is RetrievalTask.measure
-
-
-def supports(task_cls) -> bool:
-    """Whether vLLM can score the task: perplexity and the retrieval tasks."""
-    return task_cls.name == "perplexity" or _is_retrieval(task_cls)
-
-
-def _perplexity_requests(task, windows) -> tuple[list[dict], int]:
-    bos = task.bos
-    reqs = []
-    for w in windows:
-        ids = task.documents[w.doc][w.start:w.end].tolist()
-        reqs.append({"ids": ([bos] if bos is not None else []) + ids, "max_tokens": 1, "prompt_logprobs": True})
-    return reqs, 0
-
-
-def _perplexity_parts(task, windows, results, length: int) -> list:
-    """The parts ``Perplexity.combine`` adds up, from vLLM's log-probabilities (as ``window_nll``
-    buckets the transformers engine's NLL)."""
-    o = task.options
-    offset = int(task.bos is not None)
-    parts = []
-    for i, (w, r) in enumerate(zip(windows, results)):
-        nll = -torch.tensor(r["logprobs"], dtype=torch.float64)  # [n-1]
-        target = torch.arange(1, nll.numel() + 1)
-        bucket = (target * o.position_buckets) // length
-        keep = (target >= (w.score_from - w.start + offset)).double()
-        zeros = torch.zeros(o.position_buckets, dtype=torch.float64)
-        parts.append((i, (zeros.scatter_add(0, bucket, nll * keep), zeros.scatter_add(0, bucket, keep))))
-    return parts
-
-
-def _retrieval_requests(task, examples) -> tuple[list[dict], int]:
-    extra = task.options.greedy_extra_tokens
-    reqs = []
-    for ex in examples:
-        reqs.append({"ids": ex.prompt.ids, "max_tokens": len(ex.prompt.answer_ids) + extra, "prompt_logprobs": False})
-        reqs += [{"ids": ex.prompt.ids + c, "max_tokens": 1, "prompt_logprobs": True} for c in ex.candidates]
-    return reqs, 1  # example 0's prompt + its answer
-
-
-def _retrieval_parts(task, examples, results) -> list:
-    rows, k = [], 0
-    for i, ex in enumerate(examples):
-        generated = results[k]["tokens"]
-        exact = type(task).match(task.tokenizer.decode(generated), ex.prompt.answer)
-        scores = [sum(results[k + 1 + j]["logprobs"][-len(c):]) for j, c in enumerate(ex.candidates)]
-        rows.append((i, exact, bool(scores[0] > max(scores[1:]))))
-        k += 1 + len(ex.candidates)
-    return rows
-
-
-def requests_for(task, examples) -> tuple[list[dict], int]:
-    """``(requests, parity_index)``: the driver's requests for a cell, and which one's log-probs
-    are the first example the transformers engine also scores."""
-    if task.name == "perplexity":
-        return _perplexity_requests(task, examples)
-    return _retrieval_requests(task, examples)
-
-
-def needed_length(task_cls, options, length: int) -> int:
-    """Tokens vLLM must hold for a cell at ``length`` [tokens]: the longest prompt plus what is generated."""
-    if task_cls.name == "perplexity":
-        return length + int(options.add_bos) + 1
-    return length + options.greedy_extra_tokens + 1
 
 
 # --- the driver's answer, checked against what was asked before anything is recorded
@@ -217,29 +134,43 @@ def checked_answer(got: dict[str, Any], reqs: list[dict], where: str) -> _Answer
 
 # --- refusals before anything loads
 
-def check_engine(cfg, source: str = "config", processes: int = 1) -> None:
-    """Everything ``engine: vllm`` can refuse before a model loads (see the module docstring)."""
-    from ..tasks.base import get_task
+class VllmScoring(ScoringEngine):
+    """``engine: vllm``: the patch's export served by vLLM (see the module docstring)."""
 
-    task_cls = get_task(cfg.task)
-    if not supports(task_cls):
-        raise ConfigError(f"{source}: engine: vllm scores perplexity and the retrieval tasks (passkey, needle, "
-                          f"niah_multikey); {cfg.task} has no vLLM scoring — use engine: transformers")
-    if cfg.task == "perplexity" and cfg.options.kl:
-        raise ConfigError(f"{source}: perplexity: kl: the KL to the unpatched model needs the whole next-token "
-                          "distribution, and vLLM returns the target's log-probability only — use engine: transformers")
-    for spec in cfg.strategies:
-        why = unservable(spec.name, logn=spec.logn, temperature=spec.temperature,
-                         dynamic_block=cfg.task == "perplexity" and bool(cfg.options.dynamic_block))
+    name = "vllm"
+    answers = frozenset({"generate", "logprobs"})
+    options = "vllm"
+
+    def check(self, cfg, source: str = "config", processes: int = 1) -> None:
+        """Everything ``engine: vllm`` can refuse before a model loads (see the module docstring)."""
+        from ..tasks.base import get_task
+
+        super().check(cfg, source, processes)  # a task asking for what vLLM does not answer
+        task_cls = get_task(cfg.task)
+        why = task_cls.engine_refusal(cfg.options)
         if why:
-            raise ConfigError(f"{source}: strategies: {spec.display}: {why} (engine: vllm; use engine: transformers)")
-    if cfg.vllm.max_model_len is not None:
-        need = needed_length(task_cls, cfg.options, max(cfg.lengths))
-        if cfg.vllm.max_model_len < need:
-            raise ConfigError(f"{source}: vllm.max_model_len: {cfg.vllm.max_model_len} is shorter than the "
-                              f"{need} tokens a {cfg.task} cell at length {max(cfg.lengths)} holds")
-    check_processes(source, processes)
-    require_vllm(source)
+            raise ConfigError(f"{source}: {why} — use engine: transformers")
+        for spec in cfg.strategies:
+            why = unservable(spec.name, logn=spec.logn, temperature=spec.temperature,
+                             dynamic_block=bool(getattr(cfg.options, "dynamic_block", None)))
+            if why:
+                raise ConfigError(f"{source}: strategies: {spec.display}: {why} (engine: vllm; use engine: "
+                                  "transformers)")
+        if cfg.vllm.max_model_len is not None:
+            need = task_cls.engine_length(cfg.options, max(cfg.lengths))
+            if cfg.vllm.max_model_len < need:
+                raise ConfigError(f"{source}: vllm.max_model_len: {cfg.vllm.max_model_len} is shorter than the "
+                                  f"{need} tokens a {cfg.task} cell at length {max(cfg.lengths)} holds")
+        check_processes(source, processes)
+        require_vllm(source)
+
+    def score_cell(self, cfg, task, model, examples, spec, params, length, train_len, device, output):
+        return score_cell_vllm(cfg, task, model, examples, spec, params, length, train_len, device, output)
+
+
+def check_engine(cfg, source: str = "config", processes: int = 1) -> None:
+    """``VllmScoring().check``: everything ``engine: vllm`` refuses before a model loads."""
+    VllmScoring().check(cfg, source, processes)
 
 
 def unservable(name: str, *, logn: bool = False, temperature: Any = None, dynamic_block: bool = False,
@@ -327,7 +258,7 @@ def score_cell_vllm(cfg, task, model, examples, spec, params: dict, length: int,
 
     from . import EngineFailed, run_engine
 
-    reqs, parity_index = requests_for(task, examples)
+    reqs, parity_index = task.engine_requests(examples)
     serve = max(len(r["ids"]) + r["max_tokens"] - 1 for r in reqs)  # the positions vLLM rotates
     slug = "".join(c if c.isalnum() or c in "._=-" else "_" for c in spec.display)[:48] + f"@{length}"
     with patch(model, spec.name, original_max_position_embeddings=train_len, logn=spec.logn,
@@ -359,16 +290,13 @@ def score_cell_vllm(cfg, task, model, examples, spec, params: dict, length: int,
                               f"cell's first example: mean NLL {-float(theirs.mean()):.6g} vs {-float(ours.mean()):.6g}"
                               f" nats (|Δ| {d_mean:.3g} > tolerance {tol:g}; max |Δ log p| {max_d:.3g}"
                               + (f", {nan} NaN positions" if nan else "") + "); the cell is not recorded")
-    if task.name == "perplexity":
-        parts = _perplexity_parts(task, examples, results, length)
-    else:
-        parts = _retrieval_parts(task, examples, results)
+    parts = task.engine_parts(examples, results, length)
     from ropescale.strategies import get_strategy
 
     metrics = task.combine([parts], examples, length=length, strategy=get_strategy(spec.name))
     return {**metrics, "engine": "vllm", "engine_version": answer.vllm,
             "parity": {"mean_nll_diff": d_mean, "max_abs_dlogp": max_d, "tokens": int(ours.numel()),
-                       "tolerance": tol, "against": f"transformers {engine_version('transformers')}"},
+                       "tolerance": tol, "against": f"transformers {scoring_engine(DEFAULT).version()}"},
             "engine_start_seconds": round(answer.start_seconds, 3),
             "engine_score_seconds": round(answer.score_seconds, 3),
             "examples": len(examples), "vllm_export": exp.notes}

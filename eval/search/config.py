@@ -49,7 +49,7 @@ from ropescale.runs.trackers import tracker_names
 from ropescale.strategies import get_strategy
 
 from ..config import MAX_LENGTH
-from ..engines.vllm_eval import ENGINES, VllmOptions
+from ..engines.vllm_eval import VllmOptions
 from .space import Dimension, search_space
 
 __all__ = ["EVOLUTION_KEYS", "METHODS", "SearchConfig", "build_search_config", "load_search_config", "same_data"]
@@ -124,9 +124,9 @@ class SearchConfig(BaseModel):
                             "(recorded resolved)")
     device: str = "auto"
     threads: Int | None = Field(None, ge=1)
-    engine: Literal[ENGINES] = Field("transformers", description="what scores every candidate: transformers (in "
-                                     "this process) or vllm (serving what `patch --engine vllm` writes; "
-                                     "eval.engines.vllm_eval)")
+    engine: Literal["transformers", "vllm"] = Field(
+        "transformers", description="what scores every candidate: transformers (in this process) or vllm (serving "
+                                    "what `patch --engine vllm` writes; eval.engines.vllm_eval)")
     vllm: VllmOptions = Field(default_factory=VllmOptions, description="engine: vllm's tensor_parallel_size, "
                               "data_parallel_size, max_model_len, parity_tolerance")
     report_to: list[str] = Field(default_factory=list,

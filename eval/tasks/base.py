@@ -72,12 +72,16 @@ class Task:
     Options: the pydantic model of its options (``TaskOptions`` subclass).
     metrics: what ``combine`` reports; the first is the headline of tables and plots.
     uses_data: whether the task reads the config's ``data`` source (its documents are passed in).
+    engine_asks: the kinds of request a scoring engine outside this process answers for it
+        (``"logprobs"``, ``"generate"``: ``eval.engines.scoring``); empty: scored in process only. A
+        task that asks implements ``engine_requests``, ``engine_parts`` and ``engine_length``.
     """
 
     name: ClassVar[str]
     Options: ClassVar[type[TaskOptions]] = TaskOptions
     metrics: ClassVar[tuple[Metric, ...]]
     uses_data: ClassVar[bool] = False
+    engine_asks: ClassVar[frozenset[str]] = frozenset()  # what an engine outside this process answers for it
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -115,6 +119,32 @@ class Task:
         """The cell's metrics from every process's part: a flat dict holding at least every
         ``metrics`` key, identical for any split of the examples."""
         raise NotImplementedError
+
+    # --- scored by an engine outside this process (eval.engines.scoring), for a task with ``engine_asks``
+
+    def engine_requests(self, examples: Any) -> tuple[list[dict[str, Any]], int]:
+        """``(requests, checked)``: what a scoring engine answers for a cell — each request
+        ``{"ids": [token ids], "max_tokens": n, "prompt_logprobs": bool}`` (greedy generation of up to n
+        tokens; the prompt's log-probabilities when asked) — and the index of the request whose
+        log-probabilities are also computed in process, the engine's exactness check."""
+        raise NotImplementedError
+
+    def engine_parts(self, examples: Any, results: list[dict[str, Any]], length: int) -> Any:
+        """This cell's part for ``combine`` from the engine's ``results``, one per request:
+        ``logprobs`` (log p of each prompt token after the first [nats], when asked) and ``tokens``
+        (the generated ids)."""
+        raise NotImplementedError
+
+    @classmethod
+    def engine_length(cls, options: TaskOptions, length: int) -> int:
+        """Tokens an engine must hold for a cell at ``length`` [tokens]: its longest request and what it
+        generates."""
+        raise NotImplementedError
+
+    @classmethod
+    def engine_refusal(cls, options: TaskOptions) -> str | None:
+        """Why these options cannot be scored outside this process (one clause), or None."""
+        return None
 
     @classmethod
     def plots(cls, records: list[dict], output: Path) -> dict[str, Path]:

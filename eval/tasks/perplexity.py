@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from pydantic import Field
 
 from ropescale.runs.memory import Need, forward_bytes, model_dims
@@ -76,6 +77,7 @@ class Perplexity(Task):
     metrics = (Metric(key="ppl", label="perplexity", higher_is_better=False),
                Metric(key="nll", label="mean NLL (nats)", higher_is_better=False, fmt="{:.4f}"))
     uses_data = True
+    engine_asks = frozenset({"logprobs"})
 
     @property
     def bos(self) -> int | None:
@@ -121,6 +123,43 @@ class Perplexity(Task):
                 "mode": o.mode, "stride": (o.stride or length // 2) if o.mode == "sliding" else None,
                 "add_bos": o.add_bos, "dynamic": _dynamic_semantics(block) if strategy.dynamic else None,
                 "nll_by_position": s.by_position()}
+
+    def engine_requests(self, windows) -> tuple[list[dict[str, Any]], int]:
+        """Each window's token ids (after the BOS when ``add_bos``) as a prompt whose log-probabilities
+        are asked; the first window is the checked one."""
+        bos = self.bos
+        reqs = []
+        for w in windows:
+            ids = self.documents[w.doc][w.start:w.end].tolist()
+            reqs.append({"ids": ([bos] if bos is not None else []) + ids, "max_tokens": 1, "prompt_logprobs": True})
+        return reqs, 0
+
+    def engine_parts(self, windows, results, length: int) -> list:
+        """The part ``combine`` adds up, from the engine's log-probabilities: per window the NLL
+        [nats] and token counts summed into ``position_buckets`` buckets over the scored targets,
+        as ``window_nll`` buckets the in-process model's."""
+        o = self.options
+        offset = int(self.bos is not None)
+        parts = []
+        for i, (w, r) in enumerate(zip(windows, results)):
+            nll = -torch.tensor(r["logprobs"], dtype=torch.float64)  # [n-1]
+            target = torch.arange(1, nll.numel() + 1)
+            bucket = (target * o.position_buckets) // length
+            keep = (target >= (w.score_from - w.start + offset)).double()
+            zeros = torch.zeros(o.position_buckets, dtype=torch.float64)
+            parts.append((i, (zeros.scatter_add(0, bucket, nll * keep), zeros.scatter_add(0, bucket, keep))))
+        return parts
+
+    @classmethod
+    def engine_length(cls, options, length: int) -> int:
+        return length + int(options.add_bos) + 1
+
+    @classmethod
+    def engine_refusal(cls, options) -> str | None:
+        if options.kl:
+            return ("perplexity: kl: the KL to the unpatched model needs the whole next-token distribution, and an "
+                    "engine returns the target's log-probability only")
+        return None
 
     @classmethod
     def plots(cls, records: list[dict], output: Path) -> dict[str, Path]:

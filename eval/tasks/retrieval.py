@@ -131,6 +131,7 @@ class RetrievalTask(Task):
     """Base of the retrieval tasks; subclasses implement ``make_prompt``."""
 
     Options = RetrievalOptions
+    engine_asks = frozenset({"generate", "logprobs"})
     match: ClassVar = staticmethod(first_integer_match)
     metrics = (Metric(key="accuracy", label="greedy exact-match accuracy", higher_is_better=True),
                Metric(key="candidate_accuracy", label="candidate log-likelihood accuracy", higher_is_better=True))
@@ -191,6 +192,34 @@ class RetrievalTask(Task):
             bar.update(1)
         bar.close()
         return rows
+
+    def engine_requests(self, examples) -> tuple[list[dict[str, Any]], int]:
+        """Per example: its prompt with greedy generation of the answer's tokens and
+        ``greedy_extra_tokens``, then the prompt followed by each candidate key, whose
+        log-probabilities are asked; the first example's prompt with its answer is the checked one."""
+        extra = self.options.greedy_extra_tokens
+        reqs = []
+        for ex in examples:
+            reqs.append({"ids": ex.prompt.ids, "max_tokens": len(ex.prompt.answer_ids) + extra,
+                         "prompt_logprobs": False})
+            reqs += [{"ids": ex.prompt.ids + c, "max_tokens": 1, "prompt_logprobs": True} for c in ex.candidates]
+        return reqs, 1
+
+    def engine_parts(self, examples, results, length: int) -> list:
+        """``(index, exact, candidate)`` per example, as ``measure`` gives them: the generated text
+        checked by the task's match, and whether the true key's summed log-probability beats every
+        distractor's."""
+        rows, k = [], 0
+        for i, ex in enumerate(examples):
+            exact = type(self).match(self.tokenizer.decode(results[k]["tokens"]), ex.prompt.answer)
+            scores = [sum(results[k + 1 + j]["logprobs"][-len(c):]) for j, c in enumerate(ex.candidates)]
+            rows.append((i, exact, bool(scores[0] > max(scores[1:]))))
+            k += 1 + len(ex.candidates)
+        return rows
+
+    @classmethod
+    def engine_length(cls, options, length: int) -> int:
+        return length + options.greedy_extra_tokens + 1
 
     def combine(self, parts, examples, *, length, strategy) -> dict[str, Any]:
         rows = sorted(x for part in parts for x in part)

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from eval import engines
 from eval.config import build_config
-from eval.engines.vllm_eval import EngineDisagrees, _perplexity_parts, _retrieval_requests, transformers_logprobs
+from eval.engines.vllm_eval import EngineDisagrees, transformers_logprobs
 from eval.sweep import RESULTS, read_results, run_sweep
 from ropescale.runs.config import ConfigError
 
@@ -100,7 +100,7 @@ def test_log_probabilities_become_the_transformers_engines_perplexity(tiny_model
     bos = [tok.bos_token_id]
     results = [{"logprobs": transformers_logprobs(model, bos + docs[w.doc][w.start:w.end].tolist(), "cpu").tolist()}
                for w in windows]
-    theirs = task.combine([_perplexity_parts(task, windows, results, 32)], windows, length=32, strategy=vanilla)
+    theirs = task.combine([task.engine_parts(windows, results, 32)], windows, length=32, strategy=vanilla)
     assert theirs["tokens"] == ours["tokens"] and theirs["windows"] == ours["windows"]
     assert theirs["nll"] == pytest.approx(ours["nll"], rel=1e-6)
     for a, b in zip(theirs["nll_by_position"], ours["nll_by_position"]):
@@ -115,7 +115,7 @@ def test_retrieval_requests_ask_for_the_answer_and_every_candidate(tiny_model_di
     task = cls(cls.Options(depths=[0.5], trials=2, candidates=3), tokenizer=load_tokenizer(str(tiny_model_dir)),
                train_length=32)
     examples = task.examples(96)
-    reqs, first = _retrieval_requests(task, examples)
+    reqs, first = task.engine_requests(examples)
     assert len(reqs) == 2 * (1 + 3) and first == 1
     ex = examples[0]
     assert reqs[0] == {"ids": ex.prompt.ids, "max_tokens": len(ex.prompt.answer_ids) + 2, "prompt_logprobs": False}

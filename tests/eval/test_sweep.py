@@ -201,7 +201,7 @@ def test_kl_cells_report_the_short_context_cost(tmp_path, sharp_model_dir, text_
     assert "**KL(P_unpatched ‖ P_patched)** [nats/token], each window's first 8 predictions" in md
     assert (tmp_path / "kl_vs_length.png").stat().st_size > 0
     assert "kl" not in PerplexityOptions().key() and PerplexityOptions(kl=True).key()["kl"] is True
-    with pytest.raises(ConfigError, match="perplexity: kl: .*vLLM returns the target's log-probability only"):
+    with pytest.raises(ConfigError, match="perplexity: kl: .*an engine returns the target's log-probability only"):
         check_engine(build_config({"model": str(sharp_model_dir), "lengths": [32], "strategies": ["yarn"],
                                    "engine": "vllm", "perplexity": {"kl": True}}))
 
