@@ -43,7 +43,7 @@ from ropescale.rotary.sites import LayerRope, RotarySite
 from ropescale.temperature import NATIVE
 
 __all__ = ["PROBE_CONTRACTS", "QUIRKS", "STAGES", "ProbeContract", "Quirk", "apply_overrides", "ignores_buffers",
-           "native_softmax_scale", "refuse"]
+           "model_softmax_scale", "native_softmax_scale", "refuse"]
 
 STAGES = ("unrotated", "modules", "layers", "frequencies", "site", "patch")
 
@@ -186,6 +186,29 @@ def native_softmax_scale(rope_parameters: dict[str, Any]) -> float:
     return yarn_get_mscale(float(rope_parameters["factor"]), float(rope_parameters["mscale_all_dim"])) ** 2
 
 
+def _applied(attn: nn.Module, head_dim: int, shipped: float) -> float:
+    """The shipped softmax factor ``shipped`` if ``attn`` multiplies it into its ``scaling`` (read from the
+    module, not assumed from the config: DeepSeek's families do, Ministral 3 ships ``mscale_all_dim`` and
+    does not), else 1."""
+    return shipped if abs(attn.scaling * head_dim ** 0.5 - shipped) <= 1e-6 * shipped else 1.0
+
+
+def model_softmax_scale(model: nn.Module) -> float:
+    """The factor the model's attention multiplies its softmax scale by, as loaded: DeepSeek's mscale(s,
+    ``mscale_all_dim``)² where its attention applies it (read from the first attention module with a float
+    ``scaling`` and a ``qk_head_dim`` or ``head_dim``), else 1."""
+    rp = getattr(text_config_of(model, model), "rope_parameters", None) or {}
+    sets = [v for v in rp.values() if isinstance(v, dict)] or [rp]
+    shipped = max(native_softmax_scale(r) for r in sets)
+    if shipped == 1.0:
+        return 1.0
+    for module in model.modules():
+        head_dim = getattr(module, "qk_head_dim", None) or getattr(module, "head_dim", None)
+        if isinstance(getattr(module, "scaling", None), float) and isinstance(head_dim, int):
+            return _applied(module, head_dim, shipped)
+    return 1.0
+
+
 def _mscale_softmax(model: nn.Module, handle, strat, site: RotarySite, modules: dict[str, nn.Module]):
     """Attention's softmax scale of the layers rotating with ``site``: the model's own factor (DeepSeek's
     mscale²) replaced by the strategy's (``Strategy.softmax_scale``; ``keeps_model`` ones keep the model's), so
@@ -205,9 +228,7 @@ def _mscale_softmax(model: nn.Module, handle, strat, site: RotarySite, modules: 
         attn = modules.get(info.name)
         if attn is None or not isinstance(getattr(attn, "scaling", None), float) or not info.head_dim:
             continue
-        # whether this attention applies the config's mscale² is read from it, not assumed from the config:
-        # DeepSeek's families multiply it into ``scaling``; Ministral 3 ships mscale_all_dim and does not
-        native = shipped if abs(attn.scaling * info.head_dim ** 0.5 - shipped) <= 1e-6 * shipped else 1.0
+        native = _applied(attn, info.head_dim, shipped)
         ours = strat.softmax_scale(handle.params)
         if ours != native:
             saved.append((attn, attn.scaling))

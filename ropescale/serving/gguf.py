@@ -21,8 +21,9 @@ from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.serving.output import same_path, staged
 from ropescale.serving.rope import ExportRefused
 
-__all__ = ["LLAMA_CPP", "LONGROPE_ARCHS", "ROPE_KEYS", "ROPE_TENSORS", "SWA_ROPE_ARCHS", "GgufRope", "GgufUnavailable",
-           "check_arch_layers", "check_arch_reads_tensors", "gguf_module", "read_gguf_rope", "rewrite_gguf"]
+__all__ = ["DEEPSEEK2_ARCHS", "LLAMA_CPP", "LONGROPE_ARCHS", "ROPE_KEYS", "ROPE_TENSORS", "SWA_ROPE_ARCHS", "GgufRope",
+           "GgufUnavailable", "check_arch_layers", "check_arch_reads_tensors", "gguf_module", "read_gguf_rope",
+           "rewrite_gguf"]
 
 LLAMA_CPP = "llama-cpp-python 0.3.36"  # whose vendored llama.cpp the rules here were read from
 
@@ -38,6 +39,10 @@ LONGROPE_ARCHS = ("phi3", "phimoe")  # architectures whose llama.cpp graph loads
 # llama_model::get_rope_freq_base/scale per layer; rope_freq_scale_train_swa stays 1), and passes
 # ggml_rope_ext no frequency factors (a rope_freqs tensor is never read)
 SWA_ROPE_ARCHS = ("gemma3", "gemma3n")
+# architectures of DeepSeek's MLA (src/models/deepseek2.cpp): ``rope.scaling.yarn_log_multiplier`` read (as the
+# converter's 0.1·mscale_all_dim, divided back by 0.1), the softmax scale multiplied by mscale², and no
+# frequency factors passed to ggml_rope_ext (a rope_freqs tensor is never read)
+DEEPSEEK2_ARCHS = ("deepseek2",)
 
 
 class GgufUnavailable(RopescaleError, ImportError):
@@ -187,7 +192,7 @@ def check_arch_reads_tensors(rope: GgufRope) -> None:
         raise ExportRefused(f"llama.cpp: the {rope.arch} architecture reads rope_factors_long/short, never "
                             f"rope_freqs, so the {rope.rope_type or 'rope'} factors would be ignored; "
                             f"{what} cannot be exported for {rope.arch}")
-    if rope.arch in SWA_ROPE_ARCHS and rope.tensors:
+    if rope.arch in SWA_ROPE_ARCHS + DEEPSEEK2_ARCHS and rope.tensors:
         raise ExportRefused(f"llama.cpp: the llama.cpp of {LLAMA_CPP} rotates {rope.arch} with no frequency "
                             f"factors (its graph passes ggml_rope_ext none; {', '.join(rope.tensors)} would be "
                             f"ignored), so {what} cannot be exported for {rope.arch}")

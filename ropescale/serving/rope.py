@@ -21,10 +21,11 @@ import torch
 
 from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.patching import PatchHandle, current_patch
-from ropescale.rotary import attention_scaling_of, find_rotary_modules, layer_types_of
+from ropescale.rotary import attention_scaling_of, find_rotary_modules, inv_freq_name, layer_types_of
+from ropescale.rotary.quirks import model_softmax_scale
 
 __all__ = ["FREQ_TOL", "MAGNITUDE_TOL", "MAX_LENGTH", "EngineRope", "ExportRefused", "Verdict", "check_length",
-           "compare", "compare_layers", "patch_handle", "ropescale_layer_ropes", "ropescale_rope"]
+           "compare", "compare_layers", "model_ropes", "patch_handle", "ropescale_layer_ropes", "ropescale_rope"]
 
 # the longest length served, exported or compared [tokens]: RoPE angles come from float32 positions,
 # exact integers only up to 2^24 (the harness's lengths have the same bound: eval.config.MAX_LENGTH)
@@ -45,7 +46,8 @@ class EngineRope:
         is rotated by p·θ_i).
     magnitude: the factor cos and sin are multiplied by (YaRN's / LongRoPE's attention factor;
         attention logits scale by its square).
-    softmax_scale: multiplier on the usual 1/√head_dim softmax scale (1.0 unless log-n).
+    softmax_scale: multiplier on the usual 1/√head_dim softmax scale: DeepSeek's YaRN mscale(s,
+        mscale_all_dim)² where the attention applies it, log-n's factor of the last position; else 1.0.
     note: how the numbers were obtained (engine, formula, quirks met).
     failure: what the engine does instead of computing these numbers at this length (refuses
         it, returns NaN past its cos/sin cache, aborts loading), or None when it serves it.
@@ -117,6 +119,12 @@ def ropescale_rope(model_or_handle, length: int, layer_type: str | None = None) 
     handle = patch_handle(model_or_handle)
     length = check_length(length, "length")
     strat = handle.strategy_obj
+    if strat.keeps_model:
+        ropes = model_ropes(handle.model, length, softmax_scale=model_softmax_scale(handle.model))
+        lt = next(iter(ropes)) if layer_type is None else layer_type
+        if lt not in ropes:
+            raise InvalidInput(f"layer type {lt!r}: the model's rotary module has {list(ropes)}")
+        return ropes[lt]
     if strat.kind != "frequency":
         raise InvalidInput(f"{strat.name} is a relative-position rule applied inside attention: it has no single "
                            "inv_freq to compare")
@@ -129,12 +137,36 @@ def ropescale_rope(model_or_handle, length: int, layer_type: str | None = None) 
         block = handle.options.get("dynamic_block", 1)
         at = -(-length // block) * block
     inv_freq, magnitude = strat.compute({**ctx, "seq_len": at}, handle.params)
-    softmax = 1.0
+    softmax = strat.softmax_scale(handle.params)  # DeepSeek's YaRN mscale², as the patched attention applies it
     note = f"ropescale {handle.strategy} at L={length}"
     if handle.options.get("logn"):
-        softmax = max(1.0, math.log(length) / math.log(ctx["original_max_position_embeddings"]))
+        softmax *= max(1.0, math.log(length) / math.log(ctx["original_max_position_embeddings"]))
         note += "; log-n scale of the last position"
     return EngineRope(inv_freq.detach().to(torch.float64).cpu(), float(magnitude), softmax, note)
+
+
+@torch.no_grad()
+def model_ropes(model, length: int, *, softmax_scale: float = 1.0) -> dict[str | None, EngineRope]:
+    """What the model as loaded rotates by at L = ``length`` [tokens], per layer type of its (first)
+    rotary module (``{None: ...}`` for one set): the module run once over positions 0 … L−1, so a
+    dynamic or LongRoPE module updates as in a forward of L tokens, then its ``inv_freq`` ``[d/2]``
+    and ``attention_scaling`` read; ``softmax_scale``: the attention's factor, as observed
+    (``ropescale.rotary.quirks.model_softmax_scale``). What a strategy that keeps the model
+    (``native``) serves."""
+    modules = find_rotary_modules(model)
+    if not modules:
+        raise InvalidInput("the model has no rotary module")
+    _, module = modules[0]
+    out = {}
+    for lt in layer_types_of(module):
+        buf = module._buffers[inv_freq_name(lt)]
+        x = torch.zeros(1, length, 1, dtype=torch.float32, device=buf.device)
+        positions = torch.arange(length, device=buf.device)[None]
+        module(x, positions) if lt is None else module(x, positions, lt)
+        inv = module._buffers[inv_freq_name(lt)].detach().to(torch.float64).cpu()
+        out[lt] = EngineRope(inv, attention_scaling_of(module, lt), softmax_scale,
+                             f"the model's own rotary module{f' ({lt} layers)' if lt else ''} at L={length}")
+    return out
 
 
 def compare(ours: EngineRope, theirs: EngineRope, length: int) -> Verdict:
@@ -183,6 +215,9 @@ def ropescale_layer_ropes(model_or_handle, length: int) -> dict[str | None, Engi
     those layers rotate by. ``{None: ropescale_rope(...)}`` for a model with one set. Raises as
     ``ropescale_rope``."""
     handle = patch_handle(model_or_handle)
+    if handle.strategy_obj.keeps_model:
+        return model_ropes(handle.model, check_length(length, "length"),
+                           softmax_scale=model_softmax_scale(handle.model))
     if handle.layer_types == [None]:
         return {None: ropescale_rope(handle, length)}
     out: dict[str | None, EngineRope] = {lt: ropescale_rope(handle, length, lt) for lt in handle.layer_types}

@@ -62,6 +62,7 @@ from ropescale.errors import InvalidInput
 from ropescale.rope_config import text_config
 from ropescale.serving.engines import Engine
 from ropescale.serving.gguf import (
+    DEEPSEEK2_ARCHS,
     LLAMA_CPP,
     LONGROPE_ARCHS,
     SWA_ROPE_ARCHS,
@@ -80,6 +81,8 @@ ENGINE = "llama.cpp"
 # transformers model types of per-layer-type models → the llama.cpp architecture their converter writes
 # (conversion/gemma.py: Gemma3ForCausalLM/Gemma3ForConditionalGeneration → gemma3, Gemma3n → gemma3n)
 SWA_ARCH = {"gemma3_text": "gemma3", "gemma3": "gemma3", "gemma3n_text": "gemma3n", "gemma3n": "gemma3n"}
+# transformers model types whose llama.cpp architecture is DeepSeek's MLA (conversion/deepseek.py → deepseek2)
+DEEPSEEK2_TYPE = {"deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "kimi_k2": "deepseek2"}
 _DEFAULT_BETAS = (32.0, 1.0)
 
 
@@ -104,6 +107,7 @@ def gguf_rope(model_or_handle, serve_length: int, *, freeze_dynamic_at: int | No
     if served.layer_types is not None:
         return _layer_types(handle, served, gguf)
     rp, ctx = served.rope_parameters, served.context
+    arch = DEEPSEEK2_TYPE.get(handle.model.config.model_type, arch)
     kv, tensors, notes = _kind_keys(gguf, rp, ctx, served.serve_length, arch)
     out = GgufRope(arch, kv, tensors, list(served.notes) + notes, int(ctx["dim"]), float(ctx["rope_theta"]),
                    rp["rope_type"])
@@ -125,6 +129,10 @@ def _kind_keys(gguf, rp: dict[str, Any], ctx: dict[str, Any], length: int, arch:
     if kind == "default":
         kv[k + "scaling.type"] = ("none", t_.STRING)
     elif kind == "linear":
+        if arch in DEEPSEEK2_ARCHS and float(rp["factor"]) != 1.0:
+            raise ExportRefused(f"llama.cpp: its {arch} graph multiplies the softmax scale by (1 + 0.1·ln s)² under "
+                                "linear scaling, which the model does not; linear cannot be exported for it (patch "
+                                "yarn)")
         kv[k + "scaling.type"] = ("linear", t_.STRING)
         kv[k + "scaling.factor"] = (float(rp["factor"]), t_.FLOAT32)
     elif kind == "yarn":
@@ -140,9 +148,12 @@ def _kind_keys(gguf, rp: dict[str, Any], ctx: dict[str, Any], length: int, arch:
         kv[k + "scaling.type"] = ("yarn", t_.STRING)
         kv[k + "scaling.factor"] = (s, t_.FLOAT32)
         kv[k + "scaling.original_context_length"] = (int(rp["original_max_position_embeddings"]), t_.UINT32)
-        kv[k + "scaling.attn_factor"] = (a / (0.1 * math.log(s) + 1.0) if s > 1 else a, t_.FLOAT32)
-        notes.append(f"yarn: rope.scaling.attn_factor = A/(0.1·ln s + 1) carries attention_factor {a:g} "
-                     "(llama.cpp overwrites the runtime yarn_attn_factor)")
+        if arch in DEEPSEEK2_ARCHS:
+            kv.update(_deepseek2_yarn(k, t_, s, a, rp, notes))
+        else:
+            kv[k + "scaling.attn_factor"] = (a / (0.1 * math.log(s) + 1.0) if s > 1 else a, t_.FLOAT32)
+            notes.append(f"yarn: rope.scaling.attn_factor = A/(0.1·ln s + 1) carries attention_factor {a:g} "
+                         "(llama.cpp overwrites the runtime yarn_attn_factor)")
     elif kind == "llama3":
         kv[k + "scaling.type"] = ("none", t_.STRING)
         tensors["rope_freqs.weight"] = _llama3_divisors(rp, d)
@@ -159,6 +170,25 @@ def _kind_keys(gguf, rp: dict[str, Any], ctx: dict[str, Any], length: int, arch:
     else:
         raise ExportRefused(f"llama.cpp: no translation for transformers rope type {kind!r}")
     return kv, tensors, notes
+
+
+def _deepseek2_yarn(k: str, t_, s: float, a: float, rp: dict[str, Any], notes: list[str]) -> dict[str, tuple]:
+    """The deepseek2 keys for YaRN of factor s with cos/sin magnitude A = ``a`` and the softmax factor the patched
+    attention uses, S = mscale(s, ``mscale_all_dim``)² (1 without it). llama.cpp's deepseek2 (llama-context.cpp,
+    src/models/deepseek2.cpp) runs, from ``rope.scaling.attn_factor`` R and the multiplier M it reads
+    (``yarn_log_multiplier`` / 0.1): where M ≠ 0, cos/sin × R and softmax × (R·(1 + 0.1·M·ln s))² (its DeepSeek-2
+    special case makes the runtime's mscale ratio 1); where M = 0, cos/sin × R·(1 + 0.1·ln s) and softmax × that
+    squared. So M = (√S/A − 1)/(0.1·ln s) and R = A when M is not 0; else R = A/(1 + 0.1·ln s)."""
+    mad = float(rp.get("mscale_all_dim") or 0.0)
+    root = 1.0 if s <= 1 or not mad else 0.1 * mad * math.log(s) + 1.0  # √S
+    m = (root / a - 1.0) / (0.1 * math.log(s)) if s > 1 else 0.0
+    if abs(m) < 1e-9:
+        notes.append(f"yarn (deepseek2): rope.scaling.attn_factor = A/(0.1·ln s + 1) carries attention_factor {a:g}; "
+                     "no yarn_log_multiplier (softmax × A²)")
+        return {k + "scaling.attn_factor": (a / (0.1 * math.log(s) + 1.0) if s > 1 else a, t_.FLOAT32)}
+    notes.append(f"yarn (deepseek2): rope.scaling.attn_factor = {a:g}, yarn_log_multiplier = 0.1·{m:.6g}: cos/sin × "
+                 f"{a:g}, softmax × {root ** 2:.6g}")
+    return {k + "scaling.attn_factor": (a, t_.FLOAT32), k + "scaling.yarn_log_multiplier": (0.1 * m, t_.FLOAT32)}
 
 
 def _layer_types(handle, served, gguf) -> GgufRope:
@@ -284,7 +314,7 @@ def llama_cpp_rope(kv: dict[str, Any], tensors: dict[str, np.ndarray], n_ctx: in
     n_ctx_train = int(kv.get(f"{arch}.context_length", n_ctx))
     n_orig = int(kv.get(r + "scaling.original_context_length", n_ctx_train))
     rope_attn = f32(kv.get(r + "scaling.attn_factor", 1.0))
-    log_mul = float(kv.get(r + "scaling.yarn_log_multiplier", 0.0))
+    log_mul = _log_multiplier(kv, r, arch)
     note = f"llama.cpp rope.scaling.type {kind!r}"
     swa = sliding and arch in SWA_ROPE_ARCHS and (arch != "gemma3" or
                                                   float(kv.get(f"{arch}.attention.sliding_window", 0) or 0) > 0)
@@ -298,7 +328,7 @@ def llama_cpp_rope(kv: dict[str, Any], tensors: dict[str, np.ndarray], n_ctx: in
     ext = f32(1.0) if kind == "yarn" else f32(0.0)
     attn = f32(1.0 if yarn_attn_factor is None else yarn_attn_factor)
     if ext != 0:
-        attn = _yarn_attn_factor(f32(1.0) / freq_scale, log_mul)
+        attn = _yarn_attn_factor(f32(1.0) / freq_scale, log_mul, deepseek2=arch in DEEPSEEK2_ARCHS)
         if yarn_attn_factor is not None:
             note += f"; runtime yarn_attn_factor {yarn_attn_factor:g} overwritten"
     attn = f32(attn * rope_attn)
@@ -320,7 +350,22 @@ def llama_cpp_rope(kv: dict[str, Any], tensors: dict[str, np.ndarray], n_ctx: in
     note += more
     out = _thetas(n_dims, base, ff, freq_scale, ext, low, high)
     magnitude = attn * (f32(1.0) + f32(0.1) * f32(math.log(f32(1.0) / freq_scale))) if ext != 0 else attn
-    return EngineRope(torch.from_numpy(out), float(magnitude), 1.0, note)
+    softmax = _deepseek2_softmax(attn, freq_scale, log_mul) if arch in DEEPSEEK2_ARCHS else 1.0
+    return EngineRope(torch.from_numpy(out), float(magnitude), softmax, note)
+
+
+def _log_multiplier(kv: dict[str, Any], r: str, arch: str) -> float:
+    """The YaRN log multiplier M the runtime reads: deepseek2 only (src/models/deepseek2.cpp), as the
+    converter's 0.1·``mscale_all_dim`` divided back by 0.1; 0 for every other architecture."""
+    return float(kv.get(r + "scaling.yarn_log_multiplier", 0.0)) / 0.1 if arch in DEEPSEEK2_ARCHS else 0.0
+
+
+def _deepseek2_softmax(attn, freq_scale, log_mul: float) -> float:
+    """src/models/deepseek2.cpp: kq_scale = mscale²/√d with mscale = attn·(1 + 0.1·ln(1/f))·(1 + 0.1·M·ln(1/f))
+    (``attn``: the graph's attn_factor, f: freq_scale, M: the log multiplier): the factor on the softmax scale."""
+    f32 = np.float32
+    ln = f32(math.log(f32(1.0) / freq_scale))
+    return float((attn * (f32(1.0) + f32(0.1) * ln) * (f32(1.0) + f32(0.1) * f32(log_mul) * ln)) ** 2)
 
 
 def _factors(arch: str, kind: str, tensors: dict[str, np.ndarray], n_ctx: int, n_orig: int
@@ -348,16 +393,18 @@ def llama_cpp_layer_ropes(kv: dict[str, Any], tensors: dict[str, np.ndarray], n_
     return {lt: llama_cpp_rope(kv, tensors, n_ctx, head_dim, sliding=is_swa) for lt, is_swa in swa_types.items()}
 
 
-def _yarn_attn_factor(s, log_mul: float):
+def _yarn_attn_factor(s, log_mul: float, *, deepseek2: bool = False):
     """llama-context.cpp's runtime ``yarn_attn_factor`` for YaRN of factor ``s`` (float32):
-    get_mscale(s)/(1 + 0.1·ln s), get_mscale(s) = mscale(s, 1)/mscale(s, log_mul) when
-    ``rope.scaling.yarn_log_multiplier`` is set, else mscale(s, 1)."""
+    get_mscale(s)/(1 + 0.1·ln s), get_mscale(s) = mscale(s, m)/mscale(s, log_mul) when the
+    architecture read a ``yarn_log_multiplier`` (m = 1; for ``deepseek2`` m = log_mul when it is not 1:
+    its ``TAG_DEEPSEEK2_YARN_LOG_MUL_FIX``), else mscale(s, 1)."""
     f32 = np.float32
 
     def mscale(scale, m):
         return f32(1.0) if scale <= 1 else f32(0.1) * f32(m) * f32(math.log(scale)) + f32(1.0)
 
-    attn = mscale(s, 1.0) / mscale(s, log_mul) if log_mul != 0 else mscale(s, 1.0)
+    m = log_mul if deepseek2 and log_mul != 1.0 else 1.0
+    attn = mscale(s, m) / mscale(s, log_mul) if log_mul != 0 else mscale(s, 1.0)
     return f32(attn * (f32(1.0) / (f32(1.0) + f32(0.1) * f32(math.log(s)))))
 
 
@@ -415,7 +462,7 @@ class LlamaCppEngine(Engine):
         architecture with ``attention.sliding_window``): per layer type (``llama_cpp_layer_ropes``)
         for a per-layer-type export."""
         dim = translation.dim or context["dim"]
-        arch = translation.arch if translation.swa_types else "llama"
+        arch = translation.arch if translation.swa_types or translation.arch in DEEPSEEK2_ARCHS else "llama"
         kv = {"general.architecture": arch, f"{arch}.context_length": context["original_max_position_embeddings"],
               f"{arch}.rope.dimension_count": dim, **translation.for_arch(arch).kv}
         if translation.sliding_window:

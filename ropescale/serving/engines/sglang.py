@@ -72,6 +72,16 @@ class SglangExport:
         return f"python -m sglang.launch_server --model-path {folder} --context-length {self.context_length}"
 
 
+# architectures whose SGLang model is deepseek_v2.py's MLA attention: every scaled rope type becomes
+# ``deepseek_yarn`` (DeepseekScalingRotaryEmbedding: the YaRN ramp always rounded) and the softmax scale is
+# multiplied by mscale(s, mscale_all_dim)² (configs/model_config.py ``compute_mla_mscale_scaling``)
+DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+def _deepseek(config: dict[str, Any]) -> bool:
+    return any(a in DEEPSEEK_ARCHS for a in config.get("architectures") or [])
+
+
 def export_sglang(model_or_handle, serve_length: int, *, freeze_dynamic_at: int | None = None) -> SglangExport:
     """The config.json with which SGLang 0.5.23 serves the patched model at ``serve_length`` = L [tokens].
 
@@ -84,11 +94,22 @@ def export_sglang(model_or_handle, serve_length: int, *, freeze_dynamic_at: int 
                                     per_layer_type=True)
     length, notes = served.serve_length, list(served.notes)
     config = handle.model.config.to_dict()
+    # the class an engine builds (save_pretrained writes it; a model built from a config has none yet)
+    config["architectures"] = config.get("architectures") or [type(handle.model).__name__]
     model_type = str(config.get("model_type", ""))
     # a multimodal config keeps its language model's keys under text_config, which SGLang's text model reads
     text = config["text_config"] if text_config(handle.model.config) is not handle.model.config else config
     if served.layer_types is None:
-        rp, mpe = _translate(dict(served.rope_parameters), served.context, length, notes)
+        rp = dict(served.rope_parameters)
+        if _deepseek(config) and rp["rope_type"] != "default":
+            if rp["rope_type"] != "yarn":
+                raise ExportRefused(f"SGLang: SGLang {VERSION}'s DeepSeek attention (deepseek_v2.py) serves every "
+                                    f"scaled rope type as DeepSeek's YaRN, so {rp['rope_type']!r} cannot be expressed; "
+                                    "patch yarn, or a raised base (ntk)")
+            if rp.get("truncate") is False:
+                raise ExportRefused("SGLang: its DeepSeek YaRN always rounds the ramp's correction dims "
+                                    "(truncate: true); an unrounded ramp (truncate: false) cannot be expressed")
+        rp, mpe = _translate(rp, served.context, length, notes)
         text["rope_parameters"] = rp
         text.pop("original_max_position_embeddings", None)
     else:
@@ -168,7 +189,7 @@ def sglang_rope(config: dict[str, Any], length: int, *, layer_type: str | None =
     ``original_max_position_embeddings`` or are llama3). ``InvalidInput`` for a bad length."""
     length = check_length(length)
     model_type = str(config.get("model_type", ""))
-    config = _text(config)
+    config_in, config = config, _text(config)
     head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     d = int(head * ((config.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0) or 1.0))
     mpe = int(config.get("max_position_embeddings", 8192))
@@ -183,12 +204,16 @@ def sglang_rope(config: dict[str, Any], length: int, *, layer_type: str | None =
         note += f" gemma3 ({layer_type or 'global'} layers: rope_type default" + \
             (f"; the config's {kept!r} is not applied)" if kept != "default" else ")")
         return EngineRope(_inv_freq(float(one.get("rope_theta", 10000.0)), d).double(), 1.0, 1.0, note)
+    if layer_type is not None and isinstance(rp.get(layer_type), dict):  # another per-layer-type family's type
+        rp = rp[layer_type]
+        d = int(head * (rp.get("partial_rotary_factor", 1.0) or 1.0))
+        note += f" ({layer_type} layers)"
     rp = dict(rp)
     if config.get("original_max_position_embeddings"):
         rp["original_max_position_embeddings"] = config["original_max_position_embeddings"]
     kind = rp.get("rope_type", rp.get("type", "default"))
     base = float(rp.get("rope_theta", 10000))
-    magnitude = 1.0
+    magnitude, softmax = 1.0, 1.0
     if kind == "default":
         inv = _inv_freq(base, d)
     elif kind == "linear":
@@ -197,6 +222,12 @@ def sglang_rope(config: dict[str, Any], length: int, *, layer_type: str | None =
         s = float(rp.get("factor", 1.0))
         inv = _inv_freq(base * (s * s - (s - 1)) ** (d / (d - 2)), d)
         note += " (dynamic is static: the base of mpe·s tokens)"
+    elif _deepseek(config_in) and kind != "default":  # DeepSeek's attention: every scaled type (DEEPSEEK_ARCHS)
+        s_ = float(rp.get("factor", 1.0))
+        inv, magnitude = _yarn({**rp, "truncate": True}, base, d, mpe)
+        softmax = _mscale(s_, float(rp.get("mscale_all_dim") or 0)) ** 2
+        note += f" DeepSeek attention: deepseek_yarn, softmax scale × {softmax:.6g}"
+        kind = "deepseek_yarn"
     elif kind == "yarn":
         inv, magnitude = _yarn(rp, base, d, mpe)
     elif kind == "llama3":
@@ -217,7 +248,7 @@ def sglang_rope(config: dict[str, Any], length: int, *, layer_type: str | None =
     context = int(factor * mpe)
     failure = None if length <= context else (f"SGLang refuses a context length {length} > {context} derived from the "
                                               "config (SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 runs it)")
-    return EngineRope(inv.double(), float(magnitude), 1.0, note + f", rope type {kind!r}", failure)
+    return EngineRope(inv.double(), float(magnitude), float(softmax), note + f", rope type {kind!r}", failure)
 
 
 def _yarn(rp: dict[str, Any], base: float, d: int, mpe: int) -> tuple[torch.Tensor, float]:

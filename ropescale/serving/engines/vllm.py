@@ -61,7 +61,15 @@ VERSION = "0.32.0"  # the release whose sources the rules and re-implementations
 # model types whose vLLM 0.32.0 model reads rope_parameters[layer_type] per attention layer
 # (vllm/model_executor/models/gemma3.py, gemma3n.py; gemma3_mm.py and gemma3n_mm.py wrap them)
 PER_LAYER_TYPE = ("gemma3", "gemma3_text", "gemma3n", "gemma3n_text")
+# per-layer-type families vLLM 0.32.0 reads per layer type whose rotation ropescale has not re-implemented yet
+_GEMMA4 = "its global layers' 'proportional' rotation (Gemma4RotaryEmbedding, gemma4_rope.py)"
+NOT_READ = {"gemma4": _GEMMA4, "gemma4_text": _GEMMA4}
 VLLM_FILE = "vllm.json"  # beside the exported config.json: max_model_len, hf_overrides, notes
+# architectures whose vLLM 0.32.0 model is deepseek_v2.py's MLA attention: every scaled rope type becomes DeepSeek's
+# YaRN (DeepseekScalingRotaryEmbedding) — rope type ``deepseek_llama_scaling`` when ``attention_factor`` == 1.0,
+# else ``deepseek_yarn``, whose attention also multiplies its softmax scale by mscale(s, mscale_all_dim)²
+# (deepseek_v2.py, DeepseekV2MLAAttention.__init__ and DeepseekV2Attention.__init__)
+DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
 @dataclass
@@ -104,12 +112,16 @@ def export_vllm(model_or_handle, serve_length: int, *, freeze_dynamic_at: int | 
     length = served.serve_length
     notes = list(served.notes)
     if served.layer_types is None:
-        rp, mpe, drop_top_orig, more = _translate(dict(served.rope_parameters), served.context, length)
+        rp, mpe, drop_top_orig, more = _translate(dict(served.rope_parameters), served.context, length,
+                                                  deepseek=type(handle.model).__name__ in DEEPSEEK_ARCHS
+                                                  or _deepseek(handle.model.config.to_dict()))
         rope_parameters = rp
         notes += more
     else:
         rope_parameters, mpe, drop_top_orig = _per_layer_type(handle, served, notes)
     config = handle.model.config.to_dict()
+    # the class an engine builds (save_pretrained writes it; a model built from a config has none yet)
+    config["architectures"] = config.get("architectures") or [type(handle.model).__name__]
     text = config.get("text_config", config) if text_config(handle.model.config) is not handle.model.config else config
     before = {k: copy.deepcopy(text.get(k)) for k in ("rope_parameters", "max_position_embeddings")}
     text["rope_parameters"] = rope_parameters
@@ -128,6 +140,9 @@ def _per_layer_type(handle, served, notes: list[str]) -> tuple[dict[str, Any], i
     per-layer-type export: each type translated by ``_translate``; mpe the largest any type needs and
     at least L (see ``export_vllm``). ``ExportRefused`` for a family outside ``PER_LAYER_TYPE``."""
     model_type = handle.model.config.model_type
+    if model_type in NOT_READ:
+        raise ExportRefused(f"vLLM: vLLM {VERSION}'s {model_type} model reads rope_parameters per layer type, but "
+                            f"{NOT_READ[model_type]} is not re-implemented by ropescale yet, so no export is written")
     if model_type not in PER_LAYER_TYPE:
         raise ExportRefused(f"vLLM: vLLM {VERSION}'s {model_type} model reads one set of rope parameters for every "
                             f"layer; per-layer-type patches ({handle.layer_types}) are exported for the families it "
@@ -149,15 +164,19 @@ def _per_layer_type(handle, served, notes: list[str]) -> tuple[dict[str, Any], i
     return out, mpe, drop
 
 
-def _translate(rp: dict[str, Any], ctx: dict[str, Any], length: int
+def _translate(rp: dict[str, Any], ctx: dict[str, Any], length: int, *, deepseek: bool = False
                ) -> tuple[dict[str, Any], int, bool, list[str]]:
     """One set of transformers rope parameters → ``(vLLM's rope parameters, max_position_embeddings,
     drop the top-level original_max_position_embeddings, notes)`` at served length L = ``length``
-    (the module docstring's table). ``ExportRefused`` for YaRN with L > ⌈T·s⌉ and unknown types."""
+    (the module docstring's table; ``deepseek``: a model of ``DEEPSEEK_ARCHS``, ``_deepseek_translate``).
+    ``ExportRefused`` for YaRN with L > ⌈T·s⌉ and unknown types."""
     t = ctx["original_max_position_embeddings"]
     notes = []
     kind = rp["rope_type"]
     drop_top_orig = False
+    if deepseek and kind != "default":
+        rp, more = _deepseek_translate(rp)
+        notes += more
     if kind == "default":
         mpe = length
     elif kind == "linear":
@@ -182,6 +201,39 @@ def _translate(rp: dict[str, Any], ctx: dict[str, Any], length: int
     else:  # a rope type a newer hook may write
         raise ExportRefused(f"vLLM: no translation for transformers rope type {kind!r}")
     return rp, mpe, drop_top_orig, notes
+
+
+def _deepseek_translate(rp: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """YaRN for vLLM's DeepSeek attention (``DEEPSEEK_ARCHS``): ``(rope parameters, notes)`` that make
+    ``DeepseekScalingRotaryEmbedding`` rotate with ropescale's magnitude A and the attention keep ropescale's
+    softmax factor mscale(s, ``mscale_all_dim``)² (1 without it): ``mscale_all_dim`` as patched (0 when
+    unset), ``mscale`` m solving mscale(s, m)/mscale(s, mscale_all_dim) = A, and no ``attention_factor`` —
+    vLLM reads ``attention_factor`` = 1.0 as ``deepseek_llama_scaling``, which drops the softmax factor.
+    ``ExportRefused`` for another scaled rope type (vLLM serves every one as DeepSeek's YaRN), an
+    unrounded ramp (``truncate: false``), and A ≠ 1 at s ≤ 1."""
+    kind = rp["rope_type"]
+    if kind != "yarn":
+        raise ExportRefused(f"vLLM: vLLM {VERSION}'s DeepSeek attention (deepseek_v2.py) serves every scaled rope "
+                            f"type as DeepSeek's YaRN, so {kind!r} cannot be expressed; patch yarn, or a raised base "
+                            "(ntk)")
+    if rp.get("truncate") is False:
+        raise ExportRefused("vLLM: vLLM's DeepSeek YaRN always rounds the ramp's correction dims (truncate: true); "
+                            "an unrounded ramp (truncate: false) cannot be expressed")
+    s = float(rp["factor"])
+    mad = float(rp.get("mscale_all_dim") or 0.0)
+    a = float(rp.get("attention_factor") if rp.get("attention_factor") is not None else _mscale(s))
+    if s <= 1:
+        if abs(a - 1.0) > 1e-12:
+            raise ExportRefused(f"vLLM: DeepSeek's YaRN has magnitude 1 at factor {s:g} <= 1; attention_factor {a:g} "
+                                "cannot be expressed")
+        m = 1.0
+    else:
+        m = (a * _mscale(s, mad) - 1.0) / (0.1 * math.log(s))
+    out = {k: rp[k] for k in ("rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
+           if k in rp}
+    out |= {"rope_type": "yarn", "mscale": m, "mscale_all_dim": mad}
+    return out, [f"yarn (DeepSeek attention): mscale = {m:.6g}, mscale_all_dim = {mad:g}, no attention_factor — "
+                 f"vLLM's deepseek_yarn: cos/sin × {a:.6g}, softmax × {_mscale(s, mad) ** 2:.6g}"]
 
 
 def _inv_freq(base: float, rotary_dim: int) -> torch.Tensor:
@@ -266,7 +318,8 @@ def vllm_rope(config: dict[str, Any], max_model_len: int, *, allow_long_max_mode
     partial = rp.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0)) or 1.0
     d = int(head * partial)
     mpe = int(text.get("max_position_embeddings", 8192))  # vLLM's Llama: getattr(config, ..., 8192)
-    magnitude, note = 1.0, f"vLLM rope_type {kind!r}" + (f" ({layer_type} layers)" if layer_type else "")
+    magnitude, softmax = 1.0, 1.0
+    note = f"vLLM rope_type {kind!r}" + (f" ({layer_type} layers)" if layer_type else "")
     if kind == "default":
         inv, cache = _inv_freq(base, d), mpe
     elif kind == "linear":
@@ -283,6 +336,10 @@ def vllm_rope(config: dict[str, Any], max_model_len: int, *, allow_long_max_mode
         inv, cache = _inv_freq(scaled, d), mpe
         note += (f" (static: the base of length {mpe} for every sequence"
                  + ("; plain RoPE without max_trained_positions)" if "max_trained_positions" not in rp else ")"))
+    elif _deepseek(config):  # every scaled type: DeepSeek's YaRN (see DEEPSEEK_ARCHS)
+        kind = "deepseek_llama_scaling" if rp.get("attention_factor") == 1.0 else "deepseek_yarn"
+        inv, magnitude, softmax, cache = _deepseek_yarn(rp, base, d, kind)
+        note = f"vLLM {model_type} (MLA attention): rope type {kind!r}, softmax scale × {softmax:.6g}"
     elif kind == "yarn":
         inv, magnitude, cache = _yarn(rp, base, d)
     elif kind == "llama3":
@@ -293,15 +350,40 @@ def vllm_rope(config: dict[str, Any], max_model_len: int, *, allow_long_max_mode
     else:
         return EngineRope(_inv_freq(base, d).double() * math.nan, math.nan, 1.0, note,
                           f"vLLM: unknown rope type {kind!r} (get_rope raises ValueError)")
-    failure = None
-    derived = _derived_max_len(text, {**rp, "rope_type": kind}, model_type)
-    if max_model_len > derived and not allow_long_max_model_len:
-        failure = (f"vLLM refuses max_model_len {max_model_len} > {int(derived)} derived from the config "
-                   "(VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 runs it)")
-    elif max_model_len > cache:
-        failure = (f"vLLM returns NaN from position {cache} on: its cos/sin cache holds {cache} positions "
-                   f"(max_model_len {max_model_len})")
-    return EngineRope(inv.to(torch.float64), float(magnitude), 1.0, note, failure)
+    failure = _failure(max_model_len, _derived_max_len(text, {**rp, "rope_type": kind}, model_type), cache,
+                       allow_long_max_model_len)
+    return EngineRope(inv.to(torch.float64), float(magnitude), float(softmax), note, failure)
+
+
+def _failure(max_model_len: int, derived: float, cache: int, allow_long: bool) -> str | None:
+    """Why vLLM does not serve ``max_model_len`` tokens as computed: its ``ModelConfig`` refuses a length
+    past the one it derives (unless ``allow_long``), or its cos/sin cache is shorter (NaN past it)."""
+    if max_model_len > derived and not allow_long:
+        return (f"vLLM refuses max_model_len {max_model_len} > {int(derived)} derived from the config "
+                "(VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 runs it)")
+    if max_model_len > cache:
+        return (f"vLLM returns NaN from position {cache} on: its cos/sin cache holds {cache} positions "
+                f"(max_model_len {max_model_len})")
+    return None
+
+
+def _deepseek(config: dict[str, Any]) -> bool:
+    """Whether vLLM serves ``config`` with deepseek_v2.py's attention (``DEEPSEEK_ARCHS``)."""
+    return any(a in DEEPSEEK_ARCHS for a in config.get("architectures") or [])
+
+
+def _deepseek_yarn(rp: dict[str, Any], base: float, d: int, kind: str
+                   ) -> tuple[torch.Tensor, float, float, int]:
+    """vLLM ``DeepseekScalingRotaryEmbedding`` (deepseek_scaling_rope.py) and the attention's softmax factor:
+    ``(inv_freq, magnitude, softmax factor, cache length)``. The YaRN ramp always rounded (its
+    ``yarn_find_correction_range`` truncates), magnitude mscale(s, ``mscale`` = 1)/mscale(s,
+    ``mscale_all_dim`` = 0) — ``attention_factor`` is not read —, softmax × mscale(s, ``mscale_all_dim``)²
+    for ``deepseek_yarn`` only, a cache of ⌈T·s⌉ positions (``get_rope`` passes it T as its length)."""
+    s = float(rp["factor"])
+    inv, _, _ = _yarn({**rp, "truncate": True}, base, d)
+    magnitude = _mscale(s, float(rp.get("mscale", 1))) / _mscale(s, float(rp.get("mscale_all_dim", 0) or 0))
+    softmax = _mscale(s, float(rp.get("mscale_all_dim", 0) or 0)) ** 2 if kind == "deepseek_yarn" else 1.0
+    return inv, magnitude, softmax, math.ceil(int(rp["original_max_position_embeddings"]) * s)
 
 
 def _layer_rope_parameters(config: dict[str, Any], text: dict[str, Any], layer_type: str | None
