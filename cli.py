@@ -177,6 +177,22 @@ class EngineChoice(click.Choice):
         return super().convert(commands.engine_name(value), param, ctx)
 
 
+class ScoringEngineChoice(click.Choice):
+    """The registered scoring engines (``eval.engines.scoring``: ``transformers``, ``vllm`` and plugins'),
+    read when first needed."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+
+    @property
+    def choices(self):
+        return commands.scoring_engines()
+
+    @choices.setter
+    def choices(self, value) -> None:  # click.Choice.__init__ sets it; the registry holds the names
+        pass
+
+
 @click.group(cls=RopescaleGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Swap the rotary position embedding of a Hugging Face causal LM and measure how far
@@ -229,9 +245,10 @@ def _common_options(fn):
         click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
                      help="auto (default): bfloat16 on a GPU that supports it, float32 on the CPU"),
         click.option("--quiet", "-q", is_flag=True, help="no progress output"),
-        click.option("--engine", type=click.Choice(["transformers", "vllm"]),
-                     help="what scores the cells: transformers (default) or vllm (what `patch --engine vllm` "
-                          "writes, in vLLM's own environment; bench/engines/install.sh vllm)"),
+        click.option("--engine", type=ScoringEngineChoice(),
+                     help="what scores the cells: transformers (default), vllm (what `patch --engine vllm` "
+                          "writes, in vLLM's own environment; bench/engines/install.sh vllm) or a plugin's scoring "
+                          "engine"),
     ]):
         fn = opt(fn)
     return fn
@@ -541,6 +558,25 @@ def parity(model, strategy_specs, lengths, engine_list, end_to_end, data, window
     log-probabilities through the real engine. Writes parity.md, parity.csv, parity.png to OUTPUT."""
     commands.parity(model, strategy_specs, lengths, engine_list, end_to_end, data, windows, freeze_dynamic, gguf_path,
                     baseline, output, device, quiet)
+
+
+@main.command()
+@click.option("--config", "configs", multiple=True, metavar="NAME|FILE.json",
+              help="a shipped config (default: every bundled one: gemma-3-4b, gpt-oss-20b, deepseek-v3 …) or a JSON "
+                   "file of the same form; repeatable")
+@click.option("--engines", "engine_list", default="transformers,vllm,llama.cpp,sglang,mlx", show_default=True,
+              help="comma-separated engines to compare")
+@click.option("--length", type=int, help="served length L in tokens for every config (default: each config's own, "
+                                         "at most 131072)")
+@click.option("--output", "-o", required=True, type=click.Path(file_okay=False))
+@click.option("--quiet", "-q", is_flag=True, help="no progress output")
+def conformance(configs, engine_list, length, output, quiet) -> None:
+    """How each serving engine rotates a model's config as shipped (no patch): per shipped config —
+    Gemma 3 and 4, gpt-oss, Llama 4, Ministral 3, DeepSeek-V3, Phi-3.5, Qwen3 + YaRN, Qwen3.5 M-RoPE,
+    Qwen2.5-1M, EXAONE 4, SmolLM3 — a tiny model with every rope key as shipped, each engine given
+    that config.json and compared layer type by layer type with transformers: same, differs (by how
+    much, where) or cannot express. Writes conformance.md, .csv and .json to OUTPUT."""
+    commands.conformance(configs, engine_list, length, output, quiet)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import click
 
 from ropescale.errors import InvalidInput, RopescaleError
 
-__all__ = ["PERPLEXITY_FLAGS", "base_bound", "compare", "engine_name", "evaluate", "finetune", "inspect",
+__all__ = ["PERPLEXITY_FLAGS", "base_bound", "compare", "conformance", "engine_name", "evaluate", "finetune", "inspect",
            "layer_table", "list_strategies", "list_tasks", "lm_eval", "parity", "patch", "plot", "reference_card",
            "reference_train", "search", "strategy"]
 
@@ -36,6 +36,13 @@ def strategy(spec: str):
         raise
     except ValueError as e:
         raise InvalidInput(str(e)) from None
+
+
+def scoring_engines() -> list[str]:
+    """The registered scoring engines' names (``eval.engines.scoring``), for ``eval --engine``."""
+    from .engines.scoring import scoring_engine_names
+
+    return scoring_engine_names()
 
 
 def engine_name(value: str) -> str:
@@ -357,4 +364,18 @@ def parity(model, strategy_specs, lengths, engine_list, end_to_end, data, window
         e2e = "" if r.max_abs_dlogp is None else f"  max|Δlog p| {r.max_abs_dlogp:.2g}"
         base = "" if r.exported_by == "ropescale" else " [as written]"
         click.echo(f"{r.engine:<9} {r.strategy + base:<32} L={r.length:<6} {r.verdict[:110]}{e2e}")
+    click.echo(f"written to {output}/: {', '.join(p.name for p in paths.values())}")
+
+
+def conformance(configs, engine_list, length, output, quiet) -> None:
+    """``ropescale conformance``: one cell per shipped config × engine, printed and written to ``output``."""
+    from .conformance import run_conformance, shipped_names, write_conformance
+
+    engines = [engine_name(e.strip()) for e in engine_list.split(",") if e.strip()]
+    say = (lambda m: click.echo(m, err=True)) if not quiet and sys.stderr.isatty() else None
+    cells, meta = run_conformance(list(configs) or shipped_names(), engines=engines, output=output, length=length,
+                                  say=say)
+    paths = write_conformance(cells, output, meta)
+    for c in cells:
+        click.echo(f"{c.config:<22} {c.engine:<12} {c.exported_by:<22} {c.kind:<15} {c.text[:90]}")
     click.echo(f"written to {output}/: {', '.join(p.name for p in paths.values())}")

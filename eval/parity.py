@@ -54,7 +54,10 @@ from ropescale.serving.rope import MAX_LENGTH
 from .engines import driver_class, engine_status, require_engine
 from .engines.base import Case, EngineDriver, Run, angle_table_diff, e2e_numbers, link_model, our_logprobs
 
-__all__ = ["ParityRow", "angle_table_diff", "e2e_numbers", "markdown", "plot_parity", "run_parity", "write_parity"]
+AS_SHIPPED = "the config as shipped"  # exported_by of a --baseline row of a strategy that keeps the model
+
+__all__ = ["AS_SHIPPED", "ParityRow", "angle_table_diff", "e2e_numbers", "markdown", "plot_parity", "run_parity",
+           "write_parity"]
 
 
 @dataclass
@@ -225,19 +228,26 @@ def _case_rows(run: Run, drivers: dict[str, EngineDriver], spec, length: int, tr
 def _baseline_rows(run: Run, drivers: dict[str, EngineDriver], case: Case) -> list[ParityRow]:
     """What a user served before ropescale's export: save_patched's config.json as written (a
     model folder under ``exports/as-written/``), one row per engine whose driver has such rows;
-    none for a strategy transformers cannot express."""
+    none for a strategy transformers cannot express. For a strategy that keeps the model
+    (``native``) the model folder's own config.json, every key as it is: the config as shipped
+    (``exported_by`` = ``AS_SHIPPED``), which each engine reads with its own code — the
+    conformance of a shipped config (``eval.conformance``)."""
     from ropescale.models import exported_config
 
-    written, native = exported_config(run.model, case.handle)
-    if not native:
-        return []
-    config = written.to_dict()
+    if case.handle.strategy_obj.keeps_model and (run.src / "config.json").is_file():
+        config, shipped = json.loads((run.src / "config.json").read_text(encoding="utf-8")), True
+    else:
+        written, native = exported_config(run.model, case.handle)
+        if not native:
+            return []
+        config, shipped = written.to_dict(), False
     folder = link_model(run.src, run.exports / "as-written" / case.slug, config)
     rows = []
     for name, driver in drivers.items():
-        if not driver.baseline_ready():
+        if not driver.baseline_ready(shipped):
             continue
-        row = ParityRow(name, case.display, case.length, "", "", exported_by=driver.as_written,
+        row = ParityRow(name, case.display, case.length, "", "",
+                        exported_by=AS_SHIPPED if shipped else driver.as_written,
                         magnitude_ropescale=case.ours.magnitude, softmax_scale_ropescale=case.ours.softmax_scale)
         rows.append(row)
         driver.add_baseline(row, case, folder, config)

@@ -167,6 +167,7 @@ BAD_INPUT = {
     "search": ["{tmp}/missing.yaml"],
     "patch": ["--model", "reference", "--strategy", "yarn:factor=4"],  # no --output
     "parity": ["--model", "reference", "--strategy", "yarn", "--lengths", "1", "-o", "{tmp}/o"],
+    "conformance": ["--config", "gemma-9", "-o", "{tmp}/o"],
     "inspect": ["--strategy", "yarn", "--length", "256", "-o", "{tmp}/o"],  # no model, no bare config
     "compare": ["{tmp}/missing", "--length", "512", "-o", "{tmp}/f.png"],
     "base-bound": ["--dims", "65536", "--lengths", "16777216"],

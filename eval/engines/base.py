@@ -34,7 +34,7 @@ from ropescale.serving.rope import EngineRope, ExportRefused, compare, compare_l
 from . import DRIVERS, EngineFailed, engine_python, require_engine, run_engine
 
 __all__ = ["Case", "EngineDriver", "Run", "angle_table_diff", "case_name", "e2e_numbers", "fill", "link_model",
-           "our_logprobs"]
+           "our_logprobs", "sampled_positions", "standardized"]
 
 # what a model folder for an engine links from the model's own (beside its own config.json)
 _LINKED = ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
@@ -103,15 +103,32 @@ class Run:
         return self.output / "logs"
 
 
-def angle_table_diff(cos: torch.Tensor, sin: torch.Tensor, inv_freq: torch.Tensor) -> float:
+DENSE = 4096  # served lengths up to this many tokens have every position measured [tokens]
+
+
+def sampled_positions(length: int) -> list[int] | None:
+    """The positions an engine's rotary module is measured at for a served length L = ``length``:
+    None (every one of 0 … L−1) up to ``DENSE`` tokens; past it 0 … 1023, 64 geometrically spaced
+    positions above and L − 1 — θ comes from the angle at position 1 and the largest angle
+    error is reached at the last position, so a table of L rows (L × d/2 floats through JSON)
+    adds nothing at 128k tokens."""
+    if length <= DENSE:
+        return None
+    far = torch.logspace(math.log10(1024), math.log10(length - 1), 64, dtype=torch.float64).round().long()
+    return sorted(set(range(1024)) | set(far.tolist()) | {length - 1})
+
+
+def angle_table_diff(cos: torch.Tensor, sin: torch.Tensor, inv_freq: torch.Tensor,
+                     positions: list[int] | None = None) -> float:
     """Largest |wrap(φ_engine(m, i) − m·θ_i)| [radians] over positions m and pairs i, where
     φ_engine = atan2(sin, cos) from an engine's ``[n, d/2]`` cos/sin table (magnitude-scaled is
-    fine) and θ = ``inv_freq`` ``[d/2]``; NaN anywhere → inf. The wrap maps to (−π, π]."""
+    fine) at ``positions`` (n of them; default 0 … n−1) and θ = ``inv_freq`` ``[d/2]``; NaN
+    anywhere → inf. The wrap maps to (−π, π]."""
     if cos.numel() == 0:
         return 0.0
     if torch.isnan(cos).any() or torch.isnan(sin).any():
         return math.inf
-    m = torch.arange(cos.shape[0], dtype=torch.float64)[:, None]
+    m = (torch.arange(cos.shape[0]) if positions is None else torch.tensor(positions)).to(torch.float64)[:, None]
     ours = m * inv_freq.to(torch.float64)[None, :]
     theirs = torch.atan2(sin.double(), cos.double())
     d = torch.remainder(theirs - ours + math.pi, 2 * math.pi) - math.pi
@@ -154,6 +171,16 @@ def link_model(src: Path, dst: Path, config: dict) -> Path:
             os.symlink((src / name).resolve(), dst / name)
     (dst / "config.json").write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
     return dst
+
+
+def standardized(folder: Path) -> dict[str, Any]:
+    """``folder``'s config.json as transformers reads it (``AutoConfig.from_pretrained(...).to_dict()``:
+    transformers 4 keys such as ``rope_scaling`` standardized into ``rope_parameters``, per layer type
+    where the model has several) — what an engine that reads configs through transformers (vLLM,
+    SGLang) is given."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder).to_dict()
 
 
 def fill(row, ours: EngineRope | dict[str, EngineRope], theirs: EngineRope | dict[str, EngineRope], length: int,
@@ -234,8 +261,9 @@ class EngineDriver:
         fill(row, case.ours_layers if isinstance(theirs, dict) else case.ours, theirs, case.length,
              f"re-implementation ({self.engine.rope_source or self.engine.name}{absent})")
 
-    def baseline_ready(self) -> bool:
-        """Whether this engine has ``--baseline`` rows here (``as_written`` set and what they need present)."""
+    def baseline_ready(self, shipped: bool = False) -> bool:
+        """Whether this engine has ``--baseline`` rows here (``as_written`` set and what they need present);
+        ``shipped``: the rows of a config as shipped (``native``), not of save_patched's folder."""
         return self.as_written is not None
 
     def add_baseline(self, row, case: Case, folder: Path, config: dict) -> None:

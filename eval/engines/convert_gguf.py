@@ -7,7 +7,8 @@ Request: ``{"mode": "convert", "model": DIR, "out": FILE.gguf, "source": LLAMA_C
 "outtype": "f32"}`` (or ``"jobs": [{"model": DIR, "out": FILE}, ...]`` for several in one process);
 ``source`` is the ``vendor/llama.cpp`` folder of the llama-cpp-python sdist (its
 ``convert_hf_to_gguf.py``, ``conversion/`` and ``gguf-py``, imported from there). Result:
-``{"out": FILE, "pre": name}`` (``{"jobs": [...]}`` for jobs).
+``{"out": FILE, "pre": name}`` (``{"jobs": [...]}`` for jobs, each ``{"out": FILE, "error": line}`` where
+the converter refused that model).
 
 Why the mapping: the converter names a BPE tokenizer's pre-tokenizer by hashing how it splits a
 fixed string and refuses hashes it does not list — also a from-scratch vocabulary whose
@@ -37,7 +38,7 @@ def convert(request: dict) -> dict:
     """Run llama.cpp's converter (``convert_hf_to_gguf.py`` from ``source``) on the model folder ``model``;
     a request with ``jobs`` converts each. Returns the written GGUF's path (per job)."""
     if "jobs" in request:
-        return {"jobs": [convert({k: v for k, v in {**request, **job}.items() if k != "jobs"})
+        return {"jobs": [_job({k: v for k, v in {**request, **job}.items() if k != "jobs"})
                          for job in request["jobs"]]}
     source = Path(request["source"]).resolve()
     model_dir = Path(request["model"]).resolve()
@@ -70,6 +71,15 @@ def convert(request: dict) -> dict:
         if e.code not in (0, None):
             raise
     return {"out": str(request["out"]), "pre": chosen.get("pre")}
+
+
+def _job(request: dict) -> dict:
+    """One of several conversions: its answer, or ``{"error": line}`` when the converter refuses the
+    model (an architecture it does not know, a missing key) — the next job still runs."""
+    try:
+        return convert(request)
+    except (Exception, SystemExit) as e:  # noqa: BLE001 — the converter's refusal is the answer
+        return {"out": str(request["out"]), "error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
 
 
 def main() -> int:

@@ -15,13 +15,15 @@ runtime's logits (log-softmax in float64).
 GGUF metadata as the llama.cpp runtime read it (``llama_model_meta_*``), plus the runtime's
 ``rope_freq_scale_train`` and ``n_ctx_train``: what the runtime will rotate with. (The rotation itself
 is computed by ggml inside the graph, which llama-cpp-python does not expose; the end-to-end
-log-probabilities are the runtime's own check of it.)
+log-probabilities are the runtime's own check of it.) ``{"error": line}`` for a GGUF the runtime refuses
+to load: the error lines of its own log.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -77,13 +79,42 @@ def _meta(model) -> dict:
     return meta
 
 
+def _load_error(path: str) -> str:
+    """Why llama.cpp refuses to load ``path``: the error lines of its own log (C-level stderr, captured),
+    one line."""
+    import tempfile
+
+    with tempfile.TemporaryFile() as tmp:
+        saved = os.dup(2)
+        os.dup2(tmp.fileno(), 2)
+        try:
+            import llama_cpp
+
+            llama_cpp.Llama(model_path=path, n_ctx=64, verbose=True)
+        except Exception:  # noqa: BLE001 — the failure is expected: its log is what is wanted
+            pass
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        tmp.seek(0)
+        text = tmp.read().decode("utf-8", "replace")
+    lines = [ln.strip() for ln in text.splitlines() if "error" in ln.lower() or "failed" in ln.lower()]
+    return " ".join(" / ".join(lines[-2:]).split())[:300]
+
+
 def rope(request: dict) -> dict:
     """Per case (a GGUF and ``n_ctx``): the rope parameters llama.cpp reads from it, as its model reports them."""
     import llama_cpp
 
     out = []
     for case in request["cases"]:
-        llm = _llama(case["gguf"], int(case["n_ctx"]))
+        # what is answered is the model's (its metadata and hparams), not the context's: a small context
+        # (a 128k one with a 128k batch would not allocate)
+        try:
+            llm = _llama(case["gguf"], min(int(case["n_ctx"]), 512))
+        except ValueError as e:  # llama.cpp refuses the GGUF: its reason, from its own log
+            out.append({"error": _load_error(case["gguf"]) or str(e)})
+            continue
         model = llm.model
         out.append({"meta": _meta(model),
                     "rope_freq_scale_train": float(llama_cpp.llama_model_rope_freq_scale_train(model)),

@@ -20,7 +20,7 @@ from ropescale.errors import InvalidInput
 from ropescale.serving.engines.llama_cpp import llama_cpp_layer_ropes
 from ropescale.serving.gguf import read_gguf_rope, rewrite_gguf
 
-from . import llama_cpp_source, run_engine
+from . import EngineFailed, llama_cpp_source, run_engine
 from .base import Case, EngineDriver, case_name, fill
 
 __all__ = ["LlamaCppDriver"]
@@ -52,7 +52,12 @@ class LlamaCppDriver(EngineDriver):
         path = None
         if self.installed or self.run.gguf is not None:
             if self.run.gguf is None:
-                self.run.gguf = self._convert_base()
+                try:
+                    self.run.gguf = self._convert_base()
+                except EngineFailed as e:  # its converter refuses the model: no GGUF to rewrite
+                    row.source, row.same = "llama.cpp's converter", False
+                    row.verdict = f"refused: llama.cpp: its converter cannot convert the model: {e}"
+                    return
             path = rewrite_gguf(self.run.gguf, self.run.exports / "gguf" / f"{case.slug}.gguf", translation)
         if self.installed:
             self.pending.append((row, case, path, translation.dim or case.context["dim"], translation.swa_types))
@@ -67,6 +72,8 @@ class LlamaCppDriver(EngineDriver):
         dst = run.exports / "gguf" / "base-f32.gguf"
         if dst.is_file():
             return dst
+        if "convert_failed" in run.data:  # once per output folder, a refusal too
+            raise EngineFailed(run.data["convert_failed"])
         source = llama_cpp_source()
         if source is None:
             raise InvalidInput("no llama.cpp source with convert_hf_to_gguf.py (bench/engines/install.sh puts it in "
@@ -74,11 +81,16 @@ class LlamaCppDriver(EngineDriver):
                                "BASE.gguf)")
         run.say(f"llama.cpp: converting {run.src.name} to GGUF (f32) with llama.cpp's converter")
         dst.parent.mkdir(parents=True, exist_ok=True)
-        run_engine("llama.cpp", {"mode": "convert", "model": str(run.src), "out": str(dst), "source": str(source),
-                                 "outtype": "f32"}, script="convert_gguf.py", log_dir=run.logs)
+        got = run_engine("llama.cpp", {"mode": "convert", "source": str(source), "outtype": "f32",
+                                       "jobs": [{"model": str(run.src), "out": str(dst)}]},
+                         script="convert_gguf.py", log_dir=run.logs)
+        error = (got.get("jobs") or [{}])[0].get("error")
+        if error:
+            run.data["convert_failed"] = error
+            raise EngineFailed(error)
         return dst
 
-    def baseline_ready(self) -> bool:
+    def baseline_ready(self, shipped: bool = False) -> bool:
         return self.installed  # the converter runs in llama.cpp's environment
 
     def add_baseline(self, row, case: Case, folder, config: dict) -> None:
@@ -99,8 +111,14 @@ class LlamaCppDriver(EngineDriver):
                 raise InvalidInput("--baseline needs llama.cpp's converter (convert_hf_to_gguf.py): set "
                                    "ROPESCALE_LLAMA_CPP_SOURCE or install with bench/engines/install.sh")
             run.say(f"llama.cpp: converting {len(self.conversions)} save_patched folders with llama.cpp's converter")
-            run_engine("llama.cpp", {"mode": "convert", "source": str(source), "outtype": "f32",
-                                     "jobs": self.conversions}, script="convert_gguf.py", log_dir=run.logs)
+            got = run_engine("llama.cpp", {"mode": "convert", "source": str(source), "outtype": "f32",
+                                           "jobs": self.conversions}, script="convert_gguf.py", log_dir=run.logs)
+            refused = {j.get("out"): j["error"] for j in got.get("jobs", []) if "error" in j}
+            for row, _, path, _, _ in [p for p in self.pending if str(p[2]) in refused]:
+                row.source, row.same = "llama.cpp's converter", False
+                row.verdict = f"differs: llama.cpp's converter refuses it: {refused[str(path)]}"
+            self.pending = [p for p in self.pending if str(p[2]) not in refused]
+            self.jobs = [(r, j) for r, j in self.jobs if j["gguf"] not in refused]
         if self.pending:
             run.say(f"llama.cpp: runtime metadata of {len(self.pending)} GGUFs")
             res = run_engine("llama.cpp", {"mode": "rope", "cases": [{"gguf": str(p), "n_ctx": c.length}
@@ -109,7 +127,12 @@ class LlamaCppDriver(EngineDriver):
             version = res.get("llama_cpp", "?")
             self.version = f"llama-cpp-python {version}"
             asked = [case_name(r) for r, *_ in self.pending]
-            for (row, case, path, dim, swa), got in zip(self.pending, self.answers(res, "cases", asked, ("meta",))):
+            for (row, case, path, dim, swa), got in zip(self.pending,
+                                                        self.answers(res, "cases", asked, ("error", "meta"))):
+                if "error" in got:
+                    row.source, row.same = f"llama.cpp {version} runtime", False
+                    row.verdict = f"differs: llama.cpp refuses it: {got['error']}"
+                    continue
                 kv = {k: _json_value(v) for k, v in got["meta"].items()}
                 _, tensors = read_gguf_rope(path)
                 theirs = llama_cpp_layer_ropes(kv, tensors, case.length, dim, swa)

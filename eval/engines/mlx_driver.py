@@ -9,8 +9,9 @@ Modes (``request["mode"]``):
 config.json (``mlx_lm.utils.load_config`` and the model class ``_get_classes`` picks; its weights are
 never evaluated), the rotary module of the first layer of type T (gemma3_text: a sliding layer for
 ``sliding_attention``, a global one otherwise; other models: layer 0) applied to unit vectors at
-positions 0 … L−1: ``cos[m][i]`` = magnitude·cos(angle of pair i at position m) (pairs i, i + d/2).
-``{"error": line}`` for a case mlx-lm refuses.
+positions 0 … L−1: ``cos[m][i]`` = magnitude·cos(angle of pair i at position m) (pairs i, i + d/2);
+``"positions": [0, 1, …]`` in a case measures only those (the rows of ``cos``/``sin``, echoed in the
+answer). ``{"error": line}`` for a case mlx-lm refuses.
 
 ``logprobs``: ``{"jobs": [{"model": DIR, "ids": [[int, ...], ...]}, ...]}`` → ``{"jobs": [{"logprobs":
 [[float, ...], ...], "seconds": s} | {"error": line}, ...], "mlx": version}``: ``mlx_lm.utils.load_model``
@@ -41,10 +42,24 @@ def _layers(model):
     return inner.layers
 
 
+def _rotate(rope, d: int, n: int, offset: int):
+    """``[n, d]``: the rotary module applied to the unit vectors of every pair's first channel at
+    positions offset … offset + n − 1: cos in the first d/2 columns, sin in the last (magnitude-scaled).
+    A ``traditional`` module (Llama 4's) pairs channels 2i and 2i + 1, the others i and i + d/2."""
+    import mlx.core as mx
+    import numpy as np
+
+    if getattr(rope, "traditional", False):
+        x = mx.stack([mx.ones((1, 1, n, d // 2)), mx.zeros((1, 1, n, d // 2))], axis=-1).reshape(1, 1, n, d)
+        y = np.array(rope(x, offset=offset).astype(mx.float32))[0, 0].reshape(n, d // 2, 2)
+        return np.concatenate([y[..., 0], y[..., 1]], axis=-1)
+    x = mx.concatenate([mx.ones((1, 1, n, d // 2)), mx.zeros((1, 1, n, d // 2))], axis=-1)
+    return np.array(rope(x, offset=offset).astype(mx.float32))[0, 0]
+
+
 def rope(request: dict) -> dict:
     """Per case (an exported folder, L, a layer type): mlx-lm's own rotary module of that layer type applied to
     unit vectors at positions 0 … L−1, as cos and sin tables (see the module docstring)."""
-    import mlx.core as mx
     import numpy as np
     from mlx_lm.utils import _get_classes, load_config
 
@@ -60,12 +75,16 @@ def rope(request: dict) -> dict:
                 idx = next((i for i, layer in enumerate(layers)
                             if not getattr(layer.self_attn, "is_sliding", False)), 0)
             attn = layers[idx].self_attn
-            d = attn.head_dim if hasattr(attn, "head_dim") else config["head_dim"]
-            n = int(case["length"])
-            x = mx.concatenate([mx.ones((1, 1, n, d // 2)), mx.zeros((1, 1, n, d // 2))], axis=-1)
-            y = np.array(attn.rope(x).astype(mx.float32))[0, 0]
+            d = getattr(attn, "head_dim", None) or config.get("head_dim") or config.get("qk_rope_head_dim") or (
+                config["hidden_size"] // config["num_attention_heads"])
+            positions = case.get("positions") or list(range(int(case["length"])))
+            dense = next((k for k, p in enumerate(positions) if p != k), len(positions))  # 0 … dense−1 at once
+            parts = [_rotate(attn.rope, d, dense, 0)] + [_rotate(attn.rope, d, 1, p) for p in positions[dense:]]
+            y = np.concatenate(parts, axis=0)
+            # DeepSeek's attention folds mscale² into its scale (deepseek_v3.py): the factor on q_head_dim^-½
+            softmax = float(attn.scale * attn.q_head_dim ** 0.5) if hasattr(attn, "q_head_dim") else 1.0
             out.append({"class": type(attn.rope).__name__, "layer": idx, "cos": y[:, : d // 2].tolist(),
-                        "sin": y[:, d // 2:].tolist()})
+                        "sin": y[:, d // 2:].tolist(), "positions": positions, "softmax_scale": softmax})
         except Exception as e:  # noqa: BLE001 — mlx-lm refusing a config is a result
             out.append({"error": f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"})
     return {"cases": out, "mlx": _version()}

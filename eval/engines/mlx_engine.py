@@ -17,7 +17,7 @@ from ropescale.serving.engines.mlx import GEMMA3, mlx_layer_ropes, mlx_model_typ
 from ropescale.serving.rope import EngineRope
 
 from . import run_engine
-from .base import Case, EngineDriver, angle_table_diff, case_name, fill, link_model
+from .base import Case, EngineDriver, angle_table_diff, case_name, fill, link_model, sampled_positions
 
 __all__ = ["MlxDriver"]
 
@@ -45,8 +45,10 @@ class MlxDriver(EngineDriver):
         types = ["full_attention", "sliding_attention"] if mlx_model_type(config) == GEMMA3 else [None]
         if self.installed:
             ours = case.ours if types == [None] else case.ours_layers
+            positions = sampled_positions(case.length)
             for lt in types:
-                self.pending.append((row, ours, {"model": str(folder), "length": case.length, "layer_type": lt}))
+                self.pending.append((row, ours, {"model": str(folder), "length": case.length, "layer_type": lt,
+                                                 **({"positions": positions} if positions else {})}))
         else:
             theirs = mlx_layer_ropes(config, case.length)
             fill(row, case.ours if None in theirs else case.ours_layers, theirs.get(None, theirs), case.length,
@@ -80,7 +82,8 @@ class MlxDriver(EngineDriver):
                 row.verdict = f"differs: {lt + ': ' if lt else ''}mlx-lm refuses it: {got['error']}"
                 return
             cos, sin = torch.tensor(got["cos"], dtype=torch.float64), torch.tensor(got["sin"], dtype=torch.float64)
-            theirs[lt] = EngineRope(torch.atan2(sin[1], cos[1]), float(torch.hypot(cos[0], sin[0]).mean()), 1.0, source)
+            theirs[lt] = EngineRope(torch.atan2(sin[1], cos[1]), float(torch.hypot(cos[0], sin[0]).mean()),
+                                    float(got.get("softmax_scale", 1.0)), source)
             mine = ours[lt] if isinstance(ours, dict) else ours
-            angles.append(angle_table_diff(cos, sin, mine.inv_freq))
+            angles.append(angle_table_diff(cos, sin, mine.inv_freq, got.get("positions")))
         fill(row, ours, theirs.get(None, theirs), length, source, angle=max(angles))

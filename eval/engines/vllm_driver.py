@@ -35,7 +35,11 @@ standardisation and its ``max_model_len`` check; a refusal is reported as ``erro
 Gemma 3 attention passes each layer's. ``cos[m][i]`` = magnitude·cos(angle of pair i at position m); positions
 past what the module can rotate are reported as ``cache_length`` (and left out) instead of an
 error; ``inv_freq`` [rad/token] is the angle at position 1, ``magnitude`` the mean cos/sin norm at
-position 0. ``{"error": line}`` for a case vLLM refuses.
+position 0. ``"positions": [0, 1, …]`` in a case measures only those (a long L; ``positions`` in the
+answer: those evaluated, the rows of ``cos``/``sin``). A DeepSeek model (``DEEPSEEK_ARCHS``) gets what its
+attention does first: the rope type rewritten (``deepseek_yarn``, or ``deepseek_llama_scaling`` when
+``attention_factor`` is 1.0) and ``softmax_scale`` mscale(s, ``mscale_all_dim``)² for ``deepseek_yarn`` (else
+1). ``{"error": line}`` for a case vLLM refuses.
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ import os
 import sys
 import time
 from pathlib import Path
+
+# architectures whose vLLM model is deepseek_v2.py's MLA attention (ropescale.serving.engines.vllm.DEEPSEEK_ARCHS)
+DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
 def _env() -> None:
@@ -162,11 +169,14 @@ def rope(request: dict) -> dict:
             t = int(module.original_max_position_embeddings)
             cache_len = cache_len - t if module.use_long_rope else t
         length = int(case["length"])
-        n = length if cache_len is None else min(length, cache_len)
-        cos, sin, n = _rotate(module, head, rot, n)
+        limit = length if cache_len is None else min(length, cache_len)
+        positions = [p for p in (case.get("positions") or range(limit)) if p < limit]
+        cos, sin, n = _rotate(module, head, rot, positions)
         inv_freq = [math.atan2(s_, c_) for s_, c_ in zip(sin[1], cos[1])] if n > 1 else []
         magnitude = float(sum(math.hypot(c_, s_) for c_, s_ in zip(cos[0], sin[0])) / len(cos[0])) if n else None
-        out.append({"class": type(module).__name__, "cache_length": cache_len, "evaluated": n,
+        out.append({"class": type(module).__name__, "cache_length": cache_len,
+                    "softmax_scale": float(case.get("softmax_scale", 1.0)),
+                    "evaluated": positions[-1] + 1 if n else 0, "positions": positions[:n],
                     "inv_freq": inv_freq, "magnitude": magnitude,
                     "max_position": int(case["max_position"]), "rope_parameters": case["rope_parameters"],
                     "use_long_rope": getattr(module, "use_long_rope", None), "cos": cos, "sin": sin})
@@ -185,8 +195,21 @@ def _from_model(case: dict):
     rope_parameters = dict(text.rope_parameters)
     if case.get("layer_type"):  # Gemma 3's attention: get_rope(..., rope_parameters=config.rope_parameters[layer_type])
         rope_parameters = dict(rope_parameters[case["layer_type"]])
+    softmax = 1.0
+    archs = set(getattr(mc.hf_config, "architectures", None) or [])
+    if archs & set(DEEPSEEK_ARCHS) and rope_parameters.get("rope_type", "default") != "default":
+        # what deepseek_v2.py's attention does before get_rope (DeepseekV2MLAAttention.__init__, vLLM 0.32.0):
+        # the rope type rewritten, and for deepseek_yarn the softmax scale times mscale(s, mscale_all_dim)²
+        kind = "deepseek_llama_scaling" if rope_parameters.get("attention_factor") == 1.0 else "deepseek_yarn"
+        rope_parameters["rope_type"] = kind
+        if kind == "deepseek_yarn":
+            from vllm.model_executor.models.deepseek_v2 import yarn_get_mscale
+
+            mscale = yarn_get_mscale(rope_parameters["factor"], float(rope_parameters.get("mscale_all_dim", False)))
+            softmax = mscale * mscale
     return mc, {"head_size": int(head), "max_position": int(getattr(text, "max_position_embeddings", 8192)),
-                "rope_parameters": rope_parameters, "max_model_len_used": int(mc.max_model_len)}
+                "rope_parameters": rope_parameters, "max_model_len_used": int(mc.max_model_len),
+                "softmax_scale": softmax}
 
 
 def _get_rope(get_rope, head: int, rot: int, max_position: int, rope_parameters: dict):
@@ -212,21 +235,28 @@ def _get_rope(get_rope, head: int, rot: int, max_position: int, rope_parameters:
     return get_rope(**kwargs)
 
 
-def _rotate(module, head: int, rot: int, n: int):
-    """cos/sin·magnitude per pair at positions 0 … n−1 from the module's own forward_native: the
-    query is the unit vector of each pair's first channel in turn (neox: pair i = channels i, i + rot/2)."""
+def _rotate(module, head: int, rot: int, at: list[int]):
+    """``(cos, sin, n)``: cos/sin·magnitude per pair at positions ``at`` (n of them) from the module's own
+    forward_native: the query is the unit vector of each pair's first channel in turn (neox: pair
+    i = channels i, i + rot/2)."""
     import torch
 
-    half = rot // 2
-    positions = torch.arange(n, dtype=torch.long)
+    half, n = rot // 2, len(at)
+    positions = torch.tensor(at, dtype=torch.long)
     q = torch.zeros(n, half, head, dtype=torch.float32)  # [positions, probe, head]: probe i → channel i
     q[:, torch.arange(half), torch.arange(half)] = 1.0
-    q = q.reshape(n, half * head)
-    k = q.clone()
     fwd = getattr(module, "forward_native", None) or module.forward
-    try:
-        qo, _ = fwd(positions, q, k)
-    except (IndexError, RuntimeError):
+    qo = None
+    # [n, heads·head_size] as the generic classes take it, else [n, heads, head_size] (DeepSeek's slices the last dim)
+    for shape in ((n, half * head), (n, half, head)):
+        try:
+            out, _ = fwd(positions, q.reshape(shape), q.reshape(shape).clone())
+        except (IndexError, RuntimeError):
+            continue
+        if out.numel() == q.numel():  # DeepSeek's broadcasts a 2-D query into another shape
+            qo = out
+            break
+    if qo is None:
         return [], [], 0
     qo = qo.reshape(n, half, head)
     idx = torch.arange(half)

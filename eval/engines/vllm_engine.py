@@ -20,7 +20,7 @@ from ropescale.serving.engines.vllm import nested_layer_types, vllm_layer_ropes
 from ropescale.serving.rope import EngineRope
 
 from . import run_engine
-from .base import Case, EngineDriver, angle_table_diff, case_name, fill, link_model
+from .base import Case, EngineDriver, angle_table_diff, case_name, fill, link_model, sampled_positions, standardized
 
 __all__ = ["VllmDriver"]
 
@@ -49,10 +49,11 @@ class VllmDriver(EngineDriver):
 
     def add_baseline(self, row, case: Case, folder, config: dict) -> None:
         row.export = f"max_model_len {case.length}; max_position_embeddings as saved"
-        if self.installed:
-            self._ask(row, case, {"model": str(folder), "max_model_len": case.length, "length": case.length}, config)
+        if self.installed:  # layer types as vLLM's transformers reads them (Gemma 3's rope_local_base_freq …)
+            self._ask(row, case, {"model": str(folder), "max_model_len": case.length, "length": case.length},
+                      standardized(folder))
         else:
-            theirs = vllm_layer_ropes(config, case.length)
+            theirs = vllm_layer_ropes(standardized(folder), case.length)
             ours = case.ours if None in theirs else case.ours_layers
             fill(row, ours, theirs.get(None, theirs), case.length,
                  f"re-implementation ({self.engine.rope_source}; vLLM not installed)")
@@ -64,6 +65,9 @@ class VllmDriver(EngineDriver):
     def _ask(self, row, case: Case, request: dict, config: dict) -> None:
         """One rope request for ``row`` — one per layer type (``layer_type`` in the request) for a
         per-layer-type ``config``."""
+        positions = sampled_positions(case.length)
+        if positions is not None:
+            request = {**request, "positions": positions}
         types = nested_layer_types(config)
         if not types:
             self.pending.append((row, case.ours, request))
@@ -115,11 +119,11 @@ def _fill_real(row, ours, answers: dict, length: int, version: str) -> None:
         if got["evaluated"] < length:
             failure = (f"vLLM's cos/sin cache holds {got['cache_length']} positions (NaN past it), fewer than the "
                        f"served {length}")
-        theirs[lt] = EngineRope(torch.atan2(sin[1], cos[1]), float(torch.hypot(cos[0], sin[0]).mean()), 1.0, source,
-                                failure)
+        theirs[lt] = EngineRope(torch.atan2(sin[1], cos[1]), float(torch.hypot(cos[0], sin[0]).mean()),
+                                float(got.get("softmax_scale", 1.0)), source, failure)
         mine = ours[lt] if isinstance(ours, dict) and lt in ours else ours
         angles.append(math.inf if failure is not None or isinstance(mine, dict)
-                      else angle_table_diff(cos, sin, mine.inv_freq))
+                      else angle_table_diff(cos, sin, mine.inv_freq, got.get("positions")))
     fill(row, ours, theirs.get(None, theirs), length, source, angle=max(angles))
     first = next(iter(answers.values()))
     row.extra = {"vllm_class": first.get("class"), "cache_length": first.get("cache_length"),
