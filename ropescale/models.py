@@ -431,13 +431,15 @@ _KEEP = ("rope_theta", "partial_rotary_factor")
 
 
 def native_rope_parameters(handle: PatchHandle, base: dict[str, Any], max_position_embeddings: int | None,
-                           layer_type: str | None = None) -> dict[str, Any] | None:
+                           layer_type: str | None = None, *, temperature_apart: bool = False) -> dict[str, Any] | None:
     """The transformers ``rope_parameters`` equivalent to ``handle`` for one layer type (its
     ``base`` parameters' ``rope_theta``/``partial_rotary_factor`` kept, the rest from the
     strategy's ``export`` hook, from that type's own context: Gemma 3's sliding and full layers
     have different ``rope_theta``), or None when transformers cannot express it (no hook, the
-    hook says so, or a ``dynamic_block``/``logn`` option transformers has no equivalent for)."""
-    if handle.options.get("dynamic_block", 1) != 1 or handle.options.get("logn") or handle.options.get("temperature"):
+    hook says so, or a ``dynamic_block``/``logn``/``temperature`` option transformers has no equivalent
+    for — ``temperature_apart``: the caller carries a query temperature itself, an engine's own key)."""
+    temperature = not temperature_apart and (handle.options.get("logn") or handle.options.get("temperature"))
+    if handle.options.get("dynamic_block", 1) != 1 or temperature:
         return None
     export = handle.strategy_obj.export
     if export is None:

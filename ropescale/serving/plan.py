@@ -28,8 +28,9 @@ from ropescale.models import native_rope_parameters
 from ropescale.patching import PatchHandle
 from ropescale.rope_config import rope_config_of, text_config
 from ropescale.serving.rope import ExportRefused, check_length
+from ropescale.temperature import NATIVE, Temperature
 
-__all__ = ["ServedRope", "check_freeze", "served_rope_parameters", "static_equivalent"]
+__all__ = ["ServedRope", "check_freeze", "served_rope_parameters", "served_temperatures", "static_equivalent"]
 
 
 @dataclass
@@ -55,16 +56,34 @@ class ServedRope:
     layer_types: dict[str, dict[str, Any]] | None = None
     layer_contexts: dict[str, dict[str, Any]] = field(default_factory=dict)
     patched_types: list[str] = field(default_factory=list)
+    temperature: Temperature | None = None  # the query temperature of the RoPE layers, of a kind the engine reads
+
+
+def served_temperatures(handle: PatchHandle) -> list[Temperature]:
+    """The query temperatures the patched model's RoPE layers apply: the model's own where the patch keeps
+    it (``native``, ``temperature="native"``; Mistral's β is removed by any other strategy), then the
+    patch's rule (log-n, β, Llama 4's)."""
+    out = []
+    own = getattr(handle, "own_temperature", {}).get(True)
+    removed = (own is not None and own.kind == "beta" and not handle.strategy_obj.keeps_model
+               and handle.options.get("temperature") != NATIVE)
+    if own is not None and not removed:
+        out.append(own)
+    if getattr(handle, "temperature", None) is not None:
+        out.append(handle.temperature)
+    return out
 
 
 def served_rope_parameters(handle: PatchHandle, engine: str, serve_length: int, *,
                            freeze_dynamic_at: int | None = None, freeze_default: bool = True,
-                           per_layer_type: bool = False) -> ServedRope:
+                           per_layer_type: bool = False, temperatures: tuple[str, ...] = ()) -> ServedRope:
     """The rope parameters ``engine`` must serve for ``handle`` at ``serve_length`` [tokens].
 
     ``freeze_dynamic_at``: F for dynamic NTK (default: L when ``freeze_default``, else refused).
     ``per_layer_type``: the engine reads ``ServedRope.layer_types`` (every layer type's parameters,
     the kept ones as shipped) for a per-layer-type model; otherwise such a patch is refused.
+    ``temperatures``: the query-temperature kinds the engine's config expresses for this model (``beta``:
+    vLLM's and llama.cpp's Mistral models); one of them is ``ServedRope.temperature``, any other refused.
     Raises ``ExportRefused`` ("<engine>: ...") for relative-position rules (ReRoPE, Leaky ReRoPE,
     SelfExtend, DCA, STRING …), log-n, ``dynamic_block`` ≠ 1, per-layer-type patches (without
     ``per_layer_type``), strategies without a transformers export hook, dynamic strategies other
@@ -79,9 +98,13 @@ def served_rope_parameters(handle: PatchHandle, engine: str, serve_length: int, 
     if strat.kind != "frequency":
         raise ExportRefused(f"{engine}: {name} is a relative-position rule applied inside attention; {engine} has no "
                             "setting for it (serve it with ropescale.load_model)")
-    if handle.options.get("logn") or handle.options.get("temperature"):
-        raise ExportRefused(f"{engine}: query temperature ({handle.options.get('temperature') or 'logn=true'}) has no "
-                            f"{engine} setting; export without it")
+    temps = served_temperatures(handle)
+    if len(temps) > 1 or any(t.kind not in temperatures for t in temps):
+        what = " × ".join(t.spec() for t in temps)
+        raise ExportRefused(f"{engine}: query temperature ({what}) has no {engine} setting for this model; export "
+                            "without it" + (" (a strategy other than native removes the model's own)"
+                                            if any(t is getattr(handle, "own_temperature", {}).get(True)
+                                                   for t in temps) else ""))
     if handle.options.get("dynamic_block", 1) != 1:
         raise ExportRefused(f"{engine}: dynamic_block={handle.options['dynamic_block']} has no {engine} setting")
     if handle.layer_types != [None] and not per_layer_type:
@@ -93,8 +116,10 @@ def served_rope_parameters(handle: PatchHandle, engine: str, serve_length: int, 
     if handle.layer_types == [None]:
         ctx = dict(handle.contexts.get(None, handle.context))
         rp, frozen, notes = _served_type(handle, engine, serve_length, freeze_dynamic_at, freeze_default, None, ctx)
-        return ServedRope(rp, ctx, serve_length, name, frozen, notes)
-    return _served_layer_types(handle, engine, serve_length, freeze_dynamic_at, freeze_default)
+        return ServedRope(rp, ctx, serve_length, name, frozen, notes, temperature=temps[0] if temps else None)
+    served = _served_layer_types(handle, engine, serve_length, freeze_dynamic_at, freeze_default)
+    served.temperature = temps[0] if temps else None
+    return served
 
 
 def _served_layer_types(handle: PatchHandle, engine: str, serve_length: int, freeze_dynamic_at: int | None,
@@ -140,7 +165,7 @@ def _served_type(handle: PatchHandle, engine: str, serve_length: int, freeze_dyn
     # a dynamic strategy is frozen below: the training window as max_position_embeddings, the only value
     # the `dynamic` hook accepts; a static one gets the config's (what transformers derives a missing factor from)
     mpe = ctx["original_max_position_embeddings"] if strat.dynamic else getattr(text, "max_position_embeddings", None)
-    rp = native_rope_parameters(handle, base, mpe, lt)
+    rp = native_rope_parameters(handle, base, mpe, lt, temperature_apart=True)  # vetted: served_temperatures
     if rp is None:
         raise ExportRefused(f"{engine}: {name} with these parameters has no transformers rope type to translate")
     if not strat.dynamic and "dynamic" in str(rp.get("rope_type")):  # the model's own dynamic rope, kept

@@ -14,6 +14,7 @@ lengths in tokens, angles in radians.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -25,7 +26,8 @@ from ropescale.rotary import attention_scaling_of, find_rotary_modules, inv_freq
 from ropescale.rotary.quirks import model_softmax_scale
 
 __all__ = ["FREQ_TOL", "MAGNITUDE_TOL", "MAX_LENGTH", "EngineRope", "ExportRefused", "Verdict", "check_length",
-           "compare", "compare_layers", "model_ropes", "patch_handle", "ropescale_layer_ropes", "ropescale_rope"]
+           "compare", "compare_layers", "model_ropes", "patch_handle", "ropescale_layer_ropes", "ropescale_rope",
+           "temperature_label"]
 
 # the longest length served, exported or compared [tokens]: RoPE angles come from float32 positions,
 # exact integers only up to 2^24 (the harness's lengths have the same bound: eval.config.MAX_LENGTH)
@@ -48,6 +50,8 @@ class EngineRope:
         attention logits scale by its square).
     softmax_scale: multiplier on the usual 1/√head_dim softmax scale: DeepSeek's YaRN mscale(s,
         mscale_all_dim)² where the attention applies it, log-n's factor of the last position; else 1.0.
+    temperature: the query temperature of the rotating layers (``temperature_label``: "" for none), or
+        None where the engine's is not modelled (not compared).
     note: how the numbers were obtained (engine, formula, quirks met).
     failure: what the engine does instead of computing these numbers at this length (refuses
         it, returns NaN past its cos/sin cache, aborts loading), or None when it serves it.
@@ -58,6 +62,20 @@ class EngineRope:
     softmax_scale: float = 1.0
     note: str = ""
     failure: str | None = None
+    temperature: str | None = None
+
+
+def temperature_label(rules, original_max_position_embeddings: int) -> str:
+    """How ``EngineRope.temperature`` names the query-temperature ``rules`` (``Temperature`` objects) at
+    T = ``original_max_position_embeddings``: ``beta=0.1/T=16384`` (1 + β·ln(1 + ⌊p/T⌋)), another rule by its
+    spec, several joined by `` × ``; "" for none."""
+    out = []
+    for t in rules:
+        if t.kind == "beta":
+            out.append(f"beta={t.params.get('beta', 0.1):g}/T={int(original_max_position_embeddings)}")
+        else:
+            out.append(t.spec())
+    return " × ".join(out)
 
 
 @dataclass(frozen=True)
@@ -124,7 +142,7 @@ def ropescale_rope(model_or_handle, length: int, layer_type: str | None = None) 
         lt = next(iter(ropes)) if layer_type is None else layer_type
         if lt not in ropes:
             raise InvalidInput(f"layer type {lt!r}: the model's rotary module has {list(ropes)}")
-        return ropes[lt]
+        return dataclasses.replace(ropes[lt], temperature=_temperature(handle, lt))
     if strat.kind != "frequency":
         raise InvalidInput(f"{strat.name} is a relative-position rule applied inside attention: it has no single "
                            "inv_freq to compare")
@@ -142,7 +160,17 @@ def ropescale_rope(model_or_handle, length: int, layer_type: str | None = None) 
     if handle.options.get("logn"):
         softmax *= max(1.0, math.log(length) / math.log(ctx["original_max_position_embeddings"]))
         note += "; log-n scale of the last position"
-    return EngineRope(inv_freq.detach().to(torch.float64).cpu(), float(magnitude), softmax, note)
+    return EngineRope(inv_freq.detach().to(torch.float64).cpu(), float(magnitude), softmax, note,
+                      temperature=_temperature(handle, lt))
+
+
+def _temperature(handle: PatchHandle, layer_type: str | None) -> str:
+    """``temperature_label`` of the patched RoPE layers' query temperatures (``plan.served_temperatures``), at
+    the T of ``layer_type``'s context (the patched one's)."""
+    from ropescale.serving.plan import served_temperatures
+
+    ctx = handle.contexts.get(layer_type) or handle.context
+    return temperature_label(served_temperatures(handle), ctx["original_max_position_embeddings"])
 
 
 @torch.no_grad()
@@ -203,6 +231,8 @@ def compare(ours: EngineRope, theirs: EngineRope, length: int) -> Verdict:
     soft = abs(ours.softmax_scale - theirs.softmax_scale)
     if not soft <= 1e-6:
         reasons.append(f"softmax scale {ours.softmax_scale:.7g} vs {theirs.softmax_scale:.7g}")
+    if None not in (ours.temperature, theirs.temperature) and ours.temperature != theirs.temperature:
+        reasons.append(f"query temperature {ours.temperature or 'none'} vs {theirs.temperature or 'none'}")
     same = not reasons
     verdict = "same" if same else "differs: " + "; ".join(reasons)
     return Verdict(length, rel, max_rel, mag, soft, angle, same, verdict)

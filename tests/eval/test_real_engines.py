@@ -157,7 +157,7 @@ def test_vllm_rotary_classes_show_the_known_non_parities(tiny_model_dir, tmp_pat
 
     for (name, _), ours, case in zip(cases.items(), expected, got["cases"]):
         row = ParityRow("vllm", name, 128, "", "")
-        _fill_real(row, ours, case, 128, got["vllm"])
+        _fill_real(row, ours, {None: case}, 128, got["vllm"])
         assert row.same is False and row.verdict.startswith("differs:"), (name, row.verdict)
     assert "cache holds 64 positions" in row.verdict and row.max_angle_diff == math.inf
 

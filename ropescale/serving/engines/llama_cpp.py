@@ -83,6 +83,10 @@ ENGINE = "llama.cpp"
 SWA_ARCH = {"gemma3_text": "gemma3", "gemma3": "gemma3", "gemma3n_text": "gemma3n", "gemma3n": "gemma3n"}
 # transformers model types whose llama.cpp architecture is DeepSeek's MLA (conversion/deepseek.py → deepseek2)
 DEEPSEEK2_TYPE = {"deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "kimi_k2": "deepseek2"}
+# model types whose llama.cpp architecture applies Mistral's query temperature: src/models/mistral3.cpp reads
+# ``attention.temperature_scale`` β (conversion/mistral3.py writes llama_4_scaling_beta) with the floor scale
+# n_ctx_orig_yarn (``rope.scaling.original_context_length``): queries × 1 + β·ln(1 + ⌊p / T⌋)
+TEMPERATURE_ARCH = {"ministral3": "mistral3"}
 _DEFAULT_BETAS = (32.0, 1.0)
 
 
@@ -102,13 +106,22 @@ def gguf_rope(model_or_handle, serve_length: int, *, freeze_dynamic_at: int | No
     """
     gguf = gguf_module()
     handle = patch_handle(model_or_handle)
+    model_type = handle.model.config.model_type
     served = served_rope_parameters(handle, ENGINE, serve_length, freeze_dynamic_at=freeze_dynamic_at,
-                                    freeze_default=False, per_layer_type=True)
+                                    freeze_default=False, per_layer_type=True,
+                                    temperatures=("beta",) if model_type in TEMPERATURE_ARCH else ())
     if served.layer_types is not None:
         return _layer_types(handle, served, gguf)
     rp, ctx = served.rope_parameters, served.context
-    arch = DEEPSEEK2_TYPE.get(handle.model.config.model_type, arch)
+    arch = DEEPSEEK2_TYPE.get(model_type, TEMPERATURE_ARCH.get(model_type, arch))
     kv, tensors, notes = _kind_keys(gguf, rp, ctx, served.serve_length, arch)
+    if model_type in TEMPERATURE_ARCH:  # β where the patch keeps one, 0 (off) otherwise: a base GGUF's is replaced
+        t_ = gguf.GGUFValueType
+        beta = served.temperature.params["beta"] if served.temperature is not None else 0.0
+        kv[f"{arch}.attention.temperature_scale"] = (float(beta), t_.FLOAT32)
+        kv[f"{arch}.rope.scaling.original_context_length"] = (int(ctx["original_max_position_embeddings"]), t_.UINT32)
+        notes.append(f"query temperature: attention.temperature_scale = {beta:g} (floor scale: "
+                     f"original_context_length {ctx['original_max_position_embeddings']})")
     out = GgufRope(arch, kv, tensors, list(served.notes) + notes, int(ctx["dim"]), float(ctx["rope_theta"]),
                    rp["rope_type"])
     check_arch_reads_tensors(out)
@@ -272,6 +285,15 @@ def _value(v: Any) -> Any:
     return v[0] if isinstance(v, tuple) else v
 
 
+def _arch(kv: dict[str, Any]) -> str:
+    """The GGUF's architecture: ``general.architecture``, else the prefix of its ``{arch}.rope.*`` keys;
+    ``InvalidInput`` (one line) when it has neither."""
+    arch = kv.get("general.architecture") or next((k.split(".rope.")[0] for k in kv if ".rope." in k), None)
+    if arch is None:
+        raise InvalidInput("GGUF metadata without general.architecture nor any {arch}.rope.* key")
+    return arch
+
+
 def llama_cpp_rope(kv: dict[str, Any], tensors: dict[str, np.ndarray], n_ctx: int, head_dim: int, *,
                    yarn_beta_fast: float | None = None, yarn_beta_slow: float | None = None,
                    yarn_attn_factor: float | None = None, sliding: bool = False) -> EngineRope:
@@ -295,15 +317,13 @@ def llama_cpp_rope(kv: dict[str, Any], tensors: dict[str, np.ndarray], n_ctx: in
     ``attention.sliding_window`` > 0) base ``rope.freq_base_swa`` (default 10000) and ``freq_scale`` 1
     (YaRN's ramp then mixes equal frequencies), the runtime ``yarn_ext_factor``/``yarn_attn_factor`` of
     every layer (``rope.scaling.attn_factor`` reaches it) and no ``rope_freqs``; elsewhere as any layer.
-    ``failure``: an unknown ``rope.scaling.type`` (llama.cpp aborts loading the model).
+    ``failure``: an unknown ``rope.scaling.type`` (llama.cpp aborts loading the model). deepseek2: the log
+    multiplier and softmax factor (``_deepseek2_softmax``); mistral3: the query temperature (``_temperature``).
     Raises ``InvalidInput`` for a bad ``n_ctx`` or a ``kv`` without ``general.architecture``.
     """
     n_ctx = check_length(n_ctx, "n_ctx")
     kv = {k: _value(v) for k, v in kv.items()}
-    arch = kv.get("general.architecture") or next(
-        (k.split(".rope.")[0] for k in kv if ".rope." in k), None)
-    if arch is None:
-        raise InvalidInput("GGUF metadata without general.architecture nor any {arch}.rope.* key")
+    arch = _arch(kv)
     r = f"{arch}.rope."
     f32 = np.float32
     n_dims = int(kv.get(r + "dimension_count", head_dim))
@@ -351,7 +371,17 @@ def llama_cpp_rope(kv: dict[str, Any], tensors: dict[str, np.ndarray], n_ctx: in
     out = _thetas(n_dims, base, ff, freq_scale, ext, low, high)
     magnitude = attn * (f32(1.0) + f32(0.1) * f32(math.log(f32(1.0) / freq_scale))) if ext != 0 else attn
     softmax = _deepseek2_softmax(attn, freq_scale, log_mul) if arch in DEEPSEEK2_ARCHS else 1.0
-    return EngineRope(torch.from_numpy(out), float(magnitude), softmax, note)
+    return EngineRope(torch.from_numpy(out), float(magnitude), softmax, note,
+                      temperature=_temperature(kv, arch, n_orig))
+
+
+def _temperature(kv: dict[str, Any], arch: str, n_orig: int) -> str | None:
+    """The query temperature of a mistral3 GGUF (``rope.temperature_label``; "" for none): β from
+    ``attention.temperature_scale``, the floor scale n_ctx_orig_yarn; None (not modelled) for other architectures."""
+    if arch not in TEMPERATURE_ARCH.values():
+        return None
+    beta = float(kv.get(f"{arch}.attention.temperature_scale", 0.0) or 0.0)
+    return f"beta={beta:g}/T={n_orig}" if beta else ""
 
 
 def _log_multiplier(kv: dict[str, Any], r: str, arch: str) -> float:
@@ -462,7 +492,8 @@ class LlamaCppEngine(Engine):
         architecture with ``attention.sliding_window``): per layer type (``llama_cpp_layer_ropes``)
         for a per-layer-type export."""
         dim = translation.dim or context["dim"]
-        arch = translation.arch if translation.swa_types or translation.arch in DEEPSEEK2_ARCHS else "llama"
+        arch = translation.arch if translation.swa_types or translation.arch in DEEPSEEK2_ARCHS + tuple(
+            TEMPERATURE_ARCH.values()) else "llama"
         kv = {"general.architecture": arch, f"{arch}.context_length": context["original_max_position_embeddings"],
               f"{arch}.rope.dimension_count": dim, **translation.for_arch(arch).kv}
         if translation.sliding_window:

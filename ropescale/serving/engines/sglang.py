@@ -248,7 +248,18 @@ def sglang_rope(config: dict[str, Any], length: int, *, layer_type: str | None =
     context = int(factor * mpe)
     failure = None if length <= context else (f"SGLang refuses a context length {length} > {context} derived from the "
                                               "config (SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 runs it)")
-    return EngineRope(inv.double(), float(magnitude), float(softmax), note + f", rope type {kind!r}", failure)
+    return EngineRope(inv.double(), float(magnitude), float(softmax), note + f", rope type {kind!r}", failure,
+                      _temperature(model_type, rp, mpe))
+
+
+def _temperature(model_type: str, rp: dict[str, Any], mpe: int) -> str | None:
+    """SGLang's Ministral 3 (models/ministral3.py): queries × 1 + β·ln(1 + ⌊p / max_position_embeddings⌋) with
+    β = ``llama_4_scaling_beta`` — mpe where transformers divides by the rope's T (``rope.temperature_label``);
+    None (not modelled) for other model types."""
+    if model_type != "ministral3":
+        return None
+    beta = float(rp.get("llama_4_scaling_beta") or 0.0)
+    return f"beta={beta:g}/T={mpe}" if beta else ""
 
 
 def _yarn(rp: dict[str, Any], base: float, d: int, mpe: int) -> tuple[torch.Tensor, float]:

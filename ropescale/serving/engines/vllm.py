@@ -70,6 +70,10 @@ VLLM_FILE = "vllm.json"  # beside the exported config.json: max_model_len, hf_ov
 # else ``deepseek_yarn``, whose attention also multiplies its softmax scale by mscale(s, mscale_all_dim)²
 # (deepseek_v2.py, DeepseekV2MLAAttention.__init__ and DeepseekV2Attention.__init__)
 DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+# architectures whose vLLM 0.32.0 model is mistral.py's: queries × 1 + beta·ln(1 + ⌊p / T⌋) from the config's top-level
+# ``llama_4_scaling`` {original_max_position_embeddings: T, beta} (MistralAttention.__init__) — never from
+# transformers' ``rope_parameters.llama_4_scaling_beta``
+MISTRAL_ARCHS = ("MistralForCausalLM", "Ministral3ForCausalLM", "Mistral3ForConditionalGeneration")
 
 
 @dataclass
@@ -107,8 +111,9 @@ def export_vllm(model_or_handle, serve_length: int, *, freeze_dynamic_at: int | 
     family whose vLLM model reads one set; ``InvalidInput`` for an unpatched model or bad lengths.
     """
     handle = patch_handle(model_or_handle)
+    arch = type(handle.model).__name__
     served = served_rope_parameters(handle, ENGINE, serve_length, freeze_dynamic_at=freeze_dynamic_at,
-                                    per_layer_type=True)
+                                    per_layer_type=True, temperatures=("beta",) if arch in MISTRAL_ARCHS else ())
     length = served.serve_length
     notes = list(served.notes)
     if served.layer_types is None:
@@ -123,10 +128,18 @@ def export_vllm(model_or_handle, serve_length: int, *, freeze_dynamic_at: int | 
     # the class an engine builds (save_pretrained writes it; a model built from a config has none yet)
     config["architectures"] = config.get("architectures") or [type(handle.model).__name__]
     text = config.get("text_config", config) if text_config(handle.model.config) is not handle.model.config else config
-    before = {k: copy.deepcopy(text.get(k)) for k in ("rope_parameters", "max_position_embeddings")}
+    before = {k: copy.deepcopy(text.get(k)) for k in ("rope_parameters", "max_position_embeddings", "llama_4_scaling")}
     text["rope_parameters"] = rope_parameters
     text["max_position_embeddings"] = int(mpe)
-    overrides = {k: text[k] for k in before if text[k] != before[k]}
+    text["llama_4_scaling"] = None
+    if served.temperature is not None:  # Mistral's β, as vLLM's mistral.py reads it (MISTRAL_ARCHS)
+        t = int(served.context["original_max_position_embeddings"])
+        text["llama_4_scaling"] = {"original_max_position_embeddings": t, "beta": served.temperature.params["beta"]}
+        notes.append(f"query temperature: llama_4_scaling = {text['llama_4_scaling']} (vLLM's mistral.py reads it "
+                     "there, not rope_parameters.llama_4_scaling_beta)")
+    if text["llama_4_scaling"] is None:
+        del text["llama_4_scaling"]
+    overrides = {k: text.get(k) for k in before if text.get(k) != before[k]}
     if drop_top_orig and "original_max_position_embeddings" in text:
         del text["original_max_position_embeddings"]
         overrides["original_max_position_embeddings"] = None
@@ -352,7 +365,19 @@ def vllm_rope(config: dict[str, Any], max_model_len: int, *, allow_long_max_mode
                           f"vLLM: unknown rope type {kind!r} (get_rope raises ValueError)")
     failure = _failure(max_model_len, _derived_max_len(text, {**rp, "rope_type": kind}, model_type), cache,
                        allow_long_max_model_len)
-    return EngineRope(inv.to(torch.float64), float(magnitude), float(softmax), note, failure)
+    return EngineRope(inv.to(torch.float64), float(magnitude), float(softmax), note, failure, _temperature(config))
+
+
+def _temperature(config: dict[str, Any]) -> str | None:
+    """The query temperature vLLM applies (``rope.temperature_label``) for a model of ``MISTRAL_ARCHS``: its
+    top-level ``llama_4_scaling``, else none; None (not modelled) for other architectures."""
+    if not any(a in MISTRAL_ARCHS for a in config.get("architectures") or []):
+        return None
+    text = config.get("text_config", config) if "num_attention_heads" not in config else config
+    scaling = text.get("llama_4_scaling")
+    if not scaling:
+        return ""
+    return f"beta={float(scaling['beta']):g}/T={int(scaling['original_max_position_embeddings'])}"
 
 
 def _failure(max_model_len: int, derived: float, cache: int, allow_long: bool) -> str | None:
