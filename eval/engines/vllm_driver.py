@@ -39,7 +39,8 @@ position 0. ``"positions": [0, 1, …]`` in a case measures only those (a long L
 answer: those evaluated, the rows of ``cos``/``sin``). A DeepSeek model (``DEEPSEEK_ARCHS``) gets what its
 attention does first: the rope type rewritten (``deepseek_yarn``, or ``deepseek_llama_scaling`` when
 ``attention_factor`` is 1.0) and ``softmax_scale`` mscale(s, ``mscale_all_dim``)² for ``deepseek_yarn`` (else
-1). ``{"error": line}`` for a case vLLM refuses.
+1). ``architectures`` and ``llama_4_scaling`` (Mistral's query temperature, as mistral.py reads it) come back
+as the config gave them. ``{"error": line}`` for a case vLLM refuses.
 """
 
 from __future__ import annotations
@@ -176,6 +177,7 @@ def rope(request: dict) -> dict:
         magnitude = float(sum(math.hypot(c_, s_) for c_, s_ in zip(cos[0], sin[0])) / len(cos[0])) if n else None
         out.append({"class": type(module).__name__, "cache_length": cache_len,
                     "softmax_scale": float(case.get("softmax_scale", 1.0)),
+                    "architectures": case.get("architectures"), "llama_4_scaling": case.get("llama_4_scaling"),
                     "evaluated": positions[-1] + 1 if n else 0, "positions": positions[:n],
                     "inv_freq": inv_freq, "magnitude": magnitude,
                     "max_position": int(case["max_position"]), "rope_parameters": case["rope_parameters"],
@@ -209,7 +211,8 @@ def _from_model(case: dict):
             softmax = mscale * mscale
     return mc, {"head_size": int(head), "max_position": int(getattr(text, "max_position_embeddings", 8192)),
                 "rope_parameters": rope_parameters, "max_model_len_used": int(mc.max_model_len),
-                "softmax_scale": softmax}
+                "softmax_scale": softmax, "architectures": sorted(archs),
+                "llama_4_scaling": getattr(text, "llama_4_scaling", None)}  # what mistral.py's attention reads
 
 
 def _get_rope(get_rope, head: int, rot: int, max_position: int, rope_parameters: dict):

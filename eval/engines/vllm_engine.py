@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from ropescale.serving.engines.vllm import nested_layer_types, vllm_layer_ropes
+from ropescale.serving.engines.vllm import nested_layer_types, vllm_layer_ropes, vllm_temperature
 from ropescale.serving.rope import EngineRope
 
 from . import run_engine
@@ -119,8 +119,10 @@ def _fill_real(row, ours, answers: dict, length: int, version: str) -> None:
         if got["evaluated"] < length:
             failure = (f"vLLM's cos/sin cache holds {got['cache_length']} positions (NaN past it), fewer than the "
                        f"served {length}")
+        temperature = vllm_temperature({"architectures": got.get("architectures"),
+                                        "num_attention_heads": 1, "llama_4_scaling": got.get("llama_4_scaling")})
         theirs[lt] = EngineRope(torch.atan2(sin[1], cos[1]), float(torch.hypot(cos[0], sin[0]).mean()),
-                                float(got.get("softmax_scale", 1.0)), source, failure)
+                                float(got.get("softmax_scale", 1.0)), source, failure, temperature)
         mine = ours[lt] if isinstance(ours, dict) and lt in ours else ours
         angles.append(math.inf if failure is not None or isinstance(mine, dict)
                       else angle_table_diff(cos, sin, mine.inv_freq, got.get("positions")))

@@ -165,3 +165,38 @@ def test_a_verdict_becomes_a_cell_kind(verdict, same, kind):
 
     row = ParityRow("vllm", "native", 1024, "src", verdict, same=same, exported_by=AS_SHIPPED)
     assert cell_of("x", row).kind == kind
+
+
+@pytest.mark.parametrize("strategy", ["native", "yarn:factor=2"])
+@pytest.mark.parametrize("engine", ["vllm", "llama.cpp"])
+@pytest.mark.parametrize("name", sorted(NAMED))
+def test_every_family_is_exported_with_ropescales_rotation_or_refused_in_one_line(name, engine, strategy, tmp_path):
+    """The issue's families on vLLM and llama.cpp, no engine installed: an export whose rotation (per layer
+    type: frequencies, magnitude, softmax factor, query temperature where the engine's is read), by the engine's
+    re-implementation, is ropescale's — or one line naming the engine and what it lacks."""
+    from ropescale.runs.config import parse_strategy
+    from ropescale.serving import ExportRefused, get_engine
+    from ropescale.serving.rope import compare, compare_layers, ropescale_layer_ropes, ropescale_rope
+
+    entry = load_shipped(name)
+    model, _ = ropescale.load_model(str(build_tiny(entry, tmp_path / name)), device="cpu")
+    spec = parse_strategy(strategy)
+    length = 2048
+    try:
+        handle = ropescale.patch(model, spec.name, **spec.resolve(length=length, train_length=4096))
+    except InvalidInput as e:  # a model ropescale patches per layer in ways this strategy cannot
+        assert "\n" not in str(e)
+        return
+    with handle:
+        eng = get_engine(engine)
+        try:
+            translation = eng.translate(handle, length)
+        except ExportRefused as e:
+            assert str(e).startswith(eng.label + ":") and "\n" not in str(e)
+            return
+        theirs = eng.rope(translation, length, handle.context)
+        if isinstance(theirs, dict):
+            verdict = compare_layers(ropescale_layer_ropes(handle, length), theirs, length)
+        else:
+            verdict = compare(ropescale_rope(handle, length), theirs, length)
+    assert verdict.same, f"{name} {strategy} {engine}: {verdict.verdict}"

@@ -54,7 +54,7 @@ from ropescale.serving.plan import served_rope_parameters
 from ropescale.serving.rope import EngineRope, ExportRefused, check_length, patch_handle
 
 __all__ = ["ENGINE", "PER_LAYER_TYPE", "VERSION", "VLLM_FILE", "VllmEngine", "VllmExport", "export_vllm",
-           "nested_layer_types", "vllm_layer_ropes", "vllm_rope"]
+           "nested_layer_types", "vllm_layer_ropes", "vllm_rope", "vllm_temperature"]
 
 ENGINE = "vLLM"
 VERSION = "0.32.0"  # the release whose sources the rules and re-implementations here were read from
@@ -365,10 +365,10 @@ def vllm_rope(config: dict[str, Any], max_model_len: int, *, allow_long_max_mode
                           f"vLLM: unknown rope type {kind!r} (get_rope raises ValueError)")
     failure = _failure(max_model_len, _derived_max_len(text, {**rp, "rope_type": kind}, model_type), cache,
                        allow_long_max_model_len)
-    return EngineRope(inv.to(torch.float64), float(magnitude), float(softmax), note, failure, _temperature(config))
+    return EngineRope(inv.to(torch.float64), float(magnitude), float(softmax), note, failure, vllm_temperature(config))
 
 
-def _temperature(config: dict[str, Any]) -> str | None:
+def vllm_temperature(config: dict[str, Any]) -> str | None:
     """The query temperature vLLM applies (``rope.temperature_label``) for a model of ``MISTRAL_ARCHS``: its
     top-level ``llama_4_scaling``, else none; None (not modelled) for other architectures."""
     if not any(a in MISTRAL_ARCHS for a in config.get("architectures") or []):
