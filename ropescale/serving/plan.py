@@ -27,10 +27,10 @@ from ropescale.errors import InvalidInput
 from ropescale.models import native_rope_parameters
 from ropescale.patching import PatchHandle
 from ropescale.rope_config import rope_config_of, text_config
-from ropescale.serving.rope import ExportRefused, check_length
-from ropescale.temperature import NATIVE, Temperature
+from ropescale.serving.rope import ExportRefused, check_length, served_temperatures
+from ropescale.temperature import Temperature
 
-__all__ = ["ServedRope", "check_freeze", "served_rope_parameters", "served_temperatures", "static_equivalent"]
+__all__ = ["ServedRope", "check_freeze", "served_rope_parameters", "static_equivalent"]
 
 
 @dataclass
@@ -57,21 +57,6 @@ class ServedRope:
     layer_contexts: dict[str, dict[str, Any]] = field(default_factory=dict)
     patched_types: list[str] = field(default_factory=list)
     temperature: Temperature | None = None  # the query temperature of the RoPE layers, of a kind the engine reads
-
-
-def served_temperatures(handle: PatchHandle) -> list[Temperature]:
-    """The query temperatures the patched model's RoPE layers apply: the model's own where the patch keeps
-    it (``native``, ``temperature="native"``; Mistral's β is removed by any other strategy), then the
-    patch's rule (log-n, β, Llama 4's)."""
-    out = []
-    own = getattr(handle, "own_temperature", {}).get(True)
-    removed = (own is not None and own.kind == "beta" and not handle.strategy_obj.keeps_model
-               and handle.options.get("temperature") != NATIVE)
-    if own is not None and not removed:
-        out.append(own)
-    if getattr(handle, "temperature", None) is not None:
-        out.append(handle.temperature)
-    return out
 
 
 def served_rope_parameters(handle: PatchHandle, engine: str, serve_length: int, *,

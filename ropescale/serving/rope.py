@@ -24,10 +24,11 @@ from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.patching import PatchHandle, current_patch
 from ropescale.rotary import attention_scaling_of, find_rotary_modules, inv_freq_name, layer_types_of
 from ropescale.rotary.quirks import model_softmax_scale
+from ropescale.temperature import NATIVE, Temperature
 
 __all__ = ["FREQ_TOL", "MAGNITUDE_TOL", "MAX_LENGTH", "EngineRope", "ExportRefused", "Verdict", "check_length",
            "compare", "compare_layers", "model_ropes", "patch_handle", "ropescale_layer_ropes", "ropescale_rope",
-           "temperature_label"]
+           "served_temperatures", "temperature_label"]
 
 # the longest length served, exported or compared [tokens]: RoPE angles come from float32 positions,
 # exact integers only up to 2^24 (the harness's lengths have the same bound: eval.config.MAX_LENGTH)
@@ -164,11 +165,24 @@ def ropescale_rope(model_or_handle, length: int, layer_type: str | None = None) 
                       temperature=_temperature(handle, lt))
 
 
-def _temperature(handle: PatchHandle, layer_type: str | None) -> str:
-    """``temperature_label`` of the patched RoPE layers' query temperatures (``plan.served_temperatures``), at
-    the T of ``layer_type``'s context (the patched one's)."""
-    from ropescale.serving.plan import served_temperatures
+def served_temperatures(handle: PatchHandle) -> list[Temperature]:
+    """The query temperatures the patched model's RoPE layers apply: the model's own where the patch keeps
+    it (``native``, ``temperature="native"``; Mistral's β is removed by any other strategy), then the
+    patch's rule (log-n, β, Llama 4's)."""
+    out = []
+    own = getattr(handle, "own_temperature", {}).get(True)
+    removed = (own is not None and own.kind == "beta" and not handle.strategy_obj.keeps_model
+               and handle.options.get("temperature") != NATIVE)
+    if own is not None and not removed:
+        out.append(own)
+    if getattr(handle, "temperature", None) is not None:
+        out.append(handle.temperature)
+    return out
 
+
+def _temperature(handle: PatchHandle, layer_type: str | None) -> str:
+    """``temperature_label`` of the patched RoPE layers' query temperatures (``served_temperatures``), at
+    the T of ``layer_type``'s context (the patched one's)."""
     ctx = handle.contexts.get(layer_type) or handle.context
     return temperature_label(served_temperatures(handle), ctx["original_max_position_embeddings"])
 

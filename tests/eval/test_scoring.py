@@ -35,16 +35,15 @@ class LogprobsOnly(ScoringEngine):
                 "engine": self.name, "engine_version": "test"}
 
 
-@pytest.fixture
-def plugin():
-    yield LogprobsOnly
-    SCORERS.pop(LogprobsOnly.name, None)
+SCORERS.pop(LogprobsOnly.name)  # defining it registered it; each test of this module registers it for itself
 
 
 @pytest.fixture(autouse=True)
-def registered():
+def plugin():
+    """The plugin engine registered for one test, then taken out: other tests see the bundled engines only."""
     SCORERS.add(LogprobsOnly.name, LogprobsOnly)
-    yield
+    yield LogprobsOnly
+    SCORERS.pop(LogprobsOnly.name, None)
 
 
 def test_the_bundled_engines_are_registered_and_unknown_names_are_one_line():
