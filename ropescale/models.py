@@ -183,26 +183,34 @@ def _from_pretrained(loader, name: str, path: str, **kwargs):
 def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "auto",
                attn_implementation: str | None = None, device_map: str | dict | None = None,
                tokenizer: Any = None, served: bool = False, quantization: str | None = None) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` in eval mode; re-applies a saved ``ropescale.json`` patch.
-    ``tokenizer``: the model's tokenizer when the caller has loaded it already (``load_tokenizer``),
-    returned as it is instead of loaded again.
+    """Load a model and its tokenizer, re-applying a patch saved beside it.
 
-    ``served``: the model exactly as plain ``AutoModelForCausalLM.from_pretrained`` serves the
-    folder — a saved patch stays in the config as its export wrote it and is not re-applied (what
-    a strategy keeping the model's own rotation, ``native``, starts from). Refused (``ModelLoadError``,
-    one line) for a folder whose saved patch plain transformers cannot express, and for a LoRA
-    adapter folder (its rotation is the patch it was trained with).
+    A folder written by ``save_patched`` or ``export_for`` gets its ``ropescale.json`` patch back; a LoRA
+    adapter folder (``save_adapter``) loads its base model, re-applies the patch and attaches the adapter.
 
-    ``device_map`` (``"auto"``, ``"balanced"``, a dict): spread the model over the devices of this
-    machine with accelerate (a model larger than one GPU); ``device`` is then ignored.
+    Args:
+        name_or_path: ``reference`` (the bundled model), a local folder, or a hub id (fetched by transformers;
+            offline, only local paths and the bundled model work).
+        dtype: the weights' dtype: ``float32``, ``bfloat16`` or ``float16``.
+        device: ``auto`` (CUDA when available), ``cpu``, ``cuda``, ``cuda:1`` …; ignored with ``device_map``.
+        attn_implementation: transformers' attention implementation (``sdpa``, ``eager`` …), default its own.
+        device_map: ``"auto"``, ``"balanced"`` or a dict: spread a model larger than one GPU over this
+            machine's devices with accelerate.
+        tokenizer: the model's tokenizer when the caller has loaded it already (``load_tokenizer``): returned
+            as it is instead of loaded again.
+        served: the model exactly as plain ``AutoModelForCausalLM.from_pretrained`` serves the folder — a saved
+            patch stays in the config as its export wrote it and is not re-applied (what ``native`` starts from).
+        quantization: ``"nf4"``: QLoRA's base (Dettmers et al. 2023, arXiv:2305.14314) — linear weights in
+            4-bit NormalFloat with double quantization through bitsandbytes, computed in ``dtype`` (CUDA only).
 
-    ``quantization="nf4"``: QLoRA's base (Dettmers et al. 2023, arXiv:2305.14314) — the linear layers'
-    weights in 4-bit NormalFloat with double quantization through bitsandbytes
-    (``transformers.BitsAndBytesConfig``), computed in ``dtype``, placed on ``device`` (CUDA only).
+    Returns:
+        ``(model, tokenizer)``, the model in eval mode.
 
-    Raises ``ValueError`` for an unknown ``dtype`` or device, and ``ModelLoadError`` (one line)
-    for a missing folder, unreadable model files, or a hub id that cannot be fetched (offline,
-    only local paths and the bundled model work).
+    Raises:
+        ValueError: an unknown ``dtype`` or device.
+        ModelLoadError: a missing folder, unreadable model files, a hub id that cannot be fetched, and with
+            ``served``, a folder whose saved patch plain transformers cannot express or a LoRA adapter folder
+            (one line each).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -475,15 +483,25 @@ def exported_config(model, handle: PatchHandle, *, express: bool = True):
 
 
 def save_patched(model, tokenizer, output: str | Path, *, state_dict: dict | None = None) -> Path:
-    """Write the patched model: HF files with the patch in ``config.json`` plus ``ropescale.json``.
+    """Write the patched model: the HF files with the patch in ``config.json``, plus ``ropescale.json``.
 
-    Where transformers can express the strategy, plain ``AutoModelForCausalLM.from_pretrained``
-    of ``output`` gives the same logits (the transformers engine of ``ropescale.export_for`` checks
-    it, and ``save_unexpressed`` where it does not); otherwise it fails with a ``KeyError`` naming
-    ``ropescale.load_model`` rather than running vanilla RoPE. ``ropescale.load_model(output)``
-    always restores the patched model. ``ropescale.json`` has ``native`` (which case applies).
-    ``state_dict``: the weights to write instead of ``model.state_dict()`` (a sharded model's,
-    gathered). Raises ``ValueError`` when the model carries no patch.
+    Where transformers can express the strategy, plain ``AutoModelForCausalLM.from_pretrained`` of ``output``
+    gives the same logits (the transformers engine of ``ropescale.export_for`` checks it); otherwise it fails
+    with a ``KeyError`` naming ``ropescale.load_model`` rather than running vanilla RoPE.
+    ``ropescale.load_model(output)`` always restores the patched model; ``ropescale.json`` has ``native``
+    (which case applies).
+
+    Args:
+        model: the patched model (``ropescale.patch``).
+        tokenizer: its tokenizer, saved beside it.
+        output: the folder to write (created).
+        state_dict: the weights to write instead of ``model.state_dict()`` (a sharded model's, gathered).
+
+    Returns:
+        ``output`` as a ``Path``.
+
+    Raises:
+        ValueError: the model carries no patch.
     """
     handle: PatchHandle | None = current_patch(model)
     if handle is None:

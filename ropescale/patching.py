@@ -207,7 +207,14 @@ class PatchHandle:
 
 
 def current_patch(model: nn.Module) -> PatchHandle | None:
-    """The active ``PatchHandle`` of ``model``, or None."""
+    """The active patch of a model.
+
+    Args:
+        model: a loaded HF model.
+
+    Returns:
+        Its active ``PatchHandle``, or None when it is not patched.
+    """
     return getattr(model, _HANDLE_ATTR, None)
 
 
@@ -245,9 +252,10 @@ def patch(model: nn.Module, strategy: str, *, original_max_position_embeddings: 
             ``"naive"`` (explicit n × n relative positions; the tests' oracle). All are exact and
             differentiable.
         block_size: relative-position rules only: query/key block of the blocked path [tokens].
-        **params: the strategy's parameters (validated).
+        params: the strategy's parameters, as keywords (validated).
 
-    Returns a ``PatchHandle``; ``handle.unpatch()`` or ``with patch(...):`` restores the model.
+    Returns:
+        The ``PatchHandle``: ``handle.unpatch()`` or ``with patch(...):`` restores the model.
 
     Raises:
         UnknownStrategyError: unknown ``strategy`` (message lists the known ones).
@@ -483,7 +491,11 @@ def _temperature_options(rule: Temperature) -> dict[str, Any]:
 
 
 def unpatch(model: nn.Module) -> None:
-    """Undo the active patch of ``model`` (no-op when none)."""
+    """Undo the active patch of a model: its rotary modules, attention and config as they were.
+
+    Args:
+        model: a loaded HF model, patched or not (a no-op when it is not).
+    """
     handle = current_patch(model)
     if handle is not None:
         handle.unpatch()

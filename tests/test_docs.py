@@ -119,3 +119,25 @@ def test_ci_builds_the_site_strictly():
     run = (ROOT / ".ci" / "run").read_text()
     assert re.search(r"^mkdocs build --strict", run, re.M), ".ci/run must build the docs site strictly"
     assert re.search(r'^python -m pip install -q "\.\[docs\]"', run, re.M)
+
+
+def test_the_top_level_functions_have_google_style_sections_for_every_parameter():
+    """`import ropescale`'s functions: an ``Args:`` entry per parameter (the API pages' parameter tables) and a
+    ``Returns:`` section unless they return None — read from the signature, so a new parameter without its
+    line fails."""
+    import inspect
+
+    import ropescale
+
+    missing = []
+    for name in ropescale.__all__:
+        fn = getattr(ropescale, name)
+        if not inspect.isfunction(fn):
+            continue
+        doc = inspect.getdoc(fn) or ""
+        params = [p for p in inspect.signature(fn).parameters if p not in ("self", "kwargs", "args")]
+        args = doc.split("Args:", 1)[1].split("\n\n", 1)[0] if "Args:" in doc else ""
+        missing += [f"{name}: {p}" for p in params if f"\n    {p}:" not in "\n" + args]
+        if inspect.signature(fn).return_annotation not in (None, "None") and "Returns:" not in doc:
+            missing.append(f"{name}: Returns")
+    assert missing == []

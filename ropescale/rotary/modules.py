@@ -54,7 +54,14 @@ def layer_types_of(module: nn.Module) -> list[str | None]:
 
 
 def find_rotary_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(qualified name, module)`` of every rotary module (``inv_freq`` or ``*_inv_freq`` buffers)."""
+    """Every rotary module of a model: those holding an ``inv_freq`` (or per-layer-type ``*_inv_freq``) buffer.
+
+    Args:
+        model: a loaded HF model.
+
+    Returns:
+        ``(qualified name, module)`` pairs in ``named_modules`` order; empty for a model without RoPE.
+    """
     return [(n, m) for n, m in model.named_modules() if layer_types_of(m)]
 
 

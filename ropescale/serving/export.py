@@ -101,31 +101,39 @@ def _source_folder(model) -> Path | None:
 
 def export_for(model, engine: str | None = None, serve_length: int | None = None, output=None, *, tokenizer=None,
                gguf=None, freeze_dynamic_at: int | None = None, target: str | None = None) -> ExportResult:
-    """Write the patched ``model`` for the engine ``engine`` (``"transformers"``, ``"vllm"``,
-    ``"llama.cpp"`` or a plugin's; ``ropescale.serving.engines``) to serve ``serve_length`` = L
-    tokens, into the folder ``output``.
+    """Write the patched model for a serving engine, to serve ``serve_length`` tokens.
 
-    ``tokenizer``: saved beside the weights (engines writing a model folder: transformers, vllm;
-    required there). ``gguf``: the GGUF of the *unpatched* model to rewrite (llama.cpp only;
-    required), e.g. llama.cpp's ``convert_hf_to_gguf.py`` output. ``freeze_dynamic_at``: the
-    length F dynamic NTK is frozen at (vllm: default L; llama.cpp: required for dynamic NTK);
-    refused for the transformers engine, whose ``dynamic`` rope type recomputes the base from the
-    length as ropescale does (the export is exact unfrozen, and a frozen config.json would
-    contradict the ``ropescale.json`` that ``load_model`` restores; the message names the static
-    strategy to patch instead). The old name ``"gguf"`` is llama.cpp, and the old keyword
-    ``target=`` is ``engine=``, each with a ``FutureWarning``.
+    Everything is checked before anything is written: ``check_export``, then the engine's translation of
+    the patch (``Engine.translate``); the engine writes into a staging folder moved into ``output`` once
+    complete (an existing folder keeps its other files). The old engine name ``"gguf"`` is llama.cpp and the
+    old keyword ``target=`` is ``engine=``, each with a ``FutureWarning``.
 
-    Everything is checked before anything is written: ``check_export``, then the engine's
-    translation of the patch (``Engine.translate``); the engine writes into a staging folder
-    moved into ``output`` once complete (an existing folder keeps its other files).
+    Args:
+        model: the patched model (``ropescale.patch``).
+        engine: ``"transformers"``, ``"vllm"``, ``"llama.cpp"``, ``"mlx"``, ``"sglang"`` or a plugin's
+            (``ropescale.serving.engines``).
+        serve_length: L [tokens] the engine will serve (required by the engines serving one static rotation).
+        output: the folder to write.
+        tokenizer: saved beside the weights (the engines writing a model folder; required there).
+        gguf: the GGUF of the *unpatched* model to rewrite (llama.cpp; required), e.g. llama.cpp's
+            ``convert_hf_to_gguf.py`` output.
+        freeze_dynamic_at: the length F [tokens] dynamic NTK is frozen at (vLLM: default L; llama.cpp:
+            required for dynamic NTK); refused for the transformers engine, whose ``dynamic`` rope type
+            recomputes the base from the length as ropescale does.
+        target: the old name of ``engine``.
 
-    Raises ``ExportRefused`` (one line naming the engine) for what the engine cannot express,
-    ``UnknownEngineError`` for an unknown engine, ``InvalidInput`` for a missing tokenizer/GGUF/served
-    length, a length past 2^24, a GGUF for another engine, ``freeze_dynamic_at`` with a strategy
-    other than dynamic NTK or with the transformers engine, or an unpatched model; ``OutputError``
-    for an output that is a file, not writable, the model's own folder, or that could not be
-    written (a full disk: the output is left as it was); ``GgufUnavailable`` without the ``gguf``
-    package (llama.cpp).
+    Returns:
+        An ``ExportResult``: the path served, the engine's settings and notes, and the command that serves it.
+
+    Raises:
+        ExportRefused: the engine cannot express the patch (one line naming the engine and the reason).
+        UnknownEngineError: no engine of that name.
+        InvalidInput: a missing tokenizer, GGUF or served length, a length past 2^24, a GGUF for another engine,
+            ``freeze_dynamic_at`` with a strategy other than dynamic NTK or with the transformers engine, or an
+            unpatched model.
+        OutputError: an output that is a file, not writable, the model's own folder, or that could not be written
+            (a full disk: the output is left as it was).
+        GgufUnavailable: the ``gguf`` package is missing (llama.cpp).
     """
     # once (an old name warns once, naming the caller's line)
     engine = get_engine(_engine_argument(engine, target, output), stacklevel=3)

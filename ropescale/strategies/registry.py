@@ -443,12 +443,25 @@ def register(name: str, *, params: tuple[Param, ...] = (), source: str,
              kind: StrategyKind = "frequency", check: Callable[[dict], None] | None = None,
              export: Exporter | None = None, softmax: Callable[[dict], float] | None = None,
              keeps_model: bool = False, served: DynamicServing | None = None):
-    """Decorator adding a strategy function to ``REGISTRY`` under ``name``; ``export`` is its
-    transformers ``rope_parameters`` writer (``Exporter``), if transformers can express it;
-    ``softmax`` (validated params → float) a factor on attention's softmax scale, where the strategy has one;
-    ``keeps_model``: the strategy is the model's own rotation, left untouched (``Strategy.keeps_model``);
-    ``served``: how engines with one static rotation serve a dynamic strategy (``Strategy.served``).
-    Raises ``TypeError`` for an unknown ``kind`` or ``served`` or a signature that does not match ``params``."""
+    """Decorator adding a strategy function to the registry (``REGISTRY``) under ``name``.
+
+    Args:
+        name: the registry name (``patch(model, name)``, ``--strategy name``).
+        params: the strategy's parameters (``Param``: name, default, bounds, help), validated on every call.
+        source: the paper (arXiv id) and reference implementation it follows.
+        kind: ``"frequency"`` (computes ``inv_freq``) or ``"attention"`` (a relative-position rule).
+        check: a validator of the resolved parameters (raises ``InvalidInput``), beside the ``Param`` bounds.
+        export: its transformers ``rope_parameters`` writer (``Exporter``), where transformers can express it.
+        softmax: validated params → the factor it multiplies attention's softmax scale by, where it has one.
+        keeps_model: the strategy is the model's own rotation, left untouched (``Strategy.keeps_model``).
+        served: how engines with one static rotation serve a dynamic strategy (``Strategy.served``).
+
+    Returns:
+        The decorator; the function comes back unchanged, registered.
+
+    Raises:
+        TypeError: an unknown ``kind`` or ``served``, or a signature that does not match ``params``.
+    """
     if kind not in STRATEGY_KINDS:
         raise TypeError(f"{name}: kind={kind!r}; choose one of {', '.join(STRATEGY_KINDS)}")
     if served is not None and served not in DYNAMIC_SERVING:
@@ -477,10 +490,24 @@ def register(name: str, *, params: tuple[Param, ...] = (), source: str,
 
 
 def strategy_names() -> list[str]:
-    """The registered strategies' names, sorted (plugins' included)."""
+    """The registered strategies' names.
+
+    Returns:
+        Every name ``get_strategy`` accepts, sorted (plugins' included).
+    """
     return REGISTRY.names()
 
 
 def get_strategy(name: str) -> Strategy:
-    """The registered strategy ``name``; ``UnknownStrategyError`` lists the known ones."""
+    """A registered strategy by its name.
+
+    Args:
+        name: the strategy's registry name (``yarn``, ``ntk`` … — ``strategy_names()``; plugins' included).
+
+    Returns:
+        The ``Strategy``: its function, parameters (``Param``), kind and source.
+
+    Raises:
+        UnknownStrategyError: no strategy of that name (one line: a close match and the known names).
+    """
     return REGISTRY.lookup(name)
