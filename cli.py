@@ -369,7 +369,7 @@ def patch_cmd(model, strategy_spec, output, dry_run, original_max_position_embed
 @click.option("--model", help="bundled name, local path or hub id (its config gives d, rope_theta and T)")
 @click.option("--head-dim", type=int, help="without --model: rotary dim d")
 @click.option("--rope-theta", type=float, help="without --model: RoPE base b")
-@click.option("--original-max-position-embeddings", "training_length", cls=VocabOption,
+@click.option("--original-max-position-embeddings", "original_max_position_embeddings", cls=VocabOption,
               deprecated=("--training-length",), type=int, help="without --model: training window T (tokens)")
 @click.option("--strategy", "strategy_specs", multiple=True, required=True, metavar="NAME[:k=v,...]",
               help="repeatable; parameters a sweep fills (factor, n_max, window) follow --length")
@@ -382,13 +382,13 @@ def patch_cmd(model, strategy_spec, output, dry_run, original_max_position_embed
 @click.option("--output", "-o", required=True, type=click.Path(file_okay=False))
 @click.option("--device", default="cpu", show_default=True, help="where --attention loads the model: cpu, cuda ...")
 @click.option("--quiet", "-q", is_flag=True, help="no progress output (transformers' loading bars)")
-def inspect(model, head_dim, rope_theta, training_length, strategy_specs, length, pairs, attention, data,
-            output, device, quiet) -> None:
+def inspect(model, head_dim, rope_theta, original_max_position_embeddings, strategy_specs, length, pairs, attention,
+            data, output, device, quiet) -> None:
     """Draw what each strategy does to the rotary geometry: wavelengths per pair, rotation angles
     and aliasing, long-range decay, the base bound; writes PNGs and summary.json. With --model
     (its weights loaded) also prints, per strategy, the per-layer table patch --dry-run prints."""
-    commands.inspect(model, head_dim, rope_theta, training_length, strategy_specs, length, pairs, attention, data,
-                     output, device, quiet)
+    commands.inspect(model, head_dim, rope_theta, original_max_position_embeddings, strategy_specs, length, pairs,
+                     attention, data, output, device, quiet)
 
 
 def _ints(low: int, *, high: int | None = None, even: bool = False):

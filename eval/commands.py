@@ -267,14 +267,14 @@ def patch(model, strategy_spec, output, dry_run, original_max_position_embedding
         click.echo(result.usage)
 
 
-def inspect(model, head_dim, rope_theta, training_length, strategy_specs, length, pairs, attention, data, output,
-            device, quiet) -> None:
+def inspect(model, head_dim, rope_theta, original_max_position_embeddings, strategy_specs, length, pairs, attention,
+            data, output, device, quiet) -> None:
     """``ropescale inspect``: the rotary geometry's figures and summary; with a model, its per-layer tables."""
     from .inspect import attention_input, inspected_model, rotary_config, summary_text
     from .inspect import inspect as run_inspect
 
     specs = [strategy(s) for s in strategy_specs]
-    cfg = rotary_config(model, head_dim, rope_theta, training_length)
+    cfg = rotary_config(model, head_dim, rope_theta, original_max_position_embeddings)
     if model and quiet:
         _no_progress_bars()
     extra = attention_input(model, specs, data, length, device=device) if attention else None

@@ -98,13 +98,13 @@ T_FLAG = "--original-max-position-embeddings"  # the CLI's one spelling of the t
 
 
 def rotary_config(model: str | None, head_dim: int | None = None, rope_theta: float | None = None,
-                  training_length: int | None = None) -> RotaryConfig:
+                  original_max_position_embeddings: int | None = None) -> RotaryConfig:
     """What ``ropescale inspect`` draws: ``model``'s rotary configuration (``rotary_config_of_model``)
     or, without a model, the bare one of rotary dim d = ``head_dim``, base b = ``rope_theta`` and
-    training window T = ``training_length`` [tokens] with vanilla frequencies. Raises
+    training window T = ``original_max_position_embeddings`` [tokens] with vanilla frequencies. Raises
     ``InvalidInput`` in one line, naming the CLI's flags, for a model and a bare configuration
     both given, a bare one incomplete, or d odd or < 2, b not finite or <= 1, T < 2."""
-    bare = {"--head-dim": head_dim, "--rope-theta": rope_theta, T_FLAG: training_length}
+    bare = {"--head-dim": head_dim, "--rope-theta": rope_theta, T_FLAG: original_max_position_embeddings}
     if model:
         given = [f for f, v in bare.items() if v is not None]
         if given:
@@ -114,10 +114,11 @@ def rotary_config(model: str | None, head_dim: int | None = None, rope_theta: fl
     missing = [f for f, v in bare.items() if v is None]
     if missing:
         raise InvalidInput(f"give --model, or a bare configuration: missing {', '.join(missing)}")
-    if head_dim < 2 or head_dim % 2 or not (math.isfinite(rope_theta) and rope_theta > 1) or training_length < 2:
+    t = original_max_position_embeddings
+    if head_dim < 2 or head_dim % 2 or not (math.isfinite(rope_theta) and rope_theta > 1) or t < 2:
         raise InvalidInput(f"--head-dim must be even and >= 2, --rope-theta finite and > 1, {T_FLAG} >= 2")
-    return RotaryConfig(head_dim, rope_theta, training_length, rope_inv_freq(head_dim, rope_theta).double(),
-                        f"d={head_dim}, b={rope_theta:g}, T={training_length}")
+    return RotaryConfig(head_dim, rope_theta, t, rope_inv_freq(head_dim, rope_theta).double(),
+                        f"d={head_dim}, b={rope_theta:g}, T={t}")
 
 
 def attention_input(model: str | None, strategies: list[StrategySpec], data: str, length: int,

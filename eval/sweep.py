@@ -148,12 +148,12 @@ def resolve_cells(cfg: EvalConfig, train_length: int) -> dict[tuple[str, int], d
     return out
 
 
-def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec, length: int, train_len: int,
+def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec, length: int, train_length: int,
                 device, progress: bool, state, output: Path) -> dict:
     """Patch, measure this process's share of the examples, gather the parts, combine, unpatch;
     the cell's record (without id and environment)."""
     strat = get_strategy(spec.name)
-    params = spec.resolve(length=length, train_length=train_len, context=configured_context(cfg.model))
+    params = spec.resolve(length=length, train_length=train_length, context=configured_context(cfg.model))
     note = None
     if strat.kind == "attention" and params.get("window", 0) >= length:
         note = (f"window {params['window']} >= length {length}: the rule never applies at this length, "
@@ -165,9 +165,9 @@ def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec
     engine = {"engine": scorer.name, "engine_version": scorer.version()} if scorer.in_process else {}
     try:
         if not scorer.in_process:  # the engine scores the cell from the task's requests (eval.engines.scoring)
-            result = scorer.score_cell(cfg, task, model, examples, spec, params, length, train_len, device, output)
+            result = scorer.score_cell(cfg, task, model, examples, spec, params, length, train_length, device, output)
         else:
-            result = _measure(cfg, task, model, examples, share, spec, strat, params, length, train_len, device,
+            result = _measure(cfg, task, model, examples, share, spec, strat, params, length, train_length, device,
                               progress, state, output)
     except (RuntimeError, MemoryError) as e:
         if not _out_of_memory(e):
@@ -180,17 +180,17 @@ def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec
     seconds = time.perf_counter() - t0
     return {"task": cfg.task, "strategy": spec.display, "name": spec.name, "params": params, "logn": spec.logn,
             **({"temperature": spec.temperature} if spec.temperature else {}), "length": length,
-            "train_length": train_len, "model": cfg.model,
+            "train_length": train_length, "model": cfg.model,
             "data": cfg.data.spec().describe() if task.uses_data else None, "options": cfg.options.key(),
             "dtype": cfg.dtype, "device": str(device), **engine, **result, **({"note": note} if note else {}),
             "seconds": round(seconds, 3)}
 
 
 def _measure(cfg: EvalConfig, task: Task, model, examples, share: list[int], spec: StrategySpec, strat, params: dict,
-             length: int, train_len: int, device, progress: bool, state, output: Path) -> dict:
+             length: int, train_length: int, device, progress: bool, state, output: Path) -> dict:
     """The transformers engine: this process's share measured on the patched model, the parts
     gathered and combined; what the patch does per layer goes to the manifest (``record_patch``)."""
-    with patch(model, spec.name, original_max_position_embeddings=train_len, logn=spec.logn,
+    with patch(model, spec.name, original_max_position_embeddings=train_length, logn=spec.logn,
                temperature=spec.temperature, **params) as handle:
         if state.is_main_process:
             record_patch(output, spec.display, handle.report())
@@ -255,9 +255,9 @@ def run_sweep(cfg: EvalConfig, output: str | Path, *, progress: bool = True) -> 
     scoring_engine(cfg.engine).check(cfg, processes=state.num_processes)
     # T as the model's config gives it (no weights loaded): every cell's parameters, before the folder, the
     # manifest or the first cell
-    train_len = configured_window(cfg.model, cfg.original_max_position_embeddings, missing_ok=True)
-    if train_len:
-        resolve_cells(cfg, train_len)
+    train_length = configured_window(cfg.model, cfg.original_max_position_embeddings, missing_ok=True)
+    if train_length:
+        resolve_cells(cfg, train_length)
     with claimed_folder(output, state) as folder:
         return _run_locked(cfg, folder, progress and state.is_main_process, state)
 
@@ -289,9 +289,9 @@ def _run_locked(cfg: EvalConfig, output: Path, progress: bool, state) -> list[di
                                local_attention=True)
         if cfg.device_map:
             device = model.get_input_embeddings().weight.device  # inputs go where the embeddings are
-        train_len = loaded_window(model, cfg.model, cfg.original_max_position_embeddings, purpose="sweep")
-        resolve_cells(cfg, train_len)  # the loaded model's T: every cell again, before the first runs
-        task = task_cls(cfg.options, tokenizer=inputs.tokenizer, train_length=train_len, documents=inputs.docs,
+        train_length = loaded_window(model, cfg.model, cfg.original_max_position_embeddings, purpose="sweep")
+        resolve_cells(cfg, train_length)  # the loaded model's T: every cell again, before the first runs
+        task = task_cls(cfg.options, tokenizer=inputs.tokenizer, train_length=train_length, documents=inputs.docs,
                         source=cfg.data.spec().describe() if task_cls.uses_data else None)
         lengths = sorted({c[0] for c in todo})
         _check_memory(task, model, lengths, None if cfg.device_map else device)
@@ -302,7 +302,7 @@ def _run_locked(cfg: EvalConfig, output: Path, progress: bool, state) -> list[di
         with _append_safely(results_path) if state.is_main_process else nullcontext() as sink:
             for length, spec, cid in todo:
                 record = {"schema": SCHEMA_VERSION, "cell": cid, "experiment": experiment,
-                          **_score_cell(cfg, task, model, examples[length], spec, length, train_len, device,
+                          **_score_cell(cfg, task, model, examples[length], spec, length, train_length, device,
                                         progress, state, output), "env": env}
                 if sink is not None:
                     sink.write(json.dumps(record) + "\n")

@@ -43,7 +43,7 @@ __all__ = [
     "model_config",
     "model_fingerprint",
     "model_rope_config",
-    "model_training_length",
+    "model_training_window",
     "native_rope_parameters",
     "resolve_device",
     "resolve_model",
@@ -329,7 +329,7 @@ def model_rope_config(name_or_path: str, layer_type: str | None = None):
     return rope if saved is None else replace(rope, original_max_position_embeddings=saved)
 
 
-def model_training_length(name_or_path: str) -> int:
+def model_training_window(name_or_path: str) -> int:
     """T [tokens] of a model from its name or folder (``model_rope_config``). Raises
     ``ModelLoadError`` / ``ValueError`` in one line, also when the config has no window."""
     from ropescale.rope_config import text_config, training_window
@@ -340,6 +340,9 @@ def model_training_length(name_or_path: str) -> int:
         raise InvalidInput(f"{name_or_path}: config has no max_position_embeddings; set "
                            "original_max_position_embeddings")
     return orig
+
+
+model_training_length = model_training_window  # the name before the glossary (T is the training window)
 
 
 def _apply_record(model, record: dict[str, Any]) -> PatchHandle:

@@ -112,7 +112,7 @@ class PatchHandle:
         after ``unpatch``."""
         if not self.active:
             raise RuntimeError("this patch has been undone; patch the model again")
-        training = [f.training_length for f in self._frequencies]
+        training = [f.target_length for f in self._frequencies]
         self.unpatch()
         try:
             yield self.model
@@ -122,17 +122,17 @@ class PatchHandle:
                 setattr(self, f.name, getattr(again, f.name))
             setattr(self.model, _HANDLE_ATTR, self)
             for f, length in zip(self._frequencies, training):
-                f.set_training_length(length)
+                f.set_target_length(length)
 
     def train_at(self, length: int | None) -> None:
         """Train toward target length ``length`` [tokens]: in training mode, dynamic strategies use
-        L = max(``length``, max(position_ids) + 1) (``FrequencyPatch.set_training_length``);
+        L = max(``length``, max(position_ids) + 1) (``FrequencyPatch.set_target_length``);
         None undoes it. Static strategies and relative-position rules do not depend on L: no effect. Raises
         ``InvalidInput`` for a length that is not a whole number >= 1, ``RuntimeError`` after unpatch."""
         if not self.active:
             raise RuntimeError("this patch has been undone; patch the model again")
         for f in self._frequencies:
-            f.set_training_length(length)
+            f.set_target_length(length)
 
     def report(self) -> list[dict[str, Any]]:
         """Per decoder layer, in layer order: ``layer`` (cache index), ``module``, ``rope`` (``"rope"``,

@@ -192,3 +192,61 @@ def test_refused_input_is_one_line_and_exit_1(path, tmp_path):
     lines = res.output.strip().splitlines()
     assert res.exit_code == 1 and len(lines) == 1 and lines[0].startswith("Error: "), res.output
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # refused before anything is written
+
+
+# identifiers: the glossary's one spelling (docs/glossary.md). A banned spelling as a whole identifier or as a run
+# of its underscore-separated words (``model_training_length`` holds ``training_length``) fails, but for the
+# deprecated aliases kept for callers of the old names.
+BANNED_IDENTIFIERS = {
+    "train_len": "train_length (T)",
+    "training_length": "target_length (L being trained for) or original_max_position_embeddings (T)",
+    "L_train": "T / train_length",
+    "truncation_rule": "relative-position rule",
+    "relative_rule": "relative-position rule",
+}
+DEPRECATED_ALIASES = {"model_training_length"}  # ropescale.models: model_training_window's old name
+
+
+def _identifiers(tree):
+    import ast
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            yield node.name, node.lineno
+        elif isinstance(node, ast.arg):
+            yield node.arg, node.lineno
+        elif isinstance(node, ast.Name):
+            yield node.id, node.lineno
+        elif isinstance(node, ast.Attribute):
+            yield node.attr, node.lineno
+        elif isinstance(node, ast.keyword) and node.arg:
+            yield node.arg, node.lineno
+
+
+def _banned(identifier: str) -> str | None:
+    words = identifier.split("_")
+    for bad in BANNED_IDENTIFIERS:
+        n = len(bad.split("_"))
+        if any("_".join(words[i:i + n]) == bad for i in range(len(words) - n + 1)):
+            return bad
+    return None
+
+
+def test_the_code_uses_the_glossarys_identifiers():
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    found = []
+    for path in [root / "cli.py", *sorted((root / "ropescale").rglob("*.py")), *sorted((root / "eval").rglob("*.py"))]:
+        for name, line in _identifiers(ast.parse(path.read_text(encoding="utf-8"))):
+            bad = _banned(name)
+            if bad and name not in DEPRECATED_ALIASES:
+                found.append(f"{path.relative_to(root)}:{line} {name} (say {BANNED_IDENTIFIERS[bad]})")
+    assert sorted(set(found)) == []
+
+
+def test_the_identifier_check_can_fail():
+    assert _banned("train_len") == "train_len" and _banned("model_training_length") == "training_length"
+    assert _banned("set_training_length") == "training_length" and _banned("L_train") == "L_train"
+    assert _banned("train_length") is None and _banned("target_length") is None and _banned("length") is None

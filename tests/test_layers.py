@@ -239,15 +239,15 @@ def test_the_wheel_holds_no_generic_top_level_names(tmp_path):
 
 def test_the_rotary_modules_fields_are_written_only_by_the_module():
     """State belongs to its owner: no other library module assigns a field of a rotary module's
-    ``FrequencyPatch`` (the training loop wrote ``training_length``, the cache hooks ``cache``/``history``/
-    ``n_new``; now ``set_training_length``, ``use_watch`` and ``ropescale.rotary.cache.CacheWatch`` own them)."""
+    ``FrequencyPatch`` (the training loop wrote ``target_length``, the cache hooks ``cache``/``history``/
+    ``n_new``; now ``set_target_length``, ``use_watch`` and ``ropescale.rotary.cache.CacheWatch`` own them)."""
     rotary = ast.parse((ROOT / "ropescale" / "rotary" / "frequencies.py").read_text(encoding="utf-8"))
     cls = next(n for n in ast.walk(rotary) if isinstance(n, ast.ClassDef) and n.name == "FrequencyPatch")
     fields = {t.attr for n in ast.walk(cls) if isinstance(n, (ast.Assign, ast.AnnAssign))
               for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
               for t in (t.elts if isinstance(t, ast.Tuple) else [t])
               if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
-    assert {"training_length", "watch", "entries"} <= fields
+    assert {"target_length", "watch", "entries"} <= fields
     writes = []
     for path in (ROOT / "ropescale").rglob("*.py"):
         if path == ROOT / "ropescale" / "rotary" / "frequencies.py":

@@ -11,7 +11,7 @@ import torch
 import transformers as T
 
 import ropescale
-from ropescale.models import model_rope_config, model_training_length
+from ropescale.models import model_rope_config, model_training_window
 from ropescale.rope_config import NoRopeConfigError, rope_config_of
 from ropescale.rotary import find_rotary_modules
 from tests.conftest import build, tiny_llama_config
@@ -36,7 +36,7 @@ def test_phi3_training_window_is_the_same_through_every_reader(tmp_path):
     with ropescale.patch(model, "yarn", factor=2.0) as handle:
         assert handle.context["original_max_position_embeddings"] == 32
     assert model_rope_config(str(tmp_path)).original_max_position_embeddings == 32
-    assert model_training_length(str(tmp_path)) == 32
+    assert model_training_window(str(tmp_path)) == 32
 
     from eval.inspect import rotary_config_of_model
 
@@ -86,10 +86,10 @@ def test_gemma3_keeps_theta_per_layer_type(tmp_path):
 def test_a_saved_patch_record_gives_the_window_it_was_applied_over(tmp_path):
     config = T.LlamaConfig(**SIZES, max_position_embeddings=64)
     config.save_pretrained(tmp_path)
-    assert model_training_length(str(tmp_path)) == 64
+    assert model_training_window(str(tmp_path)) == 64
     (tmp_path / "ropescale.json").write_text(json.dumps({"strategy": "linear", "params": {"factor": 2.0},
                                                          "original_max_position_embeddings": 16}))
-    assert model_training_length(str(tmp_path)) == 16
+    assert model_training_window(str(tmp_path)) == 16
     assert model_rope_config(str(tmp_path)).original_max_position_embeddings == 16
 
 
@@ -167,3 +167,9 @@ def test_legacy_rope_scaling_and_rope_theta_keys_are_read(tmp_path):
             patched = legacy(ids).logits
     with torch.no_grad():
         torch.testing.assert_close(patched, legacy(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_the_old_name_of_model_training_window_still_works():
+    from ropescale import models
+
+    assert models.model_training_length is models.model_training_window

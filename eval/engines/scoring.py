@@ -80,7 +80,7 @@ class ScoringEngine:
         raise ConfigError(f"{source}: engine: {self.name} does not answer {missing}, which {cfg.task} asks for — use "
                           f"engine: {can}")
 
-    def score_cell(self, cfg, task, model, examples, spec, params: dict, length: int, train_len: int, device,
+    def score_cell(self, cfg, task, model, examples, spec, params: dict, length: int, train_length: int, device,
                    output: Path) -> dict[str, Any]:
         """The cell's metrics (``task.combine``'s) plus ``engine`` and ``engine_version``; raises
         ``ConfigError`` for what it cannot serve at this cell (one line)."""

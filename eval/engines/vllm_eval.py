@@ -164,8 +164,8 @@ class VllmScoring(ScoringEngine):
         check_processes(source, processes)
         require_vllm(source)
 
-    def score_cell(self, cfg, task, model, examples, spec, params, length, train_len, device, output):
-        return score_cell_vllm(cfg, task, model, examples, spec, params, length, train_len, device, output)
+    def score_cell(self, cfg, task, model, examples, spec, params, length, train_length, device, output):
+        return score_cell_vllm(cfg, task, model, examples, spec, params, length, train_length, device, output)
 
 
 def check_engine(cfg, source: str = "config", processes: int = 1) -> None:
@@ -246,7 +246,7 @@ def vllm_model_folder(src: Path, dst: Path, config: dict) -> Path:
     return dst
 
 
-def score_cell_vllm(cfg, task, model, examples, spec, params: dict, length: int, train_len: int, device,
+def score_cell_vllm(cfg, task, model, examples, spec, params: dict, length: int, train_length: int, device,
                     output: Path) -> dict[str, Any]:
     """The task's metrics for one cell scored by vLLM, plus ``engine``, ``engine_version``,
     ``parity`` and the engine's seconds. Raises ``ConfigError`` (vLLM cannot serve this cell: the
@@ -261,7 +261,7 @@ def score_cell_vllm(cfg, task, model, examples, spec, params: dict, length: int,
     reqs, parity_index = task.engine_requests(examples)
     serve = max(len(r["ids"]) + r["max_tokens"] - 1 for r in reqs)  # the positions vLLM rotates
     slug = "".join(c if c.isalnum() or c in "._=-" else "_" for c in spec.display)[:48] + f"@{length}"
-    with patch(model, spec.name, original_max_position_embeddings=train_len, logn=spec.logn,
+    with patch(model, spec.name, original_max_position_embeddings=train_length, logn=spec.logn,
                temperature=spec.temperature, **params) as handle:
         try:  # dynamic NTK: the one scale the transformers engine uses for a whole window of L
             freeze = length if handle.strategy_obj.served == "freeze" else None

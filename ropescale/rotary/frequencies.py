@@ -125,9 +125,9 @@ class FrequencyPatch:
     multiple of ``dynamic_block``) in a forward pre-hook on the module: one scale for the whole
     model forward, as transformers' ``dynamic`` type does; each layer type's entry is brought up to
     L when it is asked for, whatever order the base model asks in. Static strategies never read
-    ``position_ids``' values (no host-device sync). In training mode with ``training_length`` set
-    (``set_training_length``; ``PatchHandle.train_at``), dynamic strategies use L =
-    max(``training_length``, max(position_ids) + 1) — the target length being trained for, whatever
+    ``position_ids``' values (no host-device sync). In training mode with ``target_length`` set
+    (``set_target_length``; ``PatchHandle.train_at``), dynamic strategies use L =
+    max(``target_length``, max(position_ids) + 1) — the target length being trained for, whatever
     the positions of one batch reach (PoSE's skipped positions reach it only sometimes). Under a KV
     cache (``ropescale.rotary.cache``), ``dynamic_cache`` says what happens to cached tokens when the
     frequencies change: ``"recompute"`` re-runs the prefix (exact), ``"rerotate"`` re-rotates cached
@@ -142,7 +142,7 @@ class FrequencyPatch:
         self.dynamic_cache = dynamic_cache
         self.cache_layers = cache_layers or {}
         self.watch: CacheWatch | None = None
-        self.training_length: int | None = None
+        self.target_length: int | None = None
         self._saved: list[tuple[str, Any, bool]] = []  # (name, original, was a buffer)
         self._hooks: list = []
         self._positions: torch.Tensor | None = None  # [b, s_cached] positions of cached keys (rerotate)
@@ -225,12 +225,12 @@ class FrequencyPatch:
                 else:
                     setattr(m, name, value)
 
-    def set_training_length(self, length: int | None) -> None:
+    def set_target_length(self, length: int | None) -> None:
         """Dynamic strategies' L in training mode: at least ``length`` [tokens]; None: from the
         positions only. Raises ``InvalidInput`` unless ``length`` is None or a whole number >= 1."""
         if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
             raise InvalidInput(f"training length {length!r} must be a whole number of tokens >= 1 (or None)")
-        self.training_length = length
+        self.target_length = length
 
     def use_watch(self, watch: CacheWatch) -> None:
         """Read the KV cache of each forward from ``watch`` (one ``ropescale.cache.CacheWatch`` per model)."""
@@ -273,8 +273,8 @@ class FrequencyPatch:
         if self._new_forward(position_ids, layer_type):  # once per model forward
             self._cached_positions = self._track(position_ids) if self.dynamic_cache == "rerotate" else None
             seq_len = int(position_ids.max()) + 1  # a host-device sync: dynamic strategies only
-            if module.training and self.training_length:
-                seq_len = max(seq_len, self.training_length)
+            if module.training and self.target_length:
+                seq_len = max(seq_len, self.target_length)
             self._seq_len = seq_len
         entry = self.entries[layer_type]
         if entry.dynamic and (old := entry.update(self._seq_len)) is not None:

@@ -16,7 +16,7 @@
   patch saved with the model removed (it would stack under the run's strategy).
 - ``configured_window`` / ``loaded_window``: the training window T [tokens], from the run's
   override or else the model's config, read by the one reader ``ropescale.rope_config``
-  (``model_training_length`` before the weights load, ``rope_context`` of a loaded model).
+  (``model_training_window`` before the weights load, ``rope_context`` of a loaded model).
 
 The order is the contract: everything that can refuse the input (a bad config, a model that does not
 load, data too short) does so before the folder's manifest is written, so a corrected rerun into
@@ -127,15 +127,15 @@ def claimed_folder(output: str | Path, state=None, *, wait: float = 0.0):
 
 def configured_window(model: str, override: int | None, *, missing_ok: bool = False) -> int | None:
     """T as a run will use it, read before any weights load: ``override`` (the run's
-    ``original_max_position_embeddings``), else the model config's (``model_training_length``).
+    ``original_max_position_embeddings``), else the model config's (``model_training_window``).
     Raises ``ModelLoadError`` / ``InvalidInput`` in one line for a config that cannot be read or
     has no window; ``missing_ok``: None then instead (loading the model reports it later)."""
     if override:
         return override
-    from ropescale.models import model_training_length
+    from ropescale.models import model_training_window
 
     try:
-        return model_training_length(model)
+        return model_training_window(model)
     except (RopescaleError, ValueError, OSError):
         if missing_ok:
             return None

@@ -22,12 +22,12 @@ class LogprobsOnly(ScoringEngine):
     name = "logprobs-only-test"
     answers = frozenset({"logprobs"})
 
-    def score_cell(self, cfg, task, model, examples, spec, params, length, train_len, device, output):
+    def score_cell(self, cfg, task, model, examples, spec, params, length, train_length, device, output):
         from ropescale import patch
         from ropescale.strategies import get_strategy
 
         reqs, _ = task.engine_requests(examples)
-        with patch(model, spec.name, original_max_position_embeddings=train_len, **params):
+        with patch(model, spec.name, original_max_position_embeddings=train_length, **params):
             results = [{"logprobs": transformers_logprobs(model, r["ids"], device).tolist(), "tokens": []}
                        for r in reqs]
         parts = task.engine_parts(examples, results, length)

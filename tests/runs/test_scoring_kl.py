@@ -171,5 +171,5 @@ def test_suspended_keeps_the_training_length(tiny_llama):
     handle.train_at(64)
     with handle.suspended():
         pass
-    assert [f.training_length for f in handle._frequencies] == [64]
+    assert [f.target_length for f in handle._frequencies] == [64]
     handle.unpatch()

@@ -334,13 +334,13 @@ def test_a_lora_run_killed_with_sigkill_resumes_to_the_uninterrupted_adapter(tmp
 
 
 def test_an_adapter_folder_without_a_patch_record_takes_its_base_models_window(tmp_path, tiny_model_dir):
-    from ropescale.models import model_training_length
+    from ropescale.models import model_training_window
 
     (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_model_dir)}))
-    assert model_training_length(str(tmp_path)) == 32
+    assert model_training_window(str(tmp_path)) == 32
     (tmp_path / "adapter_config.json").write_text("{}")
     with pytest.raises(ropescale.models.ModelLoadError, match="names no base_model_name_or_path"):
-        model_training_length(str(tmp_path))
+        model_training_window(str(tmp_path))
 
 
 def _float32_activation_copies(model, batch, hidden: int) -> tuple[int, torch.Tensor, dict]:
