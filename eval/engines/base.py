@@ -122,12 +122,12 @@ def angle_table_diff(cos: torch.Tensor, sin: torch.Tensor, inv_freq: torch.Tenso
                      positions: list[int] | None = None) -> float:
     """Largest |wrap(φ_engine(m, i) − m·θ_i)| [radians] over positions m and pairs i, where
     φ_engine = atan2(sin, cos) from an engine's ``[n, d/2]`` cos/sin table (magnitude-scaled is
-    fine) at ``positions`` (n of them; default 0 … n−1) and θ = ``inv_freq`` ``[d/2]``; NaN
-    anywhere → inf. The wrap maps to (−π, π]."""
+    fine) at ``positions`` (n of them; default 0 … n−1) and θ = ``inv_freq`` ``[d/2]``; NaN anywhere, or
+    a table of another number of pairs → inf. The wrap maps to (−π, π]."""
     if cos.numel() == 0:
         return 0.0
-    if torch.isnan(cos).any() or torch.isnan(sin).any():
-        return math.inf
+    if torch.isnan(cos).any() or torch.isnan(sin).any() or cos.shape[-1] != inv_freq.numel():
+        return math.inf  # NaN, or another number of rotary pairs (``compare`` says which)
     m = (torch.arange(cos.shape[0]) if positions is None else torch.tensor(positions)).to(torch.float64)[:, None]
     ours = m * inv_freq.to(torch.float64)[None, :]
     theirs = torch.atan2(sin.double(), cos.double())

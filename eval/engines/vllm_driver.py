@@ -193,7 +193,10 @@ def _from_model(case: dict):
     kwargs = {"hf_overrides": case["hf_overrides"]} if case.get("hf_overrides") else {}
     mc = ModelConfig(model=case["model"], dtype="float32", max_model_len=int(case["max_model_len"]), **kwargs)
     text = mc.hf_text_config
-    head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    try:
+        head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    except Exception:  # noqa: BLE001 — Gemma 4's config: head_dim is per layer (per_layer_config), as its model reads it
+        head = text.per_layer_config[case["layer_type"]].head_dim
     rope_parameters = dict(text.rope_parameters)
     if case.get("layer_type"):  # Gemma 3's attention: get_rope(..., rope_parameters=config.rope_parameters[layer_type])
         rope_parameters = dict(rope_parameters[case["layer_type"]])

@@ -217,9 +217,11 @@ def _layer_types(handle, served, gguf) -> GgufRope:
     config = handle.model.config
     arch = SWA_ARCH.get(config.model_type)
     if arch is None:
-        raise ExportRefused(f"llama.cpp: the llama.cpp of {LLAMA_CPP} gives layer types their own rope only in "
+        more = ("; its gemma4 graph (src/models/gemma4.cpp) has a rope of its own per layer type, which ropescale "
+                "has not re-implemented yet" if config.model_type.startswith("gemma4") else "")
+        raise ExportRefused(f"llama.cpp: ropescale writes per-layer-type rope for the llama.cpp of {LLAMA_CPP}'s "
                             f"{', '.join(SWA_ROPE_ARCHS)} ({', '.join(SWA_ARCH)} models); {config.model_type}'s "
-                            f"per-layer-type patch ({handle.layer_types}) cannot be expressed")
+                            f"per-layer-type patch ({handle.layer_types}) is not exported{more}")
     sliding = [lt for lt in served.layer_types if "sliding" in lt]
     other = [lt for lt in served.layer_types if lt not in sliding]
     if not sliding or len(other) != 1:

@@ -17,7 +17,7 @@ longrope   ``max_position_embeddings`` = max(⌈T·s⌉, L), ``short_mscale``/``
            ``max_model_len`` > T
 =========  ===================================================================================
 
-A per-layer-type model (Gemma 3, Gemma 3n: ``PER_LAYER_TYPE``) gets ``rope_parameters`` keyed by layer type —
+A per-layer-type model (Gemma 3, Gemma 3n, Gemma 4: ``PER_LAYER_TYPE``) gets ``rope_parameters`` keyed by layer type —
 each patched type by the table, the others as shipped — which vLLM's gemma3.py/gemma3n.py read per
 attention layer, and ``max_position_embeddings`` ≥ L (vLLM does not scale a gemma3 config's length by a
 factor); ``vllm_layer_ropes`` computes each type's rotation.
@@ -60,10 +60,7 @@ ENGINE = "vLLM"
 VERSION = "0.32.0"  # the release whose sources the rules and re-implementations here were read from
 # model types whose vLLM 0.32.0 model reads rope_parameters[layer_type] per attention layer
 # (vllm/model_executor/models/gemma3.py, gemma3n.py; gemma3_mm.py and gemma3n_mm.py wrap them)
-PER_LAYER_TYPE = ("gemma3", "gemma3_text", "gemma3n", "gemma3n_text")
-# per-layer-type families vLLM 0.32.0 reads per layer type whose rotation ropescale has not re-implemented yet
-_GEMMA4 = "its global layers' 'proportional' rotation (Gemma4RotaryEmbedding, gemma4_rope.py)"
-NOT_READ = {"gemma4": _GEMMA4, "gemma4_text": _GEMMA4}
+PER_LAYER_TYPE = ("gemma3", "gemma3_text", "gemma3n", "gemma3n_text", "gemma4", "gemma4_text")
 VLLM_FILE = "vllm.json"  # beside the exported config.json: max_model_len, hf_overrides, notes
 # architectures whose vLLM 0.32.0 model is deepseek_v2.py's MLA attention: every scaled rope type becomes DeepSeek's
 # YaRN (DeepseekScalingRotaryEmbedding) — rope type ``deepseek_llama_scaling`` when ``attention_factor`` == 1.0,
@@ -153,19 +150,25 @@ def _per_layer_type(handle, served, notes: list[str]) -> tuple[dict[str, Any], i
     per-layer-type export: each type translated by ``_translate``; mpe the largest any type needs and
     at least L (see ``export_vllm``). ``ExportRefused`` for a family outside ``PER_LAYER_TYPE``."""
     model_type = handle.model.config.model_type
-    if model_type in NOT_READ:
-        raise ExportRefused(f"vLLM: vLLM {VERSION}'s {model_type} model reads rope_parameters per layer type, but "
-                            f"{NOT_READ[model_type]} is not re-implemented by ropescale yet, so no export is written")
     if model_type not in PER_LAYER_TYPE:
         raise ExportRefused(f"vLLM: vLLM {VERSION}'s {model_type} model reads one set of rope parameters for every "
                             f"layer; per-layer-type patches ({handle.layer_types}) are exported for the families it "
                             f"reads per layer type ({', '.join(PER_LAYER_TYPE)})")
     length = served.serve_length
+    config = handle.model.config.to_dict()
+    text = config.get("text_config", config) if "num_attention_heads" not in config else config
     out, mpes, drop = {}, [length], False
     for lt, rp in served.layer_types.items():
         if lt not in served.patched_types:
             out[lt] = dict(rp)
             continue
+        ours = int(served.layer_contexts[lt]["dim"]) // 2
+        head = _layer_head_dim(text, lt)  # proportional: every pair, the unrotated ones at zero frequency
+        partial = 1.0 if rp["rope_type"] == "proportional" else rp.get("partial_rotary_factor") or 1.0
+        theirs = int(head * partial) // 2
+        if ours != theirs:  # Gemma 4's proportional layers re-typed: their zero-frequency pairs would rotate
+            raise ExportRefused(f"vLLM: the patched {lt} layers rotate {ours} pairs, but vLLM's {rp['rope_type']!r} "
+                                f"would rotate {theirs} (head_dim × partial_rotary_factor); not exported")
         out[lt], mpe, drop_lt, more = _translate(dict(rp), served.layer_contexts[lt], length)
         mpes.append(mpe)
         drop = drop or drop_lt
@@ -190,7 +193,7 @@ def _translate(rp: dict[str, Any], ctx: dict[str, Any], length: int, *, deepseek
     if deepseek and kind != "default":
         rp, more = _deepseek_translate(rp)
         notes += more
-    if kind == "default":
+    if kind in ("default", "proportional"):  # proportional: Gemma 4's global layers as shipped
         mpe = length
     elif kind == "linear":
         mpe = max(t, math.ceil(length / rp["factor"]))
@@ -327,7 +330,7 @@ def vllm_rope(config: dict[str, Any], max_model_len: int, *, allow_long_max_mode
                           "rope_parameters per layer type")
     kind = rp.get("rope_type", rp.get("type", "default"))
     base = float(rp.get("rope_theta", 10000))
-    head = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    head = _layer_head_dim(text, layer_type)
     partial = rp.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0)) or 1.0
     d = int(head * partial)
     mpe = int(text.get("max_position_embeddings", 8192))  # vLLM's Llama: getattr(config, ..., 8192)
@@ -357,6 +360,11 @@ def vllm_rope(config: dict[str, Any], max_model_len: int, *, allow_long_max_mode
         inv, magnitude, cache = _yarn(rp, base, d)
     elif kind == "llama3":
         inv, cache = _llama3(rp, base, d), mpe
+    elif kind == "proportional":  # Gemma 4's global layers (Gemma4RotaryEmbedding, gemma4_rope.py)
+        angles = d // 2
+        inv = torch.cat([1.0 / (base ** (torch.arange(0, 2 * angles, 2, dtype=torch.float) / head)),
+                         torch.zeros(head // 2 - angles)])
+        cache = mpe
     elif kind in ("longrope", "su"):
         inv, magnitude, cache, more = _longrope(rp, base, d, mpe, max_model_len)
         note += more
@@ -409,6 +417,19 @@ def _deepseek_yarn(rp: dict[str, Any], base: float, d: int, kind: str
     magnitude = _mscale(s, float(rp.get("mscale", 1))) / _mscale(s, float(rp.get("mscale_all_dim", 0) or 0))
     softmax = _mscale(s, float(rp.get("mscale_all_dim", 0) or 0)) ** 2 if kind == "deepseek_yarn" else 1.0
     return inv, magnitude, softmax, math.ceil(int(rp["original_max_position_embeddings"]) * s)
+
+
+def _layer_head_dim(text: dict[str, Any], layer_type: str | None) -> int:
+    """The head dim of ``layer_type``'s layers: Gemma 4's ``per_layer_config`` (keyed by layer index) where it
+    overrides ``head_dim`` for the first layer of that type (vLLM's gemma4.py: ``per_layer_config[i].head_dim``),
+    else ``head_dim``, else hidden_size / heads."""
+    per_layer, types = text.get("per_layer_config") or {}, text.get("layer_types") or []
+    if layer_type in types:
+        i = types.index(layer_type)
+        for key in (f"{i:02d}", str(i), i):
+            if isinstance(per_layer.get(key), dict) and per_layer[key].get("head_dim"):
+                return int(per_layer[key]["head_dim"])
+    return int(text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"])
 
 
 def _layer_rope_parameters(config: dict[str, Any], text: dict[str, Any], layer_type: str | None
