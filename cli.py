@@ -247,8 +247,8 @@ def _common_options(fn):
         click.option("--quiet", "-q", is_flag=True, help="no progress output"),
         click.option("--engine", type=ScoringEngineChoice(),
                      help="what scores the cells: transformers (default), vllm (what `patch --engine vllm` "
-                          "writes, in vLLM's own environment; bench/engines/install.sh vllm) or a plugin's scoring "
-                          "engine"),
+                          "writes, in vLLM's own environment; bench/engines/install.sh vllm), mlx (perplexity "
+                          "through mlx-lm) or a plugin's scoring engine"),
     ]):
         fn = opt(fn)
     return fn

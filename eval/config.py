@@ -95,8 +95,8 @@ class EvalConfig(ConfigModel):
                                                       "one GPU over this node's devices (accelerate)")
     threads: int | None = Field(None, ge=1, description="torch threads (at most this machine's CPU count)")
     engine: str = Field(DEFAULT, description="what scores the cells: transformers (in this process), vllm "
-                        "(serving what `patch --engine vllm` writes) or a plugin's scoring engine "
-                        "(eval.engines.scoring)")
+                        "(serving what `patch --engine vllm` writes), mlx (perplexity through mlx-lm) or a plugin's "
+                        "scoring engine (eval.engines.scoring)")
     vllm: VllmOptions | None = Field(None, description="engine: vllm's tensor_parallel_size, data_parallel_size, "
                                      "max_model_len, parity_tolerance (only with engine: vllm; its defaults there)")
     output: str | None = None

@@ -65,7 +65,7 @@ INSTALL = "bench/engines/install.sh"
 # the driver scripts beside them run in the engines' own environments and are never imported
 DRIVERS: Registry[type] = Registry("engine driver", "engine drivers", UnknownEngineError, package=__name__,
                                    skip=("base", "vllm_driver", "llama_cpp_driver", "mlx_driver", "convert_gguf",
-                                         "vllm_eval", "scoring"),
+                                         "mlx_scoring", "vllm_eval", "scoring"),
                                    plugins="ropescale.engines")
 
 
