@@ -346,12 +346,8 @@ def vllm_rope(config: dict[str, Any], max_model_len: int, *, allow_long_max_mode
         inv, cache = _inv_freq(base * s, d) / s ** (2 / d), mpe
         note += " (vLLM's NTK: base·s and every pair / s^(2/d), not transformers' b·s^(d/(d−2)))"
     elif kind == "dynamic":
-        s = float(rp["factor"])
-        trained = int(rp.get("max_trained_positions", mpe))
-        scaled = base * (s * mpe / trained - (s - 1)) ** (d / (d - 2))
-        inv, cache = _inv_freq(scaled, d), mpe
-        note += (f" (static: the base of length {mpe} for every sequence"
-                 + ("; plain RoPE without max_trained_positions)" if "max_trained_positions" not in rp else ")"))
+        inv, cache, more = _dynamic(rp, base, d, mpe)
+        note += more
     elif _deepseek(config):  # every scaled type: DeepSeek's YaRN (see DEEPSEEK_ARCHS)
         kind = "deepseek_llama_scaling" if rp.get("attention_factor") == 1.0 else "deepseek_yarn"
         inv, magnitude, softmax, cache = _deepseek_yarn(rp, base, d, kind)
@@ -360,11 +356,8 @@ def vllm_rope(config: dict[str, Any], max_model_len: int, *, allow_long_max_mode
         inv, magnitude, cache = _yarn(rp, base, d)
     elif kind == "llama3":
         inv, cache = _llama3(rp, base, d), mpe
-    elif kind == "proportional":  # Gemma 4's global layers (Gemma4RotaryEmbedding, gemma4_rope.py)
-        angles = d // 2
-        inv = torch.cat([1.0 / (base ** (torch.arange(0, 2 * angles, 2, dtype=torch.float) / head)),
-                         torch.zeros(head // 2 - angles)])
-        cache = mpe
+    elif kind == "proportional":
+        inv, cache = _proportional(base, d, head), mpe
     elif kind in ("longrope", "su"):
         inv, magnitude, cache, more = _longrope(rp, base, d, mpe, max_model_len)
         note += more
@@ -386,6 +379,25 @@ def vllm_temperature(config: dict[str, Any]) -> str | None:
     if not scaling:
         return ""
     return f"beta={float(scaling['beta']):g}/T={int(scaling['original_max_position_embeddings'])}"
+
+
+def _dynamic(rp: dict[str, Any], base: float, d: int, mpe: int) -> tuple[torch.Tensor, int, str]:
+    """vLLM ``DynamicNTKScalingRotaryEmbedding``, static: ``(inv_freq, cache length, note)`` — the base of mpe
+    tokens for every sequence, b·(s·mpe/M − (s − 1))^(d/(d−2)) with M = ``max_trained_positions``."""
+    s = float(rp["factor"])
+    trained = int(rp.get("max_trained_positions", mpe))
+    scaled = base * (s * mpe / trained - (s - 1)) ** (d / (d - 2))
+    return _inv_freq(scaled, d), mpe, (f" (static: the base of length {mpe} for every sequence"
+                                       + ("; plain RoPE without max_trained_positions)"
+                                          if "max_trained_positions" not in rp else ")"))
+
+
+def _proportional(base: float, d: int, head: int) -> torch.Tensor:
+    """vLLM ``Gemma4RotaryEmbedding`` (gemma4_rope.py), Gemma 4's global layers: ``[head/2]`` — the first d/2
+    pairs at b^(−2i/head) (head_dim, not d, in the exponent), the rest at zero frequency (not rotated)."""
+    angles = d // 2
+    return torch.cat([1.0 / (base ** (torch.arange(0, 2 * angles, 2, dtype=torch.float) / head)),
+                      torch.zeros(head // 2 - angles)])
 
 
 def _failure(max_model_len: int, derived: float, cache: int, allow_long: bool) -> str | None:
