@@ -485,7 +485,7 @@ def exported_config(model, handle: PatchHandle, *, express: bool = True):
     return config, native
 
 
-def save_patched(model, tokenizer, output: str | Path, *, state_dict: dict | None = None) -> Path:
+def save_patched(model: Any, tokenizer: Any, output: str | Path, *, state_dict: dict | None = None) -> Path:
     """Write the patched model: the HF files with the patch in ``config.json``, plus ``ropescale.json``.
 
     Where transformers can express the strategy, plain ``AutoModelForCausalLM.from_pretrained`` of ``output``

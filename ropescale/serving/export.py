@@ -14,6 +14,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ropescale.errors import InvalidInput
 from ropescale.serving.engines import ENGINES, get_engine
@@ -99,8 +100,9 @@ def _source_folder(model) -> Path | None:
     return Path(name) if name and Path(str(name)).is_dir() else None
 
 
-def export_for(model, engine: str | None = None, serve_length: int | None = None, output=None, *, tokenizer=None,
-               gguf=None, freeze_dynamic_at: int | None = None, target: str | None = None) -> ExportResult:
+def export_for(model: Any, engine: str | None = None, serve_length: int | None = None,
+               output: str | Path | None = None, *, tokenizer: Any = None, gguf: str | Path | None = None,
+               freeze_dynamic_at: int | None = None, target: str | None = None) -> ExportResult:
     """Write the patched model for a serving engine, to serve ``serve_length`` tokens.
 
     Everything is checked before anything is written: ``check_export``, then the engine's translation of

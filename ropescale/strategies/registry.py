@@ -442,7 +442,8 @@ REGISTRY: Registry[Strategy] = Registry("strategy", "strategies", UnknownStrateg
 def register(name: str, *, params: tuple[Param, ...] = (), source: str,
              kind: StrategyKind = "frequency", check: Callable[[dict], None] | None = None,
              export: Exporter | None = None, softmax: Callable[[dict], float] | None = None,
-             keeps_model: bool = False, served: DynamicServing | None = None):
+             keeps_model: bool = False, served: DynamicServing | None = None
+             ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator adding a strategy function to the registry (``REGISTRY``) under ``name``.
 
     Args:
