@@ -166,7 +166,7 @@ def _per_layer_type(handle, served, notes: list[str]) -> tuple[dict[str, Any], i
         head = _layer_head_dim(text, lt)  # proportional: every pair, the unrotated ones at zero frequency
         partial = 1.0 if rp["rope_type"] == "proportional" else rp.get("partial_rotary_factor") or 1.0
         theirs = int(head * partial) // 2
-        if ours != theirs:  # Gemma 4's proportional layers re-typed: their zero-frequency pairs would rotate
+        if ours != theirs:  # Gemma 4's proportional layers re-typed: vLLM would pair other channels
             raise ExportRefused(f"vLLM: the patched {lt} layers rotate {ours} pairs, but vLLM's {rp['rope_type']!r} "
                                 f"would rotate {theirs} (head_dim × partial_rotary_factor); not exported")
         out[lt], mpe, drop_lt, more = _translate(dict(rp), served.layer_contexts[lt], length)
