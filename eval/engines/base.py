@@ -28,7 +28,7 @@ import torch
 
 from ropescale.errors import InvalidInput
 from ropescale.patching import PatchHandle
-from ropescale.serving.engines import Engine
+from ropescale.serving.engines import Engine, write_generation
 from ropescale.serving.rope import EngineRope, ExportRefused, compare, compare_layers
 
 from . import DRIVERS, EngineFailed, engine_python, require_engine, run_engine
@@ -163,13 +163,17 @@ def our_logprobs(model, windows: list[list[int]]) -> list[list[float]]:
     return out
 
 
-def link_model(src: Path, dst: Path, config: dict) -> Path:
-    """A model folder for an engine: ``config`` as config.json, the weights and tokenizer linked."""
+def link_model(src: Path, dst: Path, config: dict, generation: dict | None = None) -> Path:
+    """A model folder for an engine: ``config`` as config.json, the weights and tokenizer linked, and
+    generation_config.json linked too — or written with ``generation``'s keys set where there are any."""
     dst.mkdir(parents=True, exist_ok=True)
     for name in _LINKED:
+        if name == "generation_config.json" and generation:
+            continue
         if (src / name).is_file() and not (dst / name).exists():
             os.symlink((src / name).resolve(), dst / name)
     (dst / "config.json").write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
+    write_generation(src, dst, generation)
     return dst
 
 

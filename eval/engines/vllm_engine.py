@@ -37,7 +37,8 @@ class VllmDriver(EngineDriver):
         self.pending: list[tuple] = []  # (row, ours, request case)
 
     def serve(self, row, case: Case, translation) -> None:
-        folder = link_model(self.run.src, self.run.exports / "vllm" / case.slug, translation.config)
+        folder = link_model(self.run.src, self.run.exports / "vllm" / case.slug, translation.config,
+                            translation.generation)
         if self.installed:
             self._ask(row, case, {"model": str(folder), "max_model_len": translation.max_model_len,
                                   "length": case.length}, translation.config)

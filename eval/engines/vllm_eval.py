@@ -38,6 +38,7 @@ a retrieval prompt plus its answer, per-layer-type patches — is refused at its
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -234,15 +235,19 @@ def transformers_logprobs(model, ids: list[int], device) -> torch.Tensor:
     return logits.log_softmax(-1).gather(1, x[0, 1:, None])[:, 0].cpu()
 
 
-def vllm_model_folder(src: Path, dst: Path, config: dict) -> Path:
-    """A model folder for vLLM: ``config`` as config.json, every other file of ``src`` linked."""
-    import json
+def vllm_model_folder(src: Path, dst: Path, config: dict, generation: dict | None = None) -> Path:
+    """A model folder for vLLM: ``config`` as config.json, every other file of ``src`` linked — but
+    generation_config.json, written with ``generation``'s keys set where there are any."""
+    from ropescale.serving.engines import write_generation
 
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
         if f.is_file() and f.name not in _LINK_SKIP and not (dst / f.name).exists():
+            if f.name == "generation_config.json" and generation:
+                continue
             os.symlink(f.resolve(), dst / f.name)
     (dst / "config.json").write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
+    write_generation(src, dst, generation)
     return dst
 
 
@@ -269,7 +274,7 @@ def score_cell_vllm(cfg, task, model, examples, spec, params: dict, length: int,
         except ExportRefused as e:
             raise ConfigError(f"{spec.display} @ {length}: {e} (engine: vllm)") from None
         ours = transformers_logprobs(model, reqs[parity_index]["ids"], device)
-    folder = vllm_model_folder(Path(resolve_model(cfg.model)), output / "vllm" / slug, exp.config)
+    folder = vllm_model_folder(Path(resolve_model(cfg.model)), output / "vllm" / slug, exp.config, exp.generation)
     max_model_len = cfg.vllm.max_model_len or serve + 1
     got = run_engine("vllm", {"mode": "score", "model": str(folder), "max_model_len": max_model_len,
                               "dtype": cfg.dtype, "tensor_parallel_size": cfg.vllm.tensor_parallel_size,

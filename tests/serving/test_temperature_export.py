@@ -79,3 +79,27 @@ def test_a_temperature_on_a_model_the_engine_does_not_scale_is_refused():
         for engine in ("vllm", "llama.cpp"):
             with pytest.raises(ExportRefused, match="query temperature .*has no .* setting for this model"):
                 get_engine(engine).translate(h, L)
+
+
+def test_vllm_gets_llama4s_nope_temperature_in_the_generation_config(tmp_path):
+    """vLLM 0.32.0's llama4.py sets the NoPE layers' attn_temperature_tuning from generation_config.json, else
+    max_model_len > 32768 — never from config.json: served at 32k tokens or fewer it would run without the
+    temperature transformers applies. The export writes the config's value there."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from ropescale.models import REFERENCE_MODEL
+
+    llama4 = _model("llama4_text", {None: {"rope_type": "default", "rope_theta": 500000.0}})
+    assert llama4.config.attn_temperature_tuning is True
+    with ropescale.patch(llama4, "yarn", factor=2.0) as h:
+        eng = get_engine("vllm")
+        translation = eng.translate(h, L)
+        eng.write(llama4, AutoTokenizer.from_pretrained(REFERENCE_MODEL), translation, tmp_path / "out")
+    assert translation.generation == {"attn_temperature_tuning": True}
+    written = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert written["attn_temperature_tuning"] is True
+    llama = _model(*SHIPPED["yarn"])
+    with ropescale.patch(llama, "yarn", factor=4.0) as h:
+        assert get_engine("vllm").translate(h, L).generation == {}  # only Llama 4 reads it

@@ -39,7 +39,8 @@ from ropescale.registry import Registry
 from ropescale.serving.output import staged
 from ropescale.serving.rope import EngineRope
 
-__all__ = ["ALIASES", "ENGINES", "Engine", "UnknownEngineError", "engine_names", "get_engine", "write_model_folder"]
+__all__ = ["ALIASES", "ENGINES", "Engine", "UnknownEngineError", "engine_names", "get_engine", "write_generation",
+           "write_model_folder"]
 
 # old names → the engine's one name (each resolved with a FutureWarning)
 ALIASES = {"gguf": "llama.cpp"}
@@ -110,16 +111,29 @@ class Engine:
 
 
 def write_model_folder(model, tokenizer, output: Path, config: dict[str, Any], record_file: str,
-                       record: dict[str, Any]) -> Path:
+                       record: dict[str, Any], generation: dict[str, Any] | None = None) -> Path:
     """What a folder engine (vLLM, MLX, SGLang) writes: ``save_patched``'s folder with ``config`` as its
-    config.json and ``record`` (the engine's settings and notes) as ``record_file`` beside it, staged
-    (whole or nothing). Returns ``output``."""
+    config.json and ``record`` (the engine's settings and notes) as ``record_file`` beside it, and
+    ``generation``'s keys set in its generation_config.json, staged (whole or nothing). Returns ``output``."""
     with staged(output) as stage:
         save_patched(model, tokenizer, stage)
         (stage / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n",
                                            encoding="utf-8")
         (stage / record_file).write_text(json.dumps(record, indent=1, default=str) + "\n", encoding="utf-8")
+        write_generation(stage, stage, generation)
     return output
+
+
+def write_generation(src: Path, dst: Path, generation: dict[str, Any] | None) -> None:
+    """``dst``'s generation_config.json: ``src``'s (none: empty) with ``generation``'s keys set; nothing is
+    written without keys. What an engine reads from the generation config (vLLM: Llama 4's
+    ``attn_temperature_tuning``)."""
+    if not generation:
+        return
+    path = Path(src) / "generation_config.json"
+    written = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    (Path(dst) / "generation_config.json").write_text(json.dumps(written | generation, indent=2, sort_keys=True)
+                                                      + "\n", encoding="utf-8")
 
 
 ENGINES: Registry[type[Engine]] = Registry("engine", "engines", UnknownEngineError, package=__name__,

@@ -71,6 +71,9 @@ DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # ``llama_4_scaling`` {original_max_position_embeddings: T, beta} (MistralAttention.__init__) — never from
 # transformers' ``rope_parameters.llama_4_scaling_beta``
 MISTRAL_ARCHS = ("MistralForCausalLM", "Ministral3ForCausalLM", "Mistral3ForConditionalGeneration")
+# architectures whose vLLM 0.32.0 model (llama4.py, Llama4ForCausalLM.__init__) sets the NoPE layers' query temperature
+# from the generation config's ``attn_temperature_tuning``, else ``max_model_len > 32768`` — not from config.json
+LLAMA4_ARCHS = ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")
 
 
 @dataclass
@@ -79,13 +82,15 @@ class VllmExport:
 
     config: the full config.json dict to write; hf_overrides: only the keys changed from the
     model's own config (``LLM(..., hf_overrides=...)`` / ``--hf-overrides``); max_model_len: L
-    [tokens] (``--max-model-len``); notes: what the export decided and why.
+    [tokens] (``--max-model-len``); notes: what the export decided and why; generation: keys set in the
+    folder's generation_config.json (Llama 4's ``attn_temperature_tuning``, which vLLM reads there).
     """
 
     config: dict[str, Any]
     hf_overrides: dict[str, Any]
     max_model_len: int
     notes: list[str] = field(default_factory=list)
+    generation: dict[str, Any] = field(default_factory=dict)  # keys set in generation_config.json
 
     def serve_command(self, folder: str) -> str:
         """The ``vllm serve`` line for the exported ``folder``."""
@@ -142,7 +147,14 @@ def export_vllm(model_or_handle, serve_length: int, *, freeze_dynamic_at: int | 
         overrides["original_max_position_embeddings"] = None
     if text is not config:
         overrides = {"text_config": overrides} if overrides else {}
-    return VllmExport(config, copy.deepcopy(overrides), length, notes)
+    generation = {}
+    if any(a in LLAMA4_ARCHS for a in config.get("architectures") or []) and "attn_temperature_tuning" in text:
+        # vLLM's llama4.py takes it from the generation config, else max_model_len > 32768, never from config.json
+        generation["attn_temperature_tuning"] = bool(text["attn_temperature_tuning"])
+        notes.append(f"llama4: generation_config.json attn_temperature_tuning = {generation['attn_temperature_tuning']}"
+                     " (vLLM reads the NoPE layers' query temperature there; by default it is on only past 32,768 "
+                     "tokens of max_model_len)")
+    return VllmExport(config, copy.deepcopy(overrides), length, notes, generation)
 
 
 def _per_layer_type(handle, served, notes: list[str]) -> tuple[dict[str, Any], int, bool]:
@@ -537,8 +549,9 @@ class VllmEngine(Engine):
 
     def write(self, model, tokenizer, translation: VllmExport, output: Path, *, gguf=None) -> tuple[Path, list[str]]:
         record = {"max_model_len": translation.max_model_len, "hf_overrides": translation.hf_overrides,
-                  "notes": translation.notes}
-        return write_model_folder(model, tokenizer, output, translation.config, VLLM_FILE, record), []
+                  "generation_config": translation.generation, "notes": translation.notes}
+        return write_model_folder(model, tokenizer, output, translation.config, VLLM_FILE, record,
+                                  translation.generation), []
 
     def rope(self, translation: VllmExport, length: int, context: dict[str, Any]
              ) -> EngineRope | dict[str, EngineRope]:
