@@ -30,7 +30,7 @@ from ropescale.rope_config import rope_config_of, text_config
 from ropescale.serving.rope import ExportRefused, check_length, served_temperatures
 from ropescale.temperature import Temperature
 
-__all__ = ["ServedRope", "check_freeze", "served_rope_parameters", "static_equivalent"]
+__all__ = ["ServedRope", "check_deepseek_yarn", "check_freeze", "served_rope_parameters", "static_equivalent"]
 
 
 @dataclass
@@ -57,6 +57,19 @@ class ServedRope:
     layer_contexts: dict[str, dict[str, Any]] = field(default_factory=dict)
     patched_types: list[str] = field(default_factory=list)
     temperature: Temperature | None = None  # the query temperature of the RoPE layers, of a kind the engine reads
+
+
+def check_deepseek_yarn(engine: str, version: str, rp: dict[str, Any]) -> None:
+    """``ExportRefused`` (one line) for what an engine's DeepSeek attention (vLLM's and SGLang's
+    ``deepseek_v2.py``) cannot serve of the scaled rope parameters ``rp``: it serves every scaled rope type as
+    DeepSeek's YaRN, whose ramp is always rounded — so another type, or ``truncate: false``."""
+    if rp["rope_type"] != "yarn":
+        raise ExportRefused(f"{engine}: {engine} {version}'s DeepSeek attention (deepseek_v2.py) serves every scaled "
+                            f"rope type as DeepSeek's YaRN, so {rp['rope_type']!r} cannot be expressed; patch yarn, "
+                            "or a raised base (ntk)")
+    if rp.get("truncate") is False:
+        raise ExportRefused(f"{engine}: its DeepSeek YaRN always rounds the ramp's correction dims (truncate: true); "
+                            "an unrounded ramp (truncate: false) cannot be expressed")
 
 
 def served_rope_parameters(handle: PatchHandle, engine: str, serve_length: int, *,

@@ -47,7 +47,7 @@ import torch
 
 from ropescale.rope_config import text_config
 from ropescale.serving.engines import Engine, write_model_folder
-from ropescale.serving.plan import served_rope_parameters
+from ropescale.serving.plan import check_deepseek_yarn, served_rope_parameters
 from ropescale.serving.rope import EngineRope, ExportRefused, check_length, patch_handle
 
 __all__ = ["ENGINE", "SGLANG_FILE", "VERSION", "SglangEngine", "SglangExport", "export_sglang",
@@ -102,13 +102,7 @@ def export_sglang(model_or_handle, serve_length: int, *, freeze_dynamic_at: int 
     if served.layer_types is None:
         rp = dict(served.rope_parameters)
         if _deepseek(config) and rp["rope_type"] != "default":
-            if rp["rope_type"] != "yarn":
-                raise ExportRefused(f"SGLang: SGLang {VERSION}'s DeepSeek attention (deepseek_v2.py) serves every "
-                                    f"scaled rope type as DeepSeek's YaRN, so {rp['rope_type']!r} cannot be expressed; "
-                                    "patch yarn, or a raised base (ntk)")
-            if rp.get("truncate") is False:
-                raise ExportRefused("SGLang: its DeepSeek YaRN always rounds the ramp's correction dims "
-                                    "(truncate: true); an unrounded ramp (truncate: false) cannot be expressed")
+            check_deepseek_yarn(ENGINE, VERSION, rp)
         rp, mpe = _translate(rp, served.context, length, notes)
         text["rope_parameters"] = rp
         text.pop("original_max_position_embeddings", None)

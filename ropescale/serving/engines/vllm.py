@@ -50,7 +50,7 @@ import torch
 from ropescale.errors import InvalidInput
 from ropescale.rope_config import text_config
 from ropescale.serving.engines import Engine, write_model_folder
-from ropescale.serving.plan import served_rope_parameters
+from ropescale.serving.plan import check_deepseek_yarn, served_rope_parameters
 from ropescale.serving.rope import EngineRope, ExportRefused, check_length, patch_handle
 
 __all__ = ["ENGINE", "PER_LAYER_TYPE", "VERSION", "VLLM_FILE", "VllmEngine", "VllmExport", "export_vllm",
@@ -239,14 +239,7 @@ def _deepseek_translate(rp: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     vLLM reads ``attention_factor`` = 1.0 as ``deepseek_llama_scaling``, which drops the softmax factor.
     ``ExportRefused`` for another scaled rope type (vLLM serves every one as DeepSeek's YaRN), an
     unrounded ramp (``truncate: false``), and A ≠ 1 at s ≤ 1."""
-    kind = rp["rope_type"]
-    if kind != "yarn":
-        raise ExportRefused(f"vLLM: vLLM {VERSION}'s DeepSeek attention (deepseek_v2.py) serves every scaled rope "
-                            f"type as DeepSeek's YaRN, so {kind!r} cannot be expressed; patch yarn, or a raised base "
-                            "(ntk)")
-    if rp.get("truncate") is False:
-        raise ExportRefused("vLLM: vLLM's DeepSeek YaRN always rounds the ramp's correction dims (truncate: true); "
-                            "an unrounded ramp (truncate: false) cannot be expressed")
+    check_deepseek_yarn(ENGINE, VERSION, rp)
     s = float(rp["factor"])
     mad = float(rp.get("mscale_all_dim") or 0.0)
     a = float(rp.get("attention_factor") if rp.get("attention_factor") is not None else _mscale(s))
