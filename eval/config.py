@@ -16,16 +16,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
+from pydantic import Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
 from ropescale.runs.config import (
     ConfigError,
-    ConfigModel,
     DataConfig,
     NestedErrors,
+    RunConfig,
     StrategySpec,
     apply_overrides,
-    check_threads,
     error_parts,
     explain,
     load_raw,
@@ -72,34 +71,27 @@ def resolved_dtype(dtype: str, device) -> str:
 MAX_LENGTH = 1 << 24  # float32 holds every integer position up to here; memory is checked before a run
 
 
-class EvalConfig(ConfigModel):
+class EvalConfig(RunConfig):
     """One experiment: a task over strategies × lengths on one model (and, for tasks that read
     text, one data source). The task's own keys sit under its name (``passkey: {trials: 20}``);
     perplexity's may also sit at the top level, as they did before tasks existed."""
 
-    model_config = ConfigDict(extra="forbid")
     task: str = "perplexity"
-    model: str = "reference"
-    data: DataConfig = Field(default_factory=DataConfig)
     lengths: list[int] = Field(min_length=1)
     strategies: list[StrategySpec] = Field(min_length=1)
     # SerializeAsAny: dumped as the task's own options class (the manifest's config), not as the
     # declared base, which has no fields and would dump as {}
     options: SerializeAsAny[TaskOptions] = Field(default_factory=TaskOptions, description="the task's options")
-    original_max_position_embeddings: int | None = Field(None, ge=2)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="weights' dtype; auto: bfloat16 on a GPU that supports it, float32 on the CPU "
                             "(recorded resolved)")
-    device: str = "auto"
     device_map: str | None = Field(None, description="auto / balanced / sequential: spread a model larger than "
                                                       "one GPU over this node's devices (accelerate)")
-    threads: int | None = Field(None, ge=1, description="torch threads (at most this machine's CPU count)")
     engine: str = Field(DEFAULT, description="what scores the cells: transformers (in this process), vllm "
                         "(serving what `patch --engine vllm` writes), mlx (perplexity through mlx-lm) or a plugin's "
                         "scoring engine (eval.engines.scoring)")
     vllm: VllmOptions | None = Field(None, description="engine: vllm's tensor_parallel_size, data_parallel_size, "
                                      "max_model_len, parity_tolerance (only with engine: vllm; its defaults there)")
-    output: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -132,11 +124,6 @@ class EvalConfig(ConfigModel):
             raise NestedErrors(error_parts(e, task.Options)).under(name) from None
         return raw
 
-    @field_validator("data", mode="before")
-    @classmethod
-    def _data(cls, v: Any) -> Any:
-        return {"source": v} if isinstance(v, str) else v
-
     @field_validator("strategies", mode="before")
     @classmethod
     def _strategies(cls, v: Any) -> Any:
@@ -166,11 +153,6 @@ class EvalConfig(ConfigModel):
                              f"positions, exact only up to 2^24 = {MAX_LENGTH} tokens (the longest context "
                              f"windows are about 10 million); use lengths of at most {MAX_LENGTH}")
         return sorted(set(v))
-
-    @field_validator("threads")
-    @classmethod
-    def _threads(cls, v: int | None) -> int | None:
-        return check_threads(v)
 
     @model_validator(mode="after")
     def _fits(self) -> EvalConfig:

@@ -41,9 +41,9 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
+from pydantic import Field, Strict, ValidationError, field_validator, model_validator
 
-from ropescale.runs.config import ConfigError, DataConfig, check_threads, explain, load_raw
+from ropescale.runs.config import ConfigError, DataConfig, RunConfig, explain, load_raw
 from ropescale.runs.data import KJV_SPLITS, DataSpec
 from ropescale.runs.trackers import tracker_names
 from ropescale.strategies import get_strategy
@@ -87,12 +87,11 @@ def same_data(search: DataSpec, heldout: DataSpec) -> bool:
     return False
 
 
-class SearchConfig(BaseModel):
+class SearchConfig(RunConfig):
     """One parameter search: a strategy family's numeric parameters on one model, scored on a
-    search split at the target lengths (see ``eval.search.objective``)."""
+    search split at the target lengths (see ``eval.search.objective``). Numbers are strict (no
+    ``"4"``, no ``4.0`` for a count)."""
 
-    model_config = ConfigDict(extra="forbid")
-    model: str = "reference"
     data: DataConfig = Field(default_factory=lambda: DataConfig(source="kjv-train"),
                              description="the search split (default: the bundled model's training books)")
     heldout: DataConfig | None = Field(default_factory=lambda: DataConfig(source="kjv-heldout"),
@@ -118,12 +117,12 @@ class SearchConfig(BaseModel):
     evolution: dict[str, Any] = Field(default_factory=dict, description=(
         "method evolution: LongRoPE's hyper-parameters (population, iterations, elite, mutation_prob, "
         "crossover_prob, variant); left out: the authors' defaults"))
-    original_max_position_embeddings: Int | None = Field(None, ge=2)
+    original_max_position_embeddings: Int | None = Field(None, ge=2, description="override the model's training "
+                                                                                 "window T [tokens]")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="weights' dtype; auto: bfloat16 on a GPU that supports it, float32 on the CPU "
                             "(recorded resolved)")
-    device: str = "auto"
-    threads: Int | None = Field(None, ge=1)
+    threads: Int | None = Field(None, ge=1, description="torch threads (at most this machine's CPU count)")
     engine: Literal["transformers", "vllm"] = Field(
         "transformers", description="what scores every candidate: transformers (in this process) or vllm (serving "
                                     "what `patch --engine vllm` writes; eval.engines.vllm_eval)")
@@ -132,16 +131,8 @@ class SearchConfig(BaseModel):
     report_to: list[str] = Field(default_factory=list,
                                  description="accelerate trackers to report each finished trial to (tensorboard, "
                                              "wandb, mlflow, ...; trials.csv is always written)")
-    output: str | None = None
 
     _report_to = field_validator("report_to", mode="before")(tracker_names)
-
-    @field_validator("data", "heldout", mode="before")
-    @classmethod
-    def _data(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            return {"source": v}
-        return v
 
     @field_validator("lengths")
     @classmethod
@@ -167,11 +158,6 @@ class SearchConfig(BaseModel):
         if v < 1:
             raise ValueError(f"budget={v}: a search needs at least 1 trial")
         return v
-
-    @field_validator("threads")
-    @classmethod
-    def _threads(cls, v: int | None) -> int | None:
-        return check_threads(v)
 
     @model_validator(mode="after")
     def _check(self) -> SearchConfig:
@@ -231,6 +217,22 @@ class SearchConfig(BaseModel):
     def space(self) -> list[Dimension]:
         """The searched dimensions (``eval.search.space.search_space``)."""
         return search_space(self.strategy, self.search, self.fixed)
+
+    def identity(self) -> dict[str, Any]:
+        """The search's own part of its identity (``ropescale.runs.protocol``; the weights' and the
+        search split's fingerprints and the versions are added there): what makes two searches the
+        same. The budget is not part of it (raising it extends a search), nor where it runs or
+        reports (``device``, ``threads``, ``report_to``, ``output``)."""
+        keep = ("strategy", "search", "fixed", "lengths", "length_weights", "method", "seed", "max_windows",
+                "retrieval_weight", "retrieval_trials", "epsilon", "original_max_position_embeddings", "dtype",
+                "evolution")
+        return {"task": "search", "model": self.model, "data": self.data.spec().describe(),
+                **self.model_dump(mode="json", include=set(keep)),
+                # LongRoPE2's needle term: in the identity only when used, so earlier studies still resume
+                **(self.model_dump(include={"needle_weight", "needle_trials"}) if self.needle_weight else {}),
+                **({"max_kl": self.max_kl} if self.max_kl is not None else {}),
+                # vLLM's numbers are another experiment's (within the parity tolerance); report_to is not
+                **({"engine": self.engine} if self.engine != "transformers" else {})}
 
     def weights(self) -> list[float]:
         """Each length's weight, normalised to sum 1."""

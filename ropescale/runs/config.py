@@ -35,7 +35,7 @@ from ropescale.runs.data import DataSpec
 from ropescale.strategies import get_strategy
 from ropescale.temperature import parse_temperature
 
-__all__ = ["MAX_VALUES", "ConfigError", "ConfigModel", "DataConfig", "NestedErrors", "StrategySpec",
+__all__ = ["MAX_VALUES", "ConfigError", "ConfigModel", "DataConfig", "NestedErrors", "RunConfig", "StrategySpec",
            "apply_overrides", "check_threads", "error_parts", "explain", "load_raw", "parse_strategy", "read_yaml"]
 
 MAX_VALUES = 100_000  # values in one config (or one --set value) with its YAML aliases expanded
@@ -243,8 +243,38 @@ class DataConfig(ConfigModel):
     join: bool = Field(False, description="the documents as one text, in order, separated by a blank line "
                                           "(windows longer than any one document: books of a corpus read in turn)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _source_only(cls, raw: Any) -> Any:
+        """``data: kjv-train`` (the source alone) → ``{source: kjv-train}``."""
+        return {"source": raw} if isinstance(raw, str) else raw
+
     def spec(self) -> DataSpec:
         return DataSpec(**self.model_dump())
+
+
+class RunConfig(ConfigModel):
+    """The base of every run's config — an experiment (``eval.config.EvalConfig``), a search
+    (``eval.search.config.SearchConfig``), a fine-tuning run
+    (``ropescale.training.config.FinetuneConfig``): the fields and checks they share. Each kind adds
+    its own fields (and its ``dtype`` choices) and redefines a shared one's default where it differs
+    (a search's and a fine-tuning run's ``data`` is the training split); the shared fields keep their
+    place in a dumped config. The run's lifecycle is ``ropescale.runs.protocol``'s."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field("reference", description="a Hugging Face model id, a local folder, or the bundled "
+                                                "reference model")
+    data: DataConfig = Field(default_factory=DataConfig, description="the documents the run reads")
+    original_max_position_embeddings: int | None = Field(None, ge=2, description="override the model's training "
+                                                                                 "window T [tokens]")
+    device: str = "auto"
+    threads: int | None = Field(None, ge=1, description="torch threads (at most this machine's CPU count)")
+    output: str | None = Field(None, description="the run's folder (one run per folder)")
+
+    @field_validator("threads")
+    @classmethod
+    def _threads(cls, v: int | None) -> int | None:
+        return check_threads(v)
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:

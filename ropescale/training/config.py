@@ -23,8 +23,8 @@ from ropescale.runs.config import (
     ConfigError,
     ConfigModel,
     DataConfig,
+    RunConfig,
     StrategySpec,
-    check_threads,
     explain,
     load_raw,
     parse_strategy,
@@ -168,11 +168,6 @@ class EvalDuringTraining(ConfigModel):
     batch_size: int = Field(1, ge=1)
     after: list[dict[str, Any]] = Field(default_factory=list, description="harness experiments on the saved model")
 
-    @field_validator("data", mode="before")
-    @classmethod
-    def _data(cls, v: Any) -> Any:
-        return {"source": v} if isinstance(v, str) else v
-
     @field_validator("lengths")
     @classmethod
     def _lengths(cls, v: list[int]) -> list[int]:
@@ -222,16 +217,15 @@ class RecipeSpec(ConfigModel):
         return build_recipe(self.name, self.options)
 
 
-class FinetuneConfig(ConfigModel):
+class FinetuneConfig(RunConfig):
     """One fine-tuning run. ``batch_size`` is per process and per micro-step: the global batch
     is batch_size × grad_accum × processes windows."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    model: str = "reference"
     strategy: StrategySpec
-    data: DataConfig = Field(default_factory=lambda: DataConfig(source="kjv-train"))
+    data: DataConfig = Field(default_factory=lambda: DataConfig(source="kjv-train"),
+                             description="the training documents (default: the bundled model's training books)")
     length: int = Field(ge=2, description="target length L [tokens]: the training windows (PoSE: the reach)")
-    original_max_position_embeddings: int | None = Field(None, ge=2, description="override the model's window T")
     attention_path: str | None = Field(None, description="relative-position rules: ropescale.patch's attention_path")
     steps: int = Field(description="optimiser steps", le=MAX_STEPS)
     batch_size: int = Field(4, ge=1, description="windows per process per micro-step")
@@ -248,8 +242,6 @@ class FinetuneConfig(ConfigModel):
         "float32", description="the weights as loaded: bfloat16 halves a frozen base (LoRA, LongLoRA; with "
                                "mixed_precision: bf16), nf4 is QLoRA's 4-bit base (bitsandbytes, CUDA, pip install "
                                "'ropescale[qlora]') — what trains stays float32")
-    device: str = "auto"
-    threads: int | None = Field(None, ge=1)
     checkpoint_every: int = Field(100, ge=1, description="steps between save_state checkpoints")
     keep_checkpoints: int = Field(1, ge=1)
     eval: EvalDuringTraining | None = None
@@ -286,10 +278,7 @@ class FinetuneConfig(ConfigModel):
     report_to: list[str] = Field(default_factory=list,
                                  description="accelerate trackers to report loss, learning rate and held-out PPL to "
                                              "(tensorboard, wandb, mlflow, ...; log.jsonl is always written)")
-    output: str | None = None
-
     _report_to = field_validator("report_to", mode="before")(tracker_names)
-
 
     @field_validator("strategy", mode="before")
     @classmethod
@@ -302,11 +291,6 @@ class FinetuneConfig(ConfigModel):
             raise ValueError(f"{spec.display}: profiles pick a factor per served request; fine-tune with one factor "
                              "(each profile's, or the largest) and export profiles from it")
         return spec
-
-    @field_validator("data", mode="before")
-    @classmethod
-    def _data(cls, v: Any) -> Any:
-        return {"source": v} if isinstance(v, str) else v
 
     @field_validator("steps", mode="before")
     @classmethod
@@ -345,11 +329,6 @@ class FinetuneConfig(ConfigModel):
         if v is not None:
             _fsdp_kwargs(v)  # a bad file fails now
         return v
-
-    @field_validator("threads")
-    @classmethod
-    def _threads(cls, v: int | None) -> int | None:
-        return check_threads(v)
 
     @model_validator(mode="after")
     def _consistent(self) -> FinetuneConfig:

@@ -37,7 +37,8 @@ def write(tmp_path, tiny_run):
 
 
 @pytest.mark.parametrize("overrides,fragments", [
-    ({"stpes": 3}, ["stpes: unknown key; allowed: model, strategy,", "(did you mean 'steps'?)"]),
+    ({"stpes": 3}, ["stpes: unknown key; allowed: model, data, original_max_position_embeddings, device, threads,",
+                    "output, strategy,", "(did you mean 'steps'?)"]),
     ({"pose": {"chunk": 2}}, ["pose.chunk: unknown key; allowed: enabled, chunks, content, sampling", "'chunks'"]),
     ({"pose": {"chunks": 3}}, ["pose: chunks: 3 with sampling: authors, which draws exactly 2 chunks",
                                "set pose.sampling: paper"]),
