@@ -25,18 +25,11 @@ from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.models import resolve_device
 from ropescale.patching import patch
 from ropescale.runs.config import error_parts
-from ropescale.runs.lifecycle import (
-    claimed_folder,
-    configured_context,
-    configured_window,
-    load_inputs,
-    load_run_model,
-    loaded_window,
-    run_identity,
-)
-from ropescale.runs.manifest import check_manifest, environment, prepare_output, record_patch
+from ropescale.runs.lifecycle import RunInputs, configured_context, configured_window, load_run_model, loaded_window
+from ropescale.runs.manifest import prepare_output, record_patch
 from ropescale.runs.memory import InsufficientMemoryError, check_fits
 from ropescale.runs.processes import process_state
+from ropescale.runs.protocol import RunFolder, RunKind, execute_run
 from ropescale.strategies import get_strategy
 
 from .config import EvalConfig, StrategySpec, resolved_dtype
@@ -45,7 +38,7 @@ from .report import write_reports
 from .schema import SCHEMA_VERSION, Record
 from .tasks.base import Task, get_task
 
-__all__ = ["ResultsFileError", "cell_id", "experiment_fields", "read_results", "resolve_cells", "run_sweep"]
+__all__ = ["ResultsFileError", "Sweep", "cell_id", "experiment_fields", "read_results", "resolve_cells", "run_sweep"]
 
 RESULTS = "results.jsonl"
 
@@ -234,85 +227,111 @@ def _headline(task: type[Task], record: dict) -> str:
 
 
 def run_sweep(cfg: EvalConfig, output: str | Path, *, progress: bool = True) -> list[dict]:
-    """Run (or resume) the experiment: ``cfg.task`` over strategies × lengths. Returns this
-    experiment's records in (length, strategy) order.
+    """Run (or resume) an experiment: its task over strategies × lengths.
 
     Launched with ``accelerate launch`` (several GPUs or nodes, or CPU processes with gloo), every
     process measures its share of each cell's examples, the parts are gathered, and only the main
-    process writes: the records equal a single-process run's.
+    process writes: the records equal a single-process run's. A refused run leaves no folder
+    behind (``ropescale.runs.protocol``).
 
-    Raises ``InvalidInput`` for strategy parameters that fail at any of the lengths
-    (``resolve_cells``) before the output folder is created, ``ropescale.runs.data.DataError`` /
-    ``ValueError`` subclasses (too-short data, a length that cannot hold the task's prompts) before
-    any cell runs, and ``NoRotaryEmbeddingError`` for a model without RoPE.
+    Args:
+        cfg: the experiment (``EvalConfig``).
+        output: its folder (``results.jsonl``, appended cell by cell: a rerun skips finished cells).
+        progress: print each cell and the task's progress bars (the main process of a launch only).
+
+    Returns:
+        This experiment's records (``eval.schema.Record``) in (length, strategy) order.
+
+    Raises:
+        ropescale.errors.InvalidInput: strategy parameters that fail at one of the lengths
+            (``resolve_cells``), before the output folder is created.
+        ropescale.runs.data.DataError: data that cannot be read or is too short (``ValueError``
+            subclasses also for a length that cannot hold the task's prompts), before any cell runs.
+        ropescale.rotary.NoRotaryEmbeddingError: a model without RoPE.
+        ropescale.runs.manifest.ExperimentMismatchError: the folder holds another experiment.
     """
-    # cpu=True makes processes started by torchrun (`accelerate launch --multi_gpu` on a machine
-    # without GPUs) one gloo group; without it each would measure every example and write alone. The
-    # group is the process's: set up by its first run, kept for the next (a fine-tuning run's
-    # after-training evaluations run here on its group), closed at exit (ropescale.runs.processes)
-    state = process_state(cpu=resolve_device(cfg.device).type == "cpu")
-    # what the scoring engine cannot do is refused before anything loads or is written
-    scoring_engine(cfg.engine).check(cfg, processes=state.num_processes)
-    # T as the model's config gives it (no weights loaded): every cell's parameters, before the folder, the
-    # manifest or the first cell
-    train_length = configured_window(cfg.model, cfg.original_max_position_embeddings, missing_ok=True)
-    if train_length:
-        resolve_cells(cfg, train_length)
-    with claimed_folder(output, state) as folder:
-        return _run_locked(cfg, folder, progress and state.is_main_process, state)
+    return execute_run(Sweep(cfg, progress=progress), output)
 
 
-def _run_locked(cfg: EvalConfig, output: Path, progress: bool, state) -> list[dict]:
-    results_path = output / RESULTS
-    task_cls = get_task(cfg.task)
-    # a device that is not there fails before any work; launched processes take their own
-    device = state.device if state.num_processes > 1 and cfg.device == "auto" else resolve_device(cfg.device)
-    cfg = cfg.model_copy(update={"dtype": resolved_dtype(cfg.dtype, device)})  # recorded resolved
-    # the run's lifecycle (ropescale.runs.lifecycle): tokenizer and data once → identity → manifest → model → T
-    inputs = load_inputs(cfg.model, cfg.data.spec() if task_cls.uses_data else None)
-    env = environment()
-    ident = run_identity(experiment_fields(cfg, task_cls.uses_data), model=cfg.model, docs=inputs.docs, env=env)
-    # checked now, claimed (written) once the model loads and every length's examples are built: a
-    # config refused on the way leaves the folder free for the corrected rerun
-    experiment = check_manifest(output, ident, cfg.model_dump(mode="json"), state, write=False)
-    done = {r["cell"]: r for r in read_results(results_path) if "cell" in r}
-    cells = [(length, spec, cell_id(experiment, spec, length)) for length in cfg.lengths for spec in cfg.strategies]
-    todo = [c for c in cells if c[2] not in done]
-    if progress and len(todo) < len(cells):
-        print(f"resuming: {len(cells) - len(todo)} of {len(cells)} cells already in {results_path}")
+class Sweep(RunKind):
+    """The sweep as a run kind (``ropescale.runs.protocol``): its identity is the task, options,
+    model, data and dtype (``experiment_fields``); its preparation the finished cells read back,
+    then — when a cell is left — the model, T, the task's examples of every length and the memory
+    check; its execution the cells, each appended as it finishes, then the reports."""
 
-    if todo:
+    def __init__(self, cfg: EvalConfig, *, progress: bool = True):
+        # cpu=True makes processes started by torchrun (`accelerate launch --multi_gpu` on a machine
+        # without GPUs) one gloo group; without it each would measure every example and write alone. The
+        # group is the process's: set up by its first run, kept for the next (a fine-tuning run's
+        # after-training evaluations run here on its group), closed at exit (ropescale.runs.processes)
+        self.state = state = process_state(cpu=resolve_device(cfg.device).type == "cpu")
+        # a device that is not there fails before any work; launched processes take their own
+        self.device = state.device if state.num_processes > 1 and cfg.device == "auto" else resolve_device(cfg.device)
+        self.cfg = cfg.model_copy(update={"dtype": resolved_dtype(cfg.dtype, self.device)})  # recorded resolved
+        self.task_cls = get_task(cfg.task)
+        self.progress = progress and state.is_main_process
+        self.todo: list = []
+
+    def check(self) -> None:
+        cfg = self.cfg
+        # what the scoring engine cannot do is refused before anything loads or is written
+        scoring_engine(cfg.engine).check(cfg, processes=self.state.num_processes)
+        # T as the model's config gives it (no weights loaded): every cell's parameters first
+        train_length = configured_window(cfg.model, cfg.original_max_position_embeddings, missing_ok=True)
+        if train_length:
+            resolve_cells(cfg, train_length)
+
+    def data(self):
+        return self.cfg.data.spec() if self.task_cls.uses_data else None
+
+    def identity(self, inputs: RunInputs):
+        return experiment_fields(self.cfg, self.task_cls.uses_data), inputs.docs
+
+    def prepare(self, inputs: RunInputs, folder: RunFolder) -> None:
+        cfg, results_path = self.cfg, folder.path / RESULTS
+        self.done = {r["cell"]: r for r in read_results(results_path) if "cell" in r}
+        self.cells = [(length, spec, cell_id(folder.experiment, spec, length))
+                      for length in cfg.lengths for spec in cfg.strategies]
+        self.todo = [c for c in self.cells if c[2] not in self.done]
+        if self.progress and len(self.todo) < len(self.cells):
+            print(f"resuming: {len(self.cells) - len(self.todo)} of {len(self.cells)} cells already in {results_path}")
+        if not self.todo:
+            return
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         # a patch saved with the model is removed: it would stack under the sweep's strategies
-        model = load_run_model(cfg.model, inputs, dtype=cfg.dtype, device=str(device), device_map=cfg.device_map,
-                               local_attention=True)
+        self.model = load_run_model(cfg.model, inputs, dtype=cfg.dtype, device=str(self.device),
+                                    device_map=cfg.device_map, local_attention=True)
         if cfg.device_map:
-            device = model.get_input_embeddings().weight.device  # inputs go where the embeddings are
-        train_length = loaded_window(model, cfg.model, cfg.original_max_position_embeddings, purpose="sweep")
-        resolve_cells(cfg, train_length)  # the loaded model's T: every cell again, before the first runs
-        task = task_cls(cfg.options, tokenizer=inputs.tokenizer, train_length=train_length, documents=inputs.docs,
-                        source=cfg.data.spec().describe() if task_cls.uses_data else None)
-        lengths = sorted({c[0] for c in todo})
-        _check_memory(task, model, lengths, None if cfg.device_map else device)
+            self.device = self.model.get_input_embeddings().weight.device  # inputs go where the embeddings are
+        self.train_length = loaded_window(self.model, cfg.model, cfg.original_max_position_embeddings, purpose="sweep")
+        resolve_cells(cfg, self.train_length)  # the loaded model's T: every cell again, before the first runs
+        self.task = self.task_cls(cfg.options, tokenizer=inputs.tokenizer, train_length=self.train_length,
+                                  documents=inputs.docs,
+                                  source=cfg.data.spec().describe() if self.task_cls.uses_data else None)
+        lengths = sorted({c[0] for c in self.todo})
+        _check_memory(self.task, self.model, lengths, None if cfg.device_map else self.device)
         # build every length's examples first: data or lengths that cannot work fail before any cell runs
-        examples = {length: task.examples(length) for length in lengths}
-    check_manifest(output, ident, cfg.model_dump(mode="json"), state)
-    if todo:
-        with _append_safely(results_path) if state.is_main_process else nullcontext() as sink:
-            for length, spec, cid in todo:
-                record = {"schema": SCHEMA_VERSION, "cell": cid, "experiment": experiment,
-                          **_score_cell(cfg, task, model, examples[length], spec, length, train_length, device,
-                                        progress, state, output), "env": env}
-                if sink is not None:
-                    sink.write(json.dumps(record) + "\n")
-                    sink.flush()  # written as it completes: a rerun resumes from here
-                done[cid] = record
-                if progress:
-                    print(f"{spec.display:>24} @ {length:>6}: {_headline(task_cls, record)} "
-                          f"({record['seconds']:.1f}s)", flush=True)
-    records = [done[cid] for _, _, cid in cells]
-    if state.is_main_process:
-        write_reports(records, output)
-    state.wait_for_everyone()
-    return records
+        self.examples = {length: self.task.examples(length) for length in lengths}
+
+    def execute(self, folder: RunFolder) -> list[dict]:
+        cfg, state, done = self.cfg, self.state, self.done
+        if self.todo:
+            with _append_safely(folder.path / RESULTS) if state.is_main_process else nullcontext() as sink:
+                for length, spec, cid in self.todo:
+                    record = {"schema": SCHEMA_VERSION, "cell": cid, "experiment": folder.experiment,
+                              **_score_cell(cfg, self.task, self.model, self.examples[length], spec, length,
+                                            self.train_length, self.device, self.progress, state, folder.path),
+                              "env": self.env}
+                    if sink is not None:
+                        sink.write(json.dumps(record) + "\n")
+                        sink.flush()  # written as it completes: a rerun resumes from here
+                    done[cid] = record
+                    if self.progress:
+                        print(f"{spec.display:>24} @ {length:>6}: {_headline(self.task_cls, record)} "
+                              f"({record['seconds']:.1f}s)", flush=True)
+        records = [done[cid] for _, _, cid in self.cells]
+        if state.is_main_process:
+            write_reports(records, folder.path)
+        state.wait_for_everyone()
+        return records

@@ -23,19 +23,19 @@ from ropescale.models import resolve_device
 from ropescale.patching import find_rotary_modules
 from ropescale.rotary import rope_context
 from ropescale.runs.config import ConfigError
-from ropescale.runs.lifecycle import claimed_folder
-from ropescale.runs.manifest import check_manifest
+from ropescale.runs.lifecycle import RunInputs
 from ropescale.runs.plotting import pyplot, save_figure
 from ropescale.runs.processes import process_state
+from ropescale.runs.protocol import RunFolder, RunKind, execute_run
 
 from .config import SearchConfig
+from .objective import SearchObjective, check_disjoint
 from .report import (
     BEST,
     PLOT,
     REPORT,
     TRIALS,
     fmt,
-    identity,
     plot_objective,
     replacing,
     spec_string,
@@ -45,7 +45,7 @@ from .report import (
 from .trackers import SearchTrackers, trial_numbers
 from .tuner import PENALTY, SearchFailed
 
-__all__ = ["FACTORS_PLOT", "JOURNAL", "run_longrope_search"]
+__all__ = ["FACTORS_PLOT", "JOURNAL", "EvolutionSearch", "run_longrope_search"]
 
 JOURNAL, FACTORS_PLOT = "evolution.jsonl", "factors.png"
 
@@ -54,54 +54,83 @@ def run_longrope_search(cfg: SearchConfig, output: Path, *, progress: bool = Tru
     """Run (or resume) the evolutionary search of ``cfg`` (strategy longrope) into ``output``;
     returns the ``best.json`` mapping. ``cfg.budget`` caps the evaluations.
 
-    The model and data are loaded and checked before the folder is touched (a model without RoPE,
-    data too short: one line, nothing written). Raises ``SearchFailed`` when no evaluation gave a
-    finite value."""
-    try:
-        from .evolution import run_evolution, split_over_processes, yarn_init_factors, yarn_ramp64
-    except ImportError:
-        raise ConfigError("method: evolution (LongRoPE's search) is not available in this version; "
-                          "use tpe or cmaes") from None
-    from .objective import SearchObjective
+    The model and data are loaded and checked before the manifest is written (a model without RoPE,
+    data too short: one line, nothing left behind). Raises ``SearchFailed`` when no evaluation gave
+    a finite value."""
+    return execute_run(EvolutionSearch(cfg, progress=progress), output)
 
-    # under `accelerate launch` every process runs this same search; each generation's candidates
-    # are split over them (split_over_processes) and the main process alone writes the folder. The
-    # process group stays open for a later run in the process (ropescale.runs.processes)
-    state = process_state(cpu=resolve_device(cfg.device).type == "cpu")
-    main = state.is_main_process
-    progress = progress and main
-    objective = SearchObjective(cfg, progress=progress)
-    ctx = rope_context(objective.model, find_rotary_modules(objective.model)[0][1])
-    dim, theta, train = ctx["dim"], ctx["rope_theta"], objective.train_length
-    scale = max(1.0, max(cfg.lengths) / train)
-    short = cfg.fixed.get("short_factor", [1.0] * (dim // 2))
-    yarn = yarn_init_factors(dim, theta, train, scale)
-    with claimed_folder(output, state) as output:
-        check_manifest(output, identity(cfg, objective.docs), cfg.model_dump(mode="json"), state)
+
+class EvolutionSearch(RunKind):
+    """LongRoPE's evolution as a run kind (``ropescale.runs.protocol``). Under ``accelerate
+    launch`` every process runs this same search; each generation's candidates are split over them
+    (``split_over_processes``) and the main process alone writes the folder. The process group
+    stays open for a later run in the process (``ropescale.runs.processes``)."""
+
+    def __init__(self, cfg: SearchConfig, *, progress: bool = True):
+        self.cfg = cfg
+        self.state = process_state(cpu=resolve_device(cfg.device).type == "cpu")
+        self.progress = progress and self.state.is_main_process
+
+    def check(self) -> None:
+        try:
+            from .evolution import run_evolution  # noqa: F401 — what this method runs
+        except ImportError:
+            raise ConfigError("method: evolution (LongRoPE's search) is not available in this version; "
+                              "use tpe or cmaes") from None
+
+    def check_documents(self, texts: list[str]) -> None:
+        check_disjoint(self.cfg, texts)
+
+    def identity(self, inputs: RunInputs):
+        return self.cfg.identity(), inputs.docs
+
+    def prepare(self, inputs: RunInputs, folder: RunFolder | None) -> None:
+        from .evolution import yarn_init_factors
+
+        self.objective = objective = SearchObjective(self.cfg, progress=self.progress, inputs=inputs)
+        ctx = rope_context(objective.model, find_rotary_modules(objective.model)[0][1])
+        self.dim, self.theta, self.train = ctx["dim"], ctx["rope_theta"], objective.train_length
+        self.scale = max(1.0, max(self.cfg.lengths) / self.train)
+        self.short = self.cfg.fixed.get("short_factor", [1.0] * (self.dim // 2))
+        self.yarn = yarn_init_factors(self.dim, self.theta, self.train, self.scale)
+
+    def execute(self, folder: RunFolder) -> dict:
+        from .evolution import run_evolution, split_over_processes
+
+        cfg, state, objective, output = self.cfg, self.state, self.objective, folder.path
+        main = state.is_main_process
 
         def score(factors, start_tokens: int) -> float:
-            _, m = objective({"long_factor": [float(f) for f in factors], "short_factor": short})
+            _, m = objective({"long_factor": [float(f) for f in factors], "short_factor": self.short})
             return m.objective + PENALTY * max(0.0, m.constraint)
 
         batch = split_over_processes(score, state) if state.num_processes > 1 else None
-        result = run_evolution(score, dim=dim, scale=scale, yarn_factors=yarn, seed=cfg.seed,
-                               journal=output / JOURNAL, budget=cfg.budget, progress=progress,
+        result = run_evolution(score, dim=self.dim, scale=self.scale, yarn_factors=self.yarn, seed=cfg.seed,
+                               journal=output / JOURNAL, budget=cfg.budget, progress=self.progress,
                                evaluate_batch=batch, write_journal=main, **cfg.evolution)
         if not math.isfinite(result.value):
             raise SearchFailed(f"no usable evaluation in {result.evaluations}: every candidate's objective was "
                                f"not a finite number (the journal {output / JOURNAL} has each value); check the "
                                "model in float32 (dtype) and the lengths")
-        params, m = objective({"long_factor": [float(f) for f in result.factors], "short_factor": short})
+        params, m = objective({"long_factor": [float(f) for f in result.factors], "short_factor": self.short})
         best = {"strategy": "longrope", "params": params, "spec": spec_string("longrope", params),
                 "objective": m.objective, "feasible": m.constraint <= 0, "trial": _best_index(result),
                 "ppl": {str(k): v for k, v in m.ppl.items()}, "ppl_train": m.ppl_train,
                 "evaluations": result.evaluations, "stop": result.stop}
-        if not main:
-            state.wait_for_everyone()
-            return best
+        if main:
+            self._write(folder, result, best)
+        state.wait_for_everyone()  # all processes leave together
+        return best
+
+    def _write(self, folder: RunFolder, result, best: dict) -> None:
+        """The folder's files from the finished evolution: the trackers' values, ``trials.csv``, the
+        plots, ``results.md``, then ``best.json`` (it marks the search done)."""
+        from .evolution import yarn_ramp64
+
+        cfg, output = self.cfg, folder.path
         rows = [{"trial": i, "generation": h["generation"], "origin": h["origin"], "objective": h["value"],
                  "feasible": None, "factors": json.dumps(h["factors"])} for i, h in enumerate(result.history)]
-        trackers = SearchTrackers(cfg.report_to, output, identity(cfg, objective.docs))
+        trackers = SearchTrackers(cfg.report_to, output, folder.identity)
         try:  # the evaluations' objective, from the journal, once the evolution ends
             for r in rows:
                 trackers.log(r["trial"], trial_numbers({"objective": r["objective"]}, {}))
@@ -111,13 +140,11 @@ def run_longrope_search(cfg: SearchConfig, output: Path, *, progress: bool = Tru
         plot_objective(rows, output / PLOT, cfg)
         # YaRN's own per-pair factors θ_i / θ'_i (its defaults: θ'_i = θ_i · (ramp_i / s + 1 − ramp_i)),
         # beside LongRoPE's initial individual
-        ramp = yarn_ramp64(dim, theta, train)
-        yarn_own = (1.0 / (ramp / scale + 1.0 - ramp)).tolist()
-        _plot_factors(result.factors, yarn, yarn_own, output / FACTORS_PLOT, cfg)
-        write_text(output / REPORT, _markdown(cfg, best, rows, objective.vanilla_ppl_train, train))
+        ramp = yarn_ramp64(self.dim, self.theta, self.train)
+        yarn_own = (1.0 / (ramp / self.scale + 1.0 - ramp)).tolist()
+        _plot_factors(result.factors, self.yarn, yarn_own, output / FACTORS_PLOT, cfg)
+        write_text(output / REPORT, _markdown(cfg, best, rows, self.objective.vanilla_ppl_train, self.train))
         write_text(output / BEST, json.dumps(best, indent=1) + "\n")  # last: it marks the search done
-    state.wait_for_everyone()  # all processes leave together
-    return best
 
 
 def _best_index(result) -> int:

@@ -44,7 +44,7 @@ from ropescale.models import resolve_device
 from ropescale.patching import patch
 from ropescale.runs.config import ConfigError
 from ropescale.runs.data import KJV_SPLITS, load_documents
-from ropescale.runs.lifecycle import configured_context, load_inputs, load_run_model, loaded_window
+from ropescale.runs.lifecycle import RunInputs, configured_context, load_run_model, loaded_window
 from ropescale.runs.scoring import score_windows
 from ropescale.runs.windows import WindowError, make_windows
 from ropescale.strategies import get_strategy
@@ -53,7 +53,7 @@ from .config import SearchConfig, same_data
 from .needle_objective import answer_nll, needle_examples
 from .tuner import Refused
 
-__all__ = ["RETRIEVAL_SEED", "Measurement", "SearchObjective", "spec_params"]
+__all__ = ["RETRIEVAL_SEED", "Measurement", "SearchObjective", "check_disjoint", "spec_params"]
 
 RETRIEVAL_SEED = 7919  # passkey keys of the search; the eval's default seed is 0
 
@@ -84,7 +84,7 @@ class Measurement:
         return out
 
 
-def _check_disjoint(cfg: SearchConfig, texts: list[str]) -> None:
+def check_disjoint(cfg: SearchConfig, texts: list[str]) -> None:
     """``ConfigError`` when a document of the held-out data is also a search document (a copy of
     the held-out file under another name). Checked for held-out data on this machine (the bundled
     splits, local paths); a hub dataset is compared by id only (``same_data``)."""
@@ -113,20 +113,19 @@ def spec_params(strategy: str, fixed: dict, sampled: dict, *, length: int, train
 
 
 class SearchObjective:
-    """The objective of ``cfg`` on its model, loaded once. ``objective(sampled)`` →
+    """The objective of ``cfg`` on its model, loaded once from the run's ``inputs`` (tokenizer
+    and search split, read once by ``ropescale.runs.protocol``). ``objective(sampled)`` →
     ``(params, Measurement)``.
 
     Raises (one line, before any trial): ``ConfigError`` for a model without a rotary embedding or
     a training window, data too short for a length or for T, a search split that holds a held-out
     document; the loaders' own errors (``DataError``, a model that cannot be loaded)."""
 
-    def __init__(self, cfg: SearchConfig, *, progress: bool = False):
+    def __init__(self, cfg: SearchConfig, *, inputs: RunInputs, progress: bool = False):
         self.cfg = cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.device = resolve_device(cfg.device)
-        # the run's lifecycle (ropescale.runs.lifecycle): tokenizer and data once, then the model and T
-        inputs = load_inputs(cfg.model, cfg.data.spec(), check=lambda texts: _check_disjoint(cfg, texts))
         self.docs, self.tokenizer = inputs.docs, inputs.tokenizer
         self.model = load_run_model(cfg.model, inputs, dtype=cfg.dtype, device=str(self.device), local_attention=True)
         self.train_length = loaded_window(self.model, f"model: {cfg.model}", cfg.original_max_position_embeddings,

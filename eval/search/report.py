@@ -1,6 +1,7 @@
-"""What a search folder holds besides its study: the manifest identity, the best spec as a
-strategy entry, the trials table (CSV) and the objective plot — shared by the Optuna tuner
-(``eval.search.run``) and LongRoPE's evolutionary search (``eval.search.longrope``)."""
+"""What a search folder holds besides its study: the best spec as a strategy entry, the trials
+table (CSV) and the objective plot — shared by the Optuna tuner (``eval.search.run``) and
+LongRoPE's evolutionary search (``eval.search.longrope``). The search's identity is its config's
+(``SearchConfig.identity``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from ropescale.runs.plotting import pyplot, save_figure
 
 from .config import SearchConfig
 
-__all__ = ["BEST", "PARETO", "PLOT", "REPORT", "STUDY", "TRIALS", "fmt", "identity", "pareto_front",
+__all__ = ["BEST", "PARETO", "PLOT", "REPORT", "STUDY", "TRIALS", "fmt", "pareto_front",
            "perplexity_term", "plot_objective", "plot_pareto", "replacing", "spec_string", "write_csv", "write_text"]
 
 STUDY, BEST, TRIALS, REPORT, PLOT = "study.db", "best.json", "trials.csv", "results.md", "search.png"
@@ -26,24 +27,6 @@ PARETO = "pareto.png"
 def spec_string(strategy: str, params: dict) -> str:
     """``NAME:k=v,...``, the strategy entry ``eval`` and ``sweep`` read (``parse_strategy``)."""
     return strategy + (":" + ",".join(f"{k}={v!r}" for k, v in params.items()) if params else "")
-
-
-def identity(cfg: SearchConfig, docs) -> dict:
-    """What makes two searches the same (``manifest.json``; ``ropescale.runs.lifecycle.run_identity``);
-    ``docs``: the search split's tokenized documents (``SearchObjective.docs``)."""
-    from ropescale.runs.lifecycle import run_identity
-
-    keep = ("strategy", "search", "fixed", "lengths", "length_weights", "method", "seed", "max_windows",
-            "retrieval_weight", "retrieval_trials", "epsilon", "original_max_position_embeddings", "dtype",
-            "evolution")
-    return run_identity({"task": "search", "model": cfg.model, "data": cfg.data.spec().describe(),
-                         **cfg.model_dump(mode="json", include=set(keep)),
-                         # LongRoPE2's needle term: in the identity only when used, so earlier studies still resume
-                         **(cfg.model_dump(include={"needle_weight", "needle_trials"}) if cfg.needle_weight else {}),
-                         **({"max_kl": cfg.max_kl} if cfg.max_kl is not None else {}),
-                         # vLLM's numbers are another experiment's (within the parity tolerance); report_to is not
-                         **({"engine": cfg.engine} if cfg.engine != "transformers" else {})},
-                        model=cfg.model, docs=docs)
 
 
 @contextmanager

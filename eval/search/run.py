@@ -28,11 +28,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ropescale.runs.lifecycle import claimed_folder
-from ropescale.runs.manifest import check_manifest, folder_lock
+from ropescale.runs.lifecycle import RunInputs
+from ropescale.runs.protocol import RunFolder, RunKind, execute_run
 from ropescale.runs.trackers import check_installed
 
 from .config import SearchConfig
+from .objective import SearchObjective, check_disjoint
 from .report import (
     BEST,
     PARETO,
@@ -41,7 +42,6 @@ from .report import (
     STUDY,
     TRIALS,
     fmt,
-    identity,
     plot_objective,
     plot_pareto,
     spec_string,
@@ -62,56 +62,98 @@ from .tuner import (
     trial_index,
 )
 
-__all__ = ["SearchFailed", "run_search", "write_outputs"]
+__all__ = ["OptunaSearch", "SearchFailed", "run_search", "write_outputs"]
 
 BRIEF_LOCK_WAIT = 120.0  # seconds a search process waits for another holding the folder's lock for a short step
 
 
 def run_search(cfg: SearchConfig, output: str | Path, *, progress: bool = True) -> dict:
-    """Run (or resume) ``cfg``'s search into ``output``; returns the ``best.json`` mapping.
+    """Run (or resume) a parameter search into its folder.
 
-    The model and the search data are loaded and checked first — a model without RoPE, data too
-    short for a length, a method that is not available: one-line ``RopescaleError``, nothing
-    written. Then the manifest's errors for a folder holding another search or busy being written,
-    ``StudyError`` for a ``study.db`` that cannot be used, and ``SearchFailed`` when every trial
-    was refused or failed."""
+    The model and the search data are loaded and checked first: a refused search writes nothing.
+
+    Args:
+        cfg: the search (``SearchConfig``; ``method: evolution`` runs LongRoPE's evolution).
+        output: its folder (``study.db`` or the evolution's journal: a rerun resumes).
+        progress: print each trial.
+
+    Returns:
+        The ``best.json`` mapping: ``strategy``, ``params``, ``spec`` (a strategy entry), the
+        objective and the PPL per length of the best trial.
+
+    Raises:
+        ropescale.errors.RopescaleError: a model without RoPE, data too short for a length, a method
+            that is not available (one line; nothing written).
+        ropescale.runs.manifest.ExperimentMismatchError: the folder holds another search
+            (``FolderBusyError``: it is busy being written past the wait).
+        eval.search.tuner.StudyError: a ``study.db`` that cannot be used.
+        eval.search.tuner.SearchFailed: every trial was refused or failed.
+    """
     from ropescale.models import resolve_device
 
     from ..config import resolved_dtype
 
     # dtype auto recorded resolved (identity, manifest): the same experiment as its explicit name
     cfg = cfg.model_copy(update={"dtype": resolved_dtype(cfg.dtype, resolve_device(cfg.device))})
-    check_installed(cfg.report_to, "config")  # what needs no model, before anything loads or is written
-    if cfg.engine == "vllm":
-        from .vllm_scoring import check_search_engine
-
-        check_search_engine(cfg)
     if cfg.method == "evolution":
-        from .longrope import run_longrope_search
+        from .longrope import EvolutionSearch
 
-        return run_longrope_search(cfg, Path(output), progress=progress)
-    from .objective import SearchObjective
-
-    objective = SearchObjective(cfg, progress=progress)  # user errors refuse the whole search here
-    ident = identity(cfg, objective.docs)
-    # the folder's lock is held while checking (processes sharing the study wait for each other, then run unlocked)
-    with claimed_folder(output, wait=BRIEF_LOCK_WAIT) as output:
-        storage = f"sqlite:///{(output / STUDY).resolve()}"
-        experiment = check_manifest(output, ident, cfg.model_dump(mode="json"))
-        open_study(storage, experiment)  # created once, under the lock, by whichever process comes first
-    if cfg.engine == "vllm":
-        objective.serve_from(output)
-    trackers = SearchTrackers(cfg.report_to, output, ident)
-    try:
-        return _run_study(cfg, objective, storage, experiment, output, trackers, progress)
-    finally:
-        trackers.close()
+        return execute_run(EvolutionSearch(cfg, progress=progress), output)
+    return execute_run(OptunaSearch(cfg, progress=progress), output)
 
 
-def _run_study(cfg: SearchConfig, objective, storage: str, experiment: str, output: Path, trackers: SearchTrackers,
-               progress: bool) -> dict:
-    """The study's trials (each reported to ``trackers`` and, with ``progress``, printed), then the
-    outputs (``write_outputs``)."""
+class OptunaSearch(RunKind):
+    """A search by Optuna (TPE, CMA-ES) as a run kind (``ropescale.runs.protocol``). Several
+    ``ropescale search`` processes may run one study in one folder (``shares_folder``): each loads
+    and checks the model and data first, then holds the folder's lock only to check the manifest and
+    create the study (``claim``) and to write the outputs (``finish``), waiting up to
+    ``BRIEF_LOCK_WAIT`` seconds for another's hold."""
+
+    shares_folder = True
+    lock_wait = BRIEF_LOCK_WAIT
+
+    def __init__(self, cfg: SearchConfig, *, progress: bool = True):
+        self.cfg, self.progress = cfg, progress
+
+    def check(self) -> None:
+        check_installed(self.cfg.report_to, "config")  # what needs no model, before anything loads or is written
+        if self.cfg.engine == "vllm":
+            from .vllm_scoring import check_search_engine
+
+            check_search_engine(self.cfg)
+
+    def check_documents(self, texts: list[str]) -> None:
+        check_disjoint(self.cfg, texts)
+
+    def identity(self, inputs: RunInputs):
+        return self.cfg.identity(), inputs.docs
+
+    def prepare(self, inputs: RunInputs, folder: RunFolder | None) -> None:
+        self.objective = SearchObjective(self.cfg, progress=self.progress, inputs=inputs)
+
+    def claim(self, folder: RunFolder) -> None:
+        self.storage = f"sqlite:///{(folder.path / STUDY).resolve()}"
+        open_study(self.storage, folder.experiment)  # created once, under the lock, by whichever process comes first
+
+    def execute(self, folder: RunFolder):
+        if self.cfg.engine == "vllm":
+            self.objective.serve_from(folder.path)
+        trackers = SearchTrackers(self.cfg.report_to, folder.path, folder.identity)
+        try:
+            return _run_study(self.cfg, self.objective, self.storage, folder.experiment, trackers, self.progress)
+        finally:
+            trackers.close()
+
+    def finish(self, folder: RunFolder, study) -> dict:
+        with storage_errors(self.storage):
+            study.set_user_attr("vanilla_ppl_train", self.objective.vanilla_ppl_train)
+            study.set_user_attr("train_length", self.objective.train_length)
+            return write_outputs(self.cfg, study, folder.path)
+
+
+def _run_study(cfg: SearchConfig, objective, storage: str, experiment: str, trackers: SearchTrackers,
+               progress: bool):
+    """The study's trials (each reported to ``trackers`` and, with ``progress``, printed); the study."""
 
     def evaluate(sampled: dict) -> Outcome:
         params, m = objective(sampled)
@@ -131,12 +173,8 @@ def _run_study(cfg: SearchConfig, objective, storage: str, experiment: str, outp
         print(f"trial {index:>4}: J {a['objective']:.4f} ({ppl}; PPL@T {a['ppl_train']:.2f}, "
               f"c {a['constraint']:+.3f}) {a['seconds']:.1f}s  {json.dumps(trial.params)}", flush=True)
 
-    study = run_study(cfg.space(), evaluate, storage=storage, study_name=experiment, method=cfg.method,
-                      seed=cfg.seed, budget=cfg.budget, report=report)
-    with folder_lock(output, wait=BRIEF_LOCK_WAIT), storage_errors(storage):
-        study.set_user_attr("vanilla_ppl_train", objective.vanilla_ppl_train)
-        study.set_user_attr("train_length", objective.train_length)
-        return write_outputs(cfg, study, output)
+    return run_study(cfg.space(), evaluate, storage=storage, study_name=experiment, method=cfg.method,
+                     seed=cfg.seed, budget=cfg.budget, report=report)
 
 
 def write_outputs(cfg: SearchConfig, study, output: Path) -> dict:

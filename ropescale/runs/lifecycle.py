@@ -1,5 +1,6 @@
-"""One run's lifecycle, shared by every kind of run — a sweep (``eval.sweep``), a fine-tuning run
-(``ropescale.training.loop``), a search by Optuna or by LongRoPE's evolution (``eval.search``):
+"""The steps of one run's lifecycle, shared by every kind of run — a sweep (``eval.sweep``), a
+fine-tuning run (``ropescale.training.run``), a search by Optuna or by LongRoPE's evolution
+(``eval.search``) — and ordered by the one run protocol, ``ropescale.runs.protocol``:
 
     folder → lock → tokenizer and data once → identity → manifest → model → T
 
@@ -18,13 +19,14 @@
   override or else the model's config, read by the one reader ``ropescale.rope_config``
   (``model_training_window`` before the weights load, ``rope_context`` of a loaded model).
 
-The order is the contract: everything that can refuse the input (a bad config, a model that does not
-load, data too short) does so before the folder's manifest is written, so a corrected rerun into
-the same folder is not refused as another experiment.
+The order is the protocol's contract: everything that can refuse the input (a bad config, a model
+that does not load, data too short) does so before the folder's manifest is written, so a corrected
+rerun into the same folder is not refused as another experiment.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +36,7 @@ import torch
 
 from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.runs.data import DataSpec, load_documents, tokenize_documents
-from ropescale.runs.manifest import data_fingerprint, environment, folder_lock, prepare_output
+from ropescale.runs.manifest import LOCK, data_fingerprint, environment, folder_lock, prepare_output
 from ropescale.runs.processes import on_main
 
 __all__ = ["RunInputs", "claimed_folder", "configured_context", "configured_window", "load_inputs", "load_run_model",
@@ -56,11 +58,24 @@ class RunInputs:
         return data_fingerprint(self.docs)
 
 
-def load_inputs(model: str, data: DataSpec | None = None, *, check=None) -> RunInputs:
-    """The tokenizer of ``model`` (once) and the documents of ``data`` tokenized (once; None: no
-    data). ``check(texts)``: called on the documents before they are tokenized (a search refusing
-    held-out documents). Raises ``ropescale.models.ModelLoadError`` and
-    ``ropescale.runs.data.DataError`` in one line."""
+def load_inputs(model: str, data: DataSpec | None = None, *,
+                check: Callable[[list[str]], None] | None = None) -> RunInputs:
+    """The tokenizer of a model, loaded once, and a run's documents, read and tokenized once.
+
+    Args:
+        model: a Hugging Face model id, a local folder or ``reference``.
+        data: the documents to read (None: no data, only the tokenizer).
+        check: ``check(texts)``, called on the documents before they are tokenized (a search
+            refusing held-out documents); None: no check.
+
+    Returns:
+        ``RunInputs``: the tokenizer, the texts and their token ids (one ``[n_tokens]`` int64
+        tensor per document).
+
+    Raises:
+        ropescale.models.ModelLoadError: the tokenizer cannot be loaded (one line).
+        ropescale.runs.data.DataError: the data cannot be read (one line).
+    """
     from ropescale.models import load_tokenizer
 
     tokenizer = load_tokenizer(model)
@@ -74,12 +89,27 @@ def load_inputs(model: str, data: DataSpec | None = None, *, check=None) -> RunI
 
 def load_run_model(model: str, inputs: RunInputs, *, dtype: str = "float32", device: str = "auto",
                    device_map: str | dict | None = None, unpatched: bool = True, local_attention: bool = False,
-                   quantization: str | None = None):
-    """The weights of ``model`` (``ropescale.models.load_model``) with the run's tokenizer, in eval
-    mode; ``unpatched``: a patch saved with the model removed (the run applies its own).
-    ``local_attention``: sliding-window layers without n × n masks on the CPU
-    (``ropescale.attention.local.enable_local_attention``: only where a check forward shows it exact),
-    for runs that only evaluate. ``quantization``: ``load_model``'s (``"nf4"``: QLoRA's 4-bit base)."""
+                   quantization: str | None = None) -> Any:
+    """The weights of a run's model (``ropescale.models.load_model``), in eval mode.
+
+    Args:
+        model: a Hugging Face model id, a local folder or ``reference``.
+        inputs: the run's inputs: their tokenizer is used, not loaded again.
+        dtype: the weights' dtype (``float32``, ``bfloat16``, ``float16``).
+        device: where the weights go (``auto``: a GPU if there is one).
+        device_map: accelerate's placement over several devices (None: one device).
+        unpatched: remove a patch saved with the model (the run applies its own).
+        local_attention: sliding-window layers without n × n masks on the CPU
+            (``ropescale.attention.local.enable_local_attention``: only where a check forward shows it
+            exact), for runs that only evaluate.
+        quantization: ``load_model``'s (``"nf4"``: QLoRA's 4-bit base; None: none).
+
+    Returns:
+        The loaded ``PreTrainedModel``.
+
+    Raises:
+        ropescale.models.ModelLoadError: the weights cannot be loaded (one line).
+    """
     from ropescale.attention.local import enable_local_attention
     from ropescale.models import load_model
     from ropescale.patching import unpatch
@@ -94,16 +124,31 @@ def load_run_model(model: str, inputs: RunInputs, *, dtype: str = "float32", dev
 
 
 def versions(env: dict[str, Any] | None = None) -> dict[str, str]:
-    """The library versions an identity records (of ``environment()``: ropescale, torch, transformers)."""
+    """The library versions an identity records.
+
+    Args:
+        env: an ``environment()`` mapping (None: read now).
+
+    Returns:
+        ``{"ropescale": ..., "torch": ..., "transformers": ...}``.
+    """
     env = environment() if env is None else env
     return {k: env[k] for k in ("ropescale", "torch", "transformers")}
 
 
 def run_identity(fields: dict[str, Any], *, model: str, docs: list[torch.Tensor] | None,
                  env: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The identity of a run (``check_manifest``): its own ``fields`` (task and options, a search's
-    settings, a fine-tuning config), ``weights`` (``model_fingerprint``), ``data_tokens``
-    (``data_fingerprint`` of ``docs``; None without data) and ``versions``."""
+    """The identity of a run: what makes two runs the same experiment (``check_manifest``).
+
+    Args:
+        fields: the run's own fields (task and options, a search's settings, a fine-tuning config).
+        model: the model id or folder (its weights are fingerprinted: ``model_fingerprint``).
+        docs: the tokens naming the run's data (each ``[n]`` int64; None: no data).
+        env: an ``environment()`` mapping (None: read now).
+
+    Returns:
+        ``fields`` with ``weights``, ``data_tokens`` (``data_fingerprint`` of ``docs``) and ``versions``.
+    """
     from ropescale.models import model_fingerprint
 
     return {**fields, "weights": model_fingerprint(model), "data_tokens": data_fingerprint(docs),
@@ -111,25 +156,81 @@ def run_identity(fields: dict[str, Any], *, model: str, docs: list[torch.Tensor]
 
 
 @contextmanager
-def claimed_folder(output: str | Path, state=None, *, wait: float = 0.0):
-    """``output`` created and checked writable (``OutputError``), then locked for the block by the
-    main process of ``state`` (accelerate's ``PartialState``/``Accelerator``; None: this process):
-    ``FolderBusyError`` when another run holds the lock past ``wait`` seconds. Under a launch every
-    process raises the main process's refusal (``ropescale.runs.processes.on_main``). Yields the path."""
+def claimed_folder(output: str | Path, state: Any = None, *, wait: float = 0.0,
+                   tidy: bool = False) -> Iterator[Path]:
+    """A run folder created, checked writable and locked for the block. Under a launch every
+    process raises the main process's refusal (``ropescale.runs.processes.on_main``).
+
+    Args:
+        output: the folder (created with its parents).
+        state: accelerate's ``PartialState`` / ``Accelerator`` of a launched run, whose main process
+            locks (None: this process).
+        wait: seconds to wait for another run's lock (the short holds of searches sharing a folder).
+        tidy: when the block raises, remove the folders this claim created if they hold nothing but
+            the lock — a run refused before its manifest was written leaves nothing behind.
+
+    Yields:
+        The folder's ``Path``.
+
+    Raises:
+        ropescale.runs.manifest.OutputError: the folder cannot be written (one line).
+        ropescale.runs.manifest.FolderBusyError: another run holds the lock past ``wait`` seconds.
+    """
+    path = Path(output)
+    created = _missing(path) if tidy else []
+    main = state is None or state.is_main_process
     with ExitStack() as held:
         def claim() -> Path:
-            folder = prepare_output(Path(output))
+            folder = prepare_output(path)
             held.enter_context(folder_lock(folder, wait=wait))
             return folder
 
-        yield on_main(state, claim)
+        try:
+            yield on_main(state, claim)
+        except BaseException:
+            if created and main:
+                held.close()  # the lock released, then its file
+                _remove_empty(created)
+            raise
+
+
+def _missing(path: Path) -> list[Path]:
+    """The folders creating ``path`` would make, outermost first."""
+    out = []
+    while not path.exists() and path != path.parent:
+        out.append(path)
+        path = path.parent
+    return out[::-1]
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """``folders`` (outermost first) removed, innermost first, while each holds nothing but the lock."""
+    for folder in reversed(folders):
+        try:
+            if {p.name for p in folder.iterdir()} <= {LOCK}:
+                (folder / LOCK).unlink(missing_ok=True)
+            folder.rmdir()
+        except OSError:  # something was written there: kept
+            return
 
 
 def configured_window(model: str, override: int | None, *, missing_ok: bool = False) -> int | None:
-    """T as a run will use it, read before any weights load: ``override`` (the run's
-    ``original_max_position_embeddings``), else the model config's (``model_training_window``).
-    Raises ``ModelLoadError`` / ``InvalidInput`` in one line for a config that cannot be read or
-    has no window; ``missing_ok``: None then instead (loading the model reports it later)."""
+    """T as a run will use it, read before any weights load.
+
+    Args:
+        model: a Hugging Face model id, a local folder or ``reference``.
+        override: the run's ``original_max_position_embeddings`` (None: the model config's,
+            ``model_training_window``).
+        missing_ok: return None for a config that cannot be read or has no window (loading the
+            model reports it later) instead of raising.
+
+    Returns:
+        T [tokens], or None (``missing_ok``).
+
+    Raises:
+        ropescale.models.ModelLoadError: the config cannot be read (one line).
+        ropescale.errors.InvalidInput: the config has no window (one line).
+    """
     if override:
         return override
     from ropescale.models import model_training_window
@@ -143,10 +244,16 @@ def configured_window(model: str, override: int | None, *, missing_ok: bool = Fa
 
 
 def configured_context(model: str) -> dict:
-    """The strategies' context a patch of ``model`` will have, read from its config before any
-    weights load (``ropescale.models.model_rope_config``: d, b, T and, where the config has one,
-    DCA's ``dual_chunk_attention_config``); {} for a config that cannot be read or has no RoPE
-    (loading the model reports it)."""
+    """The strategies' context a patch of a model will have, read from its config before any
+    weights load (``ropescale.models.model_rope_config``).
+
+    Args:
+        model: a Hugging Face model id, a local folder or ``reference``.
+
+    Returns:
+        d, b, T and, where the config has one, DCA's ``dual_chunk_attention_config``; {} for a
+        config that cannot be read or has no RoPE (loading the model reports it).
+    """
     from ropescale.models import model_rope_config
 
     try:
@@ -155,11 +262,23 @@ def configured_context(model: str) -> dict:
         return {}
 
 
-def loaded_window(net, name: str, override: int | None, *, purpose: str = "run") -> int:
-    """T of a loaded model: ``override``, else its rotary module's config
-    (``ropescale.rotary.rope_context``). Raises ``NoRotaryEmbeddingError`` for a model without a
-    rotary embedding (nothing to ``purpose``) and ``InvalidInput`` for a config without a window;
-    both one line naming ``name``."""
+def loaded_window(net: Any, name: str, override: int | None, *, purpose: str = "run") -> int:
+    """T of a loaded model.
+
+    Args:
+        net: the loaded model.
+        name: how messages name the model (its id, ``model: ID``).
+        override: the run's ``original_max_position_embeddings`` (None: the rotary module's config,
+            ``ropescale.rotary.rope_context``).
+        purpose: what the run does to the model, for the message (``sweep``, ``search``).
+
+    Returns:
+        T [tokens].
+
+    Raises:
+        ropescale.rotary.NoRotaryEmbeddingError: the model has no rotary embedding (one line).
+        ropescale.errors.InvalidInput: its config has no window (one line).
+    """
     from ropescale.patching import NoRotaryEmbeddingError, find_rotary_modules, rope_context
 
     rotary = find_rotary_modules(net)

@@ -114,9 +114,7 @@ def test_each_finished_trial_is_in_tensorboard_as_in_trials_csv(tmp_path, raw):
         assert [s for s, _ in got[key]] == [int(r["trial"]) for r in rows], key
         assert [v for _, v in got[key]] == pytest.approx([float(r[column]) for r in rows], rel=1e-6), key
     a = build_search_config({**raw, "report_to": ["tensorboard"]})
-    from eval.search.report import identity
-
-    assert identity(a, None) == identity(build_search_config(raw), None)  # a search resumes across report_to
+    assert a.identity() == build_search_config(raw).identity()  # a search resumes across report_to
 
 
 def test_a_bad_or_missing_tracker_is_one_line_before_anything_is_written(tmp_path, raw, monkeypatch):
