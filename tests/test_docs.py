@@ -121,10 +121,23 @@ def test_ci_builds_the_site_strictly():
     assert re.search(r'^python -m pip install -q "\.\[docs\]"', run, re.M)
 
 
+def _google_gaps(name: str, fn) -> list[str]:
+    """What ``fn``'s docstring lacks: an ``Args:`` entry per parameter and a ``Returns:`` (or, for a
+    context manager, ``Yields:``) section unless it returns None — read from the signature."""
+    import inspect
+
+    doc = inspect.getdoc(fn) or ""
+    params = [p for p in inspect.signature(fn).parameters if p not in ("self", "kwargs", "args")]
+    args = doc.split("Args:", 1)[1].split("\n\n", 1)[0] if "Args:" in doc else ""
+    missing = [f"{name}: {p}" for p in params if f"\n    {p}:" not in "\n" + args]
+    if inspect.signature(fn).return_annotation not in (None, "None") and not ("Returns:" in doc or "Yields:" in doc):
+        missing.append(f"{name}: Returns")
+    return missing
+
+
 def test_the_top_level_functions_have_google_style_sections_for_every_parameter():
     """`import ropescale`'s functions: an ``Args:`` entry per parameter (the API pages' parameter tables) and a
-    ``Returns:`` section unless they return None — read from the signature, so a new parameter without its
-    line fails."""
+    ``Returns:`` section unless they return None, so a new parameter without its line fails."""
     import inspect
 
     import ropescale
@@ -132,12 +145,37 @@ def test_the_top_level_functions_have_google_style_sections_for_every_parameter(
     missing = []
     for name in ropescale.__all__:
         fn = getattr(ropescale, name)
-        if not inspect.isfunction(fn):
-            continue
-        doc = inspect.getdoc(fn) or ""
-        params = [p for p in inspect.signature(fn).parameters if p not in ("self", "kwargs", "args")]
-        args = doc.split("Args:", 1)[1].split("\n\n", 1)[0] if "Args:" in doc else ""
-        missing += [f"{name}: {p}" for p in params if f"\n    {p}:" not in "\n" + args]
-        if inspect.signature(fn).return_annotation not in (None, "None") and "Returns:" not in doc:
-            missing.append(f"{name}: Returns")
+        if inspect.isfunction(fn):
+            missing += _google_gaps(name, fn)
     assert missing == []
+
+
+def test_the_runs_entry_points_and_lifecycle_have_google_style_sections():
+    """Each kind of run's entry point (``run_sweep``, ``run_search``, ``finetune``), the protocol and its
+    lifecycle steps: the same sections, on the API pages."""
+    import inspect
+
+    from eval.search.run import run_search
+    from eval.sweep import run_sweep
+    from ropescale.runs import lifecycle
+    from ropescale.runs.protocol import execute_run
+    from ropescale.training import finetune
+
+    fns = {"run_sweep": run_sweep, "run_search": run_search, "finetune": finetune, "execute_run": execute_run,
+           **{n: inspect.unwrap(getattr(lifecycle, n)) for n in lifecycle.__all__
+              if inspect.isfunction(inspect.unwrap(getattr(lifecycle, n)))}}
+    assert len(fns) >= 12
+    missing = [gap for name, fn in fns.items() for gap in _google_gaps(name, fn)]
+    assert missing == []
+
+
+def test_the_section_check_can_fail():
+    def half(a: int, b: int) -> int:
+        """Half documented.
+
+        Args:
+            a: documented.
+        """
+        return a + b
+
+    assert _google_gaps("half", half) == ["half: b", "half: Returns"]
