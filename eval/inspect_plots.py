@@ -31,6 +31,15 @@ def _title(cfg, length: int) -> str:
 
 
 def plot_wavelengths(cfg, rows: list[dict], length: int, path: Path) -> None:
+    """Wavelength per rotary pair before and after each strategy, pairs coloured by class
+    (unchanged, interpolated, extrapolated, truncated).
+
+    Args:
+        cfg: the inspected model's rotary settings (``eval.inspect``).
+        rows: one row per strategy (``eval.inspect``).
+        length: the target length L [tokens].
+        path: the PNG written.
+    """
     plt = pyplot()
     n = len(rows)
     cols = min(3, n)
@@ -63,6 +72,14 @@ def plot_wavelengths(cfg, rows: list[dict], length: int, path: Path) -> None:
 
 
 def plot_relative_positions(cfg, rows: list[dict], length: int, path: Path) -> None:
+    """The relative position each (query, key) pair is given, per relative-position rule.
+
+    Args:
+        cfg: the inspected model's rotary settings (``eval.inspect``).
+        rows: one row per strategy, with its map on a grid.
+        length: the target length L [tokens].
+        path: the PNG written.
+    """
     plt = pyplot()
     fig, axes = plt.subplots(1, len(rows), figsize=(4.2 * len(rows), 3.8), squeeze=False)
     for ax, r in zip(axes[0], rows):
@@ -77,6 +94,15 @@ def plot_relative_positions(cfg, rows: list[dict], length: int, path: Path) -> N
 
 
 def plot_angles(cfg, rows: list[dict], length: int, pairs: list[int], path: Path) -> None:
+    """The rotation angle of chosen pairs against position, per strategy.
+
+    Args:
+        cfg: the inspected model's rotary settings (``eval.inspect``).
+        rows: one row per strategy.
+        length: the target length L [tokens].
+        pairs: the rotary pairs drawn.
+        path: the PNG written.
+    """
     plt = pyplot()
     short = min(length, 32)
     fig, axes = plt.subplots(len(pairs), 2, figsize=(12, 3.4 * len(pairs)), squeeze=False)
@@ -104,6 +130,15 @@ def plot_angles(cfg, rows: list[dict], length: int, pairs: list[int], path: Path
 
 
 def plot_decay(cfg, rows: list[dict], length: int, path: Path) -> None:
+    """Long-term decay, per strategy: C(r) = (2/d)·Σ_i cos(r·θ_i) against the distance r, and
+    RoFormer's relative upper bound (``ropescale.geometry``).
+
+    Args:
+        cfg: the inspected model's rotary settings (``eval.inspect``).
+        rows: one row per strategy.
+        length: the target length L [tokens].
+        path: the PNG written.
+    """
     plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.2))
     for k, r in enumerate(rows):
@@ -125,6 +160,15 @@ def plot_decay(cfg, rows: list[dict], length: int, path: Path) -> None:
 
 
 def plot_base_bound(cfg, rows: list[dict], length: int, path: Path) -> None:
+    """B(m) = Σ_i cos(m·θ_i) per strategy (the base bound, arXiv:2405.14591), its first negative
+    distance marked.
+
+    Args:
+        cfg: the inspected model's rotary settings (``eval.inspect``).
+        rows: one row per strategy.
+        length: the target length L [tokens].
+        path: the PNG written.
+    """
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.2))
     for k, r in enumerate(rows):
@@ -193,6 +237,15 @@ def attention_stats(model, ids: torch.Tensor, spec) -> dict:
 
 
 def plot_attention(stats: dict, cfg, length: int, path: Path) -> None:
+    """Attention statistics measured on the model per strategy: entropy [nats] and the share of
+    attention on the first ``SINK_TOKENS`` keys, per query position.
+
+    Args:
+        stats: ``{strategy: statistics}`` (``attention_stats``).
+        cfg: the inspected model's rotary settings (``eval.inspect``).
+        length: the sequence length [tokens].
+        path: the PNG written.
+    """
     plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.2))
     for k, (name, s) in enumerate(stats.items()):

@@ -104,6 +104,12 @@ def plot_depth_heatmaps(records: list[dict], key: str, path: Path) -> None:
 
 
 def plot_position(records: list[dict], path: Path) -> None:
+    """NLL by position at the longest length, one line per strategy (perplexity's ``nll_by_position``).
+
+    Args:
+        records: the experiment's records.
+        path: the PNG written.
+    """
     plt = pyplot()
     longest = max(r["length"] for r in records)
     fig, ax = plt.subplots(figsize=(8.5, 4.5))

@@ -462,10 +462,20 @@ def native_rope_parameters(handle: PatchHandle, base: dict[str, Any], max_positi
     return {**{k: base[k] for k in _KEEP if k in base}, **written}
 
 
-def exported_config(model, handle: PatchHandle, *, express: bool = True):
-    """``(config, native)``: a copy of the model's config carrying the patch (``native_rope_parameters``
-    per layer type, else ``MARKER``), and whether it is written as transformers rope parameters.
-    ``express=False``: ``MARKER`` for every patched layer type (a folder plain transformers refuses)."""
+def exported_config(model: Any, handle: PatchHandle, *, express: bool = True) -> tuple[Any, bool]:
+    """A copy of a patched model's config carrying its patch.
+
+    Args:
+        model: the patched model.
+        handle: its patch.
+        express: write the patch as transformers rope parameters where they can hold it
+            (``native_rope_parameters`` per layer type); False: ``MARKER`` for every patched layer type
+            (a folder plain transformers refuses).
+
+    Returns:
+        ``(config, native)``: the config, and whether every patched layer type is written as
+        transformers rope parameters.
+    """
     config = copy.deepcopy(model.config)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     rp = copy.deepcopy(text.rope_parameters)

@@ -84,13 +84,18 @@ class PatchHandle:
 
     @property
     def active(self) -> bool:
+        """Whether this patch is the model's now (False after ``unpatch``)."""
         return self._active
 
     @property
     def strategy_obj(self) -> Strategy:
+        """The registered ``Strategy`` this patch applies."""
         return get_strategy(self.strategy)
 
     def unpatch(self) -> None:
+        """Undo the patch in place: the hooks removed, every buffer, function and config value restored
+        bit for bit. A second call does nothing.
+        """
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -108,8 +113,14 @@ class PatchHandle:
         """Inside the block, the model as it was before the patch (bit for bit, as after ``unpatch``);
         on leaving it, the same patch again — this handle stays the model's active patch. What
         KL(P_unpatched ‖ P_patched) compares (``ropescale.runs.scoring``) without a second copy of
-        the weights. A training length set with ``train_at`` is set again. Raises ``RuntimeError``
-        after ``unpatch``."""
+        the weights. A training length set with ``train_at`` is set again.
+
+        Yields:
+            The model, unpatched.
+
+        Raises:
+            RuntimeError: the patch has been undone (``unpatch``).
+        """
         if not self.active:
             raise RuntimeError("this patch has been undone; patch the model again")
         training = [f.target_length for f in self._frequencies]
@@ -125,26 +136,38 @@ class PatchHandle:
                 f.set_target_length(length)
 
     def train_at(self, length: int | None) -> None:
-        """Train toward target length ``length`` [tokens]: in training mode, dynamic strategies use
-        L = max(``length``, max(position_ids) + 1) (``FrequencyPatch.set_target_length``);
-        None undoes it. Static strategies and relative-position rules do not depend on L: no effect. Raises
-        ``InvalidInput`` for a length that is not a whole number >= 1, ``RuntimeError`` after unpatch."""
+        """Train toward a target length: in training mode, dynamic strategies use L = max(``length``,
+        max(position_ids) + 1) (``FrequencyPatch.set_target_length``). Static strategies and
+        relative-position rules do not depend on L: no effect.
+
+        Args:
+            length: the target length L [tokens]; None undoes it.
+
+        Raises:
+            ropescale.errors.InvalidInput: a length that is not a whole number >= 1.
+            RuntimeError: the patch has been undone (``unpatch``).
+        """
         if not self.active:
             raise RuntimeError("this patch has been undone; patch the model again")
         for f in self._frequencies:
             f.set_target_length(length)
 
     def report(self) -> list[dict[str, Any]]:
-        """Per decoder layer, in layer order: ``layer`` (cache index), ``module``, ``rope`` (``"rope"``,
-        ``"none"``, ``"unknown"``), ``frequencies`` (the rotary module and layer type it uses),
-        ``rope_type`` (as the model's config has it), ``rope_theta``, ``rotary_dim`` [channels],
-        ``channels`` ([start, end)), ``layout`` (``halves``/``interleaved``, ``mirrored`` for sign −1),
-        ``original_max_position_embeddings`` [tokens], ``applied`` (the strategy, ``kept`` for an
-        unpatched layer type, ``no RoPE, untouched``) and ``temperature`` (the model's own query
-        temperature — kept, removed or replaced by a rule of ropescale's — or the rule added; "" for none).
-        A layer without attention (linear attention, Mamba: ``layer_rope.layers_without_attention``) is a
-        ``"none"`` row with its ``layer_type`` (the config's, e.g. ``linear_attention``) and no temperature.
-        Empty when the model's attention could not be observed."""
+        """What the patch does, per decoder layer.
+
+        Returns:
+            One row per decoder layer, in layer order: ``layer`` (cache index), ``module``, ``rope``
+            (``"rope"``, ``"none"``, ``"unknown"``), ``frequencies`` (the rotary module and layer type it
+            uses), ``rope_type`` (as the model's config has it), ``rope_theta``, ``rotary_dim`` [channels],
+            ``channels`` ([start, end)), ``layout`` (``halves``/``interleaved``, ``mirrored`` for sign −1),
+            ``original_max_position_embeddings`` [tokens], ``applied`` (the strategy, ``kept`` for an
+            unpatched layer type, ``no RoPE, untouched``) and ``temperature`` (the model's own query
+            temperature — kept, removed or replaced by a rule of ropescale's — or the rule added; "" for
+            none). A layer without attention (linear attention, Mamba:
+            ``layer_rope.layers_without_attention``) is a ``"none"`` row with its ``layer_type`` (the
+            config's, e.g. ``linear_attention``) and no temperature. Empty when the model's attention could
+            not be observed.
+        """
         rows = self._attention_rows()
         for index, name, layer_type in layers_without_attention(self.model, self.layers or []):
             rows.append({"layer": index, "module": name, "rope": "none", "layer_type": layer_type,
@@ -192,7 +215,12 @@ class PatchHandle:
         return f"{own.spec()} (model's) replaced by {ours}" if ours else f"{own.spec()} (model's) removed"
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready record of the patch (how ``ropescale.save_patched`` stores it)."""
+        """The patch as a record.
+
+        Returns:
+            A JSON-ready mapping: strategy, parameters, T, layer types and options (how
+            ``ropescale.save_patched`` stores it).
+        """
         out = {"strategy": self.strategy, "params": self.params,
                "original_max_position_embeddings": self.context["original_max_position_embeddings"]}
         if self.layer_types != [None]:

@@ -41,13 +41,19 @@ class PluginWarning(UserWarning):
 
 
 class Registry(dict, Generic[T]):
-    """``kind`` names one entry ("strategy"), ``plural`` several ("strategies"); ``error`` is
-    raised for an unknown name (an ``UnknownNameError`` subclass, one line); ``package`` is the
-    package whose modules are imported and ``plugins`` the entry-point group loaded on first
-    lookup (see the module docstring)."""
+    """Entries by name, discovered on first lookup (see the module docstring).
+
+    Args:
+        kind: how one entry is named ("strategy").
+        plural: how several are named ("strategies").
+        error: raised for an unknown name (an ``UnknownNameError`` subclass, one line).
+        package: the package whose modules are imported on first lookup (None: none).
+        skip: modules of ``package`` left out.
+        plugins: the entry-point group loaded on first lookup (None: none).
+    """
 
     def __init__(self, kind: str, plural: str, error: type[Exception], *, package: str | None = None,
-                 skip: tuple[str, ...] = (), plugins: str | None = None):
+                 skip: tuple[str, ...] = (), plugins: str | None = None) -> None:
         super().__init__()
         self.kind, self.plural, self.error = kind, plural, error
         self.package, self.skip, self.plugins = package, skip, plugins
@@ -55,7 +61,18 @@ class Registry(dict, Generic[T]):
         self._plugged = plugins is None
 
     def add(self, name: str, entry: T) -> T:
-        """Register ``entry`` under ``name``; ``ValueError`` when another entry holds the name."""
+        """Register an entry.
+
+        Args:
+            name: its name.
+            entry: the entry (a class, a ``Strategy``).
+
+        Returns:
+            ``entry``.
+
+        Raises:
+            ValueError: another entry holds the name.
+        """
         if name in self and self[name] is not entry:
             raise ValueError(f"{self.kind} {name!r} is already registered")
         self[name] = entry
@@ -90,11 +107,27 @@ class Registry(dict, Generic[T]):
             _load_entry_point(ep)
 
     def names(self) -> list[str]:
+        """The registered names, bundled and plugins'.
+
+        Returns:
+            The names, sorted.
+        """
         self.discover()
         return sorted(self)
 
     def lookup(self, name: str) -> T:
-        """The entry ``name``; ``error`` (one line: a close match and the known names) otherwise."""
+        """An entry by name.
+
+        Args:
+            name: its name.
+
+        Returns:
+            The entry.
+
+        Raises:
+            Exception: the registry's ``error`` for an unknown name (one line: a close match and the
+                known names).
+        """
         self.discover()
         try:
             return self[name]

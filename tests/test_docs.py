@@ -179,3 +179,107 @@ def test_the_section_check_can_fail():
         return a + b
 
     assert _google_gaps("half", half) == ["half: b", "half: Returns"]
+
+
+def _api_functions():
+    """``(name, function, docstring)`` of every function the API pages render (each ``::: path`` line of
+    ``docs/*.md``: a function, a class's public methods, a module's ``__all__``); an ``__init__`` is
+    documented by its class's docstring or its own; a dataclass's generated ``__init__`` by the fields."""
+    import importlib
+    import inspect
+
+    def resolve(path):
+        parts = path.split(".")
+        for i in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:i]))
+            except ImportError:
+                continue
+            for attr in parts[i:]:
+                obj = getattr(obj, attr)
+            return obj
+        raise AssertionError(path)
+
+    def walk(obj, name):
+        if inspect.ismodule(obj):
+            for n in getattr(obj, "__all__", []):
+                yield from walk(getattr(obj, n), f"{name}.{n}")
+        elif inspect.isclass(obj):
+            for n, member in vars(obj).items():
+                fn = member.__func__ if isinstance(member, (classmethod, staticmethod)) else member
+                if (n.startswith("_") and n != "__init__") or not inspect.isfunction(fn):
+                    continue
+                if fn.__code__.co_filename.startswith("<"):
+                    continue  # generated (a dataclass's __init__)
+                doc = inspect.getdoc(fn) or ""
+                if n == "__init__":
+                    doc = (inspect.getdoc(obj) or "") + "\n\n" + doc
+                yield f"{name}.{n}", fn, doc
+        elif inspect.isfunction(inspect.unwrap(obj)):
+            yield name, inspect.unwrap(obj), inspect.getdoc(inspect.unwrap(obj)) or ""
+
+    paths = sorted({line.split("::: ", 1)[1].strip() for page in ROOT.joinpath("docs").glob("*.md")
+                    for line in page.read_text(encoding="utf-8").splitlines() if line.startswith("::: ")})
+    for path in paths:
+        yield from walk(resolve(path), path)
+
+
+def test_every_function_on_the_api_pages_has_google_style_sections():
+    """What the API pages render gets a parameter table (``Args:``) and a ``Returns:`` / ``Yields:`` section
+    wherever it returns something: a new parameter, or a newly rendered function, without them fails."""
+    import inspect
+
+    found, missing = 0, []
+    for name, fn, doc in _api_functions():
+        found += 1
+        shown = lambda: None  # carries the signature and the docstring the page shows
+        shown.__doc__ = doc
+        sig = inspect.signature(fn)
+        shown.__signature__ = sig.replace(return_annotation=None) if fn.__name__ == "__init__" else sig
+        missing += _google_gaps(name, shown)
+    assert found >= 60 and missing == []
+
+
+def _undocumented(packages: tuple[str, ...] = ("ropescale", "eval")) -> list[str]:
+    """Public functions and methods (properties too) of ``packages`` defined there without a docstring of
+    their own or of the method they override."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    out = []
+    for pkg in packages:
+        root = importlib.import_module(pkg)
+        mods = [root, *(importlib.import_module(m.name) for m in pkgutil.walk_packages(root.__path__, f"{pkg}."))]
+        for mod in mods:
+            for name, obj in vars(mod).items():
+                if name.startswith("_") or getattr(obj, "__module__", None) != mod.__name__:
+                    continue
+                if inspect.isfunction(obj) and not obj.__doc__:
+                    out.append(f"{mod.__name__}.{name}")
+                if not inspect.isclass(obj):
+                    continue
+                for attr, member in vars(obj).items():
+                    fn = member.__func__ if isinstance(member, (classmethod, staticmethod)) else member
+                    fn = fn.fget if isinstance(fn, property) else fn
+                    if attr.startswith("_") or not inspect.isfunction(fn) or fn.__doc__:
+                        continue
+                    if not any(getattr(getattr(base, attr, None), "__doc__", None) for base in obj.__mro__[1:]):
+                        out.append(f"{mod.__name__}.{name}.{attr}")
+    return out
+
+
+def test_every_public_function_has_a_docstring():
+    """The library's and the harness's public functions and methods say what they do (an override takes its
+    base's); 21% of the library's and 38% of the harness's had none at 1132b61."""
+    assert _undocumented() == []
+
+
+def test_the_docstring_walk_finds_an_undocumented_function(tmp_path, monkeypatch):
+    pkg = tmp_path / "fakepkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "m.py").write_text("class A:\n    def f(self):\n        '''Doc.'''\n\n\nclass B(A):\n    def f(self):\n"
+                              "        pass\n\n    def g(self):\n        pass\n\n\ndef h():\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert sorted(_undocumented(("fakepkg",))) == ["fakepkg.m.B.g", "fakepkg.m.h"]

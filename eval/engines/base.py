@@ -96,10 +96,12 @@ class Run:
 
     @property
     def exports(self) -> Path:
+        """The folder the run's exports are written to."""
         return self.output / "exports"
 
     @property
     def logs(self) -> Path:
+        """The folder the engines' logs are written to."""
         return self.output / "logs"
 
 
@@ -234,6 +236,7 @@ class EngineDriver:
 
     @property
     def label(self) -> str:
+        """How rows and messages name the engine (``"vLLM"``)."""
         return self.engine.label
 
     def require(self) -> None:
@@ -260,6 +263,14 @@ class EngineDriver:
         self.reimplemented(row, case, translation)
 
     def reimplemented(self, row, case: Case, translation) -> None:
+        """Fill ``row`` from the engine's re-implemented rope (``Engine.rope``), for an engine that is not
+        run (not installed, or compared through its formulas alone).
+
+        Args:
+            row: the parity row to fill.
+            case: the case: our rotation per layer and the length.
+            translation: what the engine's ``translate`` returned.
+        """
         absent = f"; {self.label} not installed" if self.python_env is not None else ""
         theirs = self.engine.rope(translation, case.length, case.context)
         fill(row, case.ours_layers if isinstance(theirs, dict) else case.ours, theirs, case.length,

@@ -50,6 +50,17 @@ def measure(model_dir: Path) -> dict:
 
 
 def model_card(s: dict, c: dict, train_books: list, held_books: list) -> str:
+    """The bundled reference model's card (README.md) from its training summary and checks.
+
+    Args:
+        s: the training summary (both stages).
+        c: the checks (passkey at T, the copy probe, ...).
+        train_books: the training books, ``[(name, text)]``.
+        held_books: the held-out books.
+
+    Returns:
+        The card's Markdown.
+    """
     held = ", ".join(name for name, _ in held_books)
     s1 = s.get("stage1") or s
     pk, cp = c["passkey_at_T"], c["copy_probe"]

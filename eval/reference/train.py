@@ -68,6 +68,15 @@ COPY_MARGIN = 2.0
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on ``texts``.
+
+    Args:
+        texts: the training texts.
+        vocab_size: the vocabulary's size.
+
+    Returns:
+        The tokenizer.
+    """
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -102,6 +111,11 @@ class Mix:
         self.set_mix(mix)
 
     def set_mix(self, mix: dict[str, float]) -> None:
+        """Set the training mix: each window's kind drawn with these weights.
+
+        Args:
+            mix: ``{kind: weight}`` (``kjv``, ``passkey``, ``needle``, ...).
+        """
         self.kinds, self.weights = list(mix), list(mix.values())
 
     def _kjv(self) -> list[int]:
@@ -128,6 +142,11 @@ class Mix:
         return (piece * (self.T // len(piece) + 1))[: self.T]
 
     def window_ids(self) -> list[int]:
+        """One training window's token ids, of a kind drawn from the mix.
+
+        Returns:
+            ``window`` token ids.
+        """
         kind = self.rng.choices(self.kinds, self.weights)[0]
         if kind == "kjv":
             return self._kjv()
@@ -145,6 +164,14 @@ class Mix:
         raise ValueError(f"unknown document kind {kind!r}")
 
     def batch(self, size: int) -> torch.Tensor:
+        """A batch of training windows.
+
+        Args:
+            size: windows in the batch.
+
+        Returns:
+            ``[size, window]`` int64 token ids.
+        """
         return torch.tensor([self.window_ids() for _ in range(size)], dtype=torch.long)  # [b, T]
 
 

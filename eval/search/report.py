@@ -72,6 +72,13 @@ def fmt(v) -> str:
 
 
 def plot_objective(rows: list[dict], path: Path, cfg: SearchConfig) -> None:
+    """The objective of each finished trial against the trial, and the best feasible one so far.
+
+    Args:
+        rows: the trials' rows (``trials.csv``).
+        path: the PNG written.
+        cfg: the search (titles name its strategy, model and method).
+    """
     plt = pyplot()
     done = [r for r in rows if r["objective"] is not None]
     fig, ax = plt.subplots(figsize=(6.4, 4.0))

@@ -44,6 +44,12 @@ class SearchTrackers:
             self.acc.init_trackers(Path(output).name, config=flat_settings(identity))
 
     def log(self, step: int, numbers: dict[str, float]) -> None:
+        """Report one finished trial's numbers (nothing without trackers).
+
+        Args:
+            step: the trial's index.
+            numbers: ``{name: value}`` (objective, PPL per length, parameters).
+        """
         if self.acc is not None and numbers:
             self.acc.log(numbers, step=step)
 

@@ -96,6 +96,7 @@ class Task:
 
     @classmethod
     def summary(cls) -> str:
+        """The first paragraph of the task's docstring, as one line (``ropescale list``)."""
         return " ".join((cls.__doc__ or cls.name).split("\n\n")[0].split())
 
     def examples(self, length: int) -> Any:
@@ -158,6 +159,7 @@ class Task:
 
 
 def task_names() -> list[str]:
+    """The registered tasks' names (bundled and plugins), sorted."""
     return TASKS.names()
 
 

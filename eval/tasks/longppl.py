@@ -95,10 +95,12 @@ class LongPPL(Task):
 
     @property
     def short(self) -> int:
+        """The short context [tokens] the key tokens are found with (default: T)."""
         return self.options.short or self.train_length
 
     @property
     def stride(self) -> int:
+        """The stride of the short-context windows [tokens] (default: a quarter of ``short``)."""
         return self.options.stride or max(1, self.short // 4)
 
     @cached_property

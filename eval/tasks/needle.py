@@ -89,5 +89,15 @@ class Needle(RetrievalTask):
         return super().examples(length)
 
     def make_prompt(self, length: int, depth: float, rng: random.Random) -> Prompt:
+        """One needle prompt: a random key sentence at ``depth`` in the haystack, ``length`` tokens in all.
+
+        Args:
+            length: the prompt's length with its answer [tokens].
+            depth: where the needle sits, 0 (start) to 1 (end).
+            rng: the random source (the word and the key).
+
+        Returns:
+            The ``Prompt`` (ids and answer ids).
+        """
         return make_prompt(self.tokenizer, cycle_units(self.units, rng.randrange(len(self.units))), length=length,
                            depth=depth, word=rng.choice(WORDS), number=random_key(rng, self.options.digits))

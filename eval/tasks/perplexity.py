@@ -81,6 +81,7 @@ class Perplexity(Task):
 
     @property
     def bos(self) -> int | None:
+        """The BOS token id put before each window (``add_bos``), or None."""
         return self.tokenizer.bos_token_id if self.options.add_bos else None
 
     def examples(self, length: int):

@@ -61,6 +61,7 @@ class Prompt:
 
     @property
     def length(self) -> int:
+        """The prompt's tokens with its answer [tokens]."""
         return len(self.ids) + len(self.answer_ids)
 
 

@@ -137,6 +137,16 @@ class RetrievalTask(Task):
                Metric(key="candidate_accuracy", label="candidate log-likelihood accuracy", higher_is_better=True))
 
     def make_prompt(self, length: int, depth: float, rng: random.Random) -> Prompt:
+        """One prompt of ``length`` tokens with the answer at ``depth`` (each task's own).
+
+        Args:
+            length: the prompt's length with its answer [tokens].
+            depth: where the answer sits, 0 (start) to 1 (end).
+            rng: the random source.
+
+        Returns:
+            The ``Prompt`` (ids and answer ids).
+        """
         raise NotImplementedError
 
     def memory(self, length: int, model) -> Need:

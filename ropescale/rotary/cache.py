@@ -166,6 +166,14 @@ class WatchedRotaries:
         self.frequencies, self.dynamic_cache = frequencies, dynamic_cache
 
     def would_change(self, seq_len: int) -> bool:
+        """Whether a forward of ``seq_len`` tokens would recompute a dynamic strategy's frequencies.
+
+        Args:
+            seq_len: the sequence length [tokens].
+
+        Returns:
+            True when any watched frequency set would change.
+        """
         return any(f.would_change(seq_len) for f in self.frequencies)
 
 

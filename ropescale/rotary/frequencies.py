@@ -50,6 +50,7 @@ class FrequencyEntry:
 
     @property
     def dynamic(self) -> bool:
+        """Whether this frequency set depends on the current sequence length (dynamic NTK)."""
         return self.strategy is not None and self.strategy.dynamic
 
     def compute(self, seq_len: int) -> tuple[torch.Tensor, float]:
@@ -63,6 +64,14 @@ class FrequencyEntry:
         return inv_freq.to(self.inv_freq.device), scaling  # wherever the buffer lives now
 
     def would_change(self, seq_len: int) -> bool:
+        """Whether a forward of ``seq_len`` tokens would change this set's ``inv_freq`` or scaling.
+
+        Args:
+            seq_len: the sequence length [tokens].
+
+        Returns:
+            True for a dynamic set whose frequencies at ``seq_len`` differ from the cached ones.
+        """
         if not self.dynamic or seq_len == self.cached_len:
             return False
         inv_freq, scaling = self.compute(seq_len)
@@ -154,6 +163,7 @@ class FrequencyPatch:
 
     @property
     def dynamic(self) -> bool:
+        """Whether any of the module's frequency sets is dynamic."""
         return any(e.dynamic for e in self.entries.values())
 
     def _set(self, layer_type: str | None, entry: FrequencyEntry) -> None:
@@ -238,9 +248,18 @@ class FrequencyPatch:
 
     @property
     def cache(self):
+        """The KV cache watched for positions past the patched length (None: none watched)."""
         return self.watch.cache if self.watch is not None else None
 
     def would_change(self, seq_len: int) -> bool:
+        """Whether a forward of ``seq_len`` tokens would change any of the module's frequency sets.
+
+        Args:
+            seq_len: the sequence length [tokens].
+
+        Returns:
+            True when one would change.
+        """
         return any(e.would_change(seq_len) for e in self.entries.values())
 
     def _track(self, position_ids: torch.Tensor) -> torch.Tensor | None:
@@ -285,6 +304,7 @@ class FrequencyPatch:
         return None
 
     def describe(self) -> str:
+        """One line: the strategy per layer type (``all: yarn``, ``sliding_attention: kept``)."""
         return ", ".join(f"{lt or 'all'}: {e.strategy.name if e.strategy else 'kept'}"
                          for lt, e in self.entries.items())
 

@@ -101,7 +101,19 @@ def rope_context(model: nn.Module, module: nn.Module, layer_type: str | None = N
     training window from the config, read by ``ropescale.rope_config.rope_config_of`` (the one
     reader: rope parameters, nested per layer type for Gemma 3; the window from
     ``original_max_position_embeddings`` there, the config's own (Phi-3), or
-    ``max_position_embeddings``). Raises ``NoRotaryEmbeddingError`` when the config has no θ.
+    ``max_position_embeddings``).
+
+    Args:
+        model: the loaded model.
+        module: one of its rotary modules (``find_rotary_modules``).
+        layer_type: the layer type whose parameters to read, for a module holding one set per layer
+            type (None: the module's own, or its first type's).
+
+    Returns:
+        ``{"dim": d, "rope_theta": b, "original_max_position_embeddings": T, ...}``.
+
+    Raises:
+        NoRotaryEmbeddingError: the config has no θ.
     """
     cfg = text_config_of(model, module)
     if layer_type is None and "inv_freq" not in module._buffers:

@@ -223,9 +223,19 @@ _PROBED = "_ropescale_probed"  # on the model: (what the probe depends on, its r
 
 
 def probe_layers(model: nn.Module, modules: dict[str, nn.Module], sites: list[RotarySite]) -> list[LayerRope] | None:
-    """``_probe`` once per model: the result is kept on the model with what it depends on — the attention
-    implementation, the module names, the frequency sets and their sizes — and probed again when any of them
-    changes (a sweep or a search patches one model hundreds of times; the probe costs ~6 forwards)."""
+    """What each decoder layer does with positions, probed once per model: the result is kept on the model
+    with what it depends on — the attention implementation, the module names, the frequency sets and their
+    sizes — and probed again when any of them changes (a sweep or a search patches one model hundreds of
+    times; the probe costs ~6 forwards).
+
+    Args:
+        model: the loaded model.
+        modules: its rotary modules by name (``find_rotary_modules``).
+        sites: the frequency sets those modules hold (``RotarySite``: a module and a layer type).
+
+    Returns:
+        One ``LayerRope`` per decoder layer, or None when the model's attention could not be observed.
+    """
     key = (getattr(model.config, "_attn_implementation", None), tuple(modules),
            tuple((site, tuple(modules[site.module_name]._buffers[
                inv_freq_name(site.layer_type)].shape)) for site in sites))

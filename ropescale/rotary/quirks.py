@@ -324,6 +324,15 @@ class ProbeContract:
     source: str
 
     def start_channel(self, head_dim: int, d: int) -> int:
+        """The first rotated channel of a head under this contract.
+
+        Args:
+            head_dim: the head's channels.
+            d: the rotated channels.
+
+        Returns:
+            0 (``head``: the rotated channels first) or ``head_dim - d`` (``tail``: after the others).
+        """
         return 0 if self.start == "head" else head_dim - d
 
 

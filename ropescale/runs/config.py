@@ -131,6 +131,9 @@ class StrategySpec(BaseModel):
 
     @property
     def display(self) -> str:
+        """How tables and messages name the entry: its label, else ``NAME:k=v,...`` with ``+logn``,
+        a temperature and profiles.
+        """
         if self.label:
             return self.label
         return (self.name + (":" + ",".join(f"{k}={v}" for k, v in self.params.items()) if self.params else "")
@@ -250,6 +253,7 @@ class DataConfig(ConfigModel):
         return {"source": raw} if isinstance(raw, str) else raw
 
     def spec(self) -> DataSpec:
+        """The section as the data readers take it (``ropescale.runs.data.DataSpec``)."""
         return DataSpec(**self.model_dump())
 
 
@@ -391,26 +395,46 @@ def check_threads(v: int | None) -> int | None:
 
 
 def load_raw(path: str | Path | None, overrides: list[str] = (), flags: dict | None = None) -> tuple[dict, str]:
-    """The raw mapping of a config: the YAML file ``path`` (or none), then ``flags`` (those not None),
-    then ``--set key=value`` ``overrides`` (dots for nesting: ``pose.chunks=3``); and its source
-    (the file, or ``flags``) for error messages. Raises ``ConfigError`` in one line (a missing file,
-    YAML that does not parse, a key given twice, an override without ``=``)."""
+    """The raw mapping of a config, before its model validates it.
+
+    Args:
+        path: the YAML file (None: none).
+        overrides: ``--set key=value`` items, applied last (dots for nesting: ``pose.chunks=3``).
+        flags: command-line values, applied over the file (those not None).
+
+    Returns:
+        ``(raw, source)``: the mapping, and its source for error messages (the file, or ``flags``).
+
+    Raises:
+        ConfigError: a missing file, YAML that does not parse, a key given twice, an override
+            without ``=`` (one line).
+    """
     raw = read_yaml(path) if path else {}
     raw = {**raw, **{k: v for k, v in (flags or {}).items() if v is not None}}
     return apply_overrides(raw, list(overrides)), str(path) if path else "flags"
 
 
 class NestedErrors(ValueError):
-    """A section's own validation errors raised from a validator of the config holding it: ``parts``
-    (``[(key path inside the section, message)]``, from ``error_parts``). The outer formatter
-    (``explain``) reads them as paths of the outer config."""
+    """A section's own validation errors raised from a validator of the config holding it. The outer
+    formatter (``explain``) reads them as paths of the outer config.
+
+    Args:
+        parts: ``[(key path inside the section, message)]``, from ``error_parts``.
+    """
 
     def __init__(self, parts: list[tuple[str, str]]):
         self.parts = parts
         super().__init__("; ".join(f"{k}: {m}" if k else m for k, m in parts))
 
     def under(self, key: str) -> NestedErrors:
-        """The same errors with ``key`` prefixed to their paths."""
+        """The same errors under a key of the outer config.
+
+        Args:
+            key: the section's key (``recipe``, ``passkey``).
+
+        Returns:
+            The errors with ``key`` prefixed to their paths.
+        """
         return NestedErrors([(f"{key}.{k}" if k else key, m) for k, m in self.parts])
 
 
@@ -466,7 +490,17 @@ def error_parts(err: ValidationError, model: type[BaseModel] | None = None, *,
 
 def explain(err: ValidationError, source: str, model: type[BaseModel] | None = None, *,
             allowed: Callable[[tuple], list[str] | None] | None = None) -> ConfigError:
-    """The one-line ``ConfigError`` of a config that failed validation: ``SOURCE: key.path: message``
-    for each error (``error_parts``), joined by ``; ``."""
+    """The one-line error of a config that failed validation.
+
+    Args:
+        err: pydantic's error.
+        source: the config's source (its file, ``flags``).
+        model: the config's model, whose fields an unknown key's message lists (None: none listed).
+        allowed: ``allowed(loc)``, the keys allowed at a path where the config knows better than its
+            fields (None: the fields).
+
+    Returns:
+        A ``ConfigError``: ``SOURCE: key.path: message`` for each error (``error_parts``), joined by ``; ``.
+    """
     return ConfigError("; ".join(f"{source}: {k}: {m}" if k else f"{source}: {m}"
                                  for k, m in error_parts(err, model, allowed=allowed)))

@@ -68,38 +68,81 @@ class RunKind:
         return environment()
 
     def config(self) -> dict[str, Any]:
-        """The config the manifest records (JSON values)."""
+        """The config the manifest records.
+
+        Returns:
+            The run's config as JSON values.
+        """
         return self.cfg.model_dump(mode="json")
 
     def check(self) -> None:
         """Refuse, in one line, what needs nothing loaded; runs before anything is read or written."""
 
     def data(self) -> DataSpec | None:
-        """The documents the run reads (None: none; only the tokenizer is loaded)."""
+        """The documents the run reads.
+
+        Returns:
+            Their ``DataSpec``; None: none (only the tokenizer is loaded).
+        """
         return self.cfg.data.spec()
 
     def check_documents(self, texts: list[str]) -> None:
-        """Refuse the documents as read, before they are tokenized (a search's held-out check)."""
+        """Refuse the documents as read, before they are tokenized (a search's held-out check).
+
+        Args:
+            texts: the documents.
+        """
 
     def identity(self, inputs: RunInputs) -> tuple[dict[str, Any], list[torch.Tensor] | None]:
-        """The run's own identity fields and the token tensors that name its data (each ``[n]``
-        int64; None: no data)."""
+        """What makes two runs of this kind the same.
+
+        Args:
+            inputs: the tokenizer and data, read once.
+
+        Returns:
+            ``(fields, docs)``: the run's own identity fields, and the token tensors that name its data
+            (each ``[n]`` int64; None: no data).
+        """
         raise NotImplementedError
 
     def prepare(self, inputs: RunInputs, folder: RunFolder | None) -> None:
         """Everything that can refuse the input: the model, T, examples, the wrapped model.
-        ``folder``: the claimed folder (None for a shared folder, not yet touched)."""
+
+        Args:
+            inputs: the tokenizer and data, read once.
+            folder: the claimed folder, its manifest checked but not written (None: a shared folder,
+                not touched yet).
+        """
 
     def claim(self, folder: RunFolder) -> None:
-        """What is created under the lock once the manifest is written (a shared study)."""
+        """What is created under the lock once the manifest is written (a shared study).
+
+        Args:
+            folder: the claimed folder.
+        """
 
     def execute(self, folder: RunFolder) -> Any:
-        """The run itself."""
+        """The run itself.
+
+        Args:
+            folder: the claimed folder, its manifest written.
+
+        Returns:
+            What ``finish`` takes.
+        """
         raise NotImplementedError
 
     def finish(self, folder: RunFolder, result: Any) -> Any:
-        """What is written from ``execute``'s ``result`` once it ends (a shared folder's: under the
-        lock again, one process at a time); its return is ``execute_run``'s. Default: ``result``."""
+        """What is written once the run ends (a shared folder's: under the lock again, one process at
+        a time).
+
+        Args:
+            folder: the claimed folder.
+            result: what ``execute`` returned.
+
+        Returns:
+            ``execute_run``'s result (default: ``result``).
+        """
         return result
 
 

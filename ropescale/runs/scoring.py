@@ -39,6 +39,7 @@ class Score:
 
     @property
     def mean_nll(self) -> float:
+        """The token-weighted mean NLL [nats per token]."""
         return self.nll / self.tokens
 
     @property

@@ -42,6 +42,7 @@ class ExportResult:
 
     @property
     def target(self) -> str:
+        """The old name of ``engine`` (a ``FutureWarning``)."""
         warnings.warn("ExportResult.target is deprecated; use ExportResult.engine", FutureWarning, stacklevel=2)
         return self.engine
 
@@ -62,19 +63,32 @@ def _engine_argument(engine: str | None, target: str | None, output) -> str:
     return engine
 
 
-def check_export(engine: str | None = None, serve_length: int | None = None, output=None, *, gguf=None,
-                 freeze_dynamic_at: int | None = None, source=None, target: str | None = None
-                 ) -> tuple[int | None, Path]:
-    """The checks of ``export_for`` that need no model: ``(L, output)`` — the served length
-    (``check_length``: [2, 2^24] tokens; None for an engine that is not ``static`` given none) and
-    the output folder — once they pass. ``source``: the model's folder, which the output may not be.
+def check_export(engine: str | None = None, serve_length: int | None = None, output: str | Path | None = None, *,
+                 gguf: str | Path | None = None, freeze_dynamic_at: int | None = None,
+                 source: str | Path | None = None, target: str | None = None) -> tuple[int | None, Path]:
+    """The checks of ``export_for`` that need no model. Creates nothing.
 
-    Raises ``UnknownEngineError`` for an unknown engine; ``InvalidInput`` (one line) for a served
-    length missing (a static engine) or out of range, a ``freeze_dynamic_at`` out of range, a GGUF
-    given to an engine that does not read it, and the engine's own checks (llama.cpp: the GGUF
-    missing, not a file, or the output's ``model.gguf``); ``OutputError``
-    (``ropescale.serving.output.check_output``) for an output that is a file, not writable, or
-    ``source``. Creates nothing. ``target``: the old name of ``engine`` (a ``FutureWarning``).
+    Args:
+        engine: the engine's name (``engine_names()``).
+        serve_length: the length to serve [tokens] (None: only for an engine that is not ``static``).
+        output: the output folder.
+        gguf: the GGUF to rewrite (engines that read one; None: none).
+        freeze_dynamic_at: the length dynamic NTK is frozen at [tokens] (None: the served length).
+        source: the model's folder, which the output may not be (None: a hub id).
+        target: the old name of ``engine`` (a ``FutureWarning``).
+
+    Returns:
+        ``(L, output)``: the served length (``check_length``: [2, 2^24] tokens; None for an engine
+        that is not ``static`` given none) and the output folder.
+
+    Raises:
+        UnknownEngineError: an unknown engine.
+        ropescale.errors.InvalidInput: a served length missing (a static engine) or out of range, a
+            ``freeze_dynamic_at`` out of range, a GGUF given to an engine that does not read it, the
+            engine's own checks (llama.cpp: the GGUF missing, not a file, or the output's
+            ``model.gguf``); one line each.
+        ropescale.errors.OutputError: an output that is a file, not writable, or ``source``
+            (``ropescale.serving.output.check_output``).
     """
     engine = get_engine(_engine_argument(engine, target, output), stacklevel=3)
     if gguf is not None and not engine.reads_gguf:

@@ -197,6 +197,7 @@ class Param:
 
     @property
     def required(self) -> bool:
+        """Whether the parameter has no default (a value, or an ``auto`` fill from the length, is needed)."""
         return self.default is _REQUIRED
 
     @property
@@ -207,6 +208,11 @@ class Param:
         return None if self.auto is None else _AUTO_TEXT[self.auto]
 
     def range_text(self) -> str:
+        """The values the parameter takes, in words.
+
+        Returns:
+            ``"one of a, b"``, ``">= 1 and <= 64"`` or ``"any value"``.
+        """
         if self.choices:
             return "one of " + ", ".join(self.choices)
         parts = []
@@ -217,13 +223,24 @@ class Param:
         return " and ".join(parts) or "any value"
 
     def check(self, strategy: str, value: Any) -> Any:
-        """``value`` checked and as a plain Python value (int, float, bool or list of floats).
+        """A value of this parameter, checked.
 
         Numbers may be Python's or numpy's (``numpy.int64(16)``, ``numpy.float32(2)``); booleans
         are never numbers. An ``int`` parameter takes a whole number, also written as a float
         with an integral value (16.0: what YAML, JSON and float-valued searches write), and
-        refuses 16.5. NaN and ±inf are refused everywhere. Raises ``InvalidInput`` in one line
-        naming the strategy, the parameter, the value and the allowed range."""
+        refuses 16.5. NaN and ±inf are refused everywhere.
+
+        Args:
+            strategy: the strategy's name, for the message.
+            value: the value given.
+
+        Returns:
+            The value as a plain Python value (int, float, bool, str or list of floats).
+
+        Raises:
+            ropescale.errors.InvalidInput: the value is refused (one line naming the strategy, the
+                parameter, the value and the allowed range).
+        """
         shown = repr(_plain(value))
         shown = shown if len(shown) <= 40 else shown[:37] + "..."
         where = f"{strategy}: parameter {self.name}={shown}"
@@ -300,8 +317,15 @@ class Strategy:
         return f"strategy {self.name!r}" + (f" ({self.origin})" if self.origin else "")
 
     def softmax_scale(self, params: dict[str, Any]) -> float:
-        """The factor the strategy multiplies attention's softmax scale by (DeepSeek's YaRN
-        ``mscale_all_dim``: its square), 1.0 for every strategy without one."""
+        """The factor the strategy multiplies attention's softmax scale by.
+
+        Args:
+            params: the strategy's checked parameters.
+
+        Returns:
+            The factor (DeepSeek's YaRN ``mscale_all_dim``: its square); 1.0 for every strategy
+            without one.
+        """
         return 1.0 if self.softmax is None else float(self.softmax(params))
 
     @property
@@ -311,34 +335,66 @@ class Strategy:
 
     @property
     def summary(self) -> str:
+        """The first paragraph of the strategy function's docstring, as one line (tables, ``ropescale list``)."""
         first = (inspect.getdoc(self.fn) or "").split("\n\n")[0]
         return " ".join(first.replace("``", "").split())
 
     def param(self, name: str) -> Param:
+        """One of the strategy's parameters.
+
+        Args:
+            name: the parameter's name.
+
+        Returns:
+            Its ``Param``.
+
+        Raises:
+            StopIteration: the strategy has no such parameter.
+        """
         return next(p for p in self.params if p.name == name)
 
     def validate(self, params: dict[str, Any], *, partial: bool = False) -> dict:
         """Checked parameters with defaults filled in (no target length: ``resolve`` for that).
 
-        ``partial=True`` accepts required ``auto`` parameters left out — a length fills them later
-        (``resolve``) — and leaves them out of the result. Raises ``ValueError`` naming the
-        parameter for unknown, missing or out-of-range parameters.
+        Args:
+            params: the parameters given, by name.
+            partial: accept required ``auto`` parameters left out — a length fills them later
+                (``resolve``) — and leave them out of the result.
+
+        Returns:
+            The checked parameters, defaults filled in.
+
+        Raises:
+            ropescale.errors.InvalidInput: an unknown, missing or out-of-range parameter (a
+                ``ValueError``; one line naming it).
         """
         return self._checked(params, fill={}, partial=partial)
 
     def resolve(self, params: dict[str, Any], *, length: int, train_length: int,
                 context: dict[str, Any] | None = None) -> dict:
-        """Checked parameters for a run at target length L = ``length`` [tokens] on a model
-        trained on T = ``train_length`` tokens: those the user gave, ``auto`` ones left out filled
-        by ``auto_value`` (e.g. ``factor`` = max(1, L / T)), then defaults. The one auto-fill rule
-        every sweep, inspection and training run uses, and the strategy's full validation for that
-        run: an attention rule is also built once with T, so the checks its function makes with
-        the window (DCA's local_window < chunk_size and STRING's W < S with their T-derived
-        defaults, Leaky ReRoPE's room below T) fail here, before any work — call it for every
-        (strategy, length) before the first one runs. ``context``: the model's context arguments
-        where they are known (``rope_context``; its ``dual_chunk_attention_config`` gives DCA's
-        defaults, as the patch will). Raises ``InvalidInput`` (a ``ValueError``; one line) for bad
-        parameters or lengths that are not whole numbers >= 2."""
+        """Checked parameters for a run at a target length on a model with a training window.
+
+        Those the user gave, ``auto`` ones left out filled by ``auto_value`` (e.g. ``factor`` =
+        max(1, L / T)), then defaults. The one auto-fill rule every sweep, inspection and training
+        run uses, and the strategy's full validation for that run: an attention rule is also built
+        once with T, so the checks its function makes with the window (DCA's local_window <
+        chunk_size and STRING's W < S with their T-derived defaults, Leaky ReRoPE's room below T)
+        fail here, before any work — call it for every (strategy, length) before the first one runs.
+
+        Args:
+            params: the parameters given, by name.
+            length: L, the target length [tokens].
+            train_length: T, the model's training window [tokens].
+            context: the model's context arguments where they are known (``rope_context``; its
+                ``dual_chunk_attention_config`` gives DCA's defaults, as the patch will); None: none.
+
+        Returns:
+            The checked parameters, every one filled.
+
+        Raises:
+            ropescale.errors.InvalidInput: bad parameters, or lengths that are not whole numbers >= 2
+                (a ``ValueError``; one line).
+        """
         length = _check_length("length", length)
         train_length = _check_length("train_length", train_length)
         fill = {p.name: auto_value(p.auto, length=length, train_length=train_length)
@@ -383,10 +439,21 @@ class Strategy:
         return out
 
     def compute(self, context: dict[str, Any], params: dict[str, Any]) -> RopeFrequencies:
-        """Call the function with the context arguments it names plus validated ``params`` (an
-        ``OPTIONAL_CONTEXT`` argument the context lacks is passed as None). A
-        frequency strategy's result is checked (``check_frequencies``) and returned as
-        ``RopeFrequencies(inv_freq [d/2], attention_factor: float)``; ``InvalidInput`` otherwise."""
+        """Call the strategy's function with the context arguments it names and its parameters.
+
+        Args:
+            context: the model's context (``dim``, ``rope_theta``, ``original_max_position_embeddings``,
+                ``seq_len``, ...); an ``OPTIONAL_CONTEXT`` argument it lacks is passed as None.
+            params: validated parameters (``validate`` / ``resolve``).
+
+        Returns:
+            A frequency strategy's ``RopeFrequencies(inv_freq [d/2], attention_factor: float)``,
+            checked (``check_frequencies``); a relative-position rule's ``RelativeRule``.
+
+        Raises:
+            ropescale.errors.InvalidInput: a context argument the model did not provide, or a result
+                that is not valid frequencies (one line).
+        """
         missing = [k for k in self.needs if context.get(k) is None and k not in OPTIONAL_CONTEXT]
         if missing:
             raise InvalidInput(f"{self.name} needs {', '.join(missing)}, which the model did not provide")

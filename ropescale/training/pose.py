@@ -177,6 +177,7 @@ class PoseSampler:
 
     @property
     def span(self) -> int:
+        """Tokens of source text one PoSE example reads [tokens] (``source_span``)."""
         return source_span(self.window, self.target_length, sampling=self.sampling, content=self.content)
 
     def draw(self, rng: np.random.Generator, span: int | None = None) -> PoseSample:

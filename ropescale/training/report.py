@@ -82,6 +82,12 @@ class TrainingLog:
             self.path.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
 
     def write(self, record: dict) -> None:
+        """Append one record to ``log.jsonl`` (the main process) and report its numbers to the trackers.
+
+        Args:
+            record: ``{"step": ..., "loss": ..., ...}``; nested mappings (held-out PPL per length) reported as
+                ``key/length``.
+        """
         if self.enabled:
             with self.path.open("a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")

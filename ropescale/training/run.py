@@ -48,10 +48,34 @@ class AfterTraining(Protocol):
     launched processes, which run the evaluations too) and raises ``ConfigError`` in one line;
     ``run`` returns ``{name: records}``."""
 
-    def check(self, cfg: FinetuneConfig, run: ResolvedRun, source: str, *, processes: int = 1) -> None: ...
+    def check(self, cfg: FinetuneConfig, run: ResolvedRun, source: str, *, processes: int = 1) -> None:
+        """Refuse, before step 1, what the evaluations could not run.
+
+        Args:
+            cfg: the fine-tuning run.
+            run: its resolved values (T, parameters).
+            source: how messages name the config.
+            processes: the launched processes, which run the evaluations too.
+
+        Raises:
+            ropescale.runs.config.ConfigError: an evaluation that cannot run (one line).
+        """
 
     def run(self, cfg: FinetuneConfig, run: ResolvedRun, model_dir: Path, output: Path, *, progress: bool,
-            say) -> dict[str, list[dict]]: ...
+            say) -> dict[str, list[dict]]:
+        """Run the evaluations on the saved model.
+
+        Args:
+            cfg: the fine-tuning run.
+            run: its resolved values (T, parameters).
+            model_dir: the saved model's folder.
+            output: the run's folder (evaluations go under ``eval/``).
+            progress: print progress.
+            say: how to print a line.
+
+        Returns:
+            ``{name: records}`` per evaluation.
+        """
 
 
 def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, stop_after: int | None = None,

@@ -153,10 +153,12 @@ class RulerTask(Task):
 
     @property
     def spec(self) -> Family:
+        """The task's RULER family (its template, answer prefix and generation budget)."""
         return FAMILIES[self.family]
 
     @property
     def budget(self) -> int:
+        """Tokens generated per answer (the option, else the family's)."""
         return self.options.tokens_to_generate or self.spec.tokens_to_generate
 
     @cached_property
@@ -209,9 +211,27 @@ class RulerTask(Task):
         return backend
 
     def generate(self, length: int, num_samples: int) -> list[RulerSample]:
+        """Generate the task's samples at a length, as RULER's generator does (each family's own).
+
+        Args:
+            length: the samples' length [tokens].
+            num_samples: how many.
+
+        Returns:
+            The samples.
+        """
         raise NotImplementedError
 
     def cache_key(self, length: int) -> dict[str, Any]:
+        """What names the samples at a length in the cache: RULER's commit, the task, its options, the
+        length, the template, the tokenizer's and the haystack's fingerprints.
+
+        Args:
+            length: the samples' length [tokens].
+
+        Returns:
+            The key (JSON values).
+        """
         o = self.options
         return {"ruler": RULER_COMMIT, "refusals": REFUSALS, "task": self.name,
                 "options": o.model_dump(exclude={"batch_size", "cache", "num_samples", *({"max_draws"} if o.max_draws
@@ -226,6 +246,14 @@ class RulerTask(Task):
         return {}
 
     def samples(self, length: int) -> list[RulerSample]:
+        """The task's samples at a length, from the cache or generated (and cached).
+
+        Args:
+            length: the samples' length [tokens].
+
+        Returns:
+            ``num_samples`` samples.
+        """
         o = self.options
         samples, stats = cached_samples(self.cache_key(length), o.num_samples,
                                         lambda: self.generate(length, o.num_samples), use=o.cache)

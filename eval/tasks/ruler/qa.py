@@ -150,6 +150,14 @@ class QaTask(RulerTask):
         return read_squad(raw) if self.dataset == "squad" else read_hotpotqa(raw)
 
     def cache_key(self, length):
+        """The base key, with the QA data's fingerprint as the haystack (the dataset's path left out).
+
+        Args:
+            length: the samples' length [tokens].
+
+        Returns:
+            The key (JSON values).
+        """
         qas, docs = self.data
         digest = hashlib.sha256(json.dumps([qas, docs]).encode()).hexdigest()[:16]
         return super().cache_key(length) | {"haystack": digest, "options": self.options.model_dump(

@@ -84,6 +84,11 @@ class RulerSample:
         return self.input + self.answer_prefix
 
     def to_json(self) -> dict[str, Any]:
+        """The sample as RULER's JSONL writes it.
+
+        Returns:
+            ``{"index", "input", "outputs", "length", "answer_prefix"[, "token_position_answer"]}``.
+        """
         out = {"index": self.index, "input": self.input, "outputs": list(self.outputs), "length": self.length,
                "answer_prefix": self.answer_prefix}
         if self.token_position_answer is not None:
@@ -92,6 +97,14 @@ class RulerSample:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RulerSample:
+        """A sample from RULER's JSONL record.
+
+        Args:
+            d: the record (``to_json``'s keys).
+
+        Returns:
+            The sample.
+        """
         return cls(d["index"], d["input"], tuple(d["outputs"]), d["length"], d["answer_prefix"],
                    d.get("token_position_answer"))
 

@@ -79,34 +79,97 @@ class Engine:
             ENGINES.add(name, cls)
 
     def check(self, output: Path, *, gguf: Path | None) -> None:
-        """Checks of this engine's own that need no model, before anything is loaded or written
-        (``output``: the checked output folder). Raises ``InvalidInput`` (one line)."""
+        """Checks of this engine's own that need no model, before anything is loaded or written.
 
-    def translate(self, handle: PatchHandle, serve_length: int | None, *, freeze_dynamic_at: int | None = None):
-        """The engine's settings for ``handle`` at ``serve_length`` [tokens]: an object with ``notes``
-        (list of str). Raises ``ExportRefused`` ("<label>: why", one line)."""
+        Args:
+            output: the checked output folder.
+            gguf: the GGUF to rewrite (``--gguf``; None: none given).
+
+        Raises:
+            ropescale.errors.InvalidInput: what the engine refuses (one line).
+        """
+
+    def translate(self, handle: PatchHandle, serve_length: int | None, *,
+                  freeze_dynamic_at: int | None = None) -> Any:
+        """The engine's settings for a patch at a served length.
+
+        Args:
+            handle: the patch (``ropescale.patch``'s handle).
+            serve_length: the length served [tokens] (None: an engine that is not ``static``).
+            freeze_dynamic_at: the length dynamic NTK is frozen at [tokens] (None: the served length).
+
+        Returns:
+            The engine's translation: an object with ``notes`` (list of str: what the export decided).
+
+        Raises:
+            ropescale.serving.rope.ExportRefused: what the engine cannot express ("<label>: why", one line).
+        """
         raise NotImplementedError
 
-    def write(self, model, tokenizer, translation, output: Path, *, gguf: Path | None = None) -> tuple[Path, list[str]]:
-        """Write ``translation`` for ``model`` into ``output`` (staged: whole or nothing); returns the
-        path served (the folder, or the file) and notes added while writing."""
+    def write(self, model: Any, tokenizer: Any, translation: Any, output: Path, *,
+              gguf: Path | None = None) -> tuple[Path, list[str]]:
+        """Write a translation for a model into a folder, staged (whole or nothing).
+
+        Args:
+            model: the patched model.
+            tokenizer: its tokenizer (a folder engine writes it beside the weights).
+            translation: what ``translate`` returned.
+            output: the output folder.
+            gguf: the GGUF to rewrite (engines that read one; None: none).
+
+        Returns:
+            The path served (the folder, or the file) and the notes added while writing.
+        """
         raise NotImplementedError
 
-    def rope(self, translation, length: int, context: dict[str, Any]) -> EngineRope:
-        """What the engine computes from ``translation`` at sequence length ``length`` [tokens]
-        (``context``: the patched layers' ``dim``, ``rope_theta``, ``original_max_position_embeddings``)."""
+    def rope(self, translation: Any, length: int, context: dict[str, Any]) -> EngineRope:
+        """What the engine computes from a translation: the re-implementation of its own formulas.
+
+        Args:
+            translation: what ``translate`` returned.
+            length: the sequence length [tokens].
+            context: the patched layers' ``dim``, ``rope_theta``, ``original_max_position_embeddings``.
+
+        Returns:
+            The engine's ``inv_freq`` (``[d/2]``), cos/sin factor and temperature as an ``EngineRope``.
+        """
         raise NotImplementedError(f"{self.name}: no re-implementation of its rope")
 
-    def serve_command(self, translation, path: Path, serve_length: int | None) -> str | None:
-        """The command line serving ``path`` (what ``write`` returned) at ``serve_length``, or None."""
+    def serve_command(self, translation: Any, path: Path, serve_length: int | None) -> str | None:
+        """The command line that serves what was written.
+
+        Args:
+            translation: what ``translate`` returned.
+            path: what ``write`` returned (the folder, or the file).
+            serve_length: the served length [tokens] (None: the engine's default).
+
+        Returns:
+            The command, or None for an engine served from Python (transformers).
+        """
         return None
 
-    def usage(self, translation, path: Path, command: str | None) -> str | None:
-        """One line telling the user how to serve ``path`` (default: ``serve it with: COMMAND``)."""
+    def usage(self, translation: Any, path: Path, command: str | None) -> str | None:
+        """One line telling the user how to serve what was written.
+
+        Args:
+            translation: what ``translate`` returned.
+            path: what ``write`` returned.
+            command: what ``serve_command`` returned.
+
+        Returns:
+            The line (default: ``serve it with: COMMAND``), or None.
+        """
         return None if command is None else f"serve it with: {command}"
 
-    def describe(self, translation) -> str:
-        """One line: what the export set (a parity table's ``export`` column)."""
+    def describe(self, translation: Any) -> str:
+        """What the export set, in one line.
+
+        Args:
+            translation: what ``translate`` returned.
+
+        Returns:
+            The line (a parity table's ``export`` column).
+        """
         return ""
 
 
@@ -141,14 +204,27 @@ ENGINES: Registry[type[Engine]] = Registry("engine", "engines", UnknownEngineErr
 
 
 def engine_names() -> list[str]:
-    """The registered engines' names (bundled and plugins), sorted."""
+    """The registered engines' names.
+
+    Returns:
+        The names, bundled and plugins', sorted.
+    """
     return ENGINES.names()
 
 
 def get_engine(name: str, *, stacklevel: int = 2) -> Engine:
-    """The engine ``name`` (an instance); an old name of ``ALIASES`` with a ``FutureWarning``
-    (``stacklevel``: whose line it names, as ``warnings.warn``'s: 2 is the caller's);
-    ``UnknownEngineError`` (one line: a close match and the known names) otherwise."""
+    """An engine by name.
+
+    Args:
+        name: the engine's name (an old name of ``ALIASES`` with a ``FutureWarning``).
+        stacklevel: whose line the warning names, as ``warnings.warn``'s (2: the caller's).
+
+    Returns:
+        An instance of the engine.
+
+    Raises:
+        UnknownEngineError: no engine of that name (one line: a close match and the known names).
+    """
     if isinstance(name, str) and name in ALIASES:
         warnings.warn(f"engine {name!r} is deprecated; use {ALIASES[name]!r}", FutureWarning,
                       stacklevel=stacklevel)

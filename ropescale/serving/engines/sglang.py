@@ -69,6 +69,14 @@ class SglangExport:
     notes: list[str] = field(default_factory=list)
 
     def serve_command(self, folder: str) -> str:
+        """The command serving ``folder`` at the exported context length.
+
+        Args:
+            folder: the exported model folder.
+
+        Returns:
+            ``python -m sglang.launch_server ...``.
+        """
         return f"python -m sglang.launch_server --model-path {folder} --context-length {self.context_length}"
 
 
