@@ -308,6 +308,44 @@ def test_the_private_crossing_check_sees_one(tmp_path):
         "eval.a:1 from eval.x import _hidden", "eval.a:3 y._inner"]
 
 
+def name_literal_branches(sources: dict[str, Path] | None = None, names: set[str] | None = None) -> list[str]:
+    """Every comparison outside ``ropescale/strategies/`` of a value with a registered strategy's name: behaviour
+    chosen by a strategy's name instead of a capability it declares at ``register(...)``. A comparison of a
+    rope type (an operand naming ``kind`` or ``rope_type``: transformers' and the engines' vocabulary, which
+    shares names such as ``yarn``) is not one."""
+    from ropescale.strategies import strategy_names
+
+    sources = _sources() if sources is None else sources
+    names = set(strategy_names()) if names is None else names
+    bad = []
+    for name, path in sorted(sources.items()):
+        if name.startswith("ropescale.strategies"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Compare):
+                continue
+            operands = [node.left, *node.comparators]
+            consts = [c for o in operands for c in (o.elts if isinstance(o, ast.Tuple | ast.List | ast.Set) else [o])
+                      if isinstance(c, ast.Constant) and c.value in names]
+            if consts and not any(w in ast.unparse(o) for o in operands for w in ("kind", "rope_type")):
+                bad.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+    return bad
+
+
+def test_no_strategy_name_literal_outside_the_strategies():
+    """Issue 40: 12 comparisons with "native", "dynamic_ntk", "longrope" in six files outside
+    ``ropescale/strategies/``; the last two (the evolution's longrope, RULER's vanilla baseline) are a
+    ``long_factor`` list parameter and ``ropescale.strategies.BASELINE``."""
+    assert name_literal_branches() == []
+
+
+def test_the_name_literal_check_sees_one(tmp_path):
+    a = tmp_path / "a.py"
+    a.write_text("if spec.name == 'yarn':\n    pass\nif rp['rope_type'] == 'yarn':\n    pass\n"
+                 "if s in ('native', 'x'):\n    pass\n")
+    assert name_literal_branches({"eval.a": a}, {"yarn", "native"}) == [
+        "eval.a:1 spec.name == 'yarn'", "eval.a:5 s in ('native', 'x')"]
+
 
 def _command_bodies(source: str) -> dict[str, list[ast.stmt]]:
     """Each click command function of ``source`` → its statements after the docstring."""

@@ -193,9 +193,9 @@ class SearchConfig(RunConfig):
         return self
 
     def _check_evolution(self) -> None:
-        if self.strategy != "longrope":
-            raise ValueError(f"method: evolution searches longrope's per-pair factors; strategy is {self.strategy} "
-                             "(use tpe or cmaes for it, or strategy: longrope)")
+        if not any(p.name == "long_factor" and p.kind is list for p in get_strategy(self.strategy).params):
+            raise ValueError(f"method: evolution searches a strategy's per-pair long_factor (longrope's per-pair "
+                             f"factors); {self.strategy} has none (use tpe or cmaes for it, or strategy: longrope)")
         if self.search:
             raise ValueError("search: method evolution searches long_factor itself; leave search: out")
         extra = set(self.evolution) - set(EVOLUTION_KEYS)

@@ -113,7 +113,7 @@ class EvolutionSearch(RunKind):
                                f"not a finite number (the journal {output / JOURNAL} has each value); check the "
                                "model in float32 (dtype) and the lengths")
         params, m = objective({"long_factor": [float(f) for f in result.factors], "short_factor": self.short})
-        best = {"strategy": "longrope", "params": params, "spec": spec_string("longrope", params),
+        best = {"strategy": cfg.strategy, "params": params, "spec": spec_string(cfg.strategy, params),
                 "objective": m.objective, "feasible": m.constraint <= 0, "trial": _best_index(result),
                 "ppl": {str(k): v for k, v in m.ppl.items()}, "ppl_train": m.ppl_train,
                 "evaluations": result.evaluations, "stop": result.stop}

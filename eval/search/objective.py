@@ -47,7 +47,7 @@ from ropescale.runs.data import KJV_SPLITS, load_documents
 from ropescale.runs.lifecycle import RunInputs, configured_context, load_run_model, loaded_window
 from ropescale.runs.scoring import score_windows
 from ropescale.runs.windows import WindowError, make_windows
-from ropescale.strategies import get_strategy
+from ropescale.strategies import BASELINE, get_strategy
 
 from .config import SearchConfig, same_data
 from .needle_objective import answer_nll, needle_examples
@@ -152,7 +152,7 @@ class SearchObjective:
         from .vllm_scoring import served_folder, vllm_measure
 
         self.served = served_folder(output)
-        with patch(self.model, "vanilla", original_max_position_embeddings=self.train_length) as handle:
+        with patch(self.model, BASELINE, original_max_position_embeddings=self.train_length) as handle:
             self.vanilla_ppl_train = math.exp(vllm_measure(self, handle, self.served)["nll"][self.train_length])
 
     def _passkeys(self):

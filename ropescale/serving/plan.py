@@ -28,6 +28,7 @@ from ropescale.models import native_rope_parameters
 from ropescale.patching import PatchHandle
 from ropescale.rope_config import rope_config_of, text_config
 from ropescale.serving.rope import ExportRefused, check_length, served_temperatures
+from ropescale.strategies import BASELINE
 from ropescale.temperature import Temperature
 
 __all__ = ["ServedRope", "check_deepseek_yarn", "check_freeze", "served_rope_parameters", "static_equivalent"]
@@ -218,4 +219,4 @@ def static_equivalent(handle: PatchHandle, at: int) -> str:
     s' = s·F/T − (s − 1), since NTK's base b·s'^(d/(d−2)) is then dynamic NTK's at F."""
     t = handle.contexts.get(None, handle.context)["original_max_position_embeddings"]
     s = float(handle.params["factor"])
-    return "vanilla" if at <= t else f"ntk:factor={s * at / t - (s - 1)!r}"
+    return BASELINE if at <= t else f"ntk:factor={s * at / t - (s - 1)!r}"

@@ -4,6 +4,7 @@ module edits nothing else — and installed plugins (entry-point group ``ropesca
 loaded on the first lookup (``strategy_names``, ``get_strategy``; ``ropescale.registry``)."""
 
 from ropescale.strategies.registry import (
+    BASELINE,
     REGISTRY,
     Param,
     RopeFrequencies,
@@ -16,5 +17,5 @@ from ropescale.strategies.registry import (
 
 REGISTRY.import_package()  # the bundled strategies, registered on import as they always were
 
-__all__ = ["REGISTRY", "Param", "RopeFrequencies", "Strategy", "UnknownStrategyError",
+__all__ = ["BASELINE", "REGISTRY", "Param", "RopeFrequencies", "Strategy", "UnknownStrategyError",
            "get_strategy", "register", "strategy_names"]

@@ -52,6 +52,7 @@ from ropescale.registry import Registry, loading_plugin
 
 __all__ = [
     "AUTO_KINDS",
+    "BASELINE",
     "CONTEXT_ARGS",
     "DYNAMIC_SERVING",
     "OPTIONAL_CONTEXT",
@@ -78,6 +79,8 @@ _REQUIRED = object()
 
 StrategyKind = Literal["frequency", "attention"]
 """``"frequency"``: the function returns ``RopeFrequencies``; ``"attention"``: a ``RelativeRule``."""
+BASELINE = "vanilla"  # the unscaled rotation (frequency.py registers it): what a baseline cell runs
+
 STRATEGY_KINDS: tuple[str, ...] = get_args(StrategyKind)
 
 DynamicServing = Literal["freeze", "sets"]

@@ -38,6 +38,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from ropescale.runs.config import NestedErrors, error_parts
 from ropescale.runs.memory import Need
+from ropescale.strategies import BASELINE
 
 from ..base import Task, get_task
 from ..prompts import PromptError
@@ -217,7 +218,7 @@ def effective_lengths(records: list[dict]) -> dict[str, Any]:
     threshold, source = options.get("threshold"), "given (threshold)"
     if threshold is None:
         train = records[0].get("train_length")
-        base = [r for r in records if r["strategy"] == "vanilla" and r["length"] == train and r["score"] is not None]
+        base = [r for r in records if r["strategy"] == BASELINE and r["length"] == train and r["score"] is not None]
         if not base:
             return {"threshold": None, "threshold_from": f"no threshold given and no vanilla cell at T = {train}",
                     "effective_length": {}}
