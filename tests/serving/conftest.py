@@ -1,3 +1,4 @@
+import copy
 import os
 import shutil
 import subprocess
@@ -30,6 +31,19 @@ FREQUENCY = {
 }
 RELATIVE = {"rerope": {"window": 16}, "leaky_rerope": {"window": 16, "k": 4.0},
             "self_extend": {"group_size": 4, "window": 16}, "dca": {}, "string": {}}
+
+
+def served(model, engine: str, name: str, length: int, **params):
+    """A copy of ``model`` patched with ``name`` and translated by ``engine`` for ``length`` tokens:
+    ``(ropescale's rope, the engine's translation, the engine's re-implemented rope)``."""
+    import ropescale
+    from ropescale.serving import get_engine
+    from ropescale.serving.rope import ropescale_rope
+
+    eng = get_engine(engine)
+    with ropescale.patch(copy.deepcopy(model), name, **params) as handle:
+        translation = eng.translate(handle, length)
+        return ropescale_rope(handle, length), translation, eng.rope(translation, length, handle.context)
 
 
 def patched(name: str, **params):

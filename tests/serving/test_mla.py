@@ -18,6 +18,7 @@ from ropescale.serving.engines.llama_cpp import llama_cpp_rope
 from ropescale.serving.engines.sglang import sglang_rope
 from ropescale.serving.engines.vllm import vllm_rope
 from ropescale.serving.rope import ropescale_rope
+from tests.serving.conftest import served
 from tests.serving.test_native_export import SHIPPED, _model
 
 L = 256  # within ⌈T·s⌉ of every case below [tokens]
@@ -55,12 +56,7 @@ CASES = {  # strategy, params → (magnitude, softmax) the patched model must ha
 @pytest.mark.parametrize("engine", ["vllm", "llama.cpp", "sglang"])
 def test_each_engine_serves_deepseeks_magnitude_and_softmax(deepseek, case, engine):
     name, params, magnitude, softmax = CASES[case]
-    model = copy.deepcopy(deepseek)
-    with ropescale.patch(model, name, **params) as h:
-        ours = ropescale_rope(h, L)
-        eng = get_engine(engine)
-        translation = eng.translate(h, L)
-        theirs = eng.rope(translation, L, h.context)
+    ours, translation, theirs = served(deepseek, engine, name, L, **params)
     assert ours.magnitude == pytest.approx(magnitude, rel=1e-6)
     assert ours.softmax_scale == pytest.approx(softmax, rel=1e-6)
     v = compare(ours, theirs, L)

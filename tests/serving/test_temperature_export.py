@@ -13,6 +13,7 @@ from ropescale.serving import ExportRefused, compare, get_engine
 from ropescale.serving.engines.sglang import sglang_rope
 from ropescale.serving.engines.vllm import vllm_rope
 from ropescale.serving.rope import ropescale_rope
+from tests.serving.conftest import served
 from tests.serving.test_native_export import SHIPPED, W, _model
 
 L = 64  # within ⌈T·s⌉ of every case [tokens]
@@ -36,12 +37,7 @@ CASES = {  # strategy, params, the temperature the patched model applies
 @pytest.mark.parametrize("engine", ["vllm", "llama.cpp"])
 def test_vllm_and_llama_cpp_serve_the_patched_temperature(ministral, case, engine):
     name, params, expected = CASES[case]
-    model = copy.deepcopy(ministral)
-    with ropescale.patch(model, name, **params) as h:
-        ours = ropescale_rope(h, L)
-        eng = get_engine(engine)
-        translation = eng.translate(h, L)
-        theirs = eng.rope(translation, L, h.context)
+    ours, translation, theirs = served(ministral, engine, name, L, **params)
     assert ours.temperature == expected
     assert theirs.temperature == expected, theirs.note
     v = compare(ours, theirs, L)
