@@ -81,10 +81,10 @@ class ParallelPlan:
         """The summary's ``parallelism``: data groups, sequence group size, sharded."""
         return {"data": self.data, "sequence": self.sequence, "sharded": self.sharded}
 
-    def check(self, cfg: FinetuneConfig, acc, source: str = "config", *, plugin: bool = False) -> None:
+    def check(self, cfg: FinetuneConfig, acc, source: str = "config") -> None:
         """Refuse in one line (``ConfigError``) what the launched processes and the device cannot
         do: P not dividing the processes, fp16 on the CPU, sharding in one CPU process, an FSDP
-        ``plugin`` given where accelerate did not set up FSDP."""
+        plugin (``sharding`` off the CPU: ``accelerator_plugins``) where accelerate did not set up FSDP."""
         if self.sequence > 1 and self.processes % self.sequence:
             raise ConfigError(f"{source}: parallelism.sequence: {self.sequence} does not divide the {self.processes} "
                               f"launched process(es); launch a multiple of {self.sequence} "
@@ -94,6 +94,7 @@ class ParallelPlan:
         if cfg.sharding is not None and acc.device.type == "cpu" and self.processes == 1:
             raise ConfigError(f"{source}: sharding: one process holds the whole model either way; launch several "
                               "(accelerate launch --multi_gpu --num_processes N ...) or leave sharding out")
+        plugin = cfg.sharding is not None and not self.own_fsdp  # given to accelerate (accelerator_plugins)
         if plugin and self.processes > 1 and not self.accelerate_fsdp:
             raise ConfigError(f"{source}: sharding: accelerate set up {acc.distributed_type.value}, not FSDP, for "
                               f"{self.processes} processes; launch with `accelerate launch --multi_gpu`")

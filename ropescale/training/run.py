@@ -131,9 +131,9 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
         after.check(cfg, resolved, source, processes=processes)  # a bad evaluation fails now, not after training
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    acc, plugin = _accelerator(cfg, device, output, source)
+    acc = _accelerator(cfg, device, output, source)
     job = FinetuneRun(cfg, resolved, acc, progress=progress and acc.is_main_process, stop_after=stop_after,
-                      after=after, source=source, sharding_plugin=plugin)
+                      after=after, source=source)
     try:
         with _loading_bars(job.progress):
             summary = execute_run(job, output)
@@ -146,7 +146,7 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
 
 def _accelerator(cfg: FinetuneConfig, device: torch.device, output: str | Path, source: str):
     """accelerate's ``Accelerator`` for the run, with the plan's plugins and the trackers
-    (``report_to``, checked installed first); and whether an FSDP plugin was given."""
+    (``report_to``, checked installed first)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
@@ -158,10 +158,9 @@ def _accelerator(cfg: FinetuneConfig, device: torch.device, output: str | Path, 
     trackers = check_installed(cfg.report_to, source)  # before anything is written
     # cpu=True also makes processes started by torchrun (`accelerate launch --multi_gpu` on a machine
     # without GPUs) one gloo group; without it each would train alone and write the same files
-    acc = Accelerator(cpu=device.type == "cpu", mixed_precision=cfg.mixed_precision, fsdp_plugin=fsdp,
-                      gradient_accumulation_plugin=accumulation, log_with=trackers or None,
-                      project_dir=str(output) if trackers else None)
-    return acc, fsdp is not None
+    return Accelerator(cpu=device.type == "cpu", mixed_precision=cfg.mixed_precision, fsdp_plugin=fsdp,
+                       gradient_accumulation_plugin=accumulation, log_with=trackers or None,
+                       project_dir=str(output) if trackers else None)
 
 
 class FinetuneRun(RunKind):
@@ -171,11 +170,10 @@ class FinetuneRun(RunKind):
     ``[n]`` int64 —, ``heldout``, ``dataset``, ``model``, ``recipe``) and, once claimed, ``output``."""
 
     def __init__(self, cfg: FinetuneConfig, resolved: ResolvedRun, acc, *, progress: bool, stop_after: int | None,
-                 after: AfterTraining | None, source: str, sharding_plugin: bool = False):
+                 after: AfterTraining | None, source: str):
         self.cfg, self.resolved, self.state, self.source = cfg, resolved, acc, source
         self.plan = ParallelPlan.of(cfg, acc)
         self.progress, self.stop_after, self.after = progress, stop_after, after
-        self.sharding_plugin = sharding_plugin
         self.say = print if progress else (lambda *a, **k: None)
         self.output: Path | None = None
         self.heldout = self.dataset = self.model = self.recipe = None
@@ -186,7 +184,7 @@ class FinetuneRun(RunKind):
         return self.state
 
     def check(self) -> None:
-        self.plan.check(self.cfg, self.acc, self.source, plugin=self.sharding_plugin)
+        self.plan.check(self.cfg, self.acc, self.source)
 
     def identity(self, inputs: RunInputs):
         self.tokenizer = inputs.tokenizer
