@@ -78,6 +78,20 @@ class Registry(dict, Generic[T]):
         self[name] = entry
         return entry
 
+    def add_class(self, cls: T) -> None:
+        """Register a class under the ``name`` its own body sets (what a base class's ``__init_subclass__``
+        calls: subclassing registers); a class without its own ``name`` (an abstract base) is not registered.
+
+        Args:
+            cls: the class.
+
+        Raises:
+            ValueError: another entry holds the name.
+        """
+        name = cls.__dict__.get("name")
+        if name:
+            self.add(name, cls)
+
     def discover(self) -> None:
         """Import every module of ``package``, then load every plugin of the ``plugins`` group, once."""
         self.import_package()

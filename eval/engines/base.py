@@ -224,9 +224,7 @@ class EngineDriver:
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
-        name = cls.__dict__.get("name")
-        if name:
-            DRIVERS.add(name, cls)
+        DRIVERS.add_class(cls)
 
     def __init__(self, engine: Engine, run: Run):
         self.engine, self.run = engine, run

@@ -56,9 +56,7 @@ class ScoringEngine:
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
-        name = cls.__dict__.get("name")
-        if name:
-            SCORERS.add(name, cls)
+        SCORERS.add_class(cls)
 
     def scores(self, task_cls) -> bool:
         """Whether this engine scores ``task_cls``: in process, or answering every kind of request it asks."""

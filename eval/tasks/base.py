@@ -85,9 +85,7 @@ class Task:
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
-        name = cls.__dict__.get("name")
-        if name:
-            TASKS.add(name, cls)
+        TASKS.add_class(cls)
 
     def __init__(self, options: TaskOptions, *, tokenizer, train_length: int,
                  documents: list[torch.Tensor] | None = None, source: str | None = None):

@@ -73,10 +73,9 @@ class Engine:
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
-        name = cls.__dict__.get("name")
-        if name:
-            cls.label = cls.__dict__.get("label") or name
-            ENGINES.add(name, cls)
+        if cls.__dict__.get("name"):
+            cls.label = cls.__dict__.get("label") or cls.name
+        ENGINES.add_class(cls)
 
     def check(self, output: Path, *, gguf: Path | None) -> None:
         """Checks of this engine's own that need no model, before anything is loaded or written.

@@ -60,9 +60,7 @@ class Recipe:
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
-        name = cls.__dict__.get("name")
-        if name:
-            RECIPES.add(name, cls)
+        RECIPES.add_class(cls)
 
     def __init__(self, options: BaseModel | None = None):
         self.options = options if options is not None else self.Options()
