@@ -26,10 +26,10 @@ from ropescale.runs.config import ConfigError
 from ropescale.runs.lifecycle import RunInputs
 from ropescale.runs.plotting import pyplot, save_figure
 from ropescale.runs.processes import process_state
-from ropescale.runs.protocol import RunFolder, RunKind, execute_run
+from ropescale.runs.protocol import RunFolder, execute_run
 
 from .config import SearchConfig
-from .objective import SearchObjective, check_disjoint
+from .objective import SearchRun
 from .report import (
     BEST,
     PLOT,
@@ -60,16 +60,15 @@ def run_longrope_search(cfg: SearchConfig, output: Path, *, progress: bool = Tru
     return execute_run(EvolutionSearch(cfg, progress=progress), output)
 
 
-class EvolutionSearch(RunKind):
+class EvolutionSearch(SearchRun):
     """LongRoPE's evolution as a run kind (``ropescale.runs.protocol``). Under ``accelerate
     launch`` every process runs this same search; each generation's candidates are split over them
     (``split_over_processes``) and the main process alone writes the folder. The process group
     stays open for a later run in the process (``ropescale.runs.processes``)."""
 
     def __init__(self, cfg: SearchConfig, *, progress: bool = True):
-        self.cfg = cfg
         self.state = process_state(cpu=resolve_device(cfg.device).type == "cpu")
-        self.progress = progress and self.state.is_main_process
+        super().__init__(cfg, progress=progress and self.state.is_main_process)
 
     def check(self) -> None:
         try:
@@ -78,16 +77,11 @@ class EvolutionSearch(RunKind):
             raise ConfigError("method: evolution (LongRoPE's search) is not available in this version; "
                               "use tpe or cmaes") from None
 
-    def check_documents(self, texts: list[str]) -> None:
-        check_disjoint(self.cfg, texts)
-
-    def identity(self, inputs: RunInputs):
-        return self.cfg.identity(), inputs.docs
-
     def prepare(self, inputs: RunInputs, folder: RunFolder | None) -> None:
         from .evolution import yarn_init_factors
 
-        self.objective = objective = SearchObjective(self.cfg, progress=self.progress, inputs=inputs)
+        super().prepare(inputs, folder)
+        objective = self.objective
         ctx = rope_context(objective.model, find_rotary_modules(objective.model)[0][1])
         self.dim, self.theta, self.train = ctx["dim"], ctx["rope_theta"], objective.train_length
         self.scale = max(1.0, max(self.cfg.lengths) / self.train)

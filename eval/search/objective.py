@@ -45,6 +45,7 @@ from ropescale.patching import patch
 from ropescale.runs.config import ConfigError
 from ropescale.runs.data import KJV_SPLITS, load_documents
 from ropescale.runs.lifecycle import RunInputs, configured_context, load_run_model, loaded_window
+from ropescale.runs.protocol import RunFolder, RunKind
 from ropescale.runs.scoring import score_windows
 from ropescale.runs.windows import WindowError, make_windows
 from ropescale.strategies import BASELINE, get_strategy
@@ -53,7 +54,7 @@ from .config import SearchConfig, same_data
 from .needle_objective import answer_nll, needle_examples
 from .tuner import Refused
 
-__all__ = ["RETRIEVAL_SEED", "Measurement", "SearchObjective", "check_disjoint", "spec_params"]
+__all__ = ["RETRIEVAL_SEED", "Measurement", "SearchObjective", "SearchRun", "check_disjoint", "spec_params"]
 
 RETRIEVAL_SEED = 7919  # passkey keys of the search; the eval's default seed is 0
 
@@ -231,3 +232,21 @@ class SearchObjective:
         from .vllm_scoring import vllm_measure
 
         return vllm_measure(self, handle, self.served)
+
+
+class SearchRun(RunKind):
+    """What both searches share as run kinds (``ropescale.runs.protocol``): their identity is the
+    config's (``SearchConfig.identity``) with the search split's tokens, the split is refused when it
+    holds a held-out document (``check_disjoint``), and their preparation builds the objective."""
+
+    def __init__(self, cfg: SearchConfig, *, progress: bool = True):
+        self.cfg, self.progress = cfg, progress
+
+    def check_documents(self, texts: list[str]) -> None:
+        check_disjoint(self.cfg, texts)
+
+    def identity(self, inputs: RunInputs):
+        return self.cfg.identity(), inputs.docs
+
+    def prepare(self, inputs: RunInputs, folder: RunFolder | None) -> None:
+        self.objective = SearchObjective(self.cfg, progress=self.progress, inputs=inputs)

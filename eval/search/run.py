@@ -28,12 +28,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ropescale.runs.lifecycle import RunInputs
-from ropescale.runs.protocol import RunFolder, RunKind, execute_run
+from ropescale.runs.protocol import RunFolder, execute_run
 from ropescale.runs.trackers import check_installed
 
 from .config import SearchConfig
-from .objective import SearchObjective, check_disjoint
+from .objective import SearchRun
 from .report import (
     BEST,
     PARETO,
@@ -102,7 +101,7 @@ def run_search(cfg: SearchConfig, output: str | Path, *, progress: bool = True) 
     return execute_run(OptunaSearch(cfg, progress=progress), output)
 
 
-class OptunaSearch(RunKind):
+class OptunaSearch(SearchRun):
     """A search by Optuna (TPE, CMA-ES) as a run kind (``ropescale.runs.protocol``). Several
     ``ropescale search`` processes may run one study in one folder (``shares_folder``): each loads
     and checks the model and data first, then holds the folder's lock only to check the manifest and
@@ -112,24 +111,12 @@ class OptunaSearch(RunKind):
     shares_folder = True
     lock_wait = BRIEF_LOCK_WAIT
 
-    def __init__(self, cfg: SearchConfig, *, progress: bool = True):
-        self.cfg, self.progress = cfg, progress
-
     def check(self) -> None:
         check_installed(self.cfg.report_to, "config")  # what needs no model, before anything loads or is written
         if self.cfg.engine == "vllm":
             from .vllm_scoring import check_search_engine
 
             check_search_engine(self.cfg)
-
-    def check_documents(self, texts: list[str]) -> None:
-        check_disjoint(self.cfg, texts)
-
-    def identity(self, inputs: RunInputs):
-        return self.cfg.identity(), inputs.docs
-
-    def prepare(self, inputs: RunInputs, folder: RunFolder | None) -> None:
-        self.objective = SearchObjective(self.cfg, progress=self.progress, inputs=inputs)
 
     def claim(self, folder: RunFolder) -> None:
         self.storage = f"sqlite:///{(folder.path / STUDY).resolve()}"
