@@ -33,6 +33,7 @@ from __future__ import annotations
 import errno
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -155,42 +156,32 @@ RopescaleGroup.command_class = VocabCommand
 RopescaleGroup.group_class = type  # `reference`'s subcommands get the same classes
 
 
-class EngineChoice(click.Choice):
+class RegistryChoice(click.Choice):
+    """A choice among a registry's names (bundled and plugins'), read when first needed."""
+
+    def __init__(self, names: Callable[[], list[str]]) -> None:
+        self.names = names
+        super().__init__([])
+
+    @property
+    def choices(self):
+        return self.names()
+
+    @choices.setter
+    def choices(self, value) -> None:  # click.Choice.__init__ sets it; the registry holds the names
+        pass
+
+
+class EngineChoice(RegistryChoice):
     """The registered serving engines by their one name each (``ropescale.serving.engines``:
-    ``transformers``, ``vllm``, ``llama.cpp``, ``mlx``, ``sglang`` and plugins' engines, read when first needed); an old
+    ``transformers``, ``vllm``, ``llama.cpp``, ``mlx``, ``sglang`` and plugins' engines); an old
     name (``gguf``, the file format ``patch --target`` named llama.cpp by) still parses, with a note."""
 
     def __init__(self) -> None:
-        super().__init__([])
-
-    @property
-    def choices(self):
-        from ropescale.serving.engines import engine_names
-
-        return engine_names()
-
-    @choices.setter
-    def choices(self, value) -> None:  # click.Choice.__init__ sets it; the registry holds the names
-        pass
+        super().__init__(commands.serving_engines)
 
     def convert(self, value, param, ctx):
         return super().convert(commands.engine_name(value), param, ctx)
-
-
-class ScoringEngineChoice(click.Choice):
-    """The registered scoring engines (``eval.engines.scoring``: ``transformers``, ``vllm`` and plugins'),
-    read when first needed."""
-
-    def __init__(self) -> None:
-        super().__init__([])
-
-    @property
-    def choices(self):
-        return commands.scoring_engines()
-
-    @choices.setter
-    def choices(self, value) -> None:  # click.Choice.__init__ sets it; the registry holds the names
-        pass
 
 
 @click.group(cls=RopescaleGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -245,7 +236,7 @@ def _common_options(fn):
         click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
                      help="auto (default): bfloat16 on a GPU that supports it, float32 on the CPU"),
         click.option("--quiet", "-q", is_flag=True, help="no progress output"),
-        click.option("--engine", type=ScoringEngineChoice(),
+        click.option("--engine", type=RegistryChoice(commands.scoring_engines),
                      help="what scores the cells: transformers (default), vllm (what `patch --engine vllm` "
                           "writes, in vLLM's own environment; bench/engines/install.sh vllm), mlx (perplexity "
                           "through mlx-lm) or a plugin's scoring engine"),

@@ -18,7 +18,7 @@ from ropescale.errors import InvalidInput, RopescaleError
 
 __all__ = ["PERPLEXITY_FLAGS", "base_bound", "compare", "conformance", "engine_name", "evaluate", "finetune", "inspect",
            "layer_table", "list_strategies", "list_tasks", "lm_eval", "parity", "patch", "plot", "reference_card",
-           "reference_train", "search", "strategy"]
+           "reference_train", "scoring_engines", "search", "serving_engines", "strategy"]
 
 # the perplexity task's own flags (its options at a config's top level), on `eval` and its alias `sweep`
 PERPLEXITY_FLAGS = {"mode": "--mode", "stride": "--stride", "max_windows": "--max-windows",
@@ -36,6 +36,13 @@ def strategy(spec: str):
         raise
     except ValueError as e:
         raise InvalidInput(str(e)) from None
+
+
+def serving_engines() -> list[str]:
+    """The registered serving engines' names (``ropescale.serving.engines``), for ``patch --engine``."""
+    from ropescale.serving.engines import engine_names
+
+    return engine_names()
 
 
 def scoring_engines() -> list[str]:
