@@ -9,20 +9,26 @@ engine is given that config.json as it is and reads it with its own code — tra
 ``from_pretrained`` and rotary module; vLLM's ``ModelConfig`` + ``get_rope``; llama.cpp's converter
 and runtime metadata; mlx-lm's model class; SGLang's, re-implemented from its sources — and its
 rotation is compared, layer type by layer type, with what transformers rotates by. Each cell is
-``same``, ``differs`` (by how much, on which layer types, with the engine's version) or ``cannot
-express`` (the engine refuses the config, or does not run it). The second table is ropescale's own
-``native`` export for each engine (``patch --strategy native --engine E``): what serving through
-ropescale changes.
+``same``, ``differs`` (by how much, on which layer types, with the engine's version), ``cannot
+express`` (the engine refuses the config) or ``not run here`` (what stops the engine here whatever
+the rope keys, said: ``NOT_RUN``; llama.cpp without its converter, ``unread_cells``). The second
+table is ropescale's own ``native`` export for each engine (``patch --strategy native --engine E``):
+what serving through ropescale changes.
 
 Rotation only (frequencies per rotary pair, the cos/sin magnitude): the attention-side terms some of
 these configs carry — Llama 4's and Ministral 3's query temperatures, DeepSeek's mscale² on the
 softmax — are not in the cells; ``docs/serving.md`` names what was read about them.
 
 A config of one's own: a JSON file like those in ``configs/`` (``name``, ``hub``, ``what``, ``config``:
-the config.json as shipped, ``tiny``: the keys that shrink it) passed by path.
+the config.json as shipped, ``tiny``: the keys that shrink it) passed by path. Its ``name`` (default:
+the file's stem) names its folders in the output folder: a plain file name, one config's alone.
 
-Errors (one line each): ``InvalidInput`` for an unknown config name, a file that is not such a JSON
-object, or a tiny model transformers cannot build; what ``run_parity`` raises.
+Errors (one line each), all but the last two before anything is written (``check_inputs``):
+``InvalidInput`` for an unknown config name, a file that is not such a JSON object, a name that is
+not a plain file name or is another config's, a length or ``max_position_embeddings`` that is not a
+whole number of tokens, an unknown engine or none; ``OutputError`` for an unusable output folder or
+a path that would lead out of it; ``InvalidInput`` for a tiny model transformers cannot build; what
+``run_parity`` raises.
 """
 
 from __future__ import annotations
@@ -39,8 +45,9 @@ from typing import Any
 
 from ropescale.errors import InvalidInput
 
-__all__ = ["CONFIGS", "LENGTH_CAP", "NOT_RUN", "Cell", "Shipped", "build_tiny", "cell_of", "load_shipped", "markdown",
-           "run_conformance", "shipped_names", "tiny_config", "write_conformance"]
+__all__ = ["CONFIGS", "LENGTH_CAP", "NOT_RUN", "READERS", "Cell", "Shipped", "build_tiny", "cell_of", "check_inputs",
+           "load_shipped", "markdown", "run_conformance", "shipped_names", "tiny_config", "unread_cells",
+           "write_conformance"]
 
 CONFIGS = Path(__file__).parent / "configs"
 LENGTH_CAP = 131072  # the longest length a cell is measured at [tokens]: every shipped window's 128k reach
@@ -68,26 +75,36 @@ def shipped_names() -> list[str]:
 
 
 def load_shipped(name_or_path: str) -> Shipped:
-    """The shipped config ``name_or_path``: a bundled name (``shipped_names``) or a JSON file of the
-    same form. ``InvalidInput`` (one line) for an unknown name or a malformed file."""
+    """The shipped config ``name_or_path``: a JSON file of the form of the bundled ones, or a bundled
+    name (``shipped_names``). ``InvalidInput`` (one line) for an unknown name, a malformed file, a
+    ``name`` that is not a plain file name (``checks.check_name``), or a ``length`` or
+    ``max_position_embeddings`` (``config``'s, ``tiny``'s) that is not a whole number of tokens >= 2."""
+    from ropescale.serving.rope import MAX_LENGTH
+
+    from .checks import check_name, check_tokens
+
+    where = f"--config {name_or_path}"
     path = Path(name_or_path)
     if not path.is_file():
+        if name_or_path not in shipped_names():
+            raise InvalidInput(f"{where}: not a shipped config ({', '.join(shipped_names())}) nor a JSON file")
         path = CONFIGS / f"{name_or_path}.json"
-        if not path.is_file():
-            raise InvalidInput(f"--config {name_or_path}: not a shipped config ({', '.join(shipped_names())}) nor a "
-                               "JSON file")
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
         config, tiny = raw["config"], raw.get("tiny", {})
         if not isinstance(config, dict) or not isinstance(tiny, dict):
             raise TypeError("config and tiny must be objects")
     except (ValueError, KeyError, TypeError) as e:
-        raise InvalidInput(f"--config {name_or_path}: not a shipped-config JSON object with a 'config' "
+        raise InvalidInput(f"{where}: not a shipped-config JSON object with a 'config' "
                            f"({type(e).__name__}: {e})") from None
-    mpe = int(config.get("max_position_embeddings") or LENGTH_CAP)
-    length = int(raw.get("length") or min(mpe, LENGTH_CAP))
-    return Shipped(str(raw.get("name") or path.stem), str(raw.get("hub", "")), str(raw.get("what", "")), config,
-                   tiny, length)
+    for part, keys in (("config", config), ("tiny", tiny)):
+        if keys.get("max_position_embeddings") is not None:
+            check_tokens(keys["max_position_embeddings"], f"{where}: {part}.max_position_embeddings")
+    mpe = config.get("max_position_embeddings") or LENGTH_CAP
+    length = min(mpe, LENGTH_CAP) if raw.get("length") is None else \
+        check_tokens(raw["length"], f"{where}: length", at_most=MAX_LENGTH)
+    name = check_name(path.stem if raw.get("name") is None else raw["name"], where)
+    return Shipped(name, str(raw.get("hub", "")), str(raw.get("what", "")), config, tiny, length)
 
 
 def tiny_config(entry: Shipped) -> dict[str, Any]:
@@ -154,6 +171,10 @@ NOT_RUN = ("failed to be inspected", "tokenizer.model", "' not found", "Cannot f
            "AmbiguousGlobalPerLayerAttributeError", "not re-implemented")
 
 
+# how an engine that runs in its own environment reads a config.json as shipped, where not through its Python code
+READERS = {"llama.cpp": "its converter (convert_hf_to_gguf.py)"}
+
+
 def cell_of(config: str, row) -> Cell:
     """The cell of a parity ``row`` (``eval.parity.ParityRow``) for shipped config ``config``: ``same``; ``not run
     here`` for what stops the engine here whatever the config (``NOT_RUN``); ``cannot express`` for a refusal
@@ -176,36 +197,92 @@ def run_conformance(names: list[str], *, engines: list[str], output: str | Path,
     × ``engines``: each config's tiny model built under ``output/models/<name>``, then
     ``run_parity(..., native, baseline=True)`` at its length (``length`` [tokens] for every
     config instead) into ``output/<name>``. Cells with ``exported_by`` = ``AS_SHIPPED`` are the
-    engines reading the config as shipped; the others, ropescale's ``native`` export."""
+    engines reading the config as shipped (``not run here``, with why, for an engine that cannot
+    here); the others, ropescale's ``native`` export. Every input is checked (``check_inputs``)
+    before anything is written."""
     from ropescale.runs.config import parse_strategy
 
     from ..parity import run_parity, write_parity
 
     say = say or (lambda _m: None)
-    entries = [load_shipped(n) for n in names]
-    if not entries:
-        raise InvalidInput("--config: name at least one shipped config")
+    entries, engines, folders = check_inputs(names, engines, output, length)
     output = Path(output)
     cells, lines, done = [], {}, []
     for entry in entries:
-        L = length or entry.length
+        L = entry.length if length is None else length
         say(f"{entry.name}: building the tiny model ({entry.hub})")
-        folder = build_tiny(entry, output / "models" / entry.name)
+        models, results = folders[entry.name]
+        folder = build_tiny(entry, models)
         say(f"{entry.name}: every engine at L = {L}")
         rows, meta = run_parity(str(folder), [parse_strategy("native")], [L], engines=engines, baseline=True,
-                                output=output / entry.name, say=say)
-        write_parity(rows, output / entry.name, meta)  # each config's rows, kept whatever comes next
+                                output=results, say=say)
+        write_parity(rows, results, meta)  # each config's rows, kept whatever comes next
         for engine, line in zip(engines, meta["engines"]):
             if engine not in lines or (_versioned(line) and not _versioned(lines[engine])):
                 lines[engine] = line
-        for r in rows:
-            cells.append(cell_of(entry.name, r))
-            cells[-1].extra = {"length": L, "hub": entry.hub, "what": entry.what}
+        mine = [cell_of(entry.name, r) for r in rows] + unread_cells(entry.name, engines, rows)
+        for c in mine:
+            c.extra = {"length": L, "hub": entry.hub, "what": entry.what}
+        cells += mine
         done.append(entry)
         meta = {"configs": [e.name for e in done], "engines": list(engines), "engine_lines": list(lines.values()),
-                "length_cap": LENGTH_CAP, "lengths": {e.name: length or e.length for e in done}}
+                "length_cap": LENGTH_CAP, "lengths": {e.name: e.length if length is None else length for e in done}}
         write_conformance(cells, output, meta)  # the table so far: a failed config later loses nothing
     return cells, meta
+
+
+def check_inputs(names: list[str], engines: list[str], output: str | Path,
+                 length: int | None) -> tuple[list[Shipped], list[str], dict[str, tuple[Path, Path]]]:
+    """``(entries, engines, folders)`` of a conformance run, before anything is written: the configs
+    loaded (``load_shipped``), each name once; the engines by their one names; per config name its
+    tiny model's folder and its parity folder, both inside ``output``. ``InvalidInput`` /
+    ``OutputError`` (one line) for no config, a bad or repeated config, an unknown engine or none, a
+    ``length`` that is not a whole number of tokens in [2, 2^24], an unusable output folder or a
+    path that would lead out of it."""
+    from ropescale.serving.output import check_output
+    from ropescale.serving.rope import MAX_LENGTH
+
+    from .checks import check_converter, check_engines, check_tokens, inside, unique_names
+
+    engines = check_engines(engines)
+    if length is not None:
+        check_tokens(length, "--length", at_most=MAX_LENGTH)
+    if not names:
+        raise InvalidInput("--config: name at least one shipped config")
+    entries = [load_shipped(n) for n in names]
+    unique_names([e.name for e in entries], [str(n) for n in names])
+    check_converter(engines)
+    output = check_output(output)
+    folders = {e.name: (check_output(inside(output, "models", e.name)), check_output(inside(output, e.name)))
+               for e in entries}
+    return entries, engines, folders
+
+
+def unread_cells(config: str, engines: list[str], rows) -> list[Cell]:
+    """A ``not run here`` cell, saying why, for each engine of ``engines`` without a row of the config
+    as shipped among ``rows`` (``eval.parity.ParityRow``): llama.cpp reads a config.json only through
+    its converter, which runs in its own environment, not installed here."""
+    from ropescale.serving.engines import get_engine
+
+    from ..engines import driver_class
+    from ..parity import AS_SHIPPED
+
+    shipped = [r for r in rows if r.exported_by == AS_SHIPPED]
+    out = []
+    for engine in engines:
+        if any(r.engine == engine for r in shipped):
+            continue
+        label, cls = get_engine(engine).label, driver_class(engine)
+        if not shipped:  # none read it: ropescale has no rotation of it to compare with
+            why = next((r.verdict for r in rows if r.engine == engine), "no rotation of ropescale's to compare with")
+            text = f"{label}: not given the config as shipped ({why})"
+        elif cls is None or cls.as_written is None:
+            text = f"{label}: its parity driver does not read a config as shipped"
+        else:
+            reader = READERS.get(engine, "its own code")
+            text = f"{label}: reads the config as shipped with {reader}, absent here ({label} not installed)"
+        out.append(Cell(config, engine, AS_SHIPPED, "not run here", text))
+    return out
 
 
 def _versioned(line: str) -> bool:

@@ -5,6 +5,7 @@ installed. The real engines' cells: docs/results-parity.md (`ropescale conforman
 
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from cli import main
 from eval.conformance import LENGTH_CAP, build_tiny, load_shipped, markdown, run_conformance, shipped_names, tiny_config
 from eval.engines.base import angle_table_diff, sampled_positions
 from eval.parity import AS_SHIPPED
-from ropescale.errors import InvalidInput
+from ropescale.errors import InvalidInput, OutputError
 from ropescale.serving.rope import model_ropes
 
 # the families the issue names, each with a config of its own
@@ -200,3 +201,135 @@ def test_every_family_is_exported_with_ropescales_rotation_or_refused_in_one_lin
         else:
             verdict = compare(ropescale_rope(handle, length), theirs, length)
     assert verdict.same, f"{name} {strategy} {engine}: {verdict.verdict}"
+
+
+def _own_config(folder, name="mine", file="mine.json", config=None, **top):
+    """A config of one's own (SmolLM3's, 256 tokens long) as a JSON file in ``folder``; ``config``: its
+    config.json keys replaced; ``top``: its top-level keys replaced (``name=None``: no name)."""
+    smol = load_shipped("smollm3-3b")
+    raw = {"name": name, "hub": smol.hub, "what": smol.what, "tiny": smol.tiny,
+           "config": smol.config | {"max_position_embeddings": 256} | (config or {})} | top
+    raw = {k: v for k, v in raw.items() if v is not None}
+    path = folder / file
+    path.write_text(json.dumps(raw))
+    return path
+
+
+def _files(folder):
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*"))
+
+
+@pytest.mark.parametrize("name", ["../../victim", "..", ".", "a/b", "/tmp/x", "a\\b", "", "x" * 101, 7,
+                                  "models", "Conformance.md"])
+def test_a_config_name_that_is_not_a_plain_file_name_is_refused_in_one_line(name, tmp_path):
+    path = _own_config(tmp_path, name=name)
+    with pytest.raises(InvalidInput, match="name") as e:
+        load_shipped(str(path))
+    assert str(e.value).startswith(f"--config {path}: name ") and "\n" not in str(e.value)
+
+
+def test_cli_a_config_named_like_a_path_writes_nothing_outside_the_output(tmp_path):
+    """Issue 52: ``"name": "../../victim"`` wrote its tiny model and parity files beside ``-o``'s parent,
+    over an existing parity.md."""
+    work = tmp_path / "a" / "b"
+    work.mkdir(parents=True)
+    (tmp_path / "a" / "victim").mkdir()
+    (tmp_path / "a" / "victim" / "parity.md").write_text("mine")
+    path = _own_config(work, name="../../victim")
+    before = _files(tmp_path)
+    res = CliRunner().invoke(main, ["conformance", "--config", str(path), "--engines", "transformers", "--length", "64",
+                                    "-o", str(work / "out")])
+    assert res.exit_code == 1 and len(res.output.strip().splitlines()) == 1
+    assert "name '../../victim' is not a plain file name" in res.output
+    assert _files(tmp_path) == before and (tmp_path / "a" / "victim" / "parity.md").read_text() == "mine"
+
+
+def test_a_link_out_of_the_output_folder_is_refused_before_anything_is_written(tmp_path):
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    (out / "models").symlink_to(elsewhere)
+    with pytest.raises(OutputError, match="models/mine leads out of it") as e:
+        run_conformance([str(_own_config(tmp_path))], engines=["transformers"], output=out, length=64)
+    assert "\n" not in str(e.value)
+    assert _files(elsewhere) == [] and _files(out) == ["models"]
+
+
+@pytest.mark.parametrize("second", ["mine", "MINE"])
+def test_cli_two_configs_of_one_name_are_refused_up_front(second, tmp_path):
+    """Issue 52: two configs named alike overwrote each other's folders and both rows read the first."""
+    one = _own_config(tmp_path, name="mine", file="one.json")
+    two = _own_config(tmp_path, name=second, file="two.json", config={"rope_theta": 10000.0})
+    res = CliRunner().invoke(main, ["conformance", "--config", str(one), "--config", str(two), "--engines",
+                                    "transformers", "--length", "64", "-o", str(tmp_path / "out")])
+    assert res.exit_code == 1 and len(res.output.strip().splitlines()) == 1
+    assert f"--config {two}: the name {second!r} is already that of --config {one}" in res.output
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--length", "0"], "Error: --length: 0 is not a whole number of tokens >= 2 and <= 16777216"),
+    (["--length", "-5"], "Error: --length: -5 is not a whole number of tokens >= 2 and <= 16777216"),
+    (["--length", "1"], "Error: --length: 1 is not a whole number of tokens >= 2 and <= 16777216"),
+    (["--length", str(2**24 + 1)], "Error: --length: 16777217 is not a whole number of tokens >= 2 and <= 16777216"),
+    (["--engines", "bogus"], "Error: --engines bogus: choose from llama.cpp, mlx, sglang, transformers, vllm"),
+    (["--engines", ""], "Error: --engines (none): choose from llama.cpp, mlx, sglang, transformers, vllm"),
+    (["--engines", " , "], "Error: --engines (none): choose from llama.cpp, mlx, sglang, transformers, vllm"),
+])
+def test_cli_bad_length_or_engines_are_one_line_before_anything_is_written(args, message, tmp_path):
+    """Issue 52: --length 0 was replaced by the config's length; -5 and unknown or no engines were refused only
+    after the tiny model was written."""
+    res = CliRunner().invoke(main, ["conformance", "--config", str(_own_config(tmp_path)), "--engines", "transformers",
+                                    "--length", "64", *args, "-o", str(tmp_path / "out")])
+    assert res.exit_code == 1 and res.output.strip() == message
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("keys", "where", "value"), [
+    ({"config": {"max_position_embeddings": "4096"}}, "config.max_position_embeddings", "'4096' (a string)"),
+    ({"config": {"max_position_embeddings": "abc"}}, "config.max_position_embeddings", "'abc' (a string)"),
+    ({"config": {"max_position_embeddings": 0}}, "config.max_position_embeddings", "0"),
+    ({"config": {"max_position_embeddings": 4096.0}}, "config.max_position_embeddings", "4096.0 (a float)"),
+    ({"tiny": {"max_position_embeddings": "64"}}, "tiny.max_position_embeddings", "'64' (a string)"),
+    ({"length": "512"}, "length", "'512' (a string)"),
+    ({"length": True}, "length", "True (a bool)"),
+    ({"length": 0}, "length", "0"),
+])
+def test_cli_a_length_in_a_config_file_that_is_not_a_whole_number_is_one_line_naming_file_and_key(keys, where,
+                                                                                                  value, tmp_path):
+    """Issue 52: a string max_position_embeddings gave a traceback ("abc") or was refused after the model was
+    written ("4096")."""
+    path = _own_config(tmp_path, config=keys.pop("config", None), **keys)
+    res = CliRunner().invoke(main, ["conformance", "--config", str(path), "--engines", "transformers",
+                                    "-o", str(tmp_path / "out")])
+    assert res.exit_code == 1 and len(res.output.strip().splitlines()) == 1
+    assert res.output.startswith(f"Error: --config {path}: {where}: {value} is not a whole number of tokens >= 2")
+    assert not (tmp_path / "out").exists()
+
+
+def test_llama_cpps_as_shipped_cell_says_why_it_is_not_run_here(tmp_path, monkeypatch):
+    """Issue 52: without llama.cpp (its converter reads a config as shipped) the cell was blank ("—")."""
+    monkeypatch.setenv("ROPESCALE_LLAMA_CPP_PYTHON", str(tmp_path / "no-such-python"))
+    cells, meta = run_conformance([str(_own_config(tmp_path))], engines=["transformers", "llama.cpp"],
+                                  output=tmp_path / "out", length=64)
+    shipped = {c.engine: c for c in cells if c.exported_by == AS_SHIPPED}
+    assert shipped["transformers"].kind == "same"
+    assert shipped["llama.cpp"].kind == "not run here"
+    assert "converter (convert_hf_to_gguf.py)" in shipped["llama.cpp"].text
+    assert "not installed" in shipped["llama.cpp"].text
+    as_shipped_table = markdown(cells, meta).split("given the config.json as shipped")[1].split("ropescale's export")[0]
+    assert "| same | **not run here**: llama.cpp: reads the config as shipped with its converter" in as_shipped_table
+    assert "—" not in as_shipped_table
+    written = json.loads((tmp_path / "out" / "conformance.json").read_text())
+    assert {(c["engine"], c["kind"]) for c in written["cells"] if c["exported_by"] == AS_SHIPPED} == {
+        ("transformers", "same"), ("llama.cpp", "not run here")}
+
+
+def test_llama_cpp_installed_without_its_converter_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    monkeypatch.setenv("ROPESCALE_LLAMA_CPP_PYTHON", sys.executable)
+    monkeypatch.setenv("ROPESCALE_LLAMA_CPP_SOURCE", str(tmp_path / "no-source"))
+    with pytest.raises(InvalidInput, match="convert_hf_to_gguf.py") as e:
+        run_conformance([str(_own_config(tmp_path))], engines=["transformers", "llama.cpp"], output=tmp_path / "out",
+                        length=64)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists()
