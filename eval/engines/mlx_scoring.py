@@ -8,7 +8,9 @@ is written as a model folder (``<output>/mlx/<strategy>@<L>/``, the weights save
 once and scores every request; the first request is also scored by the patched transformers model and
 the cell is refused (``EngineDisagrees``, one line, the cells before it kept) when the mean NLL over its
 positions differs by more than 1e-4 nats (float32; ``ropescale parity`` measured ≤ 6.5e-5 per position
-on the bundled model).
+on the bundled model). Before that, the driver's log-probabilities pass the checks every scoring engine's
+answers pass (``eval.engines.scoring.check_answers``: one list per request, of its length, finite and ≤ 0):
+otherwise ``EngineFailed``, one line, and the cell is not recorded.
 
 Refused before anything loads (one ``ConfigError`` line): mlx-lm not installed (how to install it), a task
 asking for generations, options an engine cannot score (``Task.engine_refusal``), several launched
@@ -18,7 +20,6 @@ rope keys ropescale has not read) is refused at its cell, in one line (the expor
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ import torch
 
 from ropescale.runs.config import ConfigError
 
-from .scoring import DEFAULT, ScoringEngine, scoring_engine
+from .scoring import DEFAULT, ScoringEngine, check_answers, scoring_engine
 
 __all__ = ["TOLERANCE", "MlxScoring"]
 
@@ -81,12 +82,14 @@ class MlxScoring(ScoringEngine):
         got = run_engine("mlx", {"mode": "logprobs", "jobs": [{"model": str(folder), "ids": [r["ids"] for r in reqs]}]},
                          log_dir=Path(output) / "logs", timeout=24 * 3600)
         job = (got.get("jobs") or [{}])[0]
-        if "error" in job or len(job.get("logprobs") or []) != len(reqs):
+        if "error" in job:
             raise EngineFailed(f"{spec.display} @ {length}: mlx-lm {got.get('mlx', '')} did not score the cell: "
-                               f"{job.get('error', 'a short answer')}; the cell is not recorded")
-        results = [{"logprobs": lp, "tokens": []} for lp in job["logprobs"]]
+                               f"{job['error']}; the cell is not recorded")
+        answered = job.get("logprobs")
+        results = [{"logprobs": lp, "tokens": []} for lp in answered] if isinstance(answered, list) else answered
+        check_answers(reqs, results, "mlx-lm's driver", f"{spec.display} @ {length}")  # every engine's checks
         theirs = torch.tensor(results[checked]["logprobs"], dtype=torch.float64)
-        d_mean = abs(float(theirs.mean() - ours.mean())) if not torch.isnan(theirs).any() else math.inf
+        d_mean = abs(float(theirs.mean() - ours.mean()))  # theirs finite (check_answers); ours NaN: refused
         if not d_mean <= TOLERANCE:
             raise EngineDisagrees(f"{spec.display} @ {length}: mlx-lm and transformers disagree on the cell's first "
                                   f"request: |Δ mean NLL| {d_mean:.3g} > {TOLERANCE:g} nats; the cell is not recorded")

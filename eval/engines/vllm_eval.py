@@ -21,9 +21,10 @@ positions differs by more than the parity tolerance (``vllm.parity_tolerance``; 
 in float32 — ``ropescale parity`` measured ≤ 3e-5 per position on the bundled model — and 5e-2 in
 bfloat16/float16, not measured here). The cell records the engine, its version, both numbers
 and the engine's start-up and scoring seconds. Before that, the driver's answer is checked
-against the requests (``checked_answer``: one result per request, each prompt's log-probabilities,
-no more tokens than asked, the version and timing fields): a short or incomplete answer is
-``EngineFailed`` in one line and the cell is not recorded.
+against the requests (``checked_answer``: the version and timing fields, then the checks every
+scoring engine's answers pass, ``eval.engines.scoring.check_answers``: one result per request, each
+prompt's log-probabilities, finite and ≤ 0, no more tokens than asked): a short, incomplete or
+impossible answer is ``EngineFailed`` in one line and the cell is not recorded.
 
 Refused before anything loads (``check_engine``, one ``ConfigError`` line): vLLM not installed
 (how to install it), a task that asks for more than vLLM answers (``Task.engine_asks``) or whose
@@ -39,7 +40,6 @@ a retrieval prompt plus its answer, per-layer-type patches — is refused at its
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -50,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ropescale.errors import RopescaleError
 from ropescale.runs.config import ConfigError, ConfigModel
 
-from .scoring import DEFAULT, ScoringEngine, scoring_engine
+from .scoring import DEFAULT, ScoringEngine, check_answers, scoring_engine
 
 __all__ = ["EngineDisagrees", "VllmOptions", "VllmScoring", "check_engine", "checked_answer", "score_cell_vllm",
            "transformers_logprobs"]
@@ -88,8 +88,8 @@ def tolerance(opts: VllmOptions, dtype: str) -> float:
 # --- the driver's answer, checked against what was asked before anything is recorded
 
 class _Result(BaseModel):
-    """One request's answer: log p of each prompt token after the first [nats] (when asked; NaN
-    where vLLM has none), and the generated token ids."""
+    """One request's answer: log p of each prompt token after the first [nats] (when asked; the driver
+    writes NaN where vLLM has none, which ``check_answers`` refuses), and the generated token ids."""
 
     logprobs: list[float] | None = None
     tokens: list[int] = Field(default_factory=list)
@@ -106,10 +106,11 @@ class _Answer(BaseModel):
 
 def checked_answer(got: dict[str, Any], reqs: list[dict], where: str) -> _Answer:
     """The driver's answer to ``reqs`` when it is one: every field (``results``, ``vllm``,
-    ``start_seconds``, ``score_seconds``), one result per request, ``len(ids) - 1`` log-probabilities
-    where they were asked, at most ``max_tokens`` generated. ``EngineFailed`` (one line naming the
-    cell ``where`` and what is missing) otherwise: a short answer would record a cell from part of
-    its examples."""
+    ``start_seconds``, ``score_seconds``), then the results against the requests as every scoring
+    engine's are (``eval.engines.scoring.check_answers``: one per request, ``len(ids) - 1`` finite
+    log-probabilities ≤ 0 where they were asked, at most ``max_tokens`` generated). ``EngineFailed``
+    (one line naming the cell ``where`` and what is wrong) otherwise: a short answer would record a
+    cell from part of its examples."""
     from . import EngineFailed
 
     try:
@@ -118,18 +119,7 @@ def checked_answer(got: dict[str, Any], reqs: list[dict], where: str) -> _Answer
         first = e.errors()[0]
         raise EngineFailed(f"{where}: vLLM's driver answered without a valid {'.'.join(map(str, first['loc']))} "
                            f"({first['msg']}); the cell is not recorded") from None
-    if len(answer.results) != len(reqs):
-        raise EngineFailed(f"{where}: vLLM's driver answered {len(answer.results)} of the {len(reqs)} requests "
-                           "asked; the cell is not recorded")
-    for i, (req, res) in enumerate(zip(reqs, answer.results)):
-        want = len(req["ids"]) - 1
-        if req["prompt_logprobs"] and (res.logprobs is None or len(res.logprobs) != want):
-            got_n = "no" if res.logprobs is None else len(res.logprobs)
-            raise EngineFailed(f"{where}: vLLM's driver answered request {i} with {got_n} log-probabilities for a "
-                               f"prompt of {want + 1} tokens ({want} asked); the cell is not recorded")
-        if len(res.tokens) > req["max_tokens"]:
-            raise EngineFailed(f"{where}: vLLM's driver generated {len(res.tokens)} tokens for request {i}, more "
-                               f"than the {req['max_tokens']} asked; the cell is not recorded")
+    check_answers(reqs, [r.model_dump() for r in answer.results], "vLLM's driver", where)
     return answer
 
 
@@ -287,14 +277,13 @@ def score_cell_vllm(cfg, task, model, examples, spec, params: dict, length: int,
     results = [r.model_dump() for r in answer.results]
     theirs = torch.tensor(results[parity_index]["logprobs"], dtype=torch.float64)
     tol = tolerance(cfg.vllm, cfg.dtype)
-    nan = int(torch.isnan(theirs).sum())
-    d_mean = math.inf if nan else abs(float(theirs.mean() - ours.mean()))
-    max_d = math.inf if nan else float((theirs - ours).abs().max())
+    d_mean = abs(float(theirs.mean() - ours.mean()))  # theirs finite (checked_answer); ours NaN: refused
+    max_d = float((theirs - ours).abs().max())
     if not d_mean <= tol:
         raise EngineDisagrees(f"{spec.display} @ {length}: vLLM {answer.vllm} and transformers disagree on the "
                               f"cell's first example: mean NLL {-float(theirs.mean()):.6g} vs {-float(ours.mean()):.6g}"
-                              f" nats (|Δ| {d_mean:.3g} > tolerance {tol:g}; max |Δ log p| {max_d:.3g}"
-                              + (f", {nan} NaN positions" if nan else "") + "); the cell is not recorded")
+                              f" nats (|Δ| {d_mean:.3g} > tolerance {tol:g}; max |Δ log p| {max_d:.3g}); the cell "
+                              "is not recorded")
     parts = task.engine_parts(examples, results, length)
     from ropescale.strategies import get_strategy
 

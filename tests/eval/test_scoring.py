@@ -30,20 +30,70 @@ class LogprobsOnly(ScoringEngine):
         with patch(model, spec.name, original_max_position_embeddings=train_length, **params):
             results = [{"logprobs": transformers_logprobs(model, r["ids"], device).tolist(), "tokens": []}
                        for r in reqs]
-        parts = task.engine_parts(examples, results, length)
+        parts = task.engine_parts(examples, self.sent(results, length), length)
         return {**task.combine([parts], examples, length=length, strategy=get_strategy(spec.name)),
                 "engine": self.name, "engine_version": "test"}
 
+    def sent(self, results: list[dict], length: int) -> list[dict]:
+        """The answers as the engine sends them back: here as computed."""
+        return results
 
-SCORERS.pop(LogprobsOnly.name)  # defining it registered it; each test of this module registers it for itself
+
+def _gone(results):
+    raise RuntimeError("connection reset: server went away")
+
+
+def _with(results, i, j, value):
+    """``results`` with request ``i``'s log-probability ``j`` replaced by ``value``."""
+    lp = list(results[i]["logprobs"])
+    lp[j] = value
+    return [*results[:i], {**results[i], "logprobs": lp}, *results[i + 1:]]
+
+
+# how a plugin's engine misbehaves at a cell of 64 tokens (two windows, no BOS: 63 log-probabilities each)
+# and the one line it is refused with; before issue 52 the first three and the positive one were recorded
+# (2 windows of 127 tokens, fewer tokens, PPL nan), the fourth a scatter_add traceback, the fifth "a bug in
+# ropescale … report it" without the plugin's name
+FAULTS = {
+    "one_of_two": (lambda r: r[:1], "answered 1 of the 2 requests asked; the cell is not recorded"),
+    "ten_short": (lambda r: [r[0], {**r[1], "logprobs": r[1]["logprobs"][:-10]}],
+                  "answered request 1 with 53 log-probabilities for a prompt of 64 tokens (63 asked); the cell is "
+                  "not recorded"),
+    "nan": (lambda r: _with(r, 1, 5, float("nan")),
+            "answered request 1 with a log-probability of nan at position 5, not a finite number; the cell is not "
+            "recorded"),
+    "too_many": (lambda r: [{**r[0], "logprobs": [*r[0]["logprobs"], -1.0]}, r[1]],
+                 "answered request 0 with 64 log-probabilities for a prompt of 64 tokens (63 asked); the cell is "
+                 "not recorded"),
+    "raises": (_gone, "failed: RuntimeError: connection reset: server went away; the cell is not recorded"),
+    "positive": (lambda r: _with(r, 0, 3, 0.5),
+                 "answered request 0 with a log-probability of 0.5 at position 3, above 0: a probability above 1; "
+                 "the cell is not recorded"),
+}
+
+
+class Faulty(LogprobsOnly):
+    """A plugin's engine answering as ``LogprobsOnly`` at 32 tokens and misbehaving at 64 (``FAULTS[fault]``)."""
+
+    name = "myplugin"
+    fault = "one_of_two"
+
+    def sent(self, results, length):
+        return FAULTS[self.fault][0](results) if length == 64 else results
+
+
+SCORERS.pop(LogprobsOnly.name)  # defining them registered them; each test of this module registers them for itself
+SCORERS.pop(Faulty.name)
 
 
 @pytest.fixture(autouse=True)
 def plugin():
     """The plugin engine registered for one test, then taken out: other tests see the bundled engines only."""
     SCORERS.add(LogprobsOnly.name, LogprobsOnly)
+    SCORERS.add(Faulty.name, Faulty)
     yield LogprobsOnly
     SCORERS.pop(LogprobsOnly.name, None)
+    SCORERS.pop(Faulty.name, None)
 
 
 def test_the_bundled_engines_are_registered_and_unknown_names_are_one_line():
@@ -90,3 +140,188 @@ def test_a_task_asking_for_more_than_an_engine_answers_is_refused_in_one_line(tm
     with pytest.raises(ConfigError, match=f"engine: vllm cannot score {ruler}: it measures the model in this "
                                           "process only — use engine: transformers$"):
         scoring_engine("vllm").check(cfg)
+
+
+# --- the contract every engine's answers are held to (issue 52)
+
+
+def _eval(out, model, data, engine, *more):
+    """``ropescale eval`` of yarn at 32 and 64 tokens (two windows each) scored by ``engine``."""
+    from click.testing import CliRunner
+
+    from cli import main
+
+    return CliRunner().invoke(main, ["eval", "--model", str(model), "--data", str(data), "--strategy", "yarn",
+                                     "--lengths", "32,64", "--max-windows", "2", "--device", "cpu", "-q",
+                                     "--engine", engine, "-o", str(out), *more])
+
+
+def _error_lines(res) -> list[str]:
+    """What the CLI printed on stderr but transformers' progress bars (loading the weights)."""
+    return [line for line in res.stderr.splitlines() if line.strip() and "Loading weights" not in line]
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_plugin_engines_bad_answer_is_one_line_and_its_cell_is_not_recorded(tmp_path, monkeypatch, tiny_model_dir,
+                                                                           text_file, fault):
+    from eval.sweep import RESULTS, read_results
+
+    monkeypatch.setattr(Faulty, "fault", fault)
+    res = _eval(tmp_path / "o", tiny_model_dir, text_file, Faulty.name)
+    assert res.exit_code == 1, res.output
+    assert _error_lines(res) == [f"Error: yarn @ 64: scoring engine 'myplugin' {FAULTS[fault][1]}"]
+    assert "Traceback" not in res.output and "report it" not in res.output
+    assert [(r["length"], r["engine"]) for r in read_results(tmp_path / "o" / RESULTS)] == [(32, "myplugin")]
+
+
+def test_a_plugin_engine_answering_well_is_recorded_through_the_cli(tmp_path, tiny_model_dir, text_file):
+    """The checks refuse what is wrong only: the same plugin, answering as computed, records both cells."""
+    from eval.sweep import RESULTS, read_results
+
+    res = _eval(tmp_path / "o", tiny_model_dir, text_file, LogprobsOnly.name)
+    assert res.exit_code == 0, res.output
+    recs = read_results(tmp_path / "o" / RESULTS)
+    assert [(r["length"], r["windows"], r["tokens"]) for r in recs] == [(32, 2, 62), (64, 2, 126)]
+
+
+class Generating(ScoringEngine):
+    """A plugin's engine answering both kinds for passkey: each candidate prompt's log-probabilities (all
+    -1 nats), and one token more than asked for each generation."""
+
+    name = "generating-test"
+    answers = frozenset({"logprobs", "generate"})
+
+    def score_cell(self, cfg, task, model, examples, spec, params, length, train_length, device, output):
+        reqs, _ = task.engine_requests(examples)
+        results = [{"logprobs": [-1.0] * (len(r["ids"]) - 1) if r["prompt_logprobs"] else None,
+                    "tokens": [] if r["prompt_logprobs"] else [7] * (r["max_tokens"] + 1)} for r in reqs]
+        return task.combine([task.engine_parts(examples, results, length)], examples, length=length, strategy=None)
+
+
+SCORERS.pop(Generating.name)
+
+
+def test_a_generation_longer_than_asked_is_refused_for_a_retrieval_task(tmp_path, tiny_model_dir):
+    import re
+
+    from ropescale.errors import RopescaleError
+
+    SCORERS.add(Generating.name, Generating)
+    try:
+        cfg = build_config({"model": str(tiny_model_dir), "task": "passkey", "lengths": [64], "strategies": ["yarn"],
+                            "device": "cpu", "engine": Generating.name, "passkey": {"trials": 1, "depths": [0.5]}})
+        with pytest.raises(RopescaleError) as e:
+            run_sweep(cfg, tmp_path / "p", progress=False)
+    finally:
+        SCORERS.pop(Generating.name)
+    m = re.fullmatch(r"yarn @ 64: scoring engine 'generating-test' generated (\d+) tokens for request 0, more than "
+                     r"the (\d+) asked; the cell is not recorded", str(e.value))
+    assert m and int(m[1]) == int(m[2]) + 1, str(e.value)
+
+
+class Bypassing(ScoringEngine):
+    """A plugin's engine making up the cell's metrics without answering the task's requests."""
+
+    name = "bypassing-test"
+    answers = frozenset({"logprobs"})
+
+    def score_cell(self, cfg, task, model, examples, spec, params, length, train_length, device, output):
+        return {"ppl": 1.0, "nll": 0.0, "tokens": 10**6, "engine": self.name, "engine_version": "test"}
+
+
+SCORERS.pop(Bypassing.name)
+
+
+def test_metrics_made_up_without_the_tasks_requests_are_refused(tmp_path, tiny_model_dir, text_file):
+    from eval.sweep import RESULTS, read_results
+    from ropescale.errors import RopescaleError
+
+    SCORERS.add(Bypassing.name, Bypassing)
+    try:
+        cfg = build_config({"model": str(tiny_model_dir), "data": str(text_file), "lengths": [32], "max_windows": 2,
+                            "strategies": ["yarn"], "device": "cpu", "engine": Bypassing.name})
+        with pytest.raises(RopescaleError, match=r"^yarn @ 32: scoring engine 'bypassing-test' returned the cell "
+                                                 r"without passing its answers through the task \(Task.engine_parts"
+                                                 r"\); the cell is not recorded$"):
+            run_sweep(cfg, tmp_path / "o", progress=False)
+    finally:
+        SCORERS.pop(Bypassing.name)
+    assert read_results(tmp_path / "o" / RESULTS) == []
+
+
+REQS = [{"ids": [5, 6], "max_tokens": 3, "prompt_logprobs": False},  # a retrieval prompt, its answer generated
+        {"ids": [5, 6, 7, 8], "max_tokens": 1, "prompt_logprobs": True},  # the prompt and a candidate of 2 tokens
+        {"ids": [5, 6, 9, 9], "max_tokens": 1, "prompt_logprobs": True}]
+GOOD = [{"logprobs": None, "tokens": [1, 2]}, {"logprobs": [-1.0, -2.0, -0.5], "tokens": []},
+        {"logprobs": [-1.0, -3.0, 5e-5], "tokens": [4]}]  # 5e-5 above 0: float32 rounding, kept
+
+
+@pytest.mark.parametrize(("results", "problem"), [
+    (GOOD[:2], "answered 2 of the 3 requests asked"),
+    ([*GOOD, GOOD[0]], "answered 4 of the 3 requests asked"),
+    ({"results": GOOD}, "answered dict, not a list of the 3 answers asked"),
+    ([GOOD[0], [-1.0, -2.0, -0.5], GOOD[2]], "answered request 1 with a list, not a dict of logprobs and tokens"),
+    ([{"logprobs": None}, *GOOD[1:]], "answered generation request 0 without its tokens"),
+    ([{"tokens": [1, 2, 3, 4]}, *GOOD[1:]], "generated 4 tokens for request 0, more than the 3 asked"),
+    ([{"tokens": [1, -2]}, *GOOD[1:]], r"answered request 0 with tokens that are not token ids: \[1, -2\]"),
+    ([{"tokens": ["a"]}, *GOOD[1:]], r"answered request 0 with tokens that are not token ids: \['a'\]"),
+    ([GOOD[0], {"tokens": []}, GOOD[2]], "answered request 1 with no log-probabilities"),
+    ([GOOD[0], GOOD[1], {"logprobs": [-3.0, 5e-5]}],
+     r"answered request 2 with 2 log-probabilities for a prompt of 4 tokens \(3 asked\)"),
+    ([GOOD[0], {"logprobs": ["x", -1.0, -1.0]}, GOOD[2]], "answered request 1 with log-probabilities that are not a "
+                                                         "list of numbers"),
+    ([GOOD[0], {"logprobs": [[-1.0, -1.0, -1.0]]}, GOOD[2]], "answered request 1 with log-probabilities that are "
+                                                            "not a list of numbers"),
+    ([GOOD[0], {"logprobs": [-1.0, float("-inf"), -1.0]}, GOOD[2]],
+     "answered request 1 with a log-probability of -inf at position 1, not a finite number"),
+    ([GOOD[0], GOOD[1], {"logprobs": [-1.0, -1.0, 2e-4]}],
+     "answered request 2 with a log-probability of 0.0002 at position 2, above 0: a probability above 1"),
+], ids=["short", "long", "not_a_list", "not_a_dict", "no_tokens", "tokens_long", "negative_id", "text_id",
+        "no_logprobs", "candidate_short", "text_logprob", "nested", "inf", "positive"])
+def test_every_answer_is_checked_against_its_request(results, problem):
+    from eval.engines import EngineFailed
+    from eval.engines.scoring import check_answers
+
+    check_answers(REQS, GOOD, "scoring engine 'x'", "yarn @ 64")  # nothing to refuse
+    with pytest.raises(EngineFailed, match=rf"^yarn @ 64: scoring engine 'x' {problem}.*; the cell is not recorded$"):
+        check_answers(REQS, results, "scoring engine 'x'", "yarn @ 64")
+
+
+class Unready(LogprobsOnly):
+    """A plugin's engine whose own check raises (its server is not up)."""
+
+    name = "unready-test"
+
+    def check(self, cfg, source="config", processes=1):
+        raise ConnectionError("no server at localhost:8000")
+
+
+SCORERS.pop(Unready.name)
+
+
+def test_a_plugins_exception_is_its_failure_and_a_bundled_engines_bug_is_a_bug(monkeypatch, tmp_path, tiny_model_dir,
+                                                                           text_file):
+    """An exception from a plugin's engine is its own failure, one line naming it — from ``check`` too,
+    before anything is written; what a bundled engine raises is ropescale's bug, raised as it is (the CLI
+    shows its traceback)."""
+    from types import SimpleNamespace
+
+    import eval.engines.vllm_eval
+
+    SCORERS.add(Unready.name, Unready)
+    try:
+        res = _eval(tmp_path / "o", tiny_model_dir, text_file, Unready.name)
+    finally:
+        SCORERS.pop(Unready.name)
+    assert res.exit_code == 1, res.output
+    assert _error_lines(res) == ["Error: scoring engine 'unready-test' failed: ConnectionError: no server at "
+                                 "localhost:8000"]
+    assert not (tmp_path / "o").exists()
+
+    def broken(*args, **kw):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(eval.engines.vllm_eval, "score_cell_vllm", broken)
+    with pytest.raises(ZeroDivisionError):
+        scoring_engine("vllm").score_cell(None, None, None, [], SimpleNamespace(display="yarn"), {}, 64, 32, "cpu",
+                                          None)
