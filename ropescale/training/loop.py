@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import time
 from contextlib import ExitStack, suppress
@@ -73,6 +74,7 @@ __all__ = [
     "CheckpointWriteError",
     "NonFiniteLossError",
     "causal_lm_loss",
+    "check_tracker_folder",
     "enable_checkpointing",
     "patch_for_training",
     "train",
@@ -156,16 +158,53 @@ def patch_for_training(model, cfg: FinetuneConfig, run: ResolvedRun):
     return handle
 
 
+def check_tracker_folder(acc, cfg: FinetuneConfig, output: Path) -> None:
+    """Refuse, in one line, a ``report_to: tensorboard`` log folder that cannot be written, before
+    any writer starts: TensorBoard's is ``<output>/<output name>`` (accelerate's logging folder and
+    run name), and its writer opens the event file in a thread of its own, so a read-only file system
+    there ended in that thread's ``OSError`` traceback. The main process makes the folder (where it is
+    not there) and creates and removes a file in it; what it made is removed again when it refuses.
+    Raises ``OutputError`` (naming ``report_to`` and the folder) on every process (``on_main``)."""
+    if "tensorboard" in cfg.report_to:
+        on_main(acc, lambda: _probe_folder(output / output.name, cfg.report_to))
+
+
+def _probe_folder(folder: Path, names: list[str]) -> None:
+    """``folder`` made where it is not there and a file created and removed in it; ``OutputError``
+    (``_tracker_error``) when it cannot be, with what was made removed again."""
+    made = not folder.exists()
+    probe = folder / f".ropescale-probe-{os.getpid()}"
+    try:
+        folder.mkdir(exist_ok=True)
+        with probe.open("xb"):
+            pass
+        probe.unlink()
+    except OSError as e:
+        if made:
+            with suppress(OSError):
+                folder.rmdir()
+        raise _tracker_error(names, folder, e) from None
+
+
+def _tracker_error(names: list[str], folder: Path, e: OSError) -> OutputError:
+    """The one line for a tracker that cannot write its logs in ``folder``."""
+    why = "a file is in its place" if folder.exists() and not folder.is_dir() else e.strerror or str(e)
+    return OutputError(f"report_to: {', '.join(names)} cannot write its logs in {folder} ({why}); "
+                       "make that a writable folder or leave report_to out")
+
+
 def _start_trackers(job) -> None:
     """The trackers' run, named after the output folder, with the run's identity as its settings,
     started by the main process (accelerate's trackers write from there only); every process
     raises its refusal (``on_main``). Raises ``OutputError`` in one line when a tracker cannot
-    write its folder (a file in its place, a read-only file system); the trackers that started
-    are closed."""
+    write its folder (a file in its place, a read-only file system: TensorBoard's folder is probed
+    first, ``check_tracker_folder``); the trackers that started are closed."""
     acc, cfg, output = job.acc, job.cfg, job.output
     settings = flat_settings(cfg.identity())
 
     def start() -> None:
+        if "tensorboard" in cfg.report_to:
+            _probe_folder(output / output.name, cfg.report_to)
         try:
             acc.init_trackers(output.name, config=settings)
         except OSError as e:
@@ -173,10 +212,7 @@ def _start_trackers(job) -> None:
                 with suppress(Exception):  # one that did not start has nothing to close
                     tracker.finish()
             acc.trackers = []
-            folder = output / output.name
-            why = "a file is in its place" if folder.exists() and not folder.is_dir() else e.strerror or str(e)
-            raise OutputError(f"report_to: {', '.join(cfg.report_to)} cannot write its logs in {folder} ({why}); "
-                              "make that a writable folder or leave report_to out") from None
+            raise _tracker_error(cfg.report_to, output / output.name, e) from None
 
     on_main(acc, start)
 

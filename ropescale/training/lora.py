@@ -7,6 +7,7 @@ Sources: LoRA, Hu et al. 2021, arXiv:2106.09685 (PEFT, huggingface/peft); LongLo
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -190,11 +191,52 @@ def apply_lora(model, lora: LoraSettings, source: str = "config", key: str = "lo
 def save_trained(model, tokenizer, output: str | Path, lora: LoraSettings | None = None, *,
                  state_dict: dict | None = None) -> Path:
     """Save a trained patched model into ``output``: all weights (``save_patched``); with LoRA
-    ``save: merged`` the adapter merged into the weights first (``merge_and_unload``: ``model``
-    itself is changed), with ``save: adapter`` an adapter folder (``save_adapter``). Both reload
-    with their patch through ``ropescale.load_model(output)``."""
+    ``save: merged`` the adapter merged into the weights first, in float32 (``_merge_in_float32``:
+    ``model`` itself is changed), with ``save: adapter`` an adapter folder (``save_adapter``). Both
+    reload with their patch through ``ropescale.load_model(output)``.
+
+    A merged bfloat16 (float16) base keeps its update: the merged layers are saved in float32, the
+    others in the base's dtype (which float32 holds exactly), and ``config.json`` says ``float32``, so
+    ``ropescale.load_model(output)`` (and ``from_pretrained(dtype="auto")``) gives base + B A · alpha / r
+    within float32 rounding — merged in the base's dtype the update was mostly rounded away."""
     if lora is None:
         return save_patched(model, tokenizer, output, state_dict=state_dict)
     if lora.save == "adapter":
         return save_adapter(model, tokenizer, output)
-    return save_patched(model.merge_and_unload(), tokenizer, output)
+    merged, upcast = _merge_in_float32(model)
+    out = save_patched(merged, tokenizer, output)
+    if upcast:  # transformers wrote the dtype of the first weight (the embeddings: the base's)
+        _declare_dtype(out / "config.json", "float32")
+    return out
+
+
+def _merge_in_float32(model) -> tuple[Any, bool]:
+    """``model`` (a PEFT LoRA model) with its adapters merged into the base weights
+    (``merge_and_unload``) in float32: the base weight (and bias) of each adapted layer that is
+    bfloat16 or float16 is made float32 first — one layer's copy at a time, never the whole model's —
+    so W + B A · alpha / r keeps the update (in bfloat16 an update below W's rounding step vanishes).
+    Quantized base layers (QLoRA's) are left to PEFT. Returns ``(the merged model, whether a layer was
+    made float32)``; ``model`` itself is changed."""
+    from peft.tuners.lora import LoraLayer
+
+    upcast = False
+    for module in model.modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        base = module.get_base_layer()
+        for name in ("weight", "bias"):
+            param = getattr(base, name, None)
+            if isinstance(param, torch.Tensor) and param.dtype in (torch.bfloat16, torch.float16):
+                param.data = param.data.float()
+                upcast = True
+    return model.merge_and_unload(), upcast
+
+
+def _declare_dtype(path: Path, dtype: str) -> None:
+    """Set ``dtype`` in a saved ``config.json`` (and in its sub-configs that carry one)."""
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config["dtype"] = dtype
+    for sub in config.values():
+        if isinstance(sub, dict) and "dtype" in sub:
+            sub["dtype"] = dtype
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")

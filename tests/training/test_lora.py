@@ -23,6 +23,7 @@ from tests.conftest import build, tiny_llama_config
 from tests.training.test_config import cli, one_line_error, write  # noqa: F401 (write: fixture)
 from tests.training.test_gradients import IDS
 
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # LoRA's, written out
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 
 
@@ -390,20 +391,41 @@ def test_under_autocast_the_adapters_take_the_activations_without_a_float32_copy
         assert torch.equal(grads[n], grads_cast[n]), n
 
 
-def test_a_bfloat16_base_trains_lora_in_mixed_precision(tmp_path, tiny_run):
-    """``dtype: bfloat16`` loads the frozen base in bfloat16 (the merged model saved in it), the adapters
-    train in float32, and the loss follows the float32 base's bf16 run within bf16 rounding."""
+def test_a_bfloat16_base_trains_lora_in_mixed_precision(tmp_path, tiny_run, tiny_model_dir):
+    """``dtype: bfloat16`` loads the frozen base in bfloat16, the adapters train in float32, and the loss
+    follows the float32 base's bf16 run within bf16 rounding. Saved merged, the run keeps its training:
+    every targeted weight reloads as the bf16 base (upcast) + B A · alpha / r from the same run saved as an
+    adapter, within float32 rounding (measured ≤ 1.6e-7 of the update; merged in bf16: 7e-3 here, 0.87 in
+    the run of issue 52); config.json says float32; the other weights are the bf16 base's exactly."""
     raw = tiny_run(strategy="yarn", steps=3, lr=1e-2, eval=None, checkpoint_every=10, mixed_precision="bf16",
-                   lora={"save": "merged"})
+                   lora={"save": "merged", "r": 4, "alpha": 8.0})
+    b16 = {**raw, "dtype": "bfloat16"}
     finetune(build_finetune_config(raw), tmp_path / "f32", progress=False)
-    finetune(build_finetune_config({**raw, "dtype": "bfloat16"}), tmp_path / "b16", progress=False)
+    finetune(build_finetune_config(b16), tmp_path / "b16", progress=False)
+    finetune(build_finetune_config({**b16, "lora": {**raw["lora"], "save": "adapter"}}), tmp_path / "adapter",
+             progress=False)
     assert losses(tmp_path / "b16") == pytest.approx(losses(tmp_path / "f32"), rel=2e-2)
     assert losses(tmp_path / "b16") != losses(tmp_path / "f32")  # the base really was bfloat16
-    dtypes = {v.dtype for v in load_file(next((tmp_path / "b16" / "model").glob("*.safetensors"))).values()
-              if v.is_floating_point()}
-    assert torch.bfloat16 in dtypes
+    assert losses(tmp_path / "adapter") == losses(tmp_path / "b16")  # the same training, saved both ways
     assert build_finetune_config({**raw, "dtype": "float32"}).identity() == build_finetune_config(raw).identity()
-    assert build_finetune_config({**raw, "dtype": "bfloat16"}).identity() != build_finetune_config(raw).identity()
+    assert build_finetune_config(b16).identity() != build_finetune_config(raw).identity()
+
+    base = {k: v.to(torch.bfloat16).float() for k, v in base_weights(tiny_model_dir).items()}
+    ab = load_file(tmp_path / "adapter" / "model" / "adapter_model.safetensors")
+    updates = {k: ab[f"base_model.model.{k[:-len('weight')]}lora_B.weight"].double()
+               @ ab[f"base_model.model.{k[:-len('weight')]}lora_A.weight"].double() * (8.0 / 4)
+               for k in base if k.split(".")[-2] in DEFAULT_TARGETS}
+    assert len(updates) == 4
+    reloaded, _ = ropescale.load_model(str(tmp_path / "b16" / "model"), device="cpu")
+    merged = reloaded.state_dict()
+    for k, update in updates.items():
+        assert merged[k].dtype == torch.float32, k
+        assert float(update.norm()) > 0, k
+        err = float((merged[k].double() - (base[k].double() + update)).norm() / update.norm())
+        assert err <= 1e-6, (k, err)
+    assert all(torch.equal(merged[k], base[k]) for k in base if k not in updates)
+    config = json.loads((tmp_path / "b16" / "model" / "config.json").read_text())
+    assert config["dtype"] == "float32"
 
 
 @pytest.mark.parametrize("extra, fragment", [

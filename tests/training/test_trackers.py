@@ -3,6 +3,8 @@ numbers it writes to log.jsonl; an unknown or missing tracker is one line before
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ropescale.runs.config import ConfigError
@@ -95,3 +97,87 @@ def test_a_tracker_folder_that_cannot_be_written_is_one_line_before_training(tmp
         (out / "run").unlink()
         assert finetune(build_finetune_config(raw), out, progress=False)["steps"] == 1
         assert [step for step, _ in _scalars(out)["loss"]] == [1]
+
+
+def _read_only(monkeypatch, folder) -> list[str]:
+    """The file system under ``folder`` (which exists: a mount point) made read-only as the OS says it: every
+    open for writing there (``io.open``, which ``Path.open`` and TensorBoard's file writer use, and ``os.open``)
+    raises ``OSError(EROFS)``. Returns the list the refused paths are added to."""
+    import errno
+    import io
+    import os
+
+    refused: list[str] = []
+
+    def under(file) -> str | None:
+        if isinstance(file, int):
+            return None
+        path = os.path.abspath(os.fsdecode(os.fspath(file)))
+        return path if os.path.commonpath([path, str(folder)]) == str(folder) else None
+
+    def refuse(path: str):
+        refused.append(path)
+        raise OSError(errno.EROFS, "Read-only file system", path)
+
+    real_io, real_os = io.open, os.open
+
+    def io_open(file, mode="r", *args, **kwargs):
+        path = under(file)
+        if path is not None and any(c in mode for c in "wxa+"):
+            refuse(path)
+        return real_io(file, mode, *args, **kwargs)
+
+    def os_open(file, flags, *args, **kwargs):
+        path = under(file)
+        if path is not None and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            refuse(path)
+        return real_os(file, flags, *args, **kwargs)
+
+    monkeypatch.setattr(io, "open", io_open)
+    monkeypatch.setattr(os, "open", os_open)
+    return refused
+
+
+def test_a_read_only_tensorboard_folder_is_one_line_and_no_writer_starts(tmp_path, tiny_run, monkeypatch):
+    """TensorBoard's folder on a read-only file system (there: a mount point): its writer opens the event file
+    in a thread of its own, which died with ``OSError: [Errno 30] Read-only file system:
+    '…/events.out.tfevents…'`` printed as a traceback after the run's one line. Now the folder is probed before
+    any writer starts: one line from the CLI, exit 1, no event file tried, no thread dying, no step run."""
+    pytest.importorskip("tensorboard")
+    import threading
+
+    from tests.training.test_config import cli, one_line_error
+
+    out = tmp_path / "run"
+    (out / "run").mkdir(parents=True)
+    died: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: died.append(args.exc_value))
+    config = tmp_path / "ft.yaml"
+    config.write_text(json.dumps(tiny_run(steps=1, eval=None, report_to="tensorboard")))
+    refused = _read_only(monkeypatch, out / "run")
+    res = cli(config, "-q", "--output", out)
+    monkeypatch.undo()  # the file system as it was, the threads' hook too
+    one_line_error(res, f"report_to: tensorboard cannot write its logs in {out / 'run'} (Read-only file system); "
+                        "make that a writable folder or leave report_to out")
+    assert refused and not [p for p in refused if "tfevents" in p]  # no writer was started there
+    assert died == []
+    assert not (out / "log.jsonl").exists() and list((out / "run").iterdir()) == []
+
+
+def test_the_tracker_folder_probe_leaves_nothing_behind(tmp_path, tiny_run, monkeypatch):
+    """``check_tracker_folder``: a writable TensorBoard folder is made and left empty; one it cannot write in
+    is refused in one line and the folder it made removed again; a tracker without a folder is not probed."""
+    from ropescale.errors import OutputError
+    from ropescale.training.loop import check_tracker_folder
+
+    out = tmp_path / "run"
+    out.mkdir()
+    check_tracker_folder(None, build_finetune_config(tiny_run(report_to="tensorboard")), out)
+    assert list(out.iterdir()) == [out / "run"] and list((out / "run").iterdir()) == []
+    (out / "run").rmdir()
+    check_tracker_folder(None, build_finetune_config(tiny_run(report_to="wandb")), out)
+    assert list(out.iterdir()) == []
+    _read_only(monkeypatch, out / "run")
+    with pytest.raises(OutputError, match=r"^report_to: tensorboard cannot write its logs in .*run/run \(Read-only"):
+        check_tracker_folder(None, build_finetune_config(tiny_run(report_to="tensorboard")), out)
+    assert list(out.iterdir()) == []
