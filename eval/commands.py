@@ -194,14 +194,20 @@ def layer_table(rows: list[dict]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells)
 
 
-def _patch_profiles(model, spec, profiles: str, output, engine, serve_length, gguf_path, freeze_dynamic_at, device,
-                    **options) -> None:
-    """``patch --profiles``: every check that needs no model first, then one export per factor."""
+def _loaded(model, spec, device):
+    """The model for ``patch`` with ``spec``, unpatched: a strategy keeping the model's own rotation starts
+    from the folder as plain transformers serves it."""
     import ropescale
-    from ropescale.models import resolve_model
+    from ropescale.strategies import REGISTRY
+
+    m, tok = ropescale.load_model(model, device=device, served=REGISTRY.lookup(spec.name).keeps_model)
+    ropescale.unpatch(m)
+    return m, tok
+
+
+def _profile_factors(spec, profiles: str, serve_length, freeze_dynamic_at) -> list[float]:
+    """``--profiles``' factors, sorted, once the options it leaves out are checked (one line each)."""
     from ropescale.runs.profiles import check_factors
-    from ropescale.serving.export import check_export
-    from ropescale.serving.profiles import PROFILES_FILE, export_profiles
 
     if serve_length is not None or freeze_dynamic_at is not None:
         raise InvalidInput("--profiles: each profile serves its own reach (s·T tokens); leave --serve-length and "
@@ -213,58 +219,72 @@ def _patch_profiles(model, spec, profiles: str, output, engine, serve_length, gg
             f"--profiles: {profiles!r} is not a comma-separated list of scale factors (e.g. 1,2,4)") from None
     if spec.profiles or "factor" in spec.params:
         raise InvalidInput("--profiles gives the factors; leave factor (and profiles) out of --strategy")
-    source = Path(resolve_model(model))
-    check_export(engine, 2, output, gguf=gguf_path, source=source if source.is_dir() else None)
-    m, tok = ropescale.load_model(model, device=device)
-    ropescale.unpatch(m)
+    return factors
+
+
+def _patch_profiles(model, spec, profiles: str, output, dry_run, engine, serve_length, gguf_path, freeze_dynamic_at,
+                    device, **options) -> None:
+    """``patch --profiles``: every check that needs no model first, then every profile checked (its reach, what
+    ``engine`` can express), then one export per factor — or, with ``dry_run``, each profile's table."""
+    from ropescale.models import resolve_model
+    from ropescale.runs.profiles import factor_text
+    from ropescale.serving.export import check_export
+    from ropescale.serving.profiles import PROFILES_FILE, export_profiles, plan_profiles
+
+    factors = _profile_factors(spec, profiles, serve_length, freeze_dynamic_at)
+    if not dry_run:
+        source = Path(resolve_model(model))
+        check_export(engine, 2, output, gguf=gguf_path, source=source if source.is_dir() else None)
+    m, tok = _loaded(model, spec, device)
+    patch_options = {**options, "logn": spec.logn, "temperature": spec.temperature}
+    if dry_run:
+        plans = plan_profiles(m, spec.name, factors, engine, patch_options=patch_options, **spec.params)
+        for p in plans:
+            click.echo(f"{spec.display} ×{factor_text(p.factor)} on {model}: {p.folder}, serves {p.reach} tokens "
+                       f"for {engine} (dry run: nothing written)")
+            click.echo(layer_table(p.layers))
+        return
     results = export_profiles(m, spec.name, factors, engine, output, tokenizer=tok, gguf=gguf_path,
-                              patch_options={**options, "logn": spec.logn, "temperature": spec.temperature},
-                              **spec.params)
+                              patch_options=patch_options, **spec.params)
     for f, result in zip(factors, results):
-        click.echo(f"saved {spec.name} ×{f:g} for {engine} (serves {result.serve_length} tokens) to {result.path}")
+        click.echo(f"saved {spec.display} ×{factor_text(f)} for {engine} (serves {result.serve_length} tokens) to "
+                   f"{result.path}")
     click.echo(f"the rule: {Path(output) / PROFILES_FILE} (ropescale.serving.profiles.select_profile)")
 
 
 def patch(model, strategy_spec, output, dry_run, original_max_position_embeddings, layer_types, dynamic_cache,
           dynamic_block, engine, serve_length, gguf_path, freeze_dynamic_at, profiles, device, quiet) -> None:
-    """``ropescale patch``: a dry run's per-layer table, request-length profiles, or one export for ``engine``
-    (what needs no model is refused before the model loads)."""
+    """``ropescale patch``: a dry run's per-layer table, request-length profiles (each profile's table with
+    ``dry_run``), or one export for ``engine`` (what needs no model is refused before the model loads). The
+    strategy spec's log-n and query temperature are patched with it on every path."""
     import ropescale
-    from ropescale.strategies import REGISTRY
 
     if quiet:
         _no_progress_bars()
-    layer_types = layer_types.split(",") if layer_types else None
+    if output is None and not dry_run:
+        raise InvalidInput("patch needs --output (the folder to write), or --dry-run")
+    spec = strategy(strategy_spec)
+    options = {"original_max_position_embeddings": original_max_position_embeddings,
+               "layer_types": layer_types.split(",") if layer_types else None, "dynamic_cache": dynamic_cache,
+               "dynamic_block": dynamic_block}
+    if profiles is not None:
+        _patch_profiles(model, spec, profiles, output, dry_run, engine, serve_length, gguf_path, freeze_dynamic_at,
+                        device, **options)
+        return
+    if not dry_run:
+        from ropescale.models import resolve_model
+        from ropescale.serving.export import check_export
+
+        source = Path(resolve_model(model))
+        # what needs no model is refused before loading it (export_for checks it all again)
+        check_export(engine, serve_length, output, gguf=gguf_path, freeze_dynamic_at=freeze_dynamic_at,
+                     source=source if source.is_dir() else None)
+    m, tok = _loaded(model, spec, device)
+    handle = ropescale.patch(m, spec.name, logn=spec.logn, temperature=spec.temperature, **options, **spec.params)
     if dry_run:
-        spec = strategy(strategy_spec)
-        # a strategy keeping the model's own rotation starts from the folder as plain transformers serves it
-        m, _ = ropescale.load_model(model, device=device, served=REGISTRY.lookup(spec.name).keeps_model)
-        ropescale.unpatch(m)
-        handle = ropescale.patch(m, spec.name, original_max_position_embeddings=original_max_position_embeddings,
-                                 layer_types=layer_types, dynamic_cache=dynamic_cache, dynamic_block=dynamic_block,
-                                 logn=spec.logn, **spec.params)
         click.echo(f"{spec.display} on {model} (dry run: nothing written)")
         click.echo(layer_table(handle.report()))
         return
-    if output is None:
-        raise InvalidInput("patch needs --output (the folder to write), or --dry-run")
-    spec = strategy(strategy_spec)
-    if profiles is not None:
-        _patch_profiles(model, spec, profiles, output, engine, serve_length, gguf_path, freeze_dynamic_at, device,
-                        original_max_position_embeddings=original_max_position_embeddings, layer_types=layer_types)
-        return
-    from ropescale.models import resolve_model
-    from ropescale.serving.export import check_export
-
-    source = Path(resolve_model(model))
-    # what needs no model is refused before loading it (export_for checks it all again)
-    check_export(engine, serve_length, output, gguf=gguf_path, freeze_dynamic_at=freeze_dynamic_at,
-                 source=source if source.is_dir() else None)
-    m, tok = ropescale.load_model(model, device=device, served=REGISTRY.lookup(spec.name).keeps_model)
-    ropescale.unpatch(m)
-    ropescale.patch(m, spec.name, original_max_position_embeddings=original_max_position_embeddings,
-                    layer_types=layer_types, dynamic_cache=dynamic_cache, dynamic_block=dynamic_block,
-                    logn=spec.logn, **spec.params)
     result = ropescale.export_for(m, engine, serve_length, output, tokenizer=tok, gguf=gguf_path,
                                   freeze_dynamic_at=freeze_dynamic_at)
     click.echo(f"saved {spec.display} patch of {model} for {engine} to {result.path}")

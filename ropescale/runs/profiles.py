@@ -14,7 +14,7 @@ from typing import Any
 
 from ropescale.errors import InvalidInput
 
-__all__ = ["RULE", "check_factors", "select_factor"]
+__all__ = ["RULE", "check_factors", "factor_text", "select_factor"]
 
 RULE = ("the smallest factor s whose reach floor(s·T) covers prompt + max_new_tokens; past the largest reach, "
         "the largest profile")
@@ -33,6 +33,14 @@ def check_factors(factors: Any, where: str = "profiles") -> list[float]:
     if len(set(out)) != len(out):
         raise InvalidInput(f"{where}: {factors!r} names a factor twice")
     return sorted(out)
+
+
+def factor_text(factor: float) -> str:
+    """A scale factor written exactly: Python's shortest text that reads back as the same float
+    (``repr``), a whole number without its ``.0`` (``1.0000001``, ``2``, ``1e+16``). Two distinct factors
+    never share a text (``f"{f:g}"`` writes 1.0000001 and 1.0000002 both as ``1``)."""
+    text = repr(float(factor))
+    return text[:-2] if text.endswith(".0") else text
 
 
 def select_factor(factors: list[float], train_length: int, tokens: int) -> float:

@@ -27,11 +27,11 @@ from typing import Any
 
 from torch import nn
 
-from ropescale.errors import InvalidInput
-from ropescale.runs.profiles import RULE, check_factors, select_factor
+from ropescale.errors import InvalidInput, RopescaleError
+from ropescale.runs.profiles import RULE, check_factors, factor_text, select_factor
 
-__all__ = ["PROFILES_FILE", "Profile", "check_factors", "export_profiles", "read_profiles", "select_factor",
-           "select_profile"]
+__all__ = ["PROFILES_FILE", "Profile", "ProfilePlan", "check_factors", "export_profiles", "plan_profiles",
+           "profile_folder", "read_profiles", "select_factor", "select_profile"]
 
 PROFILES_FILE = "profiles.json"
 
@@ -69,25 +69,30 @@ def read_profiles(folder: str | Path) -> tuple[dict[str, Any], list[Profile]]:
     return record, profiles
 
 
-def export_profiles(model: nn.Module, strategy: str, factors: list[float], engine: str, output: str | Path, *,
-                    tokenizer=None, gguf=None, patch_options: dict[str, Any] | None = None,
-                    **params: Any) -> list[Any]:
-    """Patch the *unpatched* ``model`` with ``strategy`` at each factor of ``factors`` in turn and export
-    it for ``engine`` (``export_for``) to serve its reach ⌊s · T⌋ tokens, into ``output``/``profile-<s>x``;
-    then write ``output``/``profiles.json`` (strategy, parameters, T, engine, the rule, the profiles).
-    The model is left unpatched. Returns the ``ExportResult`` of each profile.
+@dataclass(frozen=True)
+class ProfilePlan:
+    """One profile as ``plan_profiles`` checked it: its ``factor``, ``reach`` = ⌊factor · T⌋ [tokens] (T:
+    ``train_length``), the ``folder`` it is written to (``profile_folder``) and the patch's per-layer
+    ``layers`` (``PatchHandle.report``)."""
 
-    ``params``: the strategy's other parameters (not ``factor``); ``patch_options``: ``patch``'s
-    options (``original_max_position_embeddings``, ``layer_types``, …).
+    factor: float
+    reach: int
+    train_length: int
+    folder: str
+    layers: list[dict[str, Any]]
 
-    Raises ``InvalidInput`` (one line) for bad factors, a strategy without a ``factor`` parameter or a
-    dynamic one (its factor follows the length: nothing to pick per request), ``factor`` among
-    ``params``, a model already patched; ``export_for``'s errors for what the engine cannot express —
-    all before the first profile is written where the checks need no export.
-    """
-    from ropescale.patching import current_patch, patch
-    from ropescale.serving.export import check_export, export_for
-    from ropescale.serving.output import staged
+
+def profile_folder(factor: float) -> str:
+    """The folder of the profile of ``factor``: ``profile-<s>x`` with s written exactly
+    (``ropescale.runs.profiles.factor_text``), so two factors never share a folder and the name reads
+    back as its factor."""
+    return f"profile-{factor_text(factor)}x"
+
+
+def _check_request(model: nn.Module, strategy: str, factors: Any, params: dict[str, Any]) -> list[float]:
+    """What needs no patch: the factors (``check_factors``), a static strategy with a factor, no ``factor``
+    among ``params``, an unpatched model. Returns the factors, sorted."""
+    from ropescale.patching import current_patch
     from ropescale.strategies import get_strategy
 
     factors = check_factors(factors)
@@ -99,25 +104,80 @@ def export_profiles(model: nn.Module, strategy: str, factors: list[float], engin
         raise InvalidInput("profiles: the factors come from the profiles; leave factor out of the strategy")
     if current_patch(model) is not None:
         raise InvalidInput("profiles: the model is already patched; give the unpatched model")
-    output = Path(output)
-    check_export(engine, 2, output, gguf=gguf)
-    results, rows, train = [], [], None
+    return factors
+
+
+def plan_profiles(model: nn.Module, strategy: str, factors: list[float], engine: str,
+                  output: str | Path | None = None, *, gguf=None, patch_options: dict[str, Any] | None = None,
+                  **params: Any) -> list[ProfilePlan]:
+    """Every check ``export_profiles`` makes, for every factor, writing nothing: the *unpatched* ``model``
+    is patched with ``strategy`` at each factor in turn (``patch_options``, ``params`` as there), its
+    reach ⌊s · T⌋ checked as a served length and the patch translated for ``engine`` at it
+    (``Engine.translate``: what the engine cannot express); with ``output``, each profile's folder
+    checked writable (``check_export``; None: a dry run, no folder). The model is left unpatched.
+    Returns the profiles, by factor. Raises what ``export_profiles`` raises, one line, before any write."""
+    from ropescale.patching import patch
+    from ropescale.serving.engines import get_engine
+    from ropescale.serving.export import check_export
+    from ropescale.serving.rope import check_length
+
+    factors = _check_request(model, strategy, factors, params)
+    eng = get_engine(engine)
+    if output is not None:
+        check_export(eng.name, 2, output, gguf=gguf)
+    plans = []
     for f in factors:
-        handle = patch(model, strategy, factor=f, **(patch_options or {}), **params)
-        try:
+        with patch(model, strategy, factor=f, **(patch_options or {}), **params) as handle:
             train = handle.context["original_max_position_embeddings"]
             if train is None:
                 raise InvalidInput("profiles: the model's config has no training window; give "
                                    "original_max_position_embeddings")
-            reach = math.floor(f * train)
-            name = f"profile-{f:g}x"
-            result = export_for(model, engine, reach, output / name, tokenizer=tokenizer, gguf=gguf)
-        finally:
-            handle.unpatch()
+            reach, folder = math.floor(f * train), profile_folder(f)
+            try:
+                if output is None:
+                    length = check_length(reach)
+                else:
+                    length, _ = check_export(eng.name, reach, Path(output) / folder, gguf=gguf)
+                eng.translate(handle, length)
+            except RopescaleError as e:  # which profile, then the reason
+                raise type(e)(f"profiles: ×{factor_text(f)} (serving {reach} tokens): {e}") from None
+            plans.append(ProfilePlan(f, reach, train, folder, handle.report()))
+    return plans
+
+
+def export_profiles(model: nn.Module, strategy: str, factors: list[float], engine: str, output: str | Path, *,
+                    tokenizer=None, gguf=None, patch_options: dict[str, Any] | None = None,
+                    **params: Any) -> list[Any]:
+    """Patch the *unpatched* ``model`` with ``strategy`` at each factor of ``factors`` in turn and export
+    it for ``engine`` (``export_for``) to serve its reach ⌊s · T⌋ tokens, into ``output``/``profile-<s>x``
+    (``profile_folder``: s written exactly); then write ``output``/``profiles.json`` (strategy, parameters,
+    T, engine, the rule, each profile once). The model is left unpatched. Returns the ``ExportResult`` of
+    each profile.
+
+    ``params``: the strategy's other parameters (not ``factor``); ``patch_options``: ``patch``'s
+    options (``original_max_position_embeddings``, ``layer_types``, ``temperature``, …).
+
+    Raises ``InvalidInput`` (one line) for bad factors, a strategy without a ``factor`` parameter or a
+    dynamic one (its factor follows the length: nothing to pick per request), ``factor`` among
+    ``params``, a model already patched; ``export_for``'s errors for what the engine cannot express at
+    any profile's reach — all before the first profile is written (``plan_profiles`` checks every factor
+    first).
+    """
+    from ropescale.patching import patch
+    from ropescale.serving.export import export_for
+    from ropescale.serving.output import staged
+
+    output = Path(output)
+    plans = plan_profiles(model, strategy, factors, engine, output, gguf=gguf, patch_options=patch_options, **params)
+    results, rows = [], []
+    for p in plans:
+        with patch(model, strategy, factor=p.factor, **(patch_options or {}), **params):
+            result = export_for(model, engine, p.reach, output / p.folder, tokenizer=tokenizer, gguf=gguf)
         results.append(result)
-        rows.append(asdict(Profile(f, reach, str(result.path.relative_to(output)))) | {"usage": result.usage})
-    record = {"strategy": strategy, "params": params, "patch_options": patch_options or {}, "train_length": train,
-              "engine": results[0].engine, "rule": RULE, "profiles": rows}
+        rows.append(asdict(Profile(p.factor, p.reach, str(result.path.relative_to(output)))) | {"usage": result.usage})
+    record = {"strategy": strategy, "params": params, "patch_options": patch_options or {},
+              "train_length": plans[0].train_length, "engine": results[0].engine, "rule": RULE,
+              "profiles": rows}
     with staged(output, what=f"{output / PROFILES_FILE}") as stage:  # written whole or not at all
         (stage / PROFILES_FILE).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     return results

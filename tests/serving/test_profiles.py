@@ -96,3 +96,53 @@ def test_cli_patch_profiles(tiny_model_dir, tmp_path):
         lines = res.output.strip().splitlines()
         assert res.exit_code == 1 and len(lines) == 1 and words in lines[0], res.output
         assert not (tmp_path / "bad").exists()
+
+
+def test_each_factor_gets_its_own_folder_named_exactly(tiny_model_dir, tmp_path):
+    """Factors ``f"{f:g}"`` writes alike (1.0000001, 1.0000002: both "1") get a folder each, whose name reads back
+    as its factor; profiles.json lists each once, and each folder holds its own factor's export."""
+    model, tok = ropescale.load_model(str(tiny_model_dir), device="cpu")
+    factors = [1.0000001, 1.0000002, 2.0]
+    export_profiles(model, "yarn", factors, "vllm", tmp_path / "p", tokenizer=tok)
+    _, profiles = read_profiles(tmp_path / "p")
+    assert [p.factor for p in profiles] == factors
+    assert [p.path for p in profiles] == ["profile-1.0000001x", "profile-1.0000002x", "profile-2x"]
+    assert sorted(x.name for x in (tmp_path / "p").iterdir()) == sorted([p.path for p in profiles] + ["profiles.json"])
+    for p in profiles:
+        assert float(p.path.removeprefix("profile-").removesuffix("x")) == p.factor
+        config = json.loads((tmp_path / "p" / p.path / "config.json").read_text())
+        assert config["rope_parameters"]["factor"] == p.factor
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_factor_its_export_refuses_is_refused_before_any_profile_is_written(tiny_model_dir, tmp_path, existing):
+    """×1000000 reaches 32·10^6 tokens, past the 2^24 any export serves: refused in one line naming it, before
+    profile-1x is written (the output folder as it was: missing, or empty)."""
+    out = tmp_path / "p"
+    if existing:
+        out.mkdir()
+    res = CliRunner().invoke(main, ["patch", "--model", str(tiny_model_dir), "--strategy", "yarn", "--engine", "vllm",
+                                    "--profiles", "1,1000000", "-o", str(out), "-q"])
+    assert (sorted(out.iterdir()) == []) if existing else not out.exists()
+    lines = res.output.strip().splitlines()
+    assert res.exit_code == 1 and len(lines) == 1 and "×1000000 (serving 32000000 tokens)" in lines[0], res.output
+    assert "2^24" in lines[0]
+
+
+def test_dry_run_with_profiles_shows_each_profile_and_writes_nothing(tiny_model_dir, tmp_path):
+    """``--dry-run`` with ``--profiles``: each profile's folder, reach and per-layer table, nothing written; what the
+    export would refuse is refused as the export refuses it."""
+    out = tmp_path / "p"
+    res = CliRunner().invoke(main, ["patch", "--model", str(tiny_model_dir), "--strategy", "yarn:beta_fast=16",
+                                    "--engine", "vllm", "--profiles", "2,1.5", "--dry-run", "-o", str(out), "-q"])
+    assert res.exit_code == 0, res.output
+    headings = [line for line in res.output.splitlines() if "dry run" in line]
+    assert headings == [f"yarn:beta_fast=16 ×{s} on {tiny_model_dir}: profile-{s}x, serves {r} tokens for vllm "
+                        "(dry run: nothing written)" for s, r in (("1.5", 48), ("2", 64))]
+    table = [line.split() for line in res.output.splitlines() if line[:1].isdigit()]
+    assert [row[0] for row in table] == ["0", "0"] and all("yarn" in row for row in table)
+    assert not out.exists()
+    res = CliRunner().invoke(main, ["patch", "--model", str(tiny_model_dir), "--strategy", "yarn", "--profiles",
+                                    "1,1000000", "--dry-run", "-q"])
+    lines = res.output.strip().splitlines()
+    assert res.exit_code == 1 and len(lines) == 1 and "×1000000" in lines[0], res.output
