@@ -183,15 +183,26 @@ def _to_fake(model):
     return model
 
 
+def check_sizes(n: int, layers: int | None) -> None:
+    """Refuse (``SystemExit``, one line) a step the trace cannot make: fewer than 2 tokens (no token
+    to predict: no loss, no backward) or fewer than 1 decoder layer (nothing for LoRA to wrap)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+        raise SystemExit(f"--length {n}: a training step needs at least 2 tokens (one to predict from the other)")
+    if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
+        raise SystemExit(f"--layers {layers}: a model needs at least 1 decoder layer")
+
+
 def estimate(shape: str, n: int, *, stack: str = "baseline", layers: int | None = None) -> dict:
     """Trace one training step at ``n`` tokens; ``{"peak_gib", "base_gib", "seconds", ...}`` where base
-    is the weights, buffers and inputs, peak the most bytes alive at once during the step."""
+    is the weights, buffers and inputs, peak the most bytes alive at once during the step. ``SystemExit``
+    (one line) for an unknown stack, ``n`` < 2 or ``layers`` < 1 (``check_sizes``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ropescale.lm_head import OutputHead, causal_lm_loss
 
     if stack not in STACKS:
         raise SystemExit(f"--stack {stack}: unknown; stacks: {', '.join(STACKS)}")
+    check_sizes(n, layers)
     _register_attention()
     t0 = time.perf_counter()
     parts = stack.split("+")
@@ -266,6 +277,8 @@ def main() -> None:
         cards = {k: float(v) for k, v in (c.split("=") for c in args.card.split(",") if c)}
     except ValueError:
         raise SystemExit("--length takes integers, --card NAME=GiB pairs") from None
+    for n in lengths:  # every one before the first trace (each takes up to minutes)
+        check_sizes(n, args.layers)
     rows = [estimate(args.shape, n, stack=args.stack, layers=args.layers) for n in lengths]
     fits = {name: longest(args.shape, gib, stack=args.stack, layers=args.layers, check=not args.fit_only)
             for name, gib in cards.items()}

@@ -4,8 +4,9 @@ The model is loaded once; the task builds its examples once per length (``eval.t
 strategy is patched in and removed in place per cell. Each
 finished cell is appended to ``results.jsonl`` at once (flushed), so an interrupted run loses
 at most the cell in progress and a rerun with the same output folder skips finished cells.
-When the run ends, ``results.csv``, ``results.md`` and the task's plots are written from the
-cells of this run.
+When the run ends, ``results.csv``, ``results.md`` and the task's plots are written from every
+cell of the experiment in ``results.jsonl``: this run's and those earlier runs into the folder
+computed (other lengths, other strategies).
 """
 
 from __future__ import annotations
@@ -25,7 +26,14 @@ from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.models import resolve_device
 from ropescale.patching import patch
 from ropescale.runs.config import error_parts
-from ropescale.runs.lifecycle import RunInputs, configured_context, configured_window, load_run_model, loaded_window
+from ropescale.runs.lifecycle import (
+    RunInputs,
+    check_strategy,
+    configured_context,
+    configured_window,
+    load_run_model,
+    loaded_window,
+)
 from ropescale.runs.manifest import prepare_output, record_patch
 from ropescale.runs.memory import InsufficientMemoryError, check_fits
 from ropescale.runs.processes import process_state
@@ -141,6 +149,20 @@ def resolve_cells(cfg: EvalConfig, train_length: int) -> dict[tuple[str, int], d
     return out
 
 
+def _check_output(model, spec: StrategySpec, length: int, train_length: int, params: dict) -> None:
+    """The cell's strategy computed on ``model`` as the cell will patch it (``check_strategy``): a strategy
+    whose output is not frequencies (NaN, a wrong shape, a list, a NaN attention factor) is refused
+    before the manifest is written — a refused run leaves no folder — in one line naming the cell."""
+    try:
+        check_strategy(model, spec.name, length=length, original_max_position_embeddings=train_length,
+                       logn=spec.logn, temperature=spec.temperature, **params)
+    except InvalidInput as e:
+        if type(e) is not InvalidInput:  # a refusal of its own kind (the model's attention, ...) as it is
+            raise
+        raise InvalidInput(f"strategy {spec.display} at length {length} (training window T = {train_length}): "
+                           f"{' '.join(str(e).split())}") from None
+
+
 def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec, length: int, train_length: int,
                 device, progress: bool, state, output: Path) -> dict:
     """Patch, measure this process's share of the examples, gather the parts, combine, unpatch;
@@ -221,6 +243,20 @@ def _check_memory(task: Task, model, lengths: list[int], device) -> None:
         check_fits(need, device, hint=f"drop length {length}{longer} from lengths, or run on a device with more memory")
 
 
+def _report_records(records: list[dict], done, experiment: str) -> list[dict]:
+    """What the folder's reports show: this run's ``records`` (in their order), then every other record of
+    the experiment in ``results.jsonl`` (``done``, in file order: cells of earlier runs into the folder,
+    other lengths or strategies) — one per (strategy, length), a table having one place for it: this run's
+    record, else the latest."""
+    shown = {(r["strategy"], r["length"]) for r in records}
+    earlier: dict[tuple[str, int], dict] = {}
+    for r in done:
+        key = (r["strategy"], r["length"])
+        if r.get("experiment") == experiment and key not in shown:
+            earlier[key] = r
+    return records + list(earlier.values())
+
+
 def _headline(task: type[Task], record: dict) -> str:
     m = task.metrics[0]
     return f"{m.label} {'—' if record[m.key] is None else m.fmt.format(record[m.key])}"
@@ -244,7 +280,8 @@ def run_sweep(cfg: EvalConfig, output: str | Path, *, progress: bool = True) -> 
 
     Raises:
         ropescale.errors.InvalidInput: strategy parameters that fail at one of the lengths
-            (``resolve_cells``), before the output folder is created.
+            (``resolve_cells``), before the output folder is created; a strategy whose output on the
+            model is not frequencies (NaN, a wrong shape, a list), before the manifest: no folder left.
         ropescale.runs.data.DataError: data that cannot be read or is too short (``ValueError``
             subclasses also for a length that cannot hold the task's prompts), before any cell runs.
         ropescale.rotary.NoRotaryEmbeddingError: a model without RoPE.
@@ -297,15 +334,15 @@ class Sweep(RunKind):
             print(f"resuming: {len(self.cells) - len(self.todo)} of {len(self.cells)} cells already in {results_path}")
         if not self.todo:
             return
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
         # a patch saved with the model is removed: it would stack under the sweep's strategies
         self.model = load_run_model(cfg.model, inputs, dtype=cfg.dtype, device=str(self.device),
                                     device_map=cfg.device_map, local_attention=True)
         if cfg.device_map:
             self.device = self.model.get_input_embeddings().weight.device  # inputs go where the embeddings are
         self.train_length = loaded_window(self.model, cfg.model, cfg.original_max_position_embeddings, purpose="sweep")
-        resolve_cells(cfg, self.train_length)  # the loaded model's T: every cell again, before the first runs
+        cells = resolve_cells(cfg, self.train_length)  # the loaded model's T: every cell again, before the first runs
+        for length, spec, _ in self.todo:  # each cell's strategy output on this model, before the manifest
+            _check_output(self.model, spec, length, self.train_length, cells[spec.display, length])
         self.task = self.task_cls(cfg.options, tokenizer=inputs.tokenizer, train_length=self.train_length,
                                   documents=inputs.docs,
                                   source=cfg.data.spec().describe() if self.task_cls.uses_data else None)
@@ -332,6 +369,6 @@ class Sweep(RunKind):
                               f"({record['seconds']:.1f}s)", flush=True)
         records = [done[cid] for _, _, cid in self.cells]
         if state.is_main_process:
-            write_reports(records, folder.path)
+            write_reports(_report_records(records, done.values(), folder.experiment), folder.path)
         state.wait_for_everyone()
         return records

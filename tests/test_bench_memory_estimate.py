@@ -2,6 +2,8 @@
 real tensors, the longest length against traces around it. (Its agreement with the H100's measured peaks is
 in docs/gpu.md: a GPU cannot be a test's oracle here.)"""
 
+import re
+
 import pytest
 import torch
 
@@ -82,6 +84,34 @@ def test_offload_books_each_layers_input_to_the_host():
 def test_an_unknown_stack_is_refused_in_one_line():
     with pytest.raises(SystemExit, match="--stack tiled: unknown; stacks: baseline, offload, offload"):
         est.estimate("small", 1024, stack="tiled")
+
+
+TOO_SHORT = "a training step needs at least 2 tokens (one to predict from the other)"
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["--length", "0"], f"--length 0: {TOO_SHORT}"),
+    (["--length", "1024,1"], f"--length 1: {TOO_SHORT}"),
+    (["--layers", "0"], "--layers 0: a model needs at least 1 decoder layer"),
+])
+def test_a_step_without_tokens_or_layers_is_one_line_and_exit_1(args, line):
+    """Length 0 ended in a reshape error's traceback, layers 0 in PEFT's "target modules not found" one: the
+    script's own line instead, before any trace (1024 is not traced first), nothing on stdout."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "bench" / "memory_estimate.py"), "--shape", "small",
+                           "--card", "", *args], capture_output=True, text=True, timeout=300, cwd=root)
+    assert (done.returncode, done.stdout, done.stderr.strip()) == (1, "", line)
+
+
+def test_the_estimator_refuses_them_itself():
+    with pytest.raises(SystemExit, match=f"^--length 0: {re.escape(TOO_SHORT)}$"):
+        est.estimate("small", 0)
+    with pytest.raises(SystemExit, match="^--layers 0: a model needs at least 1 decoder layer$"):
+        est.estimate("small", 512, layers=0)
 
 
 @pytest.mark.skipif(not __import__("ropescale.training.tiling").training.tiling.tiled_mlp_available(),

@@ -87,6 +87,8 @@ class EvolutionSearch(SearchRun):
         self.scale = max(1.0, max(self.cfg.lengths) / self.train)
         self.short = self.cfg.fixed.get("short_factor", [1.0] * (self.dim // 2))
         self.yarn = yarn_init_factors(self.dim, self.theta, self.train, self.scale)
+        # the strategy's output on the initial individual, before the folder: not at the first evaluation
+        objective.check_candidate({"long_factor": [float(f) for f in self.yarn], "short_factor": self.short})
 
     def execute(self, folder: RunFolder) -> dict:
         from .evolution import run_evolution, split_over_processes

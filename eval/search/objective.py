@@ -40,11 +40,12 @@ from pathlib import Path
 
 import torch
 
+from ropescale.errors import InvalidInput
 from ropescale.models import resolve_device
 from ropescale.patching import patch
 from ropescale.runs.config import ConfigError
 from ropescale.runs.data import KJV_SPLITS, load_documents
-from ropescale.runs.lifecycle import RunInputs, configured_context, load_run_model, loaded_window
+from ropescale.runs.lifecycle import RunInputs, check_strategy, configured_context, load_run_model, loaded_window
 from ropescale.runs.protocol import RunFolder, RunKind
 from ropescale.runs.scoring import score_windows
 from ropescale.runs.windows import WindowError, make_windows
@@ -123,9 +124,7 @@ class SearchObjective:
     document; the loaders' own errors (``DataError``, a model that cannot be loaded)."""
 
     def __init__(self, cfg: SearchConfig, *, inputs: RunInputs, progress: bool = False):
-        self.cfg = cfg
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        self.cfg = cfg  # cfg.threads hold for the run (ropescale.runs.protocol.execute_run)
         self.device = resolve_device(cfg.device)
         self.docs, self.tokenizer = inputs.docs, inputs.tokenizer
         self.model = load_run_model(cfg.model, inputs, dtype=cfg.dtype, device=str(self.device), local_attention=True)
@@ -183,6 +182,26 @@ class SearchObjective:
             total -= float(candidate_scores_full(self.model, ex.prompt.ids, [ex.candidates[0]], self.device)[0])
             tokens += len(ex.candidates[0])
         return total / tokens
+
+    def check_candidate(self, sampled: dict) -> None:
+        """The strategy's output for one candidate (``sampled``: its searched values) computed on the model
+        and checked before the search claims its folder (``ropescale.runs.lifecycle.check_strategy``, a
+        dynamic strategy also at the longest target length): a strategy whose output is not frequencies —
+        NaN, a wrong shape, a list, a NaN attention factor — is refused now, in one line (``ConfigError``),
+        not at the first trial after the manifest and the study were written. A candidate the strategy
+        refuses by its parameters is not checked (its trials are pruned, ``Refused``)."""
+        try:
+            params = self.params(sampled)
+        except ValueError:
+            return
+        try:
+            check_strategy(self.model, self.cfg.strategy, length=max(self.cfg.lengths),
+                           original_max_position_embeddings=self.train_length, **params)
+        except InvalidInput as e:
+            if type(e) is not InvalidInput:  # a refusal of its own kind, as it is
+                raise
+            raise ConfigError(f"strategy: {self.cfg.strategy}, computed on the model before the search: "
+                              f"{' '.join(str(e).split())}") from None
 
     def params(self, sampled: dict) -> dict:
         """``spec_params`` of a sampled candidate for this model (target: the longest length)."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ropescale.runs.lifecycle import RunInputs
 from ropescale.runs.protocol import RunFolder, execute_run
 from ropescale.runs.trackers import check_installed
 
@@ -47,6 +48,7 @@ from .report import (
     write_csv,
     write_text,
 )
+from .space import centre
 from .trackers import SearchTrackers, trial_numbers
 from .tuner import (
     FAILED,
@@ -117,6 +119,10 @@ class OptunaSearch(SearchRun):
             from .vllm_scoring import check_search_engine
 
             check_search_engine(self.cfg)
+
+    def prepare(self, inputs: RunInputs, folder: RunFolder | None) -> None:
+        super().prepare(inputs, folder)
+        self.objective.check_candidate(centre(self.cfg.space()))  # the strategy's output, before the folder
 
     def claim(self, folder: RunFolder) -> None:
         self.storage = f"sqlite:///{(folder.path / STUDY).resolve()}"

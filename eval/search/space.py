@@ -21,7 +21,7 @@ from ropescale.runs.config import ConfigError
 from ropescale.strategies import get_strategy
 from ropescale.strategies.registry import Param, Strategy
 
-__all__ = ["Dimension", "search_space", "searchable"]
+__all__ = ["Dimension", "centre", "search_space", "searchable"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,16 @@ class Dimension:
     low: float
     high: float
     log: bool = False
+
+
+def centre(space: list[Dimension]) -> dict[str, float | int]:
+    """The middle of ``space``: each dimension's midpoint (geometric on a log scale; whole numbers rounded)
+    — the candidate a search computes its strategy on before it claims its folder."""
+    out: dict[str, float | int] = {}
+    for d in space:
+        mid = math.sqrt(d.low * d.high) if d.log else (d.low + d.high) / 2
+        out[d.name] = round(mid) if d.kind == "int" else mid
+    return out
 
 
 def searchable(param: Param) -> bool:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ropescale.runs.memory import Need, forward_bytes, model_dims
 from ropescale.runs.scoring import combine_windows, window_nll
@@ -43,6 +43,14 @@ class PerplexityOptions(TaskOptions):
     dynamic_block: int | None = Field(None, ge=1, description=(
         "dynamic strategies: score tokens [kB, (k+1)B) with a forward over the first (k+1)B tokens, "
         "the scale generation would use (1 = per position); default: one scale per window"))
+
+    @model_validator(mode="after")
+    def _kl_first_needs_kl(self) -> PerplexityOptions:
+        # a key that does nothing is a mistake; the default (as a dumped config, the manifest's, holds it) is not
+        if not self.kl and self.kl_first_tokens != type(self).model_fields["kl_first_tokens"].default:
+            raise ValueError(f"kl_first_tokens={self.kl_first_tokens} is read only with kl: true (it splits off each "
+                             "window's first predictions of the KL); set kl: true, or drop kl_first_tokens")
+        return self
 
     def check_lengths(self, lengths: list[int]) -> None:
         if self.stride and self.mode == "sliding" and self.stride > min(lengths):

@@ -18,6 +18,9 @@ fine-tuning run (``ropescale.training.run``), a search by Optuna or by LongRoPE'
 - ``configured_window`` / ``loaded_window``: the training window T [tokens], from the run's
   override or else the model's config, read by the one reader ``ropescale.rope_config``
   (``model_training_window`` before the weights load, ``rope_context`` of a loaded model).
+- ``check_strategy``: a strategy's output on the loaded model, computed and checked once (a patch
+  made and undone), so a strategy that returns NaN frequencies, a wrong shape or a list is refused
+  before the manifest, not at the run's first cell.
 
 The order is the protocol's contract: everything that can refuse the input (a bad config, a model
 that does not load, data too short) does so before the folder's manifest is written, so a corrected
@@ -39,8 +42,8 @@ from ropescale.runs.data import DataSpec, load_documents, tokenize_documents
 from ropescale.runs.manifest import LOCK, data_fingerprint, environment, folder_lock, prepare_output
 from ropescale.runs.processes import on_main
 
-__all__ = ["RunInputs", "claimed_folder", "configured_context", "configured_window", "load_inputs", "load_run_model",
-           "loaded_window", "run_identity", "versions"]
+__all__ = ["RunInputs", "check_strategy", "claimed_folder", "configured_context", "configured_window", "load_inputs",
+           "load_run_model", "loaded_window", "run_identity", "versions"]
 
 
 @dataclass
@@ -290,3 +293,31 @@ def loaded_window(net: Any, name: str, override: int | None, *, purpose: str = "
     if not window:
         raise InvalidInput(f"{name}: config has no max_position_embeddings; set original_max_position_embeddings")
     return window
+
+
+def check_strategy(net: Any, strategy: str, *, length: int, **options: Any) -> None:
+    """A strategy's output for a run at L = ``length`` tokens, computed and checked once before the run's
+    manifest is written: ``net`` patched (``ropescale.patch``, ``options`` its keywords — T, the query
+    temperature, the strategy's parameters) and the patch undone at once; a dynamic frequency strategy's
+    output also computed at L on every patched frequency set, as a forward of L tokens will. What
+    ``ropescale.strategies.registry.check_frequencies`` refuses (NaN or negative frequencies, a wrong
+    shape, a list, a NaN attention factor) is refused here, before the run claims its folder, instead of
+    at its first cell.
+
+    Args:
+        net: the loaded model (not patched; left as it was).
+        strategy: the strategy's registry name.
+        length: the longest length L the run scores with it [tokens].
+        options: ``ropescale.patch``'s keywords for the run.
+
+    Raises:
+        ropescale.errors.InvalidInput: what the patch refuses, the strategy's output included (one line).
+    """
+    from ropescale.patching import patch
+    from ropescale.strategies import get_strategy
+
+    strat = get_strategy(strategy)
+    with patch(net, strategy, **options) as handle:
+        if strat.kind == "frequency" and strat.dynamic:
+            for context in handle.sites.values():
+                strat.compute({**context, "seq_len": length}, handle.params)

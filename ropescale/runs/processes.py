@@ -16,20 +16,26 @@ run, a manifest naming another experiment, a tracker that cannot write its folde
 alone leaves the other processes in their next collective until the main one exits, where they
 end in gloo's "Connection closed by peer" tracebacks. ``on_main`` runs such a step on the main
 process and gives its result, or raises its error, on every process: each prints the same line.
+
+**Threads for the run.** A run's ``threads`` sets torch's intra-op thread count for that run only
+(``run_threads``): the count the process had is back when the run ends, refused or failed too, so a
+notebook or a test that runs a sweep does not keep its setting.
 """
 
 from __future__ import annotations
 
 import atexit
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from ropescale.errors import RopescaleError
 
-__all__ = ["keep_group", "on_main", "process_state"]
+__all__ = ["keep_group", "on_main", "process_state", "run_threads"]
 
 T = TypeVar("T")
 
@@ -44,6 +50,25 @@ def process_state(cpu: bool):
     state = PartialState(cpu=cpu)
     keep_group(state)
     return state
+
+
+@contextmanager
+def run_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op thread count set to ``threads`` while the block runs (None: left as it is), and
+    the count before put back when it ends, however it ends (``torch.set_num_threads`` is process-wide).
+
+    Args:
+        threads: the run's ``threads`` (``ropescale.runs.config.RunConfig``), or None.
+    """
+    if not threads:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def keep_group(state) -> None:

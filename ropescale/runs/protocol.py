@@ -11,7 +11,8 @@ and ``check_documents`` (what it reads), ``identity`` (its own fields and the to
 data: ``ropescale.runs.lifecycle.run_identity`` adds the weights' fingerprint and the versions),
 ``prepare`` (the model, T and everything else that can refuse the input; it sees the folder's state:
 finished cells, a trained model), ``claim``, ``execute`` and ``finish``. No caller orders these
-steps itself.
+steps itself. The run's ``threads`` hold from ``check`` to ``finish``, and the process's own thread
+count is back when the run ends, however it ends (``ropescale.runs.processes.run_threads``).
 
 The order is the contract: a folder holding another experiment is refused before the model loads
 (the manifest checked), and everything that can refuse the input does so before the manifest is
@@ -37,6 +38,7 @@ import torch
 from ropescale.runs.data import DataSpec
 from ropescale.runs.lifecycle import RunInputs, claimed_folder, load_inputs, run_identity
 from ropescale.runs.manifest import check_manifest, environment
+from ropescale.runs.processes import run_threads
 
 __all__ = ["RunFolder", "RunKind", "execute_run"]
 
@@ -170,6 +172,12 @@ def execute_run(kind: RunKind, output: str | Path) -> Any:
             launch, this and the above on every process).
         ropescale.errors.RopescaleError: the kind's own refusals, each in one line.
     """
+    with run_threads(getattr(kind.cfg, "threads", None)):  # the process's own count back when the run ends
+        return _execute(kind, output)
+
+
+def _execute(kind: RunKind, output: str | Path) -> Any:
+    """``execute_run``'s steps, in the protocol's order."""
     kind.check()
     if kind.shares_folder:
         inputs, ident = _inputs_and_identity(kind)

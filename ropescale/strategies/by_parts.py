@@ -165,9 +165,10 @@ def dynamic_yarn(dim: int, rope_theta: float, original_max_position_embeddings: 
 
 
 def _llama3_check(p: dict) -> None:
-    if p["high_freq_factor"] <= p["low_freq_factor"]:
-        raise InvalidInput(f"llama3: high_freq_factor={p['high_freq_factor']} must be greater than "
-                         f"low_freq_factor={p['low_freq_factor']}")
+    # equal factors are Llama 4's (Scout: 1 and 1): no smooth band, as transformers and vLLM take them
+    if p["high_freq_factor"] < p["low_freq_factor"]:
+        raise InvalidInput(f"llama3: high_freq_factor={p['high_freq_factor']} must be at least "
+                           f"low_freq_factor={p['low_freq_factor']}")
 
 
 @register("llama3", params=(
@@ -181,13 +182,20 @@ def llama3(dim: int, rope_theta: float, original_max_position_embeddings: int, f
            low_freq_factor: float, high_freq_factor: float) -> RopeFrequencies:
     """Llama 3.1 wavelength bands: θ_i kept where λ_i < T/high_freq_factor, θ_i/s where
     λ_i > T/low_freq_factor, and in between θ_i·((1 − g)/s + g) with
-    g = (T/λ_i − low_freq_factor)/(high_freq_factor − low_freq_factor)."""
+    g = (T/λ_i − low_freq_factor)/(high_freq_factor − low_freq_factor).
+
+    Equal factors (Llama 4: 1 and 1) leave no band between: θ_i kept below T/low_freq_factor, θ_i/s
+    above, as transformers computes them; a λ_i exactly at that boundary, where transformers' g is
+    0/0 = NaN, gets θ_i/s (g = 0, as vLLM takes it: the limit of the band's long end)."""
     theta = rope_inv_freq(dim, rope_theta)
     wavelen = 2 * math.pi / theta
     low_wavelen = original_max_position_embeddings / low_freq_factor
     high_wavelen = original_max_position_embeddings / high_freq_factor
     scaled = torch.where(wavelen > low_wavelen, theta / factor, theta)
-    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    if high_freq_factor == low_freq_factor:
+        smooth = torch.zeros_like(theta)
+    else:
+        smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return RopeFrequencies(torch.where(medium, smoothed, scaled), 1.0)

@@ -34,7 +34,14 @@ from ropescale.runs.trackers import check_installed
 from ropescale.training.config import FinetuneConfig, ResolvedRun, check_nf4, resolve
 from ropescale.training.data import TrainingWindows, token_stream
 from ropescale.training.heldout import HeldOut
-from ropescale.training.loop import MODEL_DIR, SUMMARY, enable_checkpointing, patch_for_training, train
+from ropescale.training.loop import (
+    MODEL_DIR,
+    SUMMARY,
+    check_tracker_folder,
+    enable_checkpointing,
+    patch_for_training,
+    train,
+)
 from ropescale.training.parallel import ParallelPlan, accelerator_plugins
 from ropescale.training.pose import PoseSampler
 from ropescale.training.tiling import enable_tiled_mlp, enable_tiled_norms
@@ -129,8 +136,7 @@ def finetune(cfg: FinetuneConfig, output: str | Path, *, progress: bool = True, 
     processes = process_state(cpu=device.type == "cpu").num_processes
     if evaluated:
         after.check(cfg, resolved, source, processes=processes)  # a bad evaluation fails now, not after training
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    # cfg.threads: torch's thread count for this run only (ropescale.runs.protocol.execute_run)
     acc = _accelerator(cfg, device, output, source)
     job = FinetuneRun(cfg, resolved, acc, progress=progress and acc.is_main_process, stop_after=stop_after,
                       after=after, source=source)
@@ -200,6 +206,8 @@ class FinetuneRun(RunKind):
         nothing). Nothing when the folder holds the trained model already."""
         if folder is not None and (folder.path / MODEL_DIR / SUMMARY).is_file():
             return
+        if folder is not None:  # a report_to log folder that cannot be written: refused before the manifest
+            check_tracker_folder(self.acc, self.cfg, folder.path)
         from accelerate.utils import set_seed
 
         cfg, resolved, acc = self.cfg, self.resolved, self.acc

@@ -3,12 +3,14 @@ import math
 import re
 
 import pytest
+import torch
 
 from eval.config import build_config
 from eval.sweep import RESULTS, cell_id, read_results, resolve_cells, run_sweep
 from ropescale.errors import InvalidInput
 from ropescale.runs.manifest import ExperimentMismatchError
 from ropescale.runs.windows import WindowError
+from ropescale.strategies import RopeFrequencies
 
 
 def config(model_dir, data, **kw):
@@ -229,3 +231,58 @@ def test_profiles_score_each_cell_as_the_static_factor_the_rule_picks(tmp_path, 
                          ({"name": "yarn", "profiles": [1, True]}, "True is not a scale factor")):
         with pytest.raises(ValueError, match=words):
             parse_strategy(entry)
+
+
+def test_the_reports_show_every_cell_of_the_folder_not_only_this_runs(tmp_path, tiny_model_dir, text_file):
+    """`--lengths 64` then `--lengths 32` into one folder: results.jsonl held both, results.md and
+    results.csv only the second run's column. Now they are made from every record of the experiment."""
+    import csv
+
+    first = run_sweep(config(tiny_model_dir, text_file, lengths=[64], strategies=["vanilla", "yarn"]), tmp_path,
+                      progress=False)
+    second = run_sweep(config(tiny_model_dir, text_file, lengths=[32], strategies=["vanilla", "linear"]), tmp_path,
+                       progress=False)
+    assert [(r["strategy"], r["length"]) for r in second] == [("vanilla", 32), ("linear", 32)]  # this run's cells
+    md = (tmp_path / "results.md").read_text()
+    assert "| strategy | 32 (T) | 64 (2T) |" in md
+    by_cell = {(r["strategy"], r["length"]): r["ppl"] for r in first + second}
+    for (strategy, length), ppl in by_cell.items():
+        row = next(line for line in md.splitlines() if line.startswith(f"| {strategy} |"))
+        assert f"{ppl:.2f}" in row, (strategy, length)
+    assert "| yarn |  | " in md  # yarn ran at 64 only: its 32 column is empty
+    with (tmp_path / "results.csv").open(encoding="utf-8") as f:
+        rows = {(r["strategy"], int(r["length"])): float(r["ppl"]) for r in csv.DictReader(f)}
+    assert rows == pytest.approx(by_cell) and len(rows) == 4
+
+
+def _ones(dim):
+    return torch.ones(dim // 2)  # [d/2]: valid frequencies
+
+
+@pytest.mark.parametrize(("fn", "length", "message"), [
+    (lambda dim: RopeFrequencies(torch.full((dim // 2,), float("nan")), 1.0), 32, r"returned inv_freq\[0\] = nan"),
+    (lambda dim: RopeFrequencies(torch.ones(dim), 1.0), 32, r"returned inv_freq of shape \[16\]; expected \[8\]"),
+    (lambda dim: RopeFrequencies(_ones(dim), float("nan")), 32, r"returned attention_factor = nan"),
+    (lambda dim: _ones(dim).tolist(), 32, r"returned list, not RopeFrequencies"),
+    # dynamic, and wrong only past T = 32: found at length 64 (a forward of 64 tokens), not only at T
+    (lambda dim, seq_len: RopeFrequencies(_ones(dim) * (float("nan") if seq_len > 32 else 1.0), 1.0), 64,
+     r"returned inv_freq\[0\] = nan"),
+], ids=["nan", "shape", "nan_factor", "list", "late_nan"])
+def test_a_strategy_whose_output_is_not_frequencies_is_refused_before_the_folder(tmp_path, tiny_model_dir, text_file,
+                                                                                 fn, length, message):
+    """A (plugin) strategy returning NaN frequencies, a wrong inv_freq shape, a NaN attention factor or a list
+    was refused in one line only at its first cell — after the folder, its manifest and the cells before
+    (vanilla's) were written. Now every cell's strategy is computed on the model before the manifest: one
+    line naming the cell, and no folder."""
+    from ropescale.strategies.registry import REGISTRY, register
+
+    try:
+        register("bad_output_sweep_test", source="a test")(fn)
+        cfg = config(tiny_model_dir, text_file, strategies=["vanilla", "bad_output_sweep_test"])
+        with pytest.raises(InvalidInput, match=rf"^strategy bad_output_sweep_test at length {length} \(training "
+                                               r"window T = 32\): strategy 'bad_output_sweep_test' .*" + message) as e:
+            run_sweep(cfg, tmp_path / "out", progress=False)
+        assert "\n" not in str(e.value)
+        assert not (tmp_path / "out").exists()
+    finally:
+        REGISTRY.pop("bad_output_sweep_test", None)

@@ -42,6 +42,8 @@ def test_task_options_sit_under_the_task_name():
     ({"task": "passkey", "passkey": {"depths": [2]}}, r"passkey.depths: depths must lie in \[0, 1\]"),
     ({"task": "passkey", "mode": "chunk"}, "mode: unknown key; allowed: .*passkey"),
     ({"task": "passkey", "paskey": {"trials": 3}}, "paskey: unknown key.*did you mean 'passkey'"),
+    # a key that would be ignored: kl_first_tokens splits the KL, which only kl: true measures
+    ({"perplexity": {"kl_first_tokens": 16}}, "perplexity: kl_first_tokens=16 is read only with kl: true"),
 ])
 def test_bad_task_configs_name_the_key(raw, match):
     with pytest.raises(ConfigError, match=match):

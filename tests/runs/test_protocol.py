@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from eval.config import build_config
 from eval.sweep import run_sweep
@@ -126,6 +127,59 @@ def test_a_refused_sweep_leaves_no_folder(tmp_path, tiny_model_dir, text_file):
     with pytest.raises(ValueError):
         run_sweep(cfg, tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_runs_threads_hold_for_the_run_and_the_count_before_is_back(tmp_path, tiny_model_dir, text_file):
+    """``threads`` set torch's thread count for the whole process (torch.set_num_threads) and left it there
+    when the run ended — a notebook's or a test's next computation ran on the run's count. Now it holds
+    from check to finish, and the count before is back after a run, a refused one and a failed one."""
+    torch.set_num_threads(2)  # the count before (tests/conftest.py puts the test's own back)
+    seen = []
+
+    class Counting(Recording):
+        def check(self):
+            seen.append(torch.get_num_threads())
+            super().check()
+
+        def execute(self, folder):
+            seen.append(torch.get_num_threads())
+            return super().execute(folder)
+
+    for i, refuse_in in enumerate([None, "prepare", "execute"]):
+        kind = Counting(tiny_model_dir, text_file, refuse_in=refuse_in)
+        kind.cfg = kind.cfg.model_copy(update={"threads": 1})
+        try:
+            execute_run(kind, tmp_path / f"run{i}")
+        except InvalidInput:
+            assert refuse_in is not None
+        assert torch.get_num_threads() == 2, refuse_in
+    assert seen == [1, 1, 1, 1, 1]  # check and execute; check only when refused in prepare
+    # the three kinds that set it themselves before: a sweep, a refused sweep, a search, a fine-tuning
+    sweep = {"model": str(tiny_model_dir), "data": str(text_file), "lengths": [32], "strategies": ["vanilla"],
+             "device": "cpu", "max_windows": 2, "threads": 1}
+    run_sweep(build_config(sweep), tmp_path / "sweep", progress=False)
+    assert torch.get_num_threads() == 2
+    with pytest.raises(ValueError, match="too short"):  # refused once the model is loaded
+        run_sweep(build_config({**{k: v for k, v in sweep.items() if k not in ("data", "max_windows")},
+                                "task": "passkey", "lengths": [8], "passkey": {"trials": 1}}),
+                  tmp_path / "refused", progress=False)
+    assert torch.get_num_threads() == 2
+    from eval.search.config import build_search_config
+    from eval.search.run import run_search
+    from ropescale.reference import kjv
+    from ropescale.training import build_finetune_config, finetune
+
+    jonah = tmp_path / "jonah.txt"  # a training book: the search refuses held-out text
+    jonah.write_text(dict(kjv.split("train"))["Jonah"], encoding="utf-8")
+    run_search(build_search_config({"model": str(tiny_model_dir), "data": str(jonah), "strategy": "yarn",
+                                    "fixed": {"factor": 2}, "search": {"beta_fast": [4, 64]}, "lengths": [64],
+                                    "budget": 1, "max_windows": 2, "threads": 1, "device": "cpu"}),
+               tmp_path / "search", progress=False)
+    assert torch.get_num_threads() == 2
+    finetune(build_finetune_config({"model": str(tiny_model_dir), "strategy": "linear", "data": str(text_file),
+                                    "length": 64, "steps": 1, "batch_size": 1, "device": "cpu", "threads": 1}),
+             tmp_path / "finetune", progress=False)
+    assert torch.get_num_threads() == 2
 
 
 STEPS = {"claimed_folder", "check_manifest", "run_identity", "load_inputs"}

@@ -54,8 +54,8 @@ SHIPPED = {
     # meta-llama/Llama-3.1-8B (windows shrunk)
     "llama3": ("llama", {None: {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                 "original_max_position_embeddings": 16}}),
-    # meta-llama/Llama-4-Scout: low_freq_factor = high_freq_factor (ropescale's llama3 refuses it: saved by
-    # transformers only)
+    # meta-llama/Llama-4-Scout: low_freq_factor = high_freq_factor (no smooth band; ropescale's llama3 writes it
+    # too, which it refused once)
     "llama3_llama4": ("llama4_text", {None: {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
                                              "high_freq_factor": 1.0, "original_max_position_embeddings": W}}),
     "longrope": ("llama", {None: {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 16,
@@ -68,7 +68,8 @@ SHIPPED = {
     "linear_gemma3": ("gemma3_text", {"full_attention": {"rope_type": "linear", "factor": 8.0}}),
 }
 # the scalings ropescale can write itself: their folders saved by `ropescale patch` as well (the y4)
-BY_ROPESCALE = ["linear", "dynamic", "yarn", "yarn_gpt_oss", "llama3", "longrope", "linear_gemma3"]
+BY_ROPESCALE = ["linear", "dynamic", "yarn", "yarn_gpt_oss", "llama3", "llama3_llama4", "longrope",
+                "linear_gemma3"]
 
 
 CENSUS = {"gpt_oss": "GptOssForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",

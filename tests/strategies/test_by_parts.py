@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from ropescale.errors import InvalidInput
 from ropescale.strategies import get_strategy
 from ropescale.strategies.by_parts import (
     base_truncation,
@@ -101,6 +102,56 @@ def test_llama3_formula(d, b, T, s, low, high):
     f = llama3(d, b, T, s, low, high)
     close(f.inv_freq, naive_llama3(d, b, T, s, low, high), rtol=1e-5)
     assert f.attention_factor == 1.0
+
+
+def transformers_llama3(d, b, T, s, low, high):
+    """transformers' own llama3 initialiser (``ROPE_INIT_FUNCTIONS["llama3"]``) on a Llama config of these
+    numbers: ``(inv_freq [d/2], attention_factor)``."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = LlamaConfig(hidden_size=4 * d, num_attention_heads=4, head_dim=d, max_position_embeddings=16 * T,
+                      rope_parameters={"rope_type": "llama3", "rope_theta": b, "factor": s, "low_freq_factor": low,
+                                       "high_freq_factor": high, "original_max_position_embeddings": T})
+    return ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+
+
+# meta-llama/Llama-4-Scout-17B-16E's text config: head_dim 128, rope_theta 5e5, rope_scaling llama3 with factor 16,
+# low_freq_factor = high_freq_factor = 1, original_max_position_embeddings 8192
+SCOUT = {"dim": 128, "rope_theta": 500000.0, "original_max_position_embeddings": 8192}
+
+
+def test_llama3_takes_llama4s_equal_frequency_factors():
+    """Llama 4 ships low_freq_factor = high_freq_factor (no smooth band): refused before ("must be greater
+    than"), computed by transformers as θ_i below T and θ_i/16 above. Oracles: transformers' own
+    initialiser, bit for bit, and the formula written out naively."""
+    strat = get_strategy("llama3")
+    params = strat.validate({"factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0})
+    f = strat.compute(SCOUT, params)
+    want, att = transformers_llama3(128, 500000.0, 8192, 16.0, 1.0, 1.0)
+    assert torch.equal(f.inv_freq, want) and f.attention_factor == att == 1.0
+    close(f.inv_freq, naive_llama3(128, 500000.0, 8192, 16.0, 1.0, 1.0), rtol=1e-5)
+    theta = vanilla(128, 500000.0).inv_freq
+    wavelen = 2 * math.pi / theta
+    assert 0 < int((wavelen > 8192).sum()) < 64  # both sides of the boundary are there
+    assert torch.equal(f.inv_freq, torch.where(wavelen > 8192, theta / 16, theta))
+    with pytest.raises(InvalidInput, match="high_freq_factor=1.0 must be at least low_freq_factor=4.0"):
+        strat.validate({"factor": 16.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0})
+
+
+def test_llama3_at_equal_factors_a_wavelength_on_the_boundary_is_scaled():
+    """Equal factors whose boundary T/low_freq_factor is exactly one pair's wavelength λ_k (float32): there
+    transformers' smooth factor is 0/0 and its θ_k NaN; the strategy gives θ_k/s (vLLM's g = 0, the band's
+    long end) and transformers' value at every other pair."""
+    theta = vanilla(128, 500000.0).inv_freq
+    k = 40
+    low = 8192 / float(2 * math.pi / theta[k])  # T / low_freq_factor == λ_k in float32
+    want, _ = transformers_llama3(128, 500000.0, 8192, 16.0, low, low)
+    assert not math.isfinite(float(want[k]))  # the oracle's own 0/0 at the boundary
+    got = llama3(128, 500000.0, 8192, 16.0, low, low).inv_freq
+    assert float(got[k]) == float(theta[k] / 16)
+    others = torch.arange(64) != k
+    assert torch.equal(got[others], want[others])
 
 
 def test_longrope_formula_and_switch():

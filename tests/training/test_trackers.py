@@ -162,6 +162,7 @@ def test_a_read_only_tensorboard_folder_is_one_line_and_no_writer_starts(tmp_pat
     assert refused and not [p for p in refused if "tfevents" in p]  # no writer was started there
     assert died == []
     assert not (out / "log.jsonl").exists() and list((out / "run").iterdir()) == []
+    assert not (out / "manifest.json").exists()  # refused before the manifest was written
 
 
 def test_the_tracker_folder_probe_leaves_nothing_behind(tmp_path, tiny_run, monkeypatch):

@@ -24,7 +24,9 @@ number, %), else RULER's convention for an extended model: the unscaled model's 
 window — the ``vanilla`` cell at T (none without that cell). In ``results.md`` (a table under the
 averages), ``effective_length.json`` (``{strategy: length or null}`` with the threshold and where it
 came from) and ``score_vs_length.png`` (the threshold drawn as a dotted level). A given threshold
-is recorded with the run (its identity); left out, runs from before the option resume.
+is recorded with the run (its identity); left out, runs from before the option resume. A vanilla
+cell scoring 0 at T makes a threshold every score passes: the effective lengths are then null, with
+the reason in the JSON and ``results.md`` and a warning line.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ class RulerSuiteOptions(RulerOptions):
 
     tasks: list[str] = Field(default_factory=lambda: list(DEFAULT_TASKS), min_length=1,
                              description="RULER tasks to run (default: the 11 synthetic ones)")
-    threshold: float | None = Field(None, ge=0, le=100, allow_inf_nan=False, description=(
+    # 0 would pass every score: every strategy's effective length the longest length, which says nothing
+    threshold: float | None = Field(None, gt=0, le=100, allow_inf_nan=False, description=(
         "effective length's threshold (RULER average, %); default the vanilla cell's average at T"))
 
     def key(self) -> dict[str, Any]:
@@ -189,7 +192,10 @@ class RulerSuite(Task):
         paths = {"plot": output / "score_vs_length.png", "heatmap": output / "task_heatmap.png",
                  "effective_length": output / "effective_length.json"}
         summary = effective_lengths(records)
-        level = (summary["threshold"], "threshold") if summary["threshold"] is not None else None
+        if "reason" in summary:
+            logging.getLogger("ropescale").warning("ruler: effective length not computed: %s", summary["reason"])
+        level = (summary["threshold"], "threshold") if summary["threshold"] is not None and "reason" not in summary \
+            else None
         plot_metric(records, "score", "RULER average score (%)", paths["plot"], level=level)
         plot_task_heatmaps(records, paths["heatmap"])
         paths["effective_length"].write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
@@ -211,7 +217,9 @@ def effective_length(scores: dict[int, float | None], threshold: float) -> int |
 def effective_lengths(records: list[dict]) -> dict[str, Any]:
     """``{"threshold": %, "threshold_from": words, "effective_length": {strategy: length | None}}``
     over the suite's records (threshold: the records' option, else the vanilla cell at T; without
-    either, threshold None and no lengths)."""
+    either, threshold None and no lengths). A threshold of 0 (the vanilla cell scoring 0 at T)
+    passes every score — every strategy would reach the longest length, whatever it scores — so
+    every length is None and ``reason`` says why."""
     from ...plots import strategies_of
 
     options = records[0].get("options") or {}
@@ -223,6 +231,12 @@ def effective_lengths(records: list[dict]) -> dict[str, Any]:
             return {"threshold": None, "threshold_from": f"no threshold given and no vanilla cell at T = {train}",
                     "effective_length": {}}
         threshold, source = base[0]["score"], f"the vanilla cell's average at T = {train}"
+    if threshold <= 0:
+        return {"threshold": threshold, "threshold_from": source,
+                "effective_length": dict.fromkeys(strategies_of(records)),
+                "reason": f"the threshold ({source}) is {threshold:g}, which every score passes: each strategy would "
+                          "reach the longest measured length whatever it scores; set ruler.threshold (the paper's: "
+                          "85.6)"}
     reach = {s: effective_length({r["length"]: r["score"] for r in records if r["strategy"] == s}, threshold)
              for s in strategies_of(records)}
     return {"threshold": threshold, "threshold_from": source, "effective_length": reach}
@@ -230,6 +244,8 @@ def effective_lengths(records: list[dict]) -> dict[str, Any]:
 
 def _effective_report(records: list[dict]) -> list[str]:
     summary = effective_lengths(records)
+    if "reason" in summary:
+        return [f"**Effective length**: not computed ({summary['reason']})", ""]
     if summary["threshold"] is None:
         return [f"**Effective length**: not computed ({summary['threshold_from']}; set ruler.threshold)", ""]
     lengths = sorted({r["length"] for r in records})

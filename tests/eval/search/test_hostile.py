@@ -267,3 +267,36 @@ def test_an_evolution_whose_every_value_is_nan_says_so(tmp_path, config):
     line = _one_error_line(_search(config(**raw), "-o", str(out)))
     assert "no usable evaluation in 2" in line and "evolution.jsonl" in line
     assert not (out / "best.json").exists()
+
+
+@pytest.mark.parametrize(("output", "words"), [
+    (lambda dim, shift: ropescale.RopeFrequencies(torch.full((dim // 2,), float("nan")), 1.0),
+     "returned inv_freq[0] = nan"),
+    (lambda dim, shift: [shift] * (dim // 2), "returned list, not RopeFrequencies"),
+], ids=["nan", "list"])
+def test_a_strategy_whose_output_is_not_frequencies_is_refused_before_anything_is_written(tmp_path, config, output,
+                                                                                          words):
+    """A (plugin) strategy returning NaN frequencies or a list: on main the search claimed its folder (manifest,
+    study.db) and was refused at its first trial. Now its output is computed on the model first."""
+    from ropescale.strategies.registry import REGISTRY
+
+    try:
+        ropescale.register("bad_output_search_test", params=(ropescale.Param("shift", 1.0, low=0.5, high=2.0),),
+                           source="a test")(output)
+        out = tmp_path / "out"
+        line = _one_error_line(_search(config(strategy="bad_output_search_test", fixed={}, search={"shift": None}),
+                                       "-o", str(out)))
+        assert not out.exists(), line
+        assert "strategy: bad_output_search_test, computed on the model before the search" in line and words in line
+    finally:
+        REGISTRY.pop("bad_output_search_test", None)
+
+
+def test_an_evolution_whose_initial_individual_the_strategy_refuses_writes_nothing(tmp_path, config):
+    # a fixed short_factor of 2 entries for a rotary dim of 16 (8 pairs): longrope refuses it when computed —
+    # on main at the first evaluation, after the manifest was written
+    raw = {"strategy": "longrope", "method": "evolution", "search": None, "budget": 2,
+           "fixed": {"short_factor": [1.0, 1.0]}, "evolution": {"population": 2, "iterations": 1, "elite": 1}}
+    out = tmp_path / "out"
+    line = _one_error_line(_search(config(**raw), "-o", str(out)))
+    assert "short_factor has 2 entries; the model's rotary dim 16 needs 8" in line and not out.exists()

@@ -62,3 +62,24 @@ def test_the_threshold_stays_out_of_the_tasks_and_of_the_identity_unless_given()
         RulerSuiteOptions(tasks=["vt"], threshold=101)
     suite = RulerSuite(RulerSuiteOptions(tasks=["vt"], threshold=50), tokenizer=None, train_length=128)
     assert "threshold" not in suite.tasks["vt"].options.model_dump()
+
+
+def test_a_vanilla_baseline_scoring_0_gives_no_effective_length_and_says_why(tmp_path, caplog):
+    """The vanilla cell at T scores 0 (a model that fails every task at its own window): a threshold of 0
+    passes every score, so every strategy would 'reach' the longest length — 256 here, for a strategy that
+    scores 0 there. Not a number then: null, the reason in the JSON and results.md, one warning line."""
+    records = _records({"vanilla": {64: 0.0, 128: 0.0, 256: 0.0}, "yarn": {64: 3.0, 128: 0.0, 256: 0.0}})
+    summary = effective_lengths(records)
+    assert summary["effective_length"] == {"vanilla": None, "yarn": None}
+    assert summary["threshold"] == 0.0 and "every score passes" in summary["reason"]
+    with caplog.at_level("WARNING", logger="ropescale"):
+        paths = write_reports(records, tmp_path)
+    written = json.loads(paths["effective_length"].read_text())
+    assert written["effective_length"] == {"vanilla": None, "yarn": None} and written["reason"] == summary["reason"]
+    md = (tmp_path / "results.md").read_text()
+    assert "**Effective length**: not computed (the threshold (the vanilla cell's average at T = 128) is 0" in md
+    assert "| yarn | 256 |" not in md
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "effective length not computed" in warnings[0] and "\n" not in warnings[0]
+    with pytest.raises(ValueError, match="greater than 0"):  # a given threshold of 0 says as little
+        RulerSuiteOptions(tasks=["vt"], threshold=0)
