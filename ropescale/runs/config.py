@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.runs.data import DataSpec
+from ropescale.runs.profiles import factor_text
 from ropescale.strategies import get_strategy
 from ropescale.temperature import parse_temperature
 
@@ -139,7 +140,7 @@ class StrategySpec(BaseModel):
         return (self.name + (":" + ",".join(f"{k}={v}" for k, v in self.params.items()) if self.params else "")
                 + ("+logn" if self.logn else "")
                 + (f"+{parse_temperature(self.temperature).spec()}" if self.temperature else "")
-                + (f"+profiles={'/'.join(f'{f:g}' for f in self.profiles)}" if self.profiles else ""))
+                + (f"+profiles={'/'.join(factor_text(f) for f in self.profiles)}" if self.profiles else ""))
 
     def resolve(self, *, length: int, train_length: int, context: dict[str, Any] | None = None) -> dict:
         """The strategy's parameters for a run at L = ``length`` tokens on a model trained on T =

@@ -146,3 +146,11 @@ def test_dry_run_with_profiles_shows_each_profile_and_writes_nothing(tiny_model_
                                     "1,1000000", "--dry-run", "-q"])
     lines = res.output.strip().splitlines()
     assert res.exit_code == 1 and len(lines) == 1 and "×1000000" in lines[0], res.output
+
+
+def test_a_sweep_label_names_each_profile_factor_exactly():
+    from ropescale.runs.config import parse_strategy
+
+    assert parse_strategy({"name": "yarn", "profiles": [1.0000001, 1.0000002]}).display == \
+        "yarn+profiles=1.0000001/1.0000002"  # f"{f:g}" wrote both as 1
+    assert parse_strategy("yarn:profiles=[1,2,4]").display == "yarn+profiles=1/2/4"
