@@ -72,25 +72,30 @@ class RotaryConfig:
 def rotary_config_of_model(name_or_path: str) -> RotaryConfig:
     """Read d, b, T and the configured frequencies from a model's config (no weights loaded), by
     the reader ``patch`` uses (``ropescale.models.model_rope_config``; Gemma 3: its
-    ``full_attention`` layers). Raises ``ValueError`` in one line for a config without RoPE."""
+    ``full_attention`` layers; Beam, Ergo: their rotating ``sliding_attention`` layers, the
+    ``full_attention`` ones being NoPE, named in ``source``). Raises ``ValueError`` in one line for a
+    config without RoPE."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from ropescale.models import model_config, model_rope_config
-    from ropescale.rope_config import NoRopeConfigError, text_config
+    from ropescale.rope_config import NoRopeConfigError, nope_layer_types, text_config
 
     try:
         rope = model_rope_config(name_or_path)
-    except NoRopeConfigError:
-        raise InvalidInput(f"{name_or_path}: its config has no rope_theta: not a RoPE model") from None
+    except NoRopeConfigError as e:
+        raise InvalidInput(f"{name_or_path}: {e}") from None
     if rope.original_max_position_embeddings is None:
         raise InvalidInput(f"{name_or_path}: its config has no max_position_embeddings; give the training window")
     rope_type = rope.rope_parameters.get("rope_type", "default")
+    text = text_config(model_config(name_or_path))
     if rope_type in ROPE_INIT_FUNCTIONS:  # the model's own scaled frequencies
-        text = text_config(model_config(name_or_path))
         inv_freq = ROPE_INIT_FUNCTIONS[rope_type](text, "cpu", layer_type=rope.layer_type)[0].double()
     else:
         inv_freq = rope_inv_freq(rope.dim, rope.rope_theta).double()
-    return RotaryConfig(rope.dim, rope.rope_theta, rope.original_max_position_embeddings, inv_freq, str(name_or_path),
+    nope = nope_layer_types(text)
+    source = str(name_or_path) + (f" ({rope.layer_type} layers; {', '.join(nope)}: NoPE, rope_parameters None)"
+                                  if nope else "")
+    return RotaryConfig(rope.dim, rope.rope_theta, rope.original_max_position_embeddings, inv_freq, source,
                         rope.dual_chunk_attention_config)
 
 

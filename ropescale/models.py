@@ -28,6 +28,7 @@ from ropescale.compat import peft_wrapping
 from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.patching import PatchHandle, current_patch, patch, unpatch
 from ropescale.pip_models import PIP_MODELS, PipModelError, pip_model_path
+from ropescale.rope_config import per_layer_type
 
 __all__ = [
     "ADAPTER_FILE",
@@ -481,16 +482,20 @@ def exported_config(model: Any, handle: PatchHandle, *, express: bool = True) ->
     rp = copy.deepcopy(text.rope_parameters)
     native = True
     for lt in handle.layer_types:
-        base = rp if lt is None else rp[lt]
-        new = native_rope_parameters(handle, base, getattr(text, "max_position_embeddings", None), lt) \
-            if express else None
-        if new is None:
-            native = False
-            new = {**{k: base[k] for k in _KEEP if k in base}, "rope_type": MARKER.format(name=handle.strategy)}
-        if lt is None:
-            rp = new
-        else:
-            rp[lt] = new
+        # one set for every layer (a relative rule) over a config keyed by layer type: each type that rotates
+        # gets it, a NoPE type (rope parameters None) stays None
+        sets = per_layer_type(rp) if lt is None else None
+        for key in [k for k, v in sets.items() if v is not None] if sets else [lt]:
+            base = rp if key is None else rp[key]
+            new = native_rope_parameters(handle, base, getattr(text, "max_position_embeddings", None), lt) \
+                if express else None
+            if new is None:
+                native = False
+                new = {**{k: base[k] for k in _KEEP if k in base}, "rope_type": MARKER.format(name=handle.strategy)}
+            if key is None:
+                rp = new
+            else:
+                rp[key] = new
     text.rope_parameters = rp
     return config, native
 

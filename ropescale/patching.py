@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ropescale.errors import InvalidInput
+from ropescale.rope_config import nope_layer_types
 from ropescale.rotary import quirks
 from ropescale.rotary.cache import CacheWatch, WatchedRotaries, decoder_of
 from ropescale.rotary.frequencies import FrequencyEntry, FrequencyPatch, strategy_entry
@@ -368,6 +369,20 @@ def _layers_of(handle: PatchHandle, site: RotarySite) -> list[LayerRope]:
     return [info for info in handle.layers or [] if info.kind == "rope" and info.site == site]
 
 
+def _check_layer_types(model: nn.Module, module: nn.Module, chosen: list, available: list) -> None:
+    """``InvalidInput`` (one line) for layer types to patch that the rotary module has no frequencies for; one
+    whose rope parameters the config sets to None is named as NoPE (its layers run without position encoding)."""
+    unknown = [t for t in chosen if t not in available]
+    if not unknown:
+        return
+    nope = [t for t in unknown if t in nope_layer_types(text_config_of(model, module))]
+    if nope:
+        raise InvalidInput(f"layer_types {nope}: the config's rope parameters for them are None: those layers run "
+                           f"without position encoding (NoPE), there is no RoPE to scale; the layer types that "
+                           f"rotate: {available}")
+    raise InvalidInput(f"layer_types {unknown} not in this model's rotary module; it has {available}")
+
+
 def _patch_frequency(model: nn.Module, handle: PatchHandle, strat: Strategy, found, modules, train_override,
                      layer_types, dynamic_cache: str, dynamic_block: int, logn: bool) -> PatchHandle:
     """Frequency strategies: each rotary module's own buffers swapped for the strategy's (chosen
@@ -381,9 +396,7 @@ def _patch_frequency(model: nn.Module, handle: PatchHandle, strat: Strategy, fou
         for name, module in found:
             available = layer_types_of(module)
             chosen = list(layer_types) if layer_types is not None else default_layer_types(model, module, available)
-            unknown = [t for t in chosen if t not in available]
-            if unknown:
-                raise InvalidInput(f"layer_types {unknown} not in this model's rotary module; it has {available}")
+            _check_layer_types(model, module, chosen, available)
             entries, cache_layers = {}, {}
             for lt in chosen:
                 context = rope_context(model, module, lt)

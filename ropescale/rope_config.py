@@ -7,7 +7,9 @@ reads them here, so they cannot disagree. Where transformers 5 keeps them:
 
 - ``rope_theta``: ``config.rope_parameters["rope_theta"]``, nested per layer type for models
   with per-type frequencies (Gemma 3: ``{"sliding_attention": {...}, "full_attention": {...}}``,
-  different θ each); legacy configs: ``config.rope_theta``.
+  different θ each; ``per_layer_type``); legacy configs: ``config.rope_theta``. A layer type whose
+  rope parameters are None runs without position encoding (NoPE: Beam's and Ergo's
+  ``full_attention`` layers, ``nope_layer_types``): nothing of it is read.
 - T: ``rope_parameters["original_max_position_embeddings"]`` (scaled configs), else the config's
   own ``original_max_position_embeddings`` (Phi-3 keeps it there even unscaled), else
   ``max_position_embeddings``.
@@ -29,6 +31,8 @@ __all__ = [
     "RopeConfig",
     "config_layer_type",
     "layer_rope_parameters",
+    "nope_layer_types",
+    "per_layer_type",
     "rope_config_of",
     "text_config",
     "training_window",
@@ -73,17 +77,45 @@ def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def config_layer_type(config, layer_type: str | None = None) -> str | None:
-    """The layer type whose rope parameters are read: None for a config with one set of them;
-    for a per-layer-type config (Gemma 3) ``layer_type``, or when None ``full_attention`` if there
-    is one (the layers long context reaches), else the first type. Raises ``ValueError`` for a
-    ``layer_type`` the config does not have."""
-    rp = getattr(text_config(config), "rope_parameters", None) or {}
-    nested = [k for k, v in rp.items() if isinstance(v, dict)] if isinstance(rp, dict) else []
-    if not nested:
+_FLAT_KEYS = ("rope_type", "type", "rope_theta")  # keys of one set of rope parameters, never a layer type
+
+
+def per_layer_type(rope_parameters: Any) -> dict[str, dict[str, Any] | None] | None:
+    """``rope_parameters`` (a config's, or a config.json dict's) read as keyed by layer type: ``{layer type:
+    its rope parameters}`` — the entries that are dicts, and those that are None: a layer type that runs
+    without position encoding (NoPE: Beam's and Ergo's ``full_attention``) — when some entry is a dict (or
+    every one is None); None for one set of rope parameters (``rope_type``, ``rope_theta`` …) or none."""
+    if not isinstance(rope_parameters, dict) or not rope_parameters:
         return None
+    nested = any(isinstance(v, dict) for v in rope_parameters.values())
+    if not nested and (any(v is not None for v in rope_parameters.values()) or set(_FLAT_KEYS) & set(rope_parameters)):
+        return None
+    return {k: v for k, v in rope_parameters.items() if v is None or isinstance(v, dict)}
+
+
+def nope_layer_types(config) -> list[str]:
+    """The layer types whose rope parameters the config sets to None: their layers run without
+    position encoding (NoPE), so no strategy applies to them ([] for a config with one set)."""
+    sets = per_layer_type(getattr(text_config(config), "rope_parameters", None)) or {}
+    return [k for k, v in sets.items() if v is None]
+
+
+def config_layer_type(config, layer_type: str | None = None) -> str | None:
+    """The layer type whose rope parameters are read: None for a config with one set of them (or
+    whose every layer type is NoPE); for a per-layer-type config (Gemma 3) ``layer_type``, or when
+    None ``full_attention`` if it rotates (the layers long context reaches), else the first type that
+    rotates. Raises ``InvalidInput`` for a ``layer_type`` the config does not have, and
+    ``NoRopeConfigError`` for one whose rope parameters are None (NoPE: nothing to read)."""
+    sets = per_layer_type(getattr(text_config(config), "rope_parameters", None))
+    if sets is None:
+        return None
+    nested = [k for k, v in sets.items() if v is not None]
     if layer_type is None:
-        return "full_attention" if "full_attention" in nested else nested[0]
+        return None if not nested else "full_attention" if "full_attention" in nested else nested[0]
+    if layer_type in sets and layer_type not in nested:
+        raise NoRopeConfigError(f"layer type {layer_type!r} has rope parameters None: its layers run without "
+                                f"position encoding (NoPE), there is no RoPE to read or scale; the layer types "
+                                f"that rotate: {nested}")
     if layer_type not in nested:
         raise InvalidInput(f"layer type {layer_type!r} not in the config's rope_parameters; it has {sorted(nested)}")
     return layer_type
@@ -91,12 +123,14 @@ def config_layer_type(config, layer_type: str | None = None) -> str | None:
 
 def layer_rope_parameters(config, layer_type: str | None = None) -> dict[str, Any]:
     """The ``rope_parameters`` of ``layer_type`` (a copy; which type: ``config_layer_type``), {}
-    for a config without them."""
+    for a config without them (or whose every layer type is NoPE)."""
     rp = getattr(text_config(config), "rope_parameters", None) or {}
     if not isinstance(rp, dict):
         return {}
     chosen = config_layer_type(config, layer_type)
-    return dict(rp if chosen is None else rp[chosen])
+    if chosen is None:
+        return {} if per_layer_type(rp) is not None else dict(rp)
+    return dict(rp[chosen])
 
 
 def training_window(config, layer_type: str | None = None) -> int | None:
@@ -138,8 +172,12 @@ def rope_config_of(config, layer_type: str | None = None, *, dim: int | None = N
     """d, b and T of ``layer_type`` (see ``layer_rope_parameters`` for None) from a transformers
     config. ``dim``: the rotary dim when it is known exactly (2 · len(inv_freq) of a loaded rotary
     module); otherwise computed from the config. Raises ``NoRopeConfigError`` when the config has
-    no ``rope_theta``."""
+    no ``rope_theta``, or ``layer_type``'s (or every layer type's) rope parameters are None (NoPE)."""
     text = text_config(config)
+    sets = per_layer_type(getattr(text, "rope_parameters", None))
+    if sets is not None and all(v is None for v in sets.values()):
+        raise NoRopeConfigError(f"{type(text).__name__}: every layer type's rope parameters are None ({sorted(sets)}): "
+                                "its layers run without position encoding (NoPE), not a RoPE model")
     rp = layer_rope_parameters(text, layer_type)
     theta = rp.get("rope_theta")
     theta = theta if theta is not None else getattr(text, "rope_theta", None)

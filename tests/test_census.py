@@ -65,6 +65,33 @@ def test_probe_finds_the_nope_layers_the_config_declares(name):
     assert list(found.values()) == declared
 
 
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xdist_group(n), id=n) for n in types()])
+def test_the_config_reader_reads_every_type_and_its_nope_layer_types_do_not_rotate(name):
+    """ropescale's config-only reader (``rope_config_of``: what ``ropescale inspect`` and ``model_rope_config``
+    read, no weights) on each type's tiny config, for every layer type it keys rope parameters by: d, θ and T,
+    or a refusal in one line, never another exception. The layer types whose rope parameters are None (NoPE:
+    Beam's, Ergo's full-attention layers) are layers the probe finds not rotating."""
+    from ropescale.errors import RopescaleError
+    from ropescale.rope_config import nope_layer_types, per_layer_type, rope_config_of
+    from tests.census.build import text_config, tiny_config
+
+    try:
+        text = text_config(tiny_config(types()[name]))
+    except Exception:  # noqa: BLE001 — a type the census cannot configure is reported by its build check
+        return
+    for lt in [None, *(per_layer_type(getattr(text, "rope_parameters", None)) or {})]:
+        try:
+            rope_config_of(text, lt)
+        except RopescaleError as e:
+            assert str(e).strip() and "\n" not in str(e).strip(), f"{name} {lt}: {e!r}"
+    nope = nope_layer_types(text)
+    if not nope or result(name).build != "built":
+        return
+    layers, per_layer = result(name).layers, list(text.layer_types)  # probed: R rotates, . does not
+    assert len(layers) == len(per_layer), f"{name}: layers {layers} do not line up with layer_types {per_layer}"
+    assert {r for r, lt in zip(layers, per_layer) if lt in nope} == {"."}, f"{name}: {layers}, {per_layer}"
+
+
 def test_rotary_tables_are_told_from_masks_and_relative_tables():
     import torch
 
@@ -109,5 +136,6 @@ def test_indexers_select_fewer_keys_than_the_rule_window():
             continue
         sizes |= {(name, k): v * (f.get("index_block_size", 1) if "block" in k else 1) for k, v in f.items()
                   if "index" in k and ("topk" in k or "budget" in k) and isinstance(v, int)}  # [keys]
-    assert len({n for n, _ in sizes}) >= 8  # DSA's five types, QSA's two and MiniMax M3 in transformers 5.24
+    # DSA's five types, QSA's two and MiniMax M3 in transformers 5.24; 5.25 adds Kolibri 1.1
+    assert len({n for n, _ in sizes}) >= 8
     assert all(v < WINDOW for v in sizes.values()), {k: v for k, v in sizes.items() if v >= WINDOW}

@@ -45,7 +45,8 @@ class ServedRope:
     layer_types: for a per-layer-type model, every layer type of its config → the rope parameters
     that type serves (patched: translated; kept: as shipped), in the config's order; None for one set.
     layer_contexts: the same types → their ``dim``, ``rope_theta``, ``original_max_position_embeddings``;
-    patched_types: the layer types the patch changed.
+    patched_types: the layer types the patch changed; nope_types: the config's layer types whose rope
+    parameters are None (NoPE: no rotation; not in ``layer_types``), written back as None (``keyed``).
     """
 
     rope_parameters: dict[str, Any]
@@ -58,6 +59,12 @@ class ServedRope:
     layer_contexts: dict[str, dict[str, Any]] = field(default_factory=dict)
     patched_types: list[str] = field(default_factory=list)
     temperature: Temperature | None = None  # the query temperature of the RoPE layers, of a kind the engine reads
+    nope_types: list[str] = field(default_factory=list)
+
+    def keyed(self, per_type: dict[str, Any]) -> dict[str, Any]:
+        """``per_type`` (rope parameters by layer type, as an engine writes them) with the NoPE layer types back
+        as None, as the config ships them: a loader indexes the rope parameters of every layer type."""
+        return {**per_type, **dict.fromkeys(self.nope_types)}
 
 
 def check_deepseek_yarn(engine: str, version: str, rp: dict[str, Any]) -> None:
@@ -128,6 +135,7 @@ def _served_layer_types(handle: PatchHandle, engine: str, serve_length: int, fre
     text = text_config(handle.model.config)
     shipped = text.rope_parameters
     layer_types, contexts, notes, frozen = {}, {}, [], None
+    nope = [lt for lt, base in shipped.items() if base is None]  # NoPE layer types: nothing to serve
     for lt, base in shipped.items():
         if not isinstance(base, dict):
             continue
@@ -148,8 +156,10 @@ def _served_layer_types(handle: PatchHandle, engine: str, serve_length: int, fre
     kept = [lt for lt in layer_types if lt not in handle.layer_types]
     if kept:
         notes.append(f"{', '.join(kept)}: kept as shipped (not patched)")
+    if nope:
+        notes.append(f"{', '.join(nope)}: NoPE (rope parameters None), no rotation to serve")
     return ServedRope(layer_types[first], contexts[first], serve_length, handle.strategy_obj.name, frozen, notes,
-                      layer_types, contexts, list(handle.layer_types))
+                      layer_types, contexts, list(handle.layer_types), nope_types=nope)
 
 
 def _served_type(handle: PatchHandle, engine: str, serve_length: int, freeze_dynamic_at: int | None,

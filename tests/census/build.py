@@ -261,6 +261,12 @@ _override("cohere_compass_text", "the class default leaves rope_parameters empty
           "as the module allows", num_hidden_layers=4, layer_types=["sliding_attention"] * 3 + ["full_attention"],
           rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0,
                                                  "mrope_section": [4, 2, 2]}, "full_attention": None})
+_override("kolibri1_1", "transformers 5.25: the class default's 12 indexer heads exceed the tiny model's query heads "
+          "per key head, and its pool (16384), local (128) and sink (8) tokens cover every census key: "
+          "one indexer head, a pool of 8 keys in blocks of 2, 2 local and 1 sink token (selection below the rules' "
+          "window); 10 layers: two NoPE indexed layers, the second reading the first's keys and values",
+          num_hidden_layers=10, index_num_heads=1, index_pool_size=8, index_compression=2, index_num_local_tokens=2,
+          index_num_sink_tokens=1)
 _override("reformer", "ReformerModelWithLMHead asserts is_decoder", is_decoder=True)
 _override("gpt_neo", "attention_types ([[global, local], 12]) must expand to num_layers", num_layers=2,
           attention_types=[[["global", "local"], 1]])

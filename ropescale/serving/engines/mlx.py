@@ -103,7 +103,8 @@ def export_mlx(model_or_handle, serve_length: int, *, freeze_dynamic_at: int | N
             raise ExportRefused(f"MLX: {VERSION}'s {model_type} model reads one set of rope parameters for every "
                                 f"layer; per-layer-type patches ({handle.layer_types}) are exported for {GEMMA3}")
         keys = _gemma3(config, served, length, notes)
-    config["rope_parameters"] = served.layer_types or served.rope_parameters  # for plain transformers
+    # for plain transformers (NoPE layer types kept as None)
+    config["rope_parameters"] = served.keyed(served.layer_types) if served.layer_types else served.rope_parameters
     config.pop("rope_scaling", None)
     config.update(keys)
     return MlxExport(config, keys, length, notes)

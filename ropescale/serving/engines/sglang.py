@@ -45,7 +45,8 @@ from typing import Any
 
 import torch
 
-from ropescale.rope_config import text_config
+from ropescale.errors import InvalidInput
+from ropescale.rope_config import per_layer_type, text_config
 from ropescale.serving.engines import Engine, write_model_folder
 from ropescale.serving.plan import check_deepseek_yarn, served_rope_parameters
 from ropescale.serving.rope import EngineRope, ExportRefused, check_length, patch_handle
@@ -123,7 +124,7 @@ def export_sglang(model_or_handle, serve_length: int, *, freeze_dynamic_at: int 
                 raise ExportRefused(f"SGLang: SGLang {VERSION}'s gemma3_causal.py rotates every layer with rope_type "
                                     f"default (its rope scaling is overwritten); the {lt} layers' "
                                     f"{rp['rope_type']!r} has no setting (a raised base, e.g. ntk, is exported)")
-        text["rope_parameters"] = copy.deepcopy(served.layer_types)
+        text["rope_parameters"] = copy.deepcopy(served.keyed(served.layer_types))
         mpe = max(length, text.get("max_position_embeddings") or 0)
     text["max_position_embeddings"] = int(mpe)
     return SglangExport(config, length, notes)
@@ -173,10 +174,11 @@ def _text(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def sglang_layer_ropes(config: dict[str, Any], length: int) -> dict[str | None, EngineRope]:
-    """``sglang_rope`` per layer type where ``rope_parameters`` is keyed by layer type, else ``{None: ...}``."""
-    rp = _text(config).get("rope_parameters")
-    if isinstance(rp, dict) and rp and all(isinstance(v, dict) for v in rp.values()):
-        return {lt: sglang_rope(config, length, layer_type=lt) for lt in rp}
+    """``sglang_rope`` per layer type where ``rope_parameters`` is keyed by layer type (each type that rotates: one
+    whose parameters are None runs without position encoding, NoPE), else ``{None: ...}``."""
+    sets = per_layer_type(_text(config).get("rope_parameters"))
+    if sets is not None:
+        return {lt: sglang_rope(config, length, layer_type=lt) for lt, rp in sets.items() if rp is not None}
     return {None: sglang_rope(config, length)}
 
 
@@ -188,7 +190,8 @@ def sglang_rope(config: dict[str, Any], length: int, *, layer_type: str | None =
     with rope type ``default`` whatever the config says. ``dynamic`` is static in SGLang: the base of
     mpe·s tokens for every sequence. ``failure``: an unknown rope type, or a length past
     ``get_context_length`` (mpe, times ``factor`` unless the rope parameters name
-    ``original_max_position_embeddings`` or are llama3). ``InvalidInput`` for a bad length."""
+    ``original_max_position_embeddings`` or are llama3). ``InvalidInput`` for a bad length, or a
+    ``layer_type`` whose rope parameters are None (NoPE)."""
     length = check_length(length)
     model_type = str(config.get("model_type", ""))
     config_in, config = config, _text(config)
@@ -206,6 +209,9 @@ def sglang_rope(config: dict[str, Any], length: int, *, layer_type: str | None =
         note += f" gemma3 ({layer_type or 'global'} layers: rope_type default" + \
             (f"; the config's {kept!r} is not applied)" if kept != "default" else ")")
         return EngineRope(_inv_freq(float(one.get("rope_theta", 10000.0)), d).double(), 1.0, 1.0, note)
+    if layer_type is not None and layer_type in (per_layer_type(rp) or {}) and rp[layer_type] is None:
+        raise InvalidInput(f"layer_type={layer_type!r}: its rope parameters are None: those layers run without "
+                           "position encoding (NoPE), nothing to rotate")
     if layer_type is not None and isinstance(rp.get(layer_type), dict):  # another per-layer-type family's type
         rp = rp[layer_type]
         d = int(head * (rp.get("partial_rotary_factor", 1.0) or 1.0))

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from ropescale.errors import InvalidInput
-from ropescale.rope_config import text_config
+from ropescale.rope_config import per_layer_type, text_config
 from ropescale.serving.engines import Engine, write_model_folder
 from ropescale.serving.plan import check_deepseek_yarn, served_rope_parameters
 from ropescale.serving.rope import EngineRope, ExportRefused, check_length, patch_handle
@@ -189,7 +189,7 @@ def _per_layer_type(handle, served, notes: list[str]) -> tuple[dict[str, Any], i
     notes.append(f"per layer type: vLLM's {model_type} reads rope_parameters[layer_type] for each layer; "
                  f"max_position_embeddings = {mpe} (>= the served length: vLLM does not scale a gemma3 config's "
                  "length by the factor, and the unscaled layers' cos/sin cache holds that many positions)")
-    return out, mpe, drop
+    return served.keyed(out), mpe, drop
 
 
 def _translate(rp: dict[str, Any], ctx: dict[str, Any], length: int, *, deepseek: bool = False
@@ -278,12 +278,12 @@ def _derived_max_len(text: dict[str, Any], rp: dict[str, Any], model_type: str =
 
 
 def nested_layer_types(config: dict[str, Any]) -> list[str]:
-    """The layer types a config.json dict's ``rope_parameters`` is keyed by ([] for one set)."""
+    """The layer types that rotate of a config.json dict whose ``rope_parameters`` is keyed by layer type
+    ([] for one set); a type whose rope parameters are None runs without position encoding (NoPE: Beam's,
+    Ergo's ``full_attention``), nothing to compute (``ropescale.rope_config.per_layer_type``)."""
     text = config.get("text_config", config) if "num_attention_heads" not in config else config
-    rp = text.get("rope_parameters")
-    if not isinstance(rp, dict) or not rp or not all(isinstance(v, dict) for v in rp.values()):
-        return []
-    return list(rp)
+    sets = per_layer_type(text.get("rope_parameters")) or {}
+    return [lt for lt, rp in sets.items() if rp is not None]
 
 
 def vllm_layer_ropes(config: dict[str, Any], max_model_len: int) -> dict[str | None, EngineRope]:
@@ -454,10 +454,14 @@ def _layer_rope_parameters(config: dict[str, Any], text: dict[str, Any], layer_t
     """The rope parameters vLLM passes ``get_rope`` for ``layer_type``'s layers: the config's one set
     (a transformers 4 ``rope_scaling`` + ``rope_theta`` too), or ``rope_parameters[layer_type]``; None
     where the model type reads one set of a config keyed by layer type. ``InvalidInput`` (one line)
-    for a ``layer_type`` the config is not keyed by."""
+    for a ``layer_type`` the config is not keyed by, or whose rope parameters are None (NoPE)."""
     rp = text.get("rope_parameters")
-    types = nested_layer_types(config)
-    if types or layer_type is not None:
+    sets = per_layer_type(rp)
+    if sets is not None or layer_type is not None:
+        types = [lt for lt, v in (sets or {}).items() if v is not None]
+        if layer_type in (sets or {}) and layer_type not in types:
+            raise InvalidInput(f"layer_type={layer_type!r}: its rope parameters are None: those layers run without "
+                               "position encoding (NoPE), nothing to rotate")
         if layer_type not in types:
             raise InvalidInput(f"layer_type={layer_type!r}: the config's rope_parameters are "
                                + (f"per layer type {types}; name one of them" if types else "one set for every layer"))
