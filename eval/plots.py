@@ -41,7 +41,9 @@ def plot_metric(records: list[dict], key: str, label: str, path: Path, *, ci: st
             x, y = [r["length"] for r in rows], [r[k] for r in rows]
             style = line_style(i, len(names))
             if ci_key:
-                err = [[max(0.0, r[k] - r[ci_key][0]) for r in rows], [max(0.0, r[ci_key][1] - r[k]) for r in rows]]
+                ci = [r.get(ci_key) or (r[k], r[k]) for r in rows]  # a record without one: no bar
+                err = [[max(0.0, r[k] - c[0]) for r, c in zip(rows, ci)],
+                       [max(0.0, c[1] - r[k]) for r, c in zip(rows, ci)]]
                 ax.errorbar(x, y, yerr=err, label=s, capsize=3, elinewidth=0.8, **style)
             else:
                 ax.plot(x, y, label=s, **style)

@@ -19,6 +19,7 @@ from pydantic import Field, model_validator
 
 from ropescale.runs.memory import Need, forward_bytes, model_dims
 from ropescale.runs.scoring import combine_windows, window_nll
+from ropescale.runs.uncertainty import BOOTSTRAP_RESAMPLES
 from ropescale.runs.windows import make_windows
 
 from .base import Metric, Task, TaskOptions
@@ -38,6 +39,9 @@ class PerplexityOptions(TaskOptions):
         "positions per chunk of the LM head and loss (memory ≈ chunk × V × 12 bytes); "
         "default: from a 256 MiB budget"))
     position_buckets: int = Field(16, ge=1, le=1024, description="NLL-by-position buckets per window")
+    ci_block: int = Field(256, ge=1, description=(
+        "tokens per block of the perplexity's 95% block-bootstrap interval (ppl_ci): consecutive scored "
+        "tokens of a window, resampled as units"))
     kl: bool = Field(False, description="also KL(P_unpatched ‖ P_patched) per token [nats] (one more forward a window)")
     kl_first_tokens: int = Field(128, ge=1, description="kl: the first predictions of each window reported apart")
     dynamic_block: int | None = Field(None, ge=1, description=(
@@ -57,9 +61,10 @@ class PerplexityOptions(TaskOptions):
             raise ValueError(f"stride {self.stride} is longer than the shortest length {min(lengths)}")
 
     def key(self) -> dict[str, Any]:
-        # batch_size and logits_chunk change numbers by float noise only: not part of the identity;
+        # batch_size and logits_chunk change numbers by float noise only, ci_block only the interval: not part of
+        # the identity;
         # neither is kl when off (folders from before it resume)
-        out = self.model_dump(exclude={"batch_size", "logits_chunk"}) | {
+        out = self.model_dump(exclude={"batch_size", "logits_chunk", "ci_block"}) | {
             "stride": self.stride if self.mode == "sliding" else None}
         if not self.kl:
             del out["kl"], out["kl_first_tokens"]
@@ -68,6 +73,21 @@ class PerplexityOptions(TaskOptions):
 
 # written at the top level of a config before tasks existed; still read there
 LEGACY_KEYS = tuple(k for k in PerplexityOptions.model_fields if k not in ("logits_chunk", "kl", "kl_first_tokens"))
+
+
+def _listed(interval: tuple[float, float] | None) -> list[float] | None:
+    return None if interval is None else list(interval)
+
+
+def _blocks(score, block: int) -> dict[str, Any]:
+    """The record's account of the interval: how it was made and the blocks it resampled (summed NLL
+    [nats] and scored tokens of each, in window order), so intervals of differences (a strategy against
+    vanilla on the same tokens) can be drawn from the records."""
+    keep = score.block_tokens > 0
+    return {"ci": f"95% block bootstrap: {int(keep.sum())} blocks of {block} consecutive scored tokens, "
+                  f"{BOOTSTRAP_RESAMPLES} resamples, percentile interval",
+            "nll_blocks": [round(x, 4) for x in score.block_nll[keep].tolist()],
+            "block_tokens": [int(x) for x in score.block_tokens[keep].tolist()]}
 
 
 def _dynamic_semantics(block: int | None) -> str:
@@ -119,16 +139,17 @@ class Perplexity(Task):
         parts = window_nll(model, self.documents, [windows[i] for i in indices], length=length, bos_token_id=self.bos,
                            batch_size=o.batch_size, buckets=o.position_buckets, device=device, desc=desc,
                            prefix_block=o.dynamic_block if strategy.dynamic else None, logits_chunk=o.logits_chunk,
-                           kl=o.kl, kl_first=o.kl_first_tokens)
+                           kl=o.kl, kl_first=o.kl_first_tokens, block=o.ci_block)
         return list(zip(indices, parts))
 
     def combine(self, parts, windows, *, length, strategy) -> dict[str, Any]:
         o = self.options
         block = o.dynamic_block if strategy.dynamic else None
         ordered = [p for _, p in sorted((x for part in parts for x in part), key=lambda x: x[0])]
-        s = combine_windows(ordered, length, o.position_buckets)
+        s = combine_windows(ordered, length, o.position_buckets, blocks=True)
         kl = {"kl": s.mean_kl, "kl_first": s.mean_kl_first, "kl_first_tokens": o.kl_first_tokens} if o.kl else {}
-        return {"ppl": math.exp(s.mean_nll), "nll": s.mean_nll, **kl, "tokens": s.tokens, "windows": len(windows),
+        return {"ppl": math.exp(s.mean_nll), "ppl_ci": _listed(s.ppl_interval()), "nll": s.mean_nll, **kl,
+                **_blocks(s, o.ci_block), "tokens": s.tokens, "windows": len(windows),
                 "mode": o.mode, "stride": (o.stride or length // 2) if o.mode == "sliding" else None,
                 "add_bos": o.add_bos, "dynamic": _dynamic_semantics(block) if strategy.dynamic else None,
                 "nll_by_position": s.by_position()}
@@ -149,14 +170,18 @@ class Perplexity(Task):
         as ``window_nll`` buckets the in-process model's."""
         o = self.options
         offset = int(self.bos is not None)
+        blocks = -(-length // o.ci_block)
         parts = []
         for i, (w, r) in enumerate(zip(windows, results)):
             nll = -torch.tensor(r["logprobs"], dtype=torch.float64)  # [n-1]
             target = torch.arange(1, nll.numel() + 1)
             bucket = (target * o.position_buckets) // length
+            block = ((target - 1) // o.ci_block).clamp_max(blocks - 1)  # as window_nll's blocks
             keep = (target >= (w.score_from - w.start + offset)).double()
             zeros = torch.zeros(o.position_buckets, dtype=torch.float64)
-            parts.append((i, (zeros.scatter_add(0, bucket, nll * keep), zeros.scatter_add(0, bucket, keep))))
+            empty = torch.zeros(blocks, dtype=torch.float64)
+            parts.append((i, (zeros.scatter_add(0, bucket, nll * keep), zeros.scatter_add(0, bucket, keep),
+                              empty.scatter_add(0, block, nll * keep), empty.scatter_add(0, block, keep))))
         return parts
 
     @classmethod
@@ -175,7 +200,7 @@ class Perplexity(Task):
         from ..plots import plot_metric, plot_position
 
         paths = {"plot": output / "ppl_vs_length.png", "position_plot": output / "nll_vs_position.png"}
-        plot_metric(records, "ppl", "perplexity", paths["plot"])
+        plot_metric(records, "ppl", "perplexity", paths["plot"], ci="ppl_ci")
         plot_position(records, paths["position_plot"])
         if any(r.get("kl") is not None for r in records):
             paths["kl_plot"] = output / "kl_vs_length.png"

@@ -26,7 +26,6 @@ Accuracy is reported per depth and overall, each with a 95% Wilson score interva
 from __future__ import annotations
 
 import copy
-import math
 import random
 import re
 from dataclasses import dataclass
@@ -38,25 +37,15 @@ from pydantic import Field, field_validator, model_validator
 
 from ropescale.compat import cache_kwarg, output_cache
 from ropescale.runs.memory import PY_LIST_SLOT, Need, forward_bytes, kv_cache_bytes, model_dims
+from ropescale.runs.uncertainty import wilson
 
 from .base import Metric, Task, TaskOptions, progress
 from .prompts import Prompt, continuation, distractor_keys
 
-__all__ = ["Example", "RetrievalOptions", "RetrievalTask", "contains_match", "first_integer_match", "wilson"]
+__all__ = ["Example", "PrefixCache", "RetrievalOptions", "RetrievalTask", "contains_match", "first_integer_match",
+           "wilson"]
 
-Z95 = 1.959963984540054  # standard normal quantile at 0.975
 MAX_CANDIDATES = 1000  # keys compared per example: each costs a forward per example and cell
-
-
-def wilson(successes: int, trials: int, z: float = Z95) -> tuple[float, float]:
-    """95% Wilson score interval ``(low, high)`` for ``successes`` out of ``trials``."""
-    if trials <= 0:
-        raise ValueError("wilson interval needs at least one trial")
-    p = successes / trials
-    denom = 1 + z * z / trials
-    centre = (p + z * z / (2 * trials)) / denom
-    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def first_integer_match(output: str, answer: str) -> bool:
@@ -184,19 +173,23 @@ class RetrievalTask(Task):
 
     @torch.no_grad()
     def measure(self, model, examples, indices, *, length, strategy, device, desc) -> list:
+        """Per example ``(index, exact, candidate)``. Examples whose prompts share a prefix share its KV
+        cache (``PrefixCache``): each prompt's forward runs over what it does not share with the prompt
+        before it — the haystack before a needle for passkey, the whole haystack for ``passkey_multi``'s
+        questions. Dynamic strategies, whose frequencies follow each forward's length, and caches that
+        cannot be rolled back (sliding-window layers) run every prompt whole."""
         rows = []
         bar = progress(len(indices), desc, unit="ex")
-        for i in indices:
+        prompts = PrefixCache(model, device, share=not strategy.dynamic)
+        for i in prompts.order([examples[i].prompt.ids for i in indices], indices):
             ex = examples[i]
-            ids = torch.tensor([ex.prompt.ids], device=device)  # [1, n]
-            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)  # only the last position's logits
-            last = out.logits[0, -1].float().log_softmax(-1)  # [V]
+            last, cache = prompts.run(ex.prompt.ids)  # [V] log-probabilities after the prompt, its cache
             if strategy.dynamic:
                 scores = candidate_scores_full(model, ex.prompt.ids, ex.candidates, device)
             else:
-                scores = _candidate_scores_cached(model, last, output_cache(out), ex.candidates, device)
-            generated = _greedy(model, last, output_cache(out),
-                                len(ex.prompt.answer_ids) + self.options.greedy_extra_tokens)
+                scores = _candidate_scores_cached(model, last, cache, ex.candidates, device)
+            generated = _greedy(model, last, cache, len(ex.prompt.answer_ids) + self.options.greedy_extra_tokens)
+            prompts.generated()
             exact = type(self).match(self.tokenizer.decode(generated), ex.prompt.answer)
             rows.append((i, exact, bool(scores[0] > scores[1:].max())))
             bar.update(1)
@@ -247,6 +240,71 @@ class RetrievalTask(Task):
                     chance="chance")
         plot_depth_heatmaps(records, "accuracy", paths["heatmap"])
         return paths
+
+
+class PrefixCache:
+    """Prompts run through one KV cache, each forward over the tokens it does not share with the prompt
+    before it: the cache is cropped back to the longest common prefix (exact: the cached keys and values
+    of a prefix are what a forward over the whole prompt computes there, up to float rounding), then the
+    rest of the prompt runs on it. ``order`` puts prompts that share long prefixes next to each other.
+    With ``share`` False, or a cache that cannot be rolled back, every prompt runs whole.
+
+    Memory: one cache of the longest prompt (plus what is generated after it), never one per prompt."""
+
+    def __init__(self, model, device, *, share: bool):
+        self.model, self.device, self.share = model, device, share
+        self.cache, self.held = None, torch.empty(0, dtype=torch.long)
+        self.name = cache_kwarg(model)
+
+    def order(self, prompts: list[list[int]], indices: list[int]) -> list[int]:
+        """``indices`` reordered so that each prompt follows the one it shares the longest prefix with
+        (greedy, starting from the prompt that shares most with any other); unchanged without sharing."""
+        if not self.share or len(prompts) < 3:
+            return list(indices)
+        width = max(map(len, prompts))
+        ids = -1 - torch.arange(len(prompts))[:, None].expand(-1, width).clone()  # [m, n]: pads no two rows share
+        for k, p in enumerate(prompts):
+            ids[k, : len(p)] = torch.tensor(p)
+        shared = lambda row: (ids == ids[row]).long().cumprod(1).sum(1)  # [m]: common prefix with each prompt
+        best = [int(shared(k).topk(2).values[1]) for k in range(len(prompts))]
+        current = max(range(len(prompts)), key=best.__getitem__)
+        left, out = set(range(len(prompts))) - {current}, [current]
+        while left:
+            common = shared(current)
+            current = max(left, key=lambda k: (int(common[k]), -k))
+            left.discard(current)
+            out.append(current)
+        return [indices[k] for k in out]
+
+    def run(self, prompt: list[int]) -> tuple[torch.Tensor, object]:
+        """The log-probabilities ``[V]`` (float32) after ``prompt`` and the cache holding it."""
+        ids = torch.tensor(prompt)
+        start = 0
+        if self.share and self.cache is not None and _rewindable(self.cache):
+            n = min(len(ids), len(self.held))
+            same = (ids[:n] == self.held[:n]).long().cumprod(0).sum()
+            start = min(int(same), len(ids) - 1)  # at least one token runs: its logits are the answer's
+            _crop_to(self.cache, start)
+        else:
+            self.cache = None
+        kw = {self.name: self.cache} if start else {}
+        out = self.model(input_ids=ids[start:][None].to(self.device), use_cache=True, logits_to_keep=1, **kw)
+        self.cache, self.held = output_cache(out), ids
+        return out.logits[0, -1].float().log_softmax(-1), self.cache
+
+    def generated(self) -> None:
+        """Take what was generated after the prompt back off the cache (it is the next prompt's prefix only
+        up to the prompt)."""
+        if self.share and self.cache is not None and _rewindable(self.cache):
+            _crop_to(self.cache, len(self.held))
+
+
+def _crop_to(cache, length: int) -> None:
+    """Keep the first ``length`` tokens of ``cache`` (``crop`` with a negative count: tokens to remove, the
+    one meaning every supported transformers gives it)."""
+    drop = cache.get_seq_length() - length
+    if drop > 0:
+        cache.crop(-drop)
 
 
 def _rewindable(cache) -> bool:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ropescale.lm_head import OutputHead
+from ropescale.runs.uncertainty import BOOTSTRAP_RESAMPLES, block_bootstrap_ppl
 from ropescale.runs.windows import Window
 
 __all__ = ["Score", "combine_windows", "score_windows", "window_nll"]
@@ -32,6 +33,8 @@ class Score:
     bucket_tokens: list[int] = field(default_factory=list)
     bucket_kl: list[float] | None = None  # summed KL(P_unpatched ‖ P_patched) per bucket [nats], when measured
     kl_first: tuple[float, int] | None = None  # summed KL and tokens over each window's first predictions
+    block_nll: torch.Tensor | None = None  # [m] summed NLL of each block of consecutive scored tokens (every window's)
+    block_tokens: torch.Tensor | None = None  # [m] scored tokens of each block
 
     def __post_init__(self) -> None:
         self.bucket_nll = self.bucket_nll or [0.0] * self.buckets
@@ -51,6 +54,13 @@ class Score:
     def mean_kl_first(self) -> float | None:
         """Mean KL over each window's first predictions (``window_nll``'s ``kl_first``) [nats]."""
         return None if self.kl_first is None or not self.kl_first[1] else self.kl_first[0] / self.kl_first[1]
+
+    def ppl_interval(self, *, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> tuple[float, float] | None:
+        """95% block-bootstrap interval of the perplexity (``ropescale.runs.uncertainty``) over the blocks
+        ``window_nll(block=…)`` summed; None when blocks were not kept or fewer than two hold tokens."""
+        if self.block_nll is None:
+            return None
+        return block_bootstrap_ppl(self.block_nll, self.block_tokens, resamples=resamples, seed=seed)
 
     def by_position(self) -> list[dict]:
         """Per bucket: window positions ``[start, end)``, mean NLL and token count."""
@@ -134,12 +144,14 @@ def window_nll(model, docs: list[torch.Tensor], windows: list[Window], *, length
                bos_token_id: int | None = None, batch_size: int = 1, buckets: int = 16,
                device: torch.device | str = "cpu", desc: str | None = None,
                prefix_block: int | None = None, logits_chunk: int | None = None,
-               kl: bool = False, kl_first: int = 0) -> list[tuple[torch.Tensor, ...]]:
+               kl: bool = False, kl_first: int = 0, block: int | None = None) -> list[tuple[torch.Tensor, ...]]:
     """Per window, in order: its summed next-token NLL per position bucket ``[buckets]`` float64
     and its scored tokens per bucket ``[buckets]`` (the parts ``combine_windows`` adds up; a
     data-parallel run computes them for its share of the windows) — with ``kl``, then its summed
     KL(P_unpatched ‖ P_patched) per bucket ``[buckets]`` and ``[KL sum, tokens]`` over its scored
-    targets at window index ≤ ``kl_first`` (the first ``kl_first`` predictions).
+    targets at window index ≤ ``kl_first`` (the first ``kl_first`` predictions) — and with ``block`` B, last,
+    its summed NLL and scored tokens per block of B consecutive targets (window indices [1 + kB, 1 + (k+1)B),
+    ``[ceil(length / B)]`` each: the units of ``combine_windows``' bootstrap interval).
 
     Memory is O(n·d): the LM head and the loss run over ``logits_chunk`` positions at a time
     (``ropescale.lm_head``; default from a memory budget), never over ``[n, V]`` logits — unless
@@ -160,6 +172,7 @@ def window_nll(model, docs: list[torch.Tensor], windows: list[Window], *, length
         logits_chunk: positions per chunk of the LM head [tokens]; None: from a memory budget.
         kl: also the KL divergence to the unpatched model (nats per token; 0 with no active patch).
         kl_first: the first predictions per window the second KL sum covers [tokens].
+        block: tokens per bootstrap block; None: no block sums.
     """
     try:
         head = OutputHead(model)
@@ -179,6 +192,8 @@ def window_nll(model, docs: list[torch.Tensor], windows: list[Window], *, length
         target_pos = torch.arange(1, ids.shape[1], device=ids.device)  # window index of each target
         bucket = (target_pos * buckets) // length  # [n-1]
         early = (target_pos <= kl_first).to(acc)  # [n-1]: the first kl_first predictions
+        blocks = -(-length // block) if block else 0
+        in_block = ((target_pos - 1) // block).clamp_max(blocks - 1) if block else None  # [n-1]
         for i, w in enumerate(batch):
             keep = (target_pos >= (w.score_from - w.start + offset)).to(acc)  # [n-1]
             zeros = torch.zeros(buckets, dtype=acc, device=ids.device)
@@ -186,18 +201,29 @@ def window_nll(model, docs: list[torch.Tensor], windows: list[Window], *, length
             if kl:
                 row = div[i].to(acc) * keep
                 part += [zeros.scatter_add(0, bucket, row), torch.stack([(row * early).sum(), (keep * early).sum()])]
-            out.append(torch.cat(part))  # [2·buckets (+ buckets + 2)]
+            if block:
+                empty = torch.zeros(blocks, dtype=acc, device=ids.device)
+                part += [empty.scatter_add(0, in_block, nll[i] * keep), empty.scatter_add(0, in_block, keep)]
+            out.append(torch.cat(part))  # [2·buckets (+ buckets + 2) (+ 2·blocks)]
         bar.update(len(batch))
     bar.close()
     if not out:
         return out
-    sums = torch.stack(out).cpu().double()  # one transfer: [windows, 2·buckets (+ buckets + 2)]
-    return [tuple(row.split([buckets, buckets, buckets, 2][: 4 if kl else 2])) for row in sums]
+    sums = torch.stack(out).cpu().double()  # one transfer: [windows, 2·buckets (+ buckets + 2) (+ 2·blocks)]
+    sizes = [buckets, buckets] + ([buckets, 2] if kl else []) + ([blocks, blocks] if block else [])
+    return [tuple(row.split(sizes)) for row in sums]
 
 
-def combine_windows(parts: list[tuple[torch.Tensor, ...]], length: int, buckets: int) -> Score:
+def combine_windows(parts: list[tuple[torch.Tensor, ...]], length: int, buckets: int, *,
+                    blocks: bool = False) -> Score:
     """Add up per-window parts *in window order* (so any split across processes gives the same
-    float64 sums as one process); parts with KL (``window_nll(kl=True)``) add its sums too."""
+    float64 sums as one process); parts with KL (``window_nll(kl=True)``) add its sums too. With
+    ``blocks`` (parts from ``window_nll(block=…)``), every window's block sums are kept, in order, for
+    ``Score.ppl_interval``."""
+    score_blocks = None
+    if blocks and parts:
+        score_blocks = (torch.cat([p[-2] for p in parts]), torch.cat([p[-1] for p in parts]))
+        parts = [p[:-2] for p in parts]
     width = len(parts[0]) if parts else 2
     sums = [torch.zeros(t.shape, dtype=torch.float64) for t in parts[0]] if parts else []
     for part in parts:
@@ -215,6 +241,8 @@ def combine_windows(parts: list[tuple[torch.Tensor, ...]], length: int, buckets:
     if width == 4:
         score.bucket_kl = sums[2].tolist()
         score.kl_first = (float(sums[3][0]), int(sums[3][1]))
+    if score_blocks is not None:
+        score.block_nll, score.block_tokens = score_blocks
     return score
 
 

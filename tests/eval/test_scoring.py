@@ -124,6 +124,9 @@ def test_a_plugin_engine_scores_perplexity_as_the_in_process_engine(tmp_path, pl
         assert (a["strategy"], a["length"]) == (b["strategy"], b["length"])
         assert a["engine"] == "transformers" and b["engine"] == plugin.name
         assert b["tokens"] == a["tokens"] and b["nll"] == pytest.approx(a["nll"], rel=1e-6)
+        # the interval's blocks are cut the same way from the engine's log-probabilities
+        assert b["block_tokens"] == a["block_tokens"] and b["nll_blocks"] == pytest.approx(a["nll_blocks"], rel=1e-5)
+        assert b["ppl_ci"] == pytest.approx(a["ppl_ci"], rel=1e-5)
 
 
 def test_a_task_asking_for_more_than_an_engine_answers_is_refused_in_one_line(tmp_path, plugin, tiny_model_dir):

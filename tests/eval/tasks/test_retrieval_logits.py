@@ -73,3 +73,54 @@ def test_cached_candidates_leave_the_prompt_cache_as_it_was(family):
             logp = model(input_ids=ids).logits[0].double().log_softmax(-1)
             want = sum(float(logp[39 + j, t]) for j, t in enumerate(c))
             assert float(score) == pytest.approx(want, abs=1e-4)
+
+
+class CountingModel(torch.nn.Module):
+    """The model, counting the tokens each forward runs over."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner, self.tokens = model, 0
+
+    def forward(self, *args, **kwargs):
+        self.tokens += kwargs["input_ids"].shape[1]
+        return self.inner(*args, **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["vanilla", "yarn:factor=2", "rerope", "self_extend", "dca"])
+def test_prompts_sharing_a_prefix_score_as_whole_prompts(strategy, monkeypatch):
+    """``PrefixCache``: passkey prompts at several depths share the filler before their needles; run on one
+    cache cropped back to each shared prefix, every prompt's last log-probabilities equal a forward over the
+    whole prompt (float noise), the rows equal whole-prompt scoring, and far fewer tokens run."""
+    import eval.tasks.retrieval as retrieval
+    import ropescale
+    from ropescale.runs.config import parse_strategy
+
+    model, tok = load_model("reference", device="cpu")
+    cls = get_task("passkey")
+    t = cls(cls.Options(depths=[0.1, 0.5, 0.9], trials=2), tokenizer=tok, train_length=128, documents=None)
+    examples = t.examples(256)
+    idx = list(range(len(examples)))
+    spec = parse_strategy(strategy)
+    cpu = torch.device("cpu")
+    with ropescale.patch(model, spec.name, **spec.params):
+        s = get_strategy(spec.name)
+        shared, whole = retrieval.PrefixCache(model, cpu, share=True), retrieval.PrefixCache(model, cpu, share=False)
+        for i in shared.order([examples[i].prompt.ids for i in idx], idx):
+            got, _ = shared.run(examples[i].prompt.ids)
+            want, _ = whole.run(examples[i].prompt.ids)
+            torch.testing.assert_close(got, want, rtol=0, atol=2e-4)
+        counting = CountingModel(model)
+        rows = t.measure(counting, examples, idx, length=256, strategy=s, device=cpu, desc=None)
+        reused, counting.tokens = counting.tokens, 0
+
+        class Whole(retrieval.PrefixCache):
+            def __init__(self, model, device, *, share):
+                super().__init__(model, device, share=False)
+
+        monkeypatch.setattr(retrieval, "PrefixCache", Whole)
+        plain = t.measure(counting, examples, idx, length=256, strategy=s, device=cpu, desc=None)
+    assert sorted(rows) == sorted(plain)
+    prompts = sum(len(ex.prompt.ids) for ex in examples)
+    assert counting.tokens - reused > 0.3 * prompts  # the filler before the needles ran once, not six times
