@@ -44,7 +44,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, Strict, ValidationError, field_validator, model_validator
 
 from ropescale.runs.config import ConfigError, DataConfig, RunConfig, explain, load_raw
-from ropescale.runs.data import KJV_SPLITS, DataSpec
+from ropescale.runs.data import BOOKS, KJV_SPLITS, DataSpec
 from ropescale.runs.trackers import tracker_names
 from ropescale.strategies import get_strategy
 
@@ -65,7 +65,7 @@ def _source(spec: DataSpec) -> tuple:
     """What names ``spec``'s documents, whatever the spelling: a bundled split's name, a local
     path resolved (symlinks, ``..``, ``~``), else a hub dataset's id, config and split (without
     a slice such as ``test[:100]``), case-folded."""
-    if spec.source in KJV_SPLITS:
+    if spec.source in KJV_SPLITS or spec.source in BOOKS:
         return ("bundled", spec.source)
     path = Path(os.path.expanduser(spec.source))
     if path.exists():

@@ -44,7 +44,7 @@ from ropescale.errors import InvalidInput
 from ropescale.models import resolve_device
 from ropescale.patching import patch
 from ropescale.runs.config import ConfigError
-from ropescale.runs.data import KJV_SPLITS, load_documents
+from ropescale.runs.data import BOOKS, KJV_SPLITS, load_documents
 from ropescale.runs.lifecycle import RunInputs, check_strategy, configured_context, load_run_model, loaded_window
 from ropescale.runs.protocol import RunFolder, RunKind
 from ropescale.runs.scoring import score_windows
@@ -93,7 +93,7 @@ def check_disjoint(cfg: SearchConfig, texts: list[str]) -> None:
     held = cfg.heldout.spec() if cfg.heldout is not None else None
     if held is None or same_data(cfg.data.spec(), held):  # the latter refused by the config already
         return
-    if held.source not in KJV_SPLITS and not Path(held.source).exists():
+    if held.source not in KJV_SPLITS and held.source not in BOOKS and not Path(held.source).exists():
         return
     shared = set(texts) & set(load_documents(held))
     if shared:

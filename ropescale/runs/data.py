@@ -2,6 +2,8 @@
 
 Sources (``DataSpec.source``):
     ``kjv-heldout`` / ``kjv-train`` — the bundled KJV splits (held-out books by default);
+    ``debian-handbook`` — the Debian Administrator's Handbook from Debian's package, one document per
+        chapter (``ropescale.reference.handbook``): a long text that is not the KJV;
     a local path — a ``.txt`` file (one document), a folder (one document per ``*.txt`` file,
         sorted), a ``.jsonl``/``.json`` or ``.parquet`` file (one document per row);
     anything else — a Hugging Face dataset id (``pg19``, ``wikitext`` with ``config``), read in
@@ -22,9 +24,10 @@ import torch
 from ropescale.errors import RopescaleError
 from ropescale.reference import kjv
 
-__all__ = ["KJV_SPLITS", "DataError", "DataSpec", "load_documents", "tokenize_documents"]
+__all__ = ["BOOKS", "KJV_SPLITS", "DataError", "DataSpec", "load_documents", "tokenize_documents"]
 
 KJV_SPLITS = {"kjv-heldout": "heldout", "kjv-train": "train"}
+BOOKS = ("debian-handbook",)  # local books read by name (ropescale.reference)
 
 
 class DataError(RopescaleError, ValueError):
@@ -45,7 +48,7 @@ class DataSpec:
 
     def describe(self) -> str:
         """Short stable name for results files."""
-        if self.source in KJV_SPLITS or Path(self.source).exists():
+        if self.source in KJV_SPLITS or self.source in BOOKS or Path(self.source).exists():
             base = self.source
         else:
             base = ":".join(x for x in (self.source, self.config, self.split) if x)
@@ -73,6 +76,13 @@ def _read_text(path: Path) -> str:
 def _documents(spec: DataSpec) -> Iterable[str]:
     if spec.source in KJV_SPLITS:
         return (text for _, text in kjv.split(KJV_SPLITS[spec.source]))
+    if spec.source == "debian-handbook":
+        from ropescale.reference.handbook import HandbookMissing, chapters
+
+        try:
+            return list(chapters())
+        except HandbookMissing as e:
+            raise DataError(str(e)) from None
     path = Path(spec.source)
     if path.is_dir():
         files = sorted(p for p in path.rglob("*.txt") if p.is_file())
