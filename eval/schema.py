@@ -9,6 +9,11 @@ retrieval tasks write ``accuracy``, ``accuracy_ci``, ``candidate_accuracy``,
 ``candidate_accuracy_ci``, ``trials``, ``chance``, ``prompt_tokens`` and ``by_depth`` (a list of
 ``{depth, needle_token, trials, accuracy, accuracy_ci, candidate_accuracy,
 candidate_accuracy_ci}``). Intervals are 95% Wilson score intervals ``[low, high]``.
+
+``rotation`` (static frequency strategies): the fingerprint of the rotation the patch left on the model
+(``ropescale.runs.lifecycle.rotation_fingerprint``); a later cell whose patch rotates bit for bit the same
+at the same length is not run again: its record carries the measured one's numbers and ``same_as``, the
+measured cell's strategy (``vanilla`` for ``linear`` at factor 1 inside the window).
 """
 
 from __future__ import annotations

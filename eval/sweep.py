@@ -149,13 +149,14 @@ def resolve_cells(cfg: EvalConfig, train_length: int) -> dict[tuple[str, int], d
     return out
 
 
-def _check_output(model, spec: StrategySpec, length: int, train_length: int, params: dict) -> None:
+def _check_output(model, spec: StrategySpec, length: int, train_length: int, params: dict) -> str | None:
     """The cell's strategy computed on ``model`` as the cell will patch it (``check_strategy``): a strategy
     whose output is not frequencies (NaN, a wrong shape, a list, a NaN attention factor) is refused
-    before the manifest is written — a refused run leaves no folder — in one line naming the cell."""
+    before the manifest is written — a refused run leaves no folder — in one line naming the cell. Returns
+    the rotation's fingerprint (``rotation_fingerprint``; None where the cell must run whatever it is)."""
     try:
-        check_strategy(model, spec.name, length=length, original_max_position_embeddings=train_length,
-                       logn=spec.logn, temperature=spec.temperature, **params)
+        return check_strategy(model, spec.name, length=length, original_max_position_embeddings=train_length,
+                              logn=spec.logn, temperature=spec.temperature, **params)
     except InvalidInput as e:
         if type(e) is not InvalidInput:  # a refusal of its own kind (the model's attention, ...) as it is
             raise
@@ -290,6 +291,16 @@ def run_sweep(cfg: EvalConfig, output: str | Path, *, progress: bool = True) -> 
     return execute_run(Sweep(cfg, progress=progress), output)
 
 
+def _same_as(record: dict, spec: StrategySpec, cid: str, params: dict) -> dict:
+    """``record``'s numbers as the record of cell ``cid`` (strategy ``spec`` with its resolved ``params``),
+    whose patch rotates bit for bit as ``record``'s did (``rotation_fingerprint``), with ``same_as`` naming
+    the measured cell."""
+    out = {k: v for k, v in record.items() if k not in ("temperature", "note", "same_as")}
+    return {**out, "cell": cid, "strategy": spec.display, "name": spec.name, "params": params, "logn": spec.logn,
+            **({"temperature": spec.temperature} if spec.temperature else {}),
+            "same_as": record.get("same_as") or record["strategy"], "seconds": 0.0}
+
+
 class Sweep(RunKind):
     """The sweep as a run kind (``ropescale.runs.protocol``): its identity is the task, options,
     model, data and dtype (``experiment_fields``); its preparation the finished cells read back,
@@ -340,9 +351,10 @@ class Sweep(RunKind):
         if cfg.device_map:
             self.device = self.model.get_input_embeddings().weight.device  # inputs go where the embeddings are
         self.train_length = loaded_window(self.model, cfg.model, cfg.original_max_position_embeddings, purpose="sweep")
-        cells = resolve_cells(cfg, self.train_length)  # the loaded model's T: every cell again, before the first runs
-        for length, spec, _ in self.todo:  # each cell's strategy output on this model, before the manifest
-            _check_output(self.model, spec, length, self.train_length, cells[spec.display, length])
+        self.params = cells = resolve_cells(cfg, self.train_length)  # the loaded model's T: every cell again
+        # each cell's strategy output on this model, before the manifest; its rotation's fingerprint
+        self.rotation = {cid: _check_output(self.model, spec, length, self.train_length, cells[spec.display, length])
+                         for length, spec, cid in self.todo}
         self.task = self.task_cls(cfg.options, tokenizer=inputs.tokenizer, train_length=self.train_length,
                                   documents=inputs.docs,
                                   source=cfg.data.spec().describe() if self.task_cls.uses_data else None)
@@ -351,15 +363,28 @@ class Sweep(RunKind):
         # build every length's examples first: data or lengths that cannot work fail before any cell runs
         self.examples = {length: self.task.examples(length) for length in lengths}
 
+    def _same_rotation(self, length: int, rotation: str | None) -> dict | None:
+        """A finished cell of this experiment at ``length`` whose patch rotates as ``rotation`` does."""
+        if rotation is None:
+            return None
+        return next((r for r in self.done.values() if r.get("length") == length and r.get("rotation") == rotation
+                     and r.get("experiment", self.experiment) == self.experiment), None)
+
     def execute(self, folder: RunFolder) -> list[dict]:
         cfg, state, done = self.cfg, self.state, self.done
+        self.experiment = folder.experiment
         if self.todo:
             with _append_safely(folder.path / RESULTS) if state.is_main_process else nullcontext() as sink:
                 for length, spec, cid in self.todo:
-                    record = {"schema": SCHEMA_VERSION, "cell": cid, "experiment": folder.experiment,
-                              **_score_cell(cfg, self.task, self.model, self.examples[length], spec, length,
-                                            self.train_length, self.device, self.progress, state, folder.path),
-                              "env": self.env}
+                    rotation = self.rotation.get(cid)
+                    same = self._same_rotation(length, rotation)
+                    if same is not None:  # a cell that rotates bit for bit as one measured: its numbers, not rerun
+                        record = _same_as(same, spec, cid, self.params[spec.display, length])
+                    else:
+                        record = {"schema": SCHEMA_VERSION, "cell": cid, "experiment": folder.experiment,
+                                  **_score_cell(cfg, self.task, self.model, self.examples[length], spec, length,
+                                                self.train_length, self.device, self.progress, state, folder.path),
+                                  **({"rotation": rotation} if rotation else {}), "env": self.env}
                     if sink is not None:
                         sink.write(json.dumps(record) + "\n")
                         sink.flush()  # written as it completes: a rerun resumes from here

@@ -43,7 +43,7 @@ from ropescale.runs.manifest import LOCK, data_fingerprint, environment, folder_
 from ropescale.runs.processes import on_main
 
 __all__ = ["RunInputs", "check_strategy", "claimed_folder", "configured_context", "configured_window", "load_inputs",
-           "load_run_model", "loaded_window", "run_identity", "versions"]
+           "load_run_model", "loaded_window", "rotation_fingerprint", "run_identity", "versions"]
 
 
 @dataclass
@@ -295,7 +295,7 @@ def loaded_window(net: Any, name: str, override: int | None, *, purpose: str = "
     return window
 
 
-def check_strategy(net: Any, strategy: str, *, length: int, **options: Any) -> None:
+def check_strategy(net: Any, strategy: str, *, length: int, **options: Any) -> str | None:
     """A strategy's output for a run at L = ``length`` tokens, computed and checked once before the run's
     manifest is written: ``net`` patched (``ropescale.patch``, ``options`` its keywords — T, the query
     temperature, the strategy's parameters) and the patch undone at once; a dynamic frequency strategy's
@@ -310,6 +310,11 @@ def check_strategy(net: Any, strategy: str, *, length: int, **options: Any) -> N
         length: the longest length L the run scores with it [tokens].
         options: ``ropescale.patch``'s keywords for the run.
 
+    Returns:
+        For a static frequency strategy without log-n, the fingerprint of the rotation it leaves on the model
+        (``rotation_fingerprint``): two cells whose fingerprints are equal compute the same numbers. None for
+        a dynamic strategy (its frequencies follow each forward's length), an attention-side rule, or log-n.
+
     Raises:
         ropescale.errors.InvalidInput: what the patch refuses, the strategy's output included (one line).
     """
@@ -321,3 +326,26 @@ def check_strategy(net: Any, strategy: str, *, length: int, **options: Any) -> N
         if strat.kind == "frequency" and strat.dynamic:
             for context in handle.sites.values():
                 strat.compute({**context, "seq_len": length}, handle.params)
+        static = strat.kind == "frequency" and not strat.dynamic and not options.get("logn")
+        return rotation_fingerprint(net, handle.report()) if static else None
+
+
+def rotation_fingerprint(net: Any, report: list[dict[str, Any]]) -> str:
+    """A hash of what a frequency patch leaves on ``net``: every ``*inv_freq`` buffer's bytes, every
+    ``*attention_scaling`` factor, and the patch's per-layer report (``PatchHandle.report``: rope type, θ,
+    channels, the query temperature kept or removed) without the strategy's name. Bit-identical rotations
+    (``linear`` at factor 1 and ``vanilla``) hash alike; rotations that differ by one bit do not."""
+    import hashlib
+    import json
+
+    h = hashlib.sha256()
+    for name, buf in sorted(net.named_buffers(), key=lambda x: x[0]):
+        if name.endswith("inv_freq"):
+            h.update(name.encode())
+            h.update(buf.detach().to("cpu", torch.float64).numpy().tobytes())
+    for name, module in net.named_modules():
+        for attr in sorted(a for a in vars(module) if a.endswith("attention_scaling")):
+            h.update(f"{name}.{attr}={float(getattr(module, attr))!r}".encode())
+    rows = [{k: v for k, v in row.items() if k != "applied"} for row in report]
+    h.update(json.dumps(rows, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]

@@ -286,3 +286,22 @@ def test_a_strategy_whose_output_is_not_frequencies_is_refused_before_the_folder
         assert not (tmp_path / "out").exists()
     finally:
         REGISTRY.pop("bad_output_sweep_test", None)
+
+
+def test_a_cell_rotating_bit_for_bit_as_a_measured_one_takes_its_numbers(tmp_path, tiny_model_dir, text_file):
+    """Inside the window, linear and ntk at factor 1 leave the rotation vanilla leaves: their cells carry vanilla's
+    numbers with ``same_as`` and run nothing; the numbers equal those of the cell measured alone; past the window
+    (factor 2) they run."""
+    base = {"model": str(tiny_model_dir), "data": str(text_file), "max_windows": 2, "device": "cpu"}
+    records = run_sweep(build_config({**base, "lengths": [32, 64], "strategies": ["vanilla", "linear", "ntk",
+                                                                                  "rerope"]}),
+                        tmp_path / "run", progress=False)
+    by = {(r["strategy"], r["length"]): r for r in records}
+    for name in ("linear", "ntk"):
+        assert by[name, 32]["same_as"] == "vanilla" and by[name, 32]["seconds"] == 0.0
+        assert by[name, 32]["ppl"] == by["vanilla", 32]["ppl"] and by[name, 32]["params"]["factor"] == 1
+        assert "same_as" not in by[name, 64] and by[name, 64]["ppl"] != by["vanilla", 64]["ppl"]
+    assert "same_as" not in by["rerope", 32] and "rotation" not in by["rerope", 32]
+    alone = run_sweep(build_config({**base, "lengths": [32], "strategies": ["linear"]}), tmp_path / "alone",
+                      progress=False)
+    assert alone[0]["ppl"] == pytest.approx(by["linear", 32]["ppl"], rel=1e-12) and "same_as" not in alone[0]
