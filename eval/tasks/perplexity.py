@@ -33,6 +33,9 @@ class PerplexityOptions(TaskOptions):
     mode: Literal["chunk", "sliding"] = "chunk"
     stride: int | None = Field(None, ge=1, description="sliding mode; default length // 2")
     max_windows: int | None = Field(None, ge=1, description="cap on windows per length")
+    max_tokens: int | None = Field(None, ge=1, description=(
+        "cap on the tokens a cell scores: at most ceil(max_tokens / L) windows per length L, evenly spaced "
+        "(the same tokens at every length; long windows cost far more each)"))
     add_bos: bool = False
     batch_size: int = Field(1, ge=1)
     logits_chunk: int | None = Field(None, ge=1, description=(
@@ -68,6 +71,8 @@ class PerplexityOptions(TaskOptions):
             "stride": self.stride if self.mode == "sliding" else None}
         if not self.kl:
             del out["kl"], out["kl_first_tokens"]
+        if self.max_tokens is None:  # folders from before the option resume
+            del out["max_tokens"]
         return out
 
 
@@ -116,7 +121,9 @@ class Perplexity(Task):
         o = self.options
         if o.add_bos and self.tokenizer.bos_token_id is None:
             raise ValueError("add_bos is set but the model's tokenizer has no BOS token")
-        return make_windows([len(d) for d in self.documents], length, o.mode, o.stride, o.add_bos, o.max_windows)
+        cap = [c for c in (o.max_windows, -(-o.max_tokens // length) if o.max_tokens else None) if c]
+        return make_windows([len(d) for d in self.documents], length, o.mode, o.stride, o.add_bos,
+                            min(cap) if cap else None)
 
     def memory(self, length: int, model) -> Need:
         """Device: one forward's activations over ``batch_size`` windows of ``length`` tokens (no

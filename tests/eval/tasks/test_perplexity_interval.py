@@ -63,3 +63,16 @@ def test_the_interval_is_shown_beside_the_perplexity_and_leaves_the_identity_alo
     again = run_sweep(build_config({**base, "perplexity": {"ci_block": 8}}), tmp_path / "run", progress=False)
     assert again == [] or again[0]["ppl"] == a["ppl"]
     assert math.isfinite(a["ppl_ci"][1] - a["ppl_ci"][0])
+
+
+def test_max_tokens_scores_about_the_same_tokens_at_every_length(tmp_path, tiny_model_dir, text_file):
+    cfg = build_config({"model": str(tiny_model_dir), "data": str(text_file), "lengths": [16, 32, 64],
+                        "strategies": ["vanilla"], "device": "cpu", "perplexity": {"max_tokens": 64}})
+    records = {r["length"]: r for r in run_sweep(cfg, tmp_path / "run", progress=False)}
+    assert {n: r["windows"] for n, r in records.items()} == {16: 4, 32: 2, 64: 1}  # ceil(64 / L) windows
+    assert {n: r["tokens"] for n, r in records.items()} == {16: 60, 32: 62, 64: 63}
+    # with max_windows the smaller cap holds
+    cfg = build_config({"model": str(tiny_model_dir), "data": str(text_file), "lengths": [16],
+                        "strategies": ["vanilla"], "device": "cpu",
+                        "perplexity": {"max_tokens": 64, "max_windows": 3}})
+    assert run_sweep(cfg, tmp_path / "run2", progress=False)[0]["windows"] == 3
