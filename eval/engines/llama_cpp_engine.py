@@ -19,11 +19,19 @@ from typing import Any
 from ropescale.errors import InvalidInput
 from ropescale.serving.engines.llama_cpp import llama_cpp_layer_ropes
 from ropescale.serving.gguf import read_gguf_rope, rewrite_gguf
+from ropescale.serving.rope import ExportRefused
 
 from . import EngineFailed, llama_cpp_source, run_engine
 from .base import Case, EngineDriver, case_name, fill
 
 __all__ = ["LlamaCppDriver"]
+
+
+# architectures whose rope the runtime computes in a way llama_cpp_rope does not re-implement: their rows say so
+# (``not run here`` in a conformance table) instead of comparing a rotation the runtime does not use
+UNREAD_ARCHS = {"gemma4": "its gemma4 graph's rope (src/models/gemma4.cpp: per layer type rope.dimension_count_swa "
+                          "and rope.freq_base_swa on the sliding layers, rope_freqs on the global ones) is not "
+                          "re-implemented by llama_cpp_rope"}
 
 
 def _json_value(text: str) -> Any:
@@ -58,7 +66,11 @@ class LlamaCppDriver(EngineDriver):
                     row.source, row.same = "llama.cpp's converter", False
                     row.verdict = f"refused: llama.cpp: its converter cannot convert the model: {e}"
                     return
-            path = rewrite_gguf(self.run.gguf, self.run.exports / "gguf" / f"{case.slug}.gguf", translation)
+            try:  # the GGUF's architecture is known only now (Phi-3's reads rope_factors_long/short, not rope_freqs)
+                path = rewrite_gguf(self.run.gguf, self.run.exports / "gguf" / f"{case.slug}.gguf", translation)
+            except ExportRefused as e:
+                row.verdict, row.source, row.same = f"refused: {e}", "ropescale export", False
+                return
         if self.installed:
             self.pending.append((row, case, path, translation.dim or case.context["dim"], translation.swa_types))
         else:
@@ -134,6 +146,11 @@ class LlamaCppDriver(EngineDriver):
                     row.verdict = f"differs: llama.cpp refuses it: {got['error']}"
                     continue
                 kv = {k: _json_value(v) for k, v in got["meta"].items()}
+                arch = str(kv.get("general.architecture", ""))
+                if arch in UNREAD_ARCHS:
+                    row.source, row.same = f"llama.cpp {version} runtime", False
+                    row.verdict = f"differs: llama.cpp {version} loads it; {UNREAD_ARCHS[arch]}"
+                    continue
                 _, tensors = read_gguf_rope(path)
                 theirs = llama_cpp_layer_ropes(kv, tensors, case.length, dim, swa)
                 fill(row, case.ours if None in theirs else case.ours_layers, theirs.get(None, theirs), case.length,

@@ -7,8 +7,9 @@ Modes (``request["mode"]``):
 ``rope``: ``{"cases": [{"model": DIR, "length": L, "layer_type": T | null}, ...]}`` → per case
 ``{"class": name, "layer": i, "cos": [[...]], "sin": [[...]]}``: mlx-lm's own model built from the folder's
 config.json (``mlx_lm.utils.load_config`` and the model class ``_get_classes`` picks; its weights are
-never evaluated), the rotary module of the first layer of type T (gemma3_text: a sliding layer for
-``sliding_attention``, a global one otherwise; other models: layer 0) applied to unit vectors at
+never evaluated), the rotary module of the first layer of type T (by the layer's ``layer_type``:
+gemma4_text; else gemma3_text's ``is_sliding``: a sliding layer for ``sliding_attention``, a global one
+otherwise; T null: layer 0), at that layer's ``head_dim``, applied to unit vectors at
 positions 0 … L−1: ``cos[m][i]`` = magnitude·cos(angle of pair i at position m) (pairs i, i + d/2);
 ``"positions": [0, 1, …]`` in a case measures only those (the rows of ``cos``/``sin``, echoed in the
 answer). ``{"error": line}`` for a case mlx-lm refuses.
@@ -42,6 +43,19 @@ def _layers(model):
     return inner.layers
 
 
+def _layer_index(layers, layer_type: str | None) -> int:
+    """The first layer of type ``layer_type``: by its ``layer_type`` (gemma4_text's attention), else by
+    ``is_sliding`` (gemma3_text: ``sliding_attention`` or any other); layer 0 without a type."""
+    if not layer_type:
+        return 0
+    for i, layer in enumerate(layers):
+        if getattr(layer.self_attn, "layer_type", getattr(layer, "layer_type", None)) == layer_type:
+            return i
+    sliding = layer_type == "sliding_attention"
+    return next((i for i, layer in enumerate(layers) if bool(getattr(layer.self_attn, "is_sliding", False)) == sliding),
+                0)
+
+
 def _rotate(rope, d: int, n: int, offset: int):
     """``[n, d]``: the rotary module applied to the unit vectors of every pair's first channel at
     positions offset … offset + n − 1: cos in the first d/2 columns, sin in the last (magnitude-scaled).
@@ -70,10 +84,7 @@ def rope(request: dict) -> dict:
             model_class, args_class = _get_classes(config)
             model = model_class(args_class.from_dict(config))
             layers = _layers(model)
-            idx = 0
-            if case.get("layer_type") and case["layer_type"] != "sliding_attention":
-                idx = next((i for i, layer in enumerate(layers)
-                            if not getattr(layer.self_attn, "is_sliding", False)), 0)
+            idx = _layer_index(layers, case.get("layer_type"))
             attn = layers[idx].self_attn
             d = getattr(attn, "head_dim", None) or config.get("head_dim") or config.get("qk_rope_head_dim") or (
                 config["hidden_size"] // config["num_attention_heads"])

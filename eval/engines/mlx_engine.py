@@ -14,12 +14,24 @@ from __future__ import annotations
 import torch
 
 from ropescale.serving.engines.mlx import GEMMA3, mlx_layer_ropes, mlx_model_type
+from ropescale.serving.engines.vllm import nested_layer_types
 from ropescale.serving.rope import EngineRope
 
 from . import run_engine
 from .base import Case, EngineDriver, angle_table_diff, case_name, fill, link_model, sampled_positions
 
 __all__ = ["MlxDriver"]
+
+
+def _layer_types(config: dict, per_type: bool) -> list[str | None]:
+    """The layer types whose rotary modules mlx-lm is asked for: gemma3_text's two (mlx-lm builds them from
+    its own keys, ``rope_local_base_freq`` …); the types a config's ``rope_parameters`` is keyed by (mlx-lm
+    0.32.2's gemma4_text builds each type's module from ``rope_parameters[type]``, its global layers at
+    ``global_head_dim``) where ropescale rotates per layer type too (``per_type``); else one set
+    (``[None]``: layer 0)."""
+    if mlx_model_type(config) == GEMMA3:
+        return ["full_attention", "sliding_attention"]
+    return (nested_layer_types(config) if per_type else []) or [None]
 
 
 class MlxDriver(EngineDriver):
@@ -42,7 +54,7 @@ class MlxDriver(EngineDriver):
         self._serve(row, case, folder, config)
 
     def _serve(self, row, case: Case, folder, config: dict) -> None:
-        types = ["full_attention", "sliding_attention"] if mlx_model_type(config) == GEMMA3 else [None]
+        types = _layer_types(config, case.ours_layers is not None)
         if self.installed:
             ours = case.ours if types == [None] else case.ours_layers
             positions = sampled_positions(case.length)

