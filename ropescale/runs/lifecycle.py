@@ -334,7 +334,15 @@ def rotation_fingerprint(net: Any, report: list[dict[str, Any]]) -> str:
     """A hash of what a frequency patch leaves on ``net``: every ``*inv_freq`` buffer's bytes, every
     ``*attention_scaling`` factor, and the patch's per-layer report (``PatchHandle.report``: rope type, θ,
     channels, the query temperature kept or removed) without the strategy's name. Bit-identical rotations
-    (``linear`` at factor 1 and ``vanilla``) hash alike; rotations that differ by one bit do not."""
+    (``linear`` at factor 1 and ``vanilla``) hash alike; rotations that differ by one bit do not.
+
+    Args:
+        net: the patched model.
+        report: the active patch's ``PatchHandle.report()``.
+
+    Returns:
+        16 hex digits of a SHA-256.
+    """
     import hashlib
     import json
 
