@@ -57,7 +57,8 @@ _FINITE = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 class PoseConfig(ConfigModel):
     """PoSE (Zhu et al. 2024, arXiv:2309.10400): train on windows of the original length T whose
-    position ids are split into ``chunks`` with random skips reaching the target ``length``.
+    position ids are split into ``chunks`` with random skips reaching the target ``length``. ``window``
+    trains on shorter windows W < T instead (every "T" below reads W), whose positions still reach L.
 
     ``sampling`` (see ``ropescale.training.pose``): ``authors`` (default) — the authors' code,
     GitHub dwzhu-pku/PoSE ``src/train_pose.py`` ``train_preprocess_function_pose``: 2 chunks, the
@@ -73,6 +74,9 @@ class PoseConfig(ConfigModel):
         "random", description="text of each chunk: random offsets v_i (paper), v_i = u_i, or contiguous")
     sampling: Literal["authors", "paper"] = Field(
         "authors", description="authors: dwzhu-pku/PoSE train_pose.py (2 chunks, first ≤ T/2); paper: App. B")
+    window: int | None = Field(None, ge=2, description=(
+        "tokens per training window (default: the model's window T, as the paper trains); shorter windows whose "
+        "positions still reach the target length make each step cheaper (a CPU, a long T)"))
 
     @model_validator(mode="after")
     def _two_chunks(self) -> PoseConfig:
@@ -412,6 +416,8 @@ class FinetuneConfig(RunConfig):
             out["eval"].pop("after", None)
         if not self.pose.enabled or self.pose.sampling == "paper":  # runs from before the key resume
             out["pose"].pop("sampling", None)
+        if self.pose.window is None:  # the default (T): runs from before the key resume
+            out["pose"].pop("window", None)
         if out.get("recipe") == {"name": "full", "options": {}}:  # the default: runs from before the key resume
             out.pop("recipe")
         if out.get("dtype") == "float32":  # the default: runs from before the key resume
@@ -500,9 +506,13 @@ def resolve(cfg: FinetuneConfig, source: str = "config") -> ResolvedRun:
         if L <= T:
             raise ConfigError(f"{source}: pose: length {L} is not above the model's original window T = {T}; PoSE "
                               "trains on windows of T tokens to reach a longer target length")
-        if cfg.pose.chunks > T:
+        window = cfg.pose.window or T
+        if window > T:
+            raise ConfigError(f"{source}: pose.window: {window} tokens is above the model's original window T = {T}; "
+                              "PoSE trains on windows inside T whose positions reach the target length")
+        if cfg.pose.chunks > window:
             raise ConfigError(f"{source}: pose.chunks: {cfg.pose.chunks} chunks cannot split a window of "
-                              f"T = {T} tokens")
+                              f"{window} tokens")
     strat = get_strategy(cfg.strategy.name)
     try:
         context = configured_context(cfg.model)
@@ -517,7 +527,8 @@ def resolve(cfg: FinetuneConfig, source: str = "config") -> ResolvedRun:
             lengths.append(n)
             n *= 2
         lengths.append(L)
-    run = ResolvedRun(train_length=T, params=params, kind=strat.kind, window=T if cfg.pose.enabled else L,
+    run = ResolvedRun(train_length=T, params=params, kind=strat.kind,
+                      window=(cfg.pose.window or T) if cfg.pose.enabled else L,
                       eval_lengths=lengths)
     if cfg.parallelism.sequence > 1:  # what the model's configuration decides; its attention is checked once loaded
         from ropescale.models import model_config

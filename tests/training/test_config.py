@@ -131,6 +131,23 @@ def test_strategy_parameters_filled_from_the_target_length(tiny_run):
     assert explicit.params == {"factor": 8.0}
 
 
+def test_a_pose_window_shorter_than_t_trains_short_windows_that_reach_the_target(tiny_run, tmp_path):
+    from ropescale.training.run import finetune
+
+    cfg = build_finetune_config(tiny_run(strategy="yarn", length=128, pose={"enabled": True, "window": 16}, eval=None,
+                                         steps=2, batch_size=1))
+    run = resolve(cfg)
+    assert run.window == 16 and run.params["factor"] == 4.0  # 16-token windows, positions to L = 128
+    plain = build_finetune_config(tiny_run(strategy="yarn", length=128, pose=True, eval=None))
+    assert "window" not in plain.identity()["pose"] and cfg.identity()["pose"]["window"] == 16
+    with pytest.raises(ConfigError, match=r"pose.window: 64 tokens is above the model's original window T = 32"):
+        resolve(build_finetune_config(tiny_run(length=128, pose={"enabled": True, "window": 64}, eval=None)))
+    summary = finetune(cfg, tmp_path / "run", progress=False)
+    assert summary["steps"] == 2
+    log = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert all(r.get("tokens", 16) % 16 == 0 for r in log)  # every step trained on 16-token windows
+
+
 def test_set_overrides_and_flags(tmp_path, write):
     from ropescale.training import load_finetune_config
 
