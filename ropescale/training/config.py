@@ -511,8 +511,8 @@ def resolve(cfg: FinetuneConfig, source: str = "config") -> ResolvedRun:
             raise ConfigError(f"{source}: pose.window: {window} tokens is above the model's original window T = {T}; "
                               "PoSE trains on windows inside T whose positions reach the target length")
         if cfg.pose.chunks > window:
-            raise ConfigError(f"{source}: pose.chunks: {cfg.pose.chunks} chunks cannot split a window of "
-                              f"{window} tokens")
+            size = f"{window} tokens (pose.window)" if cfg.pose.window else f"T = {T} tokens"
+            raise ConfigError(f"{source}: pose.chunks: {cfg.pose.chunks} chunks cannot split a window of {size}")
     strat = get_strategy(cfg.strategy.name)
     try:
         context = configured_context(cfg.model)
