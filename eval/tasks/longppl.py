@@ -34,6 +34,7 @@ import torch
 from pydantic import Field
 
 from ropescale.runs.memory import Need, forward_bytes, model_dims
+from ropescale.runs.scoring import token_nll
 from ropescale.runs.windows import make_windows
 
 from .base import Metric, Task, TaskOptions, progress
@@ -55,13 +56,6 @@ class LongPPLOptions(TaskOptions):
         if self.short and self.short >= min(lengths):
             raise ValueError(f"short context {self.short} is not shorter than the shortest length {min(lengths)}: "
                              "no token would have a long context to gain from")
-
-
-@torch.no_grad()
-def token_nll(model, ids: torch.Tensor) -> torch.Tensor:
-    """Per-token NLL ``[n − 1]`` (float64, nats) of ``ids`` ``[n]`` under ``model``, one forward."""
-    logits = model(input_ids=ids[None], use_cache=False).logits[0, :-1].double()  # [n-1, V]
-    return torch.nn.functional.cross_entropy(logits, ids[1:], reduction="none")
 
 
 @torch.no_grad()
@@ -124,9 +118,13 @@ class LongPPL(Task):
         return make_windows([len(d) for d in self.documents], length, "chunk", None, False, self.options.max_windows)
 
     def memory(self, length: int, model) -> Need:
+        """Device: one forward's activations over ``length`` tokens and the chunked LM head's budget
+        (``ropescale.lm_head``: never ``[L, V]`` logits), plus the per-token NLL arrays."""
+        from ropescale.lm_head import DEFAULT_BUDGET
+
         dims = model_dims(model)
         return Need(what=f"longppl at {length} tokens", device={
-            "activations": forward_bytes(dims, length, model.dtype.itemsize, logits_positions=length)})
+            "activations": forward_bytes(dims, length, model.dtype.itemsize) + 24 * length, "LM head": DEFAULT_BUDGET})
 
     def measure(self, model, windows, indices, *, length, strategy, device, desc) -> list:
         o, rows = self.options, []

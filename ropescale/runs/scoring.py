@@ -18,7 +18,7 @@ from ropescale.lm_head import OutputHead
 from ropescale.runs.uncertainty import BOOTSTRAP_RESAMPLES, block_bootstrap_ppl
 from ropescale.runs.windows import Window
 
-__all__ = ["Score", "combine_windows", "score_windows", "window_nll"]
+__all__ = ["Score", "combine_windows", "score_windows", "token_nll", "window_nll"]
 
 
 @dataclass
@@ -137,6 +137,20 @@ def _nll(model, head, ids: torch.Tensor, block: int | None, chunk: int | None,
     parts = [_forward_nll(model, head, ids[:, : min(start + block, n)], max(start, 1), chunk, kl)
              for start in range(0, n, block)]
     return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1) if kl else None
+
+
+@torch.no_grad()
+def token_nll(model, ids: torch.Tensor, *, chunk: int | None = None) -> torch.Tensor:
+    """Per-token next-token NLL ``[n − 1]`` (float64, nats, on the host) of ``ids`` ``[n]`` under ``model``,
+    one forward; entry p − 1 is token p's. Memory O(n·d): the LM head and the loss run over ``chunk``
+    positions at a time (``ropescale.lm_head``), never over ``[n, V]`` logits — unless the model's head
+    cannot be reproduced, in which case the full logits are used (as ``window_nll`` does)."""
+    try:
+        head = OutputHead(model)
+    except ValueError:  # no separate decoder: full logits
+        head = None
+    nll, _ = _forward_nll(model, head, ids[None].to(model.device), 1, chunk)  # [1, n-1]
+    return nll[0].double().cpu()
 
 
 @torch.no_grad()

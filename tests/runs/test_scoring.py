@@ -88,3 +88,15 @@ def test_logits_chunk_is_an_option_outside_the_identity(tiny_llama):
     small = score_windows(tiny_llama, docs, windows, length=40, logits_chunk=3)
     total, count = plain_loop_nll(tiny_llama, docs, windows)
     assert small.tokens == count and math.isclose(small.nll, total, rel_tol=1e-6)
+
+
+def test_token_nll_equals_full_logits_token_by_token(tiny_llama):
+    from ropescale.runs.scoring import token_nll
+
+    ids = docs_for_test()[0][:60]
+    with torch.no_grad():
+        logp = F.log_softmax(tiny_llama(ids[None]).logits[0].double(), -1)  # [n, V], by hand
+    want = -logp[:-1].gather(-1, ids[1:, None])[:, 0]
+    got = token_nll(tiny_llama, ids, chunk=7)  # chunks that do not divide n
+    assert got.dtype == torch.float64 and got.shape == (59,)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
