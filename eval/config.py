@@ -33,7 +33,7 @@ from ropescale.runs.config import (
 )
 
 from .engines.scoring import DEFAULT, scoring_engine, scoring_engine_names
-from .engines.vllm_eval import VllmOptions
+from .engines.vllm.scoring import VllmOptions
 from .tasks.base import TaskOptions, get_task, task_names
 from .tasks.perplexity import LEGACY_KEYS
 

@@ -51,7 +51,7 @@ from ropescale.serving.engines import engine_names, get_engine
 from ropescale.serving.output import check_output
 from ropescale.serving.rope import MAX_LENGTH
 
-from .engines import driver_class, engine_status, require_engine
+from .engines import driver_class
 from .engines.base import Case, EngineDriver, Run, angle_table_diff, e2e_numbers, link_model, our_logprobs
 
 AS_SHIPPED = "the config as shipped"  # exported_by of a --baseline row of a strategy that keeps the model
@@ -139,8 +139,9 @@ def run_parity(model: str, specs: list, lengths: list[int], *, engines: list[str
     names = _check_inputs(engines, lengths, windows, gguf)
     if end_to_end:
         for name in names:
-            if (driver_class(name) or EngineDriver).python_env is not None:
-                require_engine(name)  # EngineAbsent: one line naming how to install it
+            env = (driver_class(name) or EngineDriver).environment
+            if env is not None:
+                env.require()  # EngineAbsent: one line naming how to install it
     output = check_output(output)
     rope_cfg = model_rope_config(model)
     train = rope_cfg.original_max_position_embeddings
@@ -149,9 +150,9 @@ def run_parity(model: str, specs: list, lengths: list[int], *, engines: list[str
     run = Run(m, tok, Path(resolve_model(model)), output, say or (lambda _m: None), end_to_end, windows,
               Path(gguf) if gguf else None)
     drivers = {name: (driver_class(name) or EngineDriver)(get_engine(name), run) for name in names}
-    for name, driver in drivers.items():
-        if driver.python_env is not None:
-            run.say(engine_status(name))  # where the real engine runs from, or how to install it
+    for driver in drivers.values():
+        if driver.environment is not None:
+            run.say(driver.environment.status())  # where the real engine runs from, or how to install it
     ids = _windows(tok, data, lengths, windows) if end_to_end else {}
     rows: list[ParityRow] = []
     for spec in specs:
@@ -273,6 +274,17 @@ def _fmt(x: Any, spec: str = ".3g") -> str:
     return str(x)
 
 
+def _e2e_settings(rows: list[ParityRow]) -> str:
+    """How the engines of ``rows`` score end to end beyond float32 (``EngineDriver.e2e_setting``), as the table's
+    heading says it: ``, llama.cpp with an f32 KV cache``."""
+    out = ""
+    for name in dict.fromkeys(r.engine for r in rows):
+        cls = driver_class(name)
+        if cls is not None and cls.e2e_setting:
+            out += f", {get_engine(name).label} with {cls.e2e_setting}"
+    return out
+
+
 def markdown(rows: list[ParityRow], meta: dict) -> str:
     """One table (engine, strategy, L, verdict, max |Δ log p|, PPL both sides, frequency and angle
     differences, magnitudes, source) under a line naming the model, data and settings."""
@@ -281,8 +293,7 @@ def markdown(rows: list[ParityRow], meta: dict) -> str:
             f"lengths {', '.join(map(str, meta['lengths']))}, engines: "
             + "; ".join(meta["engines"])
             + (f"; end to end on `{meta['data']}`, {meta['windows']} window(s) per length, "
-               "float32 both sides" + (", llama.cpp with an f32 KV cache" if "llama.cpp" in {r.engine for r in rows}
-                                       else "") if e2e else "")
+               "float32 both sides" + _e2e_settings(rows) if e2e else "")
             + f"; dynamic NTK {'frozen at L' if meta.get('freeze_dynamic', True) else 'not frozen'}.")
     by = any(r.exported_by != "ropescale" for r in rows)
     cols = ["engine"] + (["exported by"] if by else []) + ["strategy", "L", "verdict"]

@@ -266,15 +266,15 @@ def test_a_plugins_bad_strategy_is_refused_naming_the_plugin(tmp_path, monkeypat
 
 
 def test_a_broken_engine_plugin_warns_once_though_two_registries_read_its_group(tmp_path):
-    # the library's engines and the harness's engine drivers both read ropescale.engines
+    # the library's engines and the harness's engine roles both read ropescale.engines
     (tmp_path / "rs_broken_engine.py").write_text("import rs_no_such_module\n", encoding="utf-8")
     _distribution(tmp_path, "rs_broken_engine", """\
         [ropescale.engines]
         broken = rs_broken_engine
         """)
     probe = ("from ropescale.serving.engines import engine_names\n"
-             "from eval.engines import DRIVERS\n"
-             "print(engine_names(), DRIVERS.names())\n")
+             "from eval.engines import ROLES\n"
+             "print(engine_names(), ROLES.names())\n")
     done = _run(tmp_path, "-c", probe)
     assert done.returncode == 0, done.stderr
     assert "vllm" in done.stdout and "llama.cpp" in done.stdout

@@ -22,7 +22,7 @@
 #                    (the bundled model's tokenizer_config names TokenizersBackend, which needs >= 5).
 #   $PREFIX/mlx      mlx[cpu] 0.32.4 + mlx-lm 0.32.2 (wheels; MLX's CPU backend runs on Linux; about 1 min).
 #   $PREFIX/llama/src/llama.cpp   the sdist's vendor/llama.cpp (the converter, conversion/, gguf-py), used
-#                    unmodified by eval/engines/convert_gguf.py.
+#                    unmodified by eval/engines/llama_cpp/scripts/convert_gguf.py.
 # ROPESCALE_ENGINES_SYSTEM_SITE=1: the llama venv sees this Python's site-packages and takes torch and
 #   transformers (>= 5) from there instead of installing them (CI: ropescale's test environment has both).
 # Measured on 2 CPU cores: vllm 1 min 40 s (warm pip cache); llama.cpp 4–6 min (compiling, no cache).

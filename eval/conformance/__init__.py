@@ -45,7 +45,7 @@ from typing import Any
 
 from ropescale.errors import InvalidInput
 
-__all__ = ["CONFIGS", "LENGTH_CAP", "NOT_RUN", "READERS", "Cell", "Shipped", "build_tiny", "cell_of", "check_inputs",
+__all__ = ["CONFIGS", "LENGTH_CAP", "NOT_RUN", "Cell", "Shipped", "build_tiny", "cell_of", "check_inputs",
            "load_shipped", "markdown", "run_conformance", "shipped_names", "tiny_config", "unread_cells",
            "write_conformance"]
 
@@ -171,10 +171,6 @@ NOT_RUN = ("failed to be inspected", "tokenizer.model", "' not found", "Cannot f
            "AmbiguousGlobalPerLayerAttributeError", "not re-implemented")
 
 
-# how an engine that runs in its own environment reads a config.json as shipped, where not through its Python code
-READERS = {"llama.cpp": "its converter (convert_hf_to_gguf.py)"}
-
-
 def cell_of(config: str, row) -> Cell:
     """The cell of a parity ``row`` (``eval.parity.ParityRow``) for shipped config ``config``: ``same``; ``not run
     here`` for what stops the engine here whatever the config (``NOT_RUN``); ``cannot express`` for a refusal
@@ -242,7 +238,7 @@ def check_inputs(names: list[str], engines: list[str], output: str | Path,
     from ropescale.serving.output import check_output
     from ropescale.serving.rope import MAX_LENGTH
 
-    from .checks import check_converter, check_engines, check_tokens, inside, unique_names
+    from .checks import check_drivers_ready, check_engines, check_tokens, inside, unique_names
 
     engines = check_engines(engines)
     if length is not None:
@@ -251,7 +247,7 @@ def check_inputs(names: list[str], engines: list[str], output: str | Path,
         raise InvalidInput("--config: name at least one shipped config")
     entries = [load_shipped(n) for n in names]
     unique_names([e.name for e in entries], [str(n) for n in names])
-    check_converter(engines)
+    check_drivers_ready(engines)
     output = check_output(output)
     folders = {e.name: (check_output(inside(output, "models", e.name)), check_output(inside(output, e.name)))
                for e in entries}
@@ -279,8 +275,8 @@ def unread_cells(config: str, engines: list[str], rows) -> list[Cell]:
         elif cls is None or cls.as_written is None:
             text = f"{label}: its parity driver does not read a config as shipped"
         else:
-            reader = READERS.get(engine, "its own code")
-            text = f"{label}: reads the config as shipped with {reader}, absent here ({label} not installed)"
+            text = (f"{label}: reads the config as shipped with {cls.shipped_reader}, absent here "
+                    f"({label} not installed)")
         out.append(Cell(config, engine, AS_SHIPPED, "not run here", text))
     return out
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from ropescale.errors import InvalidInput, OutputError, UnknownNameError
 
-__all__ = ["MIN_LENGTH", "NAME", "RESERVED", "check_converter", "check_engines", "check_name", "check_tokens",
+__all__ = ["MIN_LENGTH", "NAME", "RESERVED", "check_drivers_ready", "check_engines", "check_name", "check_tokens",
            "inside", "unique_names"]
 
 NAME = re.compile(r"[A-Za-z0-9._-]{1,100}")  # a config's name: one plain file-name component
@@ -62,14 +62,17 @@ def check_engines(engines: list[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def check_converter(engines: list[str]) -> None:
-    """``InvalidInput`` (one line) when llama.cpp is asked for and installed but its converter
-    (``convert_hf_to_gguf.py``), which its rows of a model without a GGUF need, is not found."""
-    from ..engines import engine_python, llama_cpp_source
+def check_drivers_ready(engines: list[str]) -> None:
+    """``InvalidInput`` (one line) when an engine's parity driver lacks what it needs besides the engine's Python
+    (``EngineDriver.not_ready``: llama.cpp installed without its converter, which its rows of a model without a
+    GGUF need)."""
+    from ..engines import driver_class
 
-    if "llama.cpp" in engines and engine_python("llama.cpp") is not None and llama_cpp_source() is None:
-        raise InvalidInput("--engines llama.cpp: llama.cpp is installed but its converter (convert_hf_to_gguf.py) is "
-                           "not found: set ROPESCALE_LLAMA_CPP_SOURCE or install with bench/engines/install.sh")
+    for engine in engines:
+        cls = driver_class(engine)
+        why = cls.not_ready() if cls is not None else None
+        if why:
+            raise InvalidInput(f"--engines {engine}: {why}")
 
 
 def unique_names(names: list[str], sources: list[str]) -> None:

@@ -1,13 +1,14 @@
 """An engine's driver for ``ropescale parity``: how the harness gets the engine's own numbers.
 
 ``EngineDriver`` is the harness side of one library engine (``ropescale.serving.engines.Engine``,
-same ``name``); subclassing it with a ``name`` registers it (``eval.engines.DRIVERS``). For every
+same ``name``), in the engine's harness package (``eval/engines/<engine>/parity.py``); subclassing it with a
+``name`` registers it as the engine's ``driver`` (``eval.engines.registry.ROLES``). For every
 strategy × served length (a ``Case``) ``run_parity`` hands each engine's driver a row to fill
 (``add``): the engine's export of the patch (``Engine.translate``) or its refusal, then what the
 engine computes from it (``serve``). This base class serves every engine through its library
 re-implementation (``Engine.rope``), so an engine needs a driver of its own only to run the real
-engine: a subprocess in the engine's own environment (``python_env``, ``venv``, ``script``: see
-``eval.engines``), its rope and end-to-end jobs gathered while the cases are added and run once
+engine: a subprocess in the engine's own environment (``environment``: ``eval.engines.process.Environment``),
+its rope and end-to-end jobs gathered while the cases are added and run once
 all are (``finish``). ``as_written`` names what a user served before ropescale's export
 (``--baseline`` rows, ``add_baseline``).
 """
@@ -31,7 +32,9 @@ from ropescale.patching import PatchHandle
 from ropescale.serving.engines import Engine, write_generation
 from ropescale.serving.rope import EngineRope, ExportRefused, compare, compare_layers
 
-from . import DRIVERS, EngineFailed, engine_python, require_engine, run_engine
+from . import process
+from .process import EngineFailed, Environment
+from .registry import add_role
 
 __all__ = ["Case", "EngineDriver", "Run", "angle_table_diff", "case_name", "e2e_numbers", "fill", "link_model",
            "our_logprobs", "sampled_positions", "standardized"]
@@ -211,26 +214,34 @@ def fill(row, ours: EngineRope | dict[str, EngineRope], theirs: EngineRope | dic
 class EngineDriver:
     """The parity driver of the engine ``name`` (see the module docstring).
 
-    python_env: the variable naming the engine's Python (None: nothing to run in a subprocess);
-    venv: its environment's folder under ``ROPESCALE_ENGINES``; script: its driver script beside
-    this module; as_written: what ``--baseline`` rows of this engine were exported by (None: none).
+    environment: the engine's own Python and scripts (``eval.engines.process.Environment``; None: nothing runs in a
+    subprocess); as_written: what ``--baseline`` rows of this engine were exported by (None: none);
+    shipped_reader: how the engine reads a config.json as shipped, where not through its Python code
+    (``ropescale conformance`` names it when the engine is absent); e2e_setting: how its end-to-end scoring runs
+    beyond float32 (named under the parity table), or None.
     """
 
     name: ClassVar[str] = ""
-    python_env: ClassVar[str | None] = None
-    venv: ClassVar[str | None] = None
-    script: ClassVar[str | None] = None
+    environment: ClassVar[Environment | None] = None
     as_written: ClassVar[str | None] = None
+    shipped_reader: ClassVar[str] = "its own code"
+    e2e_setting: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
-        DRIVERS.add_class(cls)
+        add_role(cls, "driver")
 
     def __init__(self, engine: Engine, run: Run):
         self.engine, self.run = engine, run
-        self.installed = self.python_env is None or engine_python(engine.name) is not None
+        self.installed = self.environment is None or self.environment.python() is not None
         self.version: str | None = None  # the real engine's, once it ran
         self.jobs: list[tuple[Any, dict]] = []  # end to end: (row, job)
+
+    @classmethod
+    def not_ready(cls) -> str | None:
+        """What this driver needs besides its engine's Python and does not find (one clause), checked before
+        anything is written; None when nothing is missing."""
+        return None
 
     @property
     def label(self) -> str:
@@ -239,8 +250,8 @@ class EngineDriver:
 
     def require(self) -> None:
         """``EngineAbsent`` (one line) when the real engine is needed (end to end) and not installed."""
-        if self.python_env is not None:
-            require_engine(self.engine.name)
+        if self.environment is not None:
+            self.environment.require()
 
     def add(self, row, case: Case) -> None:
         """Fill ``row`` for ``case``: the export's refusal, or its settings and what the engine computes."""
@@ -269,7 +280,7 @@ class EngineDriver:
             case: the case: our rotation per layer and the length.
             translation: what the engine's ``translate`` returned.
         """
-        absent = f"; {self.label} not installed" if self.python_env is not None else ""
+        absent = f"; {self.label} not installed" if self.environment is not None else ""
         theirs = self.engine.rope(translation, case.length, case.context)
         fill(row, case.ours_layers if isinstance(theirs, dict) else case.ours, theirs, case.length,
              f"re-implementation ({self.engine.rope_source or self.engine.name}{absent})")
@@ -297,7 +308,7 @@ class EngineDriver:
         say(f"{self.label}: end to end, {len(self.jobs)} exports × {self.run.windows} window(s) of held-out text")
         start = time.perf_counter()
         try:
-            res = run_engine(self.engine.name, {"mode": "logprobs", "jobs": [
+            res = process.run_engine(self.engine.name, {"mode": "logprobs", "jobs": [
                 {k: v for k, v in j.items() if k != "ours"} for _, j in self.jobs]}, log_dir=self.run.logs)
             answers = self.answers(res, "jobs", [case_name(r) for r, _ in self.jobs], ("error", "logprobs"))
         except EngineFailed as e:  # the rotation rows stand; the end-to-end cells say why they are empty
@@ -319,7 +330,7 @@ class EngineDriver:
         each a dict holding one of ``needs`` (the first an alternative to the others when it is
         ``"error"``). ``EngineFailed`` (one line naming the driver and the cases without an answer)
         otherwise: a short answer would leave rows without a verdict."""
-        label = f"{self.label} driver ({self.script})"
+        label = f"{self.label} driver ({self.environment.script if self.environment else self.name})"
         got = result.get(key)
         if not isinstance(got, list):
             raise EngineFailed(f"{label} answered no {key!r} list; asked for {len(asked)}: {', '.join(asked)}")
@@ -339,9 +350,9 @@ class EngineDriver:
         """One line for the report: the engine's version and where it ran, or that it was absent."""
         if not self.installed:
             return f"{self.label} not installed: re-implementation"
-        if self.python_env is None:
+        if self.environment is None:
             return f"{self.label} (in process)"
-        return f"{self.version or self.label} ({engine_python(self.engine.name)})"
+        return f"{self.version or self.label} ({self.environment.python()})"
 
 
 def case_name(row) -> str:

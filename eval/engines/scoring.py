@@ -11,10 +11,11 @@ from those requests (``score_cell``); a task is scored by an engine when the eng
 kind of request the task asks. No task name lives in an engine module and no engine name in the
 sweep: ``scoring_engine(cfg.engine)`` is all the sweep asks for.
 
-One engine per module, registered by subclassing ``ScoringEngine`` with a ``name``: ``transformers``
-(here: the patched model in this process, the default — every task), ``vllm``
-(``eval.engines.vllm_eval``: the patch's export served by vLLM); an installed package adds one
-through the ``ropescale.engines`` entry points.
+One engine per harness package, registered by subclassing ``ScoringEngine`` with a ``name`` as the engine's
+``scorer`` (``eval.engines.registry.ROLES``): ``transformers`` (``eval/engines/transformers/scoring.py``: the
+patched model in this process, the default — every task), ``vllm`` and ``mlx`` (``eval/engines/<engine>/
+scoring.py``: the patch's export served by the engine); an installed package adds one through the
+``ropescale.engines`` entry points.
 
 The registry holds every engine to the contract, bundled or plugin: each subclass's ``score_cell`` is
 called with the task as it answers (``AnsweringTask``), whose ``engine_parts`` first checks the answers
@@ -33,6 +34,7 @@ Errors: ``UnknownEngineError`` (one line, the known names) for an unknown engine
 
 from __future__ import annotations
 
+import difflib
 import functools
 import numbers
 from collections.abc import Callable, Iterator, Mapping
@@ -41,21 +43,16 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ropescale.errors import RopescaleError
-from ropescale.registry import Registry
 from ropescale.runs.config import ConfigError
 from ropescale.serving.engines import UnknownEngineError
 
-from . import EngineFailed
+from .process import EngineFailed, Environment
+from .registry import ROLES, add_role, role_names
 
-__all__ = ["DEFAULT", "ROUNDING", "SCORERS", "AnsweringTask", "ScoringEngine", "ScoringEngineFailed",
-           "check_answers", "scoring_engine", "scoring_engine_names"]
+__all__ = ["DEFAULT", "ROUNDING", "AnsweringTask", "ScoringEngine", "ScoringEngineFailed", "check_answers",
+           "scoring_engine", "scoring_engine_names"]
 
 DEFAULT = "transformers"  # the engine a config without ``engine:`` is scored by (run identities leave it out)
-
-# the driver scripts beside the engines' modules run in the engines' own environments: never imported
-SCORERS: Registry[type] = Registry("scoring engine", "scoring engines", UnknownEngineError, package=__package__,
-                                   skip=("base", "vllm_driver", "llama_cpp_driver", "mlx_driver", "convert_gguf"),
-                                   plugins="ropescale.engines")
 
 
 ROUNDING = 1e-4  # a log-probability above 0 by more than this [nats] is wrong, not float32 rounding
@@ -212,6 +209,7 @@ class ScoringEngine:
     in_process: it is this process's patched model (the harness measures the cell itself: every task,
         ``accelerate launch`` splitting the examples); otherwise ``score_cell`` scores the cell.
     options: the name of its own config section (``vllm:``), None when it has none.
+    environment: its own Python and scripts (``eval.engines.process.Environment``), None when it has none.
     builtin: set on subclassing: defined in a module of this package (its exceptions are ropescale's
         bugs), not a plugin's (its exceptions are its own failures, one line).
 
@@ -223,6 +221,7 @@ class ScoringEngine:
     answers: ClassVar[frozenset[str]] = frozenset()
     in_process: ClassVar[bool] = False
     options: ClassVar[str | None] = None
+    environment: ClassVar[Environment | None] = None
     builtin: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kw: Any) -> None:
@@ -233,7 +232,7 @@ class ScoringEngine:
         for method in ("check", "version") if not cls.builtin else ():
             if method in cls.__dict__:
                 setattr(cls, method, _own_failures(cls.__dict__[method]))
-        SCORERS.add_class(cls)
+        add_role(cls, "scorer")
 
     @property
     def label(self) -> str:
@@ -271,24 +270,18 @@ class ScoringEngine:
         return "unknown"
 
 
-class TransformersScoring(ScoringEngine):
-    """The patched model in this process (``eval.sweep``'s own measuring)."""
-
-    name = "transformers"
-    answers = frozenset({"logprobs", "generate"})
-    in_process = True
-
-    def version(self) -> str:
-        import transformers
-
-        return transformers.__version__
-
-
 def scoring_engine_names() -> list[str]:
     """The registered scoring engines' names (bundled and plugins), sorted."""
-    return SCORERS.names()
+    return role_names("scorer")
 
 
 def scoring_engine(name: str) -> ScoringEngine:
-    """The scoring engine ``name`` (an instance); ``UnknownEngineError`` (one line) otherwise."""
-    return SCORERS.lookup(name)()
+    """The scoring engine ``name`` (an instance); ``UnknownEngineError`` (one line: a close match and the known
+    scoring engines) otherwise."""
+    known = scoring_engine_names()
+    roles = ROLES.get(name) if isinstance(name, str) else None
+    if roles is None or roles.scorer is None:
+        hint = difflib.get_close_matches(str(name), known, n=1)
+        raise UnknownEngineError(f"unknown scoring engine {name!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                                 + f"; known scoring engines: {', '.join(known)}")
+    return roles.scorer()

@@ -49,7 +49,7 @@ from ropescale.runs.trackers import tracker_names
 from ropescale.strategies import get_strategy
 
 from ..config import MAX_LENGTH
-from ..engines.vllm_eval import VllmOptions
+from ..engines.vllm.scoring import VllmOptions
 from .space import Dimension, search_space
 
 __all__ = ["EVOLUTION_KEYS", "METHODS", "SearchConfig", "build_search_config", "load_search_config", "same_data"]

@@ -29,7 +29,7 @@ import torch
 
 from ropescale.runs.config import ConfigError
 
-from ..engines.vllm_eval import (
+from ..engines.vllm.scoring import (
     EngineDisagrees,
     check_processes,
     require_vllm,
@@ -98,7 +98,8 @@ def vllm_measure(objective, handle, served: Path) -> dict:
     from ropescale.serving.engines.vllm import export_vllm
     from ropescale.serving.rope import ExportRefused
 
-    from ..engines import EngineFailed, run_engine
+    from ..engines import process
+    from ..engines.process import EngineFailed
     from .tuner import Refused
 
     cfg = objective.cfg
@@ -114,7 +115,7 @@ def vllm_measure(objective, handle, served: Path) -> dict:
     request = {"mode": "score", "model": str(folder), "max_model_len": cfg.vllm.max_model_len or serve + 1,
                "dtype": cfg.dtype, "tensor_parallel_size": cfg.vllm.tensor_parallel_size,
                "data_parallel_size": cfg.vllm.data_parallel_size, "requests": reqs}
-    got = run_engine("vllm", request, log_dir=served.parent / "logs", timeout=24 * 3600)
+    got = process.run_engine("vllm", request, log_dir=served.parent / "logs", timeout=24 * 3600)
     if "error" in got:
         raise EngineFailed(f"vLLM {got.get('vllm', '')} refuses the exported model: {got['error']}")
     results = got["results"]

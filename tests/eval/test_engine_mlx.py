@@ -1,4 +1,4 @@
-"""``engine: mlx``: a cell scored by mlx-lm serving the patch's MLX export (eval/engines/mlx_scoring.py).
+"""``engine: mlx``: a cell scored by mlx-lm serving the patch's MLX export (eval/engines/mlx/scoring.py).
 Without mlx-lm: what it refuses, in one line, before anything is written. With it (marked ``engines``):
 perplexity through mlx-lm equals the transformers engine's on the bundled model."""
 
@@ -25,7 +25,7 @@ def test_mlx_answers_log_probabilities_only(tiny_model_dir):
 
 
 def test_mlx_absent_is_one_line_before_anything_is_written(tmp_path, tiny_model_dir, text_file, monkeypatch):
-    monkeypatch.setenv(engines.driver_class("mlx").python_env, str(tmp_path / "no-such-python"))
+    monkeypatch.setenv(engines.environment("mlx").variable, str(tmp_path / "no-such-python"))
     cfg = build_config({"model": str(tiny_model_dir), "data": str(text_file), "lengths": [32],
                         "strategies": ["vanilla"], "engine": "mlx"})
     with pytest.raises(ConfigError, match=r"^config: engine: mlx: .*bench/engines/install.sh") as e:

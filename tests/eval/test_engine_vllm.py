@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from eval import engines
 from eval.config import build_config
-from eval.engines.vllm_eval import EngineDisagrees, transformers_logprobs
+from eval.engines.vllm.scoring import EngineDisagrees, transformers_logprobs
 from eval.sweep import RESULTS, read_results, run_sweep
 from ropescale.runs.config import ConfigError
 
@@ -143,7 +143,7 @@ GOOD = {"results": [{"logprobs": [-1.0, -2.0], "tokens": [9]}, {"logprobs": None
 ], ids=["short", "no_timing", "no_version", "logprobs_short", "logprobs_absent", "tokens_long", "logprob_text"])
 def test_the_drivers_answer_is_checked_against_the_request(answer, message):
     from eval.engines import EngineFailed
-    from eval.engines.vllm_eval import checked_answer
+    from eval.engines.vllm.scoring import checked_answer
 
     assert checked_answer(GOOD, REQS, "yarn @ 64").vllm == "0.fake"
     with pytest.raises(EngineFailed, match=rf"^yarn @ 64: vLLM's driver {message}.*; the cell is not recorded$"):
@@ -164,7 +164,7 @@ def test_a_short_answer_is_not_recorded_and_the_corrected_rerun_is(tmp_path, tin
     script = tmp_path / "fake-vllm-python"  # an engine python that answers whatever it is asked with answer.json
     script.write_text(f'#!/bin/sh\ncp "{answer}" "$3"\n')
     script.chmod(0o755)
-    monkeypatch.setenv(engines.driver_class("vllm").python_env, str(script))
+    monkeypatch.setenv(engines.environment("vllm").variable, str(script))
     monkeypatch.setattr("eval.sweep.write_reports", lambda records, output: None)  # tables and plots: not tested here
     answer.write_text(json.dumps({**whole, "results": whole["results"][:1]}))
     with pytest.raises(EngineFailed, match=r"^vanilla @ 32: vLLM's driver answered 1 of the 2 requests asked; the "
@@ -241,7 +241,7 @@ def test_a_driver_leaving_by_os_exit_takes_its_children_with_it(tmp_path, monkey
 
     from eval import engines
 
-    monkeypatch.setattr(engines, "require_engine", lambda engine: Path(sys.executable))
+    monkeypatch.setattr(engines.process, "require_engine", lambda engine: Path(sys.executable))
     (tmp_path / "driver.py").write_text(DRIVER_LEAVING_A_CHILD)
     out = engines.run_engine("vllm", {"mode": "score"}, script=str(tmp_path / "driver.py"))
 

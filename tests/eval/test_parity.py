@@ -7,6 +7,7 @@ import math
 import os
 import stat
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,7 +36,7 @@ def _fake_engine(tmp_path, monkeypatch, result: dict | None, exit_code: int = 0,
             f'echo "RuntimeError: the engine fell over" >&2\nexit {exit_code}\n')
     script.write_text("#!/bin/sh\n" + body)
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv(engines.driver_class(engine).python_env, str(script))
+    monkeypatch.setenv(engines.environment(engine).variable, str(script))
     return script
 
 
@@ -104,16 +105,30 @@ def test_run_engine_reads_the_driver_result_and_a_failing_driver_is_one_line(tmp
     assert (tmp_path / "logs" / "vllm-rope.log").is_file()
 
 
-def test_the_drivers_are_package_files_that_never_import_ropescale():
-    """The drivers run in the engines' own environments (other torch/transformers): standalone."""
+def test_the_scripts_are_package_data_that_never_import_ropescale():
+    """The scripts run in the engines' own environments (other torch/transformers): standalone, in each engine
+    package's ``scripts/`` folder — no package, so no registry imports them — and installed as package data."""
     import ast
 
-    for name in ("vllm_driver.py", "llama_cpp_driver.py", "convert_gguf.py"):
-        path = engines.HERE / name
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        mods |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-        assert not mods & {"ropescale", "eval", "ropescale_eval", "cli", "transformers"}, (name, mods)
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    data = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["package-data"]
+    envs = engines.registry.environments()
+    assert {"vllm", "llama.cpp", "mlx"} <= set(envs)
+    seen = set()
+    for name, env in envs.items():
+        assert (env.scripts / env.script).is_file(), name
+        assert not (env.scripts / "__init__.py").exists(), name
+        package = "ropescale_eval." + ".".join(env.scripts.parent.relative_to(root / "eval").parts)
+        assert data.get(package) == ["scripts/*.py"], (name, package)
+        for path in env.scripts.glob("*.py"):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+            mods |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+            assert not mods & {"ropescale", "eval", "ropescale_eval", "cli", "transformers"}, (path.name, mods)
+            seen.add(path.name)
+    assert {"vllm_driver.py", "llama_cpp_driver.py", "convert_gguf.py", "mlx_driver.py"} <= seen
 
 
 # --- the parity table against fake engines (known non-parities) ----------------------------------

@@ -11,13 +11,14 @@ import math
 import pytest
 
 from eval import engines
+from eval.engines.llama_cpp import llama_cpp_source
 from eval.parity import AS_SHIPPED, e2e_numbers, run_parity
 from ropescale.runs.config import parse_strategy
 
 HAS_VLLM = engines.engine_python("vllm") is not None
 HAS_LLAMA = engines.engine_python("llama.cpp") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason=engines.engine_status("vllm"))
-needs_llama = pytest.mark.skipif(not HAS_LLAMA or engines.llama_cpp_source() is None,
+needs_llama = pytest.mark.skipif(not HAS_LLAMA or llama_cpp_source() is None,
                                  reason=engines.engine_status("llama.cpp") if not HAS_LLAMA else
                                  "llama.cpp's converter source not found (ROPESCALE_LLAMA_CPP_SOURCE)")
 pytestmark = pytest.mark.engines
@@ -70,7 +71,7 @@ def test_llama_cpp_end_to_end_detects_what_the_converter_loses(tmp_path):
     from eval.engines.base import our_logprobs
     from eval.parity import _windows
 
-    src = engines.llama_cpp_source()
+    src = llama_cpp_source()
     cases = (("yarn", {"factor": 4.0, "attention_factor": 1.0}), ("dynamic_ntk", {}))
     ours, ids = {}, None
     for spec, params in cases:
@@ -98,7 +99,7 @@ def test_the_converter_wrapper_maps_only_a_byte_level_pre_tokenizer(tmp_path, ti
     above); another pre-tokenizer with an unknown hash stays refused."""
     import shutil
 
-    src = engines.llama_cpp_source()
+    src = llama_cpp_source()
     got = engines.run_engine("llama.cpp", {"mode": "convert", "model": str(tiny_model_dir),
                                            "out": str(tmp_path / "a.gguf"), "source": str(src)},
                              script="convert_gguf.py")
@@ -130,7 +131,7 @@ def test_vllm_rotary_classes_compute_every_export_as_ropescale(tiny_model_dir, t
 def test_vllm_rotary_classes_show_the_known_non_parities(tiny_model_dir, tmp_path, monkeypatch):
     """Configs the issue measured wrong, through vLLM's own code: never 'same'."""
     from eval.engines.base import link_model
-    from eval.engines.vllm_engine import _fill_real
+    from eval.engines.vllm.parity import _fill_real
     from ropescale import load_model, patch, unpatch
     from ropescale.serving.rope import ropescale_rope
 
@@ -335,7 +336,7 @@ def test_the_converter_wrapper_converts_phi3_and_gemma4_with_the_byte_level_voca
     from eval.conformance import run_conformance
     from ropescale.serving.gguf import gguf_module
 
-    src = str(engines.llama_cpp_source())
+    src = str(llama_cpp_source())
     for name in ("phi-3.5-mini", "gemma-4"):
         folder = _shipped_tiny(name, tmp_path / name)
         got = engines.run_engine("llama.cpp", {"mode": "convert", "model": str(folder), "source": src,

@@ -6,8 +6,9 @@ task that asks for what it does not answer."""
 import pytest
 
 from eval.config import build_config
-from eval.engines.scoring import SCORERS, ScoringEngine, scoring_engine, scoring_engine_names
-from eval.engines.vllm_eval import transformers_logprobs
+from eval.engines.registry import add_role, remove_role
+from eval.engines.scoring import ScoringEngine, scoring_engine, scoring_engine_names
+from eval.engines.vllm.scoring import transformers_logprobs
 from eval.sweep import run_sweep
 from eval.tasks.base import get_task, task_names
 from ropescale.errors import UnknownNameError
@@ -82,18 +83,19 @@ class Faulty(LogprobsOnly):
         return FAULTS[self.fault][0](results) if length == 64 else results
 
 
-SCORERS.pop(LogprobsOnly.name)  # defining them registered them; each test of this module registers them for itself
-SCORERS.pop(Faulty.name)
+# defining them registered them; each test of this module registers them for itself
+remove_role(LogprobsOnly.name, "scorer")
+remove_role(Faulty.name, "scorer")
 
 
 @pytest.fixture(autouse=True)
 def plugin():
     """The plugin engine registered for one test, then taken out: other tests see the bundled engines only."""
-    SCORERS.add(LogprobsOnly.name, LogprobsOnly)
-    SCORERS.add(Faulty.name, Faulty)
+    add_role(LogprobsOnly, "scorer")
+    add_role(Faulty, "scorer")
     yield LogprobsOnly
-    SCORERS.pop(LogprobsOnly.name, None)
-    SCORERS.pop(Faulty.name, None)
+    remove_role(LogprobsOnly.name, "scorer")
+    remove_role(Faulty.name, "scorer")
 
 
 def test_the_bundled_engines_are_registered_and_unknown_names_are_one_line():
@@ -201,7 +203,7 @@ class Generating(ScoringEngine):
         return task.combine([task.engine_parts(examples, results, length)], examples, length=length, strategy=None)
 
 
-SCORERS.pop(Generating.name)
+remove_role(Generating.name, "scorer")
 
 
 def test_a_generation_longer_than_asked_is_refused_for_a_retrieval_task(tmp_path, tiny_model_dir):
@@ -209,14 +211,14 @@ def test_a_generation_longer_than_asked_is_refused_for_a_retrieval_task(tmp_path
 
     from ropescale.errors import RopescaleError
 
-    SCORERS.add(Generating.name, Generating)
+    add_role(Generating, "scorer")
     try:
         cfg = build_config({"model": str(tiny_model_dir), "task": "passkey", "lengths": [64], "strategies": ["yarn"],
                             "device": "cpu", "engine": Generating.name, "passkey": {"trials": 1, "depths": [0.5]}})
         with pytest.raises(RopescaleError) as e:
             run_sweep(cfg, tmp_path / "p", progress=False)
     finally:
-        SCORERS.pop(Generating.name)
+        remove_role(Generating.name, "scorer")
     m = re.fullmatch(r"yarn @ 64: scoring engine 'generating-test' generated (\d+) tokens for request 0, more than "
                      r"the (\d+) asked; the cell is not recorded", str(e.value))
     assert m and int(m[1]) == int(m[2]) + 1, str(e.value)
@@ -232,14 +234,14 @@ class Bypassing(ScoringEngine):
         return {"ppl": 1.0, "nll": 0.0, "tokens": 10**6, "engine": self.name, "engine_version": "test"}
 
 
-SCORERS.pop(Bypassing.name)
+remove_role(Bypassing.name, "scorer")
 
 
 def test_metrics_made_up_without_the_tasks_requests_are_refused(tmp_path, tiny_model_dir, text_file):
     from eval.sweep import RESULTS, read_results
     from ropescale.errors import RopescaleError
 
-    SCORERS.add(Bypassing.name, Bypassing)
+    add_role(Bypassing, "scorer")
     try:
         cfg = build_config({"model": str(tiny_model_dir), "data": str(text_file), "lengths": [32], "max_windows": 2,
                             "strategies": ["yarn"], "device": "cpu", "engine": Bypassing.name})
@@ -248,7 +250,7 @@ def test_metrics_made_up_without_the_tasks_requests_are_refused(tmp_path, tiny_m
                                                  r"\); the cell is not recorded$"):
             run_sweep(cfg, tmp_path / "o", progress=False)
     finally:
-        SCORERS.pop(Bypassing.name)
+        remove_role(Bypassing.name, "scorer")
     assert read_results(tmp_path / "o" / RESULTS) == []
 
 
@@ -299,7 +301,7 @@ class Unready(LogprobsOnly):
         raise ConnectionError("no server at localhost:8000")
 
 
-SCORERS.pop(Unready.name)
+remove_role(Unready.name, "scorer")
 
 
 def test_a_plugins_exception_is_its_failure_and_a_bundled_engines_bug_is_a_bug(monkeypatch, tmp_path, tiny_model_dir,
@@ -309,13 +311,13 @@ def test_a_plugins_exception_is_its_failure_and_a_bundled_engines_bug_is_a_bug(m
     shows its traceback)."""
     from types import SimpleNamespace
 
-    import eval.engines.vllm_eval
+    import eval.engines.vllm.scoring
 
-    SCORERS.add(Unready.name, Unready)
+    add_role(Unready, "scorer")
     try:
         res = _eval(tmp_path / "o", tiny_model_dir, text_file, Unready.name)
     finally:
-        SCORERS.pop(Unready.name)
+        remove_role(Unready.name, "scorer")
     assert res.exit_code == 1, res.output
     assert _error_lines(res) == ["Error: scoring engine 'unready-test' failed: ConnectionError: no server at "
                                  "localhost:8000"]
@@ -324,7 +326,7 @@ def test_a_plugins_exception_is_its_failure_and_a_bundled_engines_bug_is_a_bug(m
     def broken(*args, **kw):
         raise ZeroDivisionError("division by zero")
 
-    monkeypatch.setattr(eval.engines.vllm_eval, "score_cell_vllm", broken)
+    monkeypatch.setattr(eval.engines.vllm.scoring, "score_cell_vllm", broken)
     with pytest.raises(ZeroDivisionError):
         scoring_engine("vllm").score_cell(None, None, None, [], SimpleNamespace(display="yarn"), {}, 64, 32, "cpu",
                                           None)

@@ -186,7 +186,7 @@ def test_kl_cells_report_the_short_context_cost(tmp_path, sharp_model_dir, text_
     L ≤ T linear ×2 moves the distributions (what a static factor costs short prompts) and
     dynamic NTK (s = 1 there) does not; results.md gets the KL tables and kl_vs_length.png is drawn.
     Turning kl on is another experiment; off, folders from before it resume."""
-    from eval.engines.vllm_eval import check_engine
+    from eval.engines.vllm.scoring import check_engine
     from eval.tasks.perplexity import PerplexityOptions
     from ropescale.runs.config import ConfigError
 

@@ -1,6 +1,6 @@
 """vllm_rope checked against vLLM's own rotary classes (``get_rope``), run in vLLM's interpreter as a
 subprocess (tests/serving/vllm_probe.py), and mlx_rope against mlx-lm's own rotary modules
-(eval/engines/mlx_driver.py) — the engines are never dependencies of ropescale. Skipped unless
+(eval/engines/mlx/scripts/mlx_driver.py) — the engines are never dependencies of ropescale. Skipped unless
 ROPESCALE_VLLM_PYTHON / ROPESCALE_MLX_PYTHON names a Python with the engine installed (e.g. the venvs
 of bench/engines/install.sh)."""
 
@@ -102,7 +102,7 @@ def test_real_mlx_rotates_every_export_as_ropescale_and_mlx_rope_say(tmp_path):
     mlx_driver.py, in MLX's interpreter): every angle at positions 0 … L−1 and the magnitude."""
     from ropescale.serving.engines.mlx import export_mlx, mlx_layer_ropes
 
-    driver = Path(__file__).parents[2] / "eval" / "engines" / "mlx_driver.py"
+    driver = Path(__file__).parents[2] / "eval" / "engines" / "mlx" / "scripts" / "mlx_driver.py"
     cases, expected = [], []
     models = [(patched(n, **p), f"{c}") for c, (n, p) in sorted(FREQUENCY.items())]
     models += [(gemma3_patched("yarn", factor=4.0), "gemma3-yarn"), (gemma3_patched("linear", factor=4.0), "g3-linear")]

@@ -58,8 +58,8 @@ def _rows(folder: Path) -> list[dict]:
 
 
 def test_a_search_scored_through_the_vllm_export_equals_the_transformers_one(tmp_path, raw, monkeypatch):
-    monkeypatch.setattr(engines, "require_engine", lambda engine: Path(sys.executable))
-    monkeypatch.setattr(engines, "run_engine", fake_vllm)
+    monkeypatch.setattr(engines.process, "require_engine", lambda engine: Path(sys.executable))
+    monkeypatch.setattr(engines.process, "run_engine", fake_vllm)
     raw = {**raw, "budget": 1}
     ours = run_search(build_search_config(raw), tmp_path / "hf", progress=False)
     theirs = run_search(build_search_config({**raw, "engine": "vllm"}), tmp_path / "vllm", progress=False)
@@ -87,7 +87,7 @@ def test_a_search_scored_through_the_vllm_export_equals_the_transformers_one(tmp
 ])
 def test_what_vllm_cannot_do_in_a_search_is_one_line_before_anything_is_written(tmp_path, raw, changes, fragment,
                                                                                 monkeypatch):
-    monkeypatch.setattr(engines, "require_engine", lambda engine: Path(sys.executable))
+    monkeypatch.setattr(engines.process, "require_engine", lambda engine: Path(sys.executable))
     with pytest.raises(ConfigError) as e:
         run_search(build_search_config({**raw, "engine": "vllm", **changes}), tmp_path / "out", progress=False)
     assert fragment in str(e.value) and "\n" not in str(e.value)

@@ -3,7 +3,7 @@
 Each export is written into a GGUF (``exports/gguf/<case>.gguf``: the base GGUF — ``--gguf``, else
 llama.cpp's own converter run on the model once — with its rope metadata rewritten). Where llama.cpp
 is installed (``ROPESCALE_LLAMA_CPP_PYTHON``, ``<root>/llama``), its driver script
-(``llama_cpp_driver.py``) loads every GGUF and answers its metadata as the runtime read it, which
+(``scripts/llama_cpp_driver.py``) loads every GGUF and answers its metadata as the runtime read it, which
 ``llama_cpp_rope`` turns into the rotation (the rotation itself runs inside ggml's graph, which
 llama-cpp-python does not expose; the end-to-end log-probabilities check it). Otherwise the row is
 ``llama_cpp_rope`` on the exported metadata. A per-layer-type export (Gemma 3) is compared layer type
@@ -21,8 +21,10 @@ from ropescale.serving.engines.llama_cpp import llama_cpp_layer_ropes
 from ropescale.serving.gguf import read_gguf_rope, rewrite_gguf
 from ropescale.serving.rope import ExportRefused
 
-from . import EngineFailed, llama_cpp_source, run_engine
-from .base import Case, EngineDriver, case_name, fill
+from .. import process
+from ..base import Case, EngineDriver, case_name, fill
+from ..process import EngineFailed
+from . import ENVIRONMENT, llama_cpp_source
 
 __all__ = ["LlamaCppDriver"]
 
@@ -46,9 +48,9 @@ def _json_value(text: str) -> Any:
 
 class LlamaCppDriver(EngineDriver):
     name = "llama.cpp"
-    python_env = "ROPESCALE_LLAMA_CPP_PYTHON"
-    venv = "llama"
-    script = "llama_cpp_driver.py"
+    environment = ENVIRONMENT
+    shipped_reader = "its converter (convert_hf_to_gguf.py)"
+    e2e_setting = "an f32 KV cache"
     as_written = "llama.cpp's converter on save_patched"
 
     def __init__(self, engine, run):
@@ -93,14 +95,23 @@ class LlamaCppDriver(EngineDriver):
                                "BASE.gguf)")
         run.say(f"llama.cpp: converting {run.src.name} to GGUF (f32) with llama.cpp's converter")
         dst.parent.mkdir(parents=True, exist_ok=True)
-        got = run_engine("llama.cpp", {"mode": "convert", "source": str(source), "outtype": "f32",
-                                       "jobs": [{"model": str(run.src), "out": str(dst)}]},
-                         script="convert_gguf.py", log_dir=run.logs)
+        got = process.run_engine(self.name, {"mode": "convert", "source": str(source), "outtype": "f32",
+                                             "jobs": [{"model": str(run.src), "out": str(dst)}]},
+                                 script="convert_gguf.py", log_dir=run.logs)
         error = (got.get("jobs") or [{}])[0].get("error")
         if error:
             run.data["convert_failed"] = error
             raise EngineFailed(error)
         return dst
+
+    @classmethod
+    def not_ready(cls) -> str | None:
+        """llama.cpp installed but its converter (``convert_hf_to_gguf.py``), which its rows of a model without a
+        GGUF need, not found."""
+        if cls.environment.python() is not None and llama_cpp_source() is None:
+            return ("llama.cpp is installed but its converter (convert_hf_to_gguf.py) is not found: set "
+                    "ROPESCALE_LLAMA_CPP_SOURCE or install with bench/engines/install.sh")
+        return None
 
     def baseline_ready(self, shipped: bool = False) -> bool:
         return self.installed  # the converter runs in llama.cpp's environment
@@ -123,8 +134,8 @@ class LlamaCppDriver(EngineDriver):
                 raise InvalidInput("--baseline needs llama.cpp's converter (convert_hf_to_gguf.py): set "
                                    "ROPESCALE_LLAMA_CPP_SOURCE or install with bench/engines/install.sh")
             run.say(f"llama.cpp: converting {len(self.conversions)} save_patched folders with llama.cpp's converter")
-            got = run_engine("llama.cpp", {"mode": "convert", "source": str(source), "outtype": "f32",
-                                           "jobs": self.conversions}, script="convert_gguf.py", log_dir=run.logs)
+            got = process.run_engine(self.name, {"mode": "convert", "source": str(source), "outtype": "f32",
+                                                 "jobs": self.conversions}, script="convert_gguf.py", log_dir=run.logs)
             refused = {j.get("out"): j["error"] for j in got.get("jobs", []) if "error" in j}
             for row, _, path, _, _ in [p for p in self.pending if str(p[2]) in refused]:
                 row.source, row.same = "llama.cpp's converter", False
@@ -133,9 +144,9 @@ class LlamaCppDriver(EngineDriver):
             self.jobs = [(r, j) for r, j in self.jobs if j["gguf"] not in refused]
         if self.pending:
             run.say(f"llama.cpp: runtime metadata of {len(self.pending)} GGUFs")
-            res = run_engine("llama.cpp", {"mode": "rope", "cases": [{"gguf": str(p), "n_ctx": c.length}
-                                                                     for _, c, p, _, _ in self.pending]},
-                             log_dir=run.logs)
+            res = process.run_engine(self.name, {"mode": "rope", "cases": [{"gguf": str(p), "n_ctx": c.length}
+                                                                           for _, c, p, _, _ in self.pending]},
+                                     log_dir=run.logs)
             version = res.get("llama_cpp", "?")
             self.version = f"llama-cpp-python {version}"
             asked = [case_name(r) for r, *_ in self.pending]

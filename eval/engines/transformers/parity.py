@@ -19,7 +19,7 @@ from ropescale.rotary.quirks import model_softmax_scale
 from ropescale.serving.export import export_for
 from ropescale.serving.rope import EngineRope
 
-from .base import Case, EngineDriver, angle_table_diff, e2e_numbers, fill, our_logprobs
+from ..base import Case, EngineDriver, angle_table_diff, e2e_numbers, fill, our_logprobs
 
 __all__ = ["TransformersDriver"]
 

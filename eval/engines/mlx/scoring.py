@@ -27,7 +27,10 @@ import torch
 
 from ropescale.runs.config import ConfigError
 
-from .scoring import DEFAULT, ScoringEngine, check_answers, scoring_engine
+from .. import process
+from ..process import EngineAbsent, EngineFailed
+from ..scoring import DEFAULT, ScoringEngine, check_answers, scoring_engine
+from . import ENVIRONMENT
 
 __all__ = ["TOLERANCE", "MlxScoring"]
 
@@ -39,10 +42,10 @@ class MlxScoring(ScoringEngine):
 
     name = "mlx"
     answers = frozenset({"logprobs"})
+    environment = ENVIRONMENT
 
     def check(self, cfg, source: str = "config", processes: int = 1) -> None:
-        from ..tasks.base import get_task
-        from . import EngineAbsent, require_engine
+        from ...tasks.base import get_task
 
         super().check(cfg, source, processes)  # a task asking for generations
         why = get_task(cfg.task).engine_refusal(cfg.options)
@@ -51,7 +54,7 @@ class MlxScoring(ScoringEngine):
         if processes > 1:
             raise ConfigError(f"{source}: engine: mlx runs in one process; do not launch it with accelerate launch")
         try:
-            require_engine("mlx")
+            process.require_engine(self.name)
         except EngineAbsent as e:
             raise ConfigError(f"{source}: engine: mlx: {e}") from None
 
@@ -62,8 +65,7 @@ class MlxScoring(ScoringEngine):
         from ropescale.serving.rope import ExportRefused
         from ropescale.strategies import get_strategy
 
-        from . import EngineFailed, run_engine
-        from .vllm_eval import EngineDisagrees, transformers_logprobs
+        from ..vllm.scoring import EngineDisagrees, transformers_logprobs
 
         reqs, checked = task.engine_requests(examples)
         serve = max(len(r["ids"]) for r in reqs)
@@ -79,8 +81,9 @@ class MlxScoring(ScoringEngine):
                 raise ConfigError(f"{spec.display} @ {length}: {e} (engine: mlx)") from None
             engine.write(model, task.tokenizer, translation, folder)
             ours = transformers_logprobs(model, reqs[checked]["ids"], device)
-        got = run_engine("mlx", {"mode": "logprobs", "jobs": [{"model": str(folder), "ids": [r["ids"] for r in reqs]}]},
-                         log_dir=Path(output) / "logs", timeout=24 * 3600)
+        got = process.run_engine(self.name, {"mode": "logprobs", "jobs": [{"model": str(folder),
+                                                                          "ids": [r["ids"] for r in reqs]}]},
+                                 log_dir=Path(output) / "logs", timeout=24 * 3600)
         job = (got.get("jobs") or [{}])[0]
         if "error" in job:
             raise EngineFailed(f"{spec.display} @ {length}: mlx-lm {got.get('mlx', '')} did not score the cell: "

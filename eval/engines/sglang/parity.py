@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ropescale.serving.engines.sglang import sglang_layer_ropes
 
-from .base import Case, EngineDriver, fill, standardized
+from ..base import Case, EngineDriver, fill, standardized
 
 __all__ = ["SglangDriver"]
 

@@ -2,7 +2,7 @@
 
 Each export becomes a model folder (``exports/vllm/<case>``: the exported config.json, the weights and
 tokenizer linked). Where vLLM is installed (``ROPESCALE_VLLM_PYTHON``, ``<root>/vllm``), its driver
-script (``vllm_driver.py``) reads every folder through vLLM's ``ModelConfig`` and applies its rotary
+script (``scripts/vllm_driver.py``) reads every folder through vLLM's ``ModelConfig`` and applies its rotary
 class (``get_rope``, ``forward_native``) to unit vectors at positions 0 … L−1 — every angle measured;
 positions past its cos/sin cache are a failure. Otherwise the row is ``vllm_rope``'s re-implementation.
 A per-layer-type export (Gemma 3) is read once per layer type (``rope_parameters[layer_type]``, as
@@ -19,17 +19,16 @@ import torch
 from ropescale.serving.engines.vllm import nested_layer_types, vllm_layer_ropes, vllm_temperature
 from ropescale.serving.rope import EngineRope
 
-from . import run_engine
-from .base import Case, EngineDriver, angle_table_diff, case_name, fill, link_model, sampled_positions, standardized
+from .. import process
+from ..base import Case, EngineDriver, angle_table_diff, case_name, fill, link_model, sampled_positions, standardized
+from . import ENVIRONMENT
 
 __all__ = ["VllmDriver"]
 
 
 class VllmDriver(EngineDriver):
     name = "vllm"
-    python_env = "ROPESCALE_VLLM_PYTHON"
-    venv = "vllm"
-    script = "vllm_driver.py"
+    environment = ENVIRONMENT
     as_written = "save_patched config.json as written"
 
     def __init__(self, engine, run):
@@ -79,7 +78,8 @@ class VllmDriver(EngineDriver):
     def finish(self) -> None:
         if self.pending:
             self.run.say(f"vLLM: rotary classes for {len(self.pending)} exports")
-            res = run_engine("vllm", {"mode": "rope", "cases": [c for *_, c in self.pending]}, log_dir=self.run.logs)
+            res = process.run_engine(self.name, {"mode": "rope", "cases": [c for *_, c in self.pending]},
+                                     log_dir=self.run.logs)
             version = res.get("vllm", "?")
             self.version = f"vLLM {version}"
             asked = [case_name(r) + (f" ({c['layer_type']})" if "layer_type" in c else "") for r, _, c in self.pending]

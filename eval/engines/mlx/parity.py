@@ -2,7 +2,7 @@
 
 Each export becomes a model folder (``exports/mlx/<case>``: the exported config.json, the weights and
 tokenizer linked). Where mlx-lm is installed (``ROPESCALE_MLX_PYTHON``, ``<root>/mlx``: ``pip install
-"mlx[cpu]" mlx-lm``, which runs on a Linux CPU), its driver script (``mlx_driver.py``) builds the model
+"mlx[cpu]" mlx-lm``, which runs on a Linux CPU), its driver script (``scripts/mlx_driver.py``) builds the model
 mlx-lm builds from each folder and applies a layer's rotary module to unit vectors at positions
 0 … L−1 — one layer per layer type for Gemma 3 — and scores held-out windows end to end; otherwise
 the row is ``mlx_rope``'s re-implementation. ``--baseline``: ``save_patched``'s config.json given to
@@ -17,8 +17,9 @@ from ropescale.serving.engines.mlx import GEMMA3, mlx_layer_ropes, mlx_model_typ
 from ropescale.serving.engines.vllm import nested_layer_types
 from ropescale.serving.rope import EngineRope
 
-from . import run_engine
-from .base import Case, EngineDriver, angle_table_diff, case_name, fill, link_model, sampled_positions
+from .. import process
+from ..base import Case, EngineDriver, angle_table_diff, case_name, fill, link_model, sampled_positions
+from . import ENVIRONMENT
 
 __all__ = ["MlxDriver"]
 
@@ -36,9 +37,7 @@ def _layer_types(config: dict, per_type: bool) -> list[str | None]:
 
 class MlxDriver(EngineDriver):
     name = "mlx"
-    python_env = "ROPESCALE_MLX_PYTHON"
-    venv = "mlx"
-    script = "mlx_driver.py"
+    environment = ENVIRONMENT
     as_written = "save_patched config.json as written"
 
     def __init__(self, engine, run):
@@ -71,7 +70,8 @@ class MlxDriver(EngineDriver):
     def finish(self) -> None:
         if self.pending:
             self.run.say(f"MLX: rotary modules for {len(self.pending)} exports")
-            res = run_engine("mlx", {"mode": "rope", "cases": [c for *_, c in self.pending]}, log_dir=self.run.logs)
+            res = process.run_engine(self.name, {"mode": "rope", "cases": [c for *_, c in self.pending]},
+                                     log_dir=self.run.logs)
             self.version = res.get("mlx", "MLX")
             asked = [case_name(r) + (f" ({c['layer_type']})" if c["layer_type"] else "") for r, _, c in self.pending]
             got = self.answers(res, "cases", asked, ("error", "cos", "sin"))

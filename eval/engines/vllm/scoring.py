@@ -50,7 +50,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ropescale.errors import RopescaleError
 from ropescale.runs.config import ConfigError, ConfigModel
 
-from .scoring import DEFAULT, ScoringEngine, check_answers, scoring_engine
+from .. import process
+from ..process import EngineAbsent, EngineFailed
+from ..scoring import DEFAULT, ScoringEngine, check_answers, scoring_engine
+from . import ENVIRONMENT
 
 __all__ = ["EngineDisagrees", "VllmOptions", "VllmScoring", "check_engine", "checked_answer", "score_cell_vllm",
            "transformers_logprobs"]
@@ -111,8 +114,6 @@ def checked_answer(got: dict[str, Any], reqs: list[dict], where: str) -> _Answer
     log-probabilities ≤ 0 where they were asked, at most ``max_tokens`` generated). ``EngineFailed``
     (one line naming the cell ``where`` and what is wrong) otherwise: a short answer would record a
     cell from part of its examples."""
-    from . import EngineFailed
-
     try:
         answer = _Answer.model_validate(got)
     except ValidationError as e:
@@ -131,10 +132,11 @@ class VllmScoring(ScoringEngine):
     name = "vllm"
     answers = frozenset({"generate", "logprobs"})
     options = "vllm"
+    environment = ENVIRONMENT
 
     def check(self, cfg, source: str = "config", processes: int = 1) -> None:
         """Everything ``engine: vllm`` can refuse before a model loads (see the module docstring)."""
-        from ..tasks.base import get_task
+        from ...tasks.base import get_task
 
         super().check(cfg, source, processes)  # a task asking for what vLLM does not answer
         task_cls = get_task(cfg.task)
@@ -196,10 +198,8 @@ def check_processes(source: str, processes: int) -> None:
 
 def require_vllm(source: str) -> None:
     """``ConfigError`` naming the install script when vLLM's environment is absent."""
-    from . import EngineAbsent, require_engine
-
     try:
-        require_engine("vllm")
+        process.require_engine(ENVIRONMENT.engine)
     except EngineAbsent as e:
         raise ConfigError(f"{source}: engine: vllm: {e}") from None
 
@@ -251,7 +251,6 @@ def score_cell_vllm(cfg, task, model, examples, spec, params: dict, length: int,
     from ropescale.serving.engines.vllm import export_vllm
     from ropescale.serving.rope import ExportRefused
 
-    from . import EngineFailed, run_engine
 
     reqs, parity_index = task.engine_requests(examples)
     serve = max(len(r["ids"]) + r["max_tokens"] - 1 for r in reqs)  # the positions vLLM rotates
@@ -266,7 +265,7 @@ def score_cell_vllm(cfg, task, model, examples, spec, params: dict, length: int,
         ours = transformers_logprobs(model, reqs[parity_index]["ids"], device)
     folder = vllm_model_folder(Path(resolve_model(cfg.model)), output / "vllm" / slug, exp.config, exp.generation)
     max_model_len = cfg.vllm.max_model_len or serve + 1
-    got = run_engine("vllm", {"mode": "score", "model": str(folder), "max_model_len": max_model_len,
+    got = process.run_engine(VllmScoring.name, {"mode": "score", "model": str(folder), "max_model_len": max_model_len,
                               "dtype": cfg.dtype, "tensor_parallel_size": cfg.vllm.tensor_parallel_size,
                               "data_parallel_size": cfg.vllm.data_parallel_size, "requests": reqs},
                      log_dir=output / "logs", timeout=24 * 3600)
