@@ -86,14 +86,15 @@ def _llama(model: str, length: int, kind: str, ids_file: Path, work: Path, threa
         spec = PIP_MODELS[model]
         gguf = Path(next(iter(find_spec(spec.package).submodule_search_locations))) / spec.gguf
     else:  # the float32 folder through llama.cpp's own converter (eval/engines/convert_gguf.py), F32 tensors
-        from eval.engines import llama_cpp_source
+        from eval.engines.llama_cpp import llama_cpp_source
         from ropescale.models import resolve_model
 
         gguf = work / "model-f32.gguf"
         request = {"mode": "convert", "model": resolve_model(model), "out": str(gguf),
                    "source": str(llama_cpp_source()), "outtype": "f32"}
         (work / "request.json").write_text(json.dumps(request))
-        subprocess.run([str(python), str(ROOT / "eval" / "engines" / "convert_gguf.py"), str(work / "request.json"),
+        subprocess.run([str(python), str(ROOT / "eval" / "engines" / "llama_cpp" / "scripts" / "convert_gguf.py"),
+                        str(work / "request.json"),
                         str(work / "result.json")], check=True, capture_output=True)
     out = subprocess.run([str(python), "-c", LLAMA_NLL, str(gguf), str(ids_file), str(threads)], check=True,
                          capture_output=True, text=True)
