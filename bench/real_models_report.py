@@ -1,0 +1,161 @@
+"""The tables of docs/results-real-models.md, from the run folders bench/real_models.sh fills.
+
+    python bench/real_models_report.py [--runs runs] > tables.md
+
+Each table is printed under a line naming the run folder, model, data, dtype and settings that produced it, with
+its uncertainty beside every number: a perplexity's 95% block-bootstrap interval, an accuracy's 95% Wilson
+interval with its trials. A folder not (yet) there is named and skipped; a cell not yet measured is blank.
+Perplexity tables also give, per cell, the difference to vanilla's NLL on the same tokens with a 95% paired
+block-bootstrap interval (the blocks the records keep), which ranks strategies more sharply than overlapping
+intervals of each alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eval.sweep import read_results
+
+FOLDERS = {
+    "smollm2-perplexity": "perplexity", "smollm2-perplexity-handbook": "perplexity",
+    "smollm2-short-context": "kl", "smollm2-passkey": "retrieval", "smollm2-ruler": "ruler",
+    "smollm2-longppl": "longppl", "smollm2-finetune-yarn": "finetune", "smollm2-finetune-linear": "finetune",
+    "search-smollm2-yarn": "search", "gemma3-270m-perplexity-4t": "perplexity",
+    "gemma3-270m-passkey-multi": "retrieval",
+}
+
+
+def _caption(folder: Path, records: list[dict]) -> str:
+    r = records[0]
+    env = r.get("env", {})
+    opts = {k: v for k, v in (r.get("options") or {}).items() if v is not None and k not in ("depths",)}
+    return (f"`{folder.name}`: model `{r['model']}` (T = {r['train_length']}), data `{r.get('data') or '—'}`, "
+            f"{r.get('dtype')}, task `{r.get('task')}` {json.dumps(opts)}; torch {env.get('torch', '?')}, "
+            f"transformers {env.get('transformers', '?')}")
+
+
+def _grid(records: list[dict], cell) -> list[str]:
+    lengths = sorted({r["length"] for r in records})
+    train = records[0]["train_length"]
+    names = list(dict.fromkeys(r["strategy"] for r in records))
+    by = {(r["strategy"], r["length"]): r for r in records}
+    head = ["strategy"] + [f"{n:,}" + (" (T)" if n == train else f" ({n / train:g}T)") for n in lengths]
+    out = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * len(lengths)]
+    for s in names:
+        out.append("| " + " | ".join([s] + [cell(by[s, n]) if (s, n) in by else "" for n in lengths]) + " |")
+    return out
+
+
+def paired_delta(rec: dict, base: dict, resamples: int = 2000, seed: int = 0) -> tuple[float, float, float] | None:
+    """Mean NLL difference ``rec − base`` [nats/token] on the same blocks, with a 95% paired bootstrap interval."""
+    a, b = rec.get("nll_blocks"), base.get("nll_blocks")
+    if not a or not b or rec.get("block_tokens") != base.get("block_tokens"):
+        return None
+    d, n = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64), \
+        torch.tensor(rec["block_tokens"], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, len(d), (resamples, len(d)), generator=gen)
+    boot = d[idx].sum(1) / n[idx].sum(1)
+    low, high = torch.quantile(boot, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return float(d.sum() / n.sum()), low, high
+
+
+def perplexity(records: list[dict]) -> list[str]:
+    base = {r["length"]: r for r in records if r["strategy"] == "vanilla"}
+
+    def cell(r: dict) -> str:
+        ci = r.get("ppl_ci")
+        text = f"{r['ppl']:.2f}" + (f" ({ci[0]:.2f}–{ci[1]:.2f})" if ci else "")
+        if r.get("same_as"):
+            return text + f" = {r['same_as']}"
+        delta = paired_delta(r, base[r["length"]]) if r["length"] in base and r["strategy"] != "vanilla" else None
+        if delta:
+            text += f" [Δ {delta[0]:+.3f} ({delta[1]:+.3f}…{delta[2]:+.3f})]"
+        return text
+
+    windows = {r["length"]: (r["windows"], r["tokens"]) for r in records}
+    note = ", ".join(f"{n:,}: {w} window{'s' * (w > 1)}, {t:,} tokens" for n, (w, t) in sorted(windows.items()))
+    return _grid(records, cell) + ["", f"Scored per cell — {note}. PPL (95% block-bootstrap interval) "
+                                   "[Δ mean NLL to vanilla on the same tokens, nats/token (95% paired interval)]; "
+                                   "`= x`: rotates bit for bit as x, not run again."]
+
+
+def kl(records: list[dict]) -> list[str]:
+    out = perplexity(records)
+    return out + ["", "KL(P_unpatched ‖ P_patched) [nats/token], every scored token / each window's first "
+                  f"{records[0].get('kl_first_tokens')} predictions:", ""] + _grid(
+        records, lambda r: f"{r['kl']:.4f} / {r['kl_first']:.4f}" if r.get("kl") is not None else "")
+
+
+def retrieval(records: list[dict]) -> list[str]:
+    def cell(r: dict) -> str:
+        lo, hi = r["accuracy_ci"]
+        clo, chi = r["candidate_accuracy_ci"]
+        return (f"{r['accuracy']:.2f} ({lo:.2f}–{hi:.2f}) · {r['candidate_accuracy']:.2f} ({clo:.2f}–{chi:.2f}), "
+                f"n = {r['trials']}")
+
+    return _grid(records, cell) + ["", "greedy exact match (95% Wilson) · candidate log-likelihood accuracy "
+                                   f"(95% Wilson; chance {records[0]['chance']:g}), n = trials."]
+
+
+def ruler(records: list[dict]) -> list[str]:
+    def cell(r: dict) -> str:
+        if r.get("score") is None:
+            return "—"
+        parts = ", ".join(f"{k} {v:.0f}" for k, v in sorted((r.get("scores") or {}).items()))
+        return f"**{r['score']:.1f}** ({parts})"
+
+    return _grid(records, cell)
+
+
+def longppl(records: list[dict]) -> list[str]:
+    return _grid(records, lambda r: f"LongPPL {r['longppl']:.2f} · PPL {r['ppl']:.2f} ({r.get('key_tokens', '?')} key "
+                                    "tokens)" if r.get("longppl") is not None else "—")
+
+
+def table(folder: Path, kind: str) -> list[str]:
+    if kind == "finetune":
+        out = []
+        for sub in sorted((folder / "eval").glob("*")) if (folder / "eval").is_dir() else []:
+            records = read_results(sub / "results.jsonl")
+            if records:
+                out += ["", _caption(sub, records), ""] + (perplexity if records[0]["task"] == "perplexity"
+                                                           else retrieval)(records)
+        summary = folder / "model" / "finetune.json"
+        if summary.is_file():
+            s = json.loads(summary.read_text())
+            out = [f"fine-tuned: {s.get('steps')} steps, {s.get('tokens', '?')} tokens, "
+                   f"{s.get('train_seconds', 0) / 60:.0f} min of training, final loss {s.get('final_loss')}"] + out
+        return out
+    if kind == "search":
+        best = folder / "best.json"
+        return [f"best: `{best.read_text().strip()}`"] if best.is_file() else []
+    records = read_results(folder / "results.jsonl")
+    if not records:
+        return []
+    fn = {"perplexity": perplexity, "kl": kl, "retrieval": retrieval, "ruler": ruler, "longppl": longppl}[kind]
+    return [_caption(folder, records), ""] + fn(records)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", default="runs")
+    args = ap.parse_args()
+    for name, kind in FOLDERS.items():
+        folder = Path(args.runs) / name
+        lines = table(folder, kind) if folder.is_dir() else []
+        print(f"### {name}\n")
+        print("\n".join(lines) if lines else f"({folder} not there yet)")
+        print()
+
+
+
+if __name__ == "__main__":
+    main()
