@@ -51,8 +51,8 @@ from .cache import CacheStats, cached_samples, tokenizer_fingerprint
 from .spec import FAMILIES, Family, RulerSample, join_template, postprocess_pred, sample_score
 from .text import essay_words, generator_versions
 
-__all__ = ["RULER_COMMIT", "RulerExample", "RulerOptions", "RulerTask", "check_model_template", "greedy_batch",
-           "model_template"]
+__all__ = ["RULER_COMMIT", "GreedyTask", "RulerExample", "RulerOptions", "RulerTask", "check_model_template", "eos_ids",
+           "greedy_batch", "model_template"]
 
 RULER_COMMIT = "c3f5e3b4f87f97e048793bb510a3a6b19a46bf3a"
 # in the cache key: a length refused before "sizes" (after a cap of 20,000 draws, or 100 draws 5% over) may hold
@@ -143,10 +143,130 @@ class RulerExample:
     ids: list[int]
 
 
-class RulerTask(Task):
+class GreedyTask(Task):
+    """What every task answered by greedy generation from cached, offline-generated samples shares — the RULER tasks
+    (``RulerTask``) and the synthetic ones (``eval.tasks.synthetic.base.GeneratedTask``): the samples of a length from
+    the cache or generated (``cache.cached_samples``), the tokens the model reads, the memory a cell needs, and batched
+    greedy decoding with the KV cache (``greedy_batch``). Subclasses set ``budget`` and implement ``generate`` and
+    ``cache_key``."""
+
+    budget_source: ClassVar[str] = "tokens_to_generate"  # where the generation budget comes from, for messages
+
+    @property
+    def budget(self) -> int:
+        """Tokens generated per answer."""
+        raise NotImplementedError
+
+    def generate(self, length: int, num_samples: int) -> list[RulerSample]:
+        """The task's samples at a length (its generator's).
+
+        Args:
+            length: the samples' length [tokens].
+            num_samples: how many.
+
+        Returns:
+            The samples (``input`` + ``answer_prefix`` is what the model reads; ``outputs`` the gold answers).
+        """
+        raise NotImplementedError
+
+    def cache_key(self, length: int) -> dict[str, Any]:
+        """What names the samples at a length in the cache (JSON values)."""
+        raise NotImplementedError
+
+    @cached_property
+    def generation(self) -> dict[int, CacheStats]:
+        """How each length's samples were had (cache hit or generated, seconds)."""
+        return {}
+
+    def samples(self, length: int) -> list[RulerSample]:
+        """The task's samples at a length, from the cache or generated (and cached).
+
+        Args:
+            length: the samples' length [tokens].
+
+        Returns:
+            ``num_samples`` samples.
+        """
+        o = self.options
+        samples, stats = cached_samples(self.cache_key(length), o.num_samples,
+                                        lambda: self.generate(length, o.num_samples), use=o.cache)
+        self.generation[length] = stats
+        logging.getLogger("ropescale").info("%s @ %d: %d samples %s in %.2fs", self.name, length, len(samples),
+                                            "read from the cache" if stats.cached else "generated", stats.seconds)
+        return samples
+
+    def input_ids(self, prompt: str) -> list[int]:
+        """The tokens the model reads: the tokenizer's special tokens, but no second BOS where the
+        template text already starts with it."""
+        bos = self.tokenizer.bos_token
+        return self.tokenizer(prompt, add_special_tokens=not (bos and prompt.startswith(bos)))["input_ids"]
+
+    def examples(self, length: int) -> list[RulerExample]:
+        if length <= self.budget:
+            raise PromptError(f"{self.name}: length {length} leaves no room for a prompt beside the generation budget "
+                              f"of {self.budget} tokens ({self.budget_source})")
+        return [RulerExample(s, self.input_ids(s.prompt)) for s in self.samples(length)]
+
+    def memory(self, length: int, model) -> Need:
+        """Device: the KV cache of ``batch_size`` prompts and their answers, and one forward's
+        activations over them; host: the samples' token ids."""
+        o = self.options
+        dims = model_dims(model)
+        itemsize = model.dtype.itemsize
+        return Need(what=f"{self.name} at {length} tokens ({o.num_samples} samples, batch {o.batch_size})",
+                    device={"KV cache": kv_cache_bytes(dims, length + 8, itemsize, batch=o.batch_size),
+                            "activations": forward_bytes(dims, length, itemsize, batch=o.batch_size)},
+                    host={"prompts": o.num_samples * length * PY_LIST_SLOT})
+
+    @torch.no_grad()
+    def measure(self, model, examples, indices, *, length, strategy, device, desc) -> list:
+        """``(index, decoded generation)`` per example: greedy, ``batch_size`` prompts at a time (one for
+        attention-rule strategies: their kernels take no padding mask), longest first."""
+        batch = 1 if strategy.kind == "attention" else self.options.batch_size
+        eos = eos_ids(self.tokenizer, model)
+        order = sorted(indices, key=lambda i: -len(examples[i].ids))  # similar lengths together: less padding
+        out = []
+        bar = progress(len(order), desc, unit="ex")
+        for start in range(0, len(order), batch):
+            chunk = order[start:start + batch]
+            gens = greedy_batch(model, [examples[i].ids for i in chunk], self.budget, eos, device,
+                                pad_id=self.tokenizer.pad_token_id)
+            out += [(i, self.tokenizer.decode(g, skip_special_tokens=True)) for i, g in zip(chunk, gens)]
+            bar.update(len(chunk))
+        bar.close()
+        return out
+
+    def predictions(self, parts, examples) -> list[str]:
+        """The decoded generations in example order, from the processes' ``measure`` parts (``RuntimeError`` unless
+        they cover every example exactly once)."""
+        rows = sorted(x for part in parts for x in part)
+        if [i for i, _ in rows] != list(range(len(examples))):
+            raise RuntimeError(f"{self.name}: the processes' parts do not cover every example exactly once")
+        return [p for _, p in rows]
+
+    def prompt_record(self, examples, length: int) -> dict[str, Any]:
+        """A cell's record fields on what the model read: tokens per prompt, the longest, how the samples were had."""
+        tokens = [len(ex.ids) for ex in examples]
+        stats = self.generation.get(length)
+        return {"prompt_tokens": tokens, "prompt_tokens_max": max(tokens),
+                "generation": {"cached": stats.cached, "seconds": round(stats.seconds, 3)} if stats else None}
+
+    @classmethod
+    def plots(cls, records: list[dict], output: Path) -> dict[str, Path]:
+        """The headline metric (``metrics[0]``) against length: ``{key}_vs_length.png``."""
+        from ...plots import plot_metric
+
+        head = cls.metrics[0]
+        path = output / f"{head.key}_vs_length.png"
+        plot_metric(records, head.key, head.label, path)
+        return {"plot": path}
+
+
+class RulerTask(GreedyTask):
     """Base of the RULER tasks: subclasses set ``family``, ``Options`` and implement ``generate``."""
 
     family: ClassVar[str]
+    budget_source = "RULER's for this task"
     Options = RulerOptions
     metrics = (Metric(key="score", label="RULER score (%)", higher_is_better=True, fmt="{:.1f}"),)
     essay: ClassVar[bool] = False  # reads the data source as its haystack
@@ -240,92 +360,18 @@ class RulerTask(Task):
                 "haystack": hashlib.sha256(self.essay_text.encode()).hexdigest()[:16] if self.essay else None,
                 "versions": generator_versions()}
 
-    @cached_property
-    def generation(self) -> dict[int, CacheStats]:
-        """How each length's samples were had (cache hit or generated, seconds)."""
-        return {}
-
-    def samples(self, length: int) -> list[RulerSample]:
-        """The task's samples at a length, from the cache or generated (and cached).
-
-        Args:
-            length: the samples' length [tokens].
-
-        Returns:
-            ``num_samples`` samples.
-        """
-        o = self.options
-        samples, stats = cached_samples(self.cache_key(length), o.num_samples,
-                                        lambda: self.generate(length, o.num_samples), use=o.cache)
-        self.generation[length] = stats
-        logging.getLogger("ropescale").info("%s @ %d: %d samples %s in %.2fs", self.name, length, len(samples),
-                                            "read from the cache" if stats.cached else "generated", stats.seconds)
-        return samples
-
-    def input_ids(self, prompt: str) -> list[int]:
-        """The tokens the model reads: the tokenizer's special tokens, but no second BOS where the
-        template text already starts with it."""
-        bos = self.tokenizer.bos_token
-        return self.tokenizer(prompt, add_special_tokens=not (bos and prompt.startswith(bos)))["input_ids"]
-
-    def examples(self, length: int) -> list[RulerExample]:
-        if length <= self.budget:
-            raise PromptError(f"{self.name}: length {length} leaves no room for a prompt beside the generation budget "
-                              f"of {self.budget} tokens (RULER's for this task)")
-        return [RulerExample(s, self.input_ids(s.prompt)) for s in self.samples(length)]
-
-    def memory(self, length: int, model) -> Need:
-        """Device: the KV cache of ``batch_size`` prompts and their answers, and one forward's
-        activations over them; host: the samples' token ids."""
-        o = self.options
-        dims = model_dims(model)
-        itemsize = model.dtype.itemsize
-        return Need(what=f"{self.name} at {length} tokens ({o.num_samples} samples, batch {o.batch_size})",
-                    device={"KV cache": kv_cache_bytes(dims, length + 8, itemsize, batch=o.batch_size),
-                            "activations": forward_bytes(dims, length, itemsize, batch=o.batch_size)},
-                    host={"prompts": o.num_samples * length * PY_LIST_SLOT})
-
-    @torch.no_grad()
-    def measure(self, model, examples, indices, *, length, strategy, device, desc) -> list:
-        batch = 1 if strategy.kind == "attention" else self.options.batch_size
-        eos = _eos_ids(self.tokenizer, model)
-        order = sorted(indices, key=lambda i: -len(examples[i].ids))  # similar lengths together: less padding
-        out = []
-        bar = progress(len(order), desc, unit="ex")
-        for start in range(0, len(order), batch):
-            chunk = order[start:start + batch]
-            gens = greedy_batch(model, [examples[i].ids for i in chunk], self.budget, eos, device,
-                                pad_id=self.tokenizer.pad_token_id)
-            out += [(i, self.tokenizer.decode(g, skip_special_tokens=True)) for i, g in zip(chunk, gens)]
-            bar.update(len(chunk))
-        bar.close()
-        return out
-
     def combine(self, parts, examples, *, length, strategy) -> dict[str, Any]:
-        rows = sorted(x for part in parts for x in part)
-        if [i for i, _ in rows] != list(range(len(examples))):
-            raise RuntimeError(f"{self.name}: the processes' parts do not cover every example exactly once")
-        preds = [postprocess_pred(p) for _, p in rows]
+        preds = [postprocess_pred(p) for p in self.predictions(parts, examples)]
         per = [sample_score(self.spec.metric, p, list(ex.sample.outputs)) for p, ex in zip(preds, examples)]
-        tokens = [len(ex.ids) for ex in examples]
-        stats = self.generation.get(length)
         return {"score": round(sum(per) / len(per) * 100, 2), "metric": self.spec.metric, "samples": len(per),
                 "nulls": sum(not p for p in preds), "tokens_to_generate": self.budget,
                 "template": self.options.template, "template_text": self.template if self.options.template == "chat"
-                else None, "prompt_tokens": tokens, "prompt_tokens_max": max(tokens),
-                "sample_scores": per, "predictions": preds[:3],
-                "generation": {"cached": stats.cached, "seconds": round(stats.seconds, 3)} if stats else None}
-
-    @classmethod
-    def plots(cls, records: list[dict], output: Path) -> dict[str, Path]:
-        from ...plots import plot_metric
-
-        path = output / "score_vs_length.png"
-        plot_metric(records, "score", "RULER score (%)", path)
-        return {"plot": path}
+                else None, **self.prompt_record(examples, length), "sample_scores": per, "predictions": preds[:3]}
 
 
-def _eos_ids(tokenizer, model) -> list[int]:
+
+def eos_ids(tokenizer, model) -> list[int]:
+    """The token ids that end a generation: the model's generation config's and the tokenizer's EOS, sorted."""
     ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids = [ids] if isinstance(ids, int) else list(ids or [])
     if tokenizer.eos_token_id is not None:

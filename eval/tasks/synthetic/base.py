@@ -23,28 +23,21 @@ KV cache, scored per sample by the task's metric.
 
 from __future__ import annotations
 
-import logging
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
-from functools import cached_property
-from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-import torch
 from pydantic import Field
 
-from ropescale.runs.memory import PY_LIST_SLOT, Need, forward_bytes, kv_cache_bytes, model_dims
-
-from ..base import Task, TaskOptions, progress
+from ..base import TaskOptions
 from ..prompts import PromptError
-from ..ruler.base import greedy_batch
-from ..ruler.cache import CacheStats, cached_samples, tokenizer_fingerprint
+from ..ruler.base import GreedyTask, RulerExample
+from ..ruler.cache import tokenizer_fingerprint
 from ..ruler.spec import RulerSample, binary_search
 
-__all__ = ["MAX_SIZE", "GeneratedExample", "GeneratedOptions", "GeneratedTask", "eos_ids", "fill", "fit",
-           "sample_rng"]
+__all__ = ["MAX_SIZE", "GeneratedExample", "GeneratedOptions", "GeneratedTask", "fill", "fit", "sample_rng"]
 
+GeneratedExample = RulerExample  # a sample and the token ids the model reads ([n], special tokens included)
 MAX_SIZE = 1 << 24  # pairs or nodes: past this a size search is refused (RoPE's float32 positions end near 2^24)
 Draft = TypeVar("Draft")
 
@@ -61,14 +54,6 @@ class GeneratedOptions(TaskOptions):
 
     def key(self) -> dict[str, Any]:
         return self.model_dump(exclude={"batch_size", "cache"})
-
-
-@dataclass(frozen=True)
-class GeneratedExample:
-    """A sample and the token ids the model reads (``[n]``, special tokens included)."""
-
-    sample: RulerSample
-    ids: list[int]
 
 
 def sample_rng(task: str, seed: int, length: int, index: int) -> random.Random:
@@ -147,18 +132,11 @@ def fill(draw: Callable[[int, int], Draft], total: Callable[[Draft], int], *, nu
     return out
 
 
-def eos_ids(tokenizer, model) -> list[int]:
-    """The token ids that end a generation: the model's generation config's and the tokenizer's EOS, sorted."""
-    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = [ids] if isinstance(ids, int) else list(ids or [])
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return sorted(set(ids))
-
-
-class GeneratedTask(Task):
+class GeneratedTask(GreedyTask):
     """Base of the synthetic generation tasks: subclasses set ``name``, ``Options``, ``metrics`` (the first is the
-    headline, also each sample's ``sample_scores``), ``generator`` and implement ``generate`` and ``score``."""
+    headline, also each sample's ``sample_scores``), ``generator`` and implement ``generate`` and ``score``; the
+    samples, their cache, the tokens the model reads, the memory a cell needs and the greedy decoding are RULER's
+    (``ruler.base.GreedyTask``)."""
 
     Options = GeneratedOptions
     engine_asks = frozenset({"generate", "logprobs"})
@@ -169,27 +147,9 @@ class GeneratedTask(Task):
         """Tokens generated per answer."""
         return self.options.tokens_to_generate
 
-    def input_ids(self, prompt: str) -> list[int]:
-        """The tokens the model reads: the tokenizer's special tokens, but no second BOS where the prompt already
-        starts with it (as ``RulerTask.input_ids``)."""
-        bos = self.tokenizer.bos_token
-        return self.tokenizer(prompt, add_special_tokens=not (bos and prompt.startswith(bos)))["input_ids"]
-
     def total(self, prompt: str) -> int:
         """A prompt's tokens as the model reads them, plus the generation budget: what must fit L."""
         return len(self.input_ids(prompt)) + self.budget
-
-    def generate(self, length: int, num_samples: int) -> list[RulerSample]:
-        """The task's samples at a length (its generator's).
-
-        Args:
-            length: the samples' length [tokens].
-            num_samples: how many.
-
-        Returns:
-            The samples (``input`` + ``answer_prefix`` is what the model reads; ``outputs`` the gold answers).
-        """
-        raise NotImplementedError
 
     def score(self, sample: RulerSample, prediction: str) -> dict[str, float]:
         """One sample's scores in [0, 1], by metric key (every key of ``metrics`` whose per-sample mean is reported).
@@ -203,7 +163,7 @@ class GeneratedTask(Task):
         """
         raise NotImplementedError
 
-    def details(self, examples: list[GeneratedExample], predictions: list[str],
+    def details(self, examples: list[RulerExample], predictions: list[str],
                 scores: list[dict[str, float]]) -> dict[str, Any]:
         """What the task adds to a cell's record beside its metrics (default: nothing).
 
@@ -231,63 +191,6 @@ class GeneratedTask(Task):
                 "options": self.options.model_dump(exclude={"batch_size", "cache", "num_samples"}),
                 "tokenizer": tokenizer_fingerprint(self.tokenizer)}
 
-    @cached_property
-    def generation(self) -> dict[int, CacheStats]:
-        """How each length's samples were had (cache hit or generated, seconds)."""
-        return {}
-
-    def samples(self, length: int) -> list[RulerSample]:
-        """The task's samples at a length, from the cache or generated (and cached).
-
-        Args:
-            length: the samples' length [tokens].
-
-        Returns:
-            ``num_samples`` samples.
-        """
-        o = self.options
-        samples, stats = cached_samples(self.cache_key(length), o.num_samples,
-                                        lambda: self.generate(length, o.num_samples), use=o.cache)
-        self.generation[length] = stats
-        logging.getLogger("ropescale").info("%s @ %d: %d samples %s in %.2fs", self.name, length, len(samples),
-                                            "read from the cache" if stats.cached else "generated", stats.seconds)
-        return samples
-
-    def examples(self, length: int) -> list[GeneratedExample]:
-        if length <= self.budget:
-            raise PromptError(f"{self.name}: length {length} leaves no room for a prompt beside the generation budget "
-                              f"of {self.budget} tokens (tokens_to_generate)")
-        return [GeneratedExample(s, self.input_ids(s.prompt)) for s in self.samples(length)]
-
-    def memory(self, length: int, model) -> Need:
-        """Device: the KV cache of ``batch_size`` prompts and their answers, and one forward's activations over them;
-        host: the samples' token ids."""
-        o = self.options
-        dims = model_dims(model)
-        itemsize = model.dtype.itemsize
-        return Need(what=f"{self.name} at {length} tokens ({o.num_samples} samples, batch {o.batch_size})",
-                    device={"KV cache": kv_cache_bytes(dims, length + 8, itemsize, batch=o.batch_size),
-                            "activations": forward_bytes(dims, length, itemsize, batch=o.batch_size)},
-                    host={"prompts": o.num_samples * length * PY_LIST_SLOT})
-
-    @torch.no_grad()
-    def measure(self, model, examples, indices, *, length, strategy, device, desc) -> list:
-        """``(index, decoded generation)`` per example: greedy, ``batch_size`` prompts at a time (one for
-        attention-rule strategies), longest first."""
-        batch = 1 if strategy.kind == "attention" else self.options.batch_size
-        eos = eos_ids(self.tokenizer, model)
-        order = sorted(indices, key=lambda i: -len(examples[i].ids))  # similar lengths together: less padding
-        out = []
-        bar = progress(len(order), desc, unit="ex")
-        for start in range(0, len(order), batch):
-            chunk = order[start:start + batch]
-            gens = greedy_batch(model, [examples[i].ids for i in chunk], self.budget, eos, device,
-                                pad_id=self.tokenizer.pad_token_id)
-            out += [(i, self.tokenizer.decode(g, skip_special_tokens=True)) for i, g in zip(chunk, gens)]
-            bar.update(len(chunk))
-        bar.close()
-        return out
-
     def engine_requests(self, examples) -> tuple[list[dict[str, Any]], int]:
         """One greedy generation of ``tokens_to_generate`` tokens per example, then the first example's prompt with
         its log-probabilities asked: the checked request (the last)."""
@@ -305,25 +208,9 @@ class GeneratedTask(Task):
         return length  # every prompt and its budget fit L
 
     def combine(self, parts, examples, *, length, strategy) -> dict[str, Any]:
-        rows = sorted(x for part in parts for x in part)
-        if [i for i, _ in rows] != list(range(len(examples))):
-            raise RuntimeError(f"{self.name}: the processes' parts do not cover every example exactly once")
-        preds = [p for _, p in rows]
+        preds = self.predictions(parts, examples)
         per = [self.score(ex.sample, p) for ex, p in zip(examples, preds)]
         means = {k: round(100 * sum(s[k] for s in per) / len(per), 2) for k in per[0]}
-        tokens = [len(ex.ids) for ex in examples]
-        stats = self.generation.get(length)
-        return {**means, "samples": len(per), "tokens_to_generate": self.budget, "prompt_tokens": tokens,
-                "prompt_tokens_max": max(tokens), "sample_scores": [s[self.metrics[0].key] for s in per],
-                "predictions": preds[:3],
-                "generation": {"cached": stats.cached, "seconds": round(stats.seconds, 3)} if stats else None,
+        return {**means, "samples": len(per), "tokens_to_generate": self.budget, **self.prompt_record(examples, length),
+                "sample_scores": [s[self.metrics[0].key] for s in per], "predictions": preds[:3],
                 **self.details(examples, preds, per)}
-
-    @classmethod
-    def plots(cls, records: list[dict], output: Path) -> dict[str, Path]:
-        from ...plots import plot_metric
-
-        head = cls.metrics[0]
-        path = output / f"{head.key}_vs_length.png"
-        plot_metric(records, head.key, head.label, path)
-        return {"plot": path}
