@@ -32,7 +32,7 @@ from ropescale.runs.config import (
     read_yaml,
 )
 
-from .engines.scoring import DEFAULT, scoring_engine, scoring_engine_names
+from .engines.scoring import DEFAULT, check_sections, scoring_engine_names
 from .engines.vllm.scoring import VllmOptions
 from .tasks.base import TaskOptions, get_task, task_names
 from .tasks.perplexity import LEGACY_KEYS
@@ -169,12 +169,7 @@ class EvalConfig(RunConfig):
 
     @model_validator(mode="after")
     def _engine_section(self) -> EvalConfig:
-        wants = scoring_engine(self.engine).options == "vllm"
-        if wants and self.vllm is None:
-            self.vllm = VllmOptions()
-        elif not wants and self.vllm is not None:  # it would be ignored without a word
-            raise ValueError(f"vllm: settings of engine: vllm, but this config's engine is {self.engine} (which "
-                             "would ignore them); set engine: vllm, or drop the vllm: section")
+        check_sections(self)  # the engine's own section filled in; another engine's refused
         return self
 
 

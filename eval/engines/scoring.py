@@ -37,8 +37,9 @@ from __future__ import annotations
 import difflib
 import functools
 import numbers
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -46,11 +47,12 @@ from ropescale.errors import RopescaleError
 from ropescale.runs.config import ConfigError
 from ropescale.serving.engines import UnknownEngineError
 
+from .answering import Answered, EngineDisagrees, Scored, Serving, slug, transformers_logprobs
 from .process import EngineFailed, Environment
 from .registry import ROLES, add_role, role_names
 
-__all__ = ["DEFAULT", "ROUNDING", "AnsweringTask", "ScoringEngine", "ScoringEngineFailed", "check_answers",
-           "scoring_engine", "scoring_engine_names"]
+__all__ = ["DEFAULT", "ROUNDING", "AnsweringTask", "Demand", "ScoringEngine", "ScoringEngineFailed", "check_answers",
+           "check_sections", "scoring_engine", "scoring_engine_names"]
 
 DEFAULT = "transformers"  # the engine a config without ``engine:`` is scored by (run identities leave it out)
 
@@ -201,26 +203,53 @@ def _contracted(score_cell: Callable) -> Callable:
     return scored
 
 
+@dataclass(frozen=True)
+class Demand:
+    """What a pipeline will ask an engine to serve, known before a model loads (``ScoringEngine.check_demand``).
+
+    strategies: what is patched in (``StrategySpec``-likes: ``name``, ``display``, ``logn``, ``temperature``).
+    tokens: the longest sequence one export must hold, with what it generates [tokens].
+    holds: what that sequence is, for messages (``a perplexity cell at length 1024``).
+    key: the config key naming the strategies (``strategies``, ``strategy``).
+    static: why one export serves several lengths (nothing may be frozen at a length), None when it does not.
+    dynamic_block: a dynamic strategy is scored block-wise (a scale per prefix).
+    """
+
+    strategies: Sequence[Any]
+    tokens: int
+    holds: str
+    key: str = "strategies"
+    static: str | None = None
+    dynamic_block: bool = False
+
+
 class ScoringEngine:
     """One scoring engine: subclass with ``name`` set (registering it).
 
     name: its name in configs (``engine: NAME``) and records.
+    title: how messages name what runs (``vLLM``, ``mlx-lm``); default its name.
     answers: the kinds of request it answers (``"logprobs"``, ``"generate"``).
     in_process: it is this process's patched model (the harness measures the cell itself: every task,
-        ``accelerate launch`` splitting the examples); otherwise ``score_cell`` scores the cell.
-    options: the name of its own config section (``vllm:``), None when it has none.
+        ``accelerate launch`` splitting the examples); otherwise requests are handed to ``answer``.
+    options: the name of its own config section (``vllm:``), None when it has none; ``Options`` its
+        pydantic model (the section's default when left out).
     environment: its own Python and scripts (``eval.engines.process.Environment``), None when it has none.
     builtin: set on subclassing: defined in a module of this package (its exceptions are ropescale's
         bugs), not a plugin's (its exceptions are its own failures, one line).
 
-    Subclassing holds the engine to the contract (the module docstring): its ``score_cell`` answers
-    through ``AnsweringTask``; a plugin's ``check``, ``score_cell`` and ``version`` raise one line.
+    An engine outside this process implements ``answer`` (requests under one live patch →
+    ``eval.engines.answering.Answered``): a sweep's cells (``score_cell``) and a search's candidates are
+    scored through it. Subclassing holds the engine to the contract (the module docstring): its
+    ``score_cell`` answers through ``AnsweringTask``; a plugin's ``check``, ``score_cell``, ``answer`` and
+    ``version`` raise one line.
     """
 
     name: ClassVar[str] = ""
+    title: ClassVar[str] = ""
     answers: ClassVar[frozenset[str]] = frozenset()
     in_process: ClassVar[bool] = False
     options: ClassVar[str | None] = None
+    Options: ClassVar[type | None] = None
     environment: ClassVar[Environment | None] = None
     builtin: ClassVar[bool] = True
 
@@ -232,6 +261,8 @@ class ScoringEngine:
         for method in ("check", "version") if not cls.builtin else ():
             if method in cls.__dict__:
                 setattr(cls, method, _own_failures(cls.__dict__[method]))
+        if not cls.__dict__.get("title"):
+            cls.title = cls.__dict__.get("name") or cls.title
         add_role(cls, "scorer")
 
     @property
@@ -244,30 +275,137 @@ class ScoringEngine:
         return self.in_process or (bool(task_cls.engine_asks) and task_cls.engine_asks <= self.answers)
 
     def check(self, cfg, source: str = "config", processes: int = 1) -> None:
-        """Everything this engine refuses for ``cfg`` before a model loads: ``ConfigError`` (one line).
-        The default refuses a task it does not score."""
+        """Everything this engine refuses for the eval config ``cfg`` before a model loads: ``ConfigError``
+        (one line). A task it does not score; outside this process, task options no engine can score
+        (``Task.engine_refusal``) and what ``check_demand`` refuses of the cells."""
         from ..tasks.base import get_task
 
         task_cls = get_task(cfg.task)
-        if self.scores(task_cls):
+        if not self.scores(task_cls):
+            can = " or ".join(sorted(n for n in scoring_engine_names() if scoring_engine(n).scores(task_cls)))
+            if not task_cls.engine_asks:
+                raise ConfigError(f"{source}: engine: {self.name} cannot score {cfg.task}: it measures the model in "
+                                  f"this process only — use engine: {can}")
+            missing = ", ".join(sorted(task_cls.engine_asks - self.answers))
+            raise ConfigError(f"{source}: engine: {self.name} does not answer {missing}, which {cfg.task} asks for "
+                              f"— use engine: {can}")
+        if self.in_process:
             return
-        can = " or ".join(sorted(n for n in scoring_engine_names() if scoring_engine(n).scores(task_cls)))
-        if not task_cls.engine_asks:
-            raise ConfigError(f"{source}: engine: {self.name} cannot score {cfg.task}: it measures the model in this "
-                              f"process only — use engine: {can}")
-        missing = ", ".join(sorted(task_cls.engine_asks - self.answers))
-        raise ConfigError(f"{source}: engine: {self.name} does not answer {missing}, which {cfg.task} asks for — use "
-                          f"engine: {can}")
+        why = task_cls.engine_refusal(cfg.options)
+        if why:
+            raise ConfigError(f"{source}: {why} — use engine: {DEFAULT}")
+        longest = max(cfg.lengths)
+        demand = Demand(strategies=cfg.strategies, tokens=task_cls.engine_length(cfg.options, longest),
+                        holds=f"a {cfg.task} cell at length {longest}",
+                        dynamic_block=bool(getattr(cfg.options, "dynamic_block", None)))
+        self.check_demand(demand, self.section(cfg), source, processes)
+
+    def check_demand(self, demand: Demand, options: Any, source: str = "config", processes: int = 1) -> None:
+        """What this engine refuses of ``demand`` (its section ``options``) before a model loads, whatever the
+        pipeline: ``ConfigError`` (one line). Default: nothing."""
+
+    def section(self, cfg) -> Any:
+        """This engine's config section of ``cfg`` (``cfg.<options>``), None when it has none."""
+        return getattr(cfg, self.options, None) if self.options else None
+
+    def tolerance(self, options: Any, dtype: str) -> float | None:
+        """The largest |Δ mean NLL| [nats] allowed between this engine and transformers on the checked request
+        (``eval.engines.answering``); None: no parity check (default)."""
+        return None
+
+    def score_requests(self, requests: list[dict[str, Any]], checked: int, serving: Serving) -> Scored:
+        """``requests`` (``Task.engine_requests``' format) answered by this engine (``answer``) under
+        ``serving``'s live patch and checked (``eval.engines.answering``): the answers against the requests
+        (``check_answers``), then request ``checked`` (asking for log-probabilities) against the patched
+        transformers model where the engine has a ``tolerance`` — ``EngineDisagrees`` past it, one line.
+        ``ExportRefused`` propagates (the patch cannot be served)."""
+        import torch
+
+        with _failures_named(self, serving.where):
+            answered = self.answer(requests, serving)
+        if not isinstance(answered, Answered):
+            raise ScoringEngineFailed(f"{serving.where}: {self.label} answered {type(answered).__name__}, not an "
+                                      f"Answered; {serving.stops}")
+        check_answers(requests, answered.results, self.label, serving.where)
+        tol = self.tolerance(serving.options, serving.dtype)
+        if tol is None:
+            return Scored(answered.results, answered.version, None, answered.record)
+        ours = transformers_logprobs(serving.model, requests[checked]["ids"], serving.device)
+        theirs = torch.tensor(answered.results[checked]["logprobs"], dtype=torch.float64)
+        d_mean = abs(float(theirs.mean() - ours.mean()))  # theirs finite (check_answers); ours NaN: refused
+        max_d = float((theirs - ours).abs().max())
+        if not d_mean <= tol:
+            raise EngineDisagrees(
+                f"{serving.where}: {self.title} {answered.version} and transformers disagree on "
+                f"{serving.checked_what}: mean NLL {-float(theirs.mean()):.6g} vs {-float(ours.mean()):.6g} nats "
+                f"(|Δ| {d_mean:.3g} > tolerance {tol:g}; max |Δ log p| {max_d:.3g}); {serving.stops}")
+        parity = {"mean_nll_diff": d_mean, "max_abs_dlogp": max_d, "tokens": int(ours.numel()), "tolerance": tol,
+                  "against": f"transformers {scoring_engine(DEFAULT).version()}"}
+        return Scored(answered.results, answered.version, parity, answered.record)
+
+    def answer(self, requests: list[dict[str, Any]], serving: Serving) -> Answered:
+        """Answer ``requests`` (``Task.engine_requests``' format) under the live patch ``serving``
+        (``eval.engines.answering.Serving``): an ``Answered``. Raises ``ropescale.serving.rope.ExportRefused``
+        when this patch cannot be served (one line)."""
+        raise NotImplementedError(f"{self.label} answers no requests outside a sweep's cells (no answer())")
 
     def score_cell(self, cfg, task, model, examples, spec, params: dict, length: int, train_length: int, device,
                    output: Path) -> dict[str, Any]:
-        """The cell's metrics (``task.combine``'s) plus ``engine`` and ``engine_version``; raises
+        """The cell's metrics (``task.combine``'s) plus ``engine`` and ``engine_version`` (and ``parity``, the
+        engine's record): the task's requests answered under the cell's patch (``answer``). Raises
         ``ConfigError`` for what it cannot serve at this cell (one line)."""
-        raise NotImplementedError
+        from ropescale.patching import patch
+        from ropescale.serving.rope import ExportRefused
+        from ropescale.strategies import get_strategy
+
+        where = f"{spec.display} @ {length}"
+        reqs, checked = task.engine_requests(examples)
+        with patch(model, spec.name, original_max_position_embeddings=train_length, logn=spec.logn,
+                   temperature=spec.temperature, **params) as handle:
+            # dynamic NTK: the one scale the transformers engine uses for a whole window of L
+            freeze = length if handle.strategy_obj.served == "freeze" else None
+            serving = Serving(handle=handle, model=model, tokenizer=task.tokenizer, source=cfg.model, dtype=cfg.dtype,
+                              options=self.section(cfg), folder=Path(output) / self.name / slug(spec.display, length),
+                              log_dir=Path(output) / "logs", where=where, device=device, freeze=freeze)
+            try:
+                scored = self.score_requests(reqs, checked, serving)
+            except ExportRefused as e:
+                raise ConfigError(f"{where}: {e} (engine: {self.name})") from None
+        metrics = task.combine([task.engine_parts(examples, scored.results, length)], examples, length=length,
+                               strategy=get_strategy(spec.name))
+        return {**metrics, "engine": self.name, "engine_version": scored.version,
+                **({"parity": scored.parity} if scored.parity is not None else {}), **scored.record,
+                "examples": len(examples)}
 
     def version(self) -> str:
         """The version a record names (for an in-process engine; others report theirs per cell)."""
         return "unknown"
+
+
+ScoringEngine.score_cell = _contracted(ScoringEngine.score_cell)  # the default, held to the contract too
+
+
+def check_sections(cfg, lenient: bool = False) -> None:
+    """``cfg``'s engine sections (fields named as a registered engine's ``options``) against ``cfg.engine``: its
+    own section filled with its defaults where left out; another engine's given is refused (``ValueError``, one
+    line: it would be ignored) — with ``lenient``, one equal to its defaults (a dumped config read back) is
+    dropped instead."""
+    own = scoring_engine(cfg.engine)
+    for name in scoring_engine_names():
+        engine = scoring_engine(name)
+        key = engine.options
+        if not key or key not in type(cfg).model_fields:
+            continue
+        value = getattr(cfg, key)
+        if name == own.name:
+            if value is None:
+                setattr(cfg, key, engine.Options())
+        elif value is not None:
+            if lenient and value == engine.Options():
+                setattr(cfg, key, None)
+                continue
+            raise ValueError(f"{key}: settings of engine: {name}, but this config's engine is {cfg.engine} (which "
+                             f"would ignore them); set engine: {name}, or drop the {key}: section")
 
 
 def scoring_engine_names() -> list[str]:

@@ -18,13 +18,13 @@
     epsilon: 0.05                # constraint: PPL at T ≤ (1 + ε) × vanilla's
     max_kl: 0.02                 # optional constraint: KL(P_unpatched ‖ P) at T ≤ this [nats/token]
     heldout: kjv-heldout         # the reported eval data, refused as the search split
-    engine: transformers         # or vllm: every candidate scored by vLLM (eval.engines.vllm_eval), as eval's
-    vllm: {tensor_parallel_size: 1}   # engine: vllm's options, as eval's
+    engine: transformers         # or any scoring engine answering log-probabilities (vllm, mlx, a plugin's)
+    vllm: {tensor_parallel_size: 1}   # engine: vllm's options, as eval's (only with engine: vllm)
     report_to: [tensorboard]     # accelerate's trackers, as fine-tuning's: each finished trial's numbers
     output: runs/search-yarn
 
-``engine: vllm`` (with ``vllm:``, eval's ``VllmOptions``) scores every candidate with vLLM
-(``eval.search.vllm_scoring``); ``report_to`` (fine-tuning's tracker names,
+``engine: NAME`` scores every candidate with that scoring engine, as eval's cells are (its section, e.g.
+``vllm:``, as eval's; ``eval.search.objective`` hands the engine the candidate's requests); ``report_to`` (fine-tuning's tracker names,
 ``ropescale.runs.trackers``) reports each finished trial (``eval.search.trackers``).
 
 Every error is one ``ConfigError`` line naming the key, raised before anything is read or written:
@@ -49,6 +49,7 @@ from ropescale.runs.trackers import tracker_names
 from ropescale.strategies import get_strategy
 
 from ..config import MAX_LENGTH
+from ..engines.scoring import DEFAULT, check_sections, scoring_engine, scoring_engine_names
 from ..engines.vllm.scoring import VllmOptions
 from .space import Dimension, search_space
 
@@ -123,11 +124,11 @@ class SearchConfig(RunConfig):
         "auto", description="weights' dtype; auto: bfloat16 on a GPU that supports it, float32 on the CPU "
                             "(recorded resolved)")
     threads: Int | None = Field(None, ge=1, description="torch threads (at most this machine's CPU count)")
-    engine: Literal["transformers", "vllm"] = Field(
-        "transformers", description="what scores every candidate: transformers (in this process) or vllm (serving "
-                                    "what `patch --engine vllm` writes; eval.engines.vllm_eval)")
-    vllm: VllmOptions = Field(default_factory=VllmOptions, description="engine: vllm's tensor_parallel_size, "
-                              "data_parallel_size, max_model_len, parity_tolerance")
+    engine: str = Field(DEFAULT, description="what scores every candidate: transformers (in this process) or any "
+                        "registered scoring engine answering log-probabilities (vllm, mlx, a plugin's: "
+                        "eval.engines.scoring), serving what `patch --engine NAME` writes")
+    vllm: VllmOptions | None = Field(None, description="engine: vllm's tensor_parallel_size, data_parallel_size, "
+                                     "max_model_len, parity_tolerance (only with engine: vllm; its defaults there)")
     report_to: list[str] = Field(default_factory=list,
                                  description="accelerate trackers to report each finished trial to (tensorboard, "
                                              "wandb, mlflow, ...; trials.csv is always written)")
@@ -141,6 +142,16 @@ class SearchConfig(RunConfig):
             raise ValueError(f"every length must lie in [2, {MAX_LENGTH}] tokens")
         if len(set(v)) != len(v):
             raise ValueError("a length is given twice")
+        return v
+
+    @field_validator("engine")
+    @classmethod
+    def _engine(cls, v: str) -> str:
+        known = scoring_engine_names()
+        if v not in known:
+            hint = difflib.get_close_matches(v, known, n=1)
+            raise ValueError(f"unknown scoring engine {v!r}; choose from {', '.join(known)}"
+                             + (f" (did you mean {hint[0]!r}?)" if hint else ""))
         return v
 
     @field_validator("method")
@@ -165,12 +176,10 @@ class SearchConfig(RunConfig):
             get_strategy(self.strategy)
         except KeyError as e:
             raise ValueError(f"strategy: {e}") from None
-        if self.vllm != VllmOptions() and self.engine != "vllm":  # a dumped config's defaults read back
-            raise ValueError(f"vllm: options of engine: vllm, but engine is {self.engine}; set engine: vllm or "
-                             "leave vllm: out")
-        if self.max_kl is not None and self.engine != "transformers":
-            raise ValueError("max_kl: the KL to the unpatched model needs the whole next-token distribution, and "
-                             "vLLM returns the target's log-probability only — use engine: transformers")
+        check_sections(self, lenient=True)  # lenient: a dumped config's defaults read back
+        if self.max_kl is not None and not scoring_engine(self.engine).in_process:
+            raise ValueError(f"max_kl: the KL to the unpatched model needs the whole next-token distribution, and "
+                             f"engine {self.engine} returns the target's log-probability only — use engine: {DEFAULT}")
         if self.length_weights is not None:
             w = self.length_weights
             if len(w) != len(self.lengths):
@@ -231,8 +240,8 @@ class SearchConfig(RunConfig):
                 # LongRoPE2's needle term: in the identity only when used, so earlier studies still resume
                 **(self.model_dump(include={"needle_weight", "needle_trials"}) if self.needle_weight else {}),
                 **({"max_kl": self.max_kl} if self.max_kl is not None else {}),
-                # vLLM's numbers are another experiment's (within the parity tolerance); report_to is not
-                **({"engine": self.engine} if self.engine != "transformers" else {})}
+                # another engine's numbers are another experiment's (within its parity tolerance); report_to is not
+                **({"engine": self.engine} if self.engine != DEFAULT else {})}
 
     def weights(self) -> list[float]:
         """Each length's weight, normalised to sum 1."""

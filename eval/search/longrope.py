@@ -29,7 +29,7 @@ from ropescale.runs.processes import process_state
 from ropescale.runs.protocol import RunFolder, execute_run
 
 from .config import SearchConfig
-from .objective import SearchRun
+from .objective import SearchRun, check_engine
 from .report import (
     BEST,
     PLOT,
@@ -76,6 +76,7 @@ class EvolutionSearch(SearchRun):
         except ImportError:
             raise ConfigError("method: evolution (LongRoPE's search) is not available in this version; "
                               "use tpe or cmaes") from None
+        check_engine(self.cfg, processes=self.state.num_processes)
 
     def prepare(self, inputs: RunInputs, folder: RunFolder | None) -> None:
         from .evolution import yarn_init_factors
@@ -95,6 +96,7 @@ class EvolutionSearch(SearchRun):
 
         cfg, state, objective, output = self.cfg, self.state, self.objective, folder.path
         main = state.is_main_process
+        objective.serve_from(output)  # an engine outside this process: where it serves candidates from
 
         def score(factors, start_tokens: int) -> float:
             _, m = objective({"long_factor": [float(f) for f in factors], "short_factor": self.short})

@@ -29,14 +29,28 @@ embedding, data too short for a length (or for T), a search split holding a held
 one-line errors (``ConfigError``), refusing the whole search. Then every candidate is patched in
 and removed in place (``ropescale.patch``), as a sweep's cell is; a candidate whose parameters the
 strategy refuses raises ``eval.search.tuner.Refused`` (that trial is pruned, the search goes on).
+
+Scored by a registered engine outside this process (``engine: NAME``, ``eval.engines.scoring``), a candidate
+is the requests a task makes (``Task.engine_requests``' format): each search window of each target length
+and of T (its log-probabilities: the same scored targets as ``score_windows``) and, with the retrieval or
+needle terms, each prompt + answer (the answer's log-probabilities), handed to the engine in one call
+(``ScoringEngine.score_requests``: its export of the live patch, served from
+``<search>/<engine>/candidate-<pid>/``, rewritten per candidate). The first window of the longest length is
+the parity check's (the engine's tolerance; past it the search stops, ``EngineDisagrees``); the constraint's
+vanilla PPL at T is the engine's too. A candidate the engine cannot serve is refused (``Refused``, pruned).
+Before anything loads (``check_engine``): an engine answering no log-probabilities, or refusing what the
+search serves (``ScoringEngine.check_demand``: one export serves T and every length, nothing frozen at a
+length), is one ``ConfigError`` line.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -51,11 +65,14 @@ from ropescale.runs.scoring import score_windows
 from ropescale.runs.windows import WindowError, make_windows
 from ropescale.strategies import BASELINE, get_strategy
 
+from ..engines.answering import Serving
+from ..engines.scoring import DEFAULT, Demand, scoring_engine
 from .config import SearchConfig, same_data
 from .needle_objective import answer_nll, needle_examples
 from .tuner import Refused
 
-__all__ = ["RETRIEVAL_SEED", "Measurement", "SearchObjective", "SearchRun", "check_disjoint", "spec_params"]
+__all__ = ["RETRIEVAL_SEED", "Measurement", "SearchObjective", "SearchRun", "check_disjoint", "check_engine",
+           "spec_params"]
 
 RETRIEVAL_SEED = 7919  # passkey keys of the search; the eval's default seed is 0
 
@@ -75,11 +92,11 @@ class Measurement:
     retrieval_nll: float | None
     seconds: float
     needle_nll: float | None = None  # LongRoPE2's needle-driven term (eval.search.needle_objective)
-    parity: float | None = None  # engine: vllm: |Δ mean NLL| of the first window against transformers [nats]
+    parity: float | None = None  # an engine outside this process: |Δ mean NLL| of the first window [nats]
     kl_train: float | None = None  # with max_kl: mean KL(P_unpatched ‖ P_candidate) per token at T [nats]
 
     def row(self) -> dict:
-        """Flat columns for ``trials.csv`` (``parity`` only where vLLM scored)."""
+        """Flat columns for ``trials.csv`` (``parity`` only where an engine outside this process scored)."""
         out = {k: v for k, v in asdict(self).items()
                if k not in ("nll", "ppl") and (k not in ("parity", "kl_train") or v is not None)}
         out.update({f"ppl@{length}": v for length, v in self.ppl.items()})
@@ -99,6 +116,23 @@ def check_disjoint(cfg: SearchConfig, texts: list[str]) -> None:
     if shared:
         raise ConfigError(f"data: {cfg.data.spec().describe()} holds {len(shared)} document(s) of the held-out data "
                           f"{held.describe()} results are reported on; search on other documents")
+
+
+def check_engine(cfg: SearchConfig, source: str = "config", processes: int = 1) -> None:
+    """What the search's engine refuses before anything loads (``ConfigError``, one line): an engine outside
+    this process that answers no log-probabilities, or refuses to serve the strategy for T and every target
+    length in one export (``ScoringEngine.check_demand``)."""
+    scorer = scoring_engine(cfg.engine)
+    if scorer.in_process:
+        return
+    if "logprobs" not in scorer.answers:
+        raise ConfigError(f"{source}: engine: {cfg.engine} does not answer logprobs, which a search asks for — use "
+                          f"engine: {DEFAULT}")
+    need = max(*cfg.lengths, cfg.original_max_position_embeddings or 0) + 1
+    spec = SimpleNamespace(name=cfg.strategy, display=cfg.strategy, logn=False, temperature=None)
+    demand = Demand(strategies=[spec], tokens=need, holds=f"a window of {need - 1} holds", key="strategy",
+                    static="a search scores T and every length in one engine")
+    scorer.check_demand(demand, scorer.section(cfg), source, processes)
 
 
 def spec_params(strategy: str, fixed: dict, sampled: dict, *, length: int, train_length: int,
@@ -141,19 +175,68 @@ class SearchObjective:
         self.passkeys = self._passkeys() if cfg.retrieval_weight > 0 else []
         self.needles = needle_examples(self.tokenizer, self.docs, length=max(cfg.lengths), trials=cfg.needle_trials,
                                        train_length=self.train_length) if cfg.needle_weight > 0 else []
-        self.served = None  # engine: vllm: the folder candidates are served from (``serve_from``)
-        self.vanilla_ppl_train = math.exp(self._nll(self.train_length)) if cfg.engine == "transformers" else None
+        self.scorer = scoring_engine(cfg.engine)
+        self.served = None  # an engine outside this process: the folder candidates are served from (``serve_from``)
+        self.vanilla_ppl_train = math.exp(self._nll(self.train_length)) if self.scorer.in_process else None
         self.evaluations = 0
 
     def serve_from(self, output: Path) -> None:
-        """``engine: vllm``: serve the candidates from ``output`` (the claimed search folder,
-        ``eval.search.vllm_scoring.served_folder``) and measure the constraint's vanilla PPL at T
-        through vLLM, as every candidate will be."""
-        from .vllm_scoring import served_folder, vllm_measure
-
-        self.served = served_folder(output)
+        """An engine outside this process: serve the candidates from ``output`` (the claimed search folder:
+        ``<output>/<engine>/candidate-<pid>/``, one per process, several may share a study) and measure the
+        constraint's vanilla PPL at T through the engine, as every candidate will be. Nothing in process."""
+        if self.scorer.in_process:
+            return
+        self.served = Path(output) / self.scorer.name / f"candidate-{os.getpid()}"
+        self.requests, self.asked = self._requests()
         with patch(self.model, BASELINE, original_max_position_embeddings=self.train_length) as handle:
-            self.vanilla_ppl_train = math.exp(vllm_measure(self, handle, self.served)["nll"][self.train_length])
+            self.vanilla_ppl_train = math.exp(self._measure_served(handle)["nll"][self.train_length])
+
+    def _requests(self) -> tuple[list[dict], list[tuple]]:
+        """The requests every candidate makes and, per request, what it is: ``("window", L, window)`` (its
+        log-probabilities; the targets from ``score_from`` on are scored) or ``("answer", term, answer
+        length)`` (prompt + answer; the answer's log-probabilities)."""
+        reqs, what = [], []
+        for length in sorted(self.windows):
+            for w in self.windows[length]:
+                reqs.append({"ids": self.docs[w.doc][w.start:w.end].tolist(), "max_tokens": 1, "prompt_logprobs": True})
+                what.append(("window", length, w))
+        for term, examples in (("retrieval", self.passkeys), ("needle", self.needles)):
+            for ex in examples:
+                reqs.append({"ids": list(ex.prompt.ids) + list(ex.candidates[0]), "max_tokens": 1,
+                             "prompt_logprobs": True})
+                what.append(("answer", term, len(ex.candidates[0])))
+        return reqs, what
+
+    def _measure_served(self, handle) -> dict:
+        """The candidate patched in as ``handle`` scored by the engine (see the module docstring): ``{"nll":
+        {L: mean NLL}, "retrieval": …, "needle": … (None when not in the objective), "parity": |Δ mean NLL| of
+        the first window of the longest length, None without a parity check}``. ``Refused`` for a candidate
+        the engine cannot serve (its export's reason)."""
+        from ropescale.serving.rope import ExportRefused
+
+        if self.served is None:
+            raise RuntimeError("SearchObjective: serve_from(folder) comes before a candidate an engine scores")
+        cfg = self.cfg
+        checked = next(i for i, w in enumerate(self.asked) if w[0] == "window" and w[1] == max(cfg.lengths))
+        serving = Serving(handle=handle, model=self.model, tokenizer=self.tokenizer, source=cfg.model, dtype=cfg.dtype,
+                          options=self.scorer.section(cfg), folder=self.served, log_dir=self.served.parent / "logs",
+                          where=f"{handle.strategy} {handle.params}", device=self.device,
+                          checked_what=f"the first window at {max(cfg.lengths)}", stops="the search stops")
+        try:
+            scored = self.scorer.score_requests(self.requests, checked, serving)
+        except ExportRefused as e:
+            raise Refused(f"{e} (engine: {self.scorer.name})") from None
+        sums: dict = {}
+        for r, (kind, key, item) in zip(scored.results, self.asked):
+            logprobs = torch.tensor(r["logprobs"], dtype=torch.float64)  # [n - 1]: targets 1 … n-1
+            # a window: the targets score_windows keeps, from score_from on; an answer: its tokens
+            logprobs = logprobs[max(item.score_from - item.start - 1, 0):] if kind == "window" else logprobs[-item:]
+            total, tokens = sums.get(key, (0.0, 0))
+            sums[key] = (total - float(logprobs.sum()), tokens + logprobs.numel())
+        mean = {k: total / tokens for k, (total, tokens) in sums.items()}
+        return {"nll": {k: v for k, v in mean.items() if isinstance(k, int)}, "retrieval": mean.get("retrieval"),
+                "needle": mean.get("needle"),
+                "parity": None if scored.parity is None else scored.parity["mean_nll_diff"]}
 
     def _passkeys(self):
         from ..tasks.passkey import Passkey, PasskeyOptions
@@ -218,7 +301,7 @@ class SearchObjective:
         t0 = time.perf_counter()
         with patch(self.model, self.cfg.strategy, original_max_position_embeddings=self.train_length,
                    **params) as handle:
-            got = self._measure_here() if self.served is None else self._measure_vllm(handle)
+            got = self._measure_here() if self.scorer.in_process else self._measure_served(handle)
         nll, retrieval, needle = got["nll"], got["retrieval"], got["needle"]
         ppl_train = math.exp(nll[self.train_length])
         self.evaluations += 1
@@ -246,11 +329,6 @@ class SearchObjective:
                 "kl": scores[self.train_length].mean_kl if kl else None,
                 "retrieval": self._retrieval_nll() if self.passkeys else None,
                 "needle": answer_nll(self.model, self.needles, self.device) if self.needles else None}
-
-    def _measure_vllm(self, handle) -> dict:
-        from .vllm_scoring import vllm_measure
-
-        return vllm_measure(self, handle, self.served)
 
 
 class SearchRun(RunKind):

@@ -33,7 +33,7 @@ from ropescale.runs.protocol import RunFolder, execute_run
 from ropescale.runs.trackers import check_installed
 
 from .config import SearchConfig
-from .objective import SearchRun
+from .objective import SearchRun, check_engine
 from .report import (
     BEST,
     PARETO,
@@ -115,10 +115,7 @@ class OptunaSearch(SearchRun):
 
     def check(self) -> None:
         check_installed(self.cfg.report_to, "config")  # what needs no model, before anything loads or is written
-        if self.cfg.engine == "vllm":
-            from .vllm_scoring import check_search_engine
-
-            check_search_engine(self.cfg)
+        check_engine(self.cfg)
 
     def prepare(self, inputs: RunInputs, folder: RunFolder | None) -> None:
         super().prepare(inputs, folder)
@@ -129,8 +126,7 @@ class OptunaSearch(SearchRun):
         open_study(self.storage, folder.experiment)  # created once, under the lock, by whichever process comes first
 
     def execute(self, folder: RunFolder):
-        if self.cfg.engine == "vllm":
-            self.objective.serve_from(folder.path)
+        self.objective.serve_from(folder.path)  # an engine outside this process: where it serves candidates from
         trackers = SearchTrackers(self.cfg.report_to, folder.path, folder.identity)
         try:
             return _run_study(self.cfg, self.objective, self.storage, folder.experiment, trackers, self.progress)
@@ -233,7 +229,7 @@ def _rows(study) -> list[dict]:
             row["kl_train"] = a["kl_train"]
         if a.get("needle_nll") is not None:  # LongRoPE2's needle term, when the search has it
             row["needle_nll"] = a["needle_nll"]
-        if a.get("parity") is not None:  # engine: vllm: the first window's |Δ mean NLL| against transformers
+        if a.get("parity") is not None:  # an engine outside this process: the first window's |Δ mean NLL|
             row["parity"] = a["parity"]
         rows.append(row)
     return rows

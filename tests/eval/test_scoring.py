@@ -326,7 +326,6 @@ def test_a_plugins_exception_is_its_failure_and_a_bundled_engines_bug_is_a_bug(m
     def broken(*args, **kw):
         raise ZeroDivisionError("division by zero")
 
-    monkeypatch.setattr(eval.engines.vllm.scoring, "score_cell_vllm", broken)
+    monkeypatch.setattr(eval.engines.vllm.scoring.VllmScoring, "answer", broken)
     with pytest.raises(ZeroDivisionError):
-        scoring_engine("vllm").score_cell(None, None, None, [], SimpleNamespace(display="yarn"), {}, 64, 32, "cpu",
-                                          None)
+        scoring_engine("vllm").score_requests([], 0, SimpleNamespace(where="yarn @ 64"))

@@ -12,6 +12,9 @@ on the bundled model). Before that, the driver's log-probabilities pass the chec
 answers pass (``eval.engines.scoring.check_answers``: one list per request, of its length, finite and ≤ 0):
 otherwise ``EngineFailed``, one line, and the cell is not recorded.
 
+The export and the driver are ``MlxScoring.answer``'s, which a search's candidates go through as well
+(``eval.search.objective``); the checks and the parity check are every engine's (``eval.engines.answering``).
+
 Refused before anything loads (one ``ConfigError`` line): mlx-lm not installed (how to install it), a task
 asking for generations, options an engine cannot score (``Task.engine_refusal``), several launched
 processes. What mlx-lm cannot express (relative-position rules, a query temperature, a model type whose
@@ -20,16 +23,14 @@ rope keys ropescale has not read) is refused at its cell, in one line (the expor
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
-
-import torch
 
 from ropescale.runs.config import ConfigError
 
 from .. import process
+from ..answering import Answered
 from ..process import EngineAbsent, EngineFailed
-from ..scoring import DEFAULT, ScoringEngine, check_answers, scoring_engine
+from ..scoring import Demand, ScoringEngine
 from . import ENVIRONMENT
 
 __all__ = ["TOLERANCE", "MlxScoring"]
@@ -41,16 +42,11 @@ class MlxScoring(ScoringEngine):
     """mlx-lm serving the patch's MLX export (see the module docstring)."""
 
     name = "mlx"
+    title = "mlx-lm"
     answers = frozenset({"logprobs"})
     environment = ENVIRONMENT
 
-    def check(self, cfg, source: str = "config", processes: int = 1) -> None:
-        from ...tasks.base import get_task
-
-        super().check(cfg, source, processes)  # a task asking for generations
-        why = get_task(cfg.task).engine_refusal(cfg.options)
-        if why:
-            raise ConfigError(f"{source}: {why} — use engine: transformers")
+    def check_demand(self, demand: Demand, options: Any, source: str = "config", processes: int = 1) -> None:
         if processes > 1:
             raise ConfigError(f"{source}: engine: mlx runs in one process; do not launch it with accelerate launch")
         try:
@@ -58,48 +54,25 @@ class MlxScoring(ScoringEngine):
         except EngineAbsent as e:
             raise ConfigError(f"{source}: engine: mlx: {e}") from None
 
-    def score_cell(self, cfg, task, model, examples, spec, params: dict, length: int, train_length: int, device,
-                   output: Path) -> dict[str, Any]:
-        from ropescale.patching import patch
+    def tolerance(self, options: Any, dtype: str) -> float:
+        return TOLERANCE
+
+    def answer(self, requests: list[dict[str, Any]], serving) -> Answered:
+        """The requests' log-probabilities from mlx-lm's driver on the patch's MLX export, written (weights
+        saved) to ``serving.folder``. Raises ``ExportRefused`` (the export's reason) and ``EngineFailed``."""
         from ropescale.serving.engines import get_engine
-        from ropescale.serving.rope import ExportRefused
-        from ropescale.strategies import get_strategy
 
-        from ..vllm.scoring import EngineDisagrees, transformers_logprobs
-
-        reqs, checked = task.engine_requests(examples)
-        serve = max(len(r["ids"]) for r in reqs)
-        slug = "".join(c if c.isalnum() or c in "._=-" else "_" for c in spec.display)[:48] + f"@{length}"
-        folder = Path(output) / "mlx" / slug
         engine = get_engine("mlx")
-        with patch(model, spec.name, original_max_position_embeddings=train_length, logn=spec.logn,
-                   temperature=spec.temperature, **params) as handle:
-            try:  # dynamic NTK: the one scale the transformers engine uses for a window of L
-                freeze = length if handle.strategy_obj.served == "freeze" else None
-                translation = engine.translate(handle, serve, freeze_dynamic_at=freeze)
-            except ExportRefused as e:
-                raise ConfigError(f"{spec.display} @ {length}: {e} (engine: mlx)") from None
-            engine.write(model, task.tokenizer, translation, folder)
-            ours = transformers_logprobs(model, reqs[checked]["ids"], device)
-        got = process.run_engine(self.name, {"mode": "logprobs", "jobs": [{"model": str(folder),
-                                                                          "ids": [r["ids"] for r in reqs]}]},
-                                 log_dir=Path(output) / "logs", timeout=24 * 3600)
+        serve = max(len(r["ids"]) for r in requests)
+        translation = engine.translate(serving.handle, serve, freeze_dynamic_at=serving.freeze)
+        engine.write(serving.model, serving.tokenizer, translation, serving.folder)
+        got = process.run_engine(self.name, {"mode": "logprobs", "jobs": [{"model": str(serving.folder),
+                                                                          "ids": [r["ids"] for r in requests]}]},
+                                 log_dir=serving.log_dir, timeout=24 * 3600)
         job = (got.get("jobs") or [{}])[0]
         if "error" in job:
-            raise EngineFailed(f"{spec.display} @ {length}: mlx-lm {got.get('mlx', '')} did not score the cell: "
-                               f"{job['error']}; the cell is not recorded")
+            raise EngineFailed(f"{serving.where}: mlx-lm {got.get('mlx', '')} did not score the cell: "
+                               f"{job['error']}; {serving.stops}")
         answered = job.get("logprobs")
         results = [{"logprobs": lp, "tokens": []} for lp in answered] if isinstance(answered, list) else answered
-        check_answers(reqs, results, "mlx-lm's driver", f"{spec.display} @ {length}")  # every engine's checks
-        theirs = torch.tensor(results[checked]["logprobs"], dtype=torch.float64)
-        d_mean = abs(float(theirs.mean() - ours.mean()))  # theirs finite (check_answers); ours NaN: refused
-        if not d_mean <= TOLERANCE:
-            raise EngineDisagrees(f"{spec.display} @ {length}: mlx-lm and transformers disagree on the cell's first "
-                                  f"request: |Δ mean NLL| {d_mean:.3g} > {TOLERANCE:g} nats; the cell is not recorded")
-        metrics = task.combine([task.engine_parts(examples, results, length)], examples, length=length,
-                               strategy=get_strategy(spec.name))
-        return {**metrics, "engine": self.name, "engine_version": got.get("mlx", "mlx-lm"),
-                "parity": {"mean_nll_diff": d_mean, "max_abs_dlogp": float((theirs - ours).abs().max()),
-                           "tokens": int(ours.numel()), "tolerance": TOLERANCE,
-                           "against": f"transformers {scoring_engine(DEFAULT).version()}"},
-                "examples": len(examples), "mlx_export": translation.notes}
+        return Answered(results=results, version=got.get("mlx", "mlx-lm"), record={"mlx_export": translation.notes})

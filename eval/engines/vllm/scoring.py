@@ -26,7 +26,12 @@ scoring engine's answers pass, ``eval.engines.scoring.check_answers``: one resul
 prompt's log-probabilities, finite and ≤ 0, no more tokens than asked): a short, incomplete or
 impossible answer is ``EngineFailed`` in one line and the cell is not recorded.
 
-Refused before anything loads (``check_engine``, one ``ConfigError`` line): vLLM not installed
+The cell's patch is exported and the driver run by ``VllmScoring.answer``, which a search's candidates go
+through as well (``eval.search.objective``: every window and answer of a candidate in one driver call, the
+folder ``<search>/vllm/candidate-<pid>/`` rewritten per candidate); the checks and the parity check are every
+engine's (``eval.engines.answering``).
+
+Refused before anything loads (``check_engine``, ``check_demand``: one ``ConfigError`` line): vLLM not installed
 (how to install it), a task that asks for more than vLLM answers (``Task.engine_asks``) or whose
 options it cannot score (``Task.engine_refusal``), strategies vLLM cannot express (relative
 rules, a query temperature — log-n or another rule —, strategies without a transformers rope
@@ -44,24 +49,23 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ropescale.errors import RopescaleError
 from ropescale.runs.config import ConfigError, ConfigModel
 
 from .. import process
+from ..answering import Answered, EngineDisagrees, transformers_logprobs
 from ..process import EngineAbsent, EngineFailed
-from ..scoring import DEFAULT, ScoringEngine, check_answers, scoring_engine
+from ..scoring import DEFAULT, Demand, ScoringEngine, check_answers
 from . import ENVIRONMENT
 
-__all__ = ["EngineDisagrees", "VllmOptions", "VllmScoring", "check_engine", "checked_answer", "score_cell_vllm",
-           "transformers_logprobs"]
+__all__ = ["EngineDisagrees", "VllmOptions", "VllmScoring", "check_engine", "checked_answer", "transformers_logprobs",
+           "unservable", "vllm_model_folder"]
 _LINK_SKIP = {"config.json", "ropescale.json"}
 
 
 class VllmOptions(ConfigModel):
-    """``vllm:`` in an eval / sweep config (only with ``engine: vllm``: refused beside another engine)."""
+    """``vllm:`` in an eval / sweep / search config (only with ``engine: vllm``: refused beside another engine)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per model replica (vLLM's tensor parallelism)")
@@ -76,14 +80,10 @@ class VllmOptions(ConfigModel):
         return {}
 
 
-class EngineDisagrees(RopescaleError, RuntimeError):
-    """vLLM and transformers score a cell's first example differently beyond the tolerance."""
-
-
 def tolerance(opts: VllmOptions, dtype: str) -> float:
     """The largest |Δ log p| [nats] allowed between vLLM and transformers on the parity check: the config's
     ``parity_tolerance``, else 1e-4 in float32 and 5e-2 in half precision."""
-    if opts.parity_tolerance is not None:
+    if opts is not None and opts.parity_tolerance is not None:
         return opts.parity_tolerance
     return 1e-4 if dtype == "float32" else 5e-2
 
@@ -124,41 +124,57 @@ def checked_answer(got: dict[str, Any], reqs: list[dict], where: str) -> _Answer
     return answer
 
 
-# --- refusals before anything loads
-
 class VllmScoring(ScoringEngine):
     """``engine: vllm``: the patch's export served by vLLM (see the module docstring)."""
 
     name = "vllm"
+    title = "vLLM"
     answers = frozenset({"generate", "logprobs"})
     options = "vllm"
+    Options = VllmOptions
     environment = ENVIRONMENT
 
-    def check(self, cfg, source: str = "config", processes: int = 1) -> None:
-        """Everything ``engine: vllm`` can refuse before a model loads (see the module docstring)."""
-        from ...tasks.base import get_task
-
-        super().check(cfg, source, processes)  # a task asking for what vLLM does not answer
-        task_cls = get_task(cfg.task)
-        why = task_cls.engine_refusal(cfg.options)
-        if why:
-            raise ConfigError(f"{source}: {why} — use engine: transformers")
-        for spec in cfg.strategies:
+    def check_demand(self, demand: Demand, options: Any, source: str = "config", processes: int = 1) -> None:
+        """What vLLM refuses before anything loads (see the module docstring)."""
+        for spec in demand.strategies:
             why = unservable(spec.name, logn=spec.logn, temperature=spec.temperature,
-                             dynamic_block=bool(getattr(cfg.options, "dynamic_block", None)))
+                             dynamic_block=demand.dynamic_block, static_only=demand.static is not None)
             if why:
-                raise ConfigError(f"{source}: strategies: {spec.display}: {why} (engine: vllm; use engine: "
-                                  "transformers)")
-        if cfg.vllm.max_model_len is not None:
-            need = task_cls.engine_length(cfg.options, max(cfg.lengths))
-            if cfg.vllm.max_model_len < need:
-                raise ConfigError(f"{source}: vllm.max_model_len: {cfg.vllm.max_model_len} is shorter than the "
-                                  f"{need} tokens a {cfg.task} cell at length {max(cfg.lengths)} holds")
+                static = f"; {demand.static}" if demand.static else ""
+                raise ConfigError(f"{source}: {demand.key}: {spec.display}: {why}{static} (engine: vllm; use engine: "
+                                  f"{DEFAULT})")
+        if options is not None and options.max_model_len is not None and options.max_model_len < demand.tokens:
+            raise ConfigError(f"{source}: vllm.max_model_len: {options.max_model_len} is shorter than the "
+                              f"{demand.tokens} tokens {demand.holds}")
         check_processes(source, processes)
         require_vllm(source)
 
-    def score_cell(self, cfg, task, model, examples, spec, params, length, train_length, device, output):
-        return score_cell_vllm(cfg, task, model, examples, spec, params, length, train_length, device, output)
+    def tolerance(self, options: Any, dtype: str) -> float:
+        return tolerance(options, dtype)
+
+    def answer(self, requests: list[dict[str, Any]], serving) -> Answered:
+        """The requests scored by vLLM's driver on the patch's export, written to ``serving.folder``.
+        Raises ``ExportRefused`` (the export's reason) and ``EngineFailed`` (the driver died or refused the
+        folder, or answered without a field)."""
+        from ropescale.models import resolve_model
+        from ropescale.serving.engines.vllm import export_vllm
+
+        serve = max(len(r["ids"]) + r["max_tokens"] - 1 for r in requests)  # the positions vLLM rotates
+        exp = export_vllm(serving.handle, serve, freeze_dynamic_at=serving.freeze)
+        folder = vllm_model_folder(Path(resolve_model(serving.source)), serving.folder, exp.config, exp.generation)
+        opts = serving.options or VllmOptions()
+        got = process.run_engine(self.name, {"mode": "score", "model": str(folder),
+                                             "max_model_len": opts.max_model_len or serve + 1, "dtype": serving.dtype,
+                                             "tensor_parallel_size": opts.tensor_parallel_size,
+                                             "data_parallel_size": opts.data_parallel_size, "requests": requests},
+                                 log_dir=serving.log_dir, timeout=24 * 3600)
+        if "error" in got:
+            raise EngineFailed(f"{serving.where}: vLLM {got.get('vllm', '')} refuses the exported model: "
+                               f"{got['error']}")
+        answer = checked_answer(got, requests, serving.where)
+        return Answered(results=[r.model_dump() for r in answer.results], version=answer.vllm,
+                        record={"engine_start_seconds": round(answer.start_seconds, 3),
+                                "engine_score_seconds": round(answer.score_seconds, 3), "vllm_export": exp.notes})
 
 
 def check_engine(cfg, source: str = "config", processes: int = 1) -> None:
@@ -204,33 +220,15 @@ def require_vllm(source: str) -> None:
         raise ConfigError(f"{source}: engine: vllm: {e}") from None
 
 
-# --- one cell
-
-@torch.no_grad()
-def transformers_logprobs(model, ids: list[int], device) -> torch.Tensor:
-    """log p(ids[j+1] | ids[:j+1]) ``[n-1]`` float64 from the (patched) transformers model, the head
-    over chunks of positions (``ropescale.lm_head``)."""
-    from ropescale.lm_head import OutputHead
-
-    x = torch.tensor([ids], device=device)
-    try:
-        head = OutputHead(model)
-    except ValueError:
-        head = None
-    if head is not None:
-        hidden, own = head.run(input_ids=x, use_cache=False)
-        if head.verify(hidden, own):
-            return -head.token_nll(hidden[:, :-1], x[:, 1:])[0].double().cpu()
-    logits = model(input_ids=x, use_cache=False).logits[0, :-1].double()
-    return logits.log_softmax(-1).gather(1, x[0, 1:, None])[:, 0].cpu()
-
-
 def vllm_model_folder(src: Path, dst: Path, config: dict, generation: dict | None = None) -> Path:
     """A model folder for vLLM: ``config`` as config.json, every other file of ``src`` linked — but
-    generation_config.json, written with ``generation``'s keys set where there are any."""
+    generation_config.json, written with ``generation``'s keys set where there are any (a link left by an
+    earlier export into the same folder is replaced, never written through)."""
     from ropescale.serving.engines import write_generation
 
     dst.mkdir(parents=True, exist_ok=True)
+    if generation and (dst / "generation_config.json").is_symlink():
+        (dst / "generation_config.json").unlink()
     for f in src.iterdir():
         if f.is_file() and f.name not in _LINK_SKIP and not (dst / f.name).exists():
             if f.name == "generation_config.json" and generation:
@@ -239,57 +237,3 @@ def vllm_model_folder(src: Path, dst: Path, config: dict, generation: dict | Non
     (dst / "config.json").write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
     write_generation(src, dst, generation)
     return dst
-
-
-def score_cell_vllm(cfg, task, model, examples, spec, params: dict, length: int, train_length: int, device,
-                    output: Path) -> dict[str, Any]:
-    """The task's metrics for one cell scored by vLLM, plus ``engine``, ``engine_version``,
-    ``parity`` and the engine's seconds. Raises ``ConfigError`` (vLLM cannot serve this cell: the
-    export's reason), ``EngineFailed`` (its driver died) and ``EngineDisagrees``."""
-    from ropescale.models import resolve_model
-    from ropescale.patching import patch
-    from ropescale.serving.engines.vllm import export_vllm
-    from ropescale.serving.rope import ExportRefused
-
-
-    reqs, parity_index = task.engine_requests(examples)
-    serve = max(len(r["ids"]) + r["max_tokens"] - 1 for r in reqs)  # the positions vLLM rotates
-    slug = "".join(c if c.isalnum() or c in "._=-" else "_" for c in spec.display)[:48] + f"@{length}"
-    with patch(model, spec.name, original_max_position_embeddings=train_length, logn=spec.logn,
-               temperature=spec.temperature, **params) as handle:
-        try:  # dynamic NTK: the one scale the transformers engine uses for a whole window of L
-            freeze = length if handle.strategy_obj.served == "freeze" else None
-            exp = export_vllm(handle, serve, freeze_dynamic_at=freeze)
-        except ExportRefused as e:
-            raise ConfigError(f"{spec.display} @ {length}: {e} (engine: vllm)") from None
-        ours = transformers_logprobs(model, reqs[parity_index]["ids"], device)
-    folder = vllm_model_folder(Path(resolve_model(cfg.model)), output / "vllm" / slug, exp.config, exp.generation)
-    max_model_len = cfg.vllm.max_model_len or serve + 1
-    got = process.run_engine(VllmScoring.name, {"mode": "score", "model": str(folder), "max_model_len": max_model_len,
-                              "dtype": cfg.dtype, "tensor_parallel_size": cfg.vllm.tensor_parallel_size,
-                              "data_parallel_size": cfg.vllm.data_parallel_size, "requests": reqs},
-                     log_dir=output / "logs", timeout=24 * 3600)
-    if "error" in got:
-        raise EngineFailed(f"{spec.display} @ {length}: vLLM {got.get('vllm', '')} refuses the exported model: "
-                           f"{got['error']}")
-    answer = checked_answer(got, reqs, f"{spec.display} @ {length}")
-    results = [r.model_dump() for r in answer.results]
-    theirs = torch.tensor(results[parity_index]["logprobs"], dtype=torch.float64)
-    tol = tolerance(cfg.vllm, cfg.dtype)
-    d_mean = abs(float(theirs.mean() - ours.mean()))  # theirs finite (checked_answer); ours NaN: refused
-    max_d = float((theirs - ours).abs().max())
-    if not d_mean <= tol:
-        raise EngineDisagrees(f"{spec.display} @ {length}: vLLM {answer.vllm} and transformers disagree on the "
-                              f"cell's first example: mean NLL {-float(theirs.mean()):.6g} vs {-float(ours.mean()):.6g}"
-                              f" nats (|Δ| {d_mean:.3g} > tolerance {tol:g}; max |Δ log p| {max_d:.3g}); the cell "
-                              "is not recorded")
-    parts = task.engine_parts(examples, results, length)
-    from ropescale.strategies import get_strategy
-
-    metrics = task.combine([parts], examples, length=length, strategy=get_strategy(spec.name))
-    return {**metrics, "engine": "vllm", "engine_version": answer.vllm,
-            "parity": {"mean_nll_diff": d_mean, "max_abs_dlogp": max_d, "tokens": int(ours.numel()),
-                       "tolerance": tol, "against": f"transformers {scoring_engine(DEFAULT).version()}"},
-            "engine_start_seconds": round(answer.start_seconds, 3),
-            "engine_score_seconds": round(answer.score_seconds, 3),
-            "examples": len(examples), "vllm_export": exp.notes}

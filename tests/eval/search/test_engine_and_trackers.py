@@ -99,7 +99,7 @@ def test_absent_vllm_and_a_stray_vllm_section_are_one_line(tmp_path, raw, monkey
     with pytest.raises(ConfigError, match=r"^config: engine: vllm: vLLM is not installed.*bench/engines/install.sh"):
         run_search(build_search_config({**raw, "engine": "vllm"}), tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
-    with pytest.raises(ConfigError, match=r"vllm: options of engine: vllm, but engine is transformers"):
+    with pytest.raises(ConfigError, match=r"vllm: settings of engine: vllm, but this config's engine is transformers"):
         build_search_config({**raw, "vllm": {"tensor_parallel_size": 2}})
 
 
