@@ -190,8 +190,10 @@ def summary_text(summary: dict[str, Any], output: str | Path) -> str:
             lines.append(f"  {r['strategy']:<28} pairs: {counts}; aliasing at r = {r['alias_distance']}; "
                          f"first B(m) < 0 at m = {r['base_bound_first_negative']}")
         else:
+            groups = r.get("max_relative_position_per_group")
+            per = f"; per pair group, fastest first: {', '.join(f'{x:g}' for x in groups)}" if groups else ""
             lines.append(f"  {r['strategy']:<28} relative positions up to {r['max_relative_position']:g} "
-                         f"(window {r['window']})")
+                         f"(window {r['window']}{per})")
     lines.append(f"  smallest base keeping B(m) >= 0 for m < {length} at d = {summary['dim']}: "
                  f"{summary['smallest_base_for_length']:.4g}")
     lines.append(f"written to {output}/: {', '.join(summary['files'])}, summary.json")
@@ -213,12 +215,15 @@ def _strategy_summary(spec: StrategySpec, cfg: RotaryConfig, length: int, pairs:
     if not isinstance(out, RopeFrequencies):  # a relative-position rule: relative positions, not frequencies
         # the map on a grid of at most GRID × GRID positions (what the figure shows), never [L, L]
         grid = torch.arange(0, length, -(-length // GRID), dtype=torch.float64)[None]  # [1, g], g ≤ GRID
-        p = out.relative_positions(grid, grid)[0].tril()  # [g, g]
+        p = out.relative_positions(grid, grid)[0]  # [g, g], or [g, g, G] per pair group (DPE)
+        p = (p.permute(2, 0, 1) if p.dim() == 3 else p).tril()  # [g, g] or [G, g, g]
         # the largest position attention sees is on the last query's row: [1, L], O(L)
         last = out.relative_positions(torch.tensor([[length - 1.0]], dtype=torch.float64),
                                       torch.arange(length, dtype=torch.float64)[None])
         record |= {"kind": "relative rule", "window": out.window, "max_relative_position": float(last.max()),
                    "_p": p}
+        if last.dim() == 4:  # per pair group, the fastest pairs first
+            record["max_relative_position_per_group"] = last[0, 0].amax(0).tolist()
         return record
     theta = out.inv_freq.double()
     classes = geo.classify_pairs(cfg.inv_freq, theta, cfg.train_length, length)

@@ -81,11 +81,17 @@ def plot_relative_positions(cfg, rows: list[dict], length: int, path: Path) -> N
         path: the PNG written.
     """
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(rows), figsize=(4.2 * len(rows), 3.8), squeeze=False)
-    for ax, r in zip(axes[0], rows):
-        p = r["_p"].numpy()  # [≤256, ≤256]: the map on a grid (eval.inspect)
-        im = ax.imshow(p, cmap="viridis", origin="upper", extent=(0, length, length, 0))
-        ax.set_title(f"{r['strategy']} (window {r['window']})", fontsize=9)
+    maps = []  # (title, map [≤256, ≤256] on a grid (eval.inspect)): a rule per pair group draws one per group
+    for r in rows:
+        p = r["_p"]
+        if p.dim() == 3:  # [G, g, g]
+            maps += [(f"{r['strategy']}, pair group {k} (window {r['window']})", p[k]) for k in range(p.shape[0])]
+        else:
+            maps.append((f"{r['strategy']} (window {r['window']})", p))
+    fig, axes = plt.subplots(1, len(maps), figsize=(4.2 * len(maps), 3.8), squeeze=False)
+    for ax, (title, p) in zip(axes[0], maps):
+        im = ax.imshow(p.numpy(), cmap="viridis", origin="upper", extent=(0, length, length, 0))
+        ax.set_title(title, fontsize=9)
         ax.set_xlabel("key position j", fontsize=8)
         ax.set_ylabel("query position i", fontsize=8)
         fig.colorbar(im, ax=ax, shrink=0.8, label="p(i, j)")

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from ropescale.attention.regions import RegionAttention, RegionPlan, band_calls, causal_calls, chunk_calls, near_block
-from ropescale.strategies.truncation import Region, RelativeRule
+from ropescale.strategies.truncation import Region, RelativeRule, pair_groups, per_pair
 
 __all__ = ["blocked_attention", "fused_attention", "fused_route", "naive_attention", "rotate", "slot_offsets"]
 
@@ -52,12 +52,20 @@ def _pairs(x: torch.Tensor, d: int, interleaved: bool) -> tuple[torch.Tensor, to
 
 def rope_tables(pos: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin ``[b, 1, s, d/2]`` for float positions ``pos`` ``[b, s]``, as transformers computes
-    them (float32 angles, × ``scaling``, cast to ``dtype``)."""
-    angles = pos.float()[..., None] * inv_freq.to(pos.device).float()  # [b, s, d/2]
-    cos, sin = angles.cos(), angles.sin()
+    them (float32 angles, × ``scaling``, cast to ``dtype``); positions per pair group ``[b, s, G]``
+    turn each pair by its group's (``per_pair``)."""
+    cos, sin = _unit_tables(pos, inv_freq)
     if scaling != 1.0:
         cos, sin = cos * scaling, sin * scaling
     return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+
+
+def _unit_tables(pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[b, s, d/2]`` float32 of the angles p·θ_f (float32, as transformers), p ``[b, s]`` or per
+    pair group ``[b, s, G]``."""
+    inv = inv_freq.to(pos.device).float()
+    angles = per_pair(pos.float(), inv.numel()) * inv  # [b, s, d/2]
+    return angles.cos(), angles.sin()
 
 
 def apply_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
@@ -364,14 +372,20 @@ def naive_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling
     k1, k2 = _pairs(k, d, interleaved)  # [b, n_h, s_k, d/2]
     plain = q[..., d:] @ k[..., d:].transpose(-1, -2)  # channels past d do not rotate: [b, n_h, s_q, s_k]
 
-    def scores(p: torch.Tensor) -> torch.Tensor:  # p [b, s_q, s_k] → scaled, soft-capped scores [b, n_h, s_q, s_k]
-        s = plain
+    group = pair_groups(d // 2, rule.groups).tolist()  # pair f's group (all 0 for one position per token)
+
+    def rotary(p: torch.Tensor) -> torch.Tensor:
+        """Σ_f of pair f's score at p ``[b, s_q, s_k]`` (or per group ``[b, s_q, s_k, G]``)."""
+        s = 0
         for f in range(d // 2):  # pair f: A_f = q1 k1 + q2 k2, B_f = q1 k2 − q2 k1, each [b, n_h, s_q, s_k]
             a1, a2 = q1[..., f, None], q2[..., f, None]  # [b, n_h, s_q, 1]
             b1, b2 = k1[..., None, :, f], k2[..., None, :, f]  # [b, n_h, 1, s_k]
-            angle = p[:, None] * theta[f]  # [b, 1, s_q, s_k]
+            angle = (p[..., group[f]] if p.dim() == 4 else p)[:, None] * theta[f]  # [b, 1, s_q, s_k]
             s = s + ((a1 * b1 + a2 * b2) * angle.cos() + (a1 * b2 - a2 * b1) * angle.sin()) * scaling**2
-        return _softcap(s * scale, softcap)
+        return s
+
+    def scores(p: torch.Tensor) -> torch.Tensor:  # p [b, s_q, s_k(, G)] → scaled, soft-capped scores [b, n_h, s_q, s_k]
+        return _softcap((plain + rotary(p)) * scale, softcap)
 
     qp, kp = q_pos.double(), k_pos.double()
     vis = _visible(torch.arange(s_k - s_q, s_k, device=q.device), torch.arange(s_k, device=q.device),

@@ -11,7 +11,10 @@ STRING) or by *chunk distance* (lo ≤ ⌊i/c⌋ − ⌊j/c⌋ < hi for chunks o
 Attention). hi = None is unbounded.
 
 Positions are in tokens; q_at, k_at map ``[b, s]`` float positions to ``[b, s]`` float positions
-(None: the identity). Legend: b batch, s positions, w/W windows, c chunk length [tokens].
+(None: the identity), or to one position per *pair group* ``[b, s, G]`` (DPE: rotary pair f of P
+sits at the position of group ⌊f·G/P⌋, ``pair_groups``; rotation is elementwise per pair, so the
+kernels turn each pair by its own angle). Legend: b batch, s positions, w/W windows, c chunk
+length [tokens], G pair groups, P = d/2 rotary pairs.
 """
 
 from __future__ import annotations
@@ -26,9 +29,25 @@ import torch
 from ropescale.errors import InvalidInput
 from ropescale.strategies.registry import Param, register
 
-__all__ = ["Region", "RelativeRule", "dca", "leaky_rerope", "rerope", "self_extend", "string"]
+__all__ = ["Region", "RelativeRule", "dca", "leaky_rerope", "pair_groups", "per_pair", "rerope",
+           "self_extend", "string"]
 
 PositionMap = Callable[[torch.Tensor], torch.Tensor]
+
+
+def pair_groups(n_pairs: int, n_groups: int, device=None) -> torch.Tensor:
+    """The pair group of each rotary pair ``[n_pairs]`` int64: pair f is in group ⌊f·G/P⌋ (P =
+    ``n_pairs``, G = ``n_groups``): G equal contiguous groups when G divides P (DPE's 8 groups of 8 of a
+    128-dim head), fastest pairs first."""
+    return torch.arange(n_pairs, device=device) * n_groups // n_pairs
+
+
+def per_pair(pos: torch.Tensor, n_pairs: int) -> torch.Tensor:
+    """A position map's output ``[b, s]`` or ``[b, s, G]`` → positions broadcastable per rotary pair:
+    ``[b, s, 1]`` (one per token) or ``[b, s, P]`` (each pair its group's, ``pair_groups``) [tokens]."""
+    if pos.dim() == 3:
+        return pos[..., pair_groups(n_pairs, pos.shape[-1], pos.device)]
+    return pos[..., None]
 
 
 @dataclass(frozen=True)
@@ -102,13 +121,36 @@ class RelativeRule:
         """True when a region is selected by chunk (its pieces depend on absolute positions)."""
         return any(r.chunk for r in self.regions + self.prefill_extra)
 
+    @cached_property
+    def groups(self) -> int:
+        """G, the pair groups of the rule's position maps (1: one position per token); read from the
+        maps' output on two positions, so a rule declares nothing."""
+        probe = torch.zeros(1, 2)
+        sizes = {1}
+        for r in self.regions:
+            for f in (r.q_at, r.k_at):
+                out = None if f is None else f(probe)
+                if out is not None and out.dim() == 3:
+                    sizes.add(out.shape[-1])
+        return max(sizes)
+
     def relative_positions(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """The explicit matrix p ``[b, s_q, s_k]`` of the partition (for the naive reference
-        path, inspection and tests); pairs with j > i get i − j."""
+        path, inspection and tests), ``[b, s_q, s_k, G]`` per pair group for a grouped rule (DPE);
+        pairs with j > i get i − j."""
         i, j = q_pos[:, :, None], k_pos[:, None, :]
         p = i - j
+        groups = self.groups
+        if groups > 1:
+            p = p[..., None].expand(*p.shape, groups)
         for r in self.partition:
-            here = _at(r.q_at, q_pos)[:, :, None] - _at(r.k_at, k_pos)[:, None, :]
+            q_at, k_at = _at(r.q_at, q_pos), _at(r.k_at, k_pos)
+            if groups > 1:  # every side per group: [b, s, G]
+                q_at, k_at = (x if x.dim() == 3 else x[..., None].expand(*x.shape, groups) for x in (q_at, k_at))
+                here = q_at[:, :, None] - k_at[:, None, :]
+                p = torch.where((r.contains(i, j) & (j <= i))[..., None], here, p)
+                continue
+            here = q_at[:, :, None] - k_at[:, None, :]
             p = torch.where(r.contains(i, j) & (j <= i), here, p)
         return p
 
