@@ -16,6 +16,7 @@ import json
 import logging
 import time
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -24,7 +25,6 @@ from pydantic import ValidationError
 
 from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.models import resolve_device
-from ropescale.patching import patch
 from ropescale.runs.config import error_parts
 from ropescale.runs.lifecycle import (
     RunInputs,
@@ -40,6 +40,7 @@ from ropescale.runs.processes import process_state
 from ropescale.runs.protocol import RunFolder, RunKind, execute_run
 from ropescale.strategies import get_strategy
 
+from .cells import Bench, Cell
 from .config import EvalConfig, StrategySpec, resolved_dtype
 from .engines.scoring import DEFAULT, scoring_engine
 from .report import write_reports
@@ -149,71 +150,74 @@ def resolve_cells(cfg: EvalConfig, train_length: int) -> dict[tuple[str, int], d
     return out
 
 
-def _check_output(model, spec: StrategySpec, length: int, train_length: int, params: dict) -> str | None:
+def _check_output(model, cell: Cell) -> str | None:
     """The cell's strategy computed on ``model`` as the cell will patch it (``check_strategy``): a strategy
     whose output is not frequencies (NaN, a wrong shape, a list, a NaN attention factor) is refused
     before the manifest is written — a refused run leaves no folder — in one line naming the cell. Returns
     the rotation's fingerprint (``rotation_fingerprint``; None where the cell must run whatever it is)."""
+    spec = cell.spec
     try:
-        return check_strategy(model, spec.name, length=length, original_max_position_embeddings=train_length,
-                              logn=spec.logn, temperature=spec.temperature, **params)
+        return check_strategy(model, spec.name, length=cell.length, original_max_position_embeddings=cell.train_length,
+                              logn=spec.logn, temperature=spec.temperature, **cell.params)
     except InvalidInput as e:
         if type(e) is not InvalidInput:  # a refusal of its own kind (the model's attention, ...) as it is
             raise
-        raise InvalidInput(f"strategy {spec.display} at length {length} (training window T = {train_length}): "
-                           f"{' '.join(str(e).split())}") from None
+        raise InvalidInput(f"strategy {spec.display} at length {cell.length} (training window T = "
+                           f"{cell.train_length}): {' '.join(str(e).split())}") from None
 
 
-def _score_cell(cfg: EvalConfig, task: Task, model, examples, spec: StrategySpec, length: int, train_length: int,
-                device, progress: bool, state, output: Path) -> dict:
-    """Patch, measure this process's share of the examples, gather the parts, combine, unpatch;
-    the cell's record (without id and environment)."""
-    strat = get_strategy(spec.name)
-    params = spec.resolve(length=length, train_length=train_length, context=configured_context(cfg.model))
-    note = None
-    if strat.kind == "attention" and params.get("window", 0) >= length:
-        note = (f"window {params['window']} >= length {length}: the rule never applies at this length, "
+def _note(spec: StrategySpec, params: dict, length: int) -> str | None:
+    """Why the cell equals vanilla RoPE by construction (an attention rule whose window is ≥ L), or None."""
+    if get_strategy(spec.name).kind == "attention" and params.get("window", 0) >= length:
+        return (f"window {params['window']} >= length {length}: the rule never applies at this length, "
                 "so this cell equals vanilla RoPE")
-        logging.getLogger("ropescale").warning("%s @ %d: %s", spec.display, length, note)
+    return None
+
+
+def _score_cell(cell: Cell, examples, bench: Bench) -> dict:
+    """Patch, measure this process's share of the examples (or hand the cell to its scoring engine), gather
+    the parts, combine, unpatch; the cell's record (without id and environment)."""
+    cfg, spec, length = bench.cfg, cell.spec, cell.length
+    if cell.note:
+        logging.getLogger("ropescale").warning("%s: %s", cell.where, cell.note)
     t0 = time.perf_counter()
-    share = list(range(state.process_index, len(examples), state.num_processes))
     scorer = scoring_engine(cfg.engine)
     engine = {"engine": scorer.name, "engine_version": scorer.version()} if scorer.in_process else {}
     try:
         if not scorer.in_process:  # the engine scores the cell from the task's requests (eval.engines.scoring)
-            result = scorer.score_cell(cfg, task, model, examples, spec, params, length, train_length, device, output)
+            result = scorer.score_cell(cell, examples, bench)
         else:
-            result = _measure(cfg, task, model, examples, share, spec, strat, params, length, train_length, device,
-                              progress, state, output)
+            result = _measure(cell, examples, bench)
     except (RuntimeError, MemoryError) as e:
         if not _out_of_memory(e):
             raise
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise InsufficientMemoryError(
-            f"{spec.display} @ {length}: out of memory on {device} ({first}); the cells finished before it are "
+            f"{cell.where}: out of memory on {bench.device} ({first}); the cells finished before it are "
             f"saved, so a rerun resumes: drop length {length} and longer from lengths, or use a device with more "
             "memory") from None
     seconds = time.perf_counter() - t0
-    return {"task": cfg.task, "strategy": spec.display, "name": spec.name, "params": params, "logn": spec.logn,
+    return {"task": cfg.task, "strategy": spec.display, "name": spec.name, "params": cell.params, "logn": spec.logn,
             **({"temperature": spec.temperature} if spec.temperature else {}), "length": length,
-            "train_length": train_length, "model": cfg.model,
-            "data": cfg.data.spec().describe() if task.uses_data else None, "options": cfg.options.key(),
-            "dtype": cfg.dtype, "device": str(device), **engine, **result, **({"note": note} if note else {}),
-            "seconds": round(seconds, 3)}
+            "train_length": cell.train_length, "model": cfg.model,
+            "data": cfg.data.spec().describe() if bench.task.uses_data else None, "options": cfg.options.key(),
+            "dtype": cfg.dtype, "device": str(bench.device), **engine, **result,
+            **({"note": cell.note} if cell.note else {}), "seconds": round(seconds, 3)}
 
 
-def _measure(cfg: EvalConfig, task: Task, model, examples, share: list[int], spec: StrategySpec, strat, params: dict,
-             length: int, train_length: int, device, progress: bool, state, output: Path) -> dict:
+def _measure(cell: Cell, examples, bench: Bench) -> dict:
     """The transformers engine: this process's share measured on the patched model, the parts
     gathered and combined; what the patch does per layer goes to the manifest (``record_patch``)."""
-    with patch(model, spec.name, original_max_position_embeddings=train_length, logn=spec.logn,
-               temperature=spec.temperature, **params) as handle:
+    state, task = bench.state, bench.task
+    strat = get_strategy(cell.spec.name)
+    share = list(range(state.process_index, len(examples), state.num_processes))
+    with cell.patch(bench.model) as handle:
         if state.is_main_process:
-            record_patch(output, spec.display, handle.report())
-        part = task.measure(model, examples, share, length=length, strategy=strat, device=device,
-                            desc=f"{spec.display} @ {length}" if progress else None)
+            record_patch(bench.output, cell.spec.display, handle.report())
+        part = task.measure(bench.model, examples, share, length=cell.length, strategy=strat, device=bench.device,
+                            desc=cell.where if bench.progress else None)
     parts = gather_object([part]) if state.num_processes > 1 else [part]
-    return task.combine(parts, examples, length=length, strategy=strat)
+    return task.combine(parts, examples, length=cell.length, strategy=strat)
 
 
 def _out_of_memory(err: BaseException) -> bool:
@@ -291,14 +295,22 @@ def run_sweep(cfg: EvalConfig, output: str | Path, *, progress: bool = True) -> 
     return execute_run(Sweep(cfg, progress=progress), output)
 
 
-def _same_as(record: dict, spec: StrategySpec, cid: str, params: dict) -> dict:
-    """``record``'s numbers as the record of cell ``cid`` (strategy ``spec`` with its resolved ``params``),
-    whose patch rotates bit for bit as ``record``'s did (``rotation_fingerprint``), with ``same_as`` naming
-    the measured cell."""
+def _same_as(record: dict, cell: Cell) -> dict:
+    """``record``'s numbers as the record of ``cell``, whose patch rotates bit for bit as ``record``'s did
+    (``rotation_fingerprint``), with ``same_as`` naming the measured cell."""
+    spec = cell.spec
     out = {k: v for k, v in record.items() if k not in ("temperature", "note", "same_as")}
-    return {**out, "cell": cid, "strategy": spec.display, "name": spec.name, "params": params, "logn": spec.logn,
-            **({"temperature": spec.temperature} if spec.temperature else {}),
+    return {**out, "cell": cell.id, "strategy": spec.display, "name": spec.name, "params": cell.params,
+            "logn": spec.logn, **({"temperature": spec.temperature} if spec.temperature else {}),
             "same_as": record.get("same_as") or record["strategy"], "seconds": 0.0}
+
+
+def _resolved_cell(model, spec: StrategySpec, length: int, cid: str, params: dict, train_length: int) -> Cell:
+    """The cell of ``spec`` at ``length`` with its resolved ``params``, its note and its rotation's
+    fingerprint on ``model`` (``_check_output``: a strategy whose output is not frequencies refused here)."""
+    cell = Cell(spec=spec, length=length, id=cid, params=params, train_length=train_length,
+                note=_note(spec, params, length))
+    return replace(cell, rotation=_check_output(model, cell))
 
 
 class Sweep(RunKind):
@@ -318,7 +330,7 @@ class Sweep(RunKind):
         self.cfg = cfg.model_copy(update={"dtype": resolved_dtype(cfg.dtype, self.device)})  # recorded resolved
         self.task_cls = get_task(cfg.task)
         self.progress = progress and state.is_main_process
-        self.todo: list = []
+        self.todo: list[Cell] = []  # the cells left to score, resolved in prepare
 
     def check(self) -> None:
         cfg = self.cfg
@@ -338,61 +350,65 @@ class Sweep(RunKind):
     def prepare(self, inputs: RunInputs, folder: RunFolder) -> None:
         cfg, results_path = self.cfg, folder.path / RESULTS
         self.done = {r["cell"]: r for r in read_results(results_path) if "cell" in r}
-        self.cells = [(length, spec, cell_id(folder.experiment, spec, length))
-                      for length in cfg.lengths for spec in cfg.strategies]
-        self.todo = [c for c in self.cells if c[2] not in self.done]
-        if self.progress and len(self.todo) < len(self.cells):
-            print(f"resuming: {len(self.cells) - len(self.todo)} of {len(self.cells)} cells already in {results_path}")
-        if not self.todo:
+        self.grid = [(spec, length, cell_id(folder.experiment, spec, length))  # every cell's id, in record order
+                     for length in cfg.lengths for spec in cfg.strategies]
+        left = [g for g in self.grid if g[2] not in self.done]
+        if self.progress and len(left) < len(self.grid):
+            print(f"resuming: {len(self.grid) - len(left)} of {len(self.grid)} cells already in {results_path}")
+        if not left:
             return
         # a patch saved with the model is removed: it would stack under the sweep's strategies
-        self.model = load_run_model(cfg.model, inputs, dtype=cfg.dtype, device=str(self.device),
-                                    device_map=cfg.device_map, local_attention=True)
+        model = load_run_model(cfg.model, inputs, dtype=cfg.dtype, device=str(self.device),
+                               device_map=cfg.device_map, local_attention=True)
         if cfg.device_map:
-            self.device = self.model.get_input_embeddings().weight.device  # inputs go where the embeddings are
-        self.train_length = loaded_window(self.model, cfg.model, cfg.original_max_position_embeddings, purpose="sweep")
-        self.params = cells = resolve_cells(cfg, self.train_length)  # the loaded model's T: every cell again
+            self.device = model.get_input_embeddings().weight.device  # inputs go where the embeddings are
+        train_length = loaded_window(model, cfg.model, cfg.original_max_position_embeddings, purpose="sweep")
+        resolved = resolve_cells(cfg, train_length)  # the loaded model's T: each cell's parameters, once
         # each cell's strategy output on this model, before the manifest; its rotation's fingerprint
-        self.rotation = {cid: _check_output(self.model, spec, length, self.train_length, cells[spec.display, length])
-                         for length, spec, cid in self.todo}
-        self.task = self.task_cls(cfg.options, tokenizer=inputs.tokenizer, train_length=self.train_length,
-                                  documents=inputs.docs,
-                                  source=cfg.data.spec().describe() if self.task_cls.uses_data else None)
-        lengths = sorted({c[0] for c in self.todo})
-        _check_memory(self.task, self.model, lengths, None if cfg.device_map else self.device)
+        self.todo = [_resolved_cell(model, spec, length, cid, resolved[spec.display, length], train_length)
+                     for spec, length, cid in left]
+        task = self.task_cls(cfg.options, tokenizer=inputs.tokenizer, train_length=train_length, documents=inputs.docs,
+                             source=cfg.data.spec().describe() if self.task_cls.uses_data else None)
+        self.bench = Bench(cfg=cfg, task=task, model=model, device=self.device, output=folder.path, state=self.state,
+                           progress=self.progress)
+        lengths = sorted({c.length for c in self.todo})
+        _check_memory(task, model, lengths, None if cfg.device_map else self.device)
         # build every length's examples first: data or lengths that cannot work fail before any cell runs
-        self.examples = {length: self.task.examples(length) for length in lengths}
+        self.examples = {length: task.examples(length) for length in lengths}
 
-    def _same_rotation(self, length: int, rotation: str | None) -> dict | None:
-        """A finished cell of this experiment at ``length`` whose patch rotates as ``rotation`` does."""
-        if rotation is None:
+    def _same_rotation(self, cell: Cell) -> dict | None:
+        """A finished cell of this experiment at ``cell``'s length whose patch rotates as ``cell``'s does."""
+        if cell.rotation is None:
             return None
-        return next((r for r in self.done.values() if r.get("length") == length and r.get("rotation") == rotation
-                     and r.get("experiment", self.experiment) == self.experiment), None)
+        return next((r for r in self.done.values() if r.get("length") == cell.length
+                     and r.get("rotation") == cell.rotation and r.get("experiment", self.experiment) == self.experiment),
+                    None)
+
+    def _record(self, cell: Cell) -> dict:
+        """The cell's record: a finished cell's numbers when ``cell`` rotates bit for bit as it does, else
+        the cell scored (``_score_cell``)."""
+        same = self._same_rotation(cell)
+        if same is not None:  # a cell that rotates bit for bit as one measured: its numbers, not rerun
+            return _same_as(same, cell)
+        return {"schema": SCHEMA_VERSION, "cell": cell.id, "experiment": self.experiment,
+                **_score_cell(cell, self.examples[cell.length], self.bench),
+                **({"rotation": cell.rotation} if cell.rotation else {}), "env": self.env}
 
     def execute(self, folder: RunFolder) -> list[dict]:
-        cfg, state, done = self.cfg, self.state, self.done
+        state, done = self.state, self.done
         self.experiment = folder.experiment
         if self.todo:
             with _append_safely(folder.path / RESULTS) if state.is_main_process else nullcontext() as sink:
-                for length, spec, cid in self.todo:
-                    rotation = self.rotation.get(cid)
-                    same = self._same_rotation(length, rotation)
-                    if same is not None:  # a cell that rotates bit for bit as one measured: its numbers, not rerun
-                        record = _same_as(same, spec, cid, self.params[spec.display, length])
-                    else:
-                        record = {"schema": SCHEMA_VERSION, "cell": cid, "experiment": folder.experiment,
-                                  **_score_cell(cfg, self.task, self.model, self.examples[length], spec, length,
-                                                self.train_length, self.device, self.progress, state, folder.path),
-                                  **({"rotation": rotation} if rotation else {}), "env": self.env}
+                for cell in self.todo:
+                    record = self._record(cell)
                     if sink is not None:
                         sink.write(json.dumps(record) + "\n")
                         sink.flush()  # written as it completes: a rerun resumes from here
-                    done[cid] = record
+                    done[cell.id] = record
                     if self.progress:
-                        print(f"{spec.display:>24} @ {length:>6}: {_headline(self.task_cls, record)} "
+                        print(f"{cell.spec.display:>24} @ {cell.length:>6}: {_headline(self.task_cls, record)} "
                               f"({record['seconds']:.1f}s)", flush=True)
-        records = [done[cid] for _, _, cid in self.cells]
+        records = [done[cid] for _, _, cid in self.grid]
         if state.is_main_process:
             write_reports(_report_records(records, done.values(), folder.experiment), folder.path)
         state.wait_for_everyone()

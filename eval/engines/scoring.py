@@ -6,8 +6,10 @@ answers. A task that an engine outside this process can score declares what it a
 ``Task.engine_asks`` — ``"logprobs"`` (each prompt token's log-probability) and/or ``"generate"``
 (greedy tokens after a prompt) — and turns a cell's examples into requests (``Task.engine_requests``:
 ``{"ids", "max_tokens", "prompt_logprobs"}`` each) and the answers back into its part for ``combine``
-(``Task.engine_parts``). A scoring engine declares what it answers (``answers``) and scores a cell
-from those requests (``score_cell``); a task is scored by an engine when the engine answers every
+(``Task.engine_parts``). A scoring engine declares what it answers (``answers``) and answers requests
+under one live patch (``answer``; ``eval.engines.answering``), through which a sweep's cell
+(``score_cell(cell, examples, bench)``, ``eval.cells``) and a search's candidate are scored
+(``score_requests``); a task is scored by an engine when the engine answers every
 kind of request the task asks. No task name lives in an engine module and no engine name in the
 sweep: ``scoring_engine(cfg.engine)`` is all the sweep asks for.
 
@@ -24,7 +26,7 @@ log-probabilities where asked — finite, none above 0 by more than rounding —
 generated token ids, the tokens of a generation request present); a cell whose answers were not
 passed through ``engine_parts``, or whose metrics lack the task's, is refused too. Each is
 ``ScoringEngineFailed``, one line naming the engine and the cell, before anything is recorded. An
-exception raised inside a plugin's engine (``check``, ``score_cell``, ``version``) is that engine's
+exception raised inside a plugin's engine (``check``, ``score_cell``, ``answer``, ``version``) is that engine's
 failure, one line naming it and its message (``scoring engine 'x' failed: RuntimeError: …``); a
 bundled engine's (a module of this package) surfaces as it is: a bug of ropescale's.
 
@@ -39,7 +41,7 @@ import functools
 import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -183,13 +185,11 @@ def _contracted(score_cell: Callable) -> Callable:
     """An engine's ``score_cell`` held to the contract (see the module docstring)."""
 
     @functools.wraps(score_cell)
-    def scored(self, cfg, task, model, examples, spec, params: dict, length: int, train_length: int, device,
-               output: Path) -> dict[str, Any]:
-        where = f"{spec.display} @ {length}"
+    def scored(self, cell, examples, bench) -> dict[str, Any]:
+        where, task = cell.where, bench.task
         asked = task if isinstance(task, AnsweringTask) else AnsweringTask(task, self.label, where)
         with _failures_named(self, where):
-            result = score_cell(self, cfg, asked, model, examples, spec, params, length, train_length, device,
-                                output)
+            result = score_cell(self, cell, examples, replace(bench, task=asked))
         problem = None
         if not asked.answered:
             problem = "returned the cell without passing its answers through the task (Task.engine_parts)"
@@ -349,30 +349,30 @@ class ScoringEngine:
         when this patch cannot be served (one line)."""
         raise NotImplementedError(f"{self.label} answers no requests outside a sweep's cells (no answer())")
 
-    def score_cell(self, cfg, task, model, examples, spec, params: dict, length: int, train_length: int, device,
-                   output: Path) -> dict[str, Any]:
-        """The cell's metrics (``task.combine``'s) plus ``engine`` and ``engine_version`` (and ``parity``, the
-        engine's record): the task's requests answered under the cell's patch (``answer``). Raises
-        ``ConfigError`` for what it cannot serve at this cell (one line)."""
-        from ropescale.patching import patch
+    def score_cell(self, cell, examples, bench) -> dict[str, Any]:
+        """The metrics of ``cell`` (``eval.cells.Cell``: a strategy at a length, its parameters resolved) on
+        ``examples`` (the task's at the cell's length), scored on ``bench`` (``eval.cells.Bench``: config, task,
+        model, device, run folder): ``task.combine``'s metrics plus ``engine`` and ``engine_version`` (and
+        ``parity``, the engine's record). The default hands the task's requests to ``answer`` under the cell's
+        patch (``score_requests``). Raises ``ConfigError`` for what it cannot serve at this cell (one line)."""
         from ropescale.serving.rope import ExportRefused
         from ropescale.strategies import get_strategy
 
-        where = f"{spec.display} @ {length}"
+        task, length, output = bench.task, cell.length, Path(bench.output)
         reqs, checked = task.engine_requests(examples)
-        with patch(model, spec.name, original_max_position_embeddings=train_length, logn=spec.logn,
-                   temperature=spec.temperature, **params) as handle:
+        with cell.patch(bench.model) as handle:
             # dynamic NTK: the one scale the transformers engine uses for a whole window of L
             freeze = length if handle.strategy_obj.served == "freeze" else None
-            serving = Serving(handle=handle, model=model, tokenizer=task.tokenizer, source=cfg.model, dtype=cfg.dtype,
-                              options=self.section(cfg), folder=Path(output) / self.name / slug(spec.display, length),
-                              log_dir=Path(output) / "logs", where=where, device=device, freeze=freeze)
+            serving = Serving(handle=handle, model=bench.model, tokenizer=task.tokenizer, source=bench.cfg.model,
+                              dtype=bench.cfg.dtype, options=self.section(bench.cfg),
+                              folder=output / self.name / slug(cell.spec.display, length), log_dir=output / "logs",
+                              where=cell.where, device=bench.device, freeze=freeze)
             try:
                 scored = self.score_requests(reqs, checked, serving)
             except ExportRefused as e:
-                raise ConfigError(f"{where}: {e} (engine: {self.name})") from None
+                raise ConfigError(f"{cell.where}: {e} (engine: {self.name})") from None
         metrics = task.combine([task.engine_parts(examples, scored.results, length)], examples, length=length,
-                               strategy=get_strategy(spec.name))
+                               strategy=get_strategy(cell.spec.name))
         return {**metrics, "engine": self.name, "engine_version": scored.version,
                 **({"parity": scored.parity} if scored.parity is not None else {}), **scored.record,
                 "examples": len(examples)}

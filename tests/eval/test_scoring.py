@@ -23,16 +23,16 @@ class LogprobsOnly(ScoringEngine):
     name = "logprobs-only-test"
     answers = frozenset({"logprobs"})
 
-    def score_cell(self, cfg, task, model, examples, spec, params, length, train_length, device, output):
-        from ropescale import patch
+    def score_cell(self, cell, examples, bench):
         from ropescale.strategies import get_strategy
 
+        task, length = bench.task, cell.length
         reqs, _ = task.engine_requests(examples)
-        with patch(model, spec.name, original_max_position_embeddings=train_length, **params):
-            results = [{"logprobs": transformers_logprobs(model, r["ids"], device).tolist(), "tokens": []}
+        with cell.patch(bench.model):
+            results = [{"logprobs": transformers_logprobs(bench.model, r["ids"], bench.device).tolist(), "tokens": []}
                        for r in reqs]
         parts = task.engine_parts(examples, self.sent(results, length), length)
-        return {**task.combine([parts], examples, length=length, strategy=get_strategy(spec.name)),
+        return {**task.combine([parts], examples, length=length, strategy=get_strategy(cell.spec.name)),
                 "engine": self.name, "engine_version": "test"}
 
     def sent(self, results: list[dict], length: int) -> list[dict]:
@@ -196,7 +196,8 @@ class Generating(ScoringEngine):
     name = "generating-test"
     answers = frozenset({"logprobs", "generate"})
 
-    def score_cell(self, cfg, task, model, examples, spec, params, length, train_length, device, output):
+    def score_cell(self, cell, examples, bench):
+        task, length = bench.task, cell.length
         reqs, _ = task.engine_requests(examples)
         results = [{"logprobs": [-1.0] * (len(r["ids"]) - 1) if r["prompt_logprobs"] else None,
                     "tokens": [] if r["prompt_logprobs"] else [7] * (r["max_tokens"] + 1)} for r in reqs]
@@ -230,7 +231,7 @@ class Bypassing(ScoringEngine):
     name = "bypassing-test"
     answers = frozenset({"logprobs"})
 
-    def score_cell(self, cfg, task, model, examples, spec, params, length, train_length, device, output):
+    def score_cell(self, cell, examples, bench):
         return {"ppl": 1.0, "nll": 0.0, "tokens": 10**6, "engine": self.name, "engine_version": "test"}
 
 

@@ -305,3 +305,26 @@ def test_a_cell_rotating_bit_for_bit_as_a_measured_one_takes_its_numbers(tmp_pat
     alone = run_sweep(build_config({**base, "lengths": [32], "strategies": ["linear"]}), tmp_path / "alone",
                       progress=False)
     assert alone[0]["ppl"] == pytest.approx(by["linear", 32]["ppl"], rel=1e-12) and "same_as" not in alone[0]
+
+
+def test_each_cells_parameters_are_resolved_once_when_the_sweep_prepares(tmp_path, tiny_model_dir, text_file,
+                                                                          monkeypatch):
+    """A cell is one object (``eval.cells.Cell``) resolved in ``prepare`` and handed whole to what scores it:
+    ``Strategy.resolve`` runs once per cell there, besides the check before anything loads (the config's T,
+    refusing a bad cell before the folder exists). Before issue 54 the scoring of each cell resolved it again."""
+    from ropescale.runs.config import StrategySpec
+
+    calls = []
+    resolve = StrategySpec.resolve
+
+    def counted(self, **kw):
+        calls.append((self.display, kw["length"]))
+        return resolve(self, **kw)
+
+    monkeypatch.setattr(StrategySpec, "resolve", counted)
+    records = run_sweep(config(tiny_model_dir, text_file, max_windows=1), tmp_path, progress=False)
+    cells = [(r["strategy"], r["length"]) for r in records]
+    assert sorted(calls) == sorted(cells * 2)
+    calls.clear()
+    run_sweep(config(tiny_model_dir, text_file, max_windows=1), tmp_path, progress=False)  # every cell done
+    assert sorted(calls) == sorted(cells)  # the check only: nothing left to prepare
