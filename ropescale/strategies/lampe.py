@@ -1,7 +1,7 @@
 """LaMPE: length-aware multi-grained positional encoding — a three-region rule whose middle region
 maps the prompt's positions onto a length that grows with the prompt.
 
-Notation: N the prompt length the rule is built for (``length``) [tokens], U(N) the mapped length,
+Notation: N the prompt length the rule is built for (``prompt_length``) [tokens], U(N) the mapped length,
 m(p) = ⌊p·U/(N − 1)⌋ the mapped position of position p, H = ``head``, r = ``tail``, i, j query and key
 positions (j ≤ i).
 
@@ -85,7 +85,7 @@ def lampe_bounds(n: int, use: int, head: int, tail: int, authors: bool = False) 
 
 
 @register("lampe", kind="attention", params=(
-    Param("length", kind=int, low=2, high=2**24, auto="length", log=True,
+    Param("prompt_length", kind=int, low=2, high=2**24, auto="length", log=True,
           help="N: the prompt length the map is built for [tokens]; a sweep uses L"),
     Param("head", 512, kind=int, low=1, high=2**24, log=True,
           help="H: the nearest H keys keep true distances [tokens]"),
@@ -104,7 +104,7 @@ def lampe_bounds(n: int, use: int, head: int, tail: int, authors: bool = False) 
                "maps in float32, as their forward does"),
 ), source="LaMPE: Length-aware Multi-grained Positional Encoding (ACL 2026), arXiv:2508.02308 "
           "(github.com/scar-on/LaMPE llama_cache1.py::forward and ::remap_uselen @ 4e3c91f)")
-def lampe(length: int, head: int, tail: int, fit: str, a: float | None, b: float | None, c: float | None,
+def lampe(prompt_length: int, head: int, tail: int, fit: str, a: float | None, b: float | None, c: float | None,
           use_length: int | None, attention_factor: float | None, prefill: str = "paper") -> RelativeRule:
     """LaMPE: p(i, j) = i − j below H; m(i) + β₁ − m(j) up to N − R; i − β₂ − j beyond (m(p) = ⌊p·U/(N − 1)⌋).
 
@@ -113,6 +113,7 @@ def lampe(length: int, head: int, tail: int, fit: str, a: float | None, b: float
     ``prefill="authors"``: keys at distance H and N − R counted twice in a prefill, m in float32 (their
     ``forward``). Raises ``InvalidInput`` when the tail would start inside the head (N − R ≤ H).
     """
+    length = prompt_length
     factor = 0.1 * math.log(2) + 1 if attention_factor is None else attention_factor
     if length < 2 * head:
         return RelativeRule((Region(0, None),), factor)
@@ -120,7 +121,7 @@ def lampe(length: int, head: int, tail: int, fit: str, a: float | None, b: float
     authors = prefill == "authors"
     bias_1, bias_2, start = lampe_bounds(length, use, head, tail, authors)
     if start <= head:
-        raise InvalidInput(f"lampe: the tail starts at distance {start}, inside the head (head={head}) for length="
+        raise InvalidInput(f"lampe: the tail starts at distance {start}, inside the head (head={head}) for prompt_length="
                            f"{length}, tail={tail} and U={use}: use a shorter tail or head")
     m = _mapping(use, length, authors)
     regions = (Region(0, head), Region(head, start, lambda i: m(i) + bias_1, m), Region(start, None,

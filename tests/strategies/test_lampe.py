@@ -88,7 +88,7 @@ def test_equals_the_authors_forward_on_the_tiny_llama(k, path):
     departs where their windows overlap (distances H and N − R), except for the short prompt (plain RoPE)."""
     p = GOLDEN["prompts"][k]
     model, ids = tiny_llama(), GOLDEN["ids"][:, : p["n"]]
-    params = {"length": p["n"], "head": p["head"], "tail": p["tail"], "use_length": p["use_length"]}
+    params = {"prompt_length": p["n"], "head": p["head"], "tail": p["tail"], "use_length": p["use_length"]}
     want = p["logits"].double()
     with torch.no_grad():
         with ropescale.patch(model, "lampe", attention_path=path, prefill="authors", **params):
@@ -121,7 +121,7 @@ def test_kernels_equal_a_float64_oracle_with_gradients(s_k, cached, n_kv, d):
 
 def test_cached_decoding_equals_full_forwards_and_training_gradients_the_naive_path():
     model, ids = tiny_llama(), GOLDEN["ids"]
-    params = {"length": 100, "head": 8, "tail": 5, "use_length": 40}
+    params = {"prompt_length": 100, "head": 8, "tail": 5, "use_length": 40}
     with torch.no_grad(), ropescale.patch(model, "lampe", **params):
         cache = DynamicCache(config=model.config)
         model(ids[:, :94], **with_cache(cache), use_cache=True)
@@ -141,17 +141,17 @@ def test_cached_decoding_equals_full_forwards_and_training_gradients_the_naive_p
 def test_registry_fits_ranges_search_space_and_refusals():
     strat = get_strategy("lampe")
     assert strat.kind == "attention" and "2508.02308" in strat.source and "4e3c91f" in strat.source
-    v = strat.validate({"length": 9000})
+    v = strat.validate({"prompt_length": 9000})
     assert (v["head"], v["tail"], v["fit"]) == (512, 200, "llama3")
     with pytest.raises(ValueError, match=r"lampe: parameter head=0 is out of range"):
-        strat.validate({"length": 9000, "head": 0})
+        strat.validate({"prompt_length": 9000, "head": 0})
     with pytest.raises(ValueError, match=r"fit='gpt'.*is not a choice"):
-        strat.validate({"length": 9000, "fit": "gpt"})
+        strat.validate({"prompt_length": 9000, "fit": "gpt"})
     with pytest.raises(InvalidInput, match=r"^lampe: the tail starts at distance \d+, inside the head \(head=40\)"):
         rule(100, 40, 70, 30)
     from eval.search.space import search_space
 
-    dims = {d.name: d for d in search_space("lampe", fixed={"length": 9000})}
+    dims = {d.name: d for d in search_space("lampe", fixed={"prompt_length": 9000})}
     assert {"a", "b", "c", "head", "tail"} <= set(dims)
     assert (dims["a"].low, dims["a"].high, dims["a"].log) == (1e-8, 1e-2, True)
 
@@ -160,7 +160,7 @@ def test_inspect_shows_it(tmp_path):
     from cli import main
 
     res = CliRunner().invoke(main, ["inspect", "--model", "reference", "--strategy",
-                                    "lampe:length=256,head=16,tail=8,use_length=64", "--length", "256", "-o",
+                                    "lampe:prompt_length=256,head=16,tail=8,use_length=64", "--length", "256", "-o",
                                     str(tmp_path)], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     row = json.loads((tmp_path / "summary.json").read_text())["strategies"][0]
@@ -169,5 +169,5 @@ def test_inspect_shows_it(tmp_path):
 
 
 def test_every_static_engine_refuses_it_in_one_line():
-    params = {"length": 100, "head": 8, "tail": 5}
+    params = {"prompt_length": 100, "head": 8, "tail": 5}
     assert {"vllm", "llama.cpp", "mlx", "sglang"} <= set(refused_by_static_engines("lampe", params))
