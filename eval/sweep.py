@@ -380,9 +380,9 @@ class Sweep(RunKind):
         """A finished cell of this experiment at ``cell``'s length whose patch rotates as ``cell``'s does."""
         if cell.rotation is None:
             return None
-        return next((r for r in self.done.values() if r.get("length") == cell.length
-                     and r.get("rotation") == cell.rotation and r.get("experiment", self.experiment) == self.experiment),
-                    None)
+        return next((r for r in self.done.values()
+                     if r.get("length") == cell.length and r.get("rotation") == cell.rotation
+                     and r.get("experiment", self.experiment) == self.experiment), None)
 
     def _record(self, cell: Cell) -> dict:
         """The cell's record: a finished cell's numbers when ``cell`` rotates bit for bit as it does, else

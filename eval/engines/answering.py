@@ -2,7 +2,8 @@
 engine outside this process, and the checks every answer passes before a number is made of it.
 
 A pipeline patches the loaded transformers model, describes where and how the patch is served (``Serving``)
-and asks ``engine.score_requests(requests, checked, serving)`` (``eval.engines.scoring.ScoringEngine``). The engine (``ScoringEngine.answer``) exports
+and asks ``engine.score_requests(requests, checked, serving)`` (``eval.engines.scoring.ScoringEngine``). The
+engine (``ScoringEngine.answer``) exports
 the live patch for itself, runs, and returns one answer per request (``Answered``). Then, whatever the engine:
 
 - the answers are checked against the requests (``eval.engines.scoring.check_answers``: one per request, each

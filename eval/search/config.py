@@ -24,8 +24,9 @@
     output: runs/search-yarn
 
 ``engine: NAME`` scores every candidate with that scoring engine, as eval's cells are (its section, e.g.
-``vllm:``, as eval's; ``eval.search.objective`` hands the engine the candidate's requests); ``report_to`` (fine-tuning's tracker names,
-``ropescale.runs.trackers``) reports each finished trial (``eval.search.trackers``).
+``vllm:``, as eval's; ``eval.search.objective`` hands the engine the candidate's requests); ``report_to``
+(fine-tuning's tracker names, ``ropescale.runs.trackers``) reports each finished trial
+(``eval.search.trackers``).
 
 Every error is one ``ConfigError`` line naming the key, raised before anything is read or written:
 numbers are strict (``budget: true`` or ``"4"`` is refused, not read as 1 or 4), weights finite,

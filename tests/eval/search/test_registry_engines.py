@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -28,7 +29,7 @@ class Toy(ScoringEngine):
 
     name = "toy-search-test"
     answers = frozenset({"logprobs"})
-    asked: list = []
+    asked: ClassVar[list] = []
 
     def tolerance(self, options, dtype):
         return 1e-6
