@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from ropescale.attention.regions import RegionAttention, RegionPlan, band_calls, causal_calls, chunk_calls, near_block
-from ropescale.strategies.truncation import Region, RelativeRule, pair_groups, per_pair
+from ropescale.strategies.truncation import Blend, Region, RelativeRule, pair_groups, per_pair
 
 __all__ = ["blocked_attention", "fused_attention", "fused_route", "naive_attention", "rotate", "slot_offsets"]
 
@@ -50,11 +50,20 @@ def _pairs(x: torch.Tensor, d: int, interleaved: bool) -> tuple[torch.Tensor, to
     return x[..., : d // 2], x[..., d // 2 : d]
 
 
-def rope_tables(pos: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(pos: torch.Tensor | Blend, inv_freq: torch.Tensor, scaling: float, dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin ``[b, 1, s, d/2]`` for float positions ``pos`` ``[b, s]``, as transformers computes
     them (float32 angles, × ``scaling``, cast to ``dtype``); positions per pair group ``[b, s, G]``
-    turn each pair by its group's (``per_pair``)."""
-    cos, sin = _unit_tables(pos, inv_freq)
+    turn each pair by its group's (``per_pair``); a ``Blend`` gives the blend's complex factor per
+    pair, (1 − w)·(cos a·θ, sin a·θ) + w·(cos b·θ, sin b·θ), in float32 (w in float32: GALI's
+    ``rel_coef`` in the model's dtype). The rotation with these tables is linear but not orthogonal;
+    its transpose (the backward) is still the rotation with −sin."""
+    if isinstance(pos, Blend):
+        (cos_a, sin_a), (cos_b, sin_b) = (_unit_tables(x, inv_freq) for x in (pos.a, pos.b))
+        w = pos.w.float()[..., None]  # [b, s, 1]
+        cos, sin = cos_a * (1 - w) + cos_b * w, sin_a * (1 - w) + sin_b * w
+    else:
+        cos, sin = _unit_tables(pos, inv_freq)
     if scaling != 1.0:
         cos, sin = cos * scaling, sin * scaling
     return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
@@ -374,15 +383,15 @@ def naive_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling
 
     group = pair_groups(d // 2, rule.groups).tolist()  # pair f's group (all 0 for one position per token)
 
-    def rotary(p: torch.Tensor) -> torch.Tensor:
-        """Σ_f of pair f's score at p ``[b, s_q, s_k]`` (or per group ``[b, s_q, s_k, G]``)."""
+    def rotary(p: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Σ_f of pair f's score at p ``[b, s_q, s_k]`` (or per group ``[b, s_q, s_k, G]``), × ``weight``."""
         s = 0
         for f in range(d // 2):  # pair f: A_f = q1 k1 + q2 k2, B_f = q1 k2 − q2 k1, each [b, n_h, s_q, s_k]
             a1, a2 = q1[..., f, None], q2[..., f, None]  # [b, n_h, s_q, 1]
             b1, b2 = k1[..., None, :, f], k2[..., None, :, f]  # [b, n_h, 1, s_k]
             angle = (p[..., group[f]] if p.dim() == 4 else p)[:, None] * theta[f]  # [b, 1, s_q, s_k]
             s = s + ((a1 * b1 + a2 * b2) * angle.cos() + (a1 * b2 - a2 * b1) * angle.sin()) * scaling**2
-        return s
+        return s if weight is None else s * weight[:, None]
 
     def scores(p: torch.Tensor) -> torch.Tensor:  # p [b, s_q, s_k(, G)] → scaled, soft-capped scores [b, n_h, s_q, s_k]
         return _softcap((plain + rotary(p)) * scale, softcap)
@@ -392,7 +401,11 @@ def naive_attention(q, k, v, q_pos, k_pos, rule: RelativeRule, inv_freq, scaling
                    sliding_window)  # [s_q, s_k], on the inputs' device
     if keep is not None:
         vis = vis & keep
-    parts = [scores(rule.relative_positions(qp, kp)).masked_fill(~vis, float("-inf"))]
+    if rule.blends:  # interpolated logits (GALI): each region's weighted terms, summed
+        s = sum(torch.where(inside[:, None], rotary(p, w), 0.0) for inside, w, p in rule.terms(qp, kp))
+        parts = [_softcap((plain + s) * scale, softcap).masked_fill(~vis, float("-inf"))]
+    else:
+        parts = [scores(rule.relative_positions(qp, kp)).masked_fill(~vis, float("-inf"))]
     for region in rule.regions[len(rule.partition):]:  # a prefill's pairs counted again
         i, j = qp[:, :, None], kp[:, None, :]
         p = ((qp if region.q_at is None else region.q_at(qp))[:, :, None]

@@ -13,7 +13,9 @@ Attention). hi = None is unbounded.
 Positions are in tokens; q_at, k_at map ``[b, s]`` float positions to ``[b, s]`` float positions
 (None: the identity), or to one position per *pair group* ``[b, s, G]`` (DPE: rotary pair f of P
 sits at the position of group ⌊f·G/P⌋, ``pair_groups``; rotation is elementwise per pair, so the
-kernels turn each pair by its own angle). Legend: b batch, s positions, w/W windows, c chunk
+kernels turn each pair by its own angle), or to a ``Blend`` of two rotations (GALI: logits
+interpolated between two integer distances, which is linear in the key).
+Legend: b batch, s positions, w/W windows, c chunk
 length [tokens], G pair groups, P = d/2 rotary pairs.
 """
 
@@ -23,16 +25,33 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 import torch
 
 from ropescale.errors import InvalidInput
 from ropescale.strategies.registry import Param, register
 
-__all__ = ["Region", "RelativeRule", "dca", "leaky_rerope", "pair_groups", "per_pair", "rerope",
+__all__ = ["Blend", "Region", "RelativeRule", "dca", "leaky_rerope", "pair_groups", "per_pair", "rerope",
            "self_extend", "string"]
 
-PositionMap = Callable[[torch.Tensor], torch.Tensor]
+
+class Blend(NamedTuple):
+    """A side rotated by the blend (1 − w)·R(a) + w·R(b) of two rotations (per rotary pair the complex
+    factor (1 − w)·e^{i·a·θ} + w·e^{i·b·θ}, not of modulus 1): a key so placed gives the logit
+    (1 − w)·A(i − a) + w·A(i − b), a linear interpolation of two ordinary RoPE logits (GALI).
+    ``a``, ``b``: positions ``[b, s]`` [tokens]; ``w``: weights ``[b, s]`` in [0, 1]."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    w: torch.Tensor
+
+    def centre(self) -> torch.Tensor:
+        """(1 − w)·a + w·b: the fractional position the blend stands for ``[b, s]`` [tokens]."""
+        return self.a * (1 - self.w) + self.b * self.w
+
+
+PositionMap = Callable[[torch.Tensor], "torch.Tensor | Blend"]
 
 
 def pair_groups(n_pairs: int, n_groups: int, device=None) -> torch.Tensor:
@@ -130,21 +149,44 @@ class RelativeRule:
         for r in self.regions:
             for f in (r.q_at, r.k_at):
                 out = None if f is None else f(probe)
+                out = out.a if isinstance(out, Blend) else out
                 if out is not None and out.dim() == 3:
                     sizes.add(out.shape[-1])
         return max(sizes)
 
+    @cached_property
+    def blends(self) -> bool:
+        """True when a region places a side by a ``Blend`` (GALI's interpolated logits)."""
+        probe = torch.zeros(1, 2)
+        return any(isinstance(f(probe), Blend) for r in self.regions for f in (r.q_at, r.k_at) if f is not None)
+
+    def terms(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The partition as weighted RoPE logits, for the naive reference path: (inside ``[b, s_q, s_k]``
+        bool, weight ``[b, s_q, s_k]``, p ``[b, s_q, s_k]``) — the logit of (i, j) is the sum over the terms
+        whose region holds it of weight · A(p), A the ordinary RoPE logit at distance p. One term per
+        region, two per ``Blend`` side (four for two blended sides: (Σ w_a R(a) q)·(Σ w_b R(b) k) =
+        Σ w_a w_b A(a − b)). One position per token only (a grouped rule has no blends)."""
+        i, j = q_pos[:, :, None], k_pos[:, None, :]
+        out = []
+        for r in self.partition:
+            inside = r.contains(i, j) & (j <= i)
+            for wq, aq in _sides(_at(r.q_at, q_pos)):
+                for wk, ak in _sides(_at(r.k_at, k_pos)):
+                    out.append((inside, wq[:, :, None] * wk[:, None, :], aq[:, :, None] - ak[:, None, :]))
+        return out
+
     def relative_positions(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """The explicit matrix p ``[b, s_q, s_k]`` of the partition (for the naive reference
         path, inspection and tests), ``[b, s_q, s_k, G]`` per pair group for a grouped rule (DPE);
-        pairs with j > i get i − j."""
+        pairs with j > i get i − j. A ``Blend`` side counts at its centre (GALI's fractional
+        distance, the one its interpolated logit stands for)."""
         i, j = q_pos[:, :, None], k_pos[:, None, :]
         p = i - j
         groups = self.groups
         if groups > 1:
             p = p[..., None].expand(*p.shape, groups)
         for r in self.partition:
-            q_at, k_at = _at(r.q_at, q_pos), _at(r.k_at, k_pos)
+            q_at, k_at = _centre(_at(r.q_at, q_pos)), _centre(_at(r.k_at, k_pos))
             if groups > 1:  # every side per group: [b, s, G]
                 q_at, k_at = (x if x.dim() == 3 else x[..., None].expand(*x.shape, groups) for x in (q_at, k_at))
                 here = q_at[:, :, None] - k_at[:, None, :]
@@ -153,6 +195,17 @@ class RelativeRule:
             here = q_at[:, :, None] - k_at[:, None, :]
             p = torch.where(r.contains(i, j) & (j <= i), here, p)
         return p
+
+
+def _sides(at: torch.Tensor | Blend) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(weight ``[b, s]``, positions ``[b, s]``) of each rotation a side is placed by: one, or a ``Blend``'s two."""
+    if isinstance(at, Blend):
+        return [(1 - at.w, at.a), (at.w, at.b)]
+    return [(torch.ones(at.shape[:2], dtype=at.dtype, device=at.device), at)]
+
+
+def _centre(at: torch.Tensor | Blend) -> torch.Tensor:
+    return at.centre() if isinstance(at, Blend) else at
 
 
 def _two(window: int, far_q: PositionMap, far_k: PositionMap | None, attention_factor: float = 1.0) -> RelativeRule:

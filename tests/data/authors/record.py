@@ -11,7 +11,7 @@ transformers on ``PYTHONPATH`` (torch from the project's environment)::
     pip install --no-deps --target /tmp/tf4.47.0 transformers==4.47.0 tokenizers==0.21.0 huggingface_hub==0.26.5
     PYTHONPATH=/tmp/tf4.47.0 python tests/data/authors/record.py dpe --repo PATH/TO/LuLuLuyi/DPE
 
-(LaMPE: transformers 4.43.3 with tokenizers 0.19.1.)
+(LaMPE: transformers 4.43.3 with tokenizers 0.19.1; GALI: transformers 4.46.2 with tokenizers 0.20.3.)
 """
 
 from __future__ import annotations
@@ -40,6 +40,11 @@ LAMPE = {"prompts": [{"n": 100, "head": 8, "tail": 5, "use_length": 40},  # midd
                      {"n": 90, "head": 12, "tail": 20, "use_length": None},  # U = remap_uselen(90, llama3) = 1536
                      {"n": 20, "head": 12, "tail": 5, "use_length": 40}],  # N < 2·head: plain RoPE × factor
          "remap": [100, 8191, 8192, 16384, 32768, 65536, 131072, 262144]}
+GALI = {"prompts": [{"n": 100, "local_window": 16},  # g = 2
+                    {"n": 200, "local_window": 16},  # g = 4
+                    {"n": 150, "local_window": 0}],  # g = 3, no local window
+        "positions": [[100, 64, 16], [200, 64, 16], [150, 64, 0], [8192 * 4, 8192, 128],
+                      [10000, 4096, 128]]}
 
 
 def authors_module(repo: str, commit: str, path: str, name: str):
@@ -136,7 +141,80 @@ def record_lampe(repo: str, commit: str) -> dict:
                     "how": how}
 
 
-RECORDERS = {"dpe": record_dpe, "lampe": record_lampe}
+def authors_package(repo: str, commit: str, paths: list[str]) -> tuple[dict, dict]:
+    """The authors' files ``paths`` at ``commit`` of ``repo`` written under a temporary folder with their
+    package layout (``models/DPI/...``, each folder given an empty ``__init__.py``) put first on ``sys.path``,
+    so their own imports (``from models.DPI.help_funcs import *``) resolve: ({path: module}, {path: sha256})."""
+    folder = Path(tempfile.mkdtemp(prefix="authors-"))
+    modules, digests = {}, {}
+    for path in paths:
+        source = subprocess.run(["git", "-C", repo, "show", f"{commit}:{path}"], check=True, capture_output=True,
+                                text=True).stdout
+        target = folder / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        for parent in target.relative_to(folder).parents:
+            (folder / parent / "__init__.py").touch()
+        target.write_text(source)
+        digests[path] = hashlib.sha256(source.encode()).hexdigest()
+    sys.path.insert(0, str(folder))
+    for path in paths:
+        modules[path] = importlib.import_module(path[:-3].replace("/", "."))
+    return modules, digests
+
+
+def record_gali(repo: str, commit: str) -> dict:
+    """Their ``dpi_llamamodel_forward`` and ``dpi_llamaattn_forward`` bound on the tiny Llama's model and
+    attention instances (as their ``get_model_and_tokenizer`` does, through ``modify_method_of_instance``),
+    ``config.dpi_config`` = their README's with the noise off (``noise_type`` "no"), each prompt in one
+    forward with an all-ones attention mask (as their ``dpi_sample`` passes it) and ``position_ids`` =
+    ``construct_new_pi(n − 1, T, add_token=1, local_window=w)`` (their ``prefill_interpolation``'s call): the
+    ``appro_attn`` branch, ``attention_score_approximate``. And ``construct_new_pi`` itself on a table of (N, T, w)."""
+    import contextlib
+    import io
+    import types
+
+    mods, digests = authors_package(repo, commit, ["models/DPI/help_funcs.py", "models/DPI/patches/Llama.py"])
+    helpers, patches = mods["models/DPI/help_funcs.py"], mods["models/DPI/patches/Llama.py"]
+    t = tiny.T
+
+    def new_pi(n, t, w):
+        with contextlib.redirect_stdout(io.StringIO()):  # construct_new_pi prints every step
+            return helpers.construct_new_pi(n - 1, t, "cpu", [], 1, w)
+
+    ids = tiny.ids(max(p["n"] for p in GALI["prompts"]), seed=13)
+    prompts = []
+    for p in GALI["prompts"]:
+        model = tiny_llama()
+        model.config.dpi_config = {"use_chunk_softmax": False, "chunk_coe": 3000, "appro_attn": True,
+                                   "local_window": p["local_window"], "noise_type": "no"}
+        model.model.forward = types.MethodType(patches.dpi_llamamodel_forward, model.model)
+        for layer in model.model.layers:
+            layer.self_attn.forward = types.MethodType(patches.dpi_llamaattn_forward, layer.self_attn)
+        model.model.rotary_emb.forward = types.MethodType(patches.rope_forward_dpi_with_pi, model.model.rotary_emb)
+        pos = new_pi(p["n"], t, p["local_window"])
+        with torch.no_grad():
+            prompt = ids[:, : p["n"]]  # with its attention mask, as their generate passes it: without one their
+            # forward rebuilds the causal mask one row late (DynamicCache's mask is s × (s + 1) in 4.46)
+            logits = model(prompt, attention_mask=torch.ones_like(prompt), position_ids=pos[None],
+                           use_cache=True).logits
+        prompts.append({**p, "position_ids": pos, "logits": logits})
+    positions = [{"n": n, "t": tt, "local_window": w, "pi": new_pi(n, tt, w)} for n, tt, w in GALI["positions"]]
+    golden = {"ids": ids, "prompts": prompts, "positions": positions}
+    how = ("for each prompt: model.forward = dpi_llamamodel_forward, every attention's forward = "
+           "dpi_llamaattn_forward, rotary forward = rope_forward_dpi_with_pi (bound per instance), config.dpi_config "
+           "= {appro_attn: true, local_window: w, noise_type: 'no', chunk_coe: 3000}; the prompt of n tokens in one "
+           "forward with attention_mask = ones (as their generate) and position_ids = "
+           "construct_new_pi(n - 1, T, 'cpu', [], 1, w) (float32, as theirs); "
+           "construct_new_pi on a table of (n, T, w)")
+    return golden, {"repository": "github.com/AcademyCityL/GALI", "file": "models/DPI/patches/Llama.py",
+                    "sha256": digests["models/DPI/patches/Llama.py"],
+                    "files_sha256": digests, "licence": "MIT",
+                    "functions": ["construct_new_pi", "dpi_llamamodel_forward", "dpi_llamaattn_forward",
+                                  "attention_score_approximate", "rope_forward_dpi_with_pi"],
+                    "how": how}
+
+
+RECORDERS = {"dpe": record_dpe, "gali": record_gali, "lampe": record_lampe}
 
 
 def main() -> None:
@@ -153,7 +231,8 @@ def main() -> None:
     torch.save(golden, HERE / f"{args.rule}.pt")
     provenance = {"dtype": "float64"} | provenance  # a recorder may name another
     provenance |= {"commit": commit, "transformers": transformers.__version__, "torch": torch.__version__,
-                   "flash_attn": "tests/data/authors/flash_stub.py (CPU stand-in)",
+                   "flash_attn": ("not called" if args.rule == "gali"
+                                  else "tests/data/authors/flash_stub.py (CPU stand-in)"),
                    "model": "tests/data/authors/tiny.py", "recorded": datetime.date.today().isoformat(),
                    "command": f"PYTHONPATH=<transformers {transformers.__version__}> python "
                               f"tests/data/authors/record.py {args.rule} --repo <{provenance['repository']}> "
