@@ -353,7 +353,7 @@ def lm_eval(args: list[str]) -> None:
 
 def plot(results, output) -> None:
     """``ropescale plot``: results.csv/md and the plots rebuilt from a results.jsonl."""
-    from .sweep import rebuild_reports
+    from .results import rebuild_reports
 
     for kind, p in rebuild_reports(results, output).items():
         click.echo(f"{kind}: {p}")

@@ -15,7 +15,7 @@ from ropescale.errors import InvalidInput
 from ropescale.runs.plotting import pyplot, save_figure
 from ropescale.training.report import LOG, eval_curve, read_log, steps_to_reach
 
-from .sweep import read_results
+from .results import read_results
 from .writable import check_figure
 
 __all__ = ["RunsArgumentError", "before_after", "by_step_table", "compare", "final_table", "plot_runs", "read_runs",

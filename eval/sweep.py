@@ -21,11 +21,9 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import gather_object
-from pydantic import ValidationError
 
-from ropescale.errors import InvalidInput, RopescaleError
+from ropescale.errors import InvalidInput
 from ropescale.models import resolve_device
-from ropescale.runs.config import error_parts
 from ropescale.runs.lifecycle import (
     RunInputs,
     check_strategy,
@@ -34,7 +32,7 @@ from ropescale.runs.lifecycle import (
     load_run_model,
     loaded_window,
 )
-from ropescale.runs.manifest import prepare_output, record_patch
+from ropescale.runs.manifest import record_patch
 from ropescale.runs.memory import InsufficientMemoryError, check_fits
 from ropescale.runs.processes import process_state
 from ropescale.runs.protocol import RunFolder, RunKind, execute_run
@@ -44,13 +42,13 @@ from .cells import Bench, Cell
 from .config import EvalConfig, StrategySpec, resolved_dtype
 from .engines.scoring import DEFAULT, scoring_engine
 from .report import write_reports
-from .schema import SCHEMA_VERSION, Record
+from .results import RESULTS, ResultsFileError, append_safely, read_results, rebuild_reports
+from .schema import SCHEMA_VERSION
 from .tasks.base import Task, get_task
 
-__all__ = ["ResultsFileError", "Sweep", "cell_id", "experiment_fields", "read_results", "resolve_cells", "run_sweep"]
-
-RESULTS = "results.jsonl"
-
+# RESULTS, ResultsFileError, read_results, rebuild_reports: the results file (eval.results), importable here as before
+__all__ = ["RESULTS", "ResultsFileError", "Sweep", "cell_id", "experiment_fields", "read_results", "rebuild_reports",
+           "resolve_cells", "run_sweep"]
 
 def cell_id(experiment: str, spec: StrategySpec, length: int) -> str:
     """Stable id of a cell: the experiment's identity hash (task, options, model weights, data
@@ -59,65 +57,6 @@ def cell_id(experiment: str, spec: StrategySpec, length: int) -> str:
            **({"temperature": spec.temperature} if spec.temperature else {}),
            **({"profiles": spec.profiles} if spec.profiles else {}), "length": length}
     return hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-
-
-class ResultsFileError(RopescaleError, ValueError):
-    """A file given as results is not a ropescale ``results.jsonl``."""
-
-
-def read_results(path: str | Path) -> list[dict]:
-    """Records of a ``results.jsonl`` (a torn line from a killed run is skipped).
-
-    Raises ``ResultsFileError`` (a ``ValueError``; one line) for a file that is not UTF-8 text or
-    holds JSON that is not a result record."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError:
-        raise ResultsFileError(f"{path}: not a results file (not UTF-8 text)") from None
-    out = []
-    for i, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        try:
-            Record.model_validate(record)
-        except ValidationError as e:
-            key, msg = error_parts(e, Record)[0]
-            what = f"{key or 'record'}: {msg}"
-            raise ResultsFileError(
-                f"{path}: line {i} is not a ropescale result record ({what}; see eval/schema.py)") from None
-        out.append(record)
-    return out
-
-
-def rebuild_reports(results: str | Path, output: str | Path | None = None) -> dict[str, Path]:
-    """``ropescale plot``: results.csv/md and the task's plots again from a ``results.jsonl``, into
-    ``output`` (default: the folder holding it); returns their paths. Raises ``InvalidInput`` (one
-    line) for a path that is not a file or a file without records, ``ResultsFileError`` for one
-    that is not a results file, and the output folder's refusal (``prepare_output``) — all before
-    anything is written."""
-    results = Path(results)
-    if not results.is_file():
-        raise InvalidInput(f"{results}: no such results file (a results.jsonl `ropescale eval` wrote)")
-    records = read_results(results)
-    if not records:
-        raise InvalidInput(f"{results}: no records")
-    return write_reports(records, prepare_output(Path(output or results.parent)))
-
-
-def _append_safely(path: Path):
-    """Open ``results.jsonl`` for appending; a torn last line (killed mid-write) is ended first."""
-    sink = path.open("a+", encoding="utf-8")
-    sink.seek(0, 2)
-    if sink.tell():
-        sink.seek(sink.tell() - 1)
-        if sink.read(1) != "\n":
-            sink.write("\n")
-    return sink
 
 
 def experiment_fields(cfg: EvalConfig, uses_data: bool) -> dict:
@@ -398,7 +337,7 @@ class Sweep(RunKind):
         state, done = self.state, self.done
         self.experiment = folder.experiment
         if self.todo:
-            with _append_safely(folder.path / RESULTS) if state.is_main_process else nullcontext() as sink:
+            with append_safely(folder.path / RESULTS) if state.is_main_process else nullcontext() as sink:
                 for cell in self.todo:
                     record = self._record(cell)
                     if sink is not None:

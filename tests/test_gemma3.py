@@ -121,3 +121,23 @@ def test_static_strategies_read_no_position_values():
         for lt in ("full_attention", "sliding_attention"):
             cos, sin = rotary(x, pos, lt)
             assert cos.shape == sin.shape == (1, 10, 16) and cos.device.type == "meta"
+
+
+def test_the_patchs_own_window_does_not_depend_on_the_order_of_layer_types():
+    """Issue 54: ``patch`` kept each layer type's context in a loop and the last one named won
+    ``handle.context`` — the T the record (``to_dict``, what ``save_patched`` re-applies), log-n and the
+    exports read. With T 32 on the full-attention type and 64 on the sliding one, ``layer_types`` in one
+    order recorded 64, in the other 32. Now the primary type's (full attention's) context is the patch's,
+    whichever order; each type keeps its own in ``contexts``."""
+    from tests.conftest import build, tiny_gemma3_config
+
+    model = build(T.Gemma3ForCausalLM, tiny_gemma3_config(rope_type="yarn", factor=2.0,
+                                                          original_max_position_embeddings=32))
+    seen = []
+    for order in (["full_attention", "sliding_attention"], ["sliding_attention", "full_attention"]):
+        with ropescale.patch(model, "linear", factor=2.0, layer_types=order) as handle:
+            assert {lt: c["original_max_position_embeddings"] for lt, c in handle.contexts.items()} == {
+                "full_attention": 32, "sliding_attention": 64}
+            seen.append((handle.context["original_max_position_embeddings"],
+                         handle.to_dict()["original_max_position_embeddings"]))
+    assert seen == [(32, 32), (32, 32)]

@@ -194,24 +194,14 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "auto
     path = resolve_model(name_or_path)
     base = adapter_base(path)
     if base is not None:
-        if served:
-            raise ModelLoadError(f"{name_or_path}: is a LoRA adapter folder, which plain transformers does not serve; "
-                                 "its rotation is the patch it was trained with: patch its base model instead")
-        if quantization is not None:
-            raise ModelLoadError(f"{name_or_path}: is a LoRA adapter folder; a {quantization} base is loaded from a "
-                                 "plain model folder (merge the adapter into its base first)")
+        _check_adapter_load(name_or_path, served=served, quantization=quantization)
         return _load_adapter(name_or_path, path, base, dtype=dtype, device=device,
                              attn_implementation=attn_implementation, device_map=device_map, tokenizer=tokenizer)
-    kwargs = {"dtype": DTYPES[dtype]}
+    kwargs = {"dtype": DTYPES[dtype]} | ({"attn_implementation": attn_implementation} if attn_implementation else {})
     if quantization is not None:
         kwargs["quantization_config"] = _quantization_config(quantization, DTYPES[dtype])
         device_map = {"": str(resolve_device(device))}  # bitsandbytes quantizes as the weights reach the GPU
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    record = _patch_record(path)
-    if served:
-        _check_served(name_or_path, record)
-        record = None  # the folder as plain transformers serves it: the export kept, nothing re-applied
+    record = _record_to_apply(name_or_path, path, served=served)
     if record and "base_rope_parameters" in record:  # undo the export: ropescale re-applies the patch
         kwargs["config"] = _base_config(AutoConfig, name_or_path, path, record)
     if device_map is not None:  # accelerate's big-model inference: layers spread over the devices there are
@@ -224,6 +214,17 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "auto
     if record:
         _apply_record(model, record)
     return model, tokenizer
+
+
+def _check_adapter_load(name: str, *, served: bool, quantization: str | None) -> None:
+    """``ModelLoadError`` (one line) for what a LoRA adapter folder cannot be loaded as: served by plain
+    transformers, or over a quantized base."""
+    if served:
+        raise ModelLoadError(f"{name}: is a LoRA adapter folder, which plain transformers does not serve; "
+                             "its rotation is the patch it was trained with: patch its base model instead")
+    if quantization is not None:
+        raise ModelLoadError(f"{name}: is a LoRA adapter folder; a {quantization} base is loaded from a "
+                             "plain model folder (merge the adapter into its base first)")
 
 
 def _quantization_config(quantization: str, compute_dtype):
@@ -245,6 +246,16 @@ def _patch_record(path: str | Path) -> dict[str, Any] | None:
         return json.loads(saved.read_text(encoding="utf-8"))
     except ValueError as e:
         raise ModelLoadError(f"{saved}: not valid JSON ({e}); it is the patch record save_patched writes") from None
+
+
+def _record_to_apply(name: str, path: str, *, served: bool) -> dict[str, Any] | None:
+    """The saved patch to re-apply after loading, or None; with ``served``, none — the folder as plain
+    transformers serves it: the export kept, nothing re-applied (``ModelLoadError`` where that is no model)."""
+    record = _patch_record(path)
+    if served:
+        _check_served(name, record)
+        return None
+    return record
 
 
 def _check_served(name: str, record: dict[str, Any] | None) -> None:

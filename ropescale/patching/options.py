@@ -1,0 +1,106 @@
+"""The options of a patch — ``ropescale.patching.patch``'s keywords beside the strategy's parameters — and
+the checks a model and its options pass before anything changes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from torch import nn
+
+from ropescale.errors import InvalidInput
+from ropescale.rotary import quirks
+from ropescale.rotary.modules import NoRotaryEmbeddingError, find_rotary_modules
+from ropescale.strategies import Strategy
+
+__all__ = ["ATTENTION_PATHS", "DYNAMIC_CACHE_MODES", "PatchOptions", "patchable_rotaries"]
+
+DYNAMIC_CACHE_MODES = ("recompute", "rerotate")
+ATTENTION_PATHS = ("fused", "flex", "blocked", "naive")
+
+
+@dataclass(frozen=True)
+class PatchOptions:
+    """How a strategy is applied (``ropescale.patching.patch`` documents each); the defaults are the
+    options left out."""
+
+    original_max_position_embeddings: int | None = None
+    layer_types: list[str] | None = None
+    dynamic_cache: str = "recompute"
+    dynamic_block: int = 1
+    logn: bool = False
+    attention_path: str = "fused"
+    block_size: int = 512
+    temperature: Any = None
+
+    @classmethod
+    def split(cls, keywords: dict[str, Any]) -> tuple[PatchOptions, dict[str, Any]]:
+        """``patch``'s keywords as ``(options, the strategy's parameters)``: a keyword naming an option is
+        the option (as when ``patch`` spelled each one out), every other one a parameter of the strategy."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in keywords.items() if k in names}), {
+            k: v for k, v in keywords.items() if k not in names}
+
+    def keywords(self) -> dict[str, Any]:
+        """The options as ``patch`` keywords (every one, defaults included)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def check(self) -> None:
+        """``InvalidInput`` (one line) for an option outside its values."""
+        train = self.original_max_position_embeddings
+        if train is not None and (isinstance(train, bool) or not isinstance(train, int) or train < 2):
+            raise InvalidInput(f"original_max_position_embeddings={train!r} must be a whole number of tokens >= 2 "
+                               "(the training window)")
+        if not isinstance(self.logn, bool):
+            raise InvalidInput(f"logn={self.logn!r} must be True or False")
+        if self.dynamic_cache not in DYNAMIC_CACHE_MODES:
+            raise InvalidInput(f"dynamic_cache={self.dynamic_cache!r}; choose one of {', '.join(DYNAMIC_CACHE_MODES)}")
+        if not isinstance(self.dynamic_block, int) or self.dynamic_block < 1:
+            raise InvalidInput(f"dynamic_block={self.dynamic_block!r} must be a whole number >= 1")
+        if self.attention_path not in ATTENTION_PATHS:
+            raise InvalidInput(f"attention_path={self.attention_path!r}; choose 'fused', 'blocked' or 'naive' "
+                               "(or 'flex')")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise InvalidInput(f"block_size={self.block_size!r} must be a whole number >= 1")
+
+    def refuse_inapplicable(self, strat: Strategy) -> None:
+        """``InvalidInput`` naming the options given away from their defaults that ``strat`` does not use:
+        ``layer_types`` (frequency strategies only: a relative-position rule acts in every layer's attention),
+        ``dynamic_cache``/``dynamic_block`` (dynamic strategies), ``attention_path``/``block_size``
+        (relative-position rules)."""
+        defaults = PatchOptions()
+        applies = {"layer_types": strat.kind != "attention", "dynamic_cache": strat.dynamic,
+                   "dynamic_block": strat.dynamic, "attention_path": strat.kind == "attention",
+                   "block_size": strat.kind == "attention"}
+        unused = [f"{k}={getattr(self, k)!r}" for k in applies
+                  if getattr(self, k) != getattr(defaults, k) and not applies[k]]
+        if unused:
+            raise InvalidInput(f"{strat.name} does not use {', '.join(unused)} (layer_types: frequency strategies; "
+                               "dynamic_cache, dynamic_block: dynamic strategies; attention_path, block_size: "
+                               "truncation rules)")
+
+
+def patchable_rotaries(model: nn.Module, strat: Strategy, options: PatchOptions,
+                       current: Any) -> list[tuple[str, nn.Module]]:
+    """The model's rotary modules (``find_rotary_modules``) once the model, its active patch ``current``
+    (None: none) and ``options`` are checked for ``strat``; ``InvalidInput`` (one line) otherwise."""
+    # the rotary buffers only: accelerate's offloading (device_map) leaves offloaded weights on meta
+    # but keeps buffers on a real device; a rotary buffer on meta has no frequencies to read
+    meta = [n for n, m in find_rotary_modules(model) if any(b.is_meta for b in m.buffers(recurse=False))]
+    if meta:
+        raise InvalidInput(f"{type(model).__name__} is on the meta device ({meta[0]}'s inv_freq has a shape but no "
+                           "values): no weights to patch; load the model with its weights (from_pretrained, or "
+                           "to_empty() then load_state_dict) first")
+    options.check()
+    if current is not None:
+        raise InvalidInput(f"model is already patched with {current.strategy!r}; call unpatch() first")
+    found = find_rotary_modules(model)
+    if not found:
+        quirks.refuse("unrotated", model)
+        raise NoRotaryEmbeddingError(
+            f"{type(model).__name__} has no rotary embedding: no submodule holds an `inv_freq` "
+            "(or `<layer_type>_inv_freq`) buffer; models with learned or ALiBi positions, or none, cannot be "
+            "patched")
+    options.refuse_inapplicable(strat)
+    quirks.refuse("modules", model, found)
+    return found
