@@ -81,7 +81,8 @@ def test_kernels_equal_an_interpolated_logit_oracle_with_gradients(s_k, cached, 
 def test_equals_the_authors_attention_score_approximate_on_the_tiny_llama(path, k):
     """Their forward (``dpi_llamamodel_forward`` → ``attention_score_approximate``, noise off) on prompts of 100,
     200 and 150 tokens past T = 64 (g = 2, 4, 3; naive, the slowest path, on the first): logits within 1e-5 of
-    theirs (their positions are float32, ropescale's float64)."""
+    theirs (measured ≤ 2.1e-6 on fused and blocked, 3.9e-6 on naive, whose angles are float64 distances; their
+    positions and interpolation weights are float32)."""
     p = GOLDEN["prompts"][k]
     model, ids = tiny_llama(), GOLDEN["ids"][:, : p["n"]]
     with torch.no_grad(), ropescale.patch(model, "gali", attention_path=path, prompt_length=p["n"],
