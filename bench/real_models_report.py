@@ -84,7 +84,42 @@ def perplexity(records: list[dict]) -> list[str]:
     note = ", ".join(f"{n:,}: {w} window{'s' * (w > 1)}, {t:,} tokens" for n, (w, t) in sorted(windows.items()))
     return _grid(records, cell) + ["", f"Scored per cell — {note}. PPL (95% block-bootstrap interval) "
                                    "[Δ mean NLL to vanilla on the same tokens, nats/token (95% paired interval)]; "
-                                   "`= x`: rotates bit for bit as x, not run again."]
+                                   "`= x`: rotates bit for bit as x, not run again."] + past_window(records)
+
+
+def _mean_nll(buckets: list[dict]) -> float:
+    return sum(b["nll"] * b["tokens"] for b in buckets) / sum(b["tokens"] for b in buckets)
+
+
+def _from_block(rec: dict, cut: int) -> dict:
+    return {**rec, "nll_blocks": rec["nll_blocks"][cut:], "block_tokens": rec["block_tokens"][cut:]}
+
+
+def past_window(records: list[dict]) -> list[str]:
+    """Single-window cells longer than T split at T: mean NLL [nats/token] of the positions inside the window
+    (< T; in chunk mode the same tokens and context as a T-long window's) and past it (≥ T), and the past part's
+    paired difference to vanilla (95% block bootstrap over the blocks past T)."""
+    rows = [r for r in records if r["length"] > r["train_length"] and r.get("windows") == 1
+            and r.get("nll_by_position") and r.get("nll_blocks")]
+    if not rows:
+        return []
+    base = {r["length"]: r for r in rows if r["strategy"] == "vanilla"}
+    out = ["| strategy | length | NLL inside T | NLL past T | past − inside | past T: Δ to vanilla (95%) |",
+           "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        t = r["train_length"]
+        inside = [b for b in r["nll_by_position"] if b["end"] <= t]
+        past = [b for b in r["nll_by_position"] if b["start"] >= t]
+        a, b = _mean_nll(inside), _mean_nll(past)
+        cut = t // r["block_tokens"][0]  # blocks are in position order for one window
+        delta = ""
+        v = base.get(r["length"])
+        if v is not None and r["strategy"] != "vanilla":
+            d = paired_delta(_from_block(r, cut), _from_block(v, cut))
+            delta = f"{d[0]:+.3f} ({d[1]:+.3f}…{d[2]:+.3f})" if d else ""
+        out.append(f"| {r['strategy']} | {r['length']:,} | {a:.3f} | {b:.3f} | {b - a:+.3f} | {delta} |")
+    return ["", "Past the window, one window per cell split at T (nats/token; in chunk mode the part inside T is a "
+            "T-long window's tokens and context, so it is the cell's perplexity at T: exp of that column):", ""] + out
 
 
 def kl(records: list[dict]) -> list[str]:
