@@ -56,7 +56,10 @@ __all__ = [
 def patch(model: nn.Module, strategy: str, **keywords: Any) -> PatchHandle:
     """Apply ``strategy`` to the rotary embedding of ``model`` in place.
 
-    Args (every one after ``strategy`` a keyword; ``PatchOptions`` holds the options):
+    Every argument after ``strategy`` is a keyword: the patch's options (``PatchOptions``) and the strategy's
+    parameters, told apart by name (``PatchOptions.split``).
+
+    Args:
         model: a loaded HF model with RoPE (any family whose rotary module has ``inv_freq``).
         strategy: registry name (``ropescale strategies`` lists them).
         original_max_position_embeddings: training window T [tokens]; default from config.
@@ -81,8 +84,8 @@ def patch(model: nn.Module, strategy: str, **keywords: Any) -> PatchHandle:
             ``"naive"`` (explicit n × n relative positions; the tests' oracle). All are exact and
             differentiable.
         block_size: relative-position rules only: query/key block of the blocked path [tokens].
-        params: the strategy's parameters, as keywords (validated); every keyword not naming an option above
-            is one (``ropescale.patching.options.PatchOptions.split``).
+        keywords: the options above, and the strategy's parameters (validated; ``ropescale strategies`` lists
+            each strategy's): every keyword not naming an option is one.
 
     Returns:
         The ``PatchHandle``: ``handle.unpatch()`` or ``with patch(...):`` restores the model.

@@ -79,7 +79,11 @@ class PatchHandle:
             delattr(self.model, _HANDLE_ATTR)
 
     def keep(self, frequencies: FrequencyPatch) -> None:
-        """Apply a rotary module's new frequencies; ``unpatch`` puts the module's own back."""
+        """Apply a rotary module's new frequencies; ``unpatch`` puts the module's own back.
+
+        Args:
+            frequencies: one rotary module's patch (``ropescale.rotary.frequencies.FrequencyPatch``).
+        """
         frequencies.apply()
         self._frequencies.append(frequencies)
 
@@ -89,11 +93,19 @@ class PatchHandle:
         return tuple(self._frequencies)
 
     def undo_with(self, restores: Iterable[Callable[[], None]]) -> None:
-        """Functions that undo a change of this patch; ``unpatch`` calls them last first."""
+        """Functions that undo a change of this patch; ``unpatch`` calls them last first.
+
+        Args:
+            restores: functions of no argument, each undoing one change.
+        """
         self._restore.extend(restores)
 
     def hook(self, hooks: Iterable[Any]) -> None:
-        """Module hooks this patch registered; ``unpatch`` removes them first."""
+        """Module hooks this patch registered; ``unpatch`` removes them first.
+
+        Args:
+            hooks: the handles ``register_*_hook`` returned (each with ``remove()``).
+        """
         self._hooks.extend(hooks)
 
     def activate(self) -> None:
