@@ -22,8 +22,9 @@ against the haystack's other keys (then random ones) by log-likelihood.
 from __future__ import annotations
 
 import random
+from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from .passkey import PREAMBLE, filler_units
 from .prompts import SEPARATOR, Prompt, PromptError, continuation, cycle_units, distractor_keys, encode
@@ -43,6 +44,17 @@ class PasskeyMultiOptions(RetrievalOptions):
                                 description="depths of the labelled keys, one key each, in every haystack")
     trials: int = Field(2, ge=1, description="haystacks per length, each asked for every one of its keys")
     preamble: bool = Field(False, description="start with the landmark-attention task line")
+
+    @field_validator("depths", mode="before")
+    @classmethod
+    def _distinct(cls, v: Any) -> Any:
+        # before RetrievalOptions' sorted(set(...)): a repeated depth would silently drop a key (and the two the
+        # task needs at least)
+        if isinstance(v, list | tuple):
+            seen = [d for i, d in enumerate(v) if d in v[:i]]
+            if seen:
+                raise ValueError(f"depths must be distinct (one labelled key each); {seen[0]!r} is given twice")
+        return v
 
     @model_validator(mode="after")
     def _labels(self) -> PasskeyMultiOptions:

@@ -69,3 +69,14 @@ def test_a_sweep_on_the_bundled_model_reports_every_key(tmp_path):
     (record,) = run_sweep(cfg, tmp_path / "run", progress=False)
     assert record["trials"] == 4 and [d["trials"] for d in record["by_depth"]] == [2, 2]
     assert 0 <= record["accuracy"] <= 1 and record["accuracy_ci"][0] <= record["accuracy"] <= record["accuracy_ci"][1]
+
+
+def test_a_repeated_depth_is_refused_not_dropped():
+    # RetrievalOptions keeps sorted(set(depths)): [0.5, 0.5] became one key, under min_length=2, with no word
+    from pydantic import ValidationError
+
+    from eval.tasks.passkey_multi import PasskeyMultiOptions
+
+    with pytest.raises(ValidationError, match=r"depths must be distinct .*0\.5 is given twice"):
+        PasskeyMultiOptions(depths=[0.5, 0.2, 0.5])
+    assert PasskeyMultiOptions(depths=[0.5, 0.2]).depths == [0.2, 0.5]
