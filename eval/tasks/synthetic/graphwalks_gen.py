@@ -157,7 +157,8 @@ def generate_graphwalks(*, total: Callable[[str], int], length: int, num_samples
         The samples (``GraphDraft.sample``).
 
     Raises:
-        PromptError: no sample fits L, or two of its nodes share an id.
+        PromptError: no sample fits L, two of its nodes share an id, or (``empty_answers`` False) a sample's answer
+            is empty in every one of its draws.
     """
     def draw(i: int, n: int) -> GraphDraft:
         return draw_graph(seed, length, i, n, out_degree=out_degree, problem=problems[i % len(problems)],
@@ -166,6 +167,12 @@ def generate_graphwalks(*, total: Callable[[str], int], length: int, num_samples
     what = f"graphwalks at {length} tokens"
     out = fill(draw, lambda d: total(d.prompt), num_samples=num_samples, limit=length, lower=2, what=what,
                smallest=f"two nodes of out-degree {out_degree} and the operation")
+    empty = [(i, d) for i, (d, _) in enumerate(out) if not d.answer]
+    if empty and not empty_answers:  # draw_graph gave up after 100 draws: no non-empty answer at these depths
+        i, d = empty[0]
+        op = f"bfs at depth {d.depth}" if d.problem == "bfs" else "parents"
+        raise PromptError(f"{what}: empty_answers is false but sample {i} ({op}) drew an empty answer 100 times over; "
+                          f"ask smaller depths (given {depths}) or allow empty_answers")
     n = max(len(d.targets) for d, _ in out)
     if len({node_id(i) for i in range(n)}) < n:
         raise PromptError(f"{what}: {n} nodes: two node ids (md5(str(i))[:10]) coincide; take a shorter length")

@@ -261,3 +261,11 @@ def test_end_to_end_on_the_bundled_model(tmp_path):
     records = run_sweep(cfg, tmp_path / "run", progress=False)
     assert [(r["strategy"], r["length"]) for r in records] == [("yarn", 1024), ("self_extend", 1024)]
     assert all(0 <= r["f1"] <= 100 and r["prompt_tokens_max"] + 8 <= 1024 and r["samples"] == 2 for r in records)
+
+
+def test_empty_answers_false_refuses_a_depth_that_only_draws_empty_sets(tok):
+    # draw_graph gives up after 100 draws and kept the empty answer: a sample scored 0 whatever the model said
+    task = make(tok, num_samples=1, tokens_to_generate=8, problems=["bfs"], depths=[1000], empty_answers=False)
+    with pytest.raises(PromptError, match=r"^graphwalks at 1024 tokens: empty_answers is false but sample 0 \(bfs at "
+                                          r"depth 1000\) drew an empty answer 100 times over; ask smaller depths"):
+        task.examples(1024)
