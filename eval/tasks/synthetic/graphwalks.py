@@ -81,7 +81,7 @@ class Graphwalks(GeneratedTask):
 
     name = "graphwalks"
     Options = GraphwalksOptions
-    generator = "graphwalks/2026-02-27/1"
+    generator = "graphwalks/2026-02-27/2"  # /2: empty_answers false refuses an answer empty in every draw
     metrics = (Metric(key="f1", label="set F1 (%)", higher_is_better=True, fmt="{:.1f}"),
                Metric(key="flexible_f1", label="set F1, any line (%)", higher_is_better=True, fmt="{:.1f}"))
 
