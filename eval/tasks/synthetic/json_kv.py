@@ -93,9 +93,11 @@ class JsonKv(GeneratedTask):
 
     def details(self, examples, predictions, scores) -> dict[str, Any]:
         """The pairs each context holds (complete ones, after a cut), where the gold pair sits among them (0 = first,
-        1 = last) and how many contexts still hold the gold value (all, unless ``pairs`` cut them)."""
+        1 = last; None where a cut took it) and how many contexts still hold the gold value (all, unless ``pairs`` cut
+        them)."""
         contexts = [ex.sample.input.split(f"\n\n{INSTRUCTION}", 1)[0] for ex in examples]
         pairs = [len(_PAIR.findall(c)) for c in contexts]
-        return {"pairs": pairs, "gold_depths": [round(ex.sample.index / max(n - 1, 1), 4)
-                                                for ex, n in zip(examples, pairs)],
+        depths = [round(ex.sample.index / max(n - 1, 1), 4) if ex.sample.index < n else None
+                  for ex, n in zip(examples, pairs)]
+        return {"pairs": pairs, "gold_depths": depths,
                 "gold_in_context": sum(ex.sample.outputs[0] in c for ex, c in zip(examples, contexts))}

@@ -247,3 +247,14 @@ def test_end_to_end_on_the_bundled_model_from_the_cli(tmp_path):
     again = [json.loads(x) for x in (tmp_path / "b" / "results.jsonl").read_text().splitlines()]
     assert all(r["generation"]["cached"] for r in again)
     assert [r["predictions"] for r in again] == [r["predictions"] for r in recs if r["strategy"] == "yarn"]
+
+
+def test_a_gold_pair_cut_from_the_context_has_no_depth(tok):
+    # pairs far past L: HELMET's cut leaves a few pairs, the gold (index 0 … 999) mostly beyond them; its depth
+    # index / (kept − 1) was reported as e.g. 257.5 on a 0 … 1 scale
+    task = make(tok, num_samples=4, pairs=1000, tokens_to_generate=8)
+    examples = task.examples(512)
+    record = task.combine([[(i, "") for i in range(4)]], examples, length=512, strategy=None)
+    depths = record["gold_depths"]
+    assert all(d is None or 0 <= d <= 1 for d in depths) and None in depths
+    assert [d is not None for d in depths] == [ex.sample.index < n for ex, n in zip(examples, record["pairs"])]
