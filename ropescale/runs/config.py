@@ -218,6 +218,8 @@ def _parse_strategy(entry: Any) -> StrategySpec:
             key, eq, value = item.partition("=")
             if not eq:
                 raise ValueError(f"strategy {entry!r}: expected key=value, got {item!r}")
+            if key.strip() in params:  # the last would win unseen
+                raise ValueError(f"strategy {entry!r}: {key.strip()} given twice")
             params[key.strip()] = _value(value, f"strategy {entry!r}")
         logn, temperature = params.pop("logn", False), params.pop("temperature", None)
         profiles = params.pop("profiles", None)

@@ -126,3 +126,9 @@ def test_a_boolean_where_a_number_is_meant_is_refused_in_every_config_kind(build
     with pytest.raises(ConfigError) as e:
         build(raw, "x.yaml")
     assert str(e.value) == f"x.yaml: {key}: expected {kind}, got true"
+
+
+def test_a_parameter_given_twice_in_a_strategy_string_is_refused():
+    # "dpe:scale_0=2,scale_0=3" ran with scale_0 = 3 and no word
+    with pytest.raises(ConfigError, match=r"'dpe:scale_0=2,scale_0=3': scale_0 given twice"):
+        build_config({"lengths": [256], "strategies": ["dpe:scale_0=2,scale_0=3"]})
