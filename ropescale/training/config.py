@@ -83,6 +83,9 @@ class PoseConfig(ConfigModel):
         if self.enabled and self.sampling == "authors" and self.chunks != 2:
             raise ValueError(f"chunks: {self.chunks} with sampling: authors, which draws exactly 2 chunks "
                              "(dwzhu-pku/PoSE train_pose.py); set pose.sampling: paper for other chunk counts")
+        if not self.enabled and self.window is not None:  # would train full windows of L, unseen
+            raise ValueError(f"window: {self.window} with enabled: false, which trains on windows of the target length "
+                             "and ignores it; set pose.enabled: true or drop pose.window")
         return self
 
     @model_validator(mode="before")

@@ -51,6 +51,7 @@ def write(tmp_path, tiny_run):
     ({"pose": True, "length": 24}, ["pose: length 24 is not above"]),
     ({"pose": True, "strategy": "rerope"}, ["pose: rerope is a relative-position rule", "position_ids"]),
     ({"pose": {"chunks": 40, "sampling": "paper"}}, ["pose.chunks: 40 chunks cannot split a window of T = 32"]),
+    ({"pose": {"enabled": False, "window": 16}}, ["pose: window: 16 with enabled: false", "ignores it"]),
     ({"mixed_precision": "fp16"}, ["fp16 needs a CUDA device"]),
     ({"lr": 0}, ["lr: Input should be greater than 0"]),
     ({"eval": {"every": 2, "data": "SAME"}}, ["is also the training data"]),
