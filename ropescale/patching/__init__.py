@@ -99,6 +99,7 @@ def patch(model: nn.Module, strategy: str, **keywords: Any) -> PatchHandle:
     """
     options, params = PatchOptions.split(keywords)
     strat = get_strategy(strategy)
+    PatchOptions.refuse_misspelled(params, strat)
     params = strat.validate(params)
     rule, keep_own = _query_temperature(options)
     # a rule of ours routes attention through the temperature wrapper, as log-n does

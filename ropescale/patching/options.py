@@ -3,6 +3,7 @@ the checks a model and its options pass before anything changes."""
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -40,6 +41,19 @@ class PatchOptions:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in keywords.items() if k in names}), {
             k: v for k, v in keywords.items() if k not in names}
+
+    @classmethod
+    def refuse_misspelled(cls, params: dict[str, Any], strat: Strategy) -> None:
+        """``InvalidInput`` for a keyword ``split`` took for a parameter that ``strat`` does not have and whose nearest
+        name is an option's (``dynamic_cach=``): the strategy's own refusal would list its parameters only."""
+        known = {p.name for p in strat.params}
+        options = {f.name for f in fields(cls)}
+        for key in params:
+            if key not in known:
+                near = difflib.get_close_matches(key, sorted(known | options), n=1)
+                if near and near[0] in options:
+                    raise InvalidInput(f"{strat.name} has no parameter {key!r} and patch has no option {key!r} "
+                                       f"(did you mean the option {near[0]!r}?)")
 
     def keywords(self) -> dict[str, Any]:
         """The options as ``patch`` keywords (every one, defaults included)."""
