@@ -98,25 +98,29 @@ def patch(model: nn.Module, strategy: str, **keywords: Any) -> PatchHandle:
         AttentionNotPluggableError: ``logn`` on a model whose attention bypasses the interface.
     """
     options, params = PatchOptions.split(keywords)
-    strat = get_strategy(strategy)
-    PatchOptions.refuse_misspelled(params, strat)
-    params = strat.validate(params)
+    strat, params = _strategy(strategy, params)
     rule, keep_own = _query_temperature(options)
-    # a rule of ours routes attention through the temperature wrapper, as log-n does
-    applied = replace(options, logn=True) if rule is not None else options
+    applied = replace(options, logn=True) if rule is not None else options  # a rule of ours wraps attention as logn
     found = patchable_rotaries(model, strat, applied, current_patch(model))
     modules, sites = rotary_sites(model)
     handle = PatchHandle(model, strategy, params, {}, layers=probe_layers(model, modules, sites),
                          repatch=partial(patch, model, strategy, **options.keywords(), **params))
     handle.temperature = rule or (Temperature("logn") if applied.logn else None)
-    text = text_config_of(model, model)
-    handle.own_temperature = {r: shipped(text, r) for r in (True, False)}  # read before a patch changes it
+    text = text_config_of(model, model)  # read before a patch changes it
+    handle.own_temperature = {r: shipped(text, r) for r in (True, False)}
     if keep_own:
         handle.options["temperature"] = NATIVE
-    build = patch_attention if strat.kind == "attention" else patch_frequencies
-    build(handle, strat, found, modules, applied)
+    (patch_attention if strat.kind == "attention" else patch_frequencies)(handle, strat, found, modules, applied)
     handle.activate()
     return handle
+
+
+def _strategy(name: str, params: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``(the registered strategy, its validated parameters)``; ``InvalidInput`` for a parameter it lacks (named as
+    the patch option it is near, if any) or one out of range."""
+    strat = get_strategy(name)
+    PatchOptions.refuse_misspelled(params, strat)
+    return strat, strat.validate(params)
 
 
 def _query_temperature(options: PatchOptions) -> tuple[Temperature | None, bool]:
