@@ -76,6 +76,10 @@ CONTEXT_ARGS = ("dim", "rope_theta", "original_max_position_embeddings", "seq_le
                 "model_attention_scaling", "dual_chunk_attention_config")
 OPTIONAL_CONTEXT = ("dual_chunk_attention_config",)  # passed as None where the model has none
 _REQUIRED = object()
+# keywords that are not a strategy's to take: patch()'s options (ropescale.patching.options.PatchOptions, told apart
+# from the strategy's parameters by name) and the keys a config's strategy entry reads itself (ropescale.runs.config)
+RESERVED_PARAMS = ("original_max_position_embeddings", "layer_types", "dynamic_cache", "dynamic_block", "logn",
+                   "attention_path", "block_size", "temperature", "profiles", "label", "name", "params")
 
 StrategyKind = Literal["frequency", "attention"]
 """``"frequency"``: the function returns ``RopeFrequencies``; ``"attention"``: a ``RelativeRule``."""
@@ -531,7 +535,8 @@ def register(name: str, *, params: tuple[Param, ...] = (), source: str,
         The decorator; the function comes back unchanged, registered.
 
     Raises:
-        TypeError: an unknown ``kind`` or ``served``, or a signature that does not match ``params``.
+        TypeError: an unknown ``kind`` or ``served``, a signature that does not match ``params``, or a parameter
+            named as a patch option or strategy-entry key (``RESERVED_PARAMS``).
     """
     if kind not in STRATEGY_KINDS:
         raise TypeError(f"{name}: kind={kind!r}; choose one of {', '.join(STRATEGY_KINDS)}")
@@ -545,6 +550,10 @@ def register(name: str, *, params: tuple[Param, ...] = (), source: str,
         own = set(sig) - set(needs)
         if own != declared:
             raise TypeError(f"{name}: signature parameters {sorted(own)} != declared {sorted(declared)}")
+        taken = sorted(declared & set(RESERVED_PARAMS))
+        if taken:  # patch() would hand it to the patch, a config to the entry: never to the strategy
+            raise TypeError(f"{name}: parameter {taken[0]!r} is the name of a patch option or strategy-entry key; "
+                            "name it otherwise")
         for p in params:  # a default is what runs when the parameter is left out: within its own range
             if not p.required and p.default is not None:
                 try:

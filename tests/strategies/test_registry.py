@@ -236,3 +236,21 @@ def test_a_param_default_outside_its_own_range_is_refused_at_register(param, sho
     with pytest.raises(TypeError, match=rf"^default_test_only: parameter {shown}.* \(its default\)$"):
         _registered("default_test_only", lambda dim, p: RopeFrequencies(_plain_inv_freq(dim), 1.0), params=(param,))
     assert "default_test_only" not in REGISTRY
+
+
+def test_a_parameter_named_as_a_patch_option_is_refused_at_register():
+    # patch() splits its keywords by name: block_size=8 went to the patch ("does not use block_size=8"), never to
+    # the strategy whose parameter it was
+    with pytest.raises(TypeError, match=r"^reserved_test_only: parameter 'block_size' is the name of a patch option"):
+        _registered("reserved_test_only", lambda dim, block_size: RopeFrequencies(_plain_inv_freq(dim), 1.0),
+                    params=(Param("block_size", 4, kind=int, low=1),))
+    assert "reserved_test_only" not in REGISTRY
+
+
+def test_the_reserved_names_cover_every_patch_option():
+    from dataclasses import fields
+
+    from ropescale.patching.options import PatchOptions
+    from ropescale.strategies.registry import RESERVED_PARAMS
+
+    assert {f.name for f in fields(PatchOptions)} <= set(RESERVED_PARAMS)
