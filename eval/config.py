@@ -137,6 +137,9 @@ class EvalConfig(RunConfig):
                 raise ValueError(f"entry {i} ({entry!r}): {e}") from None
         names = [spec.display for spec in out]
         for i, name in enumerate(names):
+            if name in names[:i] and out[i].label is not None:  # the label repeats, whatever the settings
+                raise ValueError(f"entry {i}'s label {name!r} is entry {names.index(name)}'s too: give each entry "
+                                 "its own label")
             if name in names[:i]:
                 raise ValueError(f"entry {i} ({name!r}) repeats entry {names.index(name)}: the same cell would be "
                                  "computed twice; drop one, or give it a label: to compare other settings")

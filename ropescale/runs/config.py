@@ -230,7 +230,11 @@ def _parse_strategy(entry: Any) -> StrategySpec:
             raise ValueError(f"strategy entry {entry} has no 'name'")
         name, label, logn = entry.pop("name"), entry.pop("label", None), entry.pop("logn", False)
         temperature, profiles = entry.pop("temperature", None), entry.pop("profiles", None)
-        params = entry.pop("params", {}) | entry
+        nested = entry.pop("params", {})
+        both = sorted(set(nested) & set(entry)) if isinstance(nested, dict) else []
+        if both:  # the top-level value would win unseen
+            raise ValueError(f"strategy entry {name!r}: {both[0]} given both under params: and beside it; give it once")
+        params = nested | entry
         return StrategySpec(name=name, params=params, label=label, logn=logn, temperature=temperature,
                             profiles=profiles)
     raise ValueError(f"strategy entry must be a name or a mapping, got {entry!r}")

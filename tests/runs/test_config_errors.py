@@ -132,3 +132,16 @@ def test_a_parameter_given_twice_in_a_strategy_string_is_refused():
     # "dpe:scale_0=2,scale_0=3" ran with scale_0 = 3 and no word
     with pytest.raises(ConfigError, match=r"'dpe:scale_0=2,scale_0=3': scale_0 given twice"):
         build_config({"lengths": [256], "strategies": ["dpe:scale_0=2,scale_0=3"]})
+
+
+def test_a_parameter_under_params_and_beside_it_is_refused():
+    # {name: dpe, window: 16, params: {window: 32}} ran with window 16 (the top-level value won unseen)
+    with pytest.raises(ConfigError, match=r"strategy entry 'dpe': window given both under params: and beside it"):
+        build_config({"lengths": [256], "strategies": [{"name": "dpe", "window": 16, "params": {"window": 32}}]})
+
+
+def test_a_repeated_label_is_named_as_such():
+    # two entries of other settings under one label were told "the same cell would be computed twice"
+    with pytest.raises(ConfigError, match=r"entry 1's label 'a' is entry 0's too: give each entry its own label"):
+        build_config({"lengths": [256], "strategies": [{"name": "dpe", "window": 16, "label": "a"},
+                                                       {"name": "dpe", "window": 32, "label": "a"}]})
