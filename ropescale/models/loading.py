@@ -50,6 +50,9 @@ def resolve_model(name_or_path: str) -> str:
 
     Raises ``ModelLoadError`` for a path that does not exist or holds no model, and for a pip model
     that cannot be made ready (package missing, damaged)."""
+    if not str(name_or_path).strip():  # Path("") is the working folder
+        raise ModelLoadError(f"model name {name_or_path!r} is empty; give a bundled name ({', '.join(MODEL_ALIASES)}), "
+                             "a model folder or a hub id")
     if name_or_path in PIP_MODELS:
         try:
             return str(pip_model_path(name_or_path))
