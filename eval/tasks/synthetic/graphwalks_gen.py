@@ -79,6 +79,8 @@ def bfs_at_depth(edges: Iterable[tuple[str, str]], start: str, depth: int) -> se
     seen, frontier = {start}, {start}
     for _ in range(depth):
         frontier = {t for s in frontier for t in out[s] if t not in seen}
+        if not frontier:  # nothing further: every deeper level is empty too (depths: [10**9] ran 10**9 empty steps)
+            break
         seen |= frontier
     return frontier
 

@@ -269,3 +269,9 @@ def test_empty_answers_false_refuses_a_depth_that_only_draws_empty_sets(tok):
     with pytest.raises(PromptError, match=r"^graphwalks at 1024 tokens: empty_answers is false but sample 0 \(bfs at "
                                           r"depth 1000\) drew an empty answer 100 times over; ask smaller depths"):
         task.examples(1024)
+
+
+def test_a_depth_past_the_graph_stops_at_its_last_level():
+    # the BFS stepped through every one of 10**12 empty levels: a sample of depths: [10**12] never came back
+    edges = [("a", "b"), ("b", "c"), ("c", "a")]
+    assert bfs_at_depth(edges, "a", 10**12) == set() and bfs_at_depth(edges, "a", 2) == {"c"}
