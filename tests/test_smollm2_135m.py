@@ -105,3 +105,18 @@ def test_yarn_patch_equals_transformers_yarn(folder):
         ours = model(ids).logits[0]  # [s, V]
     theirs = _plain(folder, YARN2)(ids).logits[0]
     assert (ours - theirs).abs().max().item() <= 1e-4 * theirs.abs().max().item()
+
+
+def test_linear_patch_equals_transformers_linear(folder):
+    """Position interpolation ×2 costs SmolLM2 about 0.9 nats per token inside its window (the results page):
+    that cost is the model's, not the patch's — ropescale's ``linear`` gives transformers' own linear logits."""
+    import ropescale
+
+    ids = torch.randint(0, 49_152, (1, 512), generator=torch.Generator().manual_seed(0))
+    model, _ = ropescale.load_model("smollm2-135m", device="cpu")
+    with ropescale.patch(model, "linear", factor=2.0), torch.no_grad():
+        ours = model(ids).logits[0]  # [s, V]
+    theirs = _plain(folder, {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5})(ids).logits[0]
+    vanilla = _plain(folder)(ids).logits[0]
+    assert (ours - theirs).abs().max().item() <= 1e-4 * theirs.abs().max().item()
+    assert (ours - vanilla).abs().max().item() > 1e-2 * vanilla.abs().max().item()  # the patch moves it
