@@ -82,9 +82,9 @@ def perplexity(records: list[dict]) -> list[str]:
 
     windows = {r["length"]: (r["windows"], r["tokens"]) for r in records}
     note = ", ".join(f"{n:,}: {w} window{'s' * (w > 1)}, {t:,} tokens" for n, (w, t) in sorted(windows.items()))
-    return _grid(records, cell) + ["", f"Scored per cell — {note}. PPL (95% block-bootstrap interval) "
-                                   "[Δ mean NLL to vanilla on the same tokens, nats/token (95% paired interval)]; "
-                                   "`= x`: rotates bit for bit as x, not run again."] + past_window(records)
+    legend = (f"Scored per cell — {note}. PPL (95% block-bootstrap interval) [Δ mean NLL to vanilla on the same "
+              "tokens, nats/token (95% paired interval)]; `= x`: rotates bit for bit as x, not run again.")
+    return _grid(records, cell) + ["", legend] + ranking(records) + past_window(records)
 
 
 def _mean_nll(buckets: list[dict]) -> float:
@@ -93,6 +93,25 @@ def _mean_nll(buckets: list[dict]) -> float:
 
 def _from_block(rec: dict, cut: int) -> dict:
     return {**rec, "nll_blocks": rec["nll_blocks"][cut:], "block_tokens": rec["block_tokens"][cut:]}
+
+
+def ranking(records: list[dict]) -> list[str]:
+    """At each length with three or more cells of one window each, the cells ranked by mean NLL, each with its
+    paired difference to the best one (95% block bootstrap over the same tokens): which differences are real."""
+    out = []
+    for length in sorted({r["length"] for r in records}):
+        rows = sorted((r for r in records if r["length"] == length and r.get("nll_blocks") and not r.get("same_as")),
+                      key=lambda r: r["nll"])
+        if len(rows) < 3:
+            continue
+        best = rows[0]
+        cells = [f"{best['strategy']} (best)"]
+        for r in rows[1:]:
+            d = paired_delta(r, best)
+            cells.append(f"{r['strategy']} {d[0]:+.3f} ({d[1]:+.3f}…{d[2]:+.3f})" if d else r["strategy"])
+        out.append(f"- {length:,}: " + "; ".join(cells))
+    return ["", "Ranked by mean NLL, each against the best at its length (paired Δ, nats/token, 95%):", ""] + out \
+        if out else []
 
 
 def past_window(records: list[dict]) -> list[str]:
