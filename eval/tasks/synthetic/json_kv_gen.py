@@ -136,9 +136,12 @@ def generate_json_kv(*, total: Callable[[str], int], tokenizer, length: int, num
         The samples (``KvDraft.sample``).
 
     Raises:
-        PromptError: no sample fits L.
+        PromptError: no sample fits L, or ``pairs`` is more than L tokens.
     """
     what = f"json_kv at {length} tokens"
+    if pairs is not None and pairs > length:  # each pair is several tokens: drawing and tokenizing them all only to cut
+        raise PromptError(f"{what}: pairs={pairs} is more than {length} tokens can hold (a pair takes several); give "
+                          f"at most {length}, or leave pairs out to fill L")
     if pairs is not None:
         out = [_cut(draw_kv(seed, length, i, pairs, shots), total, tokenizer, length, what) for i in range(num_samples)]
     else:

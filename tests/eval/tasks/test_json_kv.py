@@ -250,11 +250,17 @@ def test_end_to_end_on_the_bundled_model_from_the_cli(tmp_path):
 
 
 def test_a_gold_pair_cut_from_the_context_has_no_depth(tok):
-    # pairs far past L: HELMET's cut leaves a few pairs, the gold (index 0 … 999) mostly beyond them; its depth
+    # pairs far past L: HELMET's cut leaves a few pairs, the gold (index 0 … 511) mostly beyond them; its depth
     # index / (kept − 1) was reported as e.g. 257.5 on a 0 … 1 scale
-    task = make(tok, num_samples=4, pairs=1000, tokens_to_generate=8)
+    task = make(tok, num_samples=4, pairs=512, tokens_to_generate=8)
     examples = task.examples(512)
     record = task.combine([[(i, "") for i in range(4)]], examples, length=512, strategy=None)
     depths = record["gold_depths"]
     assert all(d is None or 0 <= d <= 1 for d in depths) and None in depths
     assert [d is not None for d in depths] == [ex.sample.index < n for ex, n in zip(examples, record["pairs"])]
+
+
+def test_more_pairs_than_tokens_is_refused_before_drawing_them(tok):
+    # pairs: 10**7 at 512 drew and tokenized ten million pairs to keep three: the run did not come back
+    with pytest.raises(PromptError, match=r"^json_kv at 512 tokens: pairs=10000000 is more than 512 tokens can hold"):
+        make(tok, num_samples=1, pairs=10**7, tokens_to_generate=8).examples(512)
