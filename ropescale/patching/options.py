@@ -65,16 +65,21 @@ class PatchOptions:
         if train is not None and (isinstance(train, bool) or not isinstance(train, int) or train < 2):
             raise InvalidInput(f"original_max_position_embeddings={train!r} must be a whole number of tokens >= 2 "
                                "(the training window)")
+        layers = self.layer_types
+        if layers is not None and (not isinstance(layers, list | tuple) or not layers
+                                   or not all(isinstance(t, str) for t in layers)):
+            raise InvalidInput(f"layer_types={layers!r} must be a non-empty list of layer type names (e.g. "
+                               "['full_attention']), or None for the default")
         if not isinstance(self.logn, bool):
             raise InvalidInput(f"logn={self.logn!r} must be True or False")
         if self.dynamic_cache not in DYNAMIC_CACHE_MODES:
             raise InvalidInput(f"dynamic_cache={self.dynamic_cache!r}; choose one of {', '.join(DYNAMIC_CACHE_MODES)}")
-        if not isinstance(self.dynamic_block, int) or self.dynamic_block < 1:
+        if isinstance(self.dynamic_block, bool) or not isinstance(self.dynamic_block, int) or self.dynamic_block < 1:
             raise InvalidInput(f"dynamic_block={self.dynamic_block!r} must be a whole number >= 1")
         if self.attention_path not in ATTENTION_PATHS:
             raise InvalidInput(f"attention_path={self.attention_path!r}; choose 'fused', 'blocked' or 'naive' "
                                "(or 'flex')")
-        if not isinstance(self.block_size, int) or self.block_size < 1:
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
             raise InvalidInput(f"block_size={self.block_size!r} must be a whole number >= 1")
 
     def refuse_inapplicable(self, strat: Strategy) -> None:

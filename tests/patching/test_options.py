@@ -26,3 +26,19 @@ def test_a_misspelled_parameter_still_gets_the_strategys_hint(model):
         patch(model, "yarn", factr=2)
     with pytest.raises(InvalidInput, match=r"^yarn has no parameter 'zzz'; its parameters: "):
         patch(model, "yarn", factor=2, zzz=1)
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    # a string was read as its characters: "layer_types ['f', 'u', 'l', ...] not in this model's rotary module"
+    ({"layer_types": "full_attention"}, r"^layer_types='full_attention' must be a non-empty list of layer type names"),
+    # an empty list patched no layer at all, without a word
+    ({"layer_types": []}, r"^layer_types=\[\] must be a non-empty list"),
+    ({"layer_types": [1]}, r"^layer_types=\[1\] must be a non-empty list"),
+    ({"dynamic_block": True}, r"^dynamic_block=True must be a whole number >= 1$"),
+    ({"block_size": True}, r"^block_size=True must be a whole number >= 1$"),
+])
+def test_options_of_the_wrong_type_are_refused(options, match):
+    from ropescale.patching.options import PatchOptions
+
+    with pytest.raises(InvalidInput, match=match):
+        PatchOptions(**options).check()
