@@ -12,6 +12,7 @@ from __future__ import annotations
 from .fingerprints import model_fingerprint, weights_fingerprint
 from .loading import (
     ADAPTER_FILE,
+    DTYPES,
     MODEL_ALIASES,
     PATCH_FILE,
     REFERENCE_MODEL,
@@ -29,6 +30,7 @@ from .saving import MARKER, exported_config, native_rope_parameters, save_adapte
 
 __all__ = [
     "ADAPTER_FILE",
+    "DTYPES",
     "MARKER",
     "MODEL_ALIASES",
     "PATCH_FILE",

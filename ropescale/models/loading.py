@@ -23,7 +23,7 @@ from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.patching import PatchHandle, patch, unpatch
 from ropescale.pip_models import PIP_MODELS, PipModelError, pip_model_path
 
-__all__ = ["ADAPTER_FILE", "MODEL_ALIASES", "PATCH_FILE", "REFERENCE_MODEL", "ModelLoadError", "adapter_base",
+__all__ = ["ADAPTER_FILE", "DTYPES", "MODEL_ALIASES", "PATCH_FILE", "REFERENCE_MODEL", "ModelLoadError", "adapter_base",
            "load_model", "load_tokenizer", "model_config", "model_rope_config", "model_training_window",
            "resolve_device", "resolve_model"]
 
