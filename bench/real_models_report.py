@@ -118,8 +118,8 @@ def past_window(records: list[dict]) -> list[str]:
     """Single-window cells longer than T split at T: mean NLL [nats/token] of the positions inside the window
     (< T; in chunk mode the same tokens and context as a T-long window's) and past it (≥ T), and the past part's
     paired difference to vanilla (95% block bootstrap over the blocks past T)."""
-    rows = [r for r in records if r["length"] > r["train_length"] and r.get("windows") == 1
-            and r.get("nll_by_position") and r.get("nll_blocks")]
+    rows = sorted((r for r in records if r["length"] > r["train_length"] and r.get("windows") == 1
+                   and r.get("nll_by_position") and r.get("nll_blocks")), key=lambda r: r["length"])
     if not rows:
         return []
     base = {r["length"]: r for r in rows if r["strategy"] == "vanilla"}
