@@ -56,26 +56,29 @@ __all__ = [
 def patch(model: nn.Module, strategy: str, **keywords: Any) -> PatchHandle:
     """Apply ``strategy`` to the rotary embedding of ``model`` in place.
 
-    Every argument after ``strategy`` is a keyword: the patch's options (``PatchOptions``) and the strategy's
-    parameters, told apart by name (``PatchOptions.split``).
+    After ``strategy`` every argument is a keyword: an option (``PatchOptions``) or a strategy parameter.
 
     Args:
         model: a loaded HF model with RoPE (any family whose rotary module has ``inv_freq``).
         strategy: registry name (``ropescale strategies`` lists them).
-        original_max_position_embeddings: training window T [tokens]; default from config.
-        layer_types: for per-layer-type rotary modules (Gemma 3), which types to patch; default
+        keywords: the options below, and the strategy's parameters (validated; ``ropescale strategies``
+            lists each strategy's): every keyword not naming an option is one.
+
+    Keyword Args:
+        original_max_position_embeddings (int | None): training window T [tokens]; default from config.
+        layer_types (list[str] | None): for per-layer-type rotary modules (Gemma 3), which types to patch; default
             all but sliding-window types. The others keep the model's own frequencies.
-        dynamic_cache: dynamic strategies under a KV cache: ``"recompute"`` (exact; re-runs the
+        dynamic_cache (str): dynamic strategies under a KV cache: ``"recompute"`` (exact; re-runs the
             cached prefix whenever the frequencies change) or ``"rerotate"`` (re-rotates cached
             keys only; cheaper, approximate past layer 0). See ``ropescale.rotary.cache``.
-        dynamic_block: dynamic strategies take L rounded up to a multiple of this [tokens], so
+        dynamic_block (int | None): dynamic strategies take L rounded up to a multiple of this [tokens], so
             the frequencies (and, with ``"recompute"``, the prefix) change once per block.
-        logn: also scale queries by max(1, ln(p+1)/ln(T)) (Su 2023), through the
+        logn (bool): also scale queries by max(1, ln(p+1)/ln(T)) (Su 2023), through the
             attention interface (``ropescale.attention.interface``); works with any strategy.
-        temperature: another query-temperature rule instead of log-n (``ropescale.temperature``):
+        temperature (str | dict | None): another query-temperature rule instead of log-n (``ropescale.temperature``):
             ``"llama4"`` (Llama 4's stepped one), ``"beta:beta=0.1"`` (Mistral's ``llama_4_scaling_beta``),
             ``"logn"``, a mapping, or None. Exact under the KV cache like log-n.
-        attention_path: relative-position rules only: ``"fused"`` (default: the rule's regions in fused
+        attention_path (str): relative-position rules only: ``"fused"`` (default: the rule's regions in fused
             CPU kernels, about the cost of vanilla attention, with backward; on a non-CPU device
             it runs ``"flex"``), ``"flex"`` (the regions in FlexAttention, compiled on CUDA;
             eager and unfused on the CPU, where torch has no FlexAttention backward, so training
@@ -83,10 +86,7 @@ def patch(model: nn.Module, strategy: str, **keywords: Any) -> PatchHandle:
             ``"fused"`` uses for attention dropout, and on the CPU for soft-capping) or
             ``"naive"`` (explicit n × n relative positions; the tests' oracle). All are exact and
             differentiable.
-        block_size: relative-position rules only: query/key block of the blocked path [tokens].
-        keywords: the options above, and the strategy's parameters (validated; ``ropescale strategies`` lists
-            each strategy's): every keyword not naming an option is one.
-
+        block_size (int): relative-position rules only: query/key block of the blocked path [tokens].
     Returns:
         The ``PatchHandle``: ``handle.unpatch()`` or ``with patch(...):`` restores the model.
 
