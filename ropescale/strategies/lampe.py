@@ -121,8 +121,8 @@ def lampe(prompt_length: int, head: int, tail: int, fit: str, a: float | None, b
     authors = prefill == "authors"
     bias_1, bias_2, start = lampe_bounds(length, use, head, tail, authors)
     if start <= head:
-        raise InvalidInput(f"lampe: the tail starts at distance {start}, inside the head (head={head}) for prompt_length="
-                           f"{length}, tail={tail} and U={use}: use a shorter tail or head")
+        raise InvalidInput(f"lampe: the tail starts at distance {start}, inside the head (head={head}) for "
+                           f"prompt_length={length}, tail={tail} and U={use}: use a shorter tail or head")
     m = _mapping(use, length, authors)
     regions = (Region(0, head), Region(head, start, lambda i: m(i) + bias_1, m), Region(start, None,
                                                                                         lambda i: i - bias_2, None))
