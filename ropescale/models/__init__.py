@@ -26,6 +26,9 @@ from .loading import (
     resolve_device,
     resolve_model,
 )
+from .loading import (
+    model_training_length as model_training_length,  # model_training_window's old name, kept for old code
+)
 from .saving import MARKER, exported_config, native_rope_parameters, save_adapter, save_patched, save_unexpressed
 
 __all__ = [
