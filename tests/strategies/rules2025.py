@@ -98,3 +98,16 @@ def refused_by_static_engines(name: str, params: dict) -> list[str]:
             assert "\n" not in line and line.startswith(f"{engine.label}:") and "relative-position rule" in line, line
             checked.append(engine.name)
     return checked
+
+
+def assert_fused_grads_equal_naive(model, rule: str, ids: torch.Tensor, **params) -> None:
+    """One training step's gradients of every parameter through the fused path equal the naive path's
+    (``rule`` patched with ``params``; ≤ 1e-5 of each gradient's largest entry)."""
+    grads = {}
+    for path in ("fused", "naive"):
+        model.zero_grad()
+        with ropescale.patch(model, rule, attention_path=path, **params):
+            model(ids, labels=ids).loss.backward()
+        grads[path] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for name, g in grads["naive"].items():
+        assert (grads["fused"][name] - g).abs().max() <= 1e-5 * g.abs().max(), name

@@ -19,6 +19,7 @@ from ropescale.strategies.dpe import DPE_PRESETS, dpe
 from ropescale.strategies.truncation import pair_groups, self_extend
 from tests.conftest import with_cache
 from tests.strategies.rules2025 import (
+    assert_fused_grads_equal_naive,
     golden,
     inputs,
     pair_logits,
@@ -127,14 +128,7 @@ def test_cached_decoding_equals_the_authors_decoding_and_full_forwards():
 
 def test_training_step_gradients_equal_the_naive_path():
     model, ids = tiny_llama(), GOLDEN["ids"][:, :80]
-    grads = {}
-    for path in ("fused", "naive"):
-        model.zero_grad()
-        with ropescale.patch(model, "dpe", attention_path=path, **PARAMS):
-            model(ids, labels=ids).loss.backward()
-        grads[path] = {n: p.grad.clone() for n, p in model.named_parameters()}
-    for name, g in grads["naive"].items():
-        assert (grads["fused"][name] - g).abs().max() <= 1e-5 * g.abs().max(), name
+    assert_fused_grads_equal_naive(model, "dpe", ids, **PARAMS)
 
 
 def test_registry_presets_ranges_and_search_space():

@@ -20,6 +20,7 @@ from ropescale.strategies import get_strategy
 from ropescale.strategies.gali import gali, gali_positions
 from tests.conftest import with_cache
 from tests.strategies.rules2025 import (
+    assert_fused_grads_equal_naive,
     golden,
     inputs,
     pair_logits,
@@ -118,14 +119,7 @@ def test_cached_decoding_equals_full_forwards():
 
 def test_training_step_gradients_equal_the_naive_path():
     model, ids = tiny_llama(), GOLDEN["ids"][:, :72]
-    grads = {}
-    for path in ("fused", "naive"):
-        model.zero_grad()
-        with ropescale.patch(model, "gali", attention_path=path, prompt_length=72, local_window=16):
-            model(ids, labels=ids).loss.backward()
-        grads[path] = {n: p.grad.clone() for n, p in model.named_parameters()}
-    for name, g in grads["naive"].items():
-        assert (grads["fused"][name] - g).abs().max() <= 1e-5 * g.abs().max(), name
+    assert_fused_grads_equal_naive(model, "gali", ids, prompt_length=72, local_window=16)
 
 
 def test_registry_ranges_and_search_space():

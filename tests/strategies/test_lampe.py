@@ -22,6 +22,7 @@ from ropescale.strategies import get_strategy
 from ropescale.strategies.lampe import LAMPE_FITS, lampe, lampe_use_length
 from tests.conftest import with_cache
 from tests.strategies.rules2025 import (
+    assert_fused_grads_equal_naive,
     golden,
     inputs,
     pair_logits,
@@ -128,14 +129,7 @@ def test_cached_decoding_equals_full_forwards_and_training_gradients_the_naive_p
         for t in range(94, 100):
             step = model(ids[:, t : t + 1], **with_cache(cache), use_cache=True).logits[:, -1]
             assert (step - model(ids[:, : t + 1]).logits[:, -1]).abs().max() < 1e-12
-    grads = {}
-    for path in ("fused", "naive"):
-        model.zero_grad()
-        with ropescale.patch(model, "lampe", attention_path=path, **params):
-            model(ids[:, :60], labels=ids[:, :60]).loss.backward()
-        grads[path] = {n: p.grad.clone() for n, p in model.named_parameters()}
-    for name, g in grads["naive"].items():
-        assert (grads["fused"][name] - g).abs().max() <= 1e-5 * g.abs().max(), name
+    assert_fused_grads_equal_naive(model, "lampe", ids[:, :60], **params)
 
 
 def test_registry_fits_ranges_search_space_and_refusals():
