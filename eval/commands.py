@@ -208,6 +208,7 @@ def _loaded(model, spec, device):
 def _profile_factors(spec, profiles: str, serve_length, freeze_dynamic_at) -> list[float]:
     """``--profiles``' factors, sorted, once the options it leaves out are checked (one line each)."""
     from ropescale.runs.profiles import check_factors
+    from ropescale.strategies import get_strategy
 
     if serve_length is not None or freeze_dynamic_at is not None:
         raise InvalidInput("--profiles: each profile serves its own reach (s·T tokens); leave --serve-length and "
@@ -217,8 +218,10 @@ def _profile_factors(spec, profiles: str, serve_length, freeze_dynamic_at) -> li
     except ValueError as e:  # a word where a number is meant (InvalidInput is a ValueError: kept as it is)
         raise e if isinstance(e, InvalidInput) else InvalidInput(
             f"--profiles: {profiles!r} is not a comma-separated list of scale factors (e.g. 1,2,4)") from None
-    if spec.profiles or "factor" in spec.params:
-        raise InvalidInput("--profiles gives the factors; leave factor (and profiles) out of --strategy")
+    scale = get_strategy(spec.name).scale_param
+    if spec.profiles or (scale is not None and scale in spec.params):
+        raise InvalidInput(f"--profiles gives the factors; leave {scale or 'factor'} (and profiles) out of "
+                           "--strategy")
     return factors
 
 

@@ -148,8 +148,9 @@ class RopescaleLM(HFLM):
             handle = ropescale.patch(model, strategy, **options, **params)
         except (ModelLoadError, NoRotaryEmbeddingError, ValueError) as e:
             raise ModelArgsError(f"model_args: {e}") from None
-        if max_length is None and "factor" in handle.params:
-            max_length = int(handle.params["factor"] * handle.context["original_max_position_embeddings"])
+        scale = handle.strategy_obj.scale_param
+        if max_length is None and handle.params.get(scale) is not None:  # the reach s·T of its scale factor s
+            max_length = int(handle.params[scale] * handle.context["original_max_position_embeddings"])
         self.patch_handle = handle
         super().__init__(pretrained=model, tokenizer=tokenizer, max_length=max_length, device=device, **kwargs)
 

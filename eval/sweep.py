@@ -105,12 +105,17 @@ def _check_output(model, cell: Cell) -> str | None:
                            f"{cell.train_length}): {' '.join(str(e).split())}") from None
 
 
-def _note(spec: StrategySpec, params: dict, length: int) -> str | None:
-    """Why the cell equals vanilla RoPE by construction (an attention rule whose window is ≥ L), or None."""
-    if get_strategy(spec.name).kind == "attention" and params.get("window", 0) >= length:
-        return (f"window {params['window']} >= length {length}: the rule never applies at this length, "
-                "so this cell equals vanilla RoPE")
-    return None
+def _note(spec: StrategySpec, params: dict, length: int, train_length: int) -> str | None:
+    """Why the cell equals vanilla RoPE by construction, or None: a relative-position rule that is vanilla for
+    every distance below w (``Strategy.exact_below``, read from the rule it builds, not from a parameter's name)
+    with w ≥ L, and no query temperature on top."""
+    if spec.logn or spec.temperature:
+        return None
+    w = get_strategy(spec.name).exact_below(params, train_length=train_length)
+    if w is None or w < length:
+        return None
+    return (f"every distance below {w} is plain RoPE under this rule and the sequence holds {length} tokens: "
+            "the rule never applies at this length, so this cell equals vanilla RoPE")
 
 
 def _score_cell(cell: Cell, examples, bench: Bench) -> dict:
@@ -248,7 +253,7 @@ def _resolved_cell(model, spec: StrategySpec, length: int, cid: str, params: dic
     """The cell of ``spec`` at ``length`` with its resolved ``params``, its note and its rotation's
     fingerprint on ``model`` (``_check_output``: a strategy whose output is not frequencies refused here)."""
     cell = Cell(spec=spec, length=length, id=cid, params=params, train_length=train_length,
-                note=_note(spec, params, length))
+                note=_note(spec, params, length, train_length))
     return replace(cell, rotation=_check_output(model, cell))
 
 

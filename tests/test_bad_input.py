@@ -165,15 +165,31 @@ def test_duplicate_yaml_keys(tmp_path):
     one_line_error(cli("sweep", cfg, "-o", tmp_path / "o"), "key 'lengths' is given twice (lines 1 and 3)")
 
 
-def test_truncation_window_beyond_every_length_is_noted(tmp_path, tiny_model_dir, text_file, caplog):
+NOTED = ["rerope:window=64", "self_extend:window=64,group_size=4", "dpe:window=64",
+         "string:shifted_offset=64,local_window=8,attention_factor=1"]
+NOT_NOTED = ["rerope:window=16", "string:shifted_offset=64,local_window=8", "dca:chunk_size=64,local_window=8",
+             {"name": "rerope", "params": {"window": 64}, "logn": True}]
+
+
+def test_a_rule_that_never_applies_is_noted_and_its_cell_is_vanilla(tmp_path, tiny_model_dir, text_file, caplog):
+    """The note is read from the rule (``Strategy.exact_below``), not from a parameter called ``window``, so it
+    holds for STRING (whose neighbour band is ``shifted_offset``) and never for a rule with a factor, a chunked
+    rule or a query temperature; where it is given, the cell's PPL is vanilla's — the claim checked, not echoed."""
     from eval.config import build_config
     from eval.sweep import run_sweep
 
     cfg = build_config({"model": str(tiny_model_dir), "data": str(text_file), "lengths": [32],
-                        "strategies": ["rerope:window=64"], "max_windows": 2, "device": "cpu"})
+                        "strategies": ["vanilla", *NOTED, *NOT_NOTED], "max_windows": 2, "device": "cpu"})
     with caplog.at_level(logging.WARNING, logger="ropescale"):
-        (r,) = run_sweep(cfg, tmp_path, progress=False)
-    assert r["note"].startswith("window 64 >= length 32: the rule never applies") and "equals vanilla" in caplog.text
+        vanilla, *rest = run_sweep(cfg, tmp_path, progress=False)
+    noted, not_noted = rest[:len(NOTED)], rest[len(NOTED):]
+    for r in noted:
+        assert r["note"].startswith("every distance below 64 is plain RoPE"), r["strategy"]
+        assert r["ppl"] == pytest.approx(vanilla["ppl"], rel=1e-9) and "same_as" not in r, r["strategy"]
+    # the random tiny model barely reads positions: a rule that applies moves its PPL by ~1e-6, relative
+    assert abs(not_noted[0]["ppl"] / vanilla["ppl"] - 1) > 1e-7  # rerope:window=16 < 32 applies
+    assert [r.get("note") for r in not_noted] == [None] * len(NOT_NOTED)
+    assert "equals vanilla" in caplog.text
 
 
 LM_EVAL_TASK = ["--tasks", "tiny_rolling", "--device", "cpu"]

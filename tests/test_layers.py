@@ -347,6 +347,48 @@ def test_the_name_literal_check_sees_one(tmp_path):
         "eval.a:1 spec.name == 'yarn'", "eval.a:5 s in ('native', 'x')"]
 
 
+def param_name_reads(sources: dict[str, Path] | None = None, names: set[str] | None = None) -> list[str]:
+    """Every read outside ``ropescale/strategies/`` of a strategy parameter *by its name* from a strategy's
+    parameters (an expression naming ``params``): ``params["factor"]``, ``params.get("window")``, ``"factor" in
+    spec.params``. Behaviour picks a parameter by the role it declares (``Strategy.scale_param``,
+    ``Strategy.exact_below``, ``Strategy.frozen``), so a strategy whose scale is called ``scale`` (DCA) or
+    whose window is ``local_window`` (STRING) is read right."""
+    from ropescale.strategies import REGISTRY
+
+    sources = _sources() if sources is None else sources
+    names = {p.name for s in REGISTRY.values() for p in s.params} if names is None else names
+    bad = []
+    for name, path in sorted(sources.items()):
+        if name.startswith("ropescale.strategies"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Subscript):
+                target, key = node.value, node.slice
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+                target, key = node.func.value, (node.args or [None])[0]
+            elif isinstance(node, ast.Compare) and isinstance(node.ops[0], ast.In | ast.NotIn):
+                target, key = node.comparators[0], node.left
+            else:
+                continue
+            if isinstance(key, ast.Constant) and key.value in names and "params" in ast.unparse(target):
+                bad.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+    return bad
+
+
+def test_no_strategy_parameter_is_read_by_its_name_outside_the_strategies():
+    """Issue 54, item 4: the sweep read ``params.get("window")`` (missing STRING's and DCA's ``local_window``),
+    profiles and lm-eval read ``factor``, the serving plan held dynamic NTK's freeze formula. They read roles."""
+    assert param_name_reads() == []
+
+
+def test_the_param_name_check_sees_one(tmp_path):
+    a = tmp_path / "a.py"
+    a.write_text("w = params.get('window', 0)\ns = handle.params['factor']\nif 'factor' in spec.params:\n    pass\n"
+                 "t = rp['factor']\nu = base.get('window')\n")
+    assert param_name_reads({"eval.a": a}, {"window", "factor"}) == [
+        "eval.a:1 params.get('window', 0)", "eval.a:2 handle.params['factor']", "eval.a:3 'factor' in spec.params"]
+
+
 def _command_bodies(source: str) -> dict[str, list[ast.stmt]]:
     """Each click command function of ``source`` → its statements after the docstring."""
     out = {}

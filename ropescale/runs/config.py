@@ -119,11 +119,11 @@ class StrategySpec(BaseModel):
             from ropescale.runs.profiles import check_factors
 
             object.__setattr__(self, "profiles", check_factors(self.profiles, f"{self.name}: profiles"))
-            if "factor" not in {p.name for p in strat.params} or strat.dynamic:
+            if strat.scale_param is None or strat.kind != "frequency" or strat.dynamic:
                 raise ValueError(f"{self.name}: profiles pick a static scale factor per request; {self.name} has "
                                  "none (profiles serve a static frequency strategy with a factor: yarn, linear, ntk)")
-            if "factor" in self.params:
-                raise ValueError(f"{self.name}: profiles give the factor; leave factor out")
+            if strat.scale_param in self.params:
+                raise ValueError(f"{self.name}: profiles give the factor; leave {strat.scale_param} out")
         strat.validate(self.params, partial=True)  # auto parameters left out are filled per length (resolve)
         # numpy numbers (accepted as numbers) as the Python ones they hold: displays, cell ids and manifests
         # (JSON) read them as written in Python
@@ -146,12 +146,12 @@ class StrategySpec(BaseModel):
         """The strategy's parameters for a run at L = ``length`` tokens on a model trained on T =
         ``train_length`` (``Strategy.resolve``); with ``profiles``, the factor the profiles' rule picks
         for an example of L tokens (``ropescale.serving.profiles.select_factor``)."""
-        params = self.params
+        params, strat = self.params, get_strategy(self.name)
         if self.profiles:
             from ropescale.runs.profiles import select_factor
 
-            params = {**params, "factor": select_factor(self.profiles, train_length, length)}
-        return get_strategy(self.name).resolve(params, length=length, train_length=train_length, context=context)
+            params = {**params, strat.scale_param: select_factor(self.profiles, train_length, length)}
+        return strat.resolve(params, length=length, train_length=train_length, context=context)
 
 
 def _plain(value: Any) -> Any:

@@ -28,7 +28,6 @@ from ropescale.models import native_rope_parameters
 from ropescale.patching import PatchHandle
 from ropescale.rope_config import rope_config_of, text_config
 from ropescale.serving.rope import ExportRefused, check_length, served_temperatures
-from ropescale.strategies import BASELINE
 from ropescale.temperature import Temperature
 
 __all__ = ["ServedRope", "check_deepseek_yarn", "check_freeze", "served_rope_parameters", "static_equivalent"]
@@ -195,14 +194,16 @@ def _served_type(handle: PatchHandle, engine: str, serve_length: int, freeze_dyn
     notes.append(f"dynamic NTK frozen at {at} tokens: every sequence is served with the base ropescale "
                  f"uses at {at} (ropescale's own dynamic rule is vanilla up to "
                  f"{ctx['original_max_position_embeddings']} and rescales with the length)")
-    return _frozen_dynamic(rp, ctx, at), at, notes
+    return _frozen_dynamic(handle, rp, ctx, at), at, notes
 
 
-def _frozen_dynamic(rp: dict[str, Any], ctx: dict[str, Any], at: int) -> dict[str, Any]:
-    d, b, t, s = ctx["dim"], ctx["rope_theta"], ctx["original_max_position_embeddings"], rp["factor"]
-    out = {k: v for k, v in rp.items() if k not in ("rope_type", "factor")}
-    theta = b if at <= t else b * (s * at / t - (s - 1)) ** (d / (d - 2))
-    return out | {"rope_type": "default", "rope_theta": theta}
+def _frozen_dynamic(handle: PatchHandle, base: dict[str, Any], ctx: dict[str, Any], at: int) -> dict[str, Any]:
+    """The rope parameters of the strategy's static form at F = ``at`` (its ``freeze`` hook), written by that
+    static strategy's own exporter in the layer's context ``ctx``."""
+    t = ctx["original_max_position_embeddings"]
+    static, params = handle.strategy_obj.frozen(handle.params, at=at, train_length=t)
+    written = static.export(params, dict(ctx), dict(base), None)
+    return {**{k: v for k, v in base.items() if k not in ("rope_type", "factor")}, **written}
 
 
 def check_freeze(handle: PatchHandle, freeze_dynamic_at: int | None) -> int | None:
@@ -224,9 +225,9 @@ def check_freeze(handle: PatchHandle, freeze_dynamic_at: int | None) -> int | No
 
 
 def static_equivalent(handle: PatchHandle, at: int) -> str:
-    """The static strategy spec that rotates as the ``dynamic_ntk`` patch ``handle`` does at
-    sequence length F = ``at``: ``vanilla`` for F ≤ T, else ``ntk:factor=s'`` with
-    s' = s·F/T − (s − 1), since NTK's base b·s'^(d/(d−2)) is then dynamic NTK's at F."""
+    """The static strategy spec that rotates as the dynamic patch ``handle`` does at sequence length F = ``at``
+    (the strategy's ``freeze`` hook: ``vanilla`` for dynamic NTK at F ≤ T, else ``ntk:factor=s'`` with
+    s' = s·F/T − (s − 1))."""
     t = handle.contexts.get(None, handle.context)["original_max_position_embeddings"]
-    s = float(handle.params["factor"])
-    return BASELINE if at <= t else f"ntk:factor={s * at / t - (s - 1)!r}"
+    static, params = handle.strategy_obj.frozen(handle.params, at=at, train_length=t)
+    return static.name + "".join(f"{':' if i == 0 else ','}{k}={v!r}" for i, (k, v) in enumerate(params.items()))

@@ -29,6 +29,7 @@ from torch import nn
 
 from ropescale.errors import InvalidInput, RopescaleError
 from ropescale.runs.profiles import RULE, check_factors, factor_text, select_factor
+from ropescale.strategies import get_strategy
 
 __all__ = ["PROFILES_FILE", "Profile", "ProfilePlan", "check_factors", "export_profiles", "plan_profiles",
            "profile_folder", "read_profiles", "select_factor", "select_profile"]
@@ -93,15 +94,15 @@ def _check_request(model: nn.Module, strategy: str, factors: Any, params: dict[s
     """What needs no patch: the factors (``check_factors``), a static strategy with a factor, no ``factor``
     among ``params``, an unpatched model. Returns the factors, sorted."""
     from ropescale.patching import current_patch
-    from ropescale.strategies import get_strategy
 
     factors = check_factors(factors)
     strat = get_strategy(strategy)
-    if "factor" not in {p.name for p in strat.params} or strat.dynamic:
+    if strat.scale_param is None or strat.kind != "frequency" or strat.dynamic:
         raise InvalidInput(f"profiles: {strategy} has no static scale factor to pick per request (profiles serve "
                            "a static frequency strategy with a factor: yarn, linear, ntk, ...)")
-    if "factor" in params:
-        raise InvalidInput("profiles: the factors come from the profiles; leave factor out of the strategy")
+    if strat.scale_param in params:
+        raise InvalidInput(f"profiles: the factors come from the profiles; leave {strat.scale_param} out of the "
+                           "strategy")
     if current_patch(model) is not None:
         raise InvalidInput("profiles: the model is already patched; give the unpatched model")
     return factors
@@ -122,12 +123,13 @@ def plan_profiles(model: nn.Module, strategy: str, factors: list[float], engine:
     from ropescale.serving.rope import check_length
 
     factors = _check_request(model, strategy, factors, params)
+    scale = get_strategy(strategy).scale_param
     eng = get_engine(engine)
     if output is not None:
         check_export(eng.name, 2, output, gguf=gguf)
     plans = []
     for f in factors:
-        with patch(model, strategy, factor=f, **(patch_options or {}), **params) as handle:
+        with patch(model, strategy, **{scale: f}, **(patch_options or {}), **params) as handle:
             train = handle.context["original_max_position_embeddings"]
             if train is None:
                 raise InvalidInput("profiles: the model's config has no training window; give "
@@ -167,11 +169,11 @@ def export_profiles(model: nn.Module, strategy: str, factors: list[float], engin
     from ropescale.serving.export import export_for
     from ropescale.serving.output import staged
 
-    output = Path(output)
+    output, scale = Path(output), get_strategy(strategy).scale_param
     plans = plan_profiles(model, strategy, factors, engine, output, gguf=gguf, patch_options=patch_options, **params)
     results, rows = [], []
     for p in plans:
-        with patch(model, strategy, factor=p.factor, **(patch_options or {}), **params):
+        with patch(model, strategy, **{scale: p.factor}, **(patch_options or {}), **params):
             result = export_for(model, engine, p.reach, output / p.folder, tokenizer=tokenizer, gguf=gguf)
         results.append(result)
         rows.append(asdict(Profile(p.factor, p.reach, str(result.path.relative_to(output)))) | {"usage": result.usage})

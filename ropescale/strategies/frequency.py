@@ -42,6 +42,13 @@ def _export_dynamic_ntk(params: dict, context: dict, base: dict, max_position_em
     return {"rope_type": "dynamic", "factor": params["factor"]}
 
 
+def _freeze_dynamic_ntk(params: dict, at: int, train_length: int) -> tuple[str, dict]:
+    """Dynamic NTK at F: vanilla for F ≤ T, else NTK with s' = s·F/T − (s − 1), whose base b·s'^(d/(d−2)) is
+    dynamic NTK's at F."""
+    s = float(params["factor"])
+    return ("vanilla", {}) if at <= train_length else ("ntk", {"factor": s * at / train_length - (s - 1)})
+
+
 def rope_inv_freq(dim: int, rope_theta: float) -> torch.Tensor:
     """θ_i = b^(−2i/d) for i = 0 … d/2−1: ``[d/2]`` float32 [radians per token].
 
@@ -76,7 +83,7 @@ def ntk(dim: int, rope_theta: float, factor: float) -> RopeFrequencies:
 
 @register("dynamic_ntk",
           params=(Param("factor", 1.0, low=1.0, log=True, help="s in the base formula; 1 gives α = L/T"),),
-          export=_export_dynamic_ntk, served="freeze",
+          export=_export_dynamic_ntk, served="freeze", freeze=_freeze_dynamic_ntk,
           source="emozilla 2023, Dynamically scaled RoPE (reddit r/LocalLLaMA 14mrgpr); "
                  "transformers rope_type 'dynamic'")
 def dynamic_ntk(dim: int, rope_theta: float, original_max_position_embeddings: int,

@@ -60,6 +60,7 @@ __all__ = [
     "STRATEGY_KINDS",
     "AutoKind",
     "Exporter",
+    "Freezer",
     "Param",
     "RopeFrequencies",
     "Strategy",
@@ -96,6 +97,11 @@ AutoKind = Literal["scale", "length", "half_train"]
 """How a parameter left out is filled from the target length L and the training window T."""
 AUTO_KINDS: tuple[str, ...] = get_args(AutoKind)
 _AUTO_TEXT = {"scale": "max(1, L / T)", "length": "L", "half_train": "floor(T / 2)"}
+
+Freezer = Callable[[dict, int, int], "tuple[str, dict]"]
+"""``fn(params, at, train_length) -> (name, params)``: the static strategy (a registered name and its parameters)
+that rotates as a ``served="freeze"`` dynamic strategy with validated ``params`` does at sequence length F = ``at``
+on a model with training window T = ``train_length`` [tokens] — what engines with one static rotation serve."""
 
 Exporter = Callable[[dict, dict, dict, "int | None"], "dict | None"]
 """``fn(params, context, base, max_position_embeddings) -> rope_parameters | None``: the
@@ -317,6 +323,7 @@ class Strategy:
     # chosen length: dynamic NTK), "sets" (static sets an engine picks from by the served length: LongRoPE),
     # None (no static form: refused)
     served: DynamicServing | None = None
+    freeze: Freezer | None = None  # served="freeze": its static form at a length (``Freezer``)
 
     @property
     def label(self) -> str:
@@ -345,6 +352,63 @@ class Strategy:
         """The first paragraph of the strategy function's docstring, as one line (tables, ``ropescale list``)."""
         first = (inspect.getdoc(self.fn) or "").split("\n\n")[0]
         return " ".join(first.replace("``", "").split())
+
+    @property
+    def scale_param(self) -> str | None:
+        """The name of its scale factor s (L / T: the parameter whose ``auto`` is ``"scale"``; ``factor`` for the
+        frequency rules, ``scale`` for DCA), or None: callers read the role, never a parameter's name."""
+        return next((p.name for p in self.params if p.auto == "scale"), None)
+
+    def frozen(self, params: dict[str, Any], *, at: int, train_length: int) -> tuple[Strategy, dict]:
+        """The static strategy that rotates as this dynamic one does at sequence length F = ``at``.
+
+        Args:
+            params: this strategy's checked parameters.
+            at: F, the length it is frozen at [tokens].
+            train_length: T, the model's training window [tokens].
+
+        Returns:
+            ``(strategy, params)``: the static strategy and its checked parameters, from the ``freeze`` hook.
+
+        Raises:
+            ropescale.errors.InvalidInput: the strategy has no ``freeze`` hook (it is static, picks its sets from
+                the length, or has no static form), or the hook's answer is not a valid static strategy.
+        """
+        if self.freeze is None:
+            raise InvalidInput(f"{self.label} has no static form to freeze at a length")
+        name, frozen = self.freeze(dict(params), int(at), int(train_length))
+        static = get_strategy(name)
+        if static.dynamic:
+            raise InvalidInput(f"{self.label}'s freeze hook returned the dynamic strategy {name!r}; expected a "
+                               "static one")
+        return static, static.validate(frozen)
+
+    def exact_below(self, params: dict[str, Any], *, train_length: int, context: dict[str, Any] | None = None
+                    ) -> int | None:
+        """The distance below which this strategy is vanilla RoPE, read from the rule it builds.
+
+        For a relative-position rule whose first region is the plain band 0 ≤ i − j < w (``RelativeRule.window``)
+        with attention factor 1, no softmax factor and no extra prefill regions, every pair closer than w is
+        rotated by i − j exactly as vanilla: a sequence of L ≤ w tokens is vanilla RoPE. None where that is not
+        certain (a frequency strategy, a rule that needs more than T to be built, chunked regions, a factor).
+
+        Args:
+            params: the strategy's checked parameters (``resolve``).
+            train_length: T, the model's training window [tokens].
+            context: the model's context arguments where known (``OPTIONAL_CONTEXT`` ones are read).
+
+        Returns:
+            w [tokens], or None.
+        """
+        if self.kind != "attention" or self.softmax_scale(params) != 1.0:
+            return None
+        if set(self.needs) - set(OPTIONAL_CONTEXT) - {"original_max_position_embeddings"}:
+            return None
+        given = {k: v for k, v in (context or {}).items() if k in OPTIONAL_CONTEXT}
+        rule = self.compute({**given, "original_max_position_embeddings": train_length}, params)
+        if rule.attention_factor != 1.0 or rule.prefill_extra:
+            return None
+        return rule.window
 
     def param(self, name: str) -> Param:
         """One of the strategy's parameters.
@@ -516,7 +580,7 @@ REGISTRY: Registry[Strategy] = Registry("strategy", "strategies", UnknownStrateg
 def register(name: str, *, params: tuple[Param, ...] = (), source: str,
              kind: StrategyKind = "frequency", check: Callable[[dict], None] | None = None,
              export: Exporter | None = None, softmax: Callable[[dict], float] | None = None,
-             keeps_model: bool = False, served: DynamicServing | None = None
+             keeps_model: bool = False, served: DynamicServing | None = None, freeze: Freezer | None = None
              ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator adding a strategy function to the registry (``REGISTRY``) under ``name``.
 
@@ -530,18 +594,23 @@ def register(name: str, *, params: tuple[Param, ...] = (), source: str,
         softmax: validated params → the factor it multiplies attention's softmax scale by, where it has one.
         keeps_model: the strategy is the model's own rotation, left untouched (``Strategy.keeps_model``).
         served: how engines with one static rotation serve a dynamic strategy (``Strategy.served``).
+        freeze: for ``served="freeze"``, its static form at a length (``Freezer``; required there, refused elsewhere).
 
     Returns:
         The decorator; the function comes back unchanged, registered.
 
     Raises:
         TypeError: an unknown ``kind`` or ``served``, a signature that does not match ``params``, or a parameter
-            named as a patch option or strategy-entry key (``RESERVED_PARAMS``).
+            named as a patch option or strategy-entry key (``RESERVED_PARAMS``), ``served="freeze"``
+            without a ``freeze`` hook or a hook without it.
     """
     if kind not in STRATEGY_KINDS:
         raise TypeError(f"{name}: kind={kind!r}; choose one of {', '.join(STRATEGY_KINDS)}")
     if served is not None and served not in DYNAMIC_SERVING:
         raise TypeError(f"{name}: served={served!r}; choose one of {', '.join(DYNAMIC_SERVING)} or None")
+    if (served == "freeze") != (freeze is not None):
+        raise TypeError(f"{name}: served='freeze' and a freeze hook go together (served={served!r}, "
+                        f"freeze={'given' if freeze else 'None'})")
 
     def deco(fn: Callable[..., RopeFrequencies]) -> Callable[..., RopeFrequencies]:
         sig = inspect.signature(fn).parameters
@@ -563,7 +632,7 @@ def register(name: str, *, params: tuple[Param, ...] = (), source: str,
         module = getattr(fn, "__module__", "") or ""
         origin = "" if module.startswith("ropescale.") else (loading_plugin(module) or f"module {module}")
         REGISTRY.add(name, Strategy(name, fn, params, source, kind, check, needs, export, softmax, origin,
-                                    keeps_model, served))
+                                    keeps_model, served, freeze))
         return fn
 
     return deco

@@ -64,6 +64,30 @@ def test_how_a_dynamic_strategy_is_served_is_declared_at_register():
     assert "served_test_only" not in REGISTRY
 
 
+def test_a_freezable_strategy_declares_its_static_form_as_a_hook():
+    """``served="freeze"`` needs the strategy's own ``freeze`` hook (the serving code holds no formula), and a
+    hook without it is refused: both when registering."""
+    with pytest.raises(TypeError, match=r"and a freeze hook go together \(served='freeze', freeze=None"):
+        register("freeze_test_only", source="test", served="freeze")(lambda dim, rope_theta, seq_len: None)
+    with pytest.raises(TypeError, match=r"served=None, freeze=given"):
+        register("freeze_test_only", source="test", freeze=lambda p, at, t: ("vanilla", {}))(lambda dim: None)
+    assert "freeze_test_only" not in REGISTRY
+    with pytest.raises(InvalidInput, match=r"strategy 'ntk' has no static form to freeze at a length"):
+        get_strategy("ntk").frozen({"factor": 2.0}, at=128, train_length=64)
+
+
+@pytest.mark.parametrize(("factor", "at"), [(1.0, 64), (2.0, 64), (1.0, 256), (2.0, 256), (3.0, 1000)])
+def test_dynamic_ntk_frozen_at_a_length_rotates_as_it_does_there(factor, at):
+    """The hook's static strategy, computed, equals dynamic NTK computed at seq_len = F (T = 64): the two
+    functions meet only in the frozen parameters."""
+    dynamic = get_strategy("dynamic_ntk")
+    static, params = dynamic.frozen({"factor": factor}, at=at, train_length=64)
+    assert static.name == ("vanilla" if at <= 64 else "ntk")
+    ctx = {"dim": 16, "rope_theta": 10000.0, "original_max_position_embeddings": 64}
+    want = dynamic.compute({**ctx, "seq_len": at}, {"factor": factor}).inv_freq
+    torch.testing.assert_close(static.compute(ctx, params).inv_freq, want, rtol=1e-6, atol=0)
+
+
 # --- hostile numbers: inf, nan, numpy scalars, booleans, integral floats -----------------------
 
 def _numeric_params():
