@@ -33,6 +33,11 @@ its CPU backend is built from source for Intel Xeon with AMX): ``ropescale parit
 through ``sglang_rope`` only, read from the wheel's sources (``sglang/srt/layers/rotary_embedding/
 factory.py``, ``base.py``, ``yarn.py``, ``rope_variant.py``; ``sglang/srt/models/llama.py``,
 ``gemma3_causal.py``; ``sglang/srt/utils/hf_transformers/common.py`` ``get_context_length``).
+
+What SGLang reads is declared in two tables: ``ROPE_TYPES`` (rope type → ``ropescale.serving.tables.RopeRow``:
+the function computing SGLang's rotation, the one translating transformers' rope parameters, the source)
+and ``FAMILIES`` (the model types and architectures SGLang treats apart: Gemma 3, DeepSeek's MLA, Ministral
+3's query temperature). A rope type or family is one row.
 """
 
 from __future__ import annotations
@@ -50,14 +55,30 @@ from ropescale.rope_config import per_layer_type, text_config
 from ropescale.serving.engines import Engine, write_model_folder
 from ropescale.serving.plan import check_deepseek_yarn, served_rope_parameters
 from ropescale.serving.rope import EngineRope, ExportRefused, check_length, patch_handle
+from ropescale.serving.tables import DEEPSEEK_ARCHS, Family, RopeRow, families, rope_types
 
-__all__ = ["ENGINE", "SGLANG_FILE", "VERSION", "SglangEngine", "SglangExport", "export_sglang",
-           "sglang_layer_ropes", "sglang_rope"]
+__all__ = ["ENGINE", "FAMILIES", "GEMMA3", "MLA_ROPE", "ROPE_TYPES", "SGLANG_FILE", "VERSION", "SglangEngine",
+           "SglangExport", "export_sglang", "sglang_layer_ropes", "sglang_rope"]
 
 ENGINE = "SGLang"
 VERSION = "0.5.23"  # the release whose sources the rules and the re-implementation here were read from
 SGLANG_FILE = "sglang.json"  # beside the exported config.json: context_length, notes
-GEMMA3 = ("gemma3", "gemma3_text")
+_ROT = "sglang/srt/layers/rotary_embedding/"
+
+FAMILIES = families(
+    Family("gemma3", ("gemma3", "gemma3_text"), "model_type",
+           "each layer type's rope_theta, with rope scaling overwritten to rope_type default on every layer (an "
+           "export keys rope_parameters by layer type and refuses a scaled type)",
+           "sglang/srt/models/gemma3_causal.py"),
+    Family("deepseek", DEEPSEEK_ARCHS, "architectures",
+           "MLA attention: every scaled rope type becomes deepseek_yarn (DeepseekScalingRotaryEmbedding, ``MLA_ROPE``: "
+           "the YaRN ramp always rounded) and the softmax scale is multiplied by mscale(s, mscale_all_dim)²",
+           "sglang/srt/models/deepseek_v2.py; sglang/srt/configs/model_config.py compute_mla_mscale_scaling"),
+    Family("ministral3", ("ministral3",), "model_type",
+           "queries × 1 + β·ln(1 + ⌊p / max_position_embeddings⌋), β = rope_parameters.llama_4_scaling_beta",
+           "sglang/srt/models/ministral3.py"),
+)
+GEMMA3 = FAMILIES["gemma3"].members
 
 
 @dataclass
@@ -81,16 +102,6 @@ class SglangExport:
         return f"python -m sglang.launch_server --model-path {folder} --context-length {self.context_length}"
 
 
-# architectures whose SGLang model is deepseek_v2.py's MLA attention: every scaled rope type becomes
-# ``deepseek_yarn`` (DeepseekScalingRotaryEmbedding: the YaRN ramp always rounded) and the softmax scale is
-# multiplied by mscale(s, mscale_all_dim)² (configs/model_config.py ``compute_mla_mscale_scaling``)
-DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-
-
-def _deepseek(config: dict[str, Any]) -> bool:
-    return any(a in DEEPSEEK_ARCHS for a in config.get("architectures") or [])
-
-
 def export_sglang(model_or_handle, serve_length: int, *, freeze_dynamic_at: int | None = None) -> SglangExport:
     """The config.json with which SGLang 0.5.23 serves the patched model at ``serve_length`` = L [tokens].
 
@@ -110,13 +121,14 @@ def export_sglang(model_or_handle, serve_length: int, *, freeze_dynamic_at: int 
     text = config["text_config"] if text_config(handle.model.config) is not handle.model.config else config
     if served.layer_types is None:
         rp = dict(served.rope_parameters)
-        if _deepseek(config) and rp["rope_type"] != "default":
+        row = ROPE_TYPES.get(rp["rope_type"])
+        if FAMILIES["deepseek"].has(config) and (row is None or not row.unscaled):
             check_deepseek_yarn(ENGINE, VERSION, rp)
         rp, mpe = _translate(rp, served.context, length, notes)
         text["rope_parameters"] = rp
         text.pop("original_max_position_embeddings", None)
     else:
-        if model_type not in GEMMA3:
+        if not FAMILIES["gemma3"].has(config):
             raise ExportRefused(f"SGLang: SGLang {VERSION}'s {model_type} model reads one set of rope parameters; "
                                 f"per-layer-type patches ({handle.layer_types}) are exported for Gemma 3")
         for lt, rp in served.layer_types.items():
@@ -131,32 +143,55 @@ def export_sglang(model_or_handle, serve_length: int, *, freeze_dynamic_at: int 
 
 
 def _translate(rp: dict[str, Any], ctx: dict[str, Any], length: int, notes: list[str]) -> tuple[dict[str, Any], int]:
-    """One set of transformers rope parameters → ``(SGLang's rope parameters, max_position_embeddings)``."""
-    t = int(ctx["original_max_position_embeddings"])
+    """One set of transformers rope parameters → ``(SGLang's rope parameters, max_position_embeddings)``: the
+    row of ``ROPE_TYPES`` (its ``translate``; the module docstring's table)."""
     kind = rp["rope_type"]
-    if kind in ("default", "llama3"):
-        if kind == "llama3":
-            rp.setdefault("original_max_position_embeddings", t)
-        return rp, length
+    row = ROPE_TYPES.get(kind)
+    if row is None or row.translate is None:
+        raise ExportRefused(f"SGLang: no translation for transformers rope type {kind!r}")
+    return rp, row.translate(rp, int(ctx["original_max_position_embeddings"]), length, notes)
+
+
+# --- translations: (rp, T, L, notes) → max_position_embeddings; ``rp`` changed in place, notes appended ---------
+
+def _keep_export(rp: dict[str, Any], t: int, length: int, notes: list[str]) -> int:
+    """default (vanilla, NTK's raised base, frozen dynamic NTK): as it is; mpe = L."""
+    return length
+
+
+def _llama3_export(rp: dict[str, Any], t: int, length: int, notes: list[str]) -> int:
+    """llama3: T written into the rope parameters (unless there); mpe = L."""
+    rp.setdefault("original_max_position_embeddings", t)
+    return length
+
+
+def _linear_export(rp: dict[str, Any], t: int, length: int, notes: list[str]) -> int:
+    """linear: mpe = max(T, ⌈L/s⌉) (its context is mpe·s)."""
+    return max(t, math.ceil(length / float(rp["factor"])))
+
+
+def _yarn_export(rp: dict[str, Any], t: int, length: int, notes: list[str]) -> int:
+    """yarn: ``attn_factor`` = A/(0.1·ln s + 1) (the mscale ratio where ``mscale`` and ``mscale_all_dim`` are
+    both set; ``attention_factor`` is never read); mpe = max(⌈T·s⌉, L)."""
     s = float(rp["factor"])
-    if kind == "linear":
-        return rp, max(t, math.ceil(length / s))
-    if kind == "yarn":
-        rp.setdefault("original_max_position_embeddings", t)
-        both = rp.get("mscale") is not None and rp.get("mscale_all_dim") is not None
-        default = (_mscale(s, rp["mscale"]) / _mscale(s, rp["mscale_all_dim"])) if both else _mscale(s)
-        a = rp.get("attention_factor")
-        a = default if a is None else float(a)
-        rp["attn_factor"] = a / default
-        notes.append(f"yarn: SGLang reads attn_factor, not attention_factor: attn_factor = {rp['attn_factor']:.6g}")
-        return rp, max(math.ceil(t * s), length)
-    if kind == "longrope":
-        rp["short_mscale"] = rp["long_mscale"] = float(rp["attention_factor"])
-        rp.setdefault("original_max_position_embeddings", t)
-        notes.append("longrope: SGLang reads short_mscale/long_mscale, not attention_factor; the long factors "
-                     f"for a batch with any position past T = {t}")
-        return rp, max(math.ceil(t * s), length)
-    raise ExportRefused(f"SGLang: no translation for transformers rope type {kind!r}")
+    rp.setdefault("original_max_position_embeddings", t)
+    both = rp.get("mscale") is not None and rp.get("mscale_all_dim") is not None
+    default = (_mscale(s, rp["mscale"]) / _mscale(s, rp["mscale_all_dim"])) if both else _mscale(s)
+    a = rp.get("attention_factor")
+    a = default if a is None else float(a)
+    rp["attn_factor"] = a / default
+    notes.append(f"yarn: SGLang reads attn_factor, not attention_factor: attn_factor = {rp['attn_factor']:.6g}")
+    return max(math.ceil(t * s), length)
+
+
+def _longrope_export(rp: dict[str, Any], t: int, length: int, notes: list[str]) -> int:
+    """longrope: ``short_mscale``/``long_mscale`` = A (``attention_factor`` is not read); mpe = max(⌈T·s⌉, L)."""
+    s = float(rp["factor"])
+    rp["short_mscale"] = rp["long_mscale"] = float(rp["attention_factor"])
+    rp.setdefault("original_max_position_embeddings", t)
+    notes.append("longrope: SGLang reads short_mscale/long_mscale, not attention_factor; the long factors "
+                 f"for a batch with any position past T = {t}")
+    return max(math.ceil(t * s), length)
 
 
 def _mscale(s: float, m: float = 1.0) -> float:
@@ -203,7 +238,7 @@ def sglang_rope(config: dict[str, Any], length: int, *, layer_type: str | None =
         rp = {**(config.get("rope_scaling") or {}), "rope_theta": config.get("rope_theta", 10000)}
         rp.setdefault("rope_type", rp.pop("type", "default"))
     note = f"SGLang {VERSION}"
-    if model_type in GEMMA3:
+    if FAMILIES["gemma3"].has(config_in):
         one = rp.get(layer_type or "full_attention", rp) if all(isinstance(v, dict) for v in rp.values()) else rp
         kept = one.get("rope_type", "default")
         note += f" gemma3 ({layer_type or 'global'} layers: rope_type default" + \
@@ -221,50 +256,104 @@ def sglang_rope(config: dict[str, Any], length: int, *, layer_type: str | None =
         rp["original_max_position_embeddings"] = config["original_max_position_embeddings"]
     kind = rp.get("rope_type", rp.get("type", "default"))
     base = float(rp.get("rope_theta", 10000))
-    magnitude, softmax = 1.0, 1.0
-    if kind == "default":
-        inv = _inv_freq(base, d)
-    elif kind == "linear":
-        inv = _inv_freq(base, d) / float(rp.get("factor", 1.0))
-    elif kind == "dynamic":
-        s = float(rp.get("factor", 1.0))
-        inv = _inv_freq(base * (s * s - (s - 1)) ** (d / (d - 2)), d)
-        note += " (dynamic is static: the base of mpe·s tokens)"
-    elif _deepseek(config_in) and kind != "default":  # DeepSeek's attention: every scaled type (DEEPSEEK_ARCHS)
-        s_ = float(rp.get("factor", 1.0))
-        inv, magnitude = _yarn({**rp, "truncate": True}, base, d, mpe)
-        softmax = _mscale(s_, float(rp.get("mscale_all_dim") or 0)) ** 2
-        note += f" DeepSeek attention: deepseek_yarn, softmax scale × {softmax:.6g}"
-        kind = "deepseek_yarn"
-    elif kind == "yarn":
-        inv, magnitude = _yarn(rp, base, d, mpe)
-    elif kind == "llama3":
-        inv = _llama3(rp, base, d, mpe)
-    elif kind == "longrope":
-        t = int(rp.get("original_max_position_embeddings", mpe))
-        long = length > t
-        factors = torch.tensor(rp["long_factor" if long else "short_factor"], dtype=torch.float32)
-        inv = 1.0 / (factors * base ** (torch.arange(0, d, 2, dtype=torch.float) / d))
-        scale = mpe / t
-        default = 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(t))
-        m = rp.get("long_mscale" if long else "short_mscale")
-        magnitude = default if m is None else float(m)
-    else:
+    row = ROPE_TYPES.get(kind)
+    if FAMILIES["deepseek"].has(config_in) and (row is None or row.mla):  # DeepSeek's attention: every scaled type
+        row = MLA_ROPE
+    if row is None:
         return EngineRope(_inv_freq(base, d).double() * math.nan, math.nan, 1.0, note,
                           f"SGLang: rope type {kind!r} is not re-implemented here")
-    factor = 1 if "original_max_position_embeddings" in rp or kind == "llama3" else rp.get("factor", 1) or 1
+    out = row.compute(_Site(rp, base, d, mpe, length))
+    kind = out.kind or kind
+    factor = 1 if "original_max_position_embeddings" in rp or not out.scales_context else rp.get("factor", 1) or 1
     context = int(factor * mpe)
     failure = None if length <= context else (f"SGLang refuses a context length {length} > {context} derived from the "
                                               "config (SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 runs it)")
-    return EngineRope(inv.double(), float(magnitude), float(softmax), note + f", rope type {kind!r}", failure,
-                      _temperature(model_type, rp, mpe))
+    return EngineRope(out.inv.double(), float(out.magnitude), float(out.softmax), note + out.more
+                      + f", rope type {kind!r}", failure, _temperature(model_type, rp, mpe))
+
+
+@dataclass(frozen=True)
+class _Site:
+    """What a ``ROPE_TYPES`` row computes from: rope parameters ``rp``, base b, rotary dim d, mpe, the length."""
+
+    rp: dict[str, Any]
+    base: float
+    d: int
+    mpe: int
+    length: int
+
+
+@dataclass(frozen=True)
+class _Computed:
+    """A row's result: θ, magnitude, softmax factor, ``more`` (added to the note), ``kind`` (the type SGLang
+    runs instead, DeepSeek's), ``scales_context`` (get_context_length multiplies mpe by ``factor``
+    unless the rope parameters name ``original_max_position_embeddings``; llama3's never)."""
+
+    inv: torch.Tensor
+    magnitude: float = 1.0
+    softmax: float = 1.0
+    more: str = ""
+    kind: str | None = None
+    scales_context: bool = True
+
+
+def _default(c: _Site) -> _Computed:
+    """``RotaryEmbedding`` (base.py): θ_i = b^(−2i/d)."""
+    return _Computed(_inv_freq(c.base, c.d))
+
+
+def _linear(c: _Site) -> _Computed:
+    """``LinearScalingRotaryEmbedding``: θ_i/s."""
+    return _Computed(_inv_freq(c.base, c.d) / float(c.rp.get("factor", 1.0)))
+
+
+def _dynamic(c: _Site) -> _Computed:
+    """``DynamicNTKScalingRotaryEmbedding``, static: the base of mpe·s tokens for every sequence."""
+    s, d = float(c.rp.get("factor", 1.0)), c.d
+    return _Computed(_inv_freq(c.base * (s * s - (s - 1)) ** (d / (d - 2)), d),
+                     more=" (dynamic is static: the base of mpe·s tokens)")
+
+
+def _mla(c: _Site) -> _Computed:
+    """DeepSeek's attention (``FAMILIES['deepseek']``): ``DeepseekScalingRotaryEmbedding``, the YaRN ramp
+    always rounded, softmax × mscale(s, ``mscale_all_dim``)²."""
+    s_ = float(c.rp.get("factor", 1.0))
+    inv, magnitude = _yarn({**c.rp, "truncate": True}, c.base, c.d, c.mpe)
+    softmax = _mscale(s_, float(c.rp.get("mscale_all_dim") or 0)) ** 2
+    return _Computed(inv, magnitude, softmax, f" DeepSeek attention: deepseek_yarn, softmax scale × {softmax:.6g}",
+                     "deepseek_yarn")
+
+
+def _yarn_row(c: _Site) -> _Computed:
+    """``YaRNScalingRotaryEmbedding`` (``_yarn``)."""
+    inv, magnitude = _yarn(c.rp, c.base, c.d, c.mpe)
+    return _Computed(inv, magnitude)
+
+
+def _llama3_row(c: _Site) -> _Computed:
+    """``Llama3RotaryEmbedding`` (``_llama3``); get_context_length never scales a llama3 context."""
+    return _Computed(_llama3(c.rp, c.base, c.d, c.mpe), scales_context=False)
+
+
+def _longrope(c: _Site) -> _Computed:
+    """``Phi3LongRoPEScaledRotaryEmbedding``: the long factors for a batch with any position past T, magnitude
+    ``long_mscale``/``short_mscale``, default √(1 + ln(mpe/T)/ln T)."""
+    rp, base, d, mpe = c.rp, c.base, c.d, c.mpe
+    t = int(rp.get("original_max_position_embeddings", mpe))
+    long = c.length > t
+    factors = torch.tensor(rp["long_factor" if long else "short_factor"], dtype=torch.float32)
+    inv = 1.0 / (factors * base ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+    scale = mpe / t
+    default = 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(t))
+    m = rp.get("long_mscale" if long else "short_mscale")
+    return _Computed(inv, default if m is None else float(m))
 
 
 def _temperature(model_type: str, rp: dict[str, Any], mpe: int) -> str | None:
     """SGLang's Ministral 3 (models/ministral3.py): queries × 1 + β·ln(1 + ⌊p / max_position_embeddings⌋) with
     β = ``llama_4_scaling_beta`` — mpe where transformers divides by the rope's T (``rope.temperature_label``);
     None (not modelled) for other model types."""
-    if model_type != "ministral3":
+    if model_type not in FAMILIES["ministral3"].members:
         return None
     beta = float(rp.get("llama_4_scaling_beta") or 0.0)
     return f"beta={beta:g}/T={mpe}" if beta else ""
@@ -331,3 +420,20 @@ class SglangEngine(Engine):
 
     def describe(self, translation: SglangExport) -> str:
         return f"context_length {translation.context_length}"
+
+
+# rope type → what SGLang 0.5.23 computes for it (``sglang_rope``) and how an export writes it (``_translate``;
+# None: refused); ``mla``: computed as DeepSeek's YaRN on a DeepSeek model
+ROPE_TYPES = rope_types(
+    RopeRow(("default",), _default, _keep_export, _ROT + "factory.py, base.py (RotaryEmbedding)", unscaled=True),
+    RopeRow(("linear",), _linear, _linear_export, _ROT + "factory.py (get_rope → LinearScalingRotaryEmbedding)"),
+    RopeRow(("dynamic",), _dynamic, None, _ROT + "factory.py (get_rope → DynamicNTKScalingRotaryEmbedding)"),
+    RopeRow(("yarn",), _yarn_row, _yarn_export, _ROT + "factory.py, yarn.py (YaRNScalingRotaryEmbedding)", mla=True),
+    RopeRow(("llama3",), _llama3_row, _llama3_export, _ROT + "factory.py, rope_variant.py (Llama3RotaryEmbedding)",
+            mla=True),
+    RopeRow(("longrope",), _longrope, _longrope_export,
+            _ROT + "factory.py (get_rope → Phi3LongRoPEScaledRotaryEmbedding)", mla=True),
+)
+# what every scaled rope type of a DeepSeek model (FAMILIES['deepseek']) computes instead
+MLA_ROPE = RopeRow(("deepseek_yarn",), _mla, None, _ROT + "yarn.py (DeepseekScalingRotaryEmbedding); "
+                   "sglang/srt/models/deepseek_v2.py")
