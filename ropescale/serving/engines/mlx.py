@@ -32,6 +32,10 @@ is refused in one line: only the modules whose rope keys were read here are expo
 Source: mlx-lm 0.32.2 (``mlx_lm/models/rope_utils.py``, ``llama.py``, ``qwen2.py``, ``qwen3.py``,
 ``olmo2.py``, ``gemma3_text.py``, ``utils.py`` ``MODEL_REMAPPING``) with mlx 0.32.4 (``mx.fast.rope``).
 Checked against MLX itself (``tests/serving/test_real_engines.py``, marked ``engines``).
+
+What mlx-lm reads is declared in two tables: ``ROPE_TYPES`` (rope type → ``ropescale.serving.tables.RopeRow``:
+the function computing mlx-lm's rotation, the one writing transformers' rope parameters as mlx-lm's keys, the
+source) and ``FAMILIES`` (the model types exported and how mlx-lm reads them). A rope type or family is one row.
 """
 
 from __future__ import annotations
@@ -47,9 +51,10 @@ import torch
 from ropescale.serving.engines import Engine, write_model_folder
 from ropescale.serving.plan import served_rope_parameters
 from ropescale.serving.rope import EngineRope, ExportRefused, check_length, patch_handle
+from ropescale.serving.tables import Family, RopeRow, families, rope_types
 
-__all__ = ["ENGINE", "MLX_FILE", "MODEL_TYPES", "VERSION", "MlxEngine", "MlxExport", "export_mlx",
-           "mlx_layer_ropes", "mlx_model_type", "mlx_rope"]
+__all__ = ["ENGINE", "FAMILIES", "GEMMA3", "MLX_FILE", "MODEL_TYPES", "REMAP", "ROPE_TYPES", "VERSION", "MlxEngine",
+           "MlxExport", "export_mlx", "mlx_layer_ropes", "mlx_model_type", "mlx_rope"]
 
 ENGINE = "MLX"
 VERSION = "mlx-lm 0.32.2"  # the release whose sources the rules and the re-implementation here were read from
@@ -57,8 +62,20 @@ MLX_FILE = "mlx.json"  # beside the exported config.json: the keys written, note
 # model type (after mlx_lm.utils.MODEL_REMAPPING) → its ModelArgs' rope_theta default; each module hands
 # the top-level rope_theta and rope_scaling to initialize_rope for every layer
 MODEL_TYPES = {"llama": 10000.0, "qwen2": 1000000.0, "qwen3": None, "olmo2": 10000.0}
-REMAP = {"mistral": "llama", "iquestcoder": "llama", "xverse": "llama"}  # mlx_lm.utils.MODEL_REMAPPING (its part here)
-GEMMA3 = "gemma3_text"
+_M = "mlx_lm/models/"
+FAMILIES = families(
+    Family("top_level", tuple(MODEL_TYPES), "model_type", "the top-level rope_theta (default: MODEL_TYPES) and "
+           "rope_scaling handed to initialize_rope for every layer", _M + "llama.py, qwen2.py, qwen3.py, olmo2.py"),
+    Family("qwen3_fallback", ("qwen3",), "model_type", "rope_parameters read where rope_theta / rope_scaling are "
+           "missing (ModelArgs.__post_init__)", _M + "qwen3.py"),
+    Family("gemma3_text", ("gemma3_text",), "model_type", "sliding layers ((i + 1) mod sliding_window_pattern ≠ 0) at "
+           "rope_local_base_freq, never scaled; the others rope_theta (default 1 000 000) and rope_scaling, "
+           "max_position_embeddings default 32768", _M + "gemma3_text.py"),
+    Family("remap", ("mistral", "iquestcoder", "xverse"), "model_type", "loaded by the llama module",
+           "mlx_lm/utils.py MODEL_REMAPPING (its part here)", target="llama"),
+)
+REMAP = {m: FAMILIES["remap"].target for m in FAMILIES["remap"].members}  # mlx_lm.utils.MODEL_REMAPPING (its part)
+GEMMA3 = FAMILIES["gemma3_text"].members[0]
 
 
 @dataclass
@@ -123,44 +140,65 @@ def _translate(rp: dict[str, Any], ctx: dict[str, Any], length: int, notes: list
     kind = rp["rope_type"]
     keys: dict[str, Any] = {"rope_theta": float(rp["rope_theta"]), "rope_scaling": None,
                             "max_position_embeddings": length}
-    if kind == "default":
-        return keys
-    s = float(rp["factor"])
-    if kind == "linear":
-        keys["rope_scaling"] = {"type": "linear", "factor": s}
-    elif kind == "yarn":
-        if rp.get("truncate", True) is False:
-            raise ExportRefused("MLX: mlx-lm's YarnRoPE always rounds YaRN's correction range (floor/ceil); "
-                                "truncate: false has no setting")
-        a = rp.get("attention_factor")
-        a = float(a) if a is not None else 0.1 * math.log(s) + 1.0 if s > 1 else 1.0
-        if s <= 1 and a != 1.0:
-            raise ExportRefused(f"MLX: YarnRoPE's magnitude is 1 at factor {s:g}; attention_factor {a:g} "
-                                "has no setting")
-        mscale = (a - 1.0) / (0.1 * math.log(s)) if s > 1 else 1.0
-        keys["rope_scaling"] = {"type": "yarn", "factor": s, "original_max_position_embeddings": t,
-                                "beta_fast": float(rp.get("beta_fast", 32)), "beta_slow": float(rp.get("beta_slow", 1)),
-                                "mscale": mscale, "mscale_all_dim": 0.0, "attention_factor": a}
-        notes.append(f"yarn: mlx-lm reads no attention_factor; mscale {mscale:.6g} gives its magnitude {a:.6g}")
-    elif kind == "llama3":
-        keys["rope_scaling"] = {"type": "llama3", "factor": s, "low_freq_factor": float(rp["low_freq_factor"]),
-                                "high_freq_factor": float(rp["high_freq_factor"]),
-                                "original_max_position_embeddings": t}
-    elif kind == "longrope":
-        factors = rp["long_factor"] if length > t else rp["short_factor"]
-        a = float(rp["attention_factor"])
-        if a < 1.0:
-            raise ExportRefused(f"MLX: SuScaledRoPE's magnitude is at least 1; attention_factor {a:g} has no setting")
-        keys["rope_scaling"] = {"type": "longrope", "short_factor": list(factors), "long_factor": list(factors),
-                                "original_max_position_embeddings": t, "factor": s, "attention_factor": a}
-        keys["max_position_embeddings"] = round(t ** (a * a))
-        notes.append(f"longrope: mlx-lm uses long_factor for every sequence; both lists are the "
-                     f"{'long' if length > t else 'short'} factors ropescale uses at L = {length} (T = {t})")
-        notes.append(f"longrope: magnitude from max_position_embeddings = round(T^(A²)) = "
-                     f"{keys['max_position_embeddings']} (A = {a:.6g}; attention_factor is not read)")
-    else:  # a rope type a newer hook may write
+    row = ROPE_TYPES.get(kind)
+    if row is None or row.translate is None:  # a rope type a newer hook may write
         raise ExportRefused(f"MLX: no translation for transformers rope type {kind!r}")
+    row.translate(rp, t, length, notes, keys)
     return keys
+
+
+# --- translations: (rp, T, L, notes, keys) → None, mlx-lm's keys set in ``keys``, notes appended --------------
+
+def _keep_export(rp: dict[str, Any], t: int, length: int, notes: list[str], keys: dict[str, Any]) -> None:
+    """default (vanilla, NTK's raised base, frozen dynamic NTK): ``rope_theta`` only, no ``rope_scaling``."""
+
+
+def _linear_export(rp: dict[str, Any], t: int, length: int, notes: list[str], keys: dict[str, Any]) -> None:
+    """linear: ``{"type": "linear", "factor": s}`` (``nn.RoPE(scale=1/s)``)."""
+    keys["rope_scaling"] = {"type": "linear", "factor": float(rp["factor"])}
+
+
+def _yarn_export(rp: dict[str, Any], t: int, length: int, notes: list[str], keys: dict[str, Any]) -> None:
+    """yarn: mscale m = (A − 1)/(0.1·ln s), ``mscale_all_dim`` 0 (the module docstring's table);
+    ``ExportRefused`` for ``truncate: false`` and A ≠ 1 at s ≤ 1."""
+    s = float(rp["factor"])
+    if rp.get("truncate", True) is False:
+        raise ExportRefused("MLX: mlx-lm's YarnRoPE always rounds YaRN's correction range (floor/ceil); "
+                            "truncate: false has no setting")
+    a = rp.get("attention_factor")
+    a = float(a) if a is not None else 0.1 * math.log(s) + 1.0 if s > 1 else 1.0
+    if s <= 1 and a != 1.0:
+        raise ExportRefused(f"MLX: YarnRoPE's magnitude is 1 at factor {s:g}; attention_factor {a:g} "
+                            "has no setting")
+    mscale = (a - 1.0) / (0.1 * math.log(s)) if s > 1 else 1.0
+    keys["rope_scaling"] = {"type": "yarn", "factor": s, "original_max_position_embeddings": t,
+                            "beta_fast": float(rp.get("beta_fast", 32)), "beta_slow": float(rp.get("beta_slow", 1)),
+                            "mscale": mscale, "mscale_all_dim": 0.0, "attention_factor": a}
+    notes.append(f"yarn: mlx-lm reads no attention_factor; mscale {mscale:.6g} gives its magnitude {a:.6g}")
+
+
+def _llama3_export(rp: dict[str, Any], t: int, length: int, notes: list[str], keys: dict[str, Any]) -> None:
+    """llama3: factor, low/high_freq_factor and T always written (mlx-lm's window default is 8192)."""
+    keys["rope_scaling"] = {"type": "llama3", "factor": float(rp["factor"]),
+                            "low_freq_factor": float(rp["low_freq_factor"]),
+                            "high_freq_factor": float(rp["high_freq_factor"]), "original_max_position_embeddings": t}
+
+
+def _longrope_export(rp: dict[str, Any], t: int, length: int, notes: list[str], keys: dict[str, Any]) -> None:
+    """longrope: both factor lists = the set ropescale uses at L, ``max_position_embeddings`` = round(T^(A²));
+    ``ExportRefused`` for A < 1."""
+    s = float(rp["factor"])
+    factors = rp["long_factor"] if length > t else rp["short_factor"]
+    a = float(rp["attention_factor"])
+    if a < 1.0:
+        raise ExportRefused(f"MLX: SuScaledRoPE's magnitude is at least 1; attention_factor {a:g} has no setting")
+    keys["rope_scaling"] = {"type": "longrope", "short_factor": list(factors), "long_factor": list(factors),
+                            "original_max_position_embeddings": t, "factor": s, "attention_factor": a}
+    keys["max_position_embeddings"] = round(t ** (a * a))
+    notes.append(f"longrope: mlx-lm uses long_factor for every sequence; both lists are the "
+                 f"{'long' if length > t else 'short'} factors ropescale uses at L = {length} (T = {t})")
+    notes.append(f"longrope: magnitude from max_position_embeddings = round(T^(A²)) = "
+                 f"{keys['max_position_embeddings']} (A = {a:.6g}; attention_factor is not read)")
 
 
 def _gemma3(config: dict[str, Any], served, length: int, notes: list[str]) -> dict[str, Any]:
@@ -227,7 +265,7 @@ def mlx_rope(config: dict[str, Any], length: int, *, layer_type: str | None = No
         note += f" ({layer_type or 'global'} layers)"
     elif model_type in MODEL_TYPES:
         base, scaling, mpe = config.get("rope_theta", MODEL_TYPES[model_type]), config.get("rope_scaling"), None
-        if model_type == "qwen3" and config.get("rope_parameters"):  # qwen3.py's __post_init__ falls back to them
+        if model_type in FAMILIES["qwen3_fallback"].members and config.get("rope_parameters"):
             base = config["rope_parameters"].get("rope_theta") if base is None else base
             scaling = config["rope_parameters"] if scaling is None else scaling
         base = float(base)
@@ -236,27 +274,52 @@ def mlx_rope(config: dict[str, Any], length: int, *, layer_type: str | None = No
                           f"MLX: no re-implementation of {VERSION}'s {model_type} model")
     mpe = config.get("max_position_embeddings", mpe)
     kind = (scaling or {}).get("type") or (scaling or {}).get("rope_type", "default")
-    magnitude = 1.0
-    if kind in ("default", "linear"):
-        inv = _inv_freq(base, d) / (float(scaling["factor"]) if kind == "linear" else 1.0)
-    elif kind == "dynamic":
-        s, mpe = float(scaling["factor"]), int(mpe or length)
-        seq = max(length, mpe)
-        inv = _inv_freq(base * (s * seq / mpe - (s - 1)) ** (d / (d - 2)), d)
-        note += f" (dynamic: the base of {seq} tokens)"
-    elif kind == "llama3":
-        inv = _llama3(scaling, base, d)
-    elif kind in ("yarn", "deepseek_yarn"):
-        inv, magnitude = _yarn(scaling, base, d)
-    elif kind == "longrope":
-        t = int(scaling["original_max_position_embeddings"])
-        inv = _inv_freq(base, d) / torch.tensor(scaling["long_factor"], dtype=torch.float32)
-        f = mpe / t
-        magnitude = 1.0 if f <= 1.0 else math.sqrt(1 + math.log(f) / math.log(t))
-    else:
+    row = ROPE_TYPES.get(kind)
+    if row is None:
         return EngineRope(_inv_freq(base, d).double() * math.nan, math.nan, 1.0, note,
                           f"MLX: rope type {kind!r} is not a frequency scaling here")
-    return EngineRope(inv.double(), float(magnitude), 1.0, note + f", rope type {kind!r}")
+    inv, magnitude, more = row.compute(scaling, base, d, mpe, length)
+    return EngineRope(inv.double(), float(magnitude), 1.0, note + more + f", rope type {kind!r}")
+
+
+# --- rotations: (rope_scaling, b, d, mpe, L) → (θ float32 [d/2], magnitude, note added) ---------------------------
+
+def _default(sc: dict[str, Any] | None, base: float, d: int, mpe: int | None, length: int
+             ) -> tuple[torch.Tensor, float, str]:
+    """``nn.RoPE(base)``: θ_i = b^(−2i/d)."""
+    return _inv_freq(base, d) / 1.0, 1.0, ""
+
+
+def _linear(sc: dict[str, Any], base: float, d: int, mpe: int | None, length: int) -> tuple[torch.Tensor, float, str]:
+    """``nn.RoPE(base, scale=1/s)``: θ_i = b^(−2i/d)/s."""
+    return _inv_freq(base, d) / float(sc["factor"]), 1.0, ""
+
+
+def _dynamic(sc: dict[str, Any], base: float, d: int, mpe: int | None, length: int) -> tuple[torch.Tensor, float, str]:
+    """``DynamicNTKScalingRoPE``: b' = b·(s·max(L, mpe)/mpe − (s − 1))^(d/(d−2)), recomputed per call."""
+    s, mpe = float(sc["factor"]), int(mpe or length)
+    seq = max(length, mpe)
+    return _inv_freq(base * (s * seq / mpe - (s - 1)) ** (d / (d - 2)), d), 1.0, f" (dynamic: the base of {seq} tokens)"
+
+
+def _llama3_row(sc: dict[str, Any], base: float, d: int, mpe: int | None, length: int
+                ) -> tuple[torch.Tensor, float, str]:
+    """``Llama3RoPE`` (``_llama3``)."""
+    return _llama3(sc, base, d), 1.0, ""
+
+
+def _yarn_row(sc: dict[str, Any], base: float, d: int, mpe: int | None, length: int) -> tuple[torch.Tensor, float, str]:
+    """``YarnRoPE`` (``_yarn``)."""
+    inv, magnitude = _yarn(sc, base, d)
+    return inv, magnitude, ""
+
+
+def _longrope(sc: dict[str, Any], base: float, d: int, mpe: int | None, length: int) -> tuple[torch.Tensor, float, str]:
+    """``SuScaledRoPE``: θ_i/``long_factor``_i for every sequence, magnitude √(1 + ln(mpe/T)/ln T) (1 if mpe ≤ T)."""
+    t = int(sc["original_max_position_embeddings"])
+    inv = _inv_freq(base, d) / torch.tensor(sc["long_factor"], dtype=torch.float32)
+    f = mpe / t
+    return inv, 1.0 if f <= 1.0 else math.sqrt(1 + math.log(f) / math.log(t)), ""
 
 
 def _llama3(sc: dict[str, Any], base: float, d: int) -> torch.Tensor:
@@ -318,3 +381,17 @@ class MlxEngine(Engine):
 
     def describe(self, translation: MlxExport) -> str:
         return json.dumps({k: v for k, v in translation.keys.items() if v is not None}, default=str)
+
+
+# rope type → what mlx-lm 0.32.2 computes for it (``mlx_rope``: ``initialize_rope``'s classes) and how an export
+# writes it (``_translate``; None: refused)
+_RU = _M + "rope_utils.py"
+ROPE_TYPES = rope_types(
+    RopeRow(("default",), _default, _keep_export, _RU + " (initialize_rope: nn.RoPE); mlx mx.fast.rope"),
+    RopeRow(("linear",), _linear, _linear_export, _RU + " (initialize_rope: nn.RoPE, scale 1/s); mlx mx.fast.rope"),
+    RopeRow(("dynamic",), _dynamic, None, _RU + " (DynamicNTKScalingRoPE)"),
+    RopeRow(("llama3",), _llama3_row, _llama3_export, _RU + " (Llama3RoPE)"),
+    RopeRow(("yarn",), _yarn_row, _yarn_export, _RU + " (YarnRoPE)"),
+    RopeRow(("deepseek_yarn",), _yarn_row, None, _RU + " (YarnRoPE, deepseek_yarn's name)"),
+    RopeRow(("longrope",), _longrope, _longrope_export, _RU + " (SuScaledRoPE)"),
+)
