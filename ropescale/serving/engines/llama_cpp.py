@@ -47,6 +47,12 @@ model, real llama.cpp on GGUFs this module wrote matched ropescale's log-probabi
 
 Notation: b = ``rope_theta``, d = rotary dim (``n_rot``), T = training window, s = ``factor``,
 A = attention factor (cos/sin magnitude), L = served length (``n_ctx``).
+
+What llama.cpp reads is declared in tables (``ropescale.serving.engines.llama_cpp_keys``, re-exported
+here): ``ROPE_TYPES`` (transformers rope type → ``RopeRow`` whose ``translate`` writes the keys above),
+``SCALING_TYPES`` (the GGUF's ``rope.scaling.type`` → ``RopeRow`` whose ``compute`` gives ``llama_cpp_rope`` its
+runtime parameters) and ``FAMILIES`` (the model types whose converter writes another architecture, and the
+architectures whose graph reads rope apart). A rope type or family is one row.
 """
 
 from __future__ import annotations
@@ -61,6 +67,15 @@ import torch
 from ropescale.errors import InvalidInput
 from ropescale.rope_config import text_config
 from ropescale.serving.engines import Engine
+from ropescale.serving.engines.llama_cpp_keys import (
+    DEEPSEEK2_TYPE,
+    FAMILIES,
+    ROPE_TYPES,
+    SCALING_TYPES,
+    SWA_ARCH,
+    TEMPERATURE_ARCH,
+    kind_keys,
+)
 from ropescale.serving.gguf import (
     DEEPSEEK2_ARCHS,
     LLAMA_CPP,
@@ -75,19 +90,10 @@ from ropescale.serving.output import same_path
 from ropescale.serving.plan import served_rope_parameters
 from ropescale.serving.rope import EngineRope, ExportRefused, check_length, patch_handle
 
-__all__ = ["ENGINE", "SWA_ARCH", "LlamaCppEngine", "gguf_rope", "llama_cpp_layer_ropes", "llama_cpp_rope"]
+__all__ = ["ENGINE", "FAMILIES", "ROPE_TYPES", "SCALING_TYPES", "SWA_ARCH", "LlamaCppEngine", "gguf_rope",
+           "llama_cpp_layer_ropes", "llama_cpp_rope"]
 
 ENGINE = "llama.cpp"
-# transformers model types of per-layer-type models → the llama.cpp architecture their converter writes
-# (conversion/gemma.py: Gemma3ForCausalLM/Gemma3ForConditionalGeneration → gemma3, Gemma3n → gemma3n)
-SWA_ARCH = {"gemma3_text": "gemma3", "gemma3": "gemma3", "gemma3n_text": "gemma3n", "gemma3n": "gemma3n"}
-# transformers model types whose llama.cpp architecture is DeepSeek's MLA (conversion/deepseek.py → deepseek2)
-DEEPSEEK2_TYPE = {"deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "kimi_k2": "deepseek2"}
-# model types whose llama.cpp architecture applies Mistral's query temperature: src/models/mistral3.cpp reads
-# ``attention.temperature_scale`` β (conversion/mistral3.py writes llama_4_scaling_beta) with the floor scale
-# n_ctx_orig_yarn (``rope.scaling.original_context_length``): queries × 1 + β·ln(1 + ⌊p / T⌋)
-TEMPERATURE_ARCH = {"ministral3": "mistral3"}
-_DEFAULT_BETAS = (32.0, 1.0)
 
 
 def gguf_rope(model_or_handle, serve_length: int, *, freeze_dynamic_at: int | None = None,
@@ -114,7 +120,7 @@ def gguf_rope(model_or_handle, serve_length: int, *, freeze_dynamic_at: int | No
         return _layer_types(handle, served, gguf)
     rp, ctx = served.rope_parameters, served.context
     arch = DEEPSEEK2_TYPE.get(model_type, TEMPERATURE_ARCH.get(model_type, arch))
-    kv, tensors, notes = _kind_keys(gguf, rp, ctx, served.serve_length, arch)
+    kv, tensors, notes = kind_keys(gguf, rp, ctx, served.serve_length, arch)
     if model_type in TEMPERATURE_ARCH:  # β where the patch keeps one, 0 (off) otherwise: a base GGUF's is replaced
         t_ = gguf.GGUFValueType
         beta = served.temperature.params["beta"] if served.temperature is not None else 0.0
@@ -126,82 +132,6 @@ def gguf_rope(model_or_handle, serve_length: int, *, freeze_dynamic_at: int | No
                    rp["rope_type"])
     check_arch_reads_tensors(out)
     return out
-
-
-def _kind_keys(gguf, rp: dict[str, Any], ctx: dict[str, Any], length: int, arch: str
-               ) -> tuple[dict[str, tuple[Any, Any]], dict[str, np.ndarray], list[str]]:
-    """``(kv, tensors, notes)``: one set of transformers rope parameters ``rp`` (context ``ctx``) as
-    llama.cpp's ``{arch}.rope.*`` keys and rope tensors at served length L = ``length``."""
-    t_ = gguf.GGUFValueType
-    d, t = ctx["dim"], ctx["original_max_position_embeddings"]
-    kind = rp["rope_type"]
-    k = f"{arch}.rope."
-    kv: dict[str, tuple[Any, Any]] = {k + "freq_base": (float(rp["rope_theta"]), t_.FLOAT32)}
-    tensors: dict[str, np.ndarray] = {}
-    notes = []
-    if kind == "default":
-        kv[k + "scaling.type"] = ("none", t_.STRING)
-    elif kind == "linear":
-        if arch in DEEPSEEK2_ARCHS and float(rp["factor"]) != 1.0:
-            raise ExportRefused(f"llama.cpp: its {arch} graph multiplies the softmax scale by (1 + 0.1·ln s)² under "
-                                "linear scaling, which the model does not; linear cannot be exported for it (patch "
-                                "yarn)")
-        kv[k + "scaling.type"] = ("linear", t_.STRING)
-        kv[k + "scaling.factor"] = (float(rp["factor"]), t_.FLOAT32)
-    elif kind == "yarn":
-        betas = (float(rp["beta_fast"]), float(rp["beta_slow"]))
-        if betas != _DEFAULT_BETAS:
-            raise ExportRefused(f"llama.cpp: the {arch} architecture never reads rope.scaling.yarn_beta_*, so "
-                                f"beta_fast={betas[0]:g}/beta_slow={betas[1]:g} would run as 32/1; export betas 32/1 "
-                                f"or serve with --yarn-beta-fast {betas[0]:g} --yarn-beta-slow {betas[1]:g}")
-        if rp.get("truncate", True) is False:
-            raise ExportRefused("llama.cpp: its YaRN ramp always floors/ceils the correction dims (truncate: true); "
-                                "an unrounded ramp (truncate: false) cannot be expressed")
-        s, a = float(rp["factor"]), float(rp["attention_factor"])
-        kv[k + "scaling.type"] = ("yarn", t_.STRING)
-        kv[k + "scaling.factor"] = (s, t_.FLOAT32)
-        kv[k + "scaling.original_context_length"] = (int(rp["original_max_position_embeddings"]), t_.UINT32)
-        if arch in DEEPSEEK2_ARCHS:
-            kv.update(_deepseek2_yarn(k, t_, s, a, rp, notes))
-        else:
-            kv[k + "scaling.attn_factor"] = (a / (0.1 * math.log(s) + 1.0) if s > 1 else a, t_.FLOAT32)
-            notes.append(f"yarn: rope.scaling.attn_factor = A/(0.1·ln s + 1) carries attention_factor {a:g} "
-                         "(llama.cpp overwrites the runtime yarn_attn_factor)")
-    elif kind == "llama3":
-        kv[k + "scaling.type"] = ("none", t_.STRING)
-        tensors["rope_freqs.weight"] = _llama3_divisors(rp, d)
-        notes.append(f"llama3: rope_freqs divisors from the model's window {rp['original_max_position_embeddings']} "
-                     "(llama.cpp's converter would read a top-level key defaulting to 8192)")
-    elif kind == "longrope":
-        long = length > t
-        factors = rp["long_factor" if long else "short_factor"]
-        kv[k + "scaling.type"] = ("none", t_.STRING)
-        kv[k + "scaling.attn_factor"] = (float(rp["attention_factor"]), t_.FLOAT32)
-        tensors["rope_freqs.weight"] = np.asarray(factors, dtype=np.float32)
-        notes.append(f"longrope: the {'long' if long else 'short'} factors for every sequence (served length {length} "
-                     f"{'>' if long else '<='} T = {t}); ropescale switches per sequence length")
-    else:
-        raise ExportRefused(f"llama.cpp: no translation for transformers rope type {kind!r}")
-    return kv, tensors, notes
-
-
-def _deepseek2_yarn(k: str, t_, s: float, a: float, rp: dict[str, Any], notes: list[str]) -> dict[str, tuple]:
-    """The deepseek2 keys for YaRN of factor s with cos/sin magnitude A = ``a`` and the softmax factor the patched
-    attention uses, S = mscale(s, ``mscale_all_dim``)² (1 without it). llama.cpp's deepseek2 (llama-context.cpp,
-    src/models/deepseek2.cpp) runs, from ``rope.scaling.attn_factor`` R and the multiplier M it reads
-    (``yarn_log_multiplier`` / 0.1): where M ≠ 0, cos/sin × R and softmax × (R·(1 + 0.1·M·ln s))² (its DeepSeek-2
-    special case makes the runtime's mscale ratio 1); where M = 0, cos/sin × R·(1 + 0.1·ln s) and softmax × that
-    squared. So M = (√S/A − 1)/(0.1·ln s) and R = A when M is not 0; else R = A/(1 + 0.1·ln s)."""
-    mad = float(rp.get("mscale_all_dim") or 0.0)
-    root = 1.0 if s <= 1 or not mad else 0.1 * mad * math.log(s) + 1.0  # √S
-    m = (root / a - 1.0) / (0.1 * math.log(s)) if s > 1 else 0.0
-    if abs(m) < 1e-9:
-        notes.append(f"yarn (deepseek2): rope.scaling.attn_factor = A/(0.1·ln s + 1) carries attention_factor {a:g}; "
-                     "no yarn_log_multiplier (softmax × A²)")
-        return {k + "scaling.attn_factor": (a / (0.1 * math.log(s) + 1.0) if s > 1 else a, t_.FLOAT32)}
-    notes.append(f"yarn (deepseek2): rope.scaling.attn_factor = {a:g}, yarn_log_multiplier = 0.1·{m:.6g}: cos/sin × "
-                 f"{a:g}, softmax × {root ** 2:.6g}")
-    return {k + "scaling.attn_factor": (a, t_.FLOAT32), k + "scaling.yarn_log_multiplier": (0.1 * m, t_.FLOAT32)}
 
 
 def _layer_types(handle, served, gguf) -> GgufRope:
@@ -246,7 +176,7 @@ def _layer_types(handle, served, gguf) -> GgufRope:
                             f"rope.scaling.attn_factor, the sliding-window layers' too, so a YaRN attention_factor "
                             f"of {float(rp['attention_factor']):g} on {full} only cannot be expressed (the default "
                             f"0.1·ln s + 1 = {_yarn_default(rp):g} can)")
-    kv, tensors, notes = _kind_keys(gguf, rp, ctx, served.serve_length, arch)
+    kv, tensors, notes = kind_keys(gguf, rp, ctx, served.serve_length, arch)
     base_swa = bases.pop()
     kv[f"{arch}.rope.freq_base_swa"] = (base_swa, gguf.GGUFValueType.FLOAT32)
     notes = list(served.notes) + [f"{full}: {n}" for n in notes] + [
@@ -263,24 +193,6 @@ def _yarn_default(rp: dict[str, Any]) -> float:
     """YaRN's default attention factor 0.1·ln s + 1 (1 for s ≤ 1)."""
     s = float(rp["factor"])
     return 0.1 * math.log(s) + 1.0 if s > 1 else 1.0
-
-
-def _llama3_divisors(rp: dict[str, Any], d: int) -> np.ndarray:
-    """Llama 3.1's per-pair divisors θ_i/θ'_i, float32 ``[d/2]``: 1 for λ < T/high_freq_factor, s for
-    λ > T/low_freq_factor, 1/((1 − g)/s + g) in between, g = (T/λ − low)/(high − low)."""
-    s, low, high = float(rp["factor"]), float(rp["low_freq_factor"]), float(rp["high_freq_factor"])
-    t = float(rp["original_max_position_embeddings"])
-    out = []
-    for i in range(d // 2):
-        wavelen = 2 * math.pi * float(rp["rope_theta"]) ** (2 * i / d)
-        if wavelen < t / high:
-            out.append(1.0)
-        elif wavelen > t / low:
-            out.append(s)
-        else:
-            g = (t / wavelen - low) / (high - low)
-            out.append(1 / ((1 - g) / s + g))
-    return np.asarray(out, dtype=np.float32)
 
 
 def _value(v: Any) -> Any:
@@ -342,12 +254,11 @@ def llama_cpp_rope(kv: dict[str, Any], tensors: dict[str, np.ndarray], n_ctx: in
                                                   float(kv.get(f"{arch}.attention.sliding_window", 0) or 0) > 0)
     if sliding:
         note += "; sliding-window layer: rope.freq_base_swa, unscaled" if swa else "; sliding layer rotated as global"
-    if kind not in ("none", "linear", "yarn", "longrope"):
+    row = SCALING_TYPES.get(kind)
+    if row is None:
         nan = torch.full((n_dims // 2,), math.nan, dtype=torch.float64)
         return EngineRope(nan, math.nan, 1.0, note, f"llama.cpp aborts loading: unknown rope.scaling.type {kind!r}")
-    if kind == "none":
-        freq_scale = f32(1.0)
-    ext = f32(1.0) if kind == "yarn" else f32(0.0)
+    freq_scale, ext, longrope = row.compute(freq_scale)
     attn = f32(1.0 if yarn_attn_factor is None else yarn_attn_factor)
     if ext != 0:
         attn = _yarn_attn_factor(f32(1.0) / freq_scale, log_mul, deepseek2=arch in DEEPSEEK2_ARCHS)
@@ -368,7 +279,7 @@ def llama_cpp_rope(kv: dict[str, Any], tensors: dict[str, np.ndarray], n_ctx: in
 
     low = max(f32(0), f32(math.floor(corr_dim(beta_fast))))
     high = min(f32(n_dims - 1), f32(math.ceil(corr_dim(beta_slow))))
-    ff, more = _factors(arch, kind, tensors, n_ctx, n_orig)
+    ff, more = _factors(arch, longrope, tensors, n_ctx, n_orig)
     note += more
     out = _thetas(n_dims, base, ff, freq_scale, ext, low, high)
     magnitude = attn * (f32(1.0) + f32(0.1) * f32(math.log(f32(1.0) / freq_scale))) if ext != 0 else attn
@@ -400,15 +311,15 @@ def _deepseek2_softmax(attn, freq_scale, log_mul: float) -> float:
     return float((attn * (f32(1.0) + f32(0.1) * ln) * (f32(1.0) + f32(0.1) * f32(log_mul) * ln)) ** 2)
 
 
-def _factors(arch: str, kind: str, tensors: dict[str, np.ndarray], n_ctx: int, n_orig: int
+def _factors(arch: str, longrope: bool, tensors: dict[str, np.ndarray], n_ctx: int, n_orig: int
              ) -> tuple[np.ndarray | None, str]:
     """``(frequency factors [d/2] or None, note)`` the graph of ``arch`` passes ``ggml_rope_ext``:
-    none for ``SWA_ROPE_ARCHS``; ``rope_factors_long/short`` for longrope and Phi-3 types, by the
-    context ``n_ctx`` padded to a multiple of 256 against T = ``n_orig`` (llama-context.cpp);
+    none for ``SWA_ROPE_ARCHS``; ``rope_factors_long/short`` for ``longrope`` (rope.scaling.type) and Phi-3
+    types, by the context ``n_ctx`` padded to a multiple of 256 against T = ``n_orig`` (llama-context.cpp);
     otherwise ``rope_freqs``."""
     if arch in SWA_ROPE_ARCHS:
         return None, ""
-    if kind == "longrope" or arch in LONGROPE_ARCHS:
+    if longrope or arch in LONGROPE_ARCHS:
         n_ctx_seq = -(-n_ctx // 256) * 256
         long = n_ctx_seq > n_orig
         ff = tensors.get("rope_factors_long.weight" if long else "rope_factors_short.weight")
@@ -510,3 +421,4 @@ class LlamaCppEngine(Engine):
         return ", ".join(f"{k.split('rope.')[-1]}={v[0] if isinstance(v, tuple) else v}"
                          for k, v in translation.kv.items()) + \
             "".join(f", {n}[{a.size}]" for n, a in translation.tensors.items())
+
