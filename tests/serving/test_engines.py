@@ -98,3 +98,75 @@ def test_a_stub_engine_without_a_driver_is_compared_through_its_rope(tiny_model_
     assert ntk.verdict == "same"  # NTK is a raised base: rope_type default with rope_theta b·s^(d/(d−2))
     assert yarn.verdict == "refused: Stub: no yarn" and yarn.same is False
     assert meta["engines"] == ["Stub (in process)"]
+
+
+# Issue 54, item 3: what each engine reads is declared (ropescale.serving.tables), never an if-chain over rope types.
+ROPE_TABLES = {"vllm": ("ROPE_TYPES",), "sglang": ("ROPE_TYPES",), "mlx": ("ROPE_TYPES",),
+               "llama_cpp": ("ROPE_TYPES", "SCALING_TYPES")}
+# module (under ropescale/serving/engines/) → its re-implementation and export-translation functions
+REIMPLEMENTATIONS = {"vllm_ropes.py": ("vllm_rope",), "vllm.py": ("_translate",),
+                     "sglang.py": ("sglang_rope", "_translate"), "mlx.py": ("mlx_rope", "_translate"),
+                     "llama_cpp.py": ("llama_cpp_rope",), "llama_cpp_keys.py": ("kind_keys",)}
+
+
+def rope_type_branches(path, names) -> list[str]:
+    """``file:line test`` for every ``if``/``elif``/conditional expression in the functions ``names`` of ``path``
+    whose test compares a rope type (a name ``kind``/``rope_type``, or an expression reading ``"rope_type"``)
+    with a string literal or a literal collection of strings."""
+    import ast
+    from pathlib import Path
+
+    def literal(node) -> bool:
+        items = node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else [node]
+        return bool(items) and all(isinstance(i, ast.Constant) and isinstance(i.value, str) for i in items)
+
+    def rope_type(node) -> bool:
+        return (isinstance(node, ast.Name) and node.id in ("kind", "rope_type")) or (
+            not isinstance(node, ast.Name) and "'rope_type'" in ast.unparse(node))
+
+    tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+    bad = []
+    for fn in ast.walk(tree):
+        if not (isinstance(fn, ast.FunctionDef) and fn.name in names):
+            continue
+        for node in ast.walk(fn):
+            if not isinstance(node, ast.If | ast.IfExp | ast.While):
+                continue
+            for cmp in ast.walk(node.test):
+                ops = [cmp.left, *cmp.comparators] if isinstance(cmp, ast.Compare) else []
+                if any(rope_type(o) for o in ops) and any(literal(o) for o in ops):
+                    bad.append(f"{Path(path).name}:{node.lineno} {ast.unparse(cmp)}")
+    return bad
+
+
+def test_every_engine_declares_its_rope_types_and_families_with_sources():
+    import importlib
+
+    from ropescale.serving.tables import Family, RopeRow
+
+    for name, tables in ROPE_TABLES.items():
+        module = importlib.import_module(f"ropescale.serving.engines.{name}")
+        for table in tables:
+            rows = getattr(module, table)
+            assert rows and all(isinstance(r, RopeRow) and kind in r.kinds for kind, r in rows.items()), (name, table)
+            assert all(r.source and (r.compute or r.translate) for r in rows.values()), (name, table)
+        assert module.FAMILIES and all(isinstance(f, Family) and f.source and f.members and f.does
+                                       for f in module.FAMILIES.values()), name
+
+
+def test_no_engine_reimplementation_branches_on_a_rope_type_name():
+    from pathlib import Path
+
+    import ropescale.serving.engines as engines
+
+    folder = Path(engines.__file__).parent
+    assert [b for file, names in REIMPLEMENTATIONS.items() for b in rope_type_branches(folder / file, names)] == []
+
+
+def test_the_rope_type_branch_check_sees_one(tmp_path):
+    a = tmp_path / "a.py"
+    a.write_text("def f(rp, kind):\n    if kind == 'yarn':\n        pass\n    elif rp['rope_type'] in ('a', 'b'):\n"
+                 "        pass\n    x = 1 if kind != 'default' else 2\n    if kind in TABLE or rp.get('x') == 'y':\n"
+                 "        pass\n\n\ndef g(kind):\n    if kind == 'yarn':\n        pass\n")
+    assert rope_type_branches(a, ("f",)) == ["a.py:2 kind == 'yarn'", "a.py:4 rp['rope_type'] in ('a', 'b')",
+                                             "a.py:6 kind != 'default'"]
