@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SerializeAsAny, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
 from ropescale.runs.config import (
     ConfigError,
@@ -32,8 +32,7 @@ from ropescale.runs.config import (
     read_yaml,
 )
 
-from .engines.scoring import DEFAULT, check_sections, scoring_engine_names
-from .engines.vllm.scoring import VllmOptions
+from .engines.scoring import DEFAULT, engine_sections, scoring_engine_names, section_keys
 from .tasks.base import TaskOptions, get_task, task_names
 from .tasks.perplexity import LEGACY_KEYS
 
@@ -90,15 +89,17 @@ class EvalConfig(RunConfig):
     engine: str = Field(DEFAULT, description="what scores the cells: transformers (in this process), vllm "
                         "(serving what `patch --engine vllm` writes), mlx (perplexity through mlx-lm) or a plugin's "
                         "scoring engine (eval.engines.scoring)")
-    vllm: VllmOptions | None = Field(None, description="engine: vllm's tensor_parallel_size, data_parallel_size, "
-                                     "max_model_len, parity_tolerance (only with engine: vllm; its defaults there)")
+    # the engine's own section (``vllm: {tensor_parallel_size: 2}``), validated by the engine's Options
+    # (eval.engines.scoring.engine_sections): SerializeAsAny dumps it as that class
+    engine_options: SerializeAsAny[BaseModel] | None = Field(None, description="the scoring engine's options, "
+                                                             "given under the engine's name (vllm: ...)")
 
     @model_validator(mode="before")
     @classmethod
     def _task_options(cls, raw: Any) -> Any:
         if not isinstance(raw, dict):
             return raw
-        raw = dict(raw)
+        raw = engine_sections(raw)
         name = raw.get("task", "perplexity")
         if not isinstance(name, str):  # a list or mapping would not even be hashable
             raise ValueError(f"task: expected one task name, got {name!r}; known tasks: {', '.join(task_names())}")
@@ -170,18 +171,13 @@ class EvalConfig(RunConfig):
             raise ValueError(f"unknown scoring engine {v!r}; choose from {', '.join(known)}")
         return v
 
-    @model_validator(mode="after")
-    def _engine_section(self) -> EvalConfig:
-        check_sections(self)  # the engine's own section filled in; another engine's refused
-        return self
-
 
 SweepConfig = EvalConfig  # the name before tasks existed
 
 
 def _top_level_keys(task: str) -> list[str]:
     """Keys a config may have at its top level when it runs ``task``."""
-    keys = [k for k in EvalConfig.model_fields if k != "options"] + [task]
+    keys = [k for k in EvalConfig.model_fields if k not in ("options", "engine_options")] + [task] + section_keys()
     return keys + list(LEGACY_KEYS) if task == "perplexity" else keys
 
 

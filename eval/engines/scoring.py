@@ -45,8 +45,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
+from pydantic import ValidationError
+
 from ropescale.errors import RopescaleError
-from ropescale.runs.config import ConfigError
+from ropescale.runs.config import ConfigError, NestedErrors, error_parts
 from ropescale.serving.engines import UnknownEngineError
 
 from .answering import Answered, EngineDisagrees, Scored, Serving, slug, transformers_logprobs
@@ -54,7 +56,7 @@ from .process import EngineFailed, Environment
 from .registry import ROLES, add_role, role_names
 
 __all__ = ["DEFAULT", "ROUNDING", "AnsweringTask", "Demand", "ScoringEngine", "ScoringEngineFailed", "check_answers",
-           "check_sections", "scoring_engine", "scoring_engine_names"]
+           "engine_sections", "scoring_engine", "scoring_engine_names", "section_keys"]
 
 DEFAULT = "transformers"  # the engine a config without ``engine:`` is scored by (run identities leave it out)
 
@@ -305,8 +307,9 @@ class ScoringEngine:
         pipeline: ``ConfigError`` (one line). Default: nothing."""
 
     def section(self, cfg) -> Any:
-        """This engine's config section of ``cfg`` (``cfg.<options>``), None when it has none."""
-        return getattr(cfg, self.options, None) if self.options else None
+        """This engine's config section of ``cfg`` (``cfg.engine_options``, read by ``engine_sections``), None when
+        it has none."""
+        return getattr(cfg, "engine_options", None) if self.options else None
 
     def tolerance(self, options: Any, dtype: str) -> float | None:
         """The largest |Δ mean NLL| [nats] allowed between this engine and transformers on the checked request
@@ -385,27 +388,66 @@ class ScoringEngine:
 ScoringEngine.score_cell = _contracted(ScoringEngine.score_cell)  # the default, held to the contract too
 
 
-def check_sections(cfg, lenient: bool = False) -> None:
-    """``cfg``'s engine sections (fields named as a registered engine's ``options``) against ``cfg.engine``: its
-    own section filled with its defaults where left out; another engine's given is refused (``ValueError``, one
-    line: it would be ignored) — with ``lenient``, one equal to its defaults (a dumped config read back) is
-    dropped instead."""
-    own = scoring_engine(cfg.engine)
-    for name in scoring_engine_names():
-        engine = scoring_engine(name)
+def engine_sections(raw: Any, *, lenient: bool = False) -> Any:
+    """A raw config (a mapping, before validation) with its engine's section read, as a task's options are: the
+    section named by the engine's ``options`` key (``vllm:``; or ``engine_options:``, a dumped config's) validated
+    by the engine's own ``Options`` into ``engine_options`` (its defaults where left out; None for an engine
+    without options). Every engine's section is a key of the raw config, registered engines and plugins alike,
+    so an engine adds its section without a field in any config.
+
+    Raises ``ValueError`` (one line) for another engine's section given (it would be ignored; with ``lenient``,
+    one equal to its defaults, a dumped config read back, is dropped), a section given twice or one for an
+    engine without options, and ``NestedErrors`` (paths under the section's key) for the engine's own."""
+    if not isinstance(raw, dict):
+        return raw
+    raw, name = dict(raw), raw.get("engine", DEFAULT)
+    known = scoring_engine_names()
+    given = raw.pop("engine_options", None)
+    for other in known:
+        engine = scoring_engine(other)
         key = engine.options
-        if not key or key not in type(cfg).model_fields:
+        if not key or key not in raw:
             continue
-        value = getattr(cfg, key)
-        if name == own.name:
-            if value is None:
-                setattr(cfg, key, engine.Options())
-        elif value is not None:
-            if lenient and value == engine.Options():
-                setattr(cfg, key, None)
+        value = raw.pop(key)
+        if other == name:
+            if given is not None and value is not None:
+                raise ValueError(f"{key}: the engine's options are given twice (under {key}: and engine_options:); "
+                                 "keep one")
+            given = value if value is not None else given
+        elif value is not None and name in known:
+            if lenient and _defaults(engine, value):
                 continue
-            raise ValueError(f"{key}: settings of engine: {name}, but this config's engine is {cfg.engine} (which "
-                             f"would ignore them); set engine: {name}, or drop the {key}: section")
+            raise ValueError(f"{key}: settings of engine: {other}, but this config's engine is {name} (which "
+                             f"would ignore them); set engine: {other}, or drop the {key}: section")
+    if not isinstance(name, str) or name not in known:
+        return raw  # the engine field's own validator names the unknown engine
+    own = scoring_engine(name)
+    if not own.options:
+        if given:
+            raise ValueError(f"engine_options: engine {name} takes no options")
+        raw["engine_options"] = None
+        return raw
+    if given is not None and not isinstance(given, (dict, own.Options)):
+        raise ValueError(f"{own.options}: expected a mapping of engine {name}'s options")
+    try:
+        raw["engine_options"] = given if isinstance(given, own.Options) else own.Options.model_validate(given or {})
+    except ValidationError as e:  # the section's keys read as paths under its name
+        raise NestedErrors(error_parts(e, own.Options)).under(own.options) from None
+    return raw
+
+
+def _defaults(engine, value: Any) -> bool:
+    """Whether ``value`` is ``engine``'s options at their defaults (a dumped config's section)."""
+    try:
+        return engine.Options.model_validate(value) == engine.Options()
+    except ValidationError:
+        return False
+
+
+def section_keys() -> list[str]:
+    """The config keys of the registered engines' sections (``vllm``, a plugin's), sorted: a config's top level
+    accepts them."""
+    return sorted({scoring_engine(n).options for n in scoring_engine_names() if scoring_engine(n).options})
 
 
 def scoring_engine_names() -> list[str]:

@@ -42,7 +42,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, Strict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, SerializeAsAny, Strict, ValidationError, field_validator, model_validator
 
 from ropescale.runs.config import ConfigError, DataConfig, RunConfig, explain, load_raw
 from ropescale.runs.data import BOOKS, KJV_SPLITS, DataSpec
@@ -50,8 +50,7 @@ from ropescale.runs.trackers import tracker_names
 from ropescale.strategies import get_strategy
 
 from ..config import MAX_LENGTH
-from ..engines.scoring import DEFAULT, check_sections, scoring_engine, scoring_engine_names
-from ..engines.vllm.scoring import VllmOptions
+from ..engines.scoring import DEFAULT, engine_sections, scoring_engine, scoring_engine_names, section_keys
 from .space import Dimension, search_space
 
 __all__ = ["EVOLUTION_KEYS", "METHODS", "SearchConfig", "build_search_config", "load_search_config", "same_data"]
@@ -128,13 +127,18 @@ class SearchConfig(RunConfig):
     engine: str = Field(DEFAULT, description="what scores every candidate: transformers (in this process) or any "
                         "registered scoring engine answering log-probabilities (vllm, mlx, a plugin's: "
                         "eval.engines.scoring), serving what `patch --engine NAME` writes")
-    vllm: VllmOptions | None = Field(None, description="engine: vllm's tensor_parallel_size, data_parallel_size, "
-                                     "max_model_len, parity_tolerance (only with engine: vllm; its defaults there)")
+    engine_options: SerializeAsAny[BaseModel] | None = Field(None, description="the scoring engine's options, "
+                                                             "given under the engine's name (vllm: ...)")
     report_to: list[str] = Field(default_factory=list,
                                  description="accelerate trackers to report each finished trial to (tensorboard, "
                                              "wandb, mlflow, ...; trials.csv is always written)")
 
     _report_to = field_validator("report_to", mode="before")(tracker_names)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_section(cls, raw: Any) -> Any:
+        return engine_sections(raw, lenient=True)  # lenient: a dumped config's defaults read back
 
     @field_validator("lengths")
     @classmethod
@@ -177,7 +181,6 @@ class SearchConfig(RunConfig):
             get_strategy(self.strategy)
         except KeyError as e:
             raise ValueError(f"strategy: {e}") from None
-        check_sections(self, lenient=True)  # lenient: a dumped config's defaults read back
         if self.max_kl is not None and not scoring_engine(self.engine).in_process:
             raise ValueError(f"max_kl: the KL to the unpatched model needs the whole next-token distribution, and "
                              f"engine {self.engine} returns the target's log-probability only — use engine: {DEFAULT}")
@@ -259,7 +262,8 @@ def build_search_config(raw: Any, source: str = "config") -> SearchConfig:
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
     except ValidationError as e:
-        raise explain(e, source, SearchConfig) from None
+        keys = [k for k in SearchConfig.model_fields if k != "engine_options"] + section_keys()
+        raise explain(e, source, SearchConfig, allowed=lambda loc: keys if len(loc) == 1 else None) from None
 
 
 def load_search_config(path: str, overrides: list[str] = ()) -> SearchConfig:

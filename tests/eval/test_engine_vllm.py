@@ -74,9 +74,9 @@ def test_a_vllm_section_beside_another_engine_is_refused(tiny_model_dir, text_fi
         assert str(e.value) == ("x.yaml: vllm: settings of engine: vllm, but this config's engine is transformers "
                                 "(which would ignore them); set engine: vllm, or drop the vllm: section")
     plain = build_config(raw)
-    assert plain.vllm is None and build_config(plain.model_dump(mode="json")) == plain
+    assert plain.engine_options is None and build_config(plain.model_dump(mode="json")) == plain
     served = build_config({**raw, "engine": "vllm"})
-    assert served.vllm.tensor_parallel_size == 1 and build_config(served.model_dump(mode="json")) == served
+    assert served.engine_options.tensor_parallel_size == 1 and build_config(served.model_dump(mode="json")) == served
 
 
 def test_log_probabilities_become_the_transformers_engines_perplexity(tiny_model_dir, text_file):
