@@ -15,11 +15,12 @@
     max_windows: 4               # windows per length per candidate, evenly spaced over the split
     retrieval_weight: 0          # > 0: adds the passkey answer's log-likelihood term
     needle_weight: 0             # > 0: adds LongRoPE2's needle-driven term (needles in the search text)
+    tasks: [{task: graphwalks, weight: 0.5, trials: 4}]   # any task declaring objective_term: its gold answers' NLL
     epsilon: 0.05                # constraint: PPL at T ≤ (1 + ε) × vanilla's
     max_kl: 0.02                 # optional constraint: KL(P_unpatched ‖ P) at T ≤ this [nats/token]
     heldout: kjv-heldout         # the reported eval data, refused as the search split
     engine: transformers         # or any scoring engine answering log-probabilities (vllm, mlx, a plugin's)
-    vllm: {tensor_parallel_size: 1}   # engine: vllm's options, as eval's (only with engine: vllm)
+    vllm: {tensor_parallel_size: 1}   # engine: vllm's section, as eval's (only with engine: vllm)
     report_to: [tensorboard]     # accelerate's trackers, as fine-tuning's: each finished trial's numbers
     output: runs/search-yarn
 
@@ -42,9 +43,27 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, SerializeAsAny, Strict, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    Strict,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from ropescale.runs.config import ConfigError, DataConfig, RunConfig, explain, load_raw
+from ropescale.runs.config import (
+    ConfigError,
+    ConfigModel,
+    DataConfig,
+    NestedErrors,
+    RunConfig,
+    error_parts,
+    explain,
+    load_raw,
+)
 from ropescale.runs.data import BOOKS, KJV_SPLITS, DataSpec
 from ropescale.runs.trackers import tracker_names
 from ropescale.strategies import get_strategy
@@ -53,7 +72,8 @@ from ..config import MAX_LENGTH
 from ..engines.scoring import DEFAULT, engine_sections, scoring_engine, scoring_engine_names, section_keys
 from .space import Dimension, search_space
 
-__all__ = ["EVOLUTION_KEYS", "METHODS", "SearchConfig", "build_search_config", "load_search_config", "same_data"]
+__all__ = ["EVOLUTION_KEYS", "METHODS", "TERM_SEED", "SearchConfig", "TaskTerm", "build_search_config",
+           "load_search_config", "same_data"]
 
 METHODS = ("tpe", "cmaes", "evolution")
 EVOLUTION_KEYS = ("population", "iterations", "elite", "mutation_prob", "crossover_prob", "variant")
@@ -88,6 +108,47 @@ def same_data(search: DataSpec, heldout: DataSpec) -> bool:
     return False
 
 
+TERM_SEED = 7919  # a task term's examples: not the eval's default seeds, so the reported prompts are not searched
+
+
+class TaskTerm(ConfigModel):
+    """One task as a term of the objective: ``weight`` × the mean NLL per answer token of the gold answers
+    (``Task.gold_answers``) of its first ``trials`` examples at the longest length, built with ``options``
+    (the task's own; ``seed`` defaults to ``TERM_SEED`` and ``num_samples`` to ``trials`` where the task has
+    them). Any task declaring ``objective_term`` — passkey, needle, graphwalks, json_kv, a plugin's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    task: str
+    weight: Real = Field(gt=0, description="the term's weight in J")
+    trials: Int = Field(4, ge=1, description="examples scored per candidate (at the longest length)")
+    options: dict[str, Any] = Field(default_factory=dict, description="the task's options (its own keys)")
+
+    @model_validator(mode="after")
+    def _known(self) -> TaskTerm:
+        from ..tasks.base import get_task, task_names
+
+        try:
+            cls = get_task(self.task)
+        except KeyError as e:
+            raise ValueError(str(e)) from None
+        if not cls.objective_term:
+            can = ", ".join(n for n in task_names() if get_task(n).objective_term)
+            raise ValueError(f"task {self.task} has no gold answers to score (objective_term); terms: {can}")
+        try:
+            self.task_options()
+        except ValidationError as e:
+            raise NestedErrors(error_parts(e, cls.Options)).under("options") from None
+        return self
+
+    def task_options(self):
+        """The task's validated options (``TERM_SEED`` and ``trials`` samples filled where it has those keys)."""
+        from ..tasks.base import get_task
+
+        cls = get_task(self.task)
+        fill = {k: v for k, v in (("seed", TERM_SEED), ("num_samples", self.trials)) if k in cls.Options.model_fields}
+        return cls.Options.model_validate({**fill, **self.options})
+
+
 class SearchConfig(RunConfig):
     """One parameter search: a strategy family's numeric parameters on one model, scored on a
     search split at the target lengths (see ``eval.search.objective``). Numbers are strict (no
@@ -111,6 +172,8 @@ class SearchConfig(RunConfig):
     needle_weight: Real = Field(0.0, ge=0, description="weight of LongRoPE2's needle-driven term: the mean NLL per "
                                                        "answer token of needles planted in the search text")
     needle_trials: Int = Field(4, ge=1, description="needle prompts per candidate (at the longest length)")
+    tasks: list[TaskTerm] = Field(default_factory=list, description="tasks as terms of J: weight × the mean NLL per "
+                                  "answer token of their gold answers (any task declaring objective_term)")
     epsilon: Real = Field(0.05, ge=0, description="constraint: PPL at T ≤ (1 + ε) × vanilla's")
     max_kl: Real | None = Field(None, gt=0, description=(
         "constraint: mean KL(P_unpatched ‖ P_candidate) per token at T ≤ this [nats] (the short-context cost); "
@@ -244,6 +307,7 @@ class SearchConfig(RunConfig):
                 # LongRoPE2's needle term: in the identity only when used, so earlier studies still resume
                 **(self.model_dump(include={"needle_weight", "needle_trials"}) if self.needle_weight else {}),
                 **({"max_kl": self.max_kl} if self.max_kl is not None else {}),
+                **({"tasks": [t.model_dump(mode="json") for t in self.tasks]} if self.tasks else {}),
                 # another engine's numbers are another experiment's (within its parity tolerance); report_to is not
                 **({"engine": self.engine} if self.engine != DEFAULT else {})}
 

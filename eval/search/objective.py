@@ -3,7 +3,7 @@
 For a candidate's parameters θ (the strategy's, fixed and auto ones filled at the longest target
 length, so one spec serves every length) the objective [nats per token] is
 
-    J(θ) = Σ_L w_L · NLL_L(θ)  +  r · NLL_answer(θ)  +  n · NLL_needle(θ)
+    J(θ) = Σ_L w_L · NLL_L(θ)  +  r · NLL_answer(θ)  +  n · NLL_needle(θ)  +  Σ_k u_k · NLL_k(θ)
 
 - NLL_L: token-weighted mean next-token NLL of ``max_windows`` chunk windows of L tokens of the
   **search split**, evenly spaced over all its windows (``ropescale.runs.windows.cap_windows``: the
@@ -17,6 +17,9 @@ length, so one spec serves every length) the objective [nats per token] is
 - NLL_needle (only when n = ``needle_weight`` > 0): LongRoPE2's needle-driven term, the mean NLL
   per answer token of ``needle_trials`` needles planted in the search split's own text at the
   longest length (``eval.search.needle_objective``).
+- NLL_k (``tasks:``, weight u_k each): a task declaring ``objective_term`` — passkey, needle, graphwalks,
+  json_kv, a plugin's — as the mean NLL per answer token of the gold answers (``Task.gold_answers``) of
+  its first ``trials`` examples at the longest length (``TaskTerm``: seed 7919 unless given).
 - Constraint (LongRoPE's short-context concern): c(θ) = PPL_T(θ) / ((1 + ε) · PPL_T(vanilla)) − 1,
   PPL at the training window T on ``max_windows`` windows of the search split; feasible when
   c ≤ 0. It is reported with every trial; the tuner uses it as an Optuna constraint (TPE) or a
@@ -67,6 +70,7 @@ from ropescale.strategies import BASELINE, get_strategy
 
 from ..engines.answering import Serving
 from ..engines.scoring import DEFAULT, Demand, scoring_engine
+from ..tasks.prompts import PromptError
 from .config import SearchConfig, same_data
 from .needle_objective import answer_nll, needle_examples
 from .tuner import Refused
@@ -94,12 +98,15 @@ class Measurement:
     needle_nll: float | None = None  # LongRoPE2's needle-driven term (eval.search.needle_objective)
     parity: float | None = None  # an engine outside this process: |Δ mean NLL| of the first window [nats]
     kl_train: float | None = None  # with max_kl: mean KL(P_unpatched ‖ P_candidate) per token at T [nats]
+    task_nll: dict[str, float] | None = None  # the tasks: terms, by task: mean NLL per gold answer token [nats]
 
     def row(self) -> dict:
-        """Flat columns for ``trials.csv`` (``parity`` only where an engine outside this process scored)."""
+        """Flat columns for ``trials.csv`` (``parity`` only where an engine outside this process scored; a task
+        term as ``nll@<task>``)."""
         out = {k: v for k, v in asdict(self).items()
-               if k not in ("nll", "ppl") and (k not in ("parity", "kl_train") or v is not None)}
+               if k not in ("nll", "ppl", "task_nll") and (k not in ("parity", "kl_train") or v is not None)}
         out.update({f"ppl@{length}": v for length, v in self.ppl.items()})
+        out.update({f"nll@{task}": v for task, v in (self.task_nll or {}).items()})
         return out
 
 
@@ -175,6 +182,7 @@ class SearchObjective:
         self.passkeys = self._passkeys() if cfg.retrieval_weight > 0 else []
         self.needles = needle_examples(self.tokenizer, self.docs, length=max(cfg.lengths), trials=cfg.needle_trials,
                                        train_length=self.train_length) if cfg.needle_weight > 0 else []
+        self.terms = {t.task: self._gold(t) for t in cfg.tasks}  # task → [(prompt ids, answer ids)]
         self.scorer = scoring_engine(cfg.engine)
         self.served = None  # an engine outside this process: the folder candidates are served from (``serve_from``)
         self.vanilla_ppl_train = math.exp(self._nll(self.train_length)) if self.scorer.in_process else None
@@ -200,11 +208,12 @@ class SearchObjective:
             for w in self.windows[length]:
                 reqs.append({"ids": self.docs[w.doc][w.start:w.end].tolist(), "max_tokens": 1, "prompt_logprobs": True})
                 what.append(("window", length, w))
-        for term, examples in (("retrieval", self.passkeys), ("needle", self.needles)):
-            for ex in examples:
-                reqs.append({"ids": list(ex.prompt.ids) + list(ex.candidates[0]), "max_tokens": 1,
-                             "prompt_logprobs": True})
-                what.append(("answer", term, len(ex.candidates[0])))
+        pairs = [(term, list(ex.prompt.ids), list(ex.candidates[0]))
+                 for term, examples in (("retrieval", self.passkeys), ("needle", self.needles)) for ex in examples]
+        pairs += [(f"task:{name}", prompt, answer) for name, gold in self.terms.items() for prompt, answer in gold]
+        for term, prompt, answer in pairs:
+            reqs.append({"ids": prompt + answer, "max_tokens": 1, "prompt_logprobs": True})
+            what.append(("answer", term, len(answer)))
         return reqs, what
 
     def _measure_served(self, handle) -> dict:
@@ -235,7 +244,7 @@ class SearchObjective:
             sums[key] = (total - float(logprobs.sum()), tokens + logprobs.numel())
         mean = {k: total / tokens for k, (total, tokens) in sums.items()}
         return {"nll": {k: v for k, v in mean.items() if isinstance(k, int)}, "retrieval": mean.get("retrieval"),
-                "needle": mean.get("needle"),
+                "needle": mean.get("needle"), "tasks": {name: mean[f"task:{name}"] for name in self.terms},
                 "parity": None if scored.parity is None else scored.parity["mean_nll_diff"]}
 
     def _passkeys(self):
@@ -247,6 +256,33 @@ class SearchObjective:
         task = Passkey(options, tokenizer=self.tokenizer, train_length=self.train_length)
         return task.examples(max(self.cfg.lengths))
 
+    def _gold(self, term) -> list[tuple[list[int], list[int]]]:
+        """A ``TaskTerm``'s first ``trials`` gold answers at the longest length, on the search split's text."""
+        from ..tasks.base import get_task
+
+        cls = get_task(term.task)
+        task = cls(term.task_options(), tokenizer=self.tokenizer, train_length=self.train_length,
+                   documents=self.docs, source=self.cfg.data.spec().describe())
+        try:
+            gold = task.gold_answers(task.examples(max(self.cfg.lengths)))[:term.trials]
+        except PromptError as e:  # no example fits the length: the search cannot start
+            raise ConfigError(f"tasks: {term.task}: {e}") from None
+        empty = [i for i, (_, answer) in enumerate(gold) if not answer]
+        if empty:
+            raise ConfigError(f"tasks: {term.task}'s gold answer {empty[0]} has no tokens to score")
+        return gold
+
+    @torch.no_grad()
+    def _gold_nll(self, gold: list[tuple[list[int], list[int]]]) -> float:
+        """Mean NLL per answer token of the gold answers (one full forward per prompt)."""
+        from ..tasks.retrieval import candidate_scores_full
+
+        total, tokens = 0.0, 0
+        for prompt, answer in gold:
+            total -= float(candidate_scores_full(self.model, prompt, [answer], self.device)[0])
+            tokens += len(answer)
+        return total / tokens
+
     def _nll(self, length: int) -> float:
         """Token-weighted mean NLL [nats per token] of the search windows of ``length`` tokens."""
         return self._score(length).mean_nll
@@ -255,16 +291,9 @@ class SearchObjective:
         return score_windows(self.model, self.docs, self.windows[length], length=length, buckets=1,
                              device=self.device, kl=kl)
 
-    @torch.no_grad()
     def _retrieval_nll(self) -> float:
         """Mean NLL per answer token of the passkey answers (one full forward per prompt)."""
-        from ..tasks.retrieval import candidate_scores_full
-
-        total, tokens = 0.0, 0
-        for ex in self.passkeys:
-            total -= float(candidate_scores_full(self.model, ex.prompt.ids, [ex.candidates[0]], self.device)[0])
-            tokens += len(ex.candidates[0])
-        return total / tokens
+        return self._gold_nll([(ex.prompt.ids, ex.candidates[0]) for ex in self.passkeys])
 
     def check_candidate(self, sampled: dict) -> None:
         """The strategy's output for one candidate (``sampled``: its searched values) computed on the model
@@ -302,7 +331,7 @@ class SearchObjective:
         with patch(self.model, self.cfg.strategy, original_max_position_embeddings=self.train_length,
                    **params) as handle:
             got = self._measure_here() if self.scorer.in_process else self._measure_served(handle)
-        nll, retrieval, needle = got["nll"], got["retrieval"], got["needle"]
+        nll, retrieval, needle, tasks = got["nll"], got["retrieval"], got["needle"], got["tasks"]
         ppl_train = math.exp(nll[self.train_length])
         self.evaluations += 1
         objective = sum(self.weights[L] * nll[L] for L in self.cfg.lengths)
@@ -310,6 +339,7 @@ class SearchObjective:
             objective += self.cfg.retrieval_weight * retrieval
         if needle is not None:
             objective += self.cfg.needle_weight * needle
+        objective += sum(t.weight * tasks[t.task] for t in self.cfg.tasks)
         constraint = ppl_train / ((1 + self.cfg.epsilon) * self.vanilla_ppl_train) - 1
         kl = got.get("kl")
         if kl is not None:
@@ -318,7 +348,7 @@ class SearchObjective:
         return params, Measurement(objective=objective, nll=nll, ppl={L: math.exp(v) for L, v in nll.items()},
                                    ppl_train=ppl_train, constraint=constraint, retrieval_nll=retrieval,
                                    seconds=round(time.perf_counter() - t0, 3), needle_nll=needle,
-                                   parity=got.get("parity"), kl_train=kl)
+                                   parity=got.get("parity"), kl_train=kl, task_nll=tasks or None)
 
     def _measure_here(self) -> dict:
         """The patched model's terms, scored in this process: mean NLL per length (the target
@@ -328,7 +358,8 @@ class SearchObjective:
         return {"nll": {L: s.mean_nll for L, s in scores.items()},
                 "kl": scores[self.train_length].mean_kl if kl else None,
                 "retrieval": self._retrieval_nll() if self.passkeys else None,
-                "needle": answer_nll(self.model, self.needles, self.device) if self.needles else None}
+                "needle": answer_nll(self.model, self.needles, self.device) if self.needles else None,
+                "tasks": {name: self._gold_nll(gold) for name, gold in self.terms.items()}}
 
 
 class SearchRun(RunKind):

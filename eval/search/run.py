@@ -223,7 +223,7 @@ def _rows(study) -> list[dict]:
         row = {"trial": index[t.number], "state": state, **t.params}
         row.update({k: a.get(k) for k in ("objective", "constraint")})
         row["feasible"] = None if a.get("constraint") is None else a["constraint"] <= 0
-        row.update({k: v for k, v in a.items() if k.startswith("ppl@")})
+        row.update({k: v for k, v in a.items() if k.startswith(("ppl@", "nll@"))})
         row.update({k: a.get(k) for k in ("ppl_train", "retrieval_nll", "seconds", INVALID, FAILED)})
         if a.get("kl_train") is not None:  # the KL constraint's measure, when the search has one
             row["kl_train"] = a["kl_train"]
@@ -249,7 +249,8 @@ def _markdown(cfg: SearchConfig, study, best: dict, rows: list[dict], front: lis
         f"- target lengths: {lengths}; training window T = {train}",
         "- objective J = Σ w_L · mean NLL_L [nats/token]"
         + (f" + {cfg.retrieval_weight:g} × passkey answer NLL" if cfg.retrieval_weight else "")
-        + (f" + {cfg.needle_weight:g} × needle answer NLL" if cfg.needle_weight else ""),
+        + (f" + {cfg.needle_weight:g} × needle answer NLL" if cfg.needle_weight else "")
+        + "".join(f" + {t.weight:g} × {t.task} gold answer NLL ({t.trials} examples)" for t in cfg.tasks),
         f"- constraint: PPL at T ≤ (1 + {cfg.epsilon:g}) × vanilla's"
         + (f" ({attrs['vanilla_ppl_train']:.3f})" if "vanilla_ppl_train" in attrs else "")
         + (f"; KL(unpatched ‖ candidate) at T ≤ {cfg.max_kl:g} nats/token" if cfg.max_kl is not None else ""),

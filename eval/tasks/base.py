@@ -75,6 +75,9 @@ class Task:
     engine_asks: the kinds of request a scoring engine outside this process answers for it
         (``"logprobs"``, ``"generate"``: ``eval.engines.scoring``); empty: scored in process only. A
         task that asks implements ``engine_requests``, ``engine_parts`` and ``engine_length``.
+    objective_term: the task can be a term of a search's objective (``tasks:`` in a search config): it
+        implements ``gold_answers`` — each example's prompt and its correct answer's tokens, whose mean NLL
+        per answer token the search minimises.
     """
 
     name: ClassVar[str]
@@ -82,6 +85,7 @@ class Task:
     metrics: ClassVar[tuple[Metric, ...]]
     uses_data: ClassVar[bool] = False
     engine_asks: ClassVar[frozenset[str]] = frozenset()  # what an engine outside this process answers for it
+    objective_term: ClassVar[bool] = False  # implements gold_answers: a search can minimise its answers' NLL
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -117,6 +121,11 @@ class Task:
     def combine(self, parts: list, examples: Any, *, length: int, strategy: Strategy) -> dict[str, Any]:
         """The cell's metrics from every process's part: a flat dict holding at least every
         ``metrics`` key, identical for any split of the examples."""
+        raise NotImplementedError
+
+    def gold_answers(self, examples: Any) -> list[tuple[list[int], list[int]]]:
+        """Each example's prompt ids ``[n]`` and the ids ``[m]`` a correct answer continues it with (for a task
+        with ``objective_term``: a search scores their mean NLL per answer token, ``eval.search.objective``)."""
         raise NotImplementedError
 
     # --- scored by an engine outside this process (eval.engines.scoring), for a task with ``engine_asks``

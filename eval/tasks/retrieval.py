@@ -125,6 +125,12 @@ class RetrievalTask(Task):
     metrics = (Metric(key="accuracy", label="greedy exact-match accuracy", higher_is_better=True),
                Metric(key="candidate_accuracy", label="candidate log-likelihood accuracy", higher_is_better=True))
 
+    objective_term = True  # a search can minimise the NLL of each example's key (candidate 0)
+
+    def gold_answers(self, examples: list[Example]) -> list[tuple[list[int], list[int]]]:
+        """Each example's prompt ids and its key's tokens (the first candidate: the right one)."""
+        return [(list(ex.prompt.ids), list(ex.candidates[0])) for ex in examples]
+
     def make_prompt(self, length: int, depth: float, rng: random.Random) -> Prompt:
         """One prompt of ``length`` tokens with the answer at ``depth`` (each task's own).
 

@@ -140,7 +140,17 @@ class GeneratedTask(GreedyTask):
 
     Options = GeneratedOptions
     engine_asks = frozenset({"generate", "logprobs"})
+    objective_term = True  # a search can minimise the NLL of each sample's gold answer (``gold_text``)
     generator: ClassVar[str]  # the generator's version, in the cache key: a change of format gets new entries
+
+    def gold_text(self, sample: RulerSample) -> str:
+        """The text a correct answer continues the sample's prompt with (the metric's reading of it scores 1)."""
+        raise NotImplementedError
+
+    def gold_answers(self, examples: list[RulerExample]) -> list[tuple[list[int], list[int]]]:
+        """Each example's prompt ids and its ``gold_text`` tokenized without special tokens."""
+        return [(list(ex.ids), self.tokenizer(self.gold_text(ex.sample), add_special_tokens=False)["input_ids"])
+                for ex in examples]
 
     @property
     def budget(self) -> int:

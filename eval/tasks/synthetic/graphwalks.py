@@ -96,6 +96,10 @@ class Graphwalks(GeneratedTask):
         return {"f1": set_f1(final_answer(prediction), gold),
                 "flexible_f1": set_f1(final_answer(prediction, flexible=True), gold)}
 
+    def gold_text(self, sample) -> str:
+        """The card's answer line for the gold nodes: ``Final Answer: [a, b]`` (``Final Answer: []`` for none)."""
+        return f"Final Answer: [{', '.join(sample.outputs)}]"
+
     def details(self, examples, predictions, scores) -> dict[str, Any]:
         """F1 per operation, the samples whose gold set is empty, whose output has no final answer on its last line,
         and whose gold answer line (``Final Answer: [...]``) alone is longer than the generation budget."""
@@ -103,7 +107,7 @@ class Graphwalks(GeneratedTask):
         for problem in ("bfs", "parents"):
             idx = [i for i, ex in enumerate(examples) if (ex.sample.index > 0) == (problem == "bfs")]
             out[f"f1_{problem}"] = round(100 * sum(scores[i]["f1"] for i in idx) / len(idx), 2) if idx else None
-        lines = [f"Final Answer: [{', '.join(ex.sample.outputs)}]" for ex in examples]
+        lines = [self.gold_text(ex.sample) for ex in examples]
         over = sum(len(self.tokenizer(s, add_special_tokens=False)["input_ids"]) > self.budget for s in lines)
         return {**out, "empty_gold": sum(not ex.sample.outputs for ex in examples),
                 "parse_failures": sum(final_answer(p) is None for p in predictions),

@@ -91,6 +91,10 @@ class JsonKv(GeneratedTask):
     def score(self, sample, prediction) -> dict[str, float]:
         return {"subem": float(json_kv_score(prediction, list(sample.outputs)))}
 
+    def gold_text(self, sample) -> str:
+        """The gold value after ``Corresponding value:``, as the demos write theirs (one space before it)."""
+        return f" {sample.outputs[0]}"
+
     def details(self, examples, predictions, scores) -> dict[str, Any]:
         """The pairs each context holds (complete ones, after a cut), where the gold pair sits among them (0 = first,
         1 = last; None where a cut took it) and how many contexts still hold the gold value (all, unless ``pairs`` cut
