@@ -27,6 +27,7 @@ FOLDERS = {
     "smollm2-perplexity": "perplexity", "smollm2-perplexity-handbook": "perplexity",
     "smollm2-short-context": "kl", "smollm2-passkey": "retrieval", "smollm2-ruler": "ruler",
     "smollm2-longppl": "longppl", "smollm2-finetune-yarn": "finetune", "smollm2-finetune-linear": "finetune",
+    "smollm2-finetune-yarn-handbook": "perplexity",
     "search-smollm2-yarn": "search", "gemma3-270m-perplexity-4t": "perplexity",
     "gemma3-270m-passkey-multi": "retrieval",
 }
@@ -174,6 +175,39 @@ def longppl(records: list[dict]) -> list[str]:
                                     "tokens)" if r.get("longppl") is not None else "—")
 
 
+# a fine-tuned model's perplexity folder → the training-free folder of the same data it is compared with
+VERSUS = {"smollm2-finetune-yarn/eval/perplexity": "smollm2-perplexity",
+          "smollm2-finetune-linear/eval/perplexity": "smollm2-perplexity",
+          "smollm2-finetune-yarn-handbook": "smollm2-perplexity-handbook"}
+
+
+def _same_rule(a: dict, b: dict) -> bool:
+    """The same strategy and scale factor (a config's ``yarn:factor=4`` and a sweep's auto ``yarn`` at 4T alike)."""
+    return a["name"] == b["name"] and (a.get("params") or {}).get("factor") == (b.get("params") or {}).get("factor")
+
+
+def versus(tuned: list[dict], free: list[dict]) -> list[str]:
+    """Each fine-tuned cell beside the training-free cell of the same rule, factor and length and vanilla's, on the
+    same tokens: PPL (95% interval) each, and the paired Δ mean NLL [nats/token] (95% block bootstrap)."""
+    out = ["| length | fine-tuned | training-free, same rule | Δ fine-tuned − training-free | vanilla | "
+           "Δ fine-tuned − vanilla |", "|---:|---:|---:|---:|---:|---:|"]
+
+    def ppl(r: dict | None) -> str:
+        return "" if r is None else f"{r['ppl']:.2f} ({r['ppl_ci'][0]:.2f}–{r['ppl_ci'][1]:.2f})"
+
+    def delta(a: dict, b: dict | None) -> str:
+        d = paired_delta(a, b) if b is not None else None
+        return f"{d[0]:+.3f} ({d[1]:+.3f}…{d[2]:+.3f})" if d else ""
+
+    for r in sorted(tuned, key=lambda r: r["length"]):
+        same = next((f for f in free if f["length"] == r["length"] and _same_rule(f, r)), None)
+        van = next((f for f in free if f["length"] == r["length"] and f["name"] == "vanilla"), None)
+        out.append(f"| {r['length']:,} | {ppl(r)} | {ppl(same)} | {delta(r, same)} | {ppl(van)} | {delta(r, van)} |")
+    factor = (tuned[0].get("params") or {}).get("factor")
+    rule = tuned[0]["name"] + (f" ×{factor:g}" if factor else "")
+    return ["", f"Fine-tuned against training-free ({rule}), the same tokens:", ""] + out
+
+
 def table(folder: Path, kind: str) -> list[str]:
     if kind == "finetune":
         out = []
@@ -181,7 +215,7 @@ def table(folder: Path, kind: str) -> list[str]:
             records = read_results(sub / "results.jsonl")
             if records:
                 out += ["", _caption(sub, records), ""] + (perplexity if records[0]["task"] == "perplexity"
-                                                           else retrieval)(records)
+                                                           else retrieval)(records) + _versus(sub, records)
         summary = folder / "model" / "finetune.json"
         if summary.is_file():
             s = json.loads(summary.read_text())
@@ -195,7 +229,17 @@ def table(folder: Path, kind: str) -> list[str]:
     if not records:
         return []
     fn = {"perplexity": perplexity, "kl": kl, "retrieval": retrieval, "ruler": ruler, "longppl": longppl}[kind]
-    return [_caption(folder, records), ""] + fn(records)
+    return [_caption(folder, records), ""] + fn(records) + _versus(folder, records)
+
+
+def _versus(folder: Path, records: list[dict]) -> list[str]:
+    """``versus`` for a fine-tuned folder named in ``VERSUS`` whose training-free folder is there."""
+    root = next((folder.parents[i] for i, _ in enumerate(folder.parents)
+                 if folder.relative_to(folder.parents[i]).as_posix() in VERSUS), None)
+    if root is None:
+        return []
+    free = read_results(root / VERSUS[folder.relative_to(root).as_posix()] / "results.jsonl")
+    return versus(records, free) if free else []
 
 
 def main() -> None:
