@@ -140,4 +140,28 @@ def test_the_patchs_own_window_does_not_depend_on_the_order_of_layer_types():
                 "full_attention": 32, "sliding_attention": 64}
             seen.append((handle.context["original_max_position_embeddings"],
                          handle.to_dict()["original_max_position_embeddings"]))
-    assert seen == [(32, 32), (32, 32)]
+    both = {"full_attention": 32, "sliding_attention": 64}  # the record keeps each type's T (one T was lossy)
+    assert seen == [(32, both), (32, both)]
+
+
+def test_a_saved_patch_whose_layer_types_have_different_windows_loads_back_exactly(tmp_path):
+    """A patch recorded one T (the full-attention type's) for every layer type: loaded back, Gemma 3's sliding
+    layers (T = 64 here) were re-patched with T = 32, so YaRN's ramp moved and the logits changed. The record
+    keeps T per layer type where they differ, and ``patch`` takes such a mapping."""
+    from tests.conftest import build, tiny_gemma3_config
+
+    model = build(T.Gemma3ForCausalLM, tiny_gemma3_config(rope_type="yarn", factor=2.0,
+                                                          original_max_position_embeddings=32)).eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), ropescale.patch(model, "yarn", factor=4.0,
+                                          layer_types=["full_attention", "sliding_attention"]) as handle:
+        want = model(ids).logits
+        ropescale.save_patched(model, _Tok(), tmp_path / "p")
+        assert handle.to_dict()["original_max_position_embeddings"] == {"full_attention": 32,
+                                                                         "sliding_attention": 64}
+    loaded, _ = ropescale.load_model(str(tmp_path / "p"), device="cpu", tokenizer=False)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(ids).logits, want, rtol=0, atol=1e-5)
+    assert ropescale.models.model_training_window(str(tmp_path / "p")) == 32  # the model's T: full attention's
+    with pytest.raises(ValueError, match=r"original_max_position_embeddings=\{'full_attention': 1\} must be"):
+        ropescale.patch(model, "yarn", factor=2.0, original_max_position_embeddings={"full_attention": 1})

@@ -273,8 +273,11 @@ def _check_served(name: str, record: dict[str, Any] | None) -> None:
 def _saved_window(path: str) -> int | None:
     """T a saved patch (or an adapter's base model's saved patch) was applied over, or None."""
     record = _patch_record(path) or {}
-    if record.get("original_max_position_embeddings"):
-        return int(record["original_max_position_embeddings"])
+    train = record.get("original_max_position_embeddings")
+    if isinstance(train, dict) and train:  # one T per layer type: the model's is the full-attention layers'
+        train = train.get("full_attention", max(train.values()))
+    if train:
+        return int(train)
     base = adapter_base(path)
     return None if base is None else _saved_window(resolve_model(base))
 

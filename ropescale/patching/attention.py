@@ -33,8 +33,8 @@ def patch_attention(handle: PatchHandle, strat: Strategy, found: list[tuple[str,
     rotating = _rotating_layers(handle, strat)
     primary = next((i.site for i in rotating if i.site.layer_type == "full_attention"), rotating[0].site)
     context = rope_context(model, modules[primary.module_name], primary.layer_type)
-    if options.original_max_position_embeddings is not None:
-        context["original_max_position_embeddings"] = int(options.original_max_position_embeddings)
+    if options.window(primary.layer_type) is not None:
+        context["original_max_position_embeddings"] = options.window(primary.layer_type)
     rule = strat.compute(context, handle.params)
     by_module = {}
     for info in rotating:

@@ -86,8 +86,8 @@ def _patch_module(handle: PatchHandle, strat: Strategy, named: tuple[str, nn.Mod
     entries, cache_layers = {}, {}
     for lt in chosen:
         context = rope_context(handle.model, module, lt)
-        if options.original_max_position_embeddings is not None:
-            context["original_max_position_embeddings"] = int(options.original_max_position_embeddings)
+        if options.window(lt) is not None:
+            context["original_max_position_embeddings"] = options.window(lt)
         if context["original_max_position_embeddings"] is None and any(
                 k in strat.needs for k in ("original_max_position_embeddings", "seq_len")):
             raise InvalidInput(f"{strat.name} needs original_max_position_embeddings; the config has none")

@@ -232,8 +232,11 @@ class PatchHandle:
             A JSON-ready mapping: strategy, parameters, T, layer types and options (how
             ``ropescale.save_patched`` stores it).
         """
-        out = {"strategy": self.strategy, "params": self.params,
-               "original_max_position_embeddings": self.context["original_max_position_embeddings"]}
+        windows = {lt: ctx.get("original_max_position_embeddings") for lt, ctx in self.contexts.items()}
+        # T per layer type where they differ (a saved patch re-applied with one T would give every type the first's)
+        train = (windows if len(set(windows.values())) > 1 and None not in windows
+                 else self.context["original_max_position_embeddings"])
+        out = {"strategy": self.strategy, "params": self.params, "original_max_position_embeddings": train}
         if self.layer_types != [None]:
             out["layer_types"] = self.layer_types
         return out | self.options

@@ -25,7 +25,7 @@ class PatchOptions:
     """How a strategy is applied (``ropescale.patching.patch`` documents each); the defaults are the
     options left out."""
 
-    original_max_position_embeddings: int | None = None
+    original_max_position_embeddings: int | dict[str, int] | None = None  # one T, or T per layer type
     layer_types: list[str] | None = None
     dynamic_cache: str = "recompute"
     dynamic_block: int = 1
@@ -55,6 +55,15 @@ class PatchOptions:
                     raise InvalidInput(f"{strat.name} has no parameter {key!r} and patch has no option {key!r} "
                                        f"(did you mean the option {near[0]!r}?)")
 
+    def window(self, layer_type: str | None) -> int | None:
+        """The training window T [tokens] given for ``layer_type`` (None: the model's own): the one T, or the
+        layer type's entry of a mapping (how a saved patch whose layer types have different windows records
+        them)."""
+        train = self.original_max_position_embeddings
+        if isinstance(train, dict):
+            train = train.get(layer_type)
+        return None if train is None else int(train)
+
     def keywords(self) -> dict[str, Any]:
         """The options as ``patch`` keywords (every one, defaults included)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -62,9 +71,12 @@ class PatchOptions:
     def check(self) -> None:
         """``InvalidInput`` (one line) for an option outside its values."""
         train = self.original_max_position_embeddings
-        if train is not None and (isinstance(train, bool) or not isinstance(train, int) or train < 2):
+        values = list(train.values()) if isinstance(train, dict) and train else [train]
+        keys_ok = not isinstance(train, dict) or all(isinstance(k, str) for k in train)
+        if train is not None and (not keys_ok or any(isinstance(t, bool) or not isinstance(t, int) or t < 2
+                                                     for t in values)):
             raise InvalidInput(f"original_max_position_embeddings={train!r} must be a whole number of tokens >= 2 "
-                               "(the training window)")
+                               "(the training window), or one per layer type ({'full_attention': 8192, ...})")
         layers = self.layer_types
         if layers is not None and (not isinstance(layers, list | tuple) or not layers
                                    or not all(isinstance(t, str) for t in layers)):
