@@ -218,7 +218,8 @@ def _profile_factors(spec, profiles: str, serve_length, freeze_dynamic_at) -> li
     except ValueError as e:  # a word where a number is meant (InvalidInput is a ValueError: kept as it is)
         raise e if isinstance(e, InvalidInput) else InvalidInput(
             f"--profiles: {profiles!r} is not a comma-separated list of scale factors (e.g. 1,2,4)") from None
-    scale = get_strategy(spec.name).scale_param
+    strat = get_strategy(spec.name)
+    scale = strat.scale_param if strat.kind == "frequency" and not strat.dynamic else None  # what profiles set
     if spec.profiles or (scale is not None and scale in spec.params):
         raise InvalidInput(f"--profiles gives the factors; leave {scale or 'factor'} (and profiles) out of "
                            "--strategy")

@@ -13,8 +13,10 @@ lm-eval 0.4.13 finds models only in its own registry (it has no plugin entry poi
 hands the arguments to lm-eval's own CLI unchanged (``main``); from Python, ``import eval.lmeval`` before
 ``lm_eval.simple_evaluate(model="ropescale", ...)``.
 
-``max_length`` (lm-eval's context window for rolling perplexity and truncation) defaults to
-``factor × T`` when the strategy has a ``factor``, else to the model's own window.
+``max_length`` (lm-eval's context window for rolling perplexity and truncation) defaults to the reach
+s × T of the strategy's scale factor s (its ``auto="scale"`` parameter, ``Strategy.scale_param``: YaRN's,
+linear's, NTK's ``factor``, DCA's ``scale``), else to the model's own window (dynamic NTK has no fixed
+reach: its ``factor`` is a slope, not a scale).
 
 Bad ``model_args`` (no ``pretrained``, a model folder that is not there, an unknown strategy, key
 or dtype, a parameter out of range or missing, a bad patch option) raise ``ModelArgsError`` (a

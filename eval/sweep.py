@@ -105,13 +105,13 @@ def _check_output(model, cell: Cell) -> str | None:
                            f"{cell.train_length}): {' '.join(str(e).split())}") from None
 
 
-def _note(spec: StrategySpec, params: dict, length: int, train_length: int) -> str | None:
+def _note(spec: StrategySpec, params: dict, length: int, train_length: int, context: dict | None) -> str | None:
     """Why the cell equals vanilla RoPE by construction, or None: a relative-position rule that is vanilla for
     every distance below w (``Strategy.exact_below``, read from the rule it builds, not from a parameter's name)
     with w ≥ L, and no query temperature on top."""
     if spec.logn or spec.temperature:
         return None
-    w = get_strategy(spec.name).exact_below(params, train_length=train_length)
+    w = get_strategy(spec.name).exact_below(params, train_length=train_length, context=context)
     if w is None or w < length:
         return None
     return (f"every distance below {w} is plain RoPE under this rule and the sequence holds {length} tokens: "
@@ -249,11 +249,12 @@ def _same_as(record: dict, cell: Cell) -> dict:
             "same_as": record.get("same_as") or record["strategy"], "seconds": 0.0}
 
 
-def _resolved_cell(model, spec: StrategySpec, length: int, cid: str, params: dict, train_length: int) -> Cell:
+def _resolved_cell(model, spec: StrategySpec, length: int, cid: str, params: dict, train_length: int,
+                   context: dict | None) -> Cell:
     """The cell of ``spec`` at ``length`` with its resolved ``params``, its note and its rotation's
     fingerprint on ``model`` (``_check_output``: a strategy whose output is not frequencies refused here)."""
     cell = Cell(spec=spec, length=length, id=cid, params=params, train_length=train_length,
-                note=_note(spec, params, length, train_length))
+                note=_note(spec, params, length, train_length, context))
     return replace(cell, rotation=_check_output(model, cell))
 
 
@@ -309,7 +310,8 @@ class Sweep(RunKind):
         train_length = loaded_window(model, cfg.model, cfg.original_max_position_embeddings, purpose="sweep")
         resolved = resolve_cells(cfg, train_length)  # the loaded model's T: each cell's parameters, once
         # each cell's strategy output on this model, before the manifest; its rotation's fingerprint
-        self.todo = [_resolved_cell(model, spec, length, cid, resolved[spec.display, length], train_length)
+        context = configured_context(cfg.model)  # DCA's defaults from the model's config, as resolve read them
+        self.todo = [_resolved_cell(model, spec, length, cid, resolved[spec.display, length], train_length, context)
                      for spec, length, cid in left]
         task = self.task_cls(cfg.options, tokenizer=inputs.tokenizer, train_length=train_length, documents=inputs.docs,
                              source=cfg.data.spec().describe() if self.task_cls.uses_data else None)

@@ -192,6 +192,26 @@ def test_a_rule_that_never_applies_is_noted_and_its_cell_is_vanilla(tmp_path, ti
     assert "equals vanilla" in caplog.text
 
 
+def test_the_note_reads_the_rule_with_the_models_own_dca_sizes(tmp_path, tiny_model_dir, text_file):
+    """The note builds the rule with the model's ``dual_chunk_attention_config``, as ``resolve`` and the patch do:
+    built from T alone, DCA's default local window (T // 8 = 4) refused the cell's chunk_size=3 that the model's
+    local_size 1 allows, and the whole sweep stopped."""
+    import shutil
+
+    from eval.config import build_config
+    from eval.sweep import run_sweep
+
+    model = tmp_path / "dca-model"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config["dual_chunk_attention_config"] = {"chunk_size": 64, "local_size": 1}
+    (model / "config.json").write_text(json.dumps(config))
+    cfg = build_config({"model": str(model), "data": str(text_file), "lengths": [64],
+                        "strategies": ["dca:chunk_size=3"], "max_windows": 1, "device": "cpu"})
+    (r,) = run_sweep(cfg, tmp_path / "o", progress=False)
+    assert r["ppl"] > 0 and r.get("note") is None
+
+
 LM_EVAL_TASK = ["--tasks", "tiny_rolling", "--device", "cpu"]
 
 

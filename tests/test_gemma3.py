@@ -165,3 +165,10 @@ def test_a_saved_patch_whose_layer_types_have_different_windows_loads_back_exact
     assert ropescale.models.model_training_window(str(tmp_path / "p")) == 32  # the model's T: full attention's
     with pytest.raises(ValueError, match=r"original_max_position_embeddings=\{'full_attention': 1\} must be"):
         ropescale.patch(model, "yarn", factor=2.0, original_max_position_embeddings={"full_attention": 1})
+    with pytest.raises(ValueError, match=r"names no window for layer type 'sliding_attention'; it names "
+                                         r"'full_attention'"):
+        ropescale.patch(model, "yarn", factor=2.0, layer_types=["full_attention", "sliding_attention"],
+                        original_max_position_embeddings={"full_attention": 64})
+    llama = build(T.LlamaForCausalLM, T.LlamaConfig(**COMMON))
+    with pytest.raises(ValueError, match=r"names no window for this model, whose layers have no types: give one T"):
+        ropescale.patch(llama, "yarn", factor=2.0, original_max_position_embeddings={"full_attention": 64})

@@ -403,6 +403,7 @@ def engine_sections(raw: Any, *, lenient: bool = False) -> Any:
     raw, name = dict(raw), raw.get("engine", DEFAULT)
     known = scoring_engine_names()
     given = raw.pop("engine_options", None)
+    dumped = given is not None
     for other in known:
         engine = scoring_engine(other)
         key = engine.options
@@ -422,6 +423,9 @@ def engine_sections(raw: Any, *, lenient: bool = False) -> Any:
     if not isinstance(name, str) or name not in known:
         return raw  # the engine field's own validator names the unknown engine
     own = scoring_engine(name)
+    if lenient and dumped and not own.options and any(
+            _defaults(scoring_engine(n), given) for n in known if n != name and scoring_engine(n).options):
+        given = None  # a dumped config's engine_options, another engine's at its defaults: read back as absent
     if not own.options:
         if given:
             raise ValueError(f"engine_options: engine {name} takes no options")

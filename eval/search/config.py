@@ -141,11 +141,14 @@ class TaskTerm(ConfigModel):
         return self
 
     def task_options(self):
-        """The task's validated options (``TERM_SEED`` and ``trials`` samples filled where it has those keys)."""
+        """The task's validated options: ``seed`` = ``TERM_SEED`` where it has one, and what makes it build
+        ``trials`` examples (``Task.objective_options``: a retrieval task's depths spread over [0, 1], a generated
+        task's ``num_samples``), each where ``options`` leaves it out."""
         from ..tasks.base import get_task
 
         cls = get_task(self.task)
-        fill = {k: v for k, v in (("seed", TERM_SEED), ("num_samples", self.trials)) if k in cls.Options.model_fields}
+        fill = {**({"seed": TERM_SEED} if "seed" in cls.Options.model_fields else {}),
+                **cls.objective_options(self.trials)}
         return cls.Options.model_validate({**fill, **self.options})
 
 
@@ -236,6 +239,15 @@ class SearchConfig(RunConfig):
     def _budget(cls, v: int) -> int:
         if v < 1:
             raise ValueError(f"budget={v}: a search needs at least 1 trial")
+        return v
+
+    @field_validator("tasks")
+    @classmethod
+    def _one_term_per_task(cls, v: list[TaskTerm]) -> list[TaskTerm]:
+        names = [t.task for t in v]
+        twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+        if twice:
+            raise ValueError(f"task {twice} is given twice: one term per task (its options say which examples)")
         return v
 
     @model_validator(mode="after")

@@ -123,6 +123,12 @@ class Task:
         ``metrics`` key, identical for any split of the examples."""
         raise NotImplementedError
 
+    @classmethod
+    def objective_options(cls, examples: int) -> dict[str, Any]:
+        """The options (its own keys) that make the task build ``examples`` examples, spread as it spreads them,
+        for a search term: what a term's ``trials`` sets where the config leaves those keys out."""
+        return {}
+
     def gold_answers(self, examples: Any) -> list[tuple[list[int], list[int]]]:
         """Each example's prompt ids ``[n]`` and the ids ``[m]`` a correct answer continues it with (for a task
         with ``objective_term``: a search scores their mean NLL per answer token, ``eval.search.objective``)."""

@@ -127,6 +127,12 @@ class RetrievalTask(Task):
 
     objective_term = True  # a search can minimise the NLL of each example's key (candidate 0)
 
+    @classmethod
+    def objective_options(cls, examples: int) -> dict[str, Any]:
+        """``examples`` depths spread evenly over [0, 1], one key each, two candidates (only the key is scored)."""
+        n = examples
+        return {"depths": [i / (n - 1) for i in range(n)] if n > 1 else [0.5], "trials": 1, "candidates": 2}
+
     def gold_answers(self, examples: list[Example]) -> list[tuple[list[int], list[int]]]:
         """Each example's prompt ids and its key's tokens (the first candidate: the right one)."""
         return [(list(ex.prompt.ids), list(ex.candidates[0])) for ex in examples]

@@ -61,7 +61,12 @@ class PatchOptions:
         them)."""
         train = self.original_max_position_embeddings
         if isinstance(train, dict):
-            train = train.get(layer_type)
+            if layer_type not in train:
+                raise InvalidInput(f"original_max_position_embeddings={train!r} names no window for "
+                                   + (f"layer type {layer_type!r}" if layer_type else
+                                      "this model, whose layers have no types: give one T")
+                                   + (f"; it names {', '.join(map(repr, train))}" if layer_type else ""))
+            train = train[layer_type]
         return None if train is None else int(train)
 
     def keywords(self) -> dict[str, Any]:

@@ -202,7 +202,10 @@ def _frozen_dynamic(handle: PatchHandle, base: dict[str, Any], ctx: dict[str, An
     static strategy's own exporter in the layer's context ``ctx``."""
     t = ctx["original_max_position_embeddings"]
     static, params = handle.strategy_obj.frozen(handle.params, at=at, train_length=t)
-    written = static.export(params, dict(ctx), dict(base), None)
+    written = static.export(params, dict(ctx), dict(base), None) if static.export is not None else None
+    if written is None:
+        raise ExportRefused(f"{handle.strategy_obj.label} frozen at {at} tokens is {static.name}, which transformers "
+                            "rope parameters cannot express")
     return {**{k: v for k, v in base.items() if k not in ("rope_type", "factor")}, **written}
 
 

@@ -405,7 +405,10 @@ class Strategy:
         if set(self.needs) - set(OPTIONAL_CONTEXT) - {"original_max_position_embeddings"}:
             return None
         given = {k: v for k, v in (context or {}).items() if k in OPTIONAL_CONTEXT}
-        rule = self.compute({**given, "original_max_position_embeddings": train_length}, params)
+        try:
+            rule = self.compute({**given, "original_max_position_embeddings": train_length}, params)
+        except InvalidInput:  # the rule's own refusal is the patch's to say; no band is certain
+            return None
         if rule.attention_factor != 1.0 or rule.prefill_extra:
             return None
         return rule.window

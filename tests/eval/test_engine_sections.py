@@ -67,6 +67,20 @@ def test_a_bad_section_is_one_line(raw, extra, message):
         build_config({**raw, **extra}, "x.yaml")
 
 
+def test_a_dumped_search_config_reads_back_under_another_engine(tiny_model_dir, text_file):
+    """A search config dumped with engine: vllm (``engine_options`` at vLLM's defaults) read back with engine:
+    transformers, as ``vllm: {defaults}`` always was (``lenient``)."""
+    raw = {"model": str(tiny_model_dir), "data": str(text_file), "strategy": "yarn", "fixed": {"factor": 2},
+           "search": {"beta_fast": [4, 64]}, "lengths": [64], "budget": 1, "engine": "vllm"}
+    dumped = build_search_config(raw).model_dump(mode="json")
+    assert dumped["engine_options"]["tensor_parallel_size"] == 1
+    back = build_search_config({**dumped, "engine": "transformers"})
+    assert back.engine_options is None
+    with pytest.raises(ConfigError, match=r"engine_options: engine transformers takes no options"):
+        build_search_config({**dumped, "engine": "transformers",
+                             "engine_options": {**dumped["engine_options"], "tensor_parallel_size": 2}})
+
+
 def test_a_search_reads_the_section_too(tiny_model_dir, text_file):
     raw = {"model": str(tiny_model_dir), "data": str(text_file), "strategy": "yarn", "fixed": {"factor": 2},
            "search": {"beta_fast": [4, 64]}, "lengths": [64], "budget": 1, "engine": ToySections.name,

@@ -73,6 +73,17 @@ def test_registered_model_equals_hflm_over_a_model_patched_by_hand(manager, tiny
     assert vanilla != pytest.approx(ours, rel=1e-6)
 
 
+@pytest.mark.parametrize(("strategy", "want"), [("strategy=yarn,factor=3", 96), ("strategy=dca,scale=2", 64),
+                                                ("strategy=dynamic_ntk,factor=2", 32), ("strategy=vanilla", 32)])
+def test_max_length_is_the_reach_of_the_scale_factor(tiny_model_dir, strategy, want):
+    """s × T (T = 32) for a strategy with a scale factor (its ``auto="scale"`` parameter, whatever its name); the
+    model's own window for one without (dynamic NTK's factor is a slope, vanilla has none)."""
+    args = dict(kv.split("=") for kv in strategy.split(","))
+    lm = lmeval.RopescaleLM(pretrained=str(tiny_model_dir), device="cpu", **{k: (float(v) if k != "strategy" else v)
+                                                                           for k, v in args.items()})
+    assert lm.max_length == want
+
+
 def test_bad_strategy_parameter_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match="yarn: parameter factor=0.5 is out of range"):
         lmeval.RopescaleLM(pretrained=str(tiny_model_dir), strategy="yarn", factor=0.5)

@@ -330,6 +330,28 @@ def test_freeze_dynamic_at_with_the_transformers_target_names_the_static_strateg
     assert not torch.allclose(ropescale_rope(dynamic, 63).inv_freq, ropescale_rope(ntk, 63).inv_freq, rtol=1e-6)
 
 
+def test_a_plugin_freeze_hook_whose_static_form_transformers_cannot_write_is_one_line(loaded, tmp_path):
+    """A dynamic plugin strategy frozen into a static strategy without an exporter (π/(2·n_max)) is refused in one
+    line naming both, before any file is written, not a TypeError from deep in the plan."""
+    from ropescale.strategies import REGISTRY, register
+    from ropescale.strategies.frequency import vanilla
+
+    @register("frozen_noexport_test", source="test", served="freeze",
+              export=lambda params, context, base, mpe: {"rope_type": "dynamic", "factor": 2.0},
+              freeze=lambda params, at, t: ("pi_over_2n", {"n_max": float(at)}))
+    def dyn(dim, rope_theta, seq_len):
+        return vanilla(dim, rope_theta)
+
+    try:
+        model, tok = loaded("frozen_noexport_test")
+        with pytest.raises(ExportRefused, match=r"^strategy 'frozen_noexport_test' \(module .*\) frozen at 64 tokens "
+                                                r"is pi_over_2n, which transformers rope parameters cannot express$"):
+            export_for(model, "vllm", 128, tmp_path / "x", tokenizer=tok, freeze_dynamic_at=64)
+        assert not (tmp_path / "x").exists()
+    finally:
+        REGISTRY.pop("frozen_noexport_test", None)
+
+
 @pytest.mark.parametrize("target", ["transformers", "vllm"])
 def test_a_gguf_given_to_a_folder_target_is_refused(run, tmp_path, tiny_model_dir, base_gguf, target):
     out = tmp_path / "x"

@@ -140,17 +140,33 @@ class GeneratedTask(GreedyTask):
 
     Options = GeneratedOptions
     engine_asks = frozenset({"generate", "logprobs"})
-    objective_term = True  # a search can minimise the NLL of each sample's gold answer (``gold_text``)
     generator: ClassVar[str]  # the generator's version, in the cache key: a change of format gets new entries
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        # a search can minimise the NLL of each sample's gold answer where the task writes it (``gold_text``)
+        cls.objective_term = cls.gold_text is not GeneratedTask.gold_text
+
+    @classmethod
+    def objective_options(cls, examples: int) -> dict[str, Any]:
+        """``num_samples`` = ``examples``."""
+        return {"num_samples": examples}
 
     def gold_text(self, sample: RulerSample) -> str:
         """The text a correct answer continues the sample's prompt with (the metric's reading of it scores 1)."""
         raise NotImplementedError
 
     def gold_answers(self, examples: list[RulerExample]) -> list[tuple[list[int], list[int]]]:
-        """Each example's prompt ids and its ``gold_text`` tokenized without special tokens."""
-        return [(list(ex.ids), self.tokenizer(self.gold_text(ex.sample), add_special_tokens=False)["input_ids"])
-                for ex in examples]
+        """Each example's prompt ids and its ``gold_text``'s tokens as they continue the prompt: the prompt and the
+        answer encoded together, cut at the prompt's tokens (lm-eval's split; a SentencePiece tokenizer would
+        add a word-start marker to the answer encoded alone), else the answer alone where the two merge."""
+        out = []
+        for ex in examples:
+            gold, ids = self.gold_text(ex.sample), list(ex.ids)
+            whole = self.input_ids(ex.sample.prompt + gold)
+            apart = whole[len(ids):] if whole[:len(ids)] == ids and len(whole) > len(ids) else None
+            out.append((ids, apart or self.tokenizer(gold, add_special_tokens=False)["input_ids"]))
+        return out
 
     @property
     def budget(self) -> int:

@@ -18,8 +18,7 @@ from eval.search.config import TERM_SEED, build_search_config
 from eval.search.run import run_search
 from ropescale.runs.config import ConfigError
 
-PASSKEY = {"task": "passkey", "weight": 0.5, "trials": 3,
-           "options": {"depths": [0.0, 0.5, 1.0], "trials": 1, "candidates": 2, "seed": 7919}}
+PASSKEY = {"task": "passkey", "weight": 0.5, "trials": 3}  # its defaults: depths 0, ½, 1, one key each, seed 7919
 GRAPHWALKS = {"task": "graphwalks", "weight": 0.25, "trials": 2, "options": {"tokens_to_generate": 16,
                                                                               "cache": False}}
 
@@ -120,6 +119,25 @@ def test_a_term_whose_examples_cannot_fit_is_one_line_before_the_folder(tmp_path
     with pytest.raises(ConfigError, match=r"^tasks: graphwalks: graphwalks at 64 tokens: no example fits"):
         run_search(build_search_config({**raw, "tasks": [GRAPHWALKS]}), tmp_path / "s", progress=False)
     assert not (tmp_path / "s" / "trials.csv").exists()
+
+
+def test_one_term_per_task(raw):
+    with pytest.raises(ConfigError, match=r"tasks: .*task passkey is given twice: one term per task"):
+        build_search_config({**raw, "tasks": [PASSKEY, {**PASSKEY, "weight": 1}]}, "s.yaml")
+
+
+def test_a_plugin_generation_task_without_gold_text_is_no_term():
+    from eval.tasks.base import TASKS
+    from eval.tasks.synthetic.base import GeneratedTask
+
+    class NoGold(GeneratedTask):
+        name = "no-gold-test"
+        metrics = ()
+
+    try:
+        assert NoGold.objective_term is False and TASKS.lookup("graphwalks").objective_term is True
+    finally:
+        TASKS.pop("no-gold-test", None)
 
 
 def test_a_term_defaults_to_its_own_seed_and_enters_the_identity(raw):
