@@ -3,7 +3,7 @@
 the same names, the same check that each is installed, before anything is written).
 
 Per complete trial, at step = its index (``trials.csv``'s ``trial``): ``objective``, ``constraint``,
-``ppl@L`` per target length, ``ppl_train``, ``retrieval_nll`` / ``needle_nll`` when measured,
+``ppl@L`` per target length, ``ppl_train``, ``retrieval_nll`` / ``needle_nll`` / ``nll@<task>`` when measured,
 ``seconds`` and every sampled parameter as ``param/<name>``; a refused or failed trial has no
 numbers and is not sent. The trackers' run is named after the search folder, with the search's
 identity as its settings. The evolution (method ``evolution``) sends its evaluations' objective
@@ -26,7 +26,7 @@ def trial_numbers(attrs: dict[str, Any], params: dict[str, Any]) -> dict[str, fl
     """The scalars of one complete trial (its Optuna user attributes and sampled parameters)."""
     keys = ("objective", "constraint", "ppl_train", "kl_train", "retrieval_nll", "needle_nll", "seconds", "parity")
     out = {k: attrs[k] for k in keys if isinstance(attrs.get(k), (int, float))}
-    out |= {k: v for k, v in attrs.items() if k.startswith("ppl@") and isinstance(v, (int, float))}
+    out |= {k: v for k, v in attrs.items() if k.startswith(("ppl@", "nll@")) and isinstance(v, (int, float))}
     out |= {f"param/{k}": v for k, v in params.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return {k: float(v) for k, v in out.items() if math.isfinite(float(v))}
 

@@ -146,3 +146,11 @@ def test_a_term_defaults_to_its_own_seed_and_enters_the_identity(raw):
     assert opts.seed == TERM_SEED != type(opts)().seed and opts.num_samples == 3
     assert cfg.identity()["tasks"][0]["task"] == "graphwalks"
     assert "tasks" not in build_search_config(raw).identity()  # earlier studies keep their identity
+
+
+def test_a_terms_nll_reaches_the_trackers():
+    from eval.search.trackers import trial_numbers
+
+    got = trial_numbers({"objective": 1.5, "ppl@64": 3.0, "nll@graphwalks": 2.25, "nll@passkey": float("nan"),
+                         "spec": {"factor": 2}}, {"beta_fast": 4.0, "truncate": True})
+    assert got == {"objective": 1.5, "ppl@64": 3.0, "nll@graphwalks": 2.25, "param/beta_fast": 4.0}
