@@ -219,6 +219,12 @@ def _length_list(ctx, param, values):
     return out
 
 
+def _given_lengths(ctx, param, values):
+    """``--lengths`` of an experiment command: every occurrence joined (a second ``--lengths`` took the place
+    of the first, silently), None when not given (the config's lengths)."""
+    return _length_list(ctx, param, values) or None
+
+
 def _common_options(fn):
     """Options every experiment command takes (config file, overrides, model, strategies, ...)."""
     for opt in reversed([
@@ -230,7 +236,8 @@ def _common_options(fn):
         click.option("--data", help="kjv-heldout, a local file/folder, or a hub dataset id"),
         click.option("--strategy", "strategy_specs", multiple=True, metavar="NAME[:k=v,...]",
                      help="repeatable; e.g. yarn:beta_fast=16"),
-        click.option("--lengths", callback=_lengths, help="comma-separated lengths in tokens, e.g. 128,256,512"),
+        click.option("--lengths", multiple=True, callback=_given_lengths,
+                     help="comma-separated lengths in tokens, e.g. 128,256,512; repeatable"),
         click.option("--device", help="auto, cpu, cuda, cuda:1 ..."),
         click.option("--device-map", help="auto: spread a model larger than one GPU over this node's devices"),
         click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),

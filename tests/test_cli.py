@@ -37,6 +37,15 @@ def test_sweep_from_flags(run, tmp_path, tiny_model_dir, text_file):
         ("vanilla", 32), ("linear:factor=2", 32), ("vanilla", 64), ("linear:factor=2", 64)]
 
 
+def test_lengths_given_twice_are_both_run(run, tmp_path, tiny_model_dir, text_file):
+    """``--lengths 32 --lengths 64`` ran 64 only (click kept the last); every occurrence counts, as ``--strategy``'s."""
+    res = run("sweep", "--model", tiny_model_dir, "--data", text_file, "--strategy", "vanilla", "--lengths", "32",
+              "--lengths", "64", "--max-windows", "2", "--device", "cpu", "-q", "-o", tmp_path)
+    assert res.exit_code == 0, res.output
+    recs = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["length"] for r in recs] == [32, 64]
+
+
 def test_sweep_from_yaml_with_set(run, tmp_path, tiny_model_dir, text_file):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"model: {tiny_model_dir}\ndata: {text_file}\nlengths: [32]\n"
