@@ -310,7 +310,7 @@ def oracle(q, k, v, q_pos, k_pos, rule, inv, scaling, grad, *, keep=None, block:
     rows, each against the keys up to its last row's slot, with the gradients of q, k, v for the
     output gradient ``grad``: (out, dq, dk, dv). Query row t is key slot s_k − s_q + t, as in every
     path."""
-    from ropescale.attention.truncated import naive_attention
+    from ropescale.attention.relative import naive_attention
 
     q, k, v, grad = (x.detach().float() for x in (q, k, v, grad))
     s_q, s_k = q.shape[2], k.shape[2]

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from bench import gpu_check
-from ropescale.attention.truncated import naive_attention
-from ropescale.strategies.truncation import dca, rerope
+from ropescale.attention.relative import naive_attention
+from ropescale.strategies.relative import dca, rerope
 
 INV = 1.0 / (10000 ** (torch.arange(0, 12, 2, dtype=torch.float64) / 12))  # 12 of 16 channels rotate
 

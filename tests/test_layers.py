@@ -118,7 +118,7 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
     {"attention": ("ropescale.attention",)},
     {"model side": ("ropescale.rotary",)},
     {"patching": ("ropescale.patching",)},
-    {"save and load": ("ropescale.export", "ropescale.models", "ropescale.pip_models")},
+    {"save and load": ("ropescale.models", "ropescale.pip_models")},
     {"runs": ("ropescale.runs",)},
     {"training": ("ropescale.training",), "serving": ("ropescale.serving",)},
     {"package face": ("ropescale$",)},

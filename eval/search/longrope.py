@@ -26,7 +26,7 @@ from ropescale.runs.config import ConfigError
 from ropescale.runs.lifecycle import RunInputs
 from ropescale.runs.plotting import pyplot, save_figure
 from ropescale.runs.processes import process_state
-from ropescale.runs.protocol import RunFolder, execute_run
+from ropescale.runs.protocol import RunFolder
 
 from .config import SearchConfig
 from .objective import SearchRun, check_engine
@@ -45,19 +45,9 @@ from .report import (
 from .trackers import SearchTrackers, trial_numbers
 from .tuner import PENALTY, SearchFailed
 
-__all__ = ["FACTORS_PLOT", "JOURNAL", "EvolutionSearch", "run_longrope_search"]
+__all__ = ["FACTORS_PLOT", "JOURNAL", "EvolutionSearch"]
 
 JOURNAL, FACTORS_PLOT = "evolution.jsonl", "factors.png"
-
-
-def run_longrope_search(cfg: SearchConfig, output: Path, *, progress: bool = True) -> dict:
-    """Run (or resume) the evolutionary search of ``cfg`` (strategy longrope) into ``output``;
-    returns the ``best.json`` mapping. ``cfg.budget`` caps the evaluations.
-
-    The model and data are loaded and checked before the manifest is written (a model without RoPE,
-    data too short: one line, nothing left behind). Raises ``SearchFailed`` when no evaluation gave
-    a finite value."""
-    return execute_run(EvolutionSearch(cfg, progress=progress), output)
 
 
 class EvolutionSearch(SearchRun):

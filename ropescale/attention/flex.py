@@ -1,7 +1,7 @@
 """Relative-position-rule attention as one FlexAttention call per region, merged by log-sum-exp:
 the GPU path.
 
-A rule (``ropescale.strategies.truncation``) is a list of regions partitioning the causal
+A rule (``ropescale.strategies.relative``) is a list of regions partitioning the causal
 triangle — by slot distance lo ≤ i − j < hi (ReRoPE, Leaky, SelfExtend, STRING) or by chunk
 distance lo ≤ ⌊p_i/c⌋ − ⌊p_j/c⌋ < hi (Dual Chunk Attention; p = slot + the row's offset, read
 inside the mask from a ``[b]`` tensor: no host wait) — with queries rotated to q_at(i) and keys
@@ -57,8 +57,8 @@ from functools import cache, lru_cache
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
-from ropescale.attention.truncated import blocked_attention, fused_attention, rotate, slot_offsets
-from ropescale.strategies.truncation import Region, RelativeRule
+from ropescale.attention.relative import blocked_attention, fused_attention, rotate, slot_offsets
+from ropescale.strategies.relative import Region, RelativeRule
 
 __all__ = ["NO_FLEX_BACKWARD", "BlockMaskCache", "flex_attention_path", "region_block_masks"]
 

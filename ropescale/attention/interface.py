@@ -25,7 +25,7 @@ the context grows past the training window. Positions inside the window are unto
 Relative-position rules need q and k *un-rotated*: ``patch`` swaps the rotary module for
 ``IdentityRotary`` (cos = 1, sin = 0, so the model's own ``apply_rotary_pos_emb`` is a no-op and
 the KV cache holds un-rotated keys) and ``ropescale_truncation`` rotates them itself, per region
-(``ropescale.attention.truncated``). Query positions come from ``position_ids``; key positions
+(``ropescale.attention.relative``). Query positions come from ``position_ids``; key positions
 from slot order (the last key is the last query), which also holds with left padding and a
 (sliding-window) cache.
 """
@@ -43,9 +43,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils.generic import is_flash_attention_requested
 
 from ropescale.attention.flex import BlockMaskCache, flex_attention_path
-from ropescale.attention.truncated import blocked_attention, fused_attention, fused_route, naive_attention
+from ropescale.attention.relative import blocked_attention, fused_attention, fused_route, naive_attention
 from ropescale.errors import InvalidInput, RopescaleError
-from ropescale.strategies.truncation import RelativeRule
+from ropescale.strategies.relative import RelativeRule
 from ropescale.temperature import Temperature
 
 __all__ = [

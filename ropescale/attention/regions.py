@@ -1,6 +1,6 @@
 """Relative-position rules as k fused kernel regions, merged by log-sum-exp; with backward.
 
-A rule (``ropescale.strategies.truncation``) is a list of regions partitioning the causal
+A rule (``ropescale.strategies.relative``) is a list of regions partitioning the causal
 triangle; in region r the queries are rotated to q_at_r(i) and the keys to k_at_r(j). Each region
 is cut into a few *calls* of PyTorch's fused CPU flash kernel
 (``aten._scaled_dot_product_flash_attention_for_cpu``), each an ordinary attention over a
@@ -20,7 +20,7 @@ Calls by region shape (every decision from Python integers, so the host never wa
   in one call with chunks as the kernel's batch (keys a strided view, one shared mask), partial
   chunks apart; an unbounded one as a causal attention shifted by lo·c plus the staircase of
   chunk m − lo — ``chunk_calls``; o is a Python integer per batch row, so rows with different
-  left padding are planned apart (``ropescale.attention.truncated``);
+  left padding are planned apart (``ropescale.attention.relative``);
 * a sliding window W bounds distance regions (hi ← min(hi, W)).
 
 ReRoPE / Leaky ReRoPE / SelfExtend / STRING are two distance regions (near band, far causal):

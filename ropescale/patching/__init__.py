@@ -65,9 +65,7 @@ def patch(model: nn.Module, strategy: str, **keywords: Any) -> PatchHandle:
             lists each strategy's): every keyword not naming an option is one.
 
     Keyword Args:
-        original_max_position_embeddings (int | dict[str, int] | None): training window T [tokens], or one per
-            layer type (``{"full_attention": 32768, "sliding_attention": 4096}``: what a saved patch records where
-            its layer types' windows differ); default from config.
+        original_max_position_embeddings (int | dict[str, int] | None): T [tokens], or T per layer type; default config.
         layer_types (list[str] | None): for per-layer-type rotary modules (Gemma 3), which types to patch; default
             all but sliding-window types. The others keep the model's own frequencies.
         dynamic_cache (str): dynamic strategies under a KV cache: ``"recompute"`` (exact; re-runs the

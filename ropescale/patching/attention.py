@@ -48,7 +48,7 @@ def patch_attention(handle: PatchHandle, strat: Strategy, found: list[tuple[str,
             entries = {lt: FrequencyEntry(torch.zeros_like(getattr(module, inv_freq_name(lt))),
                                           attention_scaling_of(module, lt)) for lt in layer_types_of(module)}
             handle.keep(FrequencyPatch(module, entries))
-        handle.undo_with(quirks.apply_overrides("patch", model, handle, strat))
+        handle.undo_with(quirks.apply_quirk_overrides("patch", model, handle, strat))
         _apply_rule(handle, rule, by_module, [m for _, m in found], modules, options)
     except Exception:
         handle.unpatch()

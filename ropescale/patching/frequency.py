@@ -44,13 +44,13 @@ def patch_frequencies(handle: PatchHandle, strat: Strategy, found: list[tuple[st
             chosen = _chosen_layer_types(handle.model, module, options.layer_types)
             _patch_module(handle, strat, (name, module), chosen, options)
             for lt in chosen:  # a family's own softmax scale under the shipped rope (quirks: DeepSeek's mscale²)
-                handle.undo_with(quirks.apply_overrides("site", handle.model, handle, strat, RotarySite(name, lt),
+                handle.undo_with(quirks.apply_quirk_overrides("site", handle.model, handle, strat, RotarySite(name, lt),
                                                         modules))
             patched += [lt for lt in chosen if lt not in patched]
         handle.layer_types = patched
         if patched:
             handle.context = handle.contexts[primary_layer_type(patched)]
-        handle.undo_with(quirks.apply_overrides("patch", handle.model, handle, strat))  # shipped temperatures (β)
+        handle.undo_with(quirks.apply_quirk_overrides("patch", handle.model, handle, strat))  # shipped temperatures (β)
         _watch_dynamic(handle, found, modules, options)
         if options.logn:
             from ropescale.attention import enable_logn

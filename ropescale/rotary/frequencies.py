@@ -22,7 +22,7 @@ from torch import nn
 from ropescale.errors import InvalidInput
 from ropescale.rotary.cache import CacheWatch, rerotate_cache
 from ropescale.rotary.modules import attention_scaling_name, attention_scaling_of, inv_freq_name
-from ropescale.rotary.quirks import apply_overrides
+from ropescale.rotary.quirks import apply_quirk_overrides
 from ropescale.rotary.sites import LayerRope
 from ropescale.strategies import Strategy
 
@@ -182,7 +182,7 @@ class FrequencyPatch:
             self._saved.append(("rope_type", rt, False))
             m.rope_type = {k: "default" if k in self.entries else v for k, v in rt.items()} \
                 if isinstance(rt, dict) else "default"
-        self._overrides = apply_overrides("frequencies", m, self.entries)  # a family's own (ropescale.rotary.quirks)
+        self._overrides = apply_quirk_overrides("frequencies", m, self.entries)  # a family's own (rotary.quirks)
         for lt, e in self.entries.items():
             self._set(lt, e)
         if self.dynamic:

@@ -42,7 +42,7 @@ from ropescale.rotary.modules import (
 from ropescale.rotary.sites import LayerRope, RotarySite
 from ropescale.temperature import NATIVE
 
-__all__ = ["PROBE_CONTRACTS", "QUIRKS", "STAGES", "ProbeContract", "Quirk", "apply_overrides", "ignores_buffers",
+__all__ = ["PROBE_CONTRACTS", "QUIRKS", "STAGES", "ProbeContract", "Quirk", "apply_quirk_overrides", "ignores_buffers",
            "model_softmax_scale", "native_softmax_scale", "refuse"]
 
 STAGES = ("unrotated", "modules", "layers", "frequencies", "site", "patch")
@@ -304,7 +304,7 @@ def refuse(stage: str, *args: Any, error: type[Exception] = NoRotaryEmbeddingErr
             raise error(message)
 
 
-def apply_overrides(stage: str, *args: Any) -> list[Callable[[], None]]:
+def apply_quirk_overrides(stage: str, *args: Any) -> list[Callable[[], None]]:
     """Apply every override row of ``stage`` to ``args``; their restore callables, in application order."""
     return [r for quirk in _rows(stage) if (r := quirk.run(*args)) is not None]
 

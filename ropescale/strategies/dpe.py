@@ -29,7 +29,7 @@ import torch
 
 from ropescale.errors import InvalidInput
 from ropescale.strategies.registry import Param, register
-from ropescale.strategies.truncation import Region, RelativeRule
+from ropescale.strategies.relative import Region, RelativeRule
 
 __all__ = ["DPE_PRESETS", "dpe", "dpe_scales"]
 

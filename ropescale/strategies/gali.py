@@ -40,7 +40,7 @@ import torch
 
 from ropescale.errors import InvalidInput
 from ropescale.strategies.registry import Param, register
-from ropescale.strategies.truncation import Blend, Region, RelativeRule
+from ropescale.strategies.relative import Blend, Region, RelativeRule
 
 __all__ = ["gali", "gali_layout", "gali_positions"]
 

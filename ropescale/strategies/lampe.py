@@ -38,7 +38,7 @@ import torch
 
 from ropescale.errors import InvalidInput
 from ropescale.strategies.registry import Param, register
-from ropescale.strategies.truncation import Region, RelativeRule
+from ropescale.strategies.relative import Region, RelativeRule
 
 __all__ = ["LAMPE_FITS", "lampe", "lampe_bounds", "lampe_use_length"]
 

@@ -12,13 +12,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from ropescale.compat import peft_wrapping
 from ropescale.models import save_adapter, save_patched
 from ropescale.patching import current_patch
-from ropescale.runs.config import ConfigError
-from ropescale.training.recipes import RecipeOptions
+from ropescale.runs.config import ConfigError, ConfigModel
 
 __all__ = ["DEFAULT_LORA_TARGETS", "LoraSettings", "apply_lora", "check_lora", "embedding_and_norm_modules",
            "lora_targets", "save_trained"]
@@ -27,7 +26,7 @@ __all__ = ["DEFAULT_LORA_TARGETS", "LoraSettings", "apply_lora", "check_lora", "
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-class LoraSettings(RecipeOptions):
+class LoraSettings(ConfigModel):
     """LoRA (Hu et al. 2021, arXiv:2106.09685) through PEFT: the base weights stay frozen and
     each targeted linear layer W gains W + (alpha / r) · B A with A ``[r, in]``, B ``[out, r]``
     (B starts at zero, so training starts from the base model's outputs).
@@ -38,6 +37,9 @@ class LoraSettings(RecipeOptions):
     with the adapter. ``save``: ``merged`` (LoRA merged into the weights, a plain patched model)
     or ``adapter`` (PEFT adapter folder + patch record + tokenizer; ``ropescale.load_model``
     loads the base model named in it, applies the adapter and re-applies the patch)."""
+
+    # a recipe's options as RecipeOptions declares them (training.recipes imports this module, not the reverse)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     r: int = Field(8, ge=1, description="rank of the update B A")
     alpha: float = Field(16.0, gt=0, description="the update is scaled by alpha / r")

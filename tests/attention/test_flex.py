@@ -16,10 +16,10 @@ from transformers import DynamicCache
 
 import ropescale
 from ropescale.attention import flex as flex_regions
-from ropescale.attention import truncated as truncated_attention
+from ropescale.attention import relative as truncated_attention
 from ropescale.attention.flex import BlockMaskCache, flex_attention_path, region_block_masks
-from ropescale.attention.truncated import fused_attention, fused_route, naive_attention
-from ropescale.strategies.truncation import dca, leaky_rerope, rerope, self_extend, string
+from ropescale.attention.relative import fused_attention, fused_route, naive_attention
+from ropescale.strategies.relative import dca, leaky_rerope, rerope, self_extend, string
 from tests.conftest import with_cache
 from tests.families import family_model
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from ropescale.rotary import find_rotary_modules
 from ropescale.rotary.modules import NoRotaryEmbeddingError
-from ropescale.rotary.quirks import PROBE_CONTRACTS, QUIRKS, STAGES, apply_overrides, ignores_buffers, refuse
+from ropescale.rotary.quirks import PROBE_CONTRACTS, QUIRKS, STAGES, apply_quirk_overrides, ignores_buffers, refuse
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -105,8 +105,8 @@ def test_a_module_recomputing_through_rope_init_fn_reads_the_buffers_while_patch
     module.rope_init_fn = lambda *a, **k: shipped
     module.config = SimpleNamespace(rope_parameters={"rope_type": "longrope"})
     original = module.rope_init_fn
-    assert apply_overrides("frequencies", module, {}) == []
-    restores = apply_overrides("frequencies", module, {None: object()})
+    assert apply_quirk_overrides("frequencies", module, {}) == []
+    restores = apply_quirk_overrides("frequencies", module, {None: object()})
     module.inv_freq = torch.tensor([3.0, 4.0])
     inv_freq, scaling = module.rope_init_fn(module.config)
     assert torch.equal(inv_freq, torch.tensor([3.0, 4.0])) and scaling == 1.0

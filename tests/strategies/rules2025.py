@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ropescale
-from ropescale.attention.truncated import blocked_attention, fused_attention, naive_attention
+from ropescale.attention.relative import blocked_attention, fused_attention, naive_attention
 from tests.data.authors import tiny
 
 AUTHORS = Path(__file__).resolve().parents[1] / "data" / "authors"

@@ -11,7 +11,7 @@ from ropescale.errors import InvalidInput
 from ropescale.patching import find_rotary_modules, rope_context
 from ropescale.strategies import get_strategy
 from tests.families import COMMON, FAMILIES
-from tests.strategies.test_truncation import dca_pair
+from tests.strategies.test_relative import dca_pair
 
 T = COMMON["max_position_embeddings"]  # 64: ChunkLlama's defaults would be chunk_size 48, local_window 8
 SHIPPED = {"chunk_size": 20, "local_size": 4, "original_max_position_embeddings": T}

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 import ropescale
 from ropescale.strategies import get_strategy
 from ropescale.strategies.dpe import DPE_PRESETS, dpe
-from ropescale.strategies.truncation import pair_groups, self_extend
+from ropescale.strategies.relative import pair_groups, self_extend
 from tests.conftest import with_cache
 from tests.strategies.rules2025 import (
     assert_fused_grads_equal_naive,

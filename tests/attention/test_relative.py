@@ -22,12 +22,12 @@ from transformers import DynamicCache
 import ropescale
 from ropescale.attention import AttentionNotPluggableError, logn_factor
 from ropescale.attention.flex import flex_attention_path
-from ropescale.attention.truncated import _Rotations, blocked_attention, fused_attention, naive_attention
+from ropescale.attention.relative import _Rotations, blocked_attention, fused_attention, naive_attention
 from ropescale.strategies import get_strategy
-from ropescale.strategies.truncation import dca, leaky_rerope, rerope, self_extend, string
+from ropescale.strategies.relative import dca, leaky_rerope, rerope, self_extend, string
 from tests.conftest import with_cache
 from tests.families import family_model
-from tests.strategies.test_truncation import dca_pair, string_pair
+from tests.strategies.test_relative import dca_pair, string_pair
 
 IDS = torch.randint(0, 256, (2, 100), generator=torch.Generator().manual_seed(5))
 RULES = [("rerope", {"window": 8}), ("rerope", {"window": 40}), ("leaky_rerope", {"window": 16, "k": 4.0}),

@@ -1,4 +1,4 @@
-"""Exact attention under a relative-position rule (``ropescale.strategies.truncation``), three ways.
+"""Exact attention under a relative-position rule (``ropescale.strategies.relative``), three ways.
 
 All take *un-rotated* queries ``q`` ``[b, n_h, s_q, h_d]`` and keys/values ``k``, ``v``
 ``[b, n_kv, s_k, h_d]`` (n_h a multiple of n_kv: grouped-query attention), float positions
@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from ropescale.attention.regions import RegionAttention, RegionPlan, band_calls, causal_calls, chunk_calls, near_block
-from ropescale.strategies.truncation import Blend, Region, RelativeRule, pair_groups, per_pair
+from ropescale.strategies.relative import Blend, Region, RelativeRule, pair_groups, per_pair
 
 __all__ = ["blocked_attention", "fused_attention", "fused_route", "naive_attention", "rotate", "slot_offsets"]
 

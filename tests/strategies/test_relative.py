@@ -9,7 +9,7 @@ import torch
 
 import ropescale
 from ropescale.strategies import get_strategy
-from ropescale.strategies.truncation import dca, leaky_rerope, rerope, self_extend, string
+from ropescale.strategies.relative import dca, leaky_rerope, rerope, self_extend, string
 from tests.families import family_model
 
 POS = torch.arange(40).float()[None]
