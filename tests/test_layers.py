@@ -308,6 +308,14 @@ def test_the_private_crossing_check_sees_one(tmp_path):
         "eval.a:1 from eval.x import _hidden", "eval.a:3 y._inner"]
 
 
+def _outside_strategies(sources: dict[str, Path] | None):
+    """``(module name, ast node)`` of every node of ``sources`` (default: the project's) outside
+    ``ropescale/strategies/``, module by module in name order."""
+    for name, path in sorted((_sources() if sources is None else sources).items()):
+        if not name.startswith("ropescale.strategies"):
+            yield from ((name, node) for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))))
+
+
 def name_literal_branches(sources: dict[str, Path] | None = None, names: set[str] | None = None) -> list[str]:
     """Every comparison outside ``ropescale/strategies/`` of a value with a registered strategy's name: behaviour
     chosen by a strategy's name instead of a capability it declares at ``register(...)``. A comparison of a
@@ -315,20 +323,16 @@ def name_literal_branches(sources: dict[str, Path] | None = None, names: set[str
     shares names such as ``yarn``) is not one."""
     from ropescale.strategies import strategy_names
 
-    sources = _sources() if sources is None else sources
     names = set(strategy_names()) if names is None else names
     bad = []
-    for name, path in sorted(sources.items()):
-        if name.startswith("ropescale.strategies"):
+    for name, node in _outside_strategies(sources):
+        if not isinstance(node, ast.Compare):
             continue
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if not isinstance(node, ast.Compare):
-                continue
-            operands = [node.left, *node.comparators]
-            consts = [c for o in operands for c in (o.elts if isinstance(o, ast.Tuple | ast.List | ast.Set) else [o])
-                      if isinstance(c, ast.Constant) and c.value in names]
-            if consts and not any(w in ast.unparse(o) for o in operands for w in ("kind", "rope_type")):
-                bad.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+        operands = [node.left, *node.comparators]
+        consts = [c for o in operands for c in (o.elts if isinstance(o, ast.Tuple | ast.List | ast.Set) else [o])
+                  if isinstance(c, ast.Constant) and c.value in names]
+        if consts and not any(w in ast.unparse(o) for o in operands for w in ("kind", "rope_type")):
+            bad.append(f"{name}:{node.lineno} {ast.unparse(node)}")
     return bad
 
 
@@ -355,23 +359,19 @@ def param_name_reads(sources: dict[str, Path] | None = None, names: set[str] | N
     whose window is ``local_window`` (STRING) is read right."""
     from ropescale.strategies import REGISTRY
 
-    sources = _sources() if sources is None else sources
     names = {p.name for s in REGISTRY.values() for p in s.params} if names is None else names
     bad = []
-    for name, path in sorted(sources.items()):
-        if name.startswith("ropescale.strategies"):
+    for name, node in _outside_strategies(sources):
+        if isinstance(node, ast.Subscript):
+            target, key = node.value, node.slice
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            target, key = node.func.value, (node.args or [None])[0]
+        elif isinstance(node, ast.Compare) and isinstance(node.ops[0], ast.In | ast.NotIn):
+            target, key = node.comparators[0], node.left
+        else:
             continue
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Subscript):
-                target, key = node.value, node.slice
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
-                target, key = node.func.value, (node.args or [None])[0]
-            elif isinstance(node, ast.Compare) and isinstance(node.ops[0], ast.In | ast.NotIn):
-                target, key = node.comparators[0], node.left
-            else:
-                continue
-            if isinstance(key, ast.Constant) and key.value in names and "params" in ast.unparse(target):
-                bad.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+        if isinstance(key, ast.Constant) and key.value in names and "params" in ast.unparse(target):
+            bad.append(f"{name}:{node.lineno} {ast.unparse(node)}")
     return bad
 
 
