@@ -333,6 +333,26 @@ def _selected(module, keep, kwargs: dict, query: torch.Tensor, s_k: int):
     return keep
 
 
+def _whole(x, rows: bool, cols: bool):
+    """A call of one piece keeps its tensors (the same objects, which the FlexAttention mask cache recognises
+    across layers)."""
+    return x
+
+
+def _piece(a: int, e: int, n_k: int):
+    """Cut a tensor to queries [a, e) (``rows``: its dim −2 holds queries, or dim 2 for ``[b, n, s, h]`` q/k/v, or
+    dim −1 for ``[b, s]`` positions) and keys [0, n_k) (``cols``); None and single-row masks pass through."""
+    def cut(x, rows: bool, cols: bool):
+        if x is None:
+            return None
+        if x.dim() == 2:  # positions [b, s]: query positions, or key positions
+            return x[:, a:e] if rows else x[:, :n_k]
+        if x.dim() == 4 and rows and cols:  # a keep-mask [b, n, s_q | 1, s_k]
+            return (x if x.shape[-2] == 1 else x[..., a:e, :])[..., :n_k]
+        return x[:, :, a:e] if rows else x[:, :, :n_k]  # q [b, n_h, s_q, h] or k, v [b, n_kv, s_k, h]
+    return cut
+
+
 def _truncation_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                           softcap=None, sliding_window=None, **kwargs):
     state = getattr(module, _TRUNCATION_ATTR)
@@ -377,14 +397,20 @@ def _truncation_attention(module, query, key, value, attention_mask, scaling=Non
         pad = lambda x: torch.nn.functional.pad(x, (0, width - x.shape[-1])) if x.shape[-1] < width else x
         query, key, value = pad(query), pad(key), pad(value)
     fn = _PATHS[state.path]
-    # the paths that may run FlexAttention: the model's mask cache, and the tensor chunk masks follow
-    extra = {"masks": state.masks, "positions": position_ids} if state.path in ("fused", "flex") else {}
-    out = fn(query, key, value, q_pos, k_pos, state.rule, inv_freq.to(query.device), state.rule.attention_factor,
-             keep=keep if state.full_masks else _key_padding(keep),
-             scale=scaling or info.head_dim ** -0.5,
-             softcap=softcap,
-             sliding_window=sliding_window, interleaved=info.interleaved, dropout=dropout, block=state.block,
-             sinks=kwargs.get("s_aux"), **extra)
+    keep = keep if state.full_masks else _key_padding(keep)
+    s_q, outs = query.shape[2], []
+    for a, e, rule in state.rule.split(s_q, s_k):  # one piece unless the map grows with the keys seen (GALI)
+        n_k = s_k - s_q + e  # the piece's keys: slots [0, n_k)
+        piece = _whole if (a, e) == (0, s_q) else _piece(a, e, n_k)
+        extra = {"masks": state.masks, "positions": piece(position_ids, True, False)} \
+            if state.path in ("fused", "flex") else {}
+        outs.append(fn(piece(query, True, False), piece(key, False, True), piece(value, False, True),
+                       piece(q_pos, True, False), piece(k_pos, False, True), rule,
+                       inv_freq.to(query.device), rule.attention_factor, keep=piece(keep, True, True),
+                       scale=scaling or info.head_dim ** -0.5, softcap=softcap, sliding_window=sliding_window,
+                       interleaved=info.interleaved, dropout=dropout, block=state.block,
+                       sinks=kwargs.get("s_aux"), **extra))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)  # [b, n_h, s_q, h]
     out = out[..., :v_dim]
     return out.transpose(1, 2).contiguous(), None  # [b, s_q, n_h, h_v]
 

@@ -24,23 +24,25 @@ Interpolation" (GALI), arXiv:2502.02659; reference code github.com/AcademyCityL/
 ``models/DPI/help_funcs.py::construct_new_pi`` and ``models/DPI/patches/Llama.py::
 attention_score_approximate`` @ 5a3e947; defaults local window 128, chunk 3000 (their README; ropescale's
 local window is min(128, T // 2), so that a short-window model keeps room to interpolate).
-Departures, named: one map f_N for every query of an N-token forward (their ``attention_score_approximate``
-on N tokens with ``construct_new_pi``'s positions); their ``dpi_sample`` prefills the first T tokens
-with plain RoPE and the rest in chunks of 3000, each chunk's queries with the map of the length it
-ends at, and re-builds the map for every decoded token, while ropescale keeps f_N past N (unit spacing),
-so a KV cache gives what one forward gives. Their optional Gaussian logit noise (std (i − j)/N,
-unseeded) is not implemented.
+Prefill (``chunk``, their ``dpi_sample`` with ``chunk_coe``): the first T tokens with plain RoPE, then chunks of
+``chunk`` tokens, each chunk's queries (and every key they see) under the map f_e of the length e it ends at,
+and a map rebuilt for every decoded token (``Pieces``): one forward of N tokens gives the logits their chunked
+prefill gives. ``chunk`` = 0: one map f_N for every query of an N-token forward (their
+``attention_score_approximate`` on N tokens, ``prompt_length`` = N), kept at unit spacing past N, so a KV cache
+gives what one forward gives. Their optional Gaussian logit noise (std (i − j)/N, unseeded) is not
+implemented, nor their float ``chunk_coe`` (a chunk a fraction of the length so far).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from ropescale.errors import InvalidInput
 from ropescale.strategies.registry import Param, register
-from ropescale.strategies.relative import Blend, Region, RelativeRule
+from ropescale.strategies.relative import Blend, Pieces, Region, RelativeRule
 
 __all__ = ["gali", "gali_layout", "gali_positions"]
 
@@ -72,30 +74,50 @@ def gali_positions(pos: torch.Tensor, prompt_length: int, train_length: int, loc
 
 
 @register("gali", kind="attention", params=(
-    Param("prompt_length", kind=int, low=2, high=2**24, auto="length", log=True,
-          help="N: the prompt length the positions are interpolated for [tokens]; a sweep uses L"),
+    Param("prompt_length", None, kind=int, low=2, high=2**24, auto="length", log=True,
+          help="N: the prompt length one map is interpolated for, read with chunk = 0 [tokens]; a sweep uses L"),
     Param("local_window", None, kind=int, low=0, high=2**24,
           help="w: sizes g = ceil((N − w)/(T − w)), so that at least the last w tokens keep unit spacing "
                "[tokens]; default min(128, T // 2) (the authors use 128)"),
+    Param("chunk", 3000, kind=int, low=0, high=2**24,
+          help="prefill past T in chunks of this many tokens, each under the map of the length it ends at, "
+               "decoding a map per token, as the authors' dpi_sample [tokens]; 0: one map f_N for every query"),
 ), source="A Training-Free Length Extrapolation Approach for LLMs: Greedy Attention Logit Interpolation (GALI), "
           "arXiv:2502.02659 (github.com/AcademyCityL/GALI models/DPI/help_funcs.py::construct_new_pi and "
-          "models/DPI/patches/Llama.py::attention_score_approximate @ 5a3e947)")
-def gali(prompt_length: int, local_window: int | None, original_max_position_embeddings: int) -> RelativeRule:
+          "models/DPI/patches/Llama.py::attention_score_approximate, ::dpi_sample @ 5a3e947)")
+def gali(prompt_length: int | None, local_window: int | None, original_max_position_embeddings: int,
+         chunk: int = 3000) -> RelativeRule:
     """GALI: logit(i, j) = (1 − r)·A(⌊d⌋) + r·A(⌊d⌋ + 1), d = ⌈f(i)⌉ − f(j), f the interpolated positions.
 
     Queries at ⌈f(i)⌉, keys rotated by the blend (1 − r)·R(⌈f(j)⌉) + r·R(⌊f(j)⌋), r = ⌈f(j)⌉ − f(j)
     (``gali_positions``); plain RoPE when N ≤ T; w defaults to min(128, T // 2) (the authors' 128 at T = 4096
-    and 8192). Raises ``InvalidInput`` when w ≥ T < N.
+    and 8192). ``chunk`` > 0: f = f_e for the queries of the piece ending at e keys (``Pieces``: cuts at T, T +
+    chunk, …); 0: f = f_N, N = ``prompt_length``. Raises ``InvalidInput`` when w ≥ T, or chunk = 0 without
+    ``prompt_length``.
     """
     t = original_max_position_embeddings
     local_window = min(128, t // 2) if local_window is None else local_window
-    if prompt_length <= t:
-        return RelativeRule((Region(0, None),))
-    if local_window >= t:
+    plain = RelativeRule((Region(0, None),))
+    if chunk:
+        if local_window >= t:
+            raise InvalidInput(f"gali: local_window={local_window} must be below the training window T = {t}")
+        return RelativeRule(plain.regions, pieces=Pieces(t, chunk, functools.lru_cache(maxsize=4)(
+            lambda e: _one_map(e, local_window, t, plain))))
+    if prompt_length is None:
+        raise InvalidInput("gali: chunk=0 maps every query for one prompt length: give prompt_length (a sweep sets "
+                           "it to L)")
+    if prompt_length > t and local_window >= t:
         raise InvalidInput(f"gali: local_window={local_window} must be below the training window T = {t}")
+    return _one_map(prompt_length, local_window, t, plain)
+
+
+def _one_map(n: int, local_window: int, t: int, plain: RelativeRule) -> RelativeRule:
+    """f_N for every query: plain RoPE when N ≤ T."""
+    if n <= t:
+        return plain
 
     def f(p: torch.Tensor) -> torch.Tensor:
-        return gali_positions(p, prompt_length, t, local_window).to(p.dtype)
+        return gali_positions(p, n, t, local_window).to(p.dtype)
 
     def q_at(i: torch.Tensor) -> torch.Tensor:  # [b, s] → [b, s]
         return torch.ceil(f(i))

@@ -32,7 +32,7 @@ import torch
 from ropescale.errors import InvalidInput
 from ropescale.strategies.registry import Param, register
 
-__all__ = ["Blend", "Region", "RelativeRule", "dca", "leaky_rerope", "pair_groups", "per_pair", "rerope",
+__all__ = ["Blend", "Pieces", "Region", "RelativeRule", "dca", "leaky_rerope", "pair_groups", "per_pair", "rerope",
            "self_extend", "string"]
 
 
@@ -92,6 +92,29 @@ def _at(f: PositionMap | None, pos: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class Pieces:
+    """A rule whose map depends on how many tokens the attention has seen (GALI's chunked prefill): the
+    queries of a call are cut at the key slots ``first``, ``first + every``, ``first + 2·every``, …, and a
+    piece whose last query is key slot e − 1 applies ``at(e)`` over the keys of slots [0, e). A call's
+    queries are its last s_q key slots; e counts slots (the cache's length), not positions. One token a
+    call (decoding) rebuilds the map for every token; one forward of N tokens equals the same tokens fed in
+    calls cut at those slots with a KV cache."""
+
+    first: int
+    every: int
+    at: Callable[[int], RelativeRule]
+
+    def split(self, s_q: int, s_k: int) -> list[tuple[int, int, RelativeRule]]:
+        """(a, b, rule) for each piece: queries [a, b) of the call (0 ≤ a < b ≤ s_q) and the rule they apply
+        over keys [0, s_k − s_q + b)."""
+        start = s_k - s_q  # the key slot of the call's first query
+        k = max(0, -(-(start + 1 - self.first) // self.every))  # the first cut past the call's first query
+        cuts = [c - start for c in range(self.first + k * self.every, s_k, self.every)]
+        bounds = [0, *cuts, s_q]
+        return [(a, b, self.at(start + b)) for a, b in zip(bounds, bounds[1:])]
+
+
+@dataclass(frozen=True)
 class RelativeRule:
     """p(i, j) = q_at(i) − k_at(j) of the region holding (i, j); the regions partition j ≤ i.
 
@@ -103,12 +126,22 @@ class RelativeRule:
     keys come from a cache: the key enters the softmax twice, once with each region's p (the
     authors' STRING prefill, ``string(prefill="authors")``). ``for_call`` gives the rule one call
     applies: there the extra regions are the last ``extra`` of ``regions``.
+
+    ``pieces``: when set, the rule of a call's queries depends on the keys seen so far (``Pieces``):
+    the attention cuts each call into its pieces, and ``regions`` is the rule of a call within the first
+    piece (plain RoPE for GALI).
     """
 
     regions: tuple[Region, ...]
     attention_factor: float = 1.0
     prefill_extra: tuple[Region, ...] = ()
     extra: int = 0
+    pieces: Pieces | None = None
+
+    def split(self, s_q: int, s_k: int) -> list[tuple[int, int, RelativeRule]]:
+        """(a, b, rule) for each piece of an attention call of ``s_q`` queries over ``s_k`` keys: queries
+        [a, b) over keys [0, s_k − s_q + b) apply ``rule`` (``Pieces``); one piece, this rule, without."""
+        return [(0, s_q, self)] if self.pieces is None else self.pieces.split(s_q, s_k)
 
     @property
     def partition(self) -> tuple[Region, ...]:
@@ -118,7 +151,15 @@ class RelativeRule:
     def for_call(self, s_q: int, s_k: int) -> RelativeRule:
         """The rule an attention call of ``s_q`` queries over ``s_k`` keys applies: in a prefill
         (s_q = s_k) with ``prefill_extra``, the partition followed by those regions (``extra`` of
-        them, counted on top); otherwise this rule. The same object for every prefill call."""
+        them, counted on top); otherwise this rule. The same object for every prefill call. A rule with
+        ``pieces``: the rule of the call's one piece (``InvalidInput`` for a call of several: the attention
+        interface cuts calls into pieces, ``split``)."""
+        if self.pieces is not None:
+            (_, _, rule), *more = self.pieces.split(s_q, s_k)
+            if more:
+                raise InvalidInput(f"a call of {s_q} queries over {s_k} keys spans {len(more) + 1} pieces of a rule "
+                                   "whose map grows with the keys seen: cut it with RelativeRule.split")
+            return rule.for_call(s_q, s_k)
         if not self.prefill_extra or s_q != s_k:
             return self
         return self._prefill
@@ -179,7 +220,11 @@ class RelativeRule:
         """The explicit matrix p ``[b, s_q, s_k]`` of the partition (for the naive reference
         path, inspection and tests), ``[b, s_q, s_k, G]`` per pair group for a grouped rule (DPE);
         pairs with j > i get i − j. A ``Blend`` side counts at its centre (GALI's fractional
-        distance, the one its interpolated logit stands for)."""
+        distance, the one its interpolated logit stands for). With ``pieces``, each query's piece's rule, as
+        one call of these queries over these keys applies them."""
+        if self.pieces is not None:
+            return torch.cat([rule.relative_positions(q_pos[:, a:e], k_pos)
+                              for a, e, rule in self.split(q_pos.shape[1], k_pos.shape[1])], 1)
         i, j = q_pos[:, :, None], k_pos[:, None, :]
         p = i - j
         groups = self.groups

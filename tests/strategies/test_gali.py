@@ -74,7 +74,7 @@ def test_kernels_equal_an_interpolated_logit_oracle_with_gradients(s_k, cached, 
     at = lambda p: pair_logits(q, kk, p[..., None].expand(*p.shape, d // 2), inv)
     want = softmax_attention(((1 - r) * at(n) + r * at(n + 1)) * 0.3, vv)
     pos = torch.arange(s_k, dtype=torch.float64)[None].expand(2, -1)
-    paths_match_oracle(gali(s_k, 4, 20), want, q, k, v, pos[:, cached:], pos, inv, scale=0.3, tol=1e-6)
+    paths_match_oracle(gali(s_k, 4, 20, chunk=0), want, q, k, v, pos[:, cached:], pos, inv, scale=0.3, tol=1e-6)
 
 
 @pytest.mark.parametrize("path,k", [(path, k) for path in ("fused", "blocked", "flex") for k in range(3)]
@@ -87,7 +87,7 @@ def test_equals_the_authors_attention_score_approximate_on_the_tiny_llama(path, 
     p = GOLDEN["prompts"][k]
     model, ids = tiny_llama(), GOLDEN["ids"][:, : p["n"]]
     with torch.no_grad(), ropescale.patch(model, "gali", attention_path=path, prompt_length=p["n"],
-                                          local_window=p["local_window"]):
+                                          local_window=p["local_window"], chunk=0):
         got = model(ids).logits
     assert (got - p["logits"]).abs().max() < 1e-5
     with torch.no_grad():  # the rule matters: vanilla is far off
@@ -106,10 +106,10 @@ def test_within_the_window_it_is_vanilla_and_a_local_window_of_t_is_refused():
 
 
 def test_cached_decoding_equals_full_forwards():
-    """Three one-token steps from a 100-token prompt's cache, each equal to a full forward of the same tokens
-    (the map is f_N for N = 100, continued at unit spacing past N)."""
+    """chunk = 0: three one-token steps from a 100-token prompt's cache, each equal to a full forward of the same
+    tokens (the map is f_N for N = 100, continued at unit spacing past N)."""
     model, n, ids = tiny_llama(), 100, GOLDEN["ids"]
-    with torch.no_grad(), ropescale.patch(model, "gali", prompt_length=n, local_window=16):
+    with torch.no_grad(), ropescale.patch(model, "gali", prompt_length=n, local_window=16, chunk=0):
         cache = DynamicCache(config=model.config)
         model(ids[:, :n], **with_cache(cache), use_cache=True)
         for t in range(3):
@@ -119,7 +119,8 @@ def test_cached_decoding_equals_full_forwards():
 
 def test_training_step_gradients_equal_the_naive_path():
     model, ids = tiny_llama(), GOLDEN["ids"][:, :72]
-    assert_fused_grads_equal_naive(model, "gali", ids, prompt_length=72, local_window=16)
+    assert_fused_grads_equal_naive(model, "gali", ids, prompt_length=72, local_window=16, chunk=0)
+    assert_fused_grads_equal_naive(tiny_llama(), "gali", ids, local_window=16, chunk=5)  # pieces of 64, 5, 3
 
 
 def test_registry_ranges_and_search_space():
@@ -128,14 +129,14 @@ def test_registry_ranges_and_search_space():
     assert strat.validate({"prompt_length": 9000})["local_window"] is None
     params = strat.validate({"prompt_length": 9000})
     for t, w in ((4096, 128), (64, 32)):  # the default w = min(128, T // 2): the last w tokens at T − w … T − 1
-        rule = strat.compute({"original_max_position_embeddings": t}, params)
+        rule = strat.compute({"original_max_position_embeddings": t}, params | {"chunk": 0})
         assert rule.regions[0].q_at(torch.tensor([[9000.0 - w]])).item() == t - w
     with pytest.raises(ValueError, match=r"gali: parameter local_window=-1 is out of range; allowed: >= 0"):
         strat.validate({"prompt_length": 9000, "local_window": -1})
     from eval.search.space import search_space
 
     dims = {d.name: d for d in search_space("gali", fixed={"prompt_length": 9000})}
-    assert set(dims) == {"local_window"} and dims["local_window"].low == 0
+    assert set(dims) == {"local_window", "chunk"} and dims["local_window"].low == 0
 
 
 def test_inspect_shows_it(tmp_path):
@@ -152,3 +153,71 @@ def test_inspect_shows_it(tmp_path):
 def test_every_static_engine_refuses_it_in_one_line():
     assert {"vllm", "llama.cpp", "mlx", "sglang"} <= set(refused_by_static_engines("gali", {"prompt_length": 100,
                                                                                            "local_window": 16}))
+
+
+def chunk_sizes(n: int, t: int, chunk: int) -> list[int]:
+    """The authors' ``get_chunk_size_list`` (int ``chunk_coe``) as a loop: T, then chunks of ``chunk``, the last cut
+    to end at n."""
+    sizes, total = [t], t
+    while total < n:
+        sizes.append(chunk)
+        total += chunk
+    sizes[-1] -= total - n
+    return sizes
+
+
+def authors_prefill(model, ids: torch.Tensor, sizes: list[int], w: int, decode: int = 0,
+                    path: str = "fused") -> torch.Tensor:
+    """Their ``dpi_sample`` as a loop of cached calls: each chunk (then each of ``decode`` one-token steps) fed
+    under one map f_e for the length e it ends at (``prompt_length`` = e, ``chunk`` = 0: the one-map rule checked
+    against their ``attention_score_approximate`` above), every key through the same cache → the logits of
+    every fed token ``[1, Σ sizes + decode, V]``."""
+    cache, out, e = DynamicCache(config=model.config), [], 0
+    for size in sizes + [1] * decode:
+        with ropescale.patch(model, "gali", prompt_length=e + size, local_window=w, chunk=0, attention_path=path):
+            out.append(model(ids[:, e : e + size], **with_cache(cache), use_cache=True).logits)
+        e += size
+    return torch.cat(out, 1)
+
+
+def test_pieces_cut_at_t_then_every_chunk():
+    """A call's queries are cut where the authors cut the prompt: at slots T, T + c, …; a decoded token is a piece
+    of its own whose map is built for the length it ends at."""
+    rule = gali(1000, 16, 64, chunk=40)
+    assert [(a, b) for a, b, _ in rule.split(200, 200)] == [(0, 64), (64, 104), (104, 144), (144, 184), (184, 200)]
+    assert [b - a for a, b, _ in rule.split(200, 200)] == chunk_sizes(200, 64, 40)
+    assert [(a, b) for a, b, _ in rule.split(30, 130)] == [(0, 4), (4, 30)]  # keys 100…129: cut at slot 104
+    (a, b, one), = rule.split(1, 131)
+    assert (a, b) == (0, 1) and one.regions[0].q_at(torch.tensor([[130.0]])).item() == 63  # f_131(130) = T − 1
+    assert rule.split(50, 50)[0][2].regions == (gali(1000, 16, 64, chunk=0).regions[0].__class__(0, None),)
+
+
+@pytest.mark.parametrize("path,n,chunk", [("fused", 200, 40), ("blocked", 150, 30), ("naive", 100, 3000)])
+def test_one_forward_equals_the_authors_chunked_prefill(path, n, chunk):
+    """chunk > 0: one forward of n tokens gives the logits of the authors' chunked prefill (T plain, then chunks
+    under growing maps), fed chunk by chunk through a cache on the same path; the first T tokens are plain RoPE
+    (vanilla's logits)."""
+    model, ids = tiny_llama(), GOLDEN["ids"][:, :n]
+    with torch.no_grad():
+        want = authors_prefill(model, ids, chunk_sizes(n, 64, chunk), 16, path=path)
+        with ropescale.patch(model, "gali", attention_path=path, local_window=16, chunk=chunk):
+            got = model(ids).logits
+        assert (got - want).abs().max() < 1e-10
+        assert (got[:, :64] - model(ids[:, :64]).logits).abs().max() < 1e-5  # vanilla's angles are float32
+        with ropescale.patch(model, "gali", prompt_length=n, local_window=16, chunk=0):  # one map differs
+            assert (model(ids).logits - want).abs().max() > 1e-3
+
+
+def test_cached_chunks_and_decoding_equal_the_authors_loop():
+    """A prompt fed in two cached calls (cut on the chunk grid, at slot T + 40) and three decoded tokens, under
+    chunk = 40, equal the authors' loop: prefill chunks T, 40, 40, 16 and a map rebuilt for each decoded token.
+    A call cut off the grid is a piece of its own (its queries under the map of the length it ends at)."""
+    model, ids = tiny_llama(), GOLDEN["ids"][:, :163]
+    with torch.no_grad():
+        want = authors_prefill(model, ids, chunk_sizes(160, 64, 40), 16, decode=3)
+        with ropescale.patch(model, "gali", local_window=16, chunk=40):
+            cache = DynamicCache(config=model.config)
+            got = [model(ids[:, :104], **with_cache(cache), use_cache=True).logits,
+                   model(ids[:, 104:160], **with_cache(cache), use_cache=True).logits]
+            got += [model(ids[:, t : t + 1], **with_cache(cache), use_cache=True).logits for t in range(160, 163)]
+    assert (torch.cat(got, 1) - want).abs().max() < 1e-10
