@@ -89,6 +89,21 @@ def resolve_cells(cfg: EvalConfig, train_length: int) -> dict[tuple[str, int], d
     return out
 
 
+def _check_not_stale(done: dict[str, dict], grid: list, resolved: dict, results_path) -> None:
+    """A cell's id hashes the parameters the user gave, not the defaults they resolve to: a finished cell
+    whose recorded parameters differ from what its strategy resolves to now (a default changed since) is
+    refused in one line, never reused as this cell's numbers. Raises ``InvalidInput``."""
+    for spec, length, cid in grid:
+        record = done.get(cid)
+        if record is None or "params" not in record:
+            continue
+        now = json.loads(json.dumps(resolved[spec.display, length], default=str))
+        if json.dumps(record["params"], sort_keys=True) != json.dumps(now, sort_keys=True):
+            raise InvalidInput(f"{results_path}: {spec.display} at {length} was measured with {record['params']}; "
+                               f"it now resolves to {now} (a default changed): write to a new output folder, or give "
+                               "the recorded parameters")
+
+
 def _check_output(model, cell: Cell) -> str | None:
     """The cell's strategy computed on ``model`` as the cell will patch it (``check_strategy``): a strategy
     whose output is not frequencies (NaN, a wrong shape, a list, a NaN attention factor) is refused
@@ -297,6 +312,9 @@ class Sweep(RunKind):
         self.done = {r["cell"]: r for r in read_results(results_path) if "cell" in r}
         self.grid = [(spec, length, cell_id(folder.experiment, spec, length))  # every cell's id, in record order
                      for length in cfg.lengths for spec in cfg.strategies]
+        train_length = configured_window(cfg.model, cfg.original_max_position_embeddings, missing_ok=True)
+        if train_length:
+            _check_not_stale(self.done, self.grid, resolve_cells(cfg, train_length), results_path)
         left = [g for g in self.grid if g[2] not in self.done]
         if self.progress and len(left) < len(self.grid):
             print(f"resuming: {len(self.grid) - len(left)} of {len(self.grid)} cells already in {results_path}")

@@ -67,6 +67,25 @@ def test_rerun_resumes_and_skips_finished_cells(tmp_path, tiny_model_dir, text_f
     assert len(read_results(path)) == 8
 
 
+def test_a_finished_cell_whose_defaults_changed_is_refused_not_reused(tmp_path, tiny_model_dir, text_file):
+    """A cell's id hashes the parameters given, so a strategy default that changed since a cell was measured
+    leaves the same id: its record (here yarn's beta_fast as if the default had been 16) is refused in one line,
+    and the folder is left as it was."""
+    cfg = config(tiny_model_dir, text_file, strategies=["vanilla", "yarn"])
+    run_sweep(cfg, tmp_path, progress=False)
+    path = tmp_path / RESULTS
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    stale = next(r for r in records if r["strategy"] == "yarn" and r["length"] == 64)
+    assert stale["params"]["beta_fast"] == 32
+    stale["params"]["beta_fast"] = 16
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    before = path.read_text()
+    with pytest.raises(InvalidInput, match=r"yarn at 64 was measured with .*'beta_fast': 16.*; it now resolves to "
+                                           r".*'beta_fast': 32.* \(a default changed\): write to a new output folder"):
+        run_sweep(cfg, tmp_path, progress=False)
+    assert path.read_text() == before
+
+
 def test_sliding_mode_and_bos(tmp_path, tiny_model_dir, text_file):
     cfg = config(tiny_model_dir, text_file, mode="sliding", stride=16, add_bos=True, lengths=[32],
                  strategies=["vanilla"], max_windows=None)
