@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eval.sweep import read_results
+from ropescale.runs.uncertainty import wilson
 
 FOLDERS = {
     "smollm2-perplexity": "perplexity", "smollm2-perplexity-handbook": "perplexity",
@@ -29,7 +30,7 @@ FOLDERS = {
     "smollm2-longppl": "longppl", "smollm2-finetune-yarn": "finetune", "smollm2-finetune-linear": "finetune",
     "smollm2-finetune-yarn-handbook": "perplexity",
     "search-smollm2-yarn": "search", "gemma3-270m-perplexity-4t": "perplexity",
-    "gemma3-270m-passkey-multi": "retrieval",
+    "gemma3-270m-passkey-multi": "retrieval", "smollm2-json-kv": "generation", "smollm2-graphwalks": "generation",
 }
 
 
@@ -160,6 +161,23 @@ def retrieval(records: list[dict]) -> list[str]:
                                    f"(95% Wilson; chance {records[0]['chance']:g}), n = trials."]
 
 
+def generation(records: list[dict]) -> list[str]:
+    """A generated-answer task's score (JSON KV's substring exact match, GraphWalks' set F1) per cell: a 0/1 score
+    with its 95% Wilson interval and count, a graded one with its samples' scores."""
+    key = "subem" if records[0]["task"] == "json_kv" else "f1"
+
+    def cell(r: dict) -> str:
+        s = r["sample_scores"]
+        if all(x in (0, 1) for x in s):
+            lo, hi = wilson(int(sum(s)), len(s))
+            return f"{r[key]:.0f}% ({100 * lo:.0f}–{100 * hi:.0f}), {int(sum(s))}/{len(s)}"
+        return f"{r[key]:.1f} (samples: {', '.join(f'{x:.2f}' for x in s)})"
+
+    what = ("substring exact match, % (95% Wilson), hits/samples" if key == "subem"
+            else "set F1 ×100 (lm-eval's; an empty gold set scores 0), each sample's F1")
+    return _grid(records, cell) + ["", what + "."]
+
+
 def ruler(records: list[dict]) -> list[str]:
     def cell(r: dict) -> str:
         if r.get("score") is None:
@@ -228,7 +246,8 @@ def table(folder: Path, kind: str) -> list[str]:
     records = read_results(folder / "results.jsonl")
     if not records:
         return []
-    fn = {"perplexity": perplexity, "kl": kl, "retrieval": retrieval, "ruler": ruler, "longppl": longppl}[kind]
+    fn = {"perplexity": perplexity, "kl": kl, "retrieval": retrieval, "ruler": ruler, "longppl": longppl,
+          "generation": generation}[kind]
     return [_caption(folder, records), ""] + fn(records) + _versus(folder, records)
 
 
