@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 import torch
 from pydantic import Field, field_validator, model_validator
 
+from ropescale.attention import reusable_prefix
 from ropescale.compat import cache_kwarg, output_cache
 from ropescale.runs.memory import PY_LIST_SLOT, Need, forward_bytes, kv_cache_bytes, model_dims
 from ropescale.runs.uncertainty import wilson
@@ -259,7 +260,9 @@ class PrefixCache:
     before it: the cache is cropped back to the longest common prefix (exact: the cached keys and values
     of a prefix are what a forward over the whole prompt computes there, up to float rounding), then the
     rest of the prompt runs on it. ``order`` puts prompts that share long prefixes next to each other.
-    With ``share`` False, or a cache that cannot be rolled back, every prompt runs whole.
+    With ``share`` False, or a cache that cannot be rolled back, every prompt runs whole. Under a rule whose
+    map grows with the tokens seen (GALI's chunked prefill) the cache is cropped to its last piece cut before
+    the common prefix ends (``ropescale.attention.reusable_prefix``), where a longer prompt's pieces agree.
 
     Memory: one cache of the longest prompt (plus what is generated after it), never one per prompt."""
 
@@ -295,7 +298,9 @@ class PrefixCache:
         if self.share and self.cache is not None and _rewindable(self.cache):
             n = min(len(ids), len(self.held))
             same = (ids[:n] == self.held[:n]).long().cumprod(0).sum()
-            start = min(int(same), len(ids) - 1)  # at least one token runs: its logits are the answer's
+            # what a longer prompt computes alike (GALI's chunked prefill: up to its last cut); at least one token
+            # runs: its logits are the answer's
+            start = min(reusable_prefix(self.model, int(same)), len(ids) - 1)
             _crop_to(self.cache, start)
         else:
             self.cache = None

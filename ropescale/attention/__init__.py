@@ -18,7 +18,8 @@ from ropescale.attention.interface import (
     enable_truncation,
     logn_factor,
     register_logn,
+    reusable_prefix,
 )
 
 __all__ = ["ATTENTION_PATHS", "AttentionNotPluggableError", "check_routed", "enable_logn",
-           "enable_truncation", "logn_factor", "register_logn"]
+           "enable_truncation", "logn_factor", "register_logn", "reusable_prefix"]

@@ -279,6 +279,14 @@ class _Truncation:
     masks: BlockMaskCache = field(default_factory=BlockMaskCache)  # FlexAttention masks, shared by the layers
     position_ids: torch.Tensor | None = None  # the rotary modules' positions of the current forward
     full_masks: bool = False  # masks as the model builds them, per query (an indexer selected keys in them)
+    seen: tuple | None = None  # (position_ids, tokens seen through its last query): read once a forward
+
+    def tokens_seen(self, position_ids: torch.Tensor) -> int:
+        """The tokens seen through the last query of a forward given ``position_ids`` (its last position + 1),
+        read to the host once per forward (the layers share the tensor), for a rule cut into pieces."""
+        if self.seen is None or self.seen[0] is not position_ids:
+            self.seen = (position_ids, int(position_ids[..., -1].max()) + 1)
+        return self.seen[1]
 
 
 def keep_mask(attention_mask):
@@ -398,8 +406,14 @@ def _truncation_attention(module, query, key, value, attention_mask, scaling=Non
         query, key, value = pad(query), pad(key), pad(value)
     fn = _PATHS[state.path]
     keep = keep if state.full_masks else _key_padding(keep)
-    s_q, outs = query.shape[2], []
-    for a, e, rule in state.rule.split(s_q, s_k):  # one piece unless the map grows with the keys seen (GALI)
+    s_q, outs, seen = query.shape[2], [], s_k
+    if state.rule.pieces is not None:  # the map grows with the tokens seen (GALI): cut the call into pieces
+        if keep is not None:
+            raise InvalidInput("a relative-position rule whose map grows with the tokens seen (gali with chunk > 0) "
+                               "cuts every row at the same token counts: padded or masked batches are not supported; "
+                               "run one sequence at a time, or chunk=0")
+        seen = state.tokens_seen(position_ids)
+    for a, e, rule in state.rule.split(s_q, seen):
         n_k = s_k - s_q + e  # the piece's keys: slots [0, n_k)
         piece = _whole if (a, e) == (0, s_q) else _piece(a, e, n_k)
         extra = {"masks": state.masks, "positions": piece(position_ids, True, False)} \
@@ -429,6 +443,15 @@ def padding_only_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, 
 def _base_for_nope(model) -> str:
     current = model.config._attn_implementation or "sdpa"
     return "sdpa" if _is_flash(current) or current.startswith(("ropescale_", TRUNCATION)) else current
+
+
+def reusable_prefix(model, n: int) -> int:
+    """Of the first ``n`` tokens of a prompt whose KV cache ``model`` holds, how many a longer prompt's forward
+    computes alike: all n, or, under a relative-position rule whose map grows with the tokens seen (GALI's
+    chunked prefill), up to its last piece cut at or before n (``Pieces.reusable``)."""
+    state = getattr(model, _TRUNCATION_ATTR, None)
+    pieces = state.rule.pieces if state is not None else None
+    return n if pieces is None else pieces.reusable(n)
 
 
 def enable_truncation(model, rule: RelativeRule, layers: dict, rotaries: list, *, path: str, block: int,

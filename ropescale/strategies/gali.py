@@ -101,7 +101,7 @@ def gali(prompt_length: int | None, local_window: int | None, original_max_posit
     if chunk:
         if local_window >= t:
             raise InvalidInput(f"gali: local_window={local_window} must be below the training window T = {t}")
-        return RelativeRule(plain.regions, pieces=Pieces(t, chunk, functools.lru_cache(maxsize=4)(
+        return RelativeRule(plain.regions, pieces=Pieces(t, chunk, functools.lru_cache(maxsize=256)(
             lambda e: _one_map(e, local_window, t, plain))))
     if prompt_length is None:
         raise InvalidInput("gali: chunk=0 maps every query for one prompt length: give prompt_length (a sweep sets "

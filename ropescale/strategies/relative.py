@@ -93,25 +93,38 @@ def _at(f: PositionMap | None, pos: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Pieces:
-    """A rule whose map depends on how many tokens the attention has seen (GALI's chunked prefill): the
-    queries of a call are cut at the key slots ``first``, ``first + every``, ``first + 2·every``, …, and a
-    piece whose last query is key slot e − 1 applies ``at(e)`` over the keys of slots [0, e). A call's
-    queries are its last s_q key slots; e counts slots (the cache's length), not positions. One token a
-    call (decoding) rebuilds the map for every token; one forward of N tokens equals the same tokens fed in
-    calls cut at those slots with a KV cache."""
+    """A rule whose map depends on how many tokens have been seen (GALI's chunked prefill): the queries of a
+    call are cut where the tokens seen reach ``first``, ``first + every``, ``first + 2·every``, …, and a piece
+    ending when e tokens have been seen applies ``at(e)`` to its queries and every key before them. e counts
+    tokens (the last query's position + 1), not cache slots, so a sliding-window layer's short cache maps as
+    a full one does. One token a call (decoding) rebuilds the map for every token; one forward of N tokens
+    equals the same tokens fed through a KV cache in calls cut at those counts."""
 
     first: int
     every: int
     at: Callable[[int], RelativeRule]
 
-    def split(self, s_q: int, s_k: int) -> list[tuple[int, int, RelativeRule]]:
-        """(a, b, rule) for each piece: queries [a, b) of the call (0 ≤ a < b ≤ s_q) and the rule they apply
-        over keys [0, s_k − s_q + b)."""
-        start = s_k - s_q  # the key slot of the call's first query
+    def split(self, s_q: int, seen: int) -> list[tuple[int, int, RelativeRule]]:
+        """(a, b, rule) for each piece of a call of ``s_q`` queries that ends when ``seen`` tokens have been
+        seen: queries [a, b) of the call (0 ≤ a < b ≤ s_q), which apply ``rule`` to the keys before them."""
+        start = seen - s_q  # tokens seen before the call's first query
         k = max(0, -(-(start + 1 - self.first) // self.every))  # the first cut past the call's first query
-        cuts = [c - start for c in range(self.first + k * self.every, s_k, self.every)]
+        cuts = [c - start for c in range(self.first + k * self.every, seen, self.every)]
         bounds = [0, *cuts, s_q]
         return [(a, b, self.at(start + b)) for a, b in zip(bounds, bounds[1:])]
+
+    def end(self, position: int, seen: int) -> int:
+        """In a forward of ``seen`` tokens, the tokens seen when the piece holding the token at ``position`` ends."""
+        if position < self.first:
+            return min(self.first, seen)
+        return min(self.first + ((position - self.first) // self.every + 1) * self.every, seen)
+
+    def reusable(self, n: int) -> int:
+        """Of a prefix of n tokens cached by one prompt, how many a longer prompt computes alike: up to the
+        last cut at or before n (0 before ``first``): the pieces ending there are whole in both."""
+        if n < self.first:
+            return 0
+        return self.first + (n - self.first) // self.every * self.every
 
 
 @dataclass(frozen=True)
@@ -138,10 +151,11 @@ class RelativeRule:
     extra: int = 0
     pieces: Pieces | None = None
 
-    def split(self, s_q: int, s_k: int) -> list[tuple[int, int, RelativeRule]]:
-        """(a, b, rule) for each piece of an attention call of ``s_q`` queries over ``s_k`` keys: queries
-        [a, b) over keys [0, s_k − s_q + b) apply ``rule`` (``Pieces``); one piece, this rule, without."""
-        return [(0, s_q, self)] if self.pieces is None else self.pieces.split(s_q, s_k)
+    def split(self, s_q: int, seen: int) -> list[tuple[int, int, RelativeRule]]:
+        """(a, b, rule) for each piece of an attention call of ``s_q`` queries ending when ``seen`` tokens have
+        been seen: queries [a, b) apply ``rule`` to the keys before them (``Pieces``); one piece, this rule,
+        without."""
+        return [(0, s_q, self)] if self.pieces is None else self.pieces.split(s_q, seen)
 
     @property
     def partition(self) -> tuple[Region, ...]:
@@ -154,7 +168,7 @@ class RelativeRule:
         them, counted on top); otherwise this rule. The same object for every prefill call. A rule with
         ``pieces``: the rule of the call's one piece (``InvalidInput`` for a call of several: the attention
         interface cuts calls into pieces, ``split``)."""
-        if self.pieces is not None:
+        if self.pieces is not None:  # a kernel called directly: the call's keys are every token seen
             (_, _, rule), *more = self.pieces.split(s_q, s_k)
             if more:
                 raise InvalidInput(f"a call of {s_q} queries over {s_k} keys spans {len(more) + 1} pieces of a rule "
@@ -222,9 +236,17 @@ class RelativeRule:
         pairs with j > i get i − j. A ``Blend`` side counts at its centre (GALI's fractional
         distance, the one its interpolated logit stands for). With ``pieces``, each query's piece's rule, as
         one call of these queries over these keys applies them."""
-        if self.pieces is not None:
-            return torch.cat([rule.relative_positions(q_pos[:, a:e], k_pos)
-                              for a, e, rule in self.split(q_pos.shape[1], k_pos.shape[1])], 1)
+        if self.pieces is not None:  # each query under its piece's rule, its piece read from its position
+            seen = int(k_pos.max()) + 1
+            ends = torch.tensor([self.pieces.end(int(p), seen) for p in q_pos[0].tolist()])  # [s_q]
+            out = torch.empty(0)
+            for e in ends.unique().tolist():
+                rows = (ends == e).nonzero()[:, 0]  # the queries of the piece ending at e
+                part = self.pieces.at(e).relative_positions(q_pos[:, rows], k_pos)
+                if not out.numel():
+                    out = part.new_empty(part.shape[:1] + (len(ends),) + part.shape[2:])
+                out[:, rows] = part
+            return out
         i, j = q_pos[:, :, None], k_pos[:, None, :]
         p = i - j
         groups = self.groups

@@ -221,3 +221,56 @@ def test_cached_chunks_and_decoding_equal_the_authors_loop():
                    model(ids[:, 104:160], **with_cache(cache), use_cache=True).logits]
             got += [model(ids[:, t : t + 1], **with_cache(cache), use_cache=True).logits for t in range(160, 163)]
     assert (torch.cat(got, 1) - want).abs().max() < 1e-10
+
+
+def test_sliding_window_layers_count_tokens_not_cache_slots():
+    """Gemma 3's sliding layers keep W − 1 keys: their pieces are still cut by the tokens seen, so calls cut on
+    the chunk grid through a cache equal one forward (on the code that counted slots: 0.44 apart)."""
+    from transformers import Gemma3ForCausalLM
+
+    from tests.conftest import build, tiny_gemma3_config
+
+    model, ids = build(Gemma3ForCausalLM, tiny_gemma3_config()), GOLDEN["ids"][:, :144] % 256
+    assert model.config.sliding_window < 64 < 144 and model.config.max_position_embeddings == 64
+    with torch.no_grad(), ropescale.patch(model, "gali", local_window=4, chunk=40):
+        full = model(ids).logits
+        cache = DynamicCache(config=model.config)
+        got = torch.cat([model(ids[:, :104], **with_cache(cache), use_cache=True).logits,
+                         model(ids[:, 104:], **with_cache(cache), use_cache=True).logits], 1)
+    assert (got - full).abs().max() < 1e-10
+
+
+def test_a_padded_batch_is_refused_in_one_line():
+    model, ids = tiny_llama(), GOLDEN["ids"][:, :100].repeat(2, 1)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with ropescale.patch(model, "gali", local_window=16, chunk=40), \
+            pytest.raises(InvalidInput, match=r"padded or masked batches are not supported; run one sequence at a "
+                                              r"time, or chunk=0$"):
+        model(ids, attention_mask=mask)
+
+
+def test_a_shared_prefix_cache_is_cropped_to_the_last_piece_cut():
+    """Retrieval's PrefixCache under chunk = 40: a prompt after one sharing its first 180 (or 150) tokens gives
+    the log-probabilities of that prompt run whole (the cache is cropped to the last cut, 144)."""
+    from eval.tasks.retrieval import PrefixCache
+
+    model, base = tiny_llama(), GOLDEN["ids"][0, :180].tolist()
+    for first, second in ((base + [5, 6, 7], base + [9]), (base + [5, 6, 7], base[:150] + [9, 9])):
+        with torch.no_grad(), ropescale.patch(model, "gali", local_window=16, chunk=40):
+            shared = PrefixCache(model, "cpu", share=True)
+            shared.run(first)
+            after, _ = shared.run(second)
+            alone, _ = PrefixCache(model, "cpu", share=False).run(second)
+        assert (after - alone).abs().max() < 1e-10
+
+
+def test_inspect_draws_each_query_under_its_pieces_map():
+    """The relative-position map of a strided grid (as ``inspect`` draws it) puts each query under the map of
+    the piece holding its position in one forward of L tokens: the contiguous forward's rows, sampled."""
+    rule, n = gali(None, 16, 64, chunk=40), 200
+    pos = torch.arange(n, dtype=torch.float64)[None]
+    full = torch.cat([r.relative_positions(pos[:, a:e], pos) for a, e, r in rule.split(n, n)], 1)  # [1, n, n]
+    grid = pos[:, ::7]
+    assert torch.equal(rule.relative_positions(grid, pos), full[:, ::7])
+    assert torch.equal(rule.relative_positions(pos, pos), full)
