@@ -291,6 +291,7 @@ class Sweep(RunKind):
         self.task_cls = get_task(cfg.task)
         self.progress = progress and state.is_main_process
         self.todo: list[Cell] = []  # the cells left to score, resolved in prepare
+        self.configured: dict | None = None  # each cell's parameters at the config's T (check), for the stale check
 
     def check(self) -> None:
         cfg = self.cfg
@@ -298,8 +299,7 @@ class Sweep(RunKind):
         scoring_engine(cfg.engine).check(cfg, processes=self.state.num_processes)
         # T as the model's config gives it (no weights loaded): every cell's parameters first
         train_length = configured_window(cfg.model, cfg.original_max_position_embeddings, missing_ok=True)
-        if train_length:
-            resolve_cells(cfg, train_length)
+        self.configured = resolve_cells(cfg, train_length) if train_length else None  # kept for prepare's stale check
 
     def data(self):
         return self.cfg.data.spec() if self.task_cls.uses_data else None
@@ -312,9 +312,8 @@ class Sweep(RunKind):
         self.done = {r["cell"]: r for r in read_results(results_path) if "cell" in r}
         self.grid = [(spec, length, cell_id(folder.experiment, spec, length))  # every cell's id, in record order
                      for length in cfg.lengths for spec in cfg.strategies]
-        train_length = configured_window(cfg.model, cfg.original_max_position_embeddings, missing_ok=True)
-        if train_length:
-            _check_not_stale(self.done, self.grid, resolve_cells(cfg, train_length), results_path)
+        if self.configured is not None:  # the check's cells, at the config's T
+            _check_not_stale(self.done, self.grid, self.configured, results_path)
         left = [g for g in self.grid if g[2] not in self.done]
         if self.progress and len(left) < len(self.grid):
             print(f"resuming: {len(self.grid) - len(left)} of {len(self.grid)} cells already in {results_path}")
