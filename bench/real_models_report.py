@@ -168,7 +168,7 @@ def generation(records: list[dict]) -> list[str]:
 
     def cell(r: dict) -> str:
         s = r["sample_scores"]
-        if all(x in (0, 1) for x in s):
+        if key == "subem":  # a 0/1 score per sample
             lo, hi = wilson(int(sum(s)), len(s))
             return f"{r[key]:.0f}% ({100 * lo:.0f}–{100 * hi:.0f}), {int(sum(s))}/{len(s)}"
         return f"{r[key]:.1f} (samples: {', '.join(f'{x:.2f}' for x in s)})"
