@@ -97,17 +97,15 @@ def gali(prompt_length: int | None, local_window: int | None, original_max_posit
     """
     t = original_max_position_embeddings
     local_window = min(128, t // 2) if local_window is None else local_window
-    plain = RelativeRule((Region(0, None),))
-    if chunk:
-        if local_window >= t:
-            raise InvalidInput(f"gali: local_window={local_window} must be below the training window T = {t}")
-        return RelativeRule(plain.regions, pieces=Pieces(t, chunk, functools.lru_cache(maxsize=256)(
-            lambda e: _one_map(e, local_window, t, plain))))
-    if prompt_length is None:
+    if not chunk and prompt_length is None:
         raise InvalidInput("gali: chunk=0 maps every query for one prompt length: give prompt_length (a sweep sets "
                            "it to L)")
-    if prompt_length > t and local_window >= t:
+    if local_window >= t and (chunk or prompt_length > t):  # chunks reach past T: some map interpolates
         raise InvalidInput(f"gali: local_window={local_window} must be below the training window T = {t}")
+    plain = RelativeRule((Region(0, None),))
+    if chunk:
+        return RelativeRule(plain.regions, pieces=Pieces(t, chunk, functools.lru_cache(maxsize=256)(
+            lambda e: _one_map(e, local_window, t, plain))))
     return _one_map(prompt_length, local_window, t, plain)
 
 
